@@ -1,0 +1,18 @@
+//! Tally's pure domain: the types every other crate speaks, the validation rules of
+//! decisions.md, meter filter evaluation and the aggregation folds.
+//!
+//! Nothing here does I/O, spawns tasks or reads the wall clock: time comes in through
+//! [`clock::Clock`], so renewals, retries and horizons are testable without sleeping.
+
+pub mod aggregate;
+pub mod clock;
+pub mod customer;
+pub mod error;
+pub mod limits;
+pub mod meter;
+pub mod mode;
+pub mod time;
+pub mod usage;
+
+pub use error::FieldError;
+pub use mode::Mode;

@@ -1,0 +1,43 @@
+//! Every limit of the service, named, with the reason it exists.
+
+/// Events per ingest or preview batch (spec part 8): bounds request memory and the
+/// size of one log record.
+pub const MAX_EVENTS_PER_BATCH: usize = 100;
+/// Event name length: names are matched exactly against meters, long names are abuse.
+pub const MAX_EVENT_NAME_CHARS: usize = 128;
+/// Caller-supplied event id length (decisions.md).
+pub const MAX_EVENT_ID_CHARS: usize = 255;
+/// Properties per event: bounds per-event storage and filter evaluation cost.
+pub const MAX_PROPERTIES_PER_EVENT: usize = 50;
+/// Property key length.
+pub const MAX_PROPERTY_KEY_CHARS: usize = 128;
+/// String property value length.
+pub const MAX_PROPERTY_STRING_CHARS: usize = 1024;
+/// Numeric property magnitude: keeps sums of a billion events inside rust_decimal's
+/// 28 significant digits, so aggregation stays exact.
+pub const MAX_PROPERTY_NUMBER_ABS: i64 = 1_000_000_000_000_000_000;
+/// How far in the future an event timestamp may be (clock skew of producers).
+pub const MAX_EVENT_FUTURE_SKEW_MS: i64 = 5 * 60 * 1000;
+/// How old an event may be; also the dedup horizon: an id is remembered at least as
+/// long as an event carrying it can still be ingested.
+pub const MAX_EVENT_AGE_MS: i64 = 35 * 24 * 60 * 60 * 1000;
+/// Dedup horizon (decisions.md): equal to the oldest ingestible event age.
+pub const DEDUP_HORIZON_MS: i64 = MAX_EVENT_AGE_MS;
+/// Filter clauses per meter: evaluation runs for every event, keep it bounded.
+pub const MAX_FILTER_CLAUSES: usize = 20;
+/// Values in an `in` clause.
+pub const MAX_FILTER_IN_VALUES: usize = 100;
+/// Meter name and unit label length.
+pub const MAX_METER_NAME_CHARS: usize = 255;
+/// External customer id (spec 4.6).
+pub const MAX_EXTERNAL_ID_CHARS: usize = 255;
+/// Email, customer name lengths.
+pub const MAX_EMAIL_CHARS: usize = 320;
+pub const MAX_NAME_CHARS: usize = 255;
+/// Metadata keys per object and their sizes, as a Stripe-class API does.
+pub const MAX_METADATA_KEYS: usize = 50;
+pub const MAX_METADATA_KEY_CHARS: usize = 40;
+pub const MAX_METADATA_VALUE_CHARS: usize = 500;
+/// Cursor list page size (spec part 8).
+pub const MAX_PAGE_LIMIT: usize = 100;
+pub const DEFAULT_PAGE_LIMIT: usize = 10;

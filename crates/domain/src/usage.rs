@@ -1,0 +1,347 @@
+//! Usage events: the validated shape, the raw shape the edge hands in, and the
+//! validation rules of decisions.md ("Usage events").
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+
+use rust_decimal::Decimal;
+
+use crate::error::FieldError;
+use crate::limits::{
+    MAX_EVENT_AGE_MS, MAX_EVENT_FUTURE_SKEW_MS, MAX_EVENT_ID_CHARS, MAX_EVENT_NAME_CHARS,
+    MAX_PROPERTIES_PER_EVENT, MAX_PROPERTY_KEY_CHARS, MAX_PROPERTY_NUMBER_ABS,
+    MAX_PROPERTY_STRING_CHARS,
+};
+use crate::time::parse_iso8601_ms;
+
+/// A property value: events carry only strings and numbers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PropertyValue {
+    String(String),
+    Number(Decimal),
+}
+
+impl PropertyValue {
+    /// The numeric reading of a value: numbers, and strings that parse as decimals.
+    pub fn as_number(&self) -> Option<Decimal> {
+        match self {
+            PropertyValue::Number(n) => Some(*n),
+            PropertyValue::String(s) => parse_decimal(s),
+        }
+    }
+
+    /// Type-tagged canonical text; the identity used by `unique` aggregation.
+    pub fn distinct_key(&self) -> String {
+        match self {
+            PropertyValue::String(s) => format!("s:{s}"),
+            PropertyValue::Number(n) => format!("n:{}", canonical_decimal(*n)),
+        }
+    }
+}
+
+/// Parses decimal text exactly (plain or scientific notation); `None` when it is not a
+/// number or does not fit rust_decimal.
+pub fn parse_decimal(text: &str) -> Option<Decimal> {
+    let text = text.trim();
+    if text.is_empty() {
+        return None;
+    }
+    Decimal::from_str_exact(text)
+        .ok()
+        .or_else(|| Decimal::from_scientific(text).ok())
+}
+
+/// The canonical text of a decimal: no trailing zeros, no exponent ("12.50" -> "12.5").
+pub fn canonical_decimal(value: Decimal) -> String {
+    value.normalize().to_string()
+}
+
+/// A usage event as stored: validated, customer resolved, id fixed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageEvent {
+    pub event_id: String,
+    pub name: String,
+    pub customer_id: String,
+    pub external_customer_id: Option<String>,
+    pub timestamp_ms: i64,
+    pub properties: BTreeMap<String, PropertyValue>,
+    pub received_at_ms: i64,
+    pub matched_meter_ids: Vec<String>,
+    pub event_id_assigned: bool,
+}
+
+impl UsageEvent {
+    /// Whether another event carrying the same id has the same payload; a duplicate
+    /// with a different payload earns the `duplicate_payload_differs` warning.
+    pub fn same_payload(&self, other: &ValidatedEvent, other_customer_id: &str) -> bool {
+        self.name == other.name
+            && self.customer_id == other_customer_id
+            && self.timestamp_ms == other.timestamp_ms
+            && self.properties == other.properties
+    }
+}
+
+/// One event as the edge parsed it from JSON: types are checked, meaning is not.
+#[derive(Debug, Clone, Default)]
+pub struct RawUsageEvent {
+    pub name: Option<String>,
+    pub customer_id: Option<String>,
+    pub external_customer_id: Option<String>,
+    pub event_id: Option<String>,
+    pub timestamp: Option<String>,
+    pub properties: Vec<(String, RawPropertyValue)>,
+}
+
+#[derive(Debug, Clone)]
+pub enum RawPropertyValue {
+    String(String),
+    /// The number's JSON text, parsed here exactly (never through a float).
+    Number(String),
+    /// Any other JSON type, named for the error message.
+    Other(&'static str),
+}
+
+/// How the caller named the customer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CustomerRef {
+    Id(String),
+    External(String),
+}
+
+impl CustomerRef {
+    /// The parameter an error about this reference names.
+    pub fn param(&self) -> &'static str {
+        match self {
+            CustomerRef::Id(_) => "customer_id",
+            CustomerRef::External(_) => "external_customer_id",
+        }
+    }
+}
+
+/// An event that passed validation; the customer is not resolved yet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedEvent {
+    pub name: String,
+    pub customer: CustomerRef,
+    pub event_id: Option<String>,
+    pub timestamp_ms: i64,
+    pub properties: BTreeMap<String, PropertyValue>,
+}
+
+/// Validates one event. Errors name the field relative to the event (`timestamp`);
+/// callers prefix `events[N]`.
+pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent, FieldError> {
+    let invalid = |param: &str, message: String| {
+        FieldError::new("invalid_usage_event", param.to_string(), message)
+    };
+    let name = match &raw.name {
+        None => return Err(invalid("name", "`name` is required".into())),
+        Some(name) => name.clone(),
+    };
+    let name_chars = name.chars().count();
+    if name.trim().is_empty() || name_chars > MAX_EVENT_NAME_CHARS {
+        return Err(invalid(
+            "name",
+            format!("`name` must be 1 to {MAX_EVENT_NAME_CHARS} characters"),
+        ));
+    }
+    let customer = match (&raw.customer_id, &raw.external_customer_id) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "customer_id",
+                "give exactly one of `customer_id` and `external_customer_id`, not both".into(),
+            ))
+        }
+        (None, None) => {
+            return Err(invalid(
+                "customer_id",
+                "one of `customer_id` and `external_customer_id` is required".into(),
+            ))
+        }
+        (Some(id), None) => {
+            if id.trim().is_empty() {
+                return Err(invalid("customer_id", "`customer_id` is empty".into()));
+            }
+            CustomerRef::Id(id.trim().to_string())
+        }
+        (None, Some(external)) => {
+            if external.trim().is_empty() {
+                return Err(invalid(
+                    "external_customer_id",
+                    "`external_customer_id` is empty".into(),
+                ));
+            }
+            CustomerRef::External(external.trim().to_string())
+        }
+    };
+    let event_id = match &raw.event_id {
+        None => None,
+        Some(id) => {
+            let trimmed = id.trim();
+            if trimmed.is_empty() || trimmed.chars().count() > MAX_EVENT_ID_CHARS {
+                return Err(invalid(
+                    "event_id",
+                    format!("`event_id` must be 1 to {MAX_EVENT_ID_CHARS} characters after trimming"),
+                ));
+            }
+            Some(trimmed.to_string())
+        }
+    };
+    let timestamp_ms = match &raw.timestamp {
+        None => now_ms,
+        Some(text) => parse_iso8601_ms(text).ok_or_else(|| {
+            invalid(
+                "timestamp",
+                "`timestamp` must be an ISO 8601 instant with an offset, e.g. 2026-01-31T12:00:00Z"
+                    .into(),
+            )
+        })?,
+    };
+    if timestamp_ms > now_ms + MAX_EVENT_FUTURE_SKEW_MS {
+        return Err(invalid(
+            "timestamp",
+            "`timestamp` is more than 5 minutes in the future".into(),
+        ));
+    }
+    if timestamp_ms < now_ms - MAX_EVENT_AGE_MS {
+        return Err(invalid(
+            "timestamp",
+            "`timestamp` is older than 35 days".into(),
+        ));
+    }
+    if raw.properties.len() > MAX_PROPERTIES_PER_EVENT {
+        return Err(invalid(
+            "properties",
+            format!("at most {MAX_PROPERTIES_PER_EVENT} properties per event"),
+        ));
+    }
+    let mut properties = BTreeMap::new();
+    for (key, value) in &raw.properties {
+        let param = format!("properties.{key}");
+        if key.is_empty() || key.chars().count() > MAX_PROPERTY_KEY_CHARS {
+            return Err(invalid(
+                &param,
+                format!("property keys must be 1 to {MAX_PROPERTY_KEY_CHARS} characters"),
+            ));
+        }
+        let value = match value {
+            RawPropertyValue::String(s) => {
+                if s.chars().count() > MAX_PROPERTY_STRING_CHARS {
+                    return Err(invalid(
+                        &param,
+                        format!("string values are at most {MAX_PROPERTY_STRING_CHARS} characters"),
+                    ));
+                }
+                PropertyValue::String(s.clone())
+            }
+            RawPropertyValue::Number(text) => {
+                let number = parse_decimal(text)
+                    .filter(|n| n.abs() <= Decimal::from(MAX_PROPERTY_NUMBER_ABS))
+                    .ok_or_else(|| {
+                        invalid(
+                            &param,
+                            "numbers must be within ±1e18 with at most 28 significant digits"
+                                .into(),
+                        )
+                    })?;
+                PropertyValue::Number(number.normalize())
+            }
+            RawPropertyValue::Other(kind) => {
+                return Err(invalid(
+                    &param,
+                    format!("property values must be strings or numbers, not {kind}"),
+                ))
+            }
+        };
+        properties.insert(key.clone(), value);
+    }
+    Ok(ValidatedEvent {
+        name,
+        customer,
+        event_id,
+        timestamp_ms,
+        properties,
+    })
+}
+
+impl FromStr for PropertyValue {
+    type Err = ();
+    /// Reads the `distinct_key` form back.
+    fn from_str(text: &str) -> Result<Self, ()> {
+        if let Some(s) = text.strip_prefix("s:") {
+            Ok(PropertyValue::String(s.to_string()))
+        } else if let Some(n) = text.strip_prefix("n:") {
+            parse_decimal(n).map(PropertyValue::Number).ok_or(())
+        } else {
+            Err(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: i64 = 1_800_000_000_000;
+
+    fn raw() -> RawUsageEvent {
+        RawUsageEvent {
+            name: Some("api_call".into()),
+            customer_id: Some("cus_1".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn customer_reference_needs_exactly_one() {
+        let mut both = raw();
+        both.external_customer_id = Some("x".into());
+        assert_eq!(validate_event(&both, NOW).unwrap_err().param, "customer_id");
+        let mut neither = raw();
+        neither.customer_id = None;
+        assert_eq!(validate_event(&neither, NOW).unwrap_err().param, "customer_id");
+    }
+
+    #[test]
+    fn timestamps_outside_the_window_are_invalid() {
+        let mut future = raw();
+        future.timestamp = Some(crate::time::format_iso8601_ms(NOW + 6 * 60_000));
+        assert_eq!(validate_event(&future, NOW).unwrap_err().param, "timestamp");
+        let mut old = raw();
+        old.timestamp = Some(crate::time::format_iso8601_ms(NOW - 36 * 86_400_000));
+        assert_eq!(validate_event(&old, NOW).unwrap_err().param, "timestamp");
+        let mut ok = raw();
+        ok.timestamp = Some(crate::time::format_iso8601_ms(NOW - 34 * 86_400_000));
+        assert!(validate_event(&ok, NOW).is_ok());
+    }
+
+    #[test]
+    fn numbers_are_exact_and_bounded() {
+        let mut event = raw();
+        event.properties = vec![("tokens".into(), RawPropertyValue::Number("0.1".into()))];
+        let valid = validate_event(&event, NOW).unwrap();
+        assert_eq!(
+            valid.properties["tokens"],
+            PropertyValue::Number(Decimal::new(1, 1))
+        );
+        event.properties = vec![("tokens".into(), RawPropertyValue::Number("1e30".into()))];
+        assert_eq!(
+            validate_event(&event, NOW).unwrap_err().param,
+            "properties.tokens"
+        );
+        event.properties = vec![("flag".into(), RawPropertyValue::Other("a boolean"))];
+        assert_eq!(validate_event(&event, NOW).unwrap_err().param, "properties.flag");
+    }
+
+    #[test]
+    fn whitespace_event_id_is_invalid_and_ids_are_trimmed() {
+        let mut event = raw();
+        event.event_id = Some("   ".into());
+        assert_eq!(validate_event(&event, NOW).unwrap_err().param, "event_id");
+        event.event_id = Some("  abc ".into());
+        assert_eq!(
+            validate_event(&event, NOW).unwrap().event_id.as_deref(),
+            Some("abc")
+        );
+    }
+}

@@ -1,0 +1,524 @@
+//! The embedded log: append-only segment files under `<data-dir>/log/`.
+//!
+//! Layout: segments named by the offset of their first byte (`00000000000000000000.seg`);
+//! offsets are byte positions in the concatenated stream. Each record is framed as
+//! `[u32 LE payload length][u32 LE CRC32 of payload][payload]`.
+//!
+//! Durability: one writer thread owns the active segment. It takes every append that
+//! is waiting (group commit), writes them with one `write`, fsyncs once, then answers
+//! all of them. Readers only ever see bytes below the durable end, so nothing that was
+//! not fsynced is served. On open, the last segment is scanned and a torn or corrupt
+//! tail (a crash mid-write) is truncated and logged.
+//!
+//! An I/O error while writing poisons the log: later appends fail fast, because after
+//! a failed fsync the file's contents are unknown (the PostgreSQL fsync lesson). The
+//! process must restart, which recovers from the files.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::{oneshot, watch};
+
+use crate::{Log, LogEntry, LogError, LogReader, MAX_RECORD_BYTES};
+
+const FRAME_HEADER_BYTES: usize = 8;
+/// Segment size before rolling: small enough that recovery scans little, large
+/// enough that rolls (an fsync of the directory) are rare.
+pub const SEGMENT_MAX_BYTES: u64 = 256 * 1024 * 1024;
+/// Appends waiting for the writer thread; beyond this, appenders wait for room
+/// (backpressure instead of unbounded memory).
+pub const APPEND_QUEUE_CAPACITY: usize = 16 * 1024;
+/// Most bytes one group commit writes before it fsyncs, so one huge burst cannot
+/// delay the first appender's answer indefinitely.
+pub const GROUP_COMMIT_MAX_BYTES: usize = 8 * 1024 * 1024;
+/// Bytes a reader asks for at once.
+pub const READ_CHUNK_BYTES: usize = 1024 * 1024;
+const SEGMENT_SUFFIX: &str = ".seg";
+
+struct AppendRequest {
+    payload: Vec<u8>,
+    reply: oneshot::Sender<Result<u64, LogError>>,
+}
+
+struct Shared {
+    dir: PathBuf,
+    /// Base offsets of the segments, ascending.
+    segment_bases: RwLock<Vec<u64>>,
+    durable_end: watch::Sender<u64>,
+    poisoned: AtomicBool,
+}
+
+pub struct EmbeddedLog {
+    shared: Arc<Shared>,
+    sender: Option<mpsc::SyncSender<AppendRequest>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+    _lock: File,
+}
+
+impl std::fmt::Debug for EmbeddedLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedLog")
+            .field("dir", &self.shared.dir)
+            .finish()
+    }
+}
+
+fn segment_path(dir: &Path, base: u64) -> PathBuf {
+    dir.join(format!("{base:020}{SEGMENT_SUFFIX}"))
+}
+
+fn list_segments(dir: &Path) -> io::Result<Vec<u64>> {
+    let mut bases = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        let name = name.to_string_lossy();
+        if let Some(stem) = name.strip_suffix(SEGMENT_SUFFIX) {
+            if let Ok(base) = stem.parse::<u64>() {
+                bases.push(base);
+            }
+        }
+    }
+    bases.sort_unstable();
+    Ok(bases)
+}
+
+fn fsync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Length of the valid prefix of a segment: where the first incomplete or corrupt
+/// frame starts (or the file length when all frames are whole).
+fn valid_prefix_len(file: &mut File) -> io::Result<u64> {
+    let len = file.metadata()?.len();
+    file.seek(SeekFrom::Start(0))?;
+    let mut reader = io::BufReader::with_capacity(READ_CHUNK_BYTES, file);
+    let mut position = 0u64;
+    let mut header = [0u8; FRAME_HEADER_BYTES];
+    let mut payload = Vec::new();
+    loop {
+        if position + FRAME_HEADER_BYTES as u64 > len {
+            return Ok(position);
+        }
+        reader.read_exact(&mut header)?;
+        let payload_len = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
+        if payload_len > MAX_RECORD_BYTES
+            || position + (FRAME_HEADER_BYTES + payload_len) as u64 > len
+        {
+            return Ok(position);
+        }
+        payload.resize(payload_len, 0);
+        reader.read_exact(&mut payload)?;
+        if crc32fast::hash(&payload) != crc {
+            return Ok(position);
+        }
+        position += (FRAME_HEADER_BYTES + payload_len) as u64;
+    }
+}
+
+impl EmbeddedLog {
+    /// Opens (or creates) the log in `dir`, recovering a torn tail.
+    pub fn open(dir: impl AsRef<Path>) -> Result<EmbeddedLog, LogError> {
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir)?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join("LOCK"))?;
+        if lock.try_lock().is_err() {
+            return Err(LogError::Locked(dir.display().to_string()));
+        }
+        let mut bases = list_segments(&dir)?;
+        if bases.is_empty() {
+            File::create(segment_path(&dir, 0))?.sync_all()?;
+            fsync_dir(&dir)?;
+            bases.push(0);
+        }
+        let active_base = *bases.last().expect("at least one segment");
+        let active_path = segment_path(&dir, active_base);
+        let mut active = OpenOptions::new().read(true).write(true).open(&active_path)?;
+        let file_len = active.metadata()?.len();
+        let valid_len = valid_prefix_len(&mut active)?;
+        if valid_len < file_len {
+            tracing::warn!(
+                segment = %active_path.display(),
+                valid_bytes = valid_len,
+                dropped_bytes = file_len - valid_len,
+                "truncating torn or corrupt tail of the log (a crash during a write); those bytes were never acknowledged"
+            );
+            active.set_len(valid_len)?;
+            active.sync_all()?;
+        }
+        active.seek(SeekFrom::Start(valid_len))?;
+        let end = active_base + valid_len;
+        let (durable_end, _) = watch::channel(end);
+        let shared = Arc::new(Shared {
+            dir: dir.clone(),
+            segment_bases: RwLock::new(bases),
+            durable_end,
+            poisoned: AtomicBool::new(false),
+        });
+        let (sender, receiver) = mpsc::sync_channel(APPEND_QUEUE_CAPACITY);
+        let writer_shared = shared.clone();
+        let writer = std::thread::Builder::new()
+            .name("tally-log-writer".into())
+            .spawn(move || writer_loop(writer_shared, receiver, active, active_base, end))?;
+        fs::create_dir_all(dir.join("consumers"))?;
+        Ok(EmbeddedLog {
+            shared,
+            sender: Some(sender),
+            writer: Some(writer),
+            _lock: lock,
+        })
+    }
+
+    /// The directory this log lives in.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+}
+
+impl Drop for EmbeddedLog {
+    fn drop(&mut self) {
+        // Closing the channel lets the writer finish what is queued and exit.
+        self.sender.take();
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+fn writer_loop(
+    shared: Arc<Shared>,
+    receiver: mpsc::Receiver<AppendRequest>,
+    mut active: File,
+    mut active_base: u64,
+    mut end: u64,
+) {
+    let mut buffer = Vec::with_capacity(GROUP_COMMIT_MAX_BYTES);
+    let mut group: Vec<(u64, oneshot::Sender<Result<u64, LogError>>)> = Vec::new();
+    while let Ok(first) = receiver.recv() {
+        let mut next = Some(first);
+        buffer.clear();
+        group.clear();
+        let mut position = end;
+        while let Some(request) = next.take() {
+            let len = request.payload.len();
+            buffer.extend_from_slice(&(len as u32).to_le_bytes());
+            buffer.extend_from_slice(&crc32fast::hash(&request.payload).to_le_bytes());
+            buffer.extend_from_slice(&request.payload);
+            group.push((position, request.reply));
+            position += (FRAME_HEADER_BYTES + len) as u64;
+            if buffer.len() < GROUP_COMMIT_MAX_BYTES {
+                next = receiver.try_recv().ok();
+            }
+        }
+        if shared.poisoned.load(Ordering::SeqCst) {
+            for (_, reply) in group.drain(..) {
+                let _ = reply.send(Err(LogError::Poisoned));
+            }
+            continue;
+        }
+        let result = (|| -> io::Result<()> {
+            if end - active_base + buffer.len() as u64 > SEGMENT_MAX_BYTES && end > active_base {
+                // Roll: the new segment starts exactly where the old one ends.
+                active.sync_all()?;
+                let new_file = OpenOptions::new()
+                    .create_new(true)
+                    .read(true)
+                    .write(true)
+                    .open(segment_path(&shared.dir, end))?;
+                fsync_dir(&shared.dir)?;
+                active = new_file;
+                active_base = end;
+                shared
+                    .segment_bases
+                    .write()
+                    .expect("segment list lock")
+                    .push(end);
+            }
+            active.write_all(&buffer)?;
+            active.sync_data()
+        })();
+        match result {
+            Ok(()) => {
+                end = position;
+                shared.durable_end.send_replace(end);
+                for (offset, reply) in group.drain(..) {
+                    let _ = reply.send(Ok(offset));
+                }
+            }
+            Err(error) => {
+                tracing::error!(%error, "log write or fsync failed; refusing further appends until restart");
+                shared.poisoned.store(true, Ordering::SeqCst);
+                for (_, reply) in group.drain(..) {
+                    let _ = reply.send(Err(LogError::Io(io::Error::new(
+                        error.kind(),
+                        error.to_string(),
+                    ))));
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Log for EmbeddedLog {
+    fn kind(&self) -> &'static str {
+        "embedded"
+    }
+
+    fn partition_count(&self) -> u32 {
+        1
+    }
+
+    async fn append(&self, _key: &[u8], payload: Vec<u8>) -> Result<u64, LogError> {
+        if payload.len() > MAX_RECORD_BYTES {
+            return Err(LogError::RecordTooLarge(payload.len()));
+        }
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return Err(LogError::Poisoned);
+        }
+        let sender = self.sender.as_ref().ok_or(LogError::Closed)?.clone();
+        let (reply, answer) = oneshot::channel();
+        let request = AppendRequest { payload, reply };
+        // A full queue blocks; do that off the async worker threads.
+        match sender.try_send(request) {
+            Ok(()) => {}
+            Err(mpsc::TrySendError::Full(request)) => {
+                tokio::task::spawn_blocking(move || sender.send(request))
+                    .await
+                    .map_err(|_| LogError::Closed)?
+                    .map_err(|_| LogError::Closed)?;
+            }
+            Err(mpsc::TrySendError::Disconnected(_)) => return Err(LogError::Closed),
+        }
+        answer.await.map_err(|_| LogError::Closed)?
+    }
+
+    async fn reader(
+        &self,
+        partition: u32,
+        from_offset: u64,
+    ) -> Result<Box<dyn LogReader>, LogError> {
+        if partition != 0 {
+            return Err(LogError::NoSuchPartition(partition));
+        }
+        Ok(Box::new(EmbeddedReader {
+            shared: self.shared.clone(),
+            durable_end: self.shared.durable_end.subscribe(),
+            offset: from_offset,
+            open_segment: None,
+            buffer: Vec::new(),
+        }))
+    }
+
+    async fn end_offset(&self, partition: u32) -> Result<u64, LogError> {
+        if partition != 0 {
+            return Err(LogError::NoSuchPartition(partition));
+        }
+        Ok(*self.shared.durable_end.borrow())
+    }
+
+    async fn commit(&self, group: &str, partition: u32, next_offset: u64) -> Result<(), LogError> {
+        let dir = self.shared.dir.join("consumers");
+        let path = dir.join(format!("{group}-{partition}"));
+        let tmp = dir.join(format!("{group}-{partition}.tmp"));
+        tokio::task::spawn_blocking(move || -> io::Result<()> {
+            let mut file = File::create(&tmp)?;
+            file.write_all(next_offset.to_string().as_bytes())?;
+            file.sync_all()?;
+            fs::rename(&tmp, &path)?;
+            fsync_dir(&dir)
+        })
+        .await
+        .map_err(|_| LogError::Closed)??;
+        Ok(())
+    }
+
+    async fn committed(&self, group: &str, partition: u32) -> Result<Option<u64>, LogError> {
+        let path = self
+            .shared
+            .dir
+            .join("consumers")
+            .join(format!("{group}-{partition}"));
+        match fs::read_to_string(path) {
+            Ok(text) => Ok(text.trim().parse().ok()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+struct EmbeddedReader {
+    shared: Arc<Shared>,
+    durable_end: watch::Receiver<u64>,
+    offset: u64,
+    /// (base, end-or-None-if-active, file) of the segment holding `offset`.
+    open_segment: Option<(u64, Option<u64>, File)>,
+    buffer: Vec<u8>,
+}
+
+impl EmbeddedReader {
+    /// Finds and opens the segment holding `self.offset`.
+    fn locate_segment(&mut self) -> io::Result<()> {
+        if let Some((base, limit, _)) = &mut self.open_segment {
+            if limit.is_none() {
+                // The active segment may have been rolled since it was opened.
+                let bases = self.shared.segment_bases.read().expect("segment list lock");
+                *limit = bases.iter().copied().find(|b| *b > *base);
+            }
+            if self.offset >= *base && limit.is_none_or(|l| self.offset < l) {
+                return Ok(());
+            }
+        }
+        let bases = self.shared.segment_bases.read().expect("segment list lock").clone();
+        let index = match bases.binary_search(&self.offset) {
+            Ok(i) => i,
+            Err(0) => 0,
+            Err(i) => i - 1,
+        };
+        let base = bases[index];
+        let limit = bases.get(index + 1).copied();
+        let file = File::open(segment_path(&self.shared.dir, base))?;
+        self.open_segment = Some((base, limit, file));
+        Ok(())
+    }
+
+    fn read_available(&mut self, max_records: usize, end: u64) -> io::Result<Vec<LogEntry>> {
+        let mut entries = Vec::new();
+        while entries.len() < max_records && self.offset < end {
+            self.locate_segment()?;
+            let (base, limit, file) = self.open_segment.as_ref().expect("located");
+            let readable_end = limit.map_or(end, |l| l.min(end));
+            if self.offset >= readable_end {
+                // At the end of a finished segment: the next one starts here.
+                self.open_segment = None;
+                continue;
+            }
+            let want = ((readable_end - self.offset) as usize).min(READ_CHUNK_BYTES);
+            self.buffer.resize(want, 0);
+            file.read_exact_at(&mut self.buffer, self.offset - base)?;
+            let mut cursor = 0usize;
+            let mut progressed = false;
+            while entries.len() < max_records && cursor + FRAME_HEADER_BYTES <= self.buffer.len() {
+                let len = u32::from_le_bytes(self.buffer[cursor..cursor + 4].try_into().expect("4")) as usize;
+                let crc = u32::from_le_bytes(self.buffer[cursor + 4..cursor + 8].try_into().expect("4"));
+                let frame_end = cursor + FRAME_HEADER_BYTES + len;
+                if frame_end > self.buffer.len() {
+                    if !progressed {
+                        // A frame larger than the chunk: read exactly that frame.
+                        let mut frame = vec![0u8; FRAME_HEADER_BYTES + len];
+                        file.read_exact_at(&mut frame, self.offset - base)?;
+                        self.buffer = frame;
+                        continue;
+                    }
+                    break;
+                }
+                let payload = &self.buffer[cursor + FRAME_HEADER_BYTES..frame_end];
+                if crc32fast::hash(payload) != crc {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("checksum mismatch in the log at offset {}", self.offset),
+                    ));
+                }
+                let offset = self.offset;
+                let next_offset = offset + (FRAME_HEADER_BYTES + len) as u64;
+                entries.push(LogEntry {
+                    partition: 0,
+                    offset,
+                    next_offset,
+                    payload: payload.to_vec(),
+                });
+                self.offset = next_offset;
+                cursor = frame_end;
+                progressed = true;
+            }
+        }
+        Ok(entries)
+    }
+}
+
+#[async_trait]
+impl LogReader for EmbeddedReader {
+    async fn next_batch(
+        &mut self,
+        max_records: usize,
+        wait: Duration,
+    ) -> Result<Vec<LogEntry>, LogError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let end = *self.durable_end.borrow_and_update();
+            if self.offset < end {
+                return Ok(self.read_available(max_records.max(1), end)?);
+            }
+            match tokio::time::timeout_at(deadline, self.durable_end.changed()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) => return Err(LogError::Closed),
+                Err(_) => return Ok(Vec::new()),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn torn_tail_is_truncated_and_never_served() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let log = EmbeddedLog::open(dir.path()).unwrap();
+            log.append(b"k", b"first".to_vec()).await.unwrap();
+            log.append(b"k", b"second".to_vec()).await.unwrap();
+        }
+        // Simulate a crash mid-write: half a frame at the end of the segment.
+        let path = segment_path(dir.path(), 0);
+        let mut file = OpenOptions::new().append(true).open(&path).unwrap();
+        file.write_all(&100u32.to_le_bytes()).unwrap();
+        file.write_all(&[1, 2, 3, 4, 5, 6]).unwrap();
+        drop(file);
+        let log = EmbeddedLog::open(dir.path()).unwrap();
+        let mut reader = log.reader(0, 0).await.unwrap();
+        let entries = reader.next_batch(10, Duration::from_millis(10)).await.unwrap();
+        let payloads: Vec<_> = entries.iter().map(|e| e.payload.clone()).collect();
+        assert_eq!(payloads, vec![b"first".to_vec(), b"second".to_vec()]);
+        // And appends continue cleanly after the truncation point.
+        log.append(b"k", b"third".to_vec()).await.unwrap();
+        let more = reader.next_batch(10, Duration::from_millis(100)).await.unwrap();
+        assert_eq!(more.len(), 1);
+        assert_eq!(more[0].payload, b"third");
+    }
+
+    #[tokio::test]
+    async fn corrupt_checksum_in_tail_is_truncated() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let log = EmbeddedLog::open(dir.path()).unwrap();
+            log.append(b"k", b"good".to_vec()).await.unwrap();
+            log.append(b"k", b"flipped".to_vec()).await.unwrap();
+        }
+        let path = segment_path(dir.path(), 0);
+        let mut bytes = fs::read(&path).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+        fs::write(&path, bytes).unwrap();
+        let log = EmbeddedLog::open(dir.path()).unwrap();
+        assert_eq!(log.end_offset(0).await.unwrap(), (FRAME_HEADER_BYTES + 4) as u64);
+    }
+
+    #[tokio::test]
+    async fn a_second_process_cannot_open_the_same_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let _log = EmbeddedLog::open(dir.path()).unwrap();
+        assert!(matches!(EmbeddedLog::open(dir.path()), Err(LogError::Locked(_))));
+    }
+}

@@ -1,0 +1,184 @@
+//! The one test suite every [`Log`] implementation must pass. Integration tests of
+//! each implementation call [`run_all`] with a factory that can reopen the same log
+//! (same directory, same topic) to simulate a restart.
+//!
+//! Kept in the library (not under `tests/`) so both implementations' test files and
+//! any future implementation share exactly the same assertions.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::{Log, LogEntry};
+
+/// Opens the log under test. Calling `open` again after dropping the previous
+/// handle must give the same log back (a restart).
+#[async_trait]
+pub trait LogFactory: Send + Sync {
+    async fn open(&self) -> Arc<dyn Log>;
+}
+
+/// Generous wait for a reader to see a record; Kafka needs a broker round trip.
+const READ_WAIT: Duration = Duration::from_secs(10);
+
+/// Reads `count` records of one partition starting at `from`, failing if they do
+/// not arrive in time.
+pub async fn read_exactly(log: &dyn Log, partition: u32, from: u64, count: usize) -> Vec<LogEntry> {
+    let mut reader = log.reader(partition, from).await.expect("open reader");
+    let mut entries = Vec::new();
+    let deadline = tokio::time::Instant::now() + READ_WAIT * 3;
+    while entries.len() < count {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} of {count} records arrived",
+            entries.len()
+        );
+        let batch = reader
+            .next_batch(count - entries.len(), READ_WAIT)
+            .await
+            .expect("read batch");
+        entries.extend(batch);
+    }
+    assert_eq!(entries.len(), count, "reader returned more than asked");
+    entries
+}
+
+fn payload(tag: &str, i: usize) -> Vec<u8> {
+    format!("{tag}-{i}").into_bytes()
+}
+
+/// Appends land in order with strictly increasing offsets, and each entry's
+/// `next_offset` is where the following one starts.
+pub async fn append_then_read_in_order(factory: &dyn LogFactory) {
+    let log = factory.open().await;
+    let partition = log.partition_for(b"customer-a");
+    let start = log.end_offset(partition).await.unwrap();
+    let mut offsets = Vec::new();
+    for i in 0..20 {
+        offsets.push(log.append(b"customer-a", payload("order", i)).await.unwrap());
+    }
+    assert!(offsets.windows(2).all(|w| w[0] < w[1]), "offsets increase: {offsets:?}");
+    assert!(offsets[0] >= start);
+    let entries = read_exactly(log.as_ref(), partition, offsets[0], 20).await;
+    for (i, entry) in entries.iter().enumerate() {
+        assert_eq!(entry.payload, payload("order", i));
+        assert_eq!(entry.offset, offsets[i]);
+        if i + 1 < entries.len() {
+            assert_eq!(entry.next_offset, entries[i + 1].offset);
+        }
+    }
+    assert_eq!(log.end_offset(partition).await.unwrap(), entries[19].next_offset);
+}
+
+/// A reader started at the end sees records appended afterwards (tailing).
+pub async fn tailing_reader_sees_later_appends(factory: &dyn LogFactory) {
+    let log = factory.open().await;
+    let partition = log.partition_for(b"tail");
+    let end = log.end_offset(partition).await.unwrap();
+    let mut reader = log.reader(partition, end).await.unwrap();
+    let empty = reader.next_batch(10, Duration::from_millis(200)).await.unwrap();
+    assert!(empty.is_empty(), "nothing past the end yet");
+    let writer = log.clone();
+    let appender = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for i in 0..5 {
+            writer.append(b"tail", payload("tail", i)).await.unwrap();
+        }
+    });
+    let mut seen = Vec::new();
+    while seen.len() < 5 {
+        let batch = reader.next_batch(10, READ_WAIT).await.unwrap();
+        assert!(!batch.is_empty(), "tailing reader timed out with {} records", seen.len());
+        seen.extend(batch.into_iter().map(|e| e.payload));
+    }
+    appender.await.unwrap();
+    assert_eq!(seen, (0..5).map(|i| payload("tail", i)).collect::<Vec<_>>());
+}
+
+/// Concurrent appenders: every acknowledged append is readable exactly once.
+pub async fn concurrent_appends_land_exactly_once(factory: &dyn LogFactory) {
+    let log = factory.open().await;
+    let partition = log.partition_for(b"concurrent");
+    let start = log.end_offset(partition).await.unwrap();
+    let mut tasks = Vec::new();
+    for task in 0..16 {
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..25 {
+                log.append(b"concurrent", payload(&format!("t{task}"), i)).await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let entries = read_exactly(log.as_ref(), partition, start, 400).await;
+    let distinct: BTreeSet<_> = entries.iter().map(|e| e.payload.clone()).collect();
+    assert_eq!(distinct.len(), 400, "no record lost or doubled");
+    for task in 0..16 {
+        let tag = format!("t{task}-");
+        let order: Vec<usize> = entries
+            .iter()
+            .filter_map(|e| String::from_utf8(e.payload.clone()).ok())
+            .filter_map(|p| p.strip_prefix(&tag).map(|n| n.parse().unwrap()))
+            .collect();
+        assert_eq!(order, (0..25).collect::<Vec<_>>(), "one appender's records keep their order");
+    }
+}
+
+/// Everything appended survives closing and reopening the log.
+pub async fn restart_keeps_every_record(factory: &dyn LogFactory) {
+    let (partition, start) = {
+        let log = factory.open().await;
+        let partition = log.partition_for(b"restart");
+        let start = log.end_offset(partition).await.unwrap();
+        for i in 0..10 {
+            log.append(b"restart", payload("restart", i)).await.unwrap();
+        }
+        (partition, start)
+    };
+    let log = factory.open().await;
+    let entries = read_exactly(log.as_ref(), partition, start, 10).await;
+    let payloads: Vec<_> = entries.into_iter().map(|e| e.payload).collect();
+    assert_eq!(payloads, (0..10).map(|i| payload("restart", i)).collect::<Vec<_>>());
+    let next = log.append(b"restart", payload("restart", 10)).await.unwrap();
+    assert!(next >= start, "offsets continue after a restart");
+}
+
+/// A consumer that commits after processing resumes, after a restart, exactly at
+/// the first record it had not processed: nothing replayed, nothing skipped.
+pub async fn consumer_resumes_without_replay_or_loss(factory: &dyn LogFactory) {
+    let group = "suite-consumer";
+    let (partition, start) = {
+        let log = factory.open().await;
+        let partition = log.partition_for(b"resume");
+        let start = log.end_offset(partition).await.unwrap();
+        for i in 0..10 {
+            log.append(b"resume", payload("resume", i)).await.unwrap();
+        }
+        let first_half = read_exactly(log.as_ref(), partition, start, 4).await;
+        log.commit(group, partition, first_half[3].next_offset).await.unwrap();
+        (partition, start)
+    };
+    let log = factory.open().await;
+    let resume_at = log
+        .committed(group, partition)
+        .await
+        .unwrap()
+        .expect("a committed offset survives the restart");
+    assert!(resume_at > start);
+    let rest = read_exactly(log.as_ref(), partition, resume_at, 6).await;
+    let payloads: Vec<_> = rest.into_iter().map(|e| e.payload).collect();
+    assert_eq!(payloads, (4..10).map(|i| payload("resume", i)).collect::<Vec<_>>());
+}
+
+/// Runs every case of the suite against one implementation.
+pub async fn run_all(factory: &dyn LogFactory) {
+    append_then_read_in_order(factory).await;
+    tailing_reader_sees_later_appends(factory).await;
+    concurrent_appends_land_exactly_once(factory).await;
+    restart_keeps_every_record(factory).await;
+    consumer_resumes_without_replay_or_loss(factory).await;
+}

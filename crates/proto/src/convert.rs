@@ -1,0 +1,304 @@
+//! Domain <-> protobuf conversions. Decoding is strict: an unknown enum value or an
+//! unparsable decimal is a [`DecodeError`], never a silent default.
+
+use std::collections::BTreeMap;
+
+use rust_decimal::Decimal;
+use tally_domain::customer::Customer;
+use tally_domain::meter::{
+    Aggregation, Conjunction, FilterClause, FilterValue, Meter, MeterFilter, MeterStatus, Operator,
+};
+use tally_domain::usage::{canonical_decimal, parse_decimal, PropertyValue, UsageEvent};
+use tally_domain::Mode;
+
+use crate::v1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("protobuf decode failed: {0}")]
+    Protobuf(#[from] prost::DecodeError),
+    #[error("record field `{0}` holds an unknown or missing value")]
+    BadField(&'static str),
+}
+
+pub fn mode_to_proto(mode: Mode) -> i32 {
+    match mode {
+        Mode::Prod => v1::Mode::Prod as i32,
+        Mode::Test => v1::Mode::Test as i32,
+    }
+}
+
+pub fn mode_from_proto(value: i32) -> Result<Mode, DecodeError> {
+    match v1::Mode::try_from(value) {
+        Ok(v1::Mode::Prod) => Ok(Mode::Prod),
+        Ok(v1::Mode::Test) => Ok(Mode::Test),
+        _ => Err(DecodeError::BadField("mode")),
+    }
+}
+
+fn decimal_from_text(text: &str, field: &'static str) -> Result<Decimal, DecodeError> {
+    parse_decimal(text).ok_or(DecodeError::BadField(field))
+}
+
+pub fn customer_to_proto(c: &Customer) -> v1::Customer {
+    v1::Customer {
+        id: c.id.clone(),
+        store_id: c.store_id.clone(),
+        mode: mode_to_proto(c.mode),
+        email: c.email.clone(),
+        name: c.name.clone(),
+        country: c.country.clone(),
+        metadata: c.metadata.clone(),
+        external_id: c.external_id.clone(),
+        created_at_ms: c.created_at_ms,
+        updated_at_ms: c.updated_at_ms,
+    }
+}
+
+pub fn customer_from_proto(c: v1::Customer) -> Result<Customer, DecodeError> {
+    Ok(Customer {
+        mode: mode_from_proto(c.mode)?,
+        id: c.id,
+        store_id: c.store_id,
+        email: c.email,
+        name: c.name,
+        country: c.country,
+        metadata: c.metadata,
+        external_id: c.external_id,
+        created_at_ms: c.created_at_ms,
+        updated_at_ms: c.updated_at_ms,
+    })
+}
+
+fn aggregation_to_proto(a: Aggregation) -> i32 {
+    (match a {
+        Aggregation::Count => v1::Aggregation::Count,
+        Aggregation::Sum => v1::Aggregation::Sum,
+        Aggregation::Average => v1::Aggregation::Average,
+        Aggregation::Min => v1::Aggregation::Min,
+        Aggregation::Max => v1::Aggregation::Max,
+        Aggregation::Unique => v1::Aggregation::Unique,
+    }) as i32
+}
+
+fn aggregation_from_proto(value: i32) -> Result<Aggregation, DecodeError> {
+    Ok(match v1::Aggregation::try_from(value) {
+        Ok(v1::Aggregation::Count) => Aggregation::Count,
+        Ok(v1::Aggregation::Sum) => Aggregation::Sum,
+        Ok(v1::Aggregation::Average) => Aggregation::Average,
+        Ok(v1::Aggregation::Min) => Aggregation::Min,
+        Ok(v1::Aggregation::Max) => Aggregation::Max,
+        Ok(v1::Aggregation::Unique) => Aggregation::Unique,
+        _ => return Err(DecodeError::BadField("aggregation")),
+    })
+}
+
+fn filter_value_to_proto(value: &FilterValue) -> v1::FilterValue {
+    use v1::filter_value::Value;
+    let inner = match value {
+        FilterValue::String(s) => Value::StringValue(s.clone()),
+        FilterValue::Number(n) => Value::NumberValue(canonical_decimal(*n)),
+        FilterValue::Bool(b) => Value::BoolValue(*b),
+        FilterValue::List(values) => Value::ListValue(v1::FilterValueList {
+            values: values.iter().map(filter_value_to_proto).collect(),
+        }),
+    };
+    v1::FilterValue { value: Some(inner) }
+}
+
+fn filter_value_from_proto(value: v1::FilterValue) -> Result<FilterValue, DecodeError> {
+    use v1::filter_value::Value;
+    Ok(match value.value {
+        Some(Value::StringValue(s)) => FilterValue::String(s),
+        Some(Value::NumberValue(n)) => FilterValue::Number(decimal_from_text(&n, "filter.value")?),
+        Some(Value::BoolValue(b)) => FilterValue::Bool(b),
+        Some(Value::ListValue(list)) => FilterValue::List(
+            list.values
+                .into_iter()
+                .map(filter_value_from_proto)
+                .collect::<Result<_, _>>()?,
+        ),
+        Some(Value::NullValue(_)) | None => return Err(DecodeError::BadField("filter.value")),
+    })
+}
+
+pub fn meter_to_proto(m: &Meter) -> v1::Meter {
+    v1::Meter {
+        id: m.id.clone(),
+        store_id: m.store_id.clone(),
+        mode: mode_to_proto(m.mode),
+        name: m.name.clone(),
+        event_name: m.event_name.clone(),
+        aggregation: aggregation_to_proto(m.aggregation),
+        aggregation_property: m.aggregation_property.clone(),
+        filter: Some(v1::MeterFilter {
+            conjunction: match m.filter.conjunction {
+                Conjunction::And => v1::Conjunction::And as i32,
+                Conjunction::Or => v1::Conjunction::Or as i32,
+            },
+            clauses: m
+                .filter
+                .clauses
+                .iter()
+                .map(|c| v1::FilterClause {
+                    property: c.property.clone(),
+                    operator: c.operator.as_str().to_string(),
+                    value: Some(filter_value_to_proto(&c.value)),
+                })
+                .collect(),
+        }),
+        unit_label: m.unit_label.clone(),
+        status: match m.status {
+            MeterStatus::Active => v1::MeterStatus::Active as i32,
+            MeterStatus::Archived => v1::MeterStatus::Archived as i32,
+        },
+        created_at_ms: m.created_at_ms,
+        updated_at_ms: m.updated_at_ms,
+        counts_from_ms: m.counts_from_ms,
+    }
+}
+
+pub fn meter_from_proto(m: v1::Meter) -> Result<Meter, DecodeError> {
+    let filter = m.filter.ok_or(DecodeError::BadField("filter"))?;
+    let conjunction = match v1::Conjunction::try_from(filter.conjunction) {
+        Ok(v1::Conjunction::And) => Conjunction::And,
+        Ok(v1::Conjunction::Or) => Conjunction::Or,
+        _ => return Err(DecodeError::BadField("filter.conjunction")),
+    };
+    let clauses = filter
+        .clauses
+        .into_iter()
+        .map(|c| {
+            Ok(FilterClause {
+                operator: Operator::parse(&c.operator)
+                    .ok_or(DecodeError::BadField("filter.operator"))?,
+                property: c.property,
+                value: filter_value_from_proto(c.value.ok_or(DecodeError::BadField("filter.value"))?)?,
+            })
+        })
+        .collect::<Result<Vec<_>, DecodeError>>()?;
+    Ok(Meter {
+        mode: mode_from_proto(m.mode)?,
+        aggregation: aggregation_from_proto(m.aggregation)?,
+        status: match v1::MeterStatus::try_from(m.status) {
+            Ok(v1::MeterStatus::Active) => MeterStatus::Active,
+            Ok(v1::MeterStatus::Archived) => MeterStatus::Archived,
+            _ => return Err(DecodeError::BadField("status")),
+        },
+        id: m.id,
+        store_id: m.store_id,
+        name: m.name,
+        event_name: m.event_name,
+        aggregation_property: m.aggregation_property,
+        filter: MeterFilter {
+            conjunction,
+            clauses,
+        },
+        unit_label: m.unit_label,
+        created_at_ms: m.created_at_ms,
+        updated_at_ms: m.updated_at_ms,
+        counts_from_ms: m.counts_from_ms,
+    })
+}
+
+fn property_to_proto(value: &PropertyValue) -> v1::PropertyValue {
+    use v1::property_value::Value;
+    v1::PropertyValue {
+        value: Some(match value {
+            PropertyValue::String(s) => Value::StringValue(s.clone()),
+            PropertyValue::Number(n) => Value::NumberValue(canonical_decimal(*n)),
+        }),
+    }
+}
+
+fn property_from_proto(value: v1::PropertyValue) -> Result<PropertyValue, DecodeError> {
+    use v1::property_value::Value;
+    match value.value {
+        Some(Value::StringValue(s)) => Ok(PropertyValue::String(s)),
+        Some(Value::NumberValue(n)) => Ok(PropertyValue::Number(decimal_from_text(&n, "properties")?)),
+        None => Err(DecodeError::BadField("properties")),
+    }
+}
+
+pub fn usage_event_to_proto(e: &UsageEvent) -> v1::UsageEvent {
+    v1::UsageEvent {
+        event_id: e.event_id.clone(),
+        name: e.name.clone(),
+        customer_id: e.customer_id.clone(),
+        timestamp_ms: e.timestamp_ms,
+        properties: e
+            .properties
+            .iter()
+            .map(|(k, v)| (k.clone(), property_to_proto(v)))
+            .collect(),
+        received_at_ms: e.received_at_ms,
+        matched_meter_ids: e.matched_meter_ids.clone(),
+        event_id_assigned: e.event_id_assigned,
+        external_customer_id: e.external_customer_id.clone(),
+    }
+}
+
+pub fn usage_event_from_proto(e: v1::UsageEvent) -> Result<UsageEvent, DecodeError> {
+    let properties = e
+        .properties
+        .into_iter()
+        .map(|(k, v)| Ok((k, property_from_proto(v)?)))
+        .collect::<Result<BTreeMap<_, _>, DecodeError>>()?;
+    Ok(UsageEvent {
+        event_id: e.event_id,
+        name: e.name,
+        customer_id: e.customer_id,
+        external_customer_id: e.external_customer_id,
+        timestamp_ms: e.timestamp_ms,
+        properties,
+        received_at_ms: e.received_at_ms,
+        matched_meter_ids: e.matched_meter_ids,
+        event_id_assigned: e.event_id_assigned,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    #[test]
+    fn meter_round_trips_through_bytes() {
+        let meter = Meter {
+            id: "mtr_1".into(),
+            store_id: "st_1".into(),
+            mode: Mode::Test,
+            name: "tokens".into(),
+            event_name: "llm".into(),
+            aggregation: Aggregation::Sum,
+            aggregation_property: Some("tokens".into()),
+            filter: MeterFilter {
+                conjunction: Conjunction::Or,
+                clauses: vec![FilterClause {
+                    property: "model".into(),
+                    operator: Operator::In,
+                    value: FilterValue::List(vec![
+                        FilterValue::String("a".into()),
+                        FilterValue::Number("1.5".parse().unwrap()),
+                        FilterValue::Bool(true),
+                    ]),
+                }],
+            },
+            unit_label: "tokens".into(),
+            status: MeterStatus::Archived,
+            created_at_ms: 1,
+            updated_at_ms: 2,
+            counts_from_ms: 1,
+        };
+        let bytes = meter_to_proto(&meter).encode_to_vec();
+        let back = meter_from_proto(v1::Meter::decode(bytes.as_slice()).unwrap()).unwrap();
+        assert_eq!(back, meter);
+    }
+
+    #[test]
+    fn unknown_enum_values_are_errors() {
+        let mut m = v1::Meter::default();
+        m.mode = 99;
+        assert!(meter_from_proto(m).is_err());
+    }
+}

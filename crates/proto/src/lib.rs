@@ -1,0 +1,13 @@
+//! The log's wire format: prost types generated from `proto/tally/v1/log.proto`, and
+//! the explicit conversions between them and the domain types. Nothing else in the
+//! workspace builds or reads protobuf by hand.
+
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod v1 {
+    include!(concat!(env!("OUT_DIR"), "/tally.v1.rs"));
+}
+
+mod convert;
+
+pub use convert::*;
+pub use prost::Message;
