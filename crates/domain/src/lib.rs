@@ -11,6 +11,7 @@ pub mod error;
 pub mod limits;
 pub mod meter;
 pub mod mode;
+pub mod record;
 pub mod time;
 pub mod usage;
 

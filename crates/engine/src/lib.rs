@@ -1,1 +1,410 @@
+//! Tally's application services, between the HTTP facade and the log:
+//!
+//! - the **ingest gateway** ([`events`]): validates batches, resolves customers,
+//!   deduplicates event ids exactly and appends accepted events to the log;
+//! - the **projector** ([`projector`]): tails the log and folds records into the
+//!   projection store (customers, meters, stored events, usage buckets);
+//! - the control-plane services ([`stores`], [`customers`], [`meters`]) and the
+//!   read side ([`usage`]).
+//!
+//! Every write is a record appended to the log; a write returns once its record is
+//! applied to the projections (read-your-writes), except ingest, which answers 202
+//! as soon as the batch is durable (decisions.md).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use tally_domain::clock::Clock;
+use tally_domain::meter::Meter;
+use tally_domain::record::Record;
+use tally_domain::Mode;
+use tally_log::Log;
+use tally_projection::{scan_prefix, ProjectionStore, Visit};
+use tokio::sync::watch;
+
+pub mod codec;
+pub mod customers;
+pub mod error;
+pub mod events;
+pub mod ids;
+pub mod keys;
+pub mod meters;
+pub mod metrics;
+pub mod pagination;
+pub mod projector;
+pub mod stores;
+pub mod usage;
+
+pub use error::EngineError;
+pub use metrics::Metrics;
+
+/// Records the projector folds into one atomic store batch: large enough to amortize
+/// the batch commit, small enough that read-your-writes waits stay short.
+pub const APPLY_CHUNK_MAX_RECORDS: usize = 512;
+/// How long a write waits for its record to be applied before answering 503.
+pub const APPLY_WAIT_TIMEOUT_MS: u64 = 30_000;
+/// Kafka mode: how often the projection is flushed and the group offsets committed.
+pub const KAFKA_COMMIT_INTERVAL_MS: u64 = 1_000;
+/// Kafka mode: pause before retrying a chunk whose meter is not projected yet.
+pub const NOT_YET_PROJECTED_RETRY_MS: u64 = 20;
+/// Consumer group name the projector commits under (Kafka).
+pub const PROJECTOR_GROUP: &str = "tally-projector";
+
+/// A store and environment: the scope every API request acts in.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Scope {
+    pub store_id: String,
+    pub mode: Mode,
+}
+
+/// In-memory views the hot paths need, kept current by the projector.
+#[derive(Debug, Default)]
+pub struct Caches {
+    /// sha256(api key) -> scope.
+    pub api_keys: DashMap<Vec<u8>, Scope>,
+    /// Every meter of a scope (archived too), for matching at ingest.
+    pub meters: DashMap<Scope, Arc<Vec<Meter>>>,
+    /// Event ids appended but not yet applied, with a fingerprint of the payload.
+    /// Together with the stored-event table this makes dedup exact under concurrent
+    /// requests: a reservation is made atomically before the append and removed only
+    /// after the projector has stored the event.
+    pub inflight_events: DashMap<String, u64>,
+}
+
+pub struct Engine {
+    log: Arc<dyn Log>,
+    store: Arc<dyn ProjectionStore>,
+    clock: Arc<dyn Clock>,
+    caches: Caches,
+    applied: Vec<watch::Sender<u64>>,
+    control_locks: DashMap<Scope, Arc<tokio::sync::Mutex<()>>>,
+    ready: AtomicBool,
+    failed: AtomicBool,
+    startup_end: Vec<u64>,
+    pub metrics: Metrics,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("log", &self.log.kind()).finish()
+    }
+}
+
+impl Engine {
+    /// Loads the caches from the projection and notes where the log ends, so
+    /// readiness can be reported once the projection has caught up.
+    pub async fn open(
+        log: Arc<dyn Log>,
+        store: Arc<dyn ProjectionStore>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Arc<Engine>, EngineError> {
+        let partitions = log.partition_count();
+        let mut applied = Vec::new();
+        let mut startup_end = Vec::new();
+        for partition in 0..partitions {
+            applied.push(watch::channel(store.position(partition)?).0);
+            startup_end.push(log.end_offset(partition).await?);
+        }
+        let engine = Engine {
+            log,
+            store,
+            clock,
+            caches: Caches::default(),
+            applied,
+            control_locks: DashMap::new(),
+            ready: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            startup_end,
+            metrics: Metrics::default(),
+        };
+        engine.load_caches()?;
+        engine.update_readiness();
+        Ok(Arc::new(engine))
+    }
+
+    fn load_caches(&self) -> Result<(), EngineError> {
+        let mut failure = None;
+        scan_prefix(self.store.as_ref(), &[keys::API_KEY], false, &mut |k, v| {
+            if let Some((mode_byte, store_id)) = v.split_last() {
+                let mode = if *mode_byte == Mode::Prod.key_byte() { Mode::Prod } else { Mode::Test };
+                let scope = Scope {
+                    store_id: String::from_utf8_lossy(store_id).into_owned(),
+                    mode,
+                };
+                self.caches.api_keys.insert(k[1..].to_vec(), scope);
+            }
+            Visit::Continue
+        })?;
+        let mut meters: std::collections::HashMap<Scope, Vec<Meter>> = Default::default();
+        scan_prefix(self.store.as_ref(), &[keys::METER], false, &mut |_, v| {
+            match codec::decode_meter(v) {
+                Ok(m) => meters
+                    .entry(Scope {
+                        store_id: m.store_id.clone(),
+                        mode: m.mode,
+                    })
+                    .or_default()
+                    .push(m),
+                Err(e) => {
+                    failure = Some(e);
+                    return Visit::Stop;
+                }
+            }
+            Visit::Continue
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        for (scope, list) in meters {
+            self.caches.meters.insert(scope, Arc::new(list));
+        }
+        Ok(())
+    }
+
+    pub fn log(&self) -> &Arc<dyn Log> {
+        &self.log
+    }
+
+    pub fn store(&self) -> &Arc<dyn ProjectionStore> {
+        &self.store
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    pub fn caches(&self) -> &Caches {
+        &self.caches
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    /// Ready once every partition has been applied up to where the log ended at
+    /// start-up (`/readyz`), and the projector has not failed.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst) && !self.failed.load(Ordering::SeqCst)
+    }
+
+    fn update_readiness(&self) {
+        let caught_up = self
+            .applied
+            .iter()
+            .zip(&self.startup_end)
+            .all(|(applied, end)| *applied.borrow() >= *end);
+        if caught_up {
+            self.ready.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Per partition: (applied next offset, durable end offset).
+    pub async fn positions(&self) -> Vec<(u64, u64)> {
+        let mut result = Vec::new();
+        for (partition, applied) in self.applied.iter().enumerate() {
+            let end = self.log.end_offset(partition as u32).await.unwrap_or(0);
+            result.push((*applied.borrow(), end));
+        }
+        result
+    }
+
+    /// The lock serializing control-plane writes of one scope (uniqueness checks of
+    /// meter names and external ids happen under it).
+    pub fn control_lock(&self, scope: &Scope) -> Arc<tokio::sync::Mutex<()>> {
+        self.control_locks
+            .entry(scope.clone())
+            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
+            .clone()
+    }
+
+    /// Appends a record; returns (partition, offset) once it is durable.
+    pub async fn append(&self, record: &Record) -> Result<(u32, u64), EngineError> {
+        let key = record.partition_key();
+        let payload = tally_proto::encode_record(record, self.clock.now_ms());
+        let partition = self.log.partition_for(&key);
+        let started = Instant::now();
+        let offset = self.log.append(&key, payload).await?;
+        self.metrics.log_append.observe(started.elapsed());
+        Ok((partition, offset))
+    }
+
+    /// Waits until the projector has applied the record at `offset`.
+    pub async fn wait_applied(&self, partition: u32, offset: u64) -> Result<(), EngineError> {
+        let mut applied = self.applied[partition as usize].subscribe();
+        let outcome = tokio::time::timeout(
+            Duration::from_millis(APPLY_WAIT_TIMEOUT_MS),
+            applied.wait_for(|next| *next > offset),
+        )
+        .await;
+        match outcome {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(EngineError::ApplyTimeout),
+        }
+    }
+
+    /// Appends a record and waits until it is visible in the projections.
+    pub async fn append_and_apply(&self, record: &Record) -> Result<(), EngineError> {
+        let (partition, offset) = self.append(record).await?;
+        self.wait_applied(partition, offset).await
+    }
+
+    /// Waits until everything durable in the log at this moment is applied.
+    pub async fn wait_caught_up(&self) -> Result<(), EngineError> {
+        for partition in 0..self.log.partition_count() {
+            let end = self.log.end_offset(partition).await?;
+            if end > 0 {
+                let mut applied = self.applied[partition as usize].subscribe();
+                let outcome = tokio::time::timeout(
+                    Duration::from_millis(APPLY_WAIT_TIMEOUT_MS),
+                    applied.wait_for(|next| *next >= end),
+                )
+                .await;
+                if !matches!(outcome, Ok(Ok(_))) {
+                    return Err(EngineError::ApplyTimeout);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts one projector task per partition; they stop when `shutdown` turns true.
+    pub fn start_projector(self: &Arc<Self>, shutdown: watch::Receiver<bool>) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..self.log.partition_count())
+            .map(|partition| {
+                let engine = self.clone();
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move { engine.projector_loop(partition, shutdown).await })
+            })
+            .collect()
+    }
+
+    async fn projector_loop(self: Arc<Self>, partition: u32, mut shutdown: watch::Receiver<bool>) {
+        let kafka = self.log.kind() == "kafka";
+        let mut last_commit = Instant::now();
+        let mut committed = 0u64;
+        let mut reader = None;
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            let next = *self.applied[partition as usize].borrow();
+            if reader.is_none() {
+                match self.log.reader(partition, next).await {
+                    Ok(r) => reader = Some(r),
+                    Err(error) => {
+                        tracing::error!(%error, partition, "cannot open log reader; retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                }
+            }
+            let batch = tokio::select! {
+                _ = shutdown.changed() => break,
+                batch = reader.as_mut().expect("opened").next_batch(APPLY_CHUNK_MAX_RECORDS, Duration::from_millis(200)) => batch,
+            };
+            let entries = match batch {
+                Ok(entries) => entries,
+                Err(error) => {
+                    tracing::error!(%error, partition, "log read failed; reopening the reader");
+                    reader = None;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                }
+            };
+            if let Some(last) = entries.last() {
+                let next_offset = last.next_offset;
+                let mut entries = entries;
+                loop {
+                    let store = self.store.clone();
+                    let result = tokio::task::spawn_blocking(move || {
+                        let outcome = projector::apply_chunk(store.as_ref(), &entries);
+                        (entries, outcome)
+                    })
+                    .await;
+                    let (returned, outcome) = match result {
+                        Ok(pair) => pair,
+                        Err(join_error) => {
+                            tracing::error!(%join_error, "projector task panicked");
+                            self.failed.store(true, Ordering::SeqCst);
+                            return;
+                        }
+                    };
+                    entries = returned;
+                    match outcome {
+                        Ok(applied) => {
+                            self.after_apply(applied);
+                            break;
+                        }
+                        Err(EngineError::NotYetProjected) => {
+                            tokio::time::sleep(Duration::from_millis(NOT_YET_PROJECTED_RETRY_MS)).await;
+                        }
+                        Err(error) => {
+                            tracing::error!(%error, partition, "projector stopped: a record could not be applied");
+                            self.failed.store(true, Ordering::SeqCst);
+                            return;
+                        }
+                    }
+                }
+                self.metrics
+                    .records_applied
+                    .fetch_add(entries.len() as u64, Ordering::Relaxed);
+                self.applied[partition as usize].send_replace(next_offset);
+                self.update_readiness();
+            }
+            if kafka && last_commit.elapsed() >= Duration::from_millis(KAFKA_COMMIT_INTERVAL_MS) {
+                let next = *self.applied[partition as usize].borrow();
+                if next > committed {
+                    // Commit only what is durable in the projection.
+                    match self.store.flush() {
+                        Ok(()) => match self.log.commit(PROJECTOR_GROUP, partition, next).await {
+                            Ok(()) => committed = next,
+                            Err(error) => tracing::warn!(%error, "kafka offset commit failed"),
+                        },
+                        Err(error) => tracing::warn!(%error, "projection flush failed"),
+                    }
+                }
+                last_commit = Instant::now();
+            }
+        }
+    }
+
+    /// Updates the caches from a committed chunk. Runs before waiters are woken, so
+    /// a write that returns is visible to every later request.
+    fn after_apply(&self, applied: projector::Applied) {
+        for store in applied.stores {
+            for (hash, mode) in [(store.prod_key_sha256, Mode::Prod), (store.test_key_sha256, Mode::Test)] {
+                self.caches.api_keys.insert(
+                    hash,
+                    Scope {
+                        store_id: store.store_id.clone(),
+                        mode,
+                    },
+                );
+            }
+        }
+        for meter in applied.meters {
+            let scope = Scope {
+                store_id: meter.store_id.clone(),
+                mode: meter.mode,
+            };
+            let mut entry = self.caches.meters.entry(scope).or_default();
+            let mut list: Vec<Meter> = entry.as_ref().clone();
+            match list.iter_mut().find(|m| m.id == meter.id) {
+                Some(existing) => *existing = meter,
+                None => list.push(meter),
+            }
+            *entry = Arc::new(list);
+        }
+        for key in applied.event_keys {
+            self.caches.inflight_events.remove(&key);
+        }
+    }
+
+    /// Flushes the projection (graceful shutdown).
+    pub fn flush(&self) -> Result<(), EngineError> {
+        self.store.flush()?;
+        Ok(())
+    }
+}

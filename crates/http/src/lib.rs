@@ -1,1 +1,158 @@
+//! The HTTP facade: a thin axum layer serving `/v1` from the engine's projections.
+//!
+//! Two listeners share one router shape; each serves one environment (production on
+//! `--listen`, test on `--test-listen`) and only accepts that environment's keys.
+//! Wire types (JSON) are built and parsed here and nowhere else; all errors pass
+//! through `error.rs`.
 
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::middleware::from_fn_with_state;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use dashmap::DashMap;
+use tally_domain::Mode;
+use tally_engine::Engine;
+
+pub mod error;
+pub mod extract;
+pub mod middleware;
+pub mod routes;
+pub mod wire;
+
+use error::ApiError;
+use middleware::{InflightIdempotency, RateLimiter};
+
+/// How often expired idempotency entries are deleted.
+pub const IDEMPOTENCY_SWEEP_INTERVAL_MS: u64 = 10 * 60 * 1000;
+
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    /// `TALLY_ADMIN_TOKEN`: enables the admin API on the production listener.
+    pub admin_token: Option<String>,
+    pub rate_limit_per_second: u32,
+    pub rate_limit_burst: u32,
+}
+
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    /// The environment this listener serves.
+    pub mode: Mode,
+    pub config: Arc<HttpConfig>,
+    pub limiter: Arc<RateLimiter>,
+    pub idempotency_inflight: InflightIdempotency,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").field("mode", &self.mode).finish()
+    }
+}
+
+async fn route_not_found() -> impl IntoResponse {
+    ApiError::new(StatusCode::NOT_FOUND, "route_not_found", "no such route; see docs/api.md")
+}
+
+async fn method_not_allowed() -> impl IntoResponse {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this route does not take that HTTP method")
+}
+
+/// The router of one listener.
+pub fn router(state: AppState) -> Router {
+    use routes::{customers, events, meters};
+    let v1 = Router::new()
+        .route("/v1/customers", get(customers::list).post(customers::create))
+        .route("/v1/customers/{id}", get(customers::get).post(customers::update))
+        .route("/v1/meters", get(meters::list).post(meters::create))
+        .route("/v1/meters/preview", post(meters::preview_definition))
+        .route("/v1/meters/{id}", get(meters::get).post(meters::update))
+        .route("/v1/meters/{id}/archive", post(meters::archive))
+        .route("/v1/meters/{id}/unarchive", post(meters::unarchive))
+        .route("/v1/meters/{id}/backfill", post(meters::backfill))
+        .route("/v1/meters/{id}/preview", post(meters::preview_existing))
+        .route("/v1/meters/{id}/usage", get(meters::usage))
+        .route("/v1/events", get(events::list))
+        .route("/v1/events/ingest", post(events::ingest))
+        .route("/v1/events/preview", post(events::preview))
+        .route("/v1/events/{event_id}", get(events::get))
+        .method_not_allowed_fallback(method_not_allowed)
+        // Layers run bottom-up: authenticate, then rate limit, then idempotency.
+        .layer(from_fn_with_state(state.clone(), middleware::idempotency))
+        .layer(from_fn_with_state(state.clone(), middleware::rate_limit))
+        .layer(from_fn_with_state(state.clone(), middleware::authenticate));
+    let mut open = Router::new()
+        .route("/healthz", get(routes::health::healthz))
+        .route("/readyz", get(routes::health::readyz))
+        .route("/metrics", get(routes::health::metrics));
+    if state.mode == Mode::Prod {
+        open = open.route("/admin/v1/stores", post(routes::admin::create_store));
+    }
+    open.method_not_allowed_fallback(method_not_allowed)
+        .merge(v1)
+        .fallback(route_not_found)
+        .layer(from_fn_with_state(state.clone(), middleware::request_context))
+        .with_state(state)
+}
+
+/// The state of both listeners (they share limits and the idempotency guard).
+pub fn states(engine: Arc<Engine>, config: HttpConfig) -> (AppState, AppState) {
+    let config = Arc::new(config);
+    let limiter = Arc::new(RateLimiter::new(config.rate_limit_per_second, config.rate_limit_burst));
+    let inflight: InflightIdempotency = Arc::new(DashMap::new());
+    let make = |mode| AppState {
+        engine: engine.clone(),
+        mode,
+        config: config.clone(),
+        limiter: limiter.clone(),
+        idempotency_inflight: inflight.clone(),
+    };
+    (make(Mode::Prod), make(Mode::Test))
+}
+
+/// Serves both listeners until `shutdown` resolves, then finishes in-flight requests.
+pub async fn serve(
+    prod: (tokio::net::TcpListener, AppState),
+    test: (tokio::net::TcpListener, AppState),
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let sweeper_state = prod.1.clone();
+    let mut sweeper_shutdown = shutdown.clone();
+    let sweeper = tokio::spawn(async move {
+        let mut interval = tokio::time::interval(std::time::Duration::from_millis(IDEMPOTENCY_SWEEP_INTERVAL_MS));
+        loop {
+            tokio::select! {
+                _ = interval.tick() => {
+                    let removed = middleware::sweep_idempotency(&sweeper_state);
+                    if removed > 0 {
+                        tracing::info!(removed, "expired idempotency keys deleted");
+                    }
+                }
+                _ = sweeper_shutdown.changed() => break,
+            }
+        }
+    });
+    let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let (prod_listener, prod_state) = prod;
+    let (test_listener, test_state) = test;
+    let prod_server = axum::serve(
+        prod_listener,
+        router(prod_state).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(wait(shutdown.clone()));
+    let test_server = axum::serve(
+        test_listener,
+        router(test_state).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(wait(shutdown.clone()));
+    let (a, b) = tokio::join!(prod_server, test_server);
+    sweeper.abort();
+    a?;
+    b?;
+    Ok(())
+}

@@ -302,3 +302,89 @@ mod tests {
         assert!(meter_from_proto(m).is_err());
     }
 }
+
+/// Encodes a record for the log.
+pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64) -> Vec<u8> {
+    use prost::Message;
+    use tally_domain::record::Record;
+    use v1::log_record::Kind;
+    let kind = match record {
+        Record::StoreCreated(s) => Kind::StoreCreated(v1::StoreCreated {
+            store_id: s.store_id.clone(),
+            name: s.name.clone(),
+            prod_key_sha256: s.prod_key_sha256.clone(),
+            test_key_sha256: s.test_key_sha256.clone(),
+            created_at_ms: s.created_at_ms,
+        }),
+        Record::CustomerUpserted(c) => Kind::CustomerUpserted(v1::CustomerUpserted {
+            customer: Some(customer_to_proto(c)),
+        }),
+        Record::MeterUpserted(m) => Kind::MeterUpserted(v1::MeterUpserted {
+            meter: Some(meter_to_proto(m)),
+        }),
+        Record::UsageBatch {
+            store_id,
+            mode,
+            events,
+        } => Kind::UsageBatch(v1::UsageBatch {
+            store_id: store_id.clone(),
+            mode: mode_to_proto(*mode),
+            events: events.iter().map(usage_event_to_proto).collect(),
+        }),
+        Record::MeterBackfill {
+            store_id,
+            mode,
+            meter_id,
+            start_ms,
+        } => Kind::MeterBackfill(v1::MeterBackfill {
+            store_id: store_id.clone(),
+            mode: mode_to_proto(*mode),
+            meter_id: meter_id.clone(),
+            start_ms: *start_ms,
+        }),
+    };
+    v1::LogRecord {
+        recorded_at_ms,
+        kind: Some(kind),
+    }
+    .encode_to_vec()
+}
+
+/// Decodes a log record; returns it with its `recorded_at_ms`.
+pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64), DecodeError> {
+    use prost::Message;
+    use tally_domain::record::{Record, StoreRecord};
+    use v1::log_record::Kind;
+    let record = v1::LogRecord::decode(bytes)?;
+    let decoded = match record.kind.ok_or(DecodeError::BadField("kind"))? {
+        Kind::StoreCreated(s) => Record::StoreCreated(StoreRecord {
+            store_id: s.store_id,
+            name: s.name,
+            prod_key_sha256: s.prod_key_sha256,
+            test_key_sha256: s.test_key_sha256,
+            created_at_ms: s.created_at_ms,
+        }),
+        Kind::CustomerUpserted(c) => Record::CustomerUpserted(customer_from_proto(
+            c.customer.ok_or(DecodeError::BadField("customer"))?,
+        )?),
+        Kind::MeterUpserted(m) => Record::MeterUpserted(meter_from_proto(
+            m.meter.ok_or(DecodeError::BadField("meter"))?,
+        )?),
+        Kind::UsageBatch(b) => Record::UsageBatch {
+            store_id: b.store_id,
+            mode: mode_from_proto(b.mode)?,
+            events: b
+                .events
+                .into_iter()
+                .map(usage_event_from_proto)
+                .collect::<Result<_, _>>()?,
+        },
+        Kind::MeterBackfill(b) => Record::MeterBackfill {
+            store_id: b.store_id,
+            mode: mode_from_proto(b.mode)?,
+            meter_id: b.meter_id,
+            start_ms: b.start_ms,
+        },
+    };
+    Ok((decoded, record.recorded_at_ms))
+}

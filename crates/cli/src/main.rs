@@ -1,0 +1,381 @@
+//! `tally`: the one binary. Subcommands serve the API, rebuild projections from the
+//! log, and administer stores and Kafka topics. `anyhow` lives here and nowhere else.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use tally_domain::clock::Clock;
+use tally_engine::Engine;
+use tally_log::embedded::EmbeddedLog;
+use tally_log::kafka::{create_topic, KafkaConfig, KafkaLog};
+use tally_log::Log;
+use tally_projection::{ProjectionStore, SledStore};
+
+mod clock;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tally",
+    version,
+    about = "Tally: event-sourced usage metering and credits ledger",
+    long_about = "Tally deduplicates and aggregates usage events, keeps customer credit ledgers, \
+and serves a billing REST API (/v1). Every state change is a record in a durable log; \
+projections are rebuilt from it.\n\nStart here: `tally serve` (embedded log under ./tally-data, \
+production API on 127.0.0.1:8080, test API on 127.0.0.1:8081). Every flag can also be set \
+through the TALLY_* environment variable named in its help."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the API server (both listeners) and the projector.
+    Serve(ServeArgs),
+    /// Rebuild every projection from the log into a fresh store and print its digest;
+    /// then bring the live projection up to date and compare (exit 1 on mismatch).
+    /// Stop the server first: the data dir is locked while it runs.
+    Replay(ReplayArgs),
+    /// Store administration against a running server.
+    Store {
+        #[command(subcommand)]
+        command: StoreCommand,
+    },
+    /// Kafka administration.
+    Kafka {
+        #[command(subcommand)]
+        command: KafkaCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum StoreCommand {
+    /// Create a store and print its API keys (shown once). Needs TALLY_ADMIN_TOKEN.
+    Create {
+        /// Name of the new store.
+        #[arg(long)]
+        name: String,
+        /// The server's production listener.
+        #[arg(long, env = "TALLY_BASE_URL", default_value = "http://127.0.0.1:8080")]
+        base_url: String,
+        /// Admin token the server was started with.
+        #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum KafkaCommand {
+    /// Create the log topic (idempotent: an existing topic is left alone).
+    CreateTopics(KafkaArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum LogKind {
+    /// Durable local files under --data-dir; no other process needed.
+    Embedded,
+    /// Kafka via rdkafka (--kafka-brokers).
+    Kafka,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Args, Debug, Clone)]
+struct KafkaArgs {
+    /// Kafka bootstrap brokers, comma separated (H:P[,H:P]).
+    #[arg(long, env = "TALLY_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    kafka_brokers: String,
+    /// Topic holding the log.
+    #[arg(long, env = "TALLY_KAFKA_TOPIC", default_value = "tally.log")]
+    kafka_topic: String,
+    /// Partitions of the topic. Usage is partitioned by customer, control records by
+    /// store. Must match the topic's real partition count.
+    #[arg(long, env = "TALLY_KAFKA_PARTITIONS", default_value_t = 12)]
+    kafka_partitions: u32,
+    /// Replication factor when creating the topic (3 in production, 1 for a test broker).
+    #[arg(long, env = "TALLY_KAFKA_REPLICATION_FACTOR", default_value_t = 1)]
+    kafka_replication_factor: i32,
+}
+
+impl KafkaArgs {
+    fn config(&self) -> KafkaConfig {
+        KafkaConfig {
+            brokers: self.kafka_brokers.clone(),
+            topic: self.kafka_topic.clone(),
+            partitions: self.kafka_partitions,
+            replication_factor: self.kafka_replication_factor,
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+struct StorageArgs {
+    /// Where the embedded log and the projections live.
+    #[arg(long, env = "TALLY_DATA_DIR", default_value = "./tally-data")]
+    data_dir: PathBuf,
+    /// Which log implementation holds the records.
+    #[arg(long = "log", env = "TALLY_LOG", value_enum, default_value_t = LogKind::Embedded)]
+    log_kind: LogKind,
+    #[command(flatten)]
+    kafka: KafkaArgs,
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    #[command(flatten)]
+    storage: StorageArgs,
+    /// Production listener (production keys only).
+    #[arg(long, env = "TALLY_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Test listener (test keys only).
+    #[arg(long, env = "TALLY_TEST_LISTEN", default_value = "127.0.0.1:8081")]
+    test_listen: SocketAddr,
+    /// Log output format on stderr.
+    #[arg(long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Requests per second allowed per API key (token bucket refill rate).
+    #[arg(long, env = "TALLY_RATE_LIMIT_PER_SECOND", default_value_t = 1000)]
+    rate_limit_per_second: u32,
+    /// Burst allowed per API key (token bucket size).
+    #[arg(long, env = "TALLY_RATE_LIMIT_BURST", default_value_t = 2000)]
+    rate_limit_burst: u32,
+    /// Admin API token; enables POST /admin/v1/stores on the production listener.
+    #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+}
+
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TALLY_LOG_LEVEL")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn open_log(storage: &StorageArgs, create_kafka_topic: bool) -> Result<Arc<dyn Log>> {
+    Ok(match storage.log_kind {
+        LogKind::Embedded => {
+            let dir = storage.data_dir.join("log");
+            match EmbeddedLog::open(&dir) {
+                Ok(log) => Arc::new(log),
+                Err(tally_log::LogError::Locked(dir)) => bail!(
+                    "the data dir log {dir} is in use by another tally process (stop it first, or use another --data-dir)"
+                ),
+                Err(e) => return Err(e).with_context(|| format!("opening the embedded log in {}", dir.display())),
+            }
+        }
+        LogKind::Kafka => {
+            let config = storage.kafka.config();
+            if create_kafka_topic && create_topic(&config).await.context("creating the Kafka topic")? {
+                tracing::info!(topic = %config.topic, partitions = config.partitions, "created Kafka topic");
+            }
+            Arc::new(KafkaLog::connect(config).context("connecting to Kafka")?)
+        }
+    })
+}
+
+fn open_projections(dir: &Path) -> Result<Arc<dyn ProjectionStore>> {
+    Ok(Arc::new(
+        SledStore::open(dir).with_context(|| format!("opening the projection store in {}", dir.display()))?,
+    ))
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    init_tracing(args.log_format);
+    std::fs::create_dir_all(&args.storage.data_dir)
+        .with_context(|| format!("creating data dir {}", args.storage.data_dir.display()))?;
+    let log = open_log(&args.storage, true).await?;
+    let store = open_projections(&args.storage.data_dir.join("projections"))?;
+    let clock: Arc<dyn Clock> = Arc::new(clock::SystemClock);
+    let engine = Engine::open(log.clone(), store, clock).await?;
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let projector = engine.start_projector(shutdown_rx.clone());
+
+    let prod_listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding the production listener {}", args.listen))?;
+    let test_listener = tokio::net::TcpListener::bind(args.test_listen)
+        .await
+        .with_context(|| format!("binding the test listener {}", args.test_listen))?;
+    let prod_addr = prod_listener.local_addr()?;
+    let test_addr = test_listener.local_addr()?;
+    let (prod_state, test_state) = tally_http::states(
+        engine.clone(),
+        tally_http::HttpConfig {
+            admin_token: args.admin_token.clone().filter(|t| !t.is_empty()),
+            rate_limit_per_second: args.rate_limit_per_second,
+            rate_limit_burst: args.rate_limit_burst,
+        },
+    );
+    let server = tokio::spawn(tally_http::serve(
+        (prod_listener, prod_state),
+        (test_listener, test_state),
+        shutdown_rx.clone(),
+    ));
+
+    // Catch up with the log before deciding whether this is a first start.
+    let started = std::time::Instant::now();
+    while !engine.is_ready() {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if started.elapsed().as_secs() > 0 && started.elapsed().as_millis() % 5000 < 100 {
+            let positions = engine.positions().await;
+            tracing::info!(?positions, "catching up with the log (applied, end)");
+        }
+    }
+    tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "projections caught up with the log");
+    let log_description = match args.storage.log_kind {
+        LogKind::Embedded => format!("embedded log in {}", args.storage.data_dir.join("log").display()),
+        LogKind::Kafka => format!("Kafka topic {} at {}", args.storage.kafka.kafka_topic, args.storage.kafka.kafka_brokers),
+    };
+    println!("tally {} is serving", env!("CARGO_PKG_VERSION"));
+    println!("  production API: http://{prod_addr}  (prod keys)");
+    println!("  test API:       http://{test_addr}  (test keys)");
+    println!("  data:           {log_description}");
+    match engine.bootstrap_default_store().await? {
+        Some(created) => {
+            println!();
+            println!("Created store \"{}\" ({}). Its API keys are shown only this once:", created.name, created.store_id);
+            println!("  test key: {}", created.test_key);
+            println!("  prod key: {}", created.prod_key);
+            println!();
+            println!("Try: curl -H 'x-api-key: {}' http://{test_addr}/v1/meters", created.test_key);
+        }
+        None => println!("  stores:         {} (keys were printed when each was created)", engine.store_count()?),
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+
+    shutdown_signal().await;
+    tracing::info!("shutting down: no new connections, finishing in-flight requests");
+    let _ = shutdown_tx.send(true);
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "server error during shutdown"),
+        Err(e) => tracing::error!(error = %e, "server task failed"),
+    }
+    for task in projector {
+        let _ = task.await;
+    }
+    engine.flush()?;
+    drop(engine);
+    drop(log);
+    tracing::info!("stopped cleanly");
+    Ok(())
+}
+
+async fn replay(args: ReplayArgs) -> Result<()> {
+    init_tracing(LogFormat::Text);
+    let log = open_log(&args.storage, false).await?;
+    let scratch = args.storage.data_dir.join(format!("replay-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let replayed = open_projections(&scratch)?;
+    let show_progress = std::io::stderr().is_terminal();
+    let mut records = 0;
+    for partition in 0..log.partition_count() {
+        records += tally_engine::projector::replay_partition(log.as_ref(), replayed.clone(), partition, |at, end| {
+            if show_progress {
+                eprint!("\rpartition {partition}: {at}/{end} ({:.0}%)   ", at as f64 * 100.0 / end.max(1) as f64);
+            }
+        })
+        .await?;
+    }
+    if show_progress {
+        eprintln!();
+    }
+    let replayed_digest = replayed.digest()?;
+    drop(replayed);
+    let _ = std::fs::remove_dir_all(&scratch);
+    println!("replayed {records} records from the {} log", log.kind());
+    println!("replayed projection digest: {replayed_digest}");
+
+    let live = open_projections(&args.storage.data_dir.join("projections"))?;
+    for partition in 0..log.partition_count() {
+        tally_engine::projector::replay_partition(log.as_ref(), live.clone(), partition, |_, _| {}).await?;
+    }
+    live.flush()?;
+    let live_digest = live.digest()?;
+    println!("live projection digest:     {live_digest}");
+    if live_digest != replayed_digest {
+        println!("MISMATCH: the live projection differs from a replay of the log");
+        std::process::exit(1);
+    }
+    println!("match: the live projection equals a replay of the log");
+    Ok(())
+}
+
+async fn store_create(name: String, base_url: String, admin_token: String) -> Result<()> {
+    let url = format!("{}/admin/v1/stores", base_url.trim_end_matches('/'));
+    let response = reqwest::Client::new()
+        .post(&url)
+        .bearer_auth(admin_token)
+        .json(&serde_json::json!({ "name": name }))
+        .send()
+        .await
+        .with_context(|| format!("calling {url}"))?;
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.context("reading the answer")?;
+    if !status.is_success() {
+        bail!("{status}: {}", body["error"]["message"].as_str().unwrap_or("unknown error"));
+    }
+    println!("Created store \"{}\" ({}). Its API keys are shown only this once:", body["name"].as_str().unwrap_or(""), body["id"].as_str().unwrap_or(""));
+    println!("  test key: {}", body["api_keys"]["test"].as_str().unwrap_or(""));
+    println!("  prod key: {}", body["api_keys"]["prod"].as_str().unwrap_or(""));
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => serve(args).await,
+        Command::Replay(args) => replay(args).await,
+        Command::Store {
+            command: StoreCommand::Create { name, base_url, admin_token },
+        } => store_create(name, base_url, admin_token).await,
+        Command::Kafka {
+            command: KafkaCommand::CreateTopics(args),
+        } => {
+            let config = args.config();
+            if create_topic(&config).await? {
+                println!("created topic {} with {} partitions", config.topic, config.partitions);
+            } else {
+                println!("topic {} already exists", config.topic);
+            }
+            Ok(())
+        }
+    }
+}

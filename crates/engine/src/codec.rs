@@ -1,0 +1,133 @@
+//! Projection values: protobuf (via tally-proto) for objects, a fixed 66-byte layout
+//! for usage buckets (they are the hottest writes).
+
+use rust_decimal::Decimal;
+use tally_domain::aggregate::Aggregate;
+use tally_domain::customer::Customer;
+use tally_domain::meter::Meter;
+use tally_domain::record::StoreRecord;
+use tally_domain::usage::UsageEvent;
+use tally_proto::{v1, Message};
+
+use crate::error::EngineError;
+
+pub fn encode_customer(c: &Customer) -> Vec<u8> {
+    tally_proto::customer_to_proto(c).encode_to_vec()
+}
+
+pub fn decode_customer(bytes: &[u8]) -> Result<Customer, EngineError> {
+    Ok(tally_proto::customer_from_proto(v1::Customer::decode(bytes).map_err(corrupt)?).map_err(corrupt)?)
+}
+
+pub fn encode_meter(m: &Meter) -> Vec<u8> {
+    tally_proto::meter_to_proto(m).encode_to_vec()
+}
+
+pub fn decode_meter(bytes: &[u8]) -> Result<Meter, EngineError> {
+    Ok(tally_proto::meter_from_proto(v1::Meter::decode(bytes).map_err(corrupt)?).map_err(corrupt)?)
+}
+
+pub fn encode_store(s: &StoreRecord) -> Vec<u8> {
+    v1::StoreCreated {
+        store_id: s.store_id.clone(),
+        name: s.name.clone(),
+        prod_key_sha256: s.prod_key_sha256.clone(),
+        test_key_sha256: s.test_key_sha256.clone(),
+        created_at_ms: s.created_at_ms,
+    }
+    .encode_to_vec()
+}
+
+pub fn decode_store(bytes: &[u8]) -> Result<StoreRecord, EngineError> {
+    let s = v1::StoreCreated::decode(bytes).map_err(corrupt)?;
+    Ok(StoreRecord {
+        store_id: s.store_id,
+        name: s.name,
+        prod_key_sha256: s.prod_key_sha256,
+        test_key_sha256: s.test_key_sha256,
+        created_at_ms: s.created_at_ms,
+    })
+}
+
+/// Stored events are prefixed with the suffix of their listing key, so a cursor
+/// (an event id) finds its place in the listing.
+pub const EVENT_LIST_SUFFIX_BYTES: usize = 8 + 4 + 8 + 4;
+
+pub fn encode_event(list_suffix: &[u8], event: &UsageEvent) -> Vec<u8> {
+    let mut bytes = list_suffix.to_vec();
+    tally_proto::usage_event_to_proto(event)
+        .encode(&mut bytes)
+        .expect("vec grows");
+    bytes
+}
+
+/// Returns the listing-key suffix and the event.
+pub fn decode_event(bytes: &[u8]) -> Result<(&[u8], UsageEvent), EngineError> {
+    if bytes.len() < EVENT_LIST_SUFFIX_BYTES {
+        return Err(EngineError::Corrupt("short stored event".into()));
+    }
+    let (suffix, body) = bytes.split_at(EVENT_LIST_SUFFIX_BYTES);
+    let event = tally_proto::usage_event_from_proto(v1::UsageEvent::decode(body).map_err(corrupt)?)
+        .map_err(corrupt)?;
+    Ok((suffix, event))
+}
+
+const AGGREGATE_BYTES: usize = 8 + 8 + 16 + 17 + 17;
+
+fn put_optional(bytes: &mut Vec<u8>, value: Option<Decimal>) {
+    match value {
+        Some(v) => {
+            bytes.push(1);
+            bytes.extend_from_slice(&v.serialize());
+        }
+        None => {
+            bytes.push(0);
+            bytes.extend_from_slice(&[0; 16]);
+        }
+    }
+}
+
+pub fn encode_aggregate(a: &Aggregate) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(AGGREGATE_BYTES);
+    bytes.extend_from_slice(&a.events.to_be_bytes());
+    bytes.extend_from_slice(&a.numeric_events.to_be_bytes());
+    bytes.extend_from_slice(&a.sum.serialize());
+    put_optional(&mut bytes, a.min);
+    put_optional(&mut bytes, a.max);
+    bytes
+}
+
+pub fn decode_aggregate(bytes: &[u8]) -> Result<Aggregate, EngineError> {
+    if bytes.len() != AGGREGATE_BYTES {
+        return Err(EngineError::Corrupt("aggregate of wrong size".into()));
+    }
+    let decimal = |at: usize| Decimal::deserialize(bytes[at..at + 16].try_into().expect("16"));
+    let optional = |at: usize| (bytes[at] == 1).then(|| decimal(at + 1));
+    Ok(Aggregate {
+        events: u64::from_be_bytes(bytes[0..8].try_into().expect("8")),
+        numeric_events: u64::from_be_bytes(bytes[8..16].try_into().expect("8")),
+        sum: decimal(16),
+        min: optional(32),
+        max: optional(49),
+    })
+}
+
+fn corrupt(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Corrupt(e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aggregate_round_trips() {
+        let mut a = Aggregate::default();
+        a.add(Some("-1.25".parse().unwrap()));
+        a.add(Some("7".parse().unwrap()));
+        a.add(None);
+        assert_eq!(decode_aggregate(&encode_aggregate(&a)).unwrap(), a);
+        let empty = Aggregate::default();
+        assert_eq!(decode_aggregate(&encode_aggregate(&empty)).unwrap(), empty);
+    }
+}

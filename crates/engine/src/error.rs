@@ -1,0 +1,60 @@
+//! The engine's errors: what a request can fail with, as values the HTTP layer maps
+//! to status codes (see `tally-http`'s error.rs).
+
+use tally_domain::FieldError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Bad input: 400 naming the parameter.
+    #[error(transparent)]
+    Invalid(#[from] FieldError),
+    /// 404.
+    #[error("no such {resource}: '{id}'")]
+    NotFound {
+        resource: &'static str,
+        id: String,
+        param: Option<String>,
+    },
+    /// 409 with a machine code.
+    #[error("{message}")]
+    Conflict {
+        code: &'static str,
+        message: String,
+        param: Option<String>,
+        archived_holder_id: Option<String>,
+    },
+    /// The log refused or failed the append: nothing was written (503).
+    #[error("the log is unavailable: {0}")]
+    LogUnavailable(#[from] tally_log::LogError),
+    /// Projection store I/O failure (500).
+    #[error("projection store failure: {0}")]
+    Store(#[from] tally_projection::StoreError),
+    /// A stored value or record did not decode: a bug or a corrupted store (500).
+    #[error("corrupt data: {0}")]
+    Corrupt(String),
+    /// The write was appended but the projector did not apply it in time (503).
+    #[error("timed out waiting for the projection to apply the write")]
+    ApplyTimeout,
+    /// The projector is waiting for a record of another partition (Kafka mode).
+    #[error("a meter referenced by a usage record is not projected yet")]
+    NotYetProjected,
+}
+
+impl EngineError {
+    pub fn not_found(resource: &'static str, id: &str) -> Self {
+        EngineError::NotFound {
+            resource,
+            id: id.to_string(),
+            param: None,
+        }
+    }
+
+    pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+        EngineError::Conflict {
+            code,
+            message: message.into(),
+            param: None,
+            archived_holder_id: None,
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! The ingest gateway: validates batches, resolves customers, matches meters and
+//! deduplicates event ids, then appends the accepted events to the log.
+//!
+//! Ingest and preview run the same [`Engine::evaluate_batch`]; preview stops before
+//! reserving or writing anything.
+//!
+//! Dedup is exact: an event id is a duplicate when it is stored (the `E` table), in
+//! flight (appended, not yet applied: `Caches::inflight_events`), or earlier in the
+//! same batch. Ingest reserves ids atomically in the in-flight map before appending,
+//! so two concurrent requests carrying the same id cannot both be accepted. The
+//! projector deduplicates once more in log order, so a replay, or two nodes racing on
+//! Kafka, still keep exactly the first event.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::Ordering;
+
+use dashmap::mapref::entry::Entry;
+use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
+use tally_domain::record::Record;
+use tally_domain::usage::{validate_event, CustomerRef, RawUsageEvent, UsageEvent, ValidatedEvent};
+use tally_domain::FieldError;
+
+use crate::codec;
+use crate::customers::cursor_from;
+use crate::error::EngineError;
+use crate::ids::new_id;
+use crate::keys::{self, Key};
+use crate::pagination::{paginate, Page, PageRequest};
+use crate::projector::inflight_key;
+use crate::{Engine, Scope};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    pub code: &'static str,
+    pub message: String,
+}
+
+/// What ingest or preview says about one event.
+#[derive(Debug, Clone)]
+pub struct EventReport {
+    pub valid: bool,
+    /// For an invalid event; `param` is the full path (`events[3].timestamp`).
+    pub error: Option<FieldError>,
+    pub event_id: Option<String>,
+    pub customer_id: Option<String>,
+    pub duplicate: bool,
+    pub matched_meters: Vec<String>,
+    pub warnings: Vec<Warning>,
+}
+
+#[derive(Debug, Clone)]
+pub struct IngestOutcome {
+    pub accepted: usize,
+    pub duplicates: usize,
+    pub events: Vec<EventReport>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Evaluation {
+    Preview,
+    Ingest,
+}
+
+struct Evaluated {
+    reports: Vec<EventReport>,
+    accepted: Vec<UsageEvent>,
+    reservations: Vec<String>,
+}
+
+/// Filters of `GET /v1/events`.
+#[derive(Debug, Clone, Default)]
+pub struct EventFilter {
+    pub customer_id: Option<String>,
+    pub name: Option<String>,
+    pub meter_id: Option<String>,
+    pub start_ms: Option<i64>,
+    pub end_ms: Option<i64>,
+}
+
+fn fingerprint(event: &ValidatedEvent, customer_id: &str) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    event.name.hash(&mut hasher);
+    customer_id.hash(&mut hasher);
+    event.timestamp_ms.hash(&mut hasher);
+    event.properties.hash(&mut hasher);
+    hasher.finish()
+}
+
+fn duplicate_warnings(report: &mut EventReport, payload_differs: bool) {
+    report.duplicate = true;
+    report.warnings.push(Warning {
+        code: "duplicate_event_id",
+        message: "an event with this event_id was already ingested; this one is ignored".into(),
+    });
+    if payload_differs {
+        report.warnings.push(Warning {
+            code: "duplicate_payload_differs",
+            message: "the ignored duplicate's payload differs from the event that was kept".into(),
+        });
+    }
+}
+
+impl Engine {
+    /// The active meters of the scope that consume this event now.
+    fn matching_meters<'m>(meters: &'m [Meter], event: &ValidatedEvent) -> Vec<&'m Meter> {
+        let view = EventView {
+            name: &event.name,
+            timestamp_ms: event.timestamp_ms,
+            properties: &event.properties,
+        };
+        meters
+            .iter()
+            .filter(|m| {
+                m.status == MeterStatus::Active
+                    && event.timestamp_ms >= m.counts_from_ms
+                    && m.matches(&view)
+            })
+            .collect()
+    }
+
+    fn resolve_customer(&self, scope: &Scope, customer: &CustomerRef) -> Result<Option<String>, EngineError> {
+        match customer {
+            CustomerRef::Id(id) => Ok(self.customer_exists(scope, id)?.then(|| id.clone())),
+            CustomerRef::External(external) => self.customer_id_by_external(scope, external),
+        }
+    }
+
+    fn stored_event(&self, scope: &Scope, event_id: &str) -> Result<Option<UsageEvent>, EngineError> {
+        let key = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).tail(event_id.as_bytes());
+        match self.store().get(key.as_bytes())? {
+            Some(bytes) => Ok(Some(codec::decode_event(&bytes)?.1)),
+            None => Ok(None),
+        }
+    }
+
+    fn evaluate_batch(
+        &self,
+        scope: &Scope,
+        raws: &[Result<RawUsageEvent, FieldError>],
+        evaluation: Evaluation,
+    ) -> Result<Evaluated, EngineError> {
+        let now = self.now_ms();
+        let meters = self
+            .caches()
+            .meters
+            .get(scope)
+            .map(|m| m.clone())
+            .unwrap_or_default();
+        let invalid = |index: usize, e: FieldError| {
+            let param = if e.param.is_empty() {
+                format!("events[{index}]")
+            } else {
+                format!("events[{index}].{}", e.param)
+            };
+            FieldError::new("invalid_usage_event", param, e.message)
+        };
+        // Phase 1: validate, resolve and match every event; nothing is reserved yet.
+        let mut reports = Vec::with_capacity(raws.len());
+        let mut candidates: Vec<Option<(ValidatedEvent, String, String, bool)>> = Vec::with_capacity(raws.len());
+        for (index, raw) in raws.iter().enumerate() {
+            let mut report = EventReport {
+                valid: false,
+                error: None,
+                event_id: None,
+                customer_id: None,
+                duplicate: false,
+                matched_meters: Vec::new(),
+                warnings: Vec::new(),
+            };
+            let validated = raw
+                .as_ref()
+                .map_err(|e| e.clone())
+                .and_then(|raw| validate_event(raw, now));
+            let validated = match validated {
+                Ok(v) => v,
+                Err(e) => {
+                    report.error = Some(invalid(index, e));
+                    reports.push(report);
+                    candidates.push(None);
+                    continue;
+                }
+            };
+            let Some(customer_id) = self.resolve_customer(scope, &validated.customer)? else {
+                let (param, what) = match &validated.customer {
+                    CustomerRef::Id(id) => ("customer_id", format!("no customer with id '{id}'")),
+                    CustomerRef::External(e) => ("external_customer_id", format!("no customer with external_id '{e}'")),
+                };
+                report.error = Some(invalid(index, FieldError::new("invalid_usage_event", param, what)));
+                reports.push(report);
+                candidates.push(None);
+                continue;
+            };
+            let assigned = validated.event_id.is_none();
+            let event_id = validated.event_id.clone().unwrap_or_else(|| new_id("evt"));
+            let matched = Self::matching_meters(&meters, &validated);
+            if matched.is_empty() {
+                report.warnings.push(Warning {
+                    code: "no_matching_meter",
+                    message: format!("no active meter consumes events named '{}' with these properties", validated.name),
+                });
+            }
+            for meter in &matched {
+                let Some(property) = &meter.aggregation_property else { continue };
+                let usable = match validated.properties.get(property) {
+                    None => false,
+                    Some(v) => meter.aggregation == Aggregation::Unique || v.as_number().is_some(),
+                };
+                if !usable {
+                    report.warnings.push(Warning {
+                        code: "aggregation_property_missing",
+                        message: format!(
+                            "meter {} aggregates property '{property}', which this event lacks or holds no number in; the meter skips it",
+                            meter.id
+                        ),
+                    });
+                }
+            }
+            report.valid = true;
+            report.event_id = Some(event_id.clone());
+            report.customer_id = Some(customer_id.clone());
+            report.matched_meters = matched.iter().map(|m| m.id.clone()).collect();
+            reports.push(report);
+            candidates.push(Some((validated, customer_id, event_id, assigned)));
+        }
+        if evaluation == Evaluation::Ingest {
+            if let Some(error) = reports.iter().find_map(|r| r.error.clone()) {
+                return Err(error.into());
+            }
+        }
+        // Phase 2: dedup (and, for ingest, reserve) in batch order: the first wins.
+        let mut reservations = Vec::new();
+        match self.dedup_batch(scope, &mut reports, candidates, evaluation, now, &mut reservations) {
+            Ok(accepted) => Ok(Evaluated {
+                reports,
+                accepted,
+                reservations,
+            }),
+            Err(error) => {
+                // A store failure mid-way must not leave ids reserved forever.
+                for key in &reservations {
+                    self.caches().inflight_events.remove(key);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    fn dedup_batch(
+        &self,
+        scope: &Scope,
+        reports: &mut [EventReport],
+        candidates: Vec<Option<(ValidatedEvent, String, String, bool)>>,
+        evaluation: Evaluation,
+        now: i64,
+        reservations: &mut Vec<String>,
+    ) -> Result<Vec<UsageEvent>, EngineError> {
+        let mut accepted = Vec::new();
+        let mut in_batch: HashMap<String, u64> = HashMap::new();
+        for (report, candidate) in reports.iter_mut().zip(candidates) {
+            let Some((validated, customer_id, event_id, assigned)) = candidate else { continue };
+            let print = fingerprint(&validated, &customer_id);
+            if !assigned {
+                if let Some(earlier) = in_batch.get(&event_id) {
+                    duplicate_warnings(report, *earlier != print);
+                    continue;
+                }
+                in_batch.insert(event_id.clone(), print);
+                let key = inflight_key(&scope.store_id, scope.mode, &event_id);
+                let duplicate_of = match evaluation {
+                    Evaluation::Preview => match self.caches().inflight_events.get(&key) {
+                        Some(inflight) => Some(*inflight != print),
+                        None => self
+                            .stored_event(scope, &event_id)?
+                            .map(|stored| !stored.same_payload(&validated, &customer_id)),
+                    },
+                    Evaluation::Ingest => match self.caches().inflight_events.entry(key.clone()) {
+                        Entry::Occupied(inflight) => Some(*inflight.get() != print),
+                        Entry::Vacant(slot) => match self.stored_event(scope, &event_id)? {
+                            Some(stored) => Some(!stored.same_payload(&validated, &customer_id)),
+                            None => {
+                                slot.insert(print);
+                                reservations.push(key);
+                                None
+                            }
+                        },
+                    },
+                };
+                if let Some(differs) = duplicate_of {
+                    duplicate_warnings(report, differs);
+                    continue;
+                }
+            }
+            let matched_meter_ids = report.matched_meters.clone();
+            accepted.push(UsageEvent {
+                event_id,
+                name: validated.name,
+                customer_id,
+                external_customer_id: match validated.customer {
+                    CustomerRef::External(e) => Some(e),
+                    CustomerRef::Id(_) => None,
+                },
+                timestamp_ms: validated.timestamp_ms,
+                properties: validated.properties,
+                received_at_ms: now,
+                matched_meter_ids,
+                event_id_assigned: assigned,
+            });
+        }
+        Ok(accepted)
+    }
+
+    /// `POST /v1/events/preview`: the ingest evaluation, writing nothing.
+    pub fn preview_events(
+        &self,
+        scope: &Scope,
+        raws: &[Result<RawUsageEvent, FieldError>],
+    ) -> Result<Vec<EventReport>, EngineError> {
+        Ok(self.evaluate_batch(scope, raws, Evaluation::Preview)?.reports)
+    }
+
+    /// `POST /v1/events/ingest`: all or nothing; returns once the batch is durable.
+    pub async fn ingest_events(
+        &self,
+        scope: &Scope,
+        raws: &[Result<RawUsageEvent, FieldError>],
+    ) -> Result<IngestOutcome, EngineError> {
+        let evaluated = self.evaluate_batch(scope, raws, Evaluation::Ingest)?;
+        let accepted = evaluated.accepted.len();
+        let duplicates = evaluated.reports.iter().filter(|r| r.duplicate).count();
+        if accepted > 0 {
+            // One record per partition, so one customer's events keep their order on
+            // Kafka. On the embedded log that is always a single record.
+            let mut by_partition: HashMap<u32, Vec<UsageEvent>> = HashMap::new();
+            for event in evaluated.accepted {
+                let key = format!("{}/{}", scope.store_id, event.customer_id);
+                by_partition
+                    .entry(self.log().partition_for(key.as_bytes()))
+                    .or_default()
+                    .push(event);
+            }
+            for (_, events) in by_partition {
+                let record = Record::UsageBatch {
+                    store_id: scope.store_id.clone(),
+                    mode: scope.mode,
+                    events,
+                };
+                if let Err(error) = self.append(&record).await {
+                    // Not durable: release the reservations so a retry is accepted.
+                    for key in &evaluated.reservations {
+                        self.caches().inflight_events.remove(key);
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        self.metrics.events_accepted.fetch_add(accepted as u64, Ordering::Relaxed);
+        self.metrics.events_duplicate.fetch_add(duplicates as u64, Ordering::Relaxed);
+        Ok(IngestOutcome {
+            accepted,
+            duplicates,
+            events: evaluated.reports,
+        })
+    }
+
+    pub fn get_event(&self, scope: &Scope, event_id: &str) -> Result<UsageEvent, EngineError> {
+        self.stored_event(scope, event_id)?
+            .ok_or_else(|| EngineError::not_found("event", event_id))
+    }
+
+    /// `GET /v1/events`: stored events, newest received first.
+    pub fn list_events(&self, scope: &Scope, filter: &EventFilter, page: &PageRequest) -> Result<Page<UsageEvent>, EngineError> {
+        let prefix = Key::scoped(keys::EVENT_LIST, &scope.store_id, scope.mode).into_bytes();
+        let cursor = cursor_from(page, |id| {
+            let key = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).tail(id.as_bytes());
+            let bytes = self
+                .store()
+                .get(key.as_bytes())?
+                .ok_or_else(|| EngineError::not_found("event", id))?;
+            let (suffix, _) = codec::decode_event(&bytes)?;
+            let mut list_key = prefix.clone();
+            list_key.extend_from_slice(suffix);
+            Ok(list_key)
+        })?;
+        paginate(self.store().as_ref(), &prefix, cursor, page.limit, |_, value| {
+            let event_id = String::from_utf8_lossy(value);
+            let event = self.get_event(scope, &event_id)?;
+            let keep = filter.customer_id.as_ref().is_none_or(|c| *c == event.customer_id)
+                && filter.name.as_ref().is_none_or(|n| *n == event.name)
+                && filter
+                    .meter_id
+                    .as_ref()
+                    .is_none_or(|m| event.matched_meter_ids.contains(m))
+                && filter.start_ms.is_none_or(|s| event.timestamp_ms >= s)
+                && filter.end_ms.is_none_or(|e| event.timestamp_ms < e);
+            Ok(keep.then_some(event))
+        })
+    }
+}

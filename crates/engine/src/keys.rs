@@ -1,0 +1,116 @@
+//! The projection key layout. Every table is one leading byte; variable-length
+//! components end with a 0x00 separator (ids never contain it); integers are fixed
+//! 8-byte big-endian with the sign bit flipped so byte order is numeric order.
+//!
+//! | table | key | value |
+//! |---|---|---|
+//! | `S` | store_id | StoreCreated (proto) |
+//! | `K` | sha256(api key) | store_id + mode byte |
+//! | `C` | store, mode, customer_id | Customer (proto) |
+//! | `X` | store, mode, external_id | customer_id |
+//! | `c` | store, mode, created_at, customer_id | (empty) newest-first listing |
+//! | `M` | store, mode, meter_id | Meter (proto) |
+//! | `N` | store, mode, meter name | meter_id |
+//! | `m` | store, mode, created_at, meter_id | (empty) |
+//! | `E` | store, mode, event_id | listing key suffix + UsageEvent (proto) |
+//! | `e` | store, mode, received_at, partition, offset, index | event_id |
+//! | `A` | store, mode, meter, customer ("" = all), minute | Aggregate |
+//! | `U` | store, mode, meter, customer ("" = all), minute, distinct value | (empty) |
+
+use tally_domain::Mode;
+
+pub const STORE: u8 = b'S';
+pub const API_KEY: u8 = b'K';
+pub const CUSTOMER: u8 = b'C';
+pub const CUSTOMER_EXTERNAL: u8 = b'X';
+pub const CUSTOMER_LIST: u8 = b'c';
+pub const METER: u8 = b'M';
+pub const METER_NAME: u8 = b'N';
+pub const METER_LIST: u8 = b'm';
+pub const EVENT: u8 = b'E';
+pub const EVENT_LIST: u8 = b'e';
+pub const AGGREGATE: u8 = b'A';
+pub const UNIQUE: u8 = b'U';
+
+/// The customer component of meter-wide (all customers) usage rows.
+pub const ALL_CUSTOMERS: &str = "";
+
+#[derive(Debug, Clone)]
+pub struct Key(Vec<u8>);
+
+impl Key {
+    pub fn table(table: u8) -> Key {
+        let mut bytes = Vec::with_capacity(64);
+        bytes.push(table);
+        Key(bytes)
+    }
+
+    /// A store-and-environment scoped key of `table`.
+    pub fn scoped(table: u8, store_id: &str, mode: Mode) -> Key {
+        Key::table(table).text(store_id).mode(mode)
+    }
+
+    pub fn text(mut self, component: &str) -> Key {
+        self.0.extend_from_slice(component.as_bytes());
+        self.0.push(0);
+        self
+    }
+
+    pub fn mode(mut self, mode: Mode) -> Key {
+        self.0.push(mode.key_byte());
+        self
+    }
+
+    pub fn int(mut self, value: i64) -> Key {
+        self.0.extend_from_slice(&((value as u64) ^ (1 << 63)).to_be_bytes());
+        self
+    }
+
+    pub fn uint(mut self, value: u64) -> Key {
+        self.0.extend_from_slice(&value.to_be_bytes());
+        self
+    }
+
+    /// A final component without separator (caller-supplied ids, raw digests).
+    pub fn tail(mut self, bytes: &[u8]) -> Key {
+        self.0.extend_from_slice(bytes);
+        self
+    }
+
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.0
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Reads an `int` component back.
+pub fn read_int(bytes: &[u8]) -> i64 {
+    let raw: [u8; 8] = bytes[..8].try_into().expect("8 bytes");
+    (u64::from_be_bytes(raw) ^ (1 << 63)) as i64
+}
+
+/// The text after the last separator-terminated component at `start`.
+pub fn read_text(bytes: &[u8], start: usize) -> Option<(&str, usize)> {
+    let rest = bytes.get(start..)?;
+    let end = rest.iter().position(|b| *b == 0)?;
+    let text = std::str::from_utf8(&rest[..end]).ok()?;
+    Some((text, start + end + 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_sort_numerically() {
+        let a = Key::table(b'x').int(-5).into_bytes();
+        let b = Key::table(b'x').int(3).into_bytes();
+        let c = Key::table(b'x').int(1_000).into_bytes();
+        assert!(a < b && b < c);
+        assert_eq!(read_int(&b[1..]), 3);
+        assert_eq!(read_int(&a[1..]), -5);
+    }
+}

@@ -1,0 +1,220 @@
+//! Meters: create, read, list, update (name and unit label only), archive and
+//! unarchive with the state table of spec part 3, and backfill.
+
+use tally_domain::meter::{validate_meter, validate_meter_name, Meter, MeterInput, MeterStatus};
+use tally_domain::record::Record;
+use tally_domain::FieldError;
+
+use crate::codec;
+use crate::customers::cursor_from;
+use crate::error::EngineError;
+use crate::ids::new_id;
+use crate::keys::{self, Key};
+use crate::pagination::{paginate, Page, PageRequest};
+use crate::{Engine, Scope};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MeterStatusFilter {
+    Active,
+    Archived,
+    All,
+}
+
+/// An update as the edge parsed it: only `name` and `unit_label` may change.
+#[derive(Debug, Clone, Default)]
+pub struct MeterUpdate {
+    pub name: Option<String>,
+    pub unit_label: Option<String>,
+    /// Fields present in the body that meters do not let change.
+    pub immutable_fields: Vec<String>,
+}
+
+/// Fields of a meter that an update may not touch (decisions.md).
+pub const IMMUTABLE_METER_FIELDS: [&str; 4] = ["event_name", "aggregation", "aggregation_property", "filter"];
+
+impl Engine {
+    pub fn get_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
+        let key = Key::scoped(keys::METER, &scope.store_id, scope.mode).text(id);
+        match self.store().get(key.as_bytes())? {
+            Some(bytes) => codec::decode_meter(&bytes),
+            None => Err(EngineError::not_found("meter", id)),
+        }
+    }
+
+    fn meter_id_by_name(&self, scope: &Scope, name: &str) -> Result<Option<String>, EngineError> {
+        let key = Key::scoped(keys::METER_NAME, &scope.store_id, scope.mode).text(name);
+        Ok(self
+            .store()
+            .get(key.as_bytes())?
+            .map(|v| String::from_utf8_lossy(&v).into_owned()))
+    }
+
+    /// 409 `meter_name_taken`, with the archived holder when it is archived.
+    fn check_name_free(&self, scope: &Scope, name: &str, except_id: Option<&str>) -> Result<(), EngineError> {
+        let Some(holder_id) = self.meter_id_by_name(scope, name)? else {
+            return Ok(());
+        };
+        if Some(holder_id.as_str()) == except_id {
+            return Ok(());
+        }
+        let holder = self.get_meter(scope, &holder_id)?;
+        let archived = holder.status == MeterStatus::Archived;
+        Err(EngineError::Conflict {
+            code: "meter_name_taken",
+            message: if archived {
+                format!(
+                    "the meter name '{name}' is held by the archived meter {holder_id}; unarchive it (POST /v1/meters/{holder_id}/unarchive) or choose another name"
+                )
+            } else {
+                format!("a meter named '{name}' already exists ({holder_id})")
+            },
+            param: Some("name".into()),
+            archived_holder_id: archived.then_some(holder_id),
+        })
+    }
+
+    pub async fn create_meter(&self, scope: &Scope, input: &MeterInput) -> Result<Meter, EngineError> {
+        let definition = validate_meter(input)?;
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        self.check_name_free(scope, &definition.name, None)?;
+        let now = self.now_ms();
+        let meter = Meter {
+            id: new_id("mtr"),
+            store_id: scope.store_id.clone(),
+            mode: scope.mode,
+            name: definition.name,
+            event_name: definition.event_name,
+            aggregation: definition.aggregation,
+            aggregation_property: definition.aggregation_property,
+            filter: definition.filter,
+            unit_label: definition.unit_label,
+            status: MeterStatus::Active,
+            created_at_ms: now,
+            updated_at_ms: now,
+            counts_from_ms: now,
+        };
+        self.append_and_apply(&Record::MeterUpserted(meter.clone())).await?;
+        Ok(meter)
+    }
+
+    pub async fn update_meter(&self, scope: &Scope, id: &str, update: &MeterUpdate) -> Result<Meter, EngineError> {
+        if let Some(field) = update.immutable_fields.first() {
+            return Err(FieldError::new(
+                "meter_field_immutable",
+                field.clone(),
+                format!("`{field}` cannot change after a meter is created; only `name` and `unit_label` can"),
+            )
+            .into());
+        }
+        let name = update
+            .name
+            .as_deref()
+            .map(|n| validate_meter_name(Some(n), "name"))
+            .transpose()?;
+        let unit_label = update
+            .unit_label
+            .as_deref()
+            .map(|u| validate_meter_name(Some(u), "unit_label"))
+            .transpose()?;
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        let mut meter = self.get_meter(scope, id)?;
+        if let Some(name) = name {
+            if name != meter.name {
+                self.check_name_free(scope, &name, Some(id))?;
+            }
+            meter.name = name;
+        }
+        if let Some(unit_label) = unit_label {
+            meter.unit_label = unit_label;
+        }
+        meter.updated_at_ms = self.now_ms();
+        self.append_and_apply(&Record::MeterUpserted(meter.clone())).await?;
+        Ok(meter)
+    }
+
+    /// Whether the meter is priced on a product still being sold. Products arrive with
+    /// the billing issue; until then no meter is priced, and this is the one place
+    /// that will answer from the product projection.
+    pub fn meter_priced_on_active_product(&self, _scope: &Scope, _meter_id: &str) -> Result<bool, EngineError> {
+        Ok(false)
+    }
+
+    pub async fn archive_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
+        self.set_meter_status(scope, id, MeterStatus::Archived).await
+    }
+
+    pub async fn unarchive_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
+        self.set_meter_status(scope, id, MeterStatus::Active).await
+    }
+
+    async fn set_meter_status(&self, scope: &Scope, id: &str, status: MeterStatus) -> Result<Meter, EngineError> {
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        let mut meter = self.get_meter(scope, id)?;
+        if meter.status == status {
+            // Archive of an archived meter and unarchive of an active one are idempotent.
+            return Ok(meter);
+        }
+        if status == MeterStatus::Archived && self.meter_priced_on_active_product(scope, id)? {
+            return Err(EngineError::conflict(
+                "meter_in_use",
+                "the meter is priced on a product that is still being sold; remove the usage charge or archive the product first",
+            ));
+        }
+        meter.status = status;
+        meter.updated_at_ms = self.now_ms();
+        self.append_and_apply(&Record::MeterUpserted(meter.clone())).await?;
+        Ok(meter)
+    }
+
+    /// Opts the meter in to stored events from `start_ms` (decisions.md). A start at
+    /// or after the current counting start changes nothing.
+    pub async fn backfill_meter(&self, scope: &Scope, id: &str, start_ms: i64) -> Result<Meter, EngineError> {
+        let oldest = self.now_ms() - tally_domain::limits::MAX_EVENT_AGE_MS;
+        if start_ms < oldest {
+            return Err(FieldError::invalid("start", "`start` may be at most 35 days in the past (older events cannot exist)").into());
+        }
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        let meter = self.get_meter(scope, id)?;
+        if start_ms >= meter.counts_from_ms {
+            return Ok(meter);
+        }
+        self.append_and_apply(&Record::MeterBackfill {
+            store_id: scope.store_id.clone(),
+            mode: scope.mode,
+            meter_id: id.to_string(),
+            start_ms,
+        })
+        .await?;
+        self.get_meter(scope, id)
+    }
+
+    pub fn list_meters(
+        &self,
+        scope: &Scope,
+        status: MeterStatusFilter,
+        page: &PageRequest,
+    ) -> Result<Page<Meter>, EngineError> {
+        let prefix = Key::scoped(keys::METER_LIST, &scope.store_id, scope.mode).into_bytes();
+        let cursor = cursor_from(page, |id| {
+            let meter = self.get_meter(scope, id)?;
+            Ok(Key::scoped(keys::METER_LIST, &scope.store_id, scope.mode)
+                .int(meter.created_at_ms)
+                .text(&meter.id)
+                .into_bytes())
+        })?;
+        paginate(self.store().as_ref(), &prefix, cursor, page.limit, |key, _| {
+            let (id, _) = keys::read_text(key, prefix.len() + 8).ok_or_else(|| EngineError::Corrupt("meter index".into()))?;
+            let meter = self.get_meter(scope, id)?;
+            let keep = match status {
+                MeterStatusFilter::All => true,
+                MeterStatusFilter::Active => meter.status == MeterStatus::Active,
+                MeterStatusFilter::Archived => meter.status == MeterStatus::Archived,
+            };
+            Ok(keep.then_some(meter))
+        })
+    }
+}

@@ -1,0 +1,76 @@
+//! Cursor pagination over an index whose keys sort oldest first; lists come back
+//! newest first (decisions.md). `starting_after` pages towards older items,
+//! `ending_before` towards newer ones; `has_more` is exact (one extra item is read).
+
+use std::ops::Bound;
+
+use tally_projection::{prefix_end, ProjectionStore, Visit};
+
+use crate::error::EngineError;
+
+#[derive(Debug, Clone, Default)]
+pub struct PageRequest {
+    pub limit: usize,
+    pub starting_after: Option<String>,
+    pub ending_before: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Page<T> {
+    pub data: Vec<T>,
+    pub has_more: bool,
+}
+
+/// Where a cursor points: the index key of the cursor item.
+pub enum Cursor {
+    None,
+    After(Vec<u8>),
+    Before(Vec<u8>),
+}
+
+/// Visits the index under `prefix` from `cursor`, turning entries into items with
+/// `load` (which may skip an entry by returning `None`).
+pub fn paginate<T>(
+    store: &dyn ProjectionStore,
+    prefix: &[u8],
+    cursor: Cursor,
+    limit: usize,
+    mut load: impl FnMut(&[u8], &[u8]) -> Result<Option<T>, EngineError>,
+) -> Result<Page<T>, EngineError> {
+    let end = prefix_end(prefix).unwrap_or_else(|| vec![0xff; prefix.len() + 1]);
+    let mut items = Vec::with_capacity(limit + 1);
+    let mut failure = None;
+    let mut visit = |k: &[u8], v: &[u8]| match load(k, v) {
+        Ok(Some(item)) => {
+            items.push(item);
+            if items.len() > limit {
+                Visit::Stop
+            } else {
+                Visit::Continue
+            }
+        }
+        Ok(None) => Visit::Continue,
+        Err(e) => {
+            failure = Some(e);
+            Visit::Stop
+        }
+    };
+    let towards_newer = matches!(cursor, Cursor::Before(_));
+    match &cursor {
+        Cursor::None => store.scan(Bound::Included(prefix), Bound::Excluded(&end), true, &mut visit)?,
+        Cursor::After(key) => store.scan(Bound::Included(prefix), Bound::Excluded(key), true, &mut visit)?,
+        Cursor::Before(key) => store.scan(Bound::Excluded(key), Bound::Excluded(&end), false, &mut visit)?,
+    }
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let has_more = items.len() > limit;
+    items.truncate(limit);
+    if towards_newer {
+        items.reverse();
+    }
+    Ok(Page {
+        data: items,
+        has_more,
+    })
+}

@@ -1,0 +1,320 @@
+//! Usage queries, served from the minute buckets (never by scanning raw events), and
+//! meter previews, which run a definition over stored events of a range.
+//!
+//! Usage resolution is one minute: a range is widened to whole minutes.
+
+use std::collections::{BTreeSet, HashSet};
+use std::ops::Bound;
+
+use rust_decimal::Decimal;
+use tally_domain::aggregate::{contribution, Aggregate, Contribution};
+use tally_domain::meter::{Aggregation, EventView, Meter, MeterDefinition};
+use tally_domain::time::{Window, MINUTE_MS};
+use tally_domain::FieldError;
+use tally_projection::{scan_prefix, Visit};
+
+use crate::codec;
+use crate::error::EngineError;
+use crate::keys::{self, read_int, Key, ALL_CUSTOMERS};
+use crate::{Engine, Scope};
+
+/// Windows one query may return: bounds response size and work.
+pub const MAX_USAGE_WINDOWS: usize = 10_000;
+/// Customers one grouped query may return.
+pub const MAX_USAGE_GROUPS: usize = 10_000;
+/// Stored events a meter preview may scan before it stops (and says so).
+pub const MAX_PREVIEW_SCAN_EVENTS: usize = 1_000_000;
+
+#[derive(Debug, Clone)]
+pub struct UsageQuery {
+    pub meter_id: String,
+    /// A resolved customer id; `None` for all customers.
+    pub customer_id: Option<String>,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub window: Window,
+    pub group_by_customer: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct WindowValue {
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub value: Option<Decimal>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageSeries {
+    pub customer_id: Option<String>,
+    pub value: Option<Decimal>,
+    pub windows: Vec<WindowValue>,
+}
+
+#[derive(Debug, Clone)]
+pub struct UsageResult {
+    pub meter: Meter,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub total: UsageSeries,
+    pub groups: Option<Vec<UsageSeries>>,
+}
+
+/// Accumulates buckets, distinct values or single events into windows.
+struct WindowFold {
+    aggregation: Aggregation,
+    windows: Vec<(i64, i64)>,
+    aggregates: Vec<Aggregate>,
+    distinct: Vec<HashSet<Vec<u8>>>,
+    all_distinct: HashSet<Vec<u8>>,
+}
+
+impl WindowFold {
+    fn new(aggregation: Aggregation, start_ms: i64, end_ms: i64, window: Window) -> Result<WindowFold, EngineError> {
+        let mut windows = Vec::new();
+        let mut at = window.start_of(start_ms, start_ms);
+        while at < end_ms {
+            let end = window.end_of(at, end_ms).min(end_ms);
+            windows.push((at.max(start_ms), end));
+            if windows.len() > MAX_USAGE_WINDOWS {
+                return Err(FieldError::invalid(
+                    "window",
+                    format!("the range holds more than {MAX_USAGE_WINDOWS} windows; use a larger window or a shorter range"),
+                )
+                .into());
+            }
+            at = end;
+        }
+        let count = windows.len();
+        Ok(WindowFold {
+            aggregation,
+            windows,
+            aggregates: vec![Aggregate::default(); count],
+            distinct: vec![HashSet::new(); count],
+            all_distinct: HashSet::new(),
+        })
+    }
+
+    fn window_of(&self, at_ms: i64) -> Option<usize> {
+        let index = self.windows.partition_point(|(start, _)| *start <= at_ms);
+        let index = index.checked_sub(1)?;
+        (at_ms < self.windows[index].1).then_some(index)
+    }
+
+    fn add_bucket(&mut self, minute_ms: i64, aggregate: &Aggregate) {
+        if let Some(i) = self.window_of(minute_ms) {
+            self.aggregates[i].merge(aggregate);
+        }
+    }
+
+    fn add_distinct(&mut self, minute_ms: i64, value: &[u8]) {
+        if let Some(i) = self.window_of(minute_ms) {
+            self.distinct[i].insert(value.to_vec());
+            self.all_distinct.insert(value.to_vec());
+        }
+    }
+
+    fn add_event(&mut self, at_ms: i64, contribution: &Contribution) {
+        let Some(i) = self.window_of(at_ms) else { return };
+        match contribution {
+            Contribution::Skipped => {}
+            Contribution::Event { number } => self.aggregates[i].add(*number),
+            Contribution::Distinct(value) => {
+                self.aggregates[i].add(None);
+                self.distinct[i].insert(value.as_bytes().to_vec());
+                self.all_distinct.insert(value.as_bytes().to_vec());
+            }
+        }
+    }
+
+    fn finish(self, customer_id: Option<String>) -> UsageSeries {
+        let mut total = Aggregate::default();
+        let mut windows = Vec::with_capacity(self.windows.len());
+        for (i, (start, end)) in self.windows.iter().enumerate() {
+            total.merge(&self.aggregates[i]);
+            // Only windows that hold usage are listed (a 35-day hourly query would
+            // otherwise be 840 mostly empty rows); `window=none` always has its one.
+            if self.aggregates[i].events == 0 && self.windows.len() > 1 {
+                continue;
+            }
+            windows.push(WindowValue {
+                start_ms: *start,
+                end_ms: *end,
+                value: self.aggregates[i]
+                    .value(self.aggregation, self.distinct[i].len() as u64)
+                    .map(|v| v.normalize()),
+            });
+        }
+        UsageSeries {
+            customer_id,
+            value: total
+                .value(self.aggregation, self.all_distinct.len() as u64)
+                .map(|v| v.normalize()),
+            windows,
+        }
+    }
+}
+
+/// Widens a range to whole minutes and checks it.
+pub fn minute_range(start_ms: i64, end_ms: i64) -> Result<(i64, i64), FieldError> {
+    if end_ms <= start_ms {
+        return Err(FieldError::invalid("end", "`end` must be after `start`"));
+    }
+    let start = start_ms.div_euclid(MINUTE_MS) * MINUTE_MS;
+    let end = (end_ms + MINUTE_MS - 1).div_euclid(MINUTE_MS) * MINUTE_MS;
+    Ok((start, end))
+}
+
+impl Engine {
+    fn usage_series(
+        &self,
+        meter: &Meter,
+        customer: &str,
+        start_ms: i64,
+        end_ms: i64,
+        window: Window,
+    ) -> Result<UsageSeries, EngineError> {
+        let mut fold = WindowFold::new(meter.aggregation, start_ms, end_ms, window)?;
+        let table = if meter.aggregation == Aggregation::Unique { keys::UNIQUE } else { keys::AGGREGATE };
+        let base = Key::scoped(table, &meter.store_id, meter.mode).text(&meter.id).text(customer);
+        let prefix_len = base.as_bytes().len();
+        let from = base.clone().int(start_ms.div_euclid(MINUTE_MS)).into_bytes();
+        let to = base.int(end_ms.div_euclid(MINUTE_MS)).into_bytes();
+        let mut failure = None;
+        self.store().scan(Bound::Included(&from), Bound::Excluded(&to), false, &mut |key, value| {
+            let minute_ms = read_int(&key[prefix_len..]) * MINUTE_MS;
+            if table == keys::UNIQUE {
+                fold.add_distinct(minute_ms, &key[prefix_len + 8..]);
+            } else {
+                match codec::decode_aggregate(value) {
+                    Ok(aggregate) => fold.add_bucket(minute_ms, &aggregate),
+                    Err(e) => {
+                        failure = Some(e);
+                        return Visit::Stop;
+                    }
+                }
+            }
+            Visit::Continue
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        // For `unique`, event counts come from the aggregate table as well.
+        if table == keys::UNIQUE {
+            let counted = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode).text(&meter.id).text(customer);
+            let counted_len = counted.as_bytes().len();
+            let from = counted.clone().int(start_ms.div_euclid(MINUTE_MS)).into_bytes();
+            let to = counted.int(end_ms.div_euclid(MINUTE_MS)).into_bytes();
+            self.store().scan(Bound::Included(&from), Bound::Excluded(&to), false, &mut |key, value| {
+                if let Ok(aggregate) = codec::decode_aggregate(value) {
+                    fold.add_bucket(read_int(&key[counted_len..]) * MINUTE_MS, &aggregate);
+                }
+                Visit::Continue
+            })?;
+        }
+        let customer_id = (customer != ALL_CUSTOMERS).then(|| customer.to_string());
+        Ok(fold.finish(customer_id))
+    }
+
+    /// Customers with any usage of the meter in the range.
+    fn customers_with_usage(&self, meter: &Meter, start_ms: i64, end_ms: i64) -> Result<BTreeSet<String>, EngineError> {
+        let prefix = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode).text(&meter.id).into_bytes();
+        let (first, last) = (start_ms.div_euclid(MINUTE_MS), end_ms.div_euclid(MINUTE_MS));
+        let mut customers = BTreeSet::new();
+        scan_prefix(self.store().as_ref(), &prefix, false, &mut |key, _| {
+            if let Some((customer, next)) = keys::read_text(key, prefix.len()) {
+                let minute = read_int(&key[next..]);
+                if customer != ALL_CUSTOMERS && minute >= first && minute < last {
+                    customers.insert(customer.to_string());
+                }
+            }
+            Visit::Continue
+        })?;
+        Ok(customers)
+    }
+
+    /// `GET /v1/meters/{id}/usage`.
+    pub fn query_usage(&self, scope: &Scope, query: &UsageQuery) -> Result<UsageResult, EngineError> {
+        let meter = self.get_meter(scope, &query.meter_id)?;
+        let (start_ms, end_ms) = minute_range(query.start_ms, query.end_ms)?;
+        let customer = query.customer_id.as_deref().unwrap_or(ALL_CUSTOMERS);
+        let total = self.usage_series(&meter, customer, start_ms, end_ms, query.window)?;
+        let groups = if query.group_by_customer && query.customer_id.is_none() {
+            let customers = self.customers_with_usage(&meter, start_ms, end_ms)?;
+            if customers.len() > MAX_USAGE_GROUPS {
+                return Err(FieldError::invalid("group_by", format!("more than {MAX_USAGE_GROUPS} customers; filter by customer")).into());
+            }
+            Some(
+                customers
+                    .iter()
+                    .map(|c| self.usage_series(&meter, c, start_ms, end_ms, query.window))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(UsageResult {
+            meter,
+            start_ms,
+            end_ms,
+            total,
+            groups,
+        })
+    }
+
+    /// `POST /v1/meters/preview` and `/v1/meters/{id}/preview`: runs a definition over
+    /// stored events with timestamps in the range. Returns the series, the events
+    /// scanned and matched, and whether the scan stopped at its limit.
+    pub fn preview_meter(
+        &self,
+        scope: &Scope,
+        definition: &MeterDefinition,
+        customer_id: Option<&str>,
+        start_ms: i64,
+        end_ms: i64,
+        window: Window,
+    ) -> Result<(UsageSeries, usize, usize, bool), EngineError> {
+        if end_ms <= start_ms {
+            return Err(FieldError::invalid("end", "`end` must be after `start`").into());
+        }
+        let mut fold = WindowFold::new(definition.aggregation, start_ms, end_ms, window)?;
+        let prefix = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).into_bytes();
+        let (mut scanned, mut matched, mut truncated) = (0usize, 0usize, false);
+        let mut failure = None;
+        scan_prefix(self.store().as_ref(), &prefix, false, &mut |_, value| {
+            scanned += 1;
+            if scanned > MAX_PREVIEW_SCAN_EVENTS {
+                truncated = true;
+                return Visit::Stop;
+            }
+            let event = match codec::decode_event(value) {
+                Ok((_, e)) => e,
+                Err(e) => {
+                    failure = Some(e);
+                    return Visit::Stop;
+                }
+            };
+            if event.timestamp_ms < start_ms
+                || event.timestamp_ms >= end_ms
+                || customer_id.is_some_and(|c| c != event.customer_id)
+                || event.name != definition.event_name
+            {
+                return Visit::Continue;
+            }
+            let view = EventView {
+                name: &event.name,
+                timestamp_ms: event.timestamp_ms,
+                properties: &event.properties,
+            };
+            if definition.filter.matches(&view) {
+                matched += 1;
+                let value = definition.aggregation_property.as_ref().and_then(|p| event.properties.get(p));
+                fold.add_event(event.timestamp_ms, &contribution(definition.aggregation, value));
+            }
+            Visit::Continue
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        Ok((fold.finish(customer_id.map(str::to_string)), scanned.min(MAX_PREVIEW_SCAN_EVENTS), matched, truncated))
+    }
+}

@@ -1,0 +1,146 @@
+//! The one place errors become HTTP: every failure, from any crate, is rendered as
+//! the body of decisions.md:
+//! `{"error": {"type", "code", "message", "param", "details"?, "request_id"}, "trace_id"}`.
+//!
+//! Handlers return [`ApiError`]; its `IntoResponse` stashes it in the response
+//! extensions, and the request-id middleware renders the body with the request id.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value};
+use tally_domain::FieldError;
+use tally_engine::EngineError;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub error_type: &'static str,
+    pub code: Option<String>,
+    pub message: String,
+    pub param: Option<String>,
+    pub details: Option<Map<String, Value>>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &str, message: impl Into<String>) -> ApiError {
+        let error_type = match status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            429 => "rate_limit_error",
+            500..=599 => "api_error",
+            _ => "invalid_request_error",
+        };
+        ApiError {
+            status,
+            error_type,
+            code: Some(code.to_string()),
+            message: message.into(),
+            param: None,
+            details: None,
+        }
+    }
+
+    pub fn bad_request(code: &str, message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, code, message)
+    }
+
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError::bad_request("parameter_invalid", message).with_param(param)
+    }
+
+    pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
+        self.param = Some(param.into());
+        self
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+    }
+
+    /// The JSON body for this error.
+    pub fn body(&self, request_id: &str) -> Value {
+        let mut error = json!({
+            "type": self.error_type,
+            "code": self.code,
+            "message": self.message,
+            "param": self.param,
+            "request_id": request_id,
+        });
+        if let Some(details) = &self.details {
+            if !details.is_empty() {
+                error["details"] = Value::Object(details.clone());
+            }
+        }
+        json!({ "error": error, "trace_id": request_id })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = self.status.into_response();
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+impl From<FieldError> for ApiError {
+    fn from(e: FieldError) -> Self {
+        ApiError::bad_request(e.code, e.message).with_param(e.param)
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Invalid(field) => field.into(),
+            EngineError::NotFound { resource, id, param } => {
+                let mut error = ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "resource_missing",
+                    format!("No such {resource}: '{id}'"),
+                );
+                error.param = param.or(Some("id".to_string()));
+                error
+            }
+            EngineError::Conflict {
+                code,
+                message,
+                param,
+                archived_holder_id,
+            } => {
+                let mut error = ApiError::new(StatusCode::CONFLICT, code, message);
+                error.param = param;
+                if let Some(holder) = archived_holder_id {
+                    let mut details = Map::new();
+                    details.insert("archived_holder".into(), Value::Bool(true));
+                    details.insert("archived_holder_id".into(), Value::String(holder));
+                    error.details = Some(details);
+                }
+                error
+            }
+            EngineError::LogUnavailable(inner) => {
+                tracing::error!(error = %inner, "log append failed");
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "log_unavailable",
+                    "the event log is unavailable; nothing was written, retry later",
+                )
+            }
+            EngineError::ApplyTimeout | EngineError::NotYetProjected => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "projection_lagging",
+                "the write is durable but not yet visible; retry with the same idempotency-key",
+            ),
+            EngineError::Store(inner) => {
+                tracing::error!(error = %inner, "projection store failure");
+                ApiError::internal("internal error; it has been logged")
+            }
+            EngineError::Corrupt(inner) => {
+                tracing::error!(error = %inner, "corrupt data");
+                ApiError::internal("internal error; it has been logged")
+            }
+        }
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;

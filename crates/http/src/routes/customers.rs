@@ -1,0 +1,83 @@
+//! `/v1/customers`.
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use serde_json::Value;
+use tally_domain::customer::{CustomerInput, Patch};
+use tally_engine::Scope;
+
+use crate::error::ApiResult;
+use crate::extract::{page_request, Fields, JsonObject, PathId, QueryParams};
+use crate::{wire, AppState};
+
+fn customer_input(body: &serde_json::Map<String, Value>) -> Result<CustomerInput, tally_domain::FieldError> {
+    let fields = Fields::new(body);
+    Ok(CustomerInput {
+        email: fields.patch_string("email")?,
+        name: fields.patch_string("name")?,
+        country: fields.patch_string("country")?,
+        metadata: fields.patch_metadata("metadata")?,
+        external_id: fields.patch_string("external_id")?,
+    })
+}
+
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let mut input = customer_input(&body)?;
+    // On create, an explicit null is the same as leaving a field out.
+    for patch in [&mut input.name, &mut input.country, &mut input.external_id] {
+        if *patch == Patch::Clear {
+            *patch = Patch::Keep;
+        }
+    }
+    if input.metadata == Patch::Clear {
+        input.metadata = Patch::Keep;
+    }
+    let customer = state.engine.create_customer(&scope, &input).await?;
+    Ok(Json(wire::customer(&customer)))
+}
+
+pub async fn update(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let input = customer_input(&body)?;
+    let customer = state.engine.update_customer(&scope, &id, &input).await?;
+    Ok(Json(wire::customer(&customer)))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(wire::customer(&state.engine.get_customer(&scope, &id)?)))
+}
+
+/// Lists customers newest first; `external_id=` narrows to the one holding it.
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let page = page_request(&query)?;
+    if let Some(external) = query.get("external_id") {
+        let normalized = tally_domain::customer::normalize_external_id(external)?;
+        let found = match state.engine.customer_id_by_external(&scope, &normalized)? {
+            Some(id) => vec![state.engine.get_customer(&scope, &id)?],
+            None => Vec::new(),
+        };
+        let page = tally_engine::pagination::Page {
+            data: found,
+            has_more: false,
+        };
+        return Ok(Json(wire::list(&page, wire::customer)));
+    }
+    let page = state.engine.list_customers(&scope, &page)?;
+    Ok(Json(wire::list(&page, wire::customer)))
+}

@@ -1,0 +1,139 @@
+//! `/v1/events`: ingest, preview, list, get.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::{Extension, Json};
+use serde_json::{json, Map, Value};
+use tally_domain::limits::MAX_EVENTS_PER_BATCH;
+use tally_domain::usage::{RawPropertyValue, RawUsageEvent};
+use tally_domain::FieldError;
+use tally_engine::events::EventFilter;
+use tally_engine::Scope;
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{number_text, page_request, parse_instant, JsonObject, PathId, QueryParams};
+use crate::{wire, AppState};
+
+/// One JSON event into its raw shape; type errors name the field (relative to the
+/// event; the engine prefixes `events[N]`).
+fn raw_event(value: &Value) -> Result<RawUsageEvent, FieldError> {
+    let invalid = |param: &str, message: &str| FieldError::new("invalid_usage_event", param.to_string(), message.to_string());
+    let Value::Object(object) = value else {
+        return Err(invalid("", "each event must be a JSON object"));
+    };
+    let text = |name: &str| match object.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(invalid(name, &format!("`{name}` must be a string"))),
+    };
+    let properties = match object.get("properties") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Object(props)) => props
+            .iter()
+            .map(|(k, v)| {
+                let value = match v {
+                    Value::String(s) => RawPropertyValue::String(s.clone()),
+                    Value::Number(n) => RawPropertyValue::Number(number_text(n)),
+                    Value::Bool(_) => RawPropertyValue::Other("a boolean"),
+                    Value::Null => RawPropertyValue::Other("null"),
+                    Value::Array(_) => RawPropertyValue::Other("an array"),
+                    Value::Object(_) => RawPropertyValue::Other("an object"),
+                };
+                (k.clone(), value)
+            })
+            .collect(),
+        Some(_) => return Err(invalid("properties", "`properties` must be an object")),
+    };
+    Ok(RawUsageEvent {
+        name: text("name")?,
+        customer_id: text("customer_id")?,
+        external_customer_id: text("external_customer_id")?,
+        event_id: text("event_id")?,
+        timestamp: text("timestamp")?,
+        properties,
+    })
+}
+
+fn batch(body: &Map<String, Value>) -> Result<Vec<Result<RawUsageEvent, FieldError>>, ApiError> {
+    match body.get("events") {
+        None | Some(Value::Null) => Err(ApiError::bad_request("parameter_missing", "`events` is required").with_param("events")),
+        Some(Value::Array(items)) if (1..=MAX_EVENTS_PER_BATCH).contains(&items.len()) => {
+            Ok(items.iter().map(raw_event).collect())
+        }
+        Some(Value::Array(_)) => Err(ApiError::invalid_param(
+            "events",
+            format!("`events` must hold 1 to {MAX_EVENTS_PER_BATCH} events"),
+        )),
+        Some(_) => Err(ApiError::invalid_param("events", "`events` must be an array")),
+    }
+}
+
+pub async fn ingest(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let raws = batch(&body)?;
+    let outcome = state.engine.ingest_events(&scope, &raws).await?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({
+            "object": "ingest_result",
+            "accepted": outcome.accepted,
+            "duplicates": outcome.duplicates,
+            "events": outcome.events.iter().map(wire::ingest_report).collect::<Vec<_>>(),
+        })),
+    ))
+}
+
+pub async fn preview(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let raws = batch(&body)?;
+    let reports = state.engine.preview_events(&scope, &raws)?;
+    Ok(Json(json!({
+        "object": "ingest_preview",
+        "valid": reports.iter().all(|r| r.valid),
+        "events": reports.iter().map(wire::preview_report).collect::<Vec<_>>(),
+    })))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(event_id): PathId,
+) -> ApiResult<Json<Value>> {
+    let event = state.engine.get_event(&scope, &event_id)?;
+    Ok(Json(wire::usage_event(&event, &scope)))
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let page = page_request(&query)?;
+    let customer_id = match (query.get("customer_id"), query.get("external_customer_id")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid_param("customer_id", "give at most one of `customer_id` and `external_customer_id`"))
+        }
+        (Some(id), None) => Some(id.to_string()),
+        (None, Some(external)) => match state.engine.customer_id_by_external(&scope, external)? {
+            Some(id) => Some(id),
+            // No such customer: no events. An id that cannot match keeps the filter.
+            None => Some(String::new()),
+        },
+        (None, None) => None,
+    };
+    let filter = EventFilter {
+        customer_id,
+        name: query.get("name").map(str::to_string),
+        meter_id: query.get("meter_id").map(str::to_string),
+        start_ms: query.get("start").map(|s| parse_instant("start", s)).transpose()?,
+        end_ms: query.get("end").map(|s| parse_instant("end", s)).transpose()?,
+    };
+    let page = state.engine.list_events(&scope, &filter, &page)?;
+    Ok(Json(wire::list(&page, |e| wire::usage_event(e, &scope))))
+}

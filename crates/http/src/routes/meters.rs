@@ -1,0 +1,299 @@
+//! `/v1/meters`: create, list, get, update, archive, unarchive, backfill, usage and
+//! previews.
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use serde_json::{Map, Value};
+use tally_domain::meter::{validate_meter, FilterValue, MeterInput, RawFilterClause, RawMeterFilter};
+use tally_domain::time::Window;
+use tally_domain::usage::parse_decimal;
+use tally_domain::FieldError;
+use tally_engine::meters::{MeterStatusFilter, MeterUpdate, IMMUTABLE_METER_FIELDS};
+use tally_engine::usage::UsageQuery;
+use tally_engine::Scope;
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{number_text, page_request, parse_instant, Fields, JsonObject, PathId, QueryParams};
+use crate::{wire, AppState};
+
+fn filter_value(param: &str, value: &Value, in_list: bool) -> Result<FilterValue, FieldError> {
+    match value {
+        Value::String(s) => Ok(FilterValue::String(s.clone())),
+        Value::Bool(b) => Ok(FilterValue::Bool(*b)),
+        Value::Number(n) => parse_decimal(&number_text(n))
+            .map(FilterValue::Number)
+            .ok_or_else(|| FieldError::invalid(param, "the number does not fit 28 significant digits")),
+        Value::Array(items) if !in_list => Ok(FilterValue::List(
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| filter_value(&format!("{param}[{i}]"), item, true))
+                .collect::<Result<_, _>>()?,
+        )),
+        _ => Err(FieldError::invalid(param, "a clause value is a string, number, boolean, or (for `in`) an array of those")),
+    }
+}
+
+fn raw_filter(value: &Value) -> Result<RawMeterFilter, FieldError> {
+    let Value::Object(object) = value else {
+        return Err(FieldError::invalid("filter", "`filter` must be an object {conjunction, clauses}"));
+    };
+    let conjunction = match object.get("conjunction") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(FieldError::invalid("filter.conjunction", "`conjunction` must be `and` or `or`")),
+    };
+    let clauses = match object.get("clauses") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let at = |f: &str| format!("filter.clauses[{i}].{f}");
+                let Value::Object(clause) = item else {
+                    return Err(FieldError::invalid(format!("filter.clauses[{i}]"), "a clause is an object {property, operator, value}"));
+                };
+                let text = |name: &str| match clause.get(name) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(Value::String(s)) => Ok(Some(s.clone())),
+                    Some(_) => Err(FieldError::invalid(at(name), format!("`{name}` must be a string"))),
+                };
+                Ok(RawFilterClause {
+                    property: text("property")?,
+                    operator: text("operator")?,
+                    value: match clause.get("value") {
+                        None | Some(Value::Null) => None,
+                        Some(v) => Some(filter_value(&at("value"), v, false)?),
+                    },
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(FieldError::invalid("filter.clauses", "`clauses` must be an array")),
+    };
+    Ok(RawMeterFilter { conjunction, clauses })
+}
+
+fn meter_input(body: &Map<String, Value>) -> Result<MeterInput, FieldError> {
+    let fields = Fields::new(body);
+    Ok(MeterInput {
+        name: fields.string("name")?,
+        event_name: fields.string("event_name")?,
+        aggregation: fields.string("aggregation")?,
+        aggregation_property: fields.string("aggregation_property")?,
+        filter: match body.get("filter") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(raw_filter(v)?),
+        },
+        unit_label: fields.string("unit_label")?,
+    })
+}
+
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let meter = state.engine.create_meter(&scope, &meter_input(&body)?).await?;
+    Ok(Json(wire::meter(&meter)))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(wire::meter(&state.engine.get_meter(&scope, &id)?)))
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let status = match query.get("status") {
+        None | Some("active") => MeterStatusFilter::Active,
+        Some("archived") => MeterStatusFilter::Archived,
+        Some("all") => MeterStatusFilter::All,
+        Some(_) => return Err(ApiError::invalid_param("status", "`status` must be active, archived or all")),
+    };
+    let page = state.engine.list_meters(&scope, status, &page_request(&query)?)?;
+    Ok(Json(wire::list(&page, wire::meter)))
+}
+
+pub async fn update(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let update = MeterUpdate {
+        name: fields.string("name")?,
+        unit_label: fields.string("unit_label")?,
+        immutable_fields: IMMUTABLE_METER_FIELDS
+            .iter()
+            .filter(|f| body.contains_key(**f))
+            .map(|f| f.to_string())
+            .collect(),
+    };
+    Ok(Json(wire::meter(&state.engine.update_meter(&scope, &id, &update).await?)))
+}
+
+pub async fn archive(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(wire::meter(&state.engine.archive_meter(&scope, &id).await?)))
+}
+
+pub async fn unarchive(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(wire::meter(&state.engine.unarchive_meter(&scope, &id).await?)))
+}
+
+pub async fn backfill(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let start = Fields::new(&body).required_string("start")?;
+    let start_ms = parse_instant("start", &start)?;
+    Ok(Json(wire::meter(&state.engine.backfill_meter(&scope, &id, start_ms).await?)))
+}
+
+fn window_param(text: Option<&str>) -> Result<(Window, String), FieldError> {
+    let text = text.unwrap_or("none");
+    Window::parse(text)
+        .map(|w| (w, text.to_string()))
+        .ok_or_else(|| FieldError::invalid("window", "`window` must be minute, hour, day, month or none"))
+}
+
+/// The customer of a usage or preview request: `customer_id` or `external_customer_id`.
+fn customer_param(
+    state: &AppState,
+    scope: &Scope,
+    customer_id: Option<&str>,
+    external_customer_id: Option<&str>,
+) -> ApiResult<Option<String>> {
+    match (customer_id, external_customer_id) {
+        (Some(_), Some(_)) => Err(ApiError::invalid_param(
+            "customer_id",
+            "give at most one of `customer_id` and `external_customer_id`",
+        )),
+        (Some(id), None) => {
+            state.engine.get_customer(scope, id).map_err(|e| ApiError::from(e).with_param("customer_id"))?;
+            Ok(Some(id.to_string()))
+        }
+        (None, Some(external)) => match state.engine.customer_id_by_external(scope, external)? {
+            Some(id) => Ok(Some(id)),
+            None => Err(ApiError::from(tally_engine::EngineError::not_found("customer", external)).with_param("external_customer_id")),
+        },
+        (None, None) => Ok(None),
+    }
+}
+
+/// `start` and `end` of a range; `end` defaults to now, `start` to 35 days (the
+/// ingest horizon) before `end`.
+fn range(state: &AppState, start: Option<&str>, end: Option<&str>) -> Result<(i64, i64), FieldError> {
+    let end_ms = match end {
+        Some(text) => parse_instant("end", text)?,
+        None => state.engine.now_ms(),
+    };
+    let start_ms = match start {
+        Some(text) => parse_instant("start", text)?,
+        None => end_ms - tally_domain::limits::MAX_EVENT_AGE_MS,
+    };
+    if end_ms <= start_ms {
+        return Err(FieldError::invalid("end", "`end` must be after `start`"));
+    }
+    Ok((start_ms, end_ms))
+}
+
+pub async fn usage(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let (window, window_text) = window_param(query.get("window"))?;
+    let (start_ms, end_ms) = range(&state, query.get("start"), query.get("end"))?;
+    let group_by_customer = match query.get("group_by") {
+        None => false,
+        Some("customer_id") => true,
+        Some(_) => return Err(ApiError::invalid_param("group_by", "`group_by` supports only customer_id")),
+    };
+    // Resolve the meter first, so an unknown meter is a 404 whatever else is wrong.
+    state.engine.get_meter(&scope, &id)?;
+    let customer_id = customer_param(&state, &scope, query.get("customer_id"), query.get("external_customer_id"))?;
+    let result = state.engine.query_usage(
+        &scope,
+        &UsageQuery {
+            meter_id: id,
+            customer_id,
+            start_ms,
+            end_ms,
+            window,
+            group_by_customer,
+        },
+    )?;
+    Ok(Json(wire::usage(&result, &window_text)))
+}
+
+/// Shared by both preview endpoints: the range, customer and window of the body.
+async fn run_preview(
+    state: &AppState,
+    scope: &Scope,
+    definition: &tally_domain::meter::MeterDefinition,
+    body: &Map<String, Value>,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(body);
+    let (start_ms, end_ms) = range(state, fields.string("start")?.as_deref(), fields.string("end")?.as_deref())?;
+    let (window, _) = window_param(fields.string("window")?.as_deref())?;
+    let customer = customer_param(
+        state,
+        scope,
+        fields.string("customer_id")?.as_deref(),
+        fields.string("external_customer_id")?.as_deref(),
+    )?;
+    let (series, scanned, matched, truncated) =
+        state
+            .engine
+            .preview_meter(scope, definition, customer.as_deref(), start_ms, end_ms, window)?;
+    Ok(Json(wire::meter_preview(&series, definition.aggregation.as_str(), scanned, matched, truncated)))
+}
+
+/// `POST /v1/meters/preview`: a definition in the body (same fields as create; the
+/// name may be left out).
+pub async fn preview_definition(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let mut input = meter_input(&body)?;
+    input.name.get_or_insert_with(|| "preview".to_string());
+    let definition = validate_meter(&input)?;
+    run_preview(&state, &scope, &definition, &body).await
+}
+
+pub async fn preview_existing(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let meter = state.engine.get_meter(&scope, &id)?;
+    let definition = tally_domain::meter::MeterDefinition {
+        name: meter.name.clone(),
+        event_name: meter.event_name.clone(),
+        aggregation: meter.aggregation,
+        aggregation_property: meter.aggregation_property.clone(),
+        filter: meter.filter.clone(),
+        unit_label: meter.unit_label.clone(),
+    };
+    run_preview(&state, &scope, &definition, &body).await
+}
