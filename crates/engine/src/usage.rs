@@ -19,7 +19,7 @@ use crate::keys::{self, read_int, Key, ALL_CUSTOMERS};
 use crate::{Engine, Scope};
 
 /// Windows one query may return: bounds response size and work.
-pub const MAX_USAGE_WINDOWS: usize = 10_000;
+pub const MAX_USAGE_WINDOWS: usize = 100_000;
 /// Customers one grouped query may return.
 pub const MAX_USAGE_GROUPS: usize = 10_000;
 /// Stored events a meter preview may scan before it stops (and says so).

@@ -197,16 +197,18 @@ fn customer_param(
     }
 }
 
-/// `start` and `end` of a range; `end` defaults to now, `start` to 35 days (the
-/// ingest horizon) before `end`.
+/// `start` and `end` of a range. `end` defaults to now plus the future skew ingest
+/// accepts (so every ingested event is inside), `start` to 35 days (the ingest
+/// horizon) before now.
 fn range(state: &AppState, start: Option<&str>, end: Option<&str>) -> Result<(i64, i64), FieldError> {
+    let now = state.engine.now_ms();
     let end_ms = match end {
         Some(text) => parse_instant("end", text)?,
-        None => state.engine.now_ms(),
+        None => now + tally_domain::limits::MAX_EVENT_FUTURE_SKEW_MS,
     };
     let start_ms = match start {
         Some(text) => parse_instant("start", text)?,
-        None => end_ms - tally_domain::limits::MAX_EVENT_AGE_MS,
+        None => now - tally_domain::limits::MAX_EVENT_AGE_MS,
     };
     if end_ms <= start_ms {
         return Err(FieldError::invalid("end", "`end` must be after `start`"));

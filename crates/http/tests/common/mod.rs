@@ -1,0 +1,208 @@
+//! Starts the real server (embedded log, sled, both listeners on loopback ports) in
+//! this process, so tests speak HTTP over real sockets and can restart it on the same
+//! data dir.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::Value;
+use tally_domain::clock::{Clock, ManualClock};
+use tally_engine::Engine;
+use tally_http::HttpConfig;
+use tally_log::embedded::EmbeddedLog;
+use tally_projection::SledStore;
+
+pub struct Server {
+    pub prod_url: String,
+    pub test_url: String,
+    pub engine: Arc<Engine>,
+    pub clock: Arc<ManualClock>,
+    pub data_dir: PathBuf,
+    shutdown: tokio::sync::watch::Sender<bool>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    projector: Vec<tokio::task::JoinHandle<()>>,
+}
+
+pub fn wall_clock_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+pub fn default_config() -> HttpConfig {
+    HttpConfig {
+        admin_token: Some("admin-secret".into()),
+        rate_limit_per_second: 100_000,
+        rate_limit_burst: 100_000,
+    }
+}
+
+impl Server {
+    pub async fn start(dir: &Path, config: HttpConfig) -> Server {
+        Self::start_with_clock(dir, config, Arc::new(ManualClock::new(wall_clock_ms()))).await
+    }
+
+    pub async fn start_with_clock(dir: &Path, config: HttpConfig, clock: Arc<ManualClock>) -> Server {
+        let log = loop {
+            match EmbeddedLog::open(dir.join("log")) {
+                Ok(log) => break log,
+                Err(tally_log::LogError::Locked(_)) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let store = SledStore::open(dir.join("projections")).unwrap();
+        let engine = Engine::open(Arc::new(log), Arc::new(store), clock.clone() as Arc<dyn Clock>)
+            .await
+            .unwrap();
+        let (shutdown, rx) = tokio::sync::watch::channel(false);
+        let projector = engine.start_projector(rx.clone());
+        engine.wait_caught_up().await.unwrap();
+        let prod = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let test = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let prod_url = format!("http://{}", prod.local_addr().unwrap());
+        let test_url = format!("http://{}", test.local_addr().unwrap());
+        let (prod_state, test_state) = tally_http::states(engine.clone(), config);
+        let server = tokio::spawn(tally_http::serve((prod, prod_state), (test, test_state), rx));
+        Server {
+            prod_url,
+            test_url,
+            engine,
+            clock,
+            data_dir: dir.to_path_buf(),
+            shutdown,
+            server,
+            projector,
+        }
+    }
+
+    /// Graceful stop; releases the data dir.
+    pub async fn stop(self) {
+        self.shutdown.send(true).unwrap();
+        self.server.await.unwrap().unwrap();
+        for p in self.projector {
+            p.await.unwrap();
+        }
+        self.engine.flush().unwrap();
+        drop(self.engine);
+    }
+}
+
+/// A store with keys, created through the admin API.
+pub struct Keys {
+    pub test: String,
+    pub prod: String,
+}
+
+pub async fn create_store(server: &Server, name: &str) -> Keys {
+    let response = reqwest::Client::new()
+        .post(format!("{}/admin/v1/stores", server.prod_url))
+        .bearer_auth("admin-secret")
+        .json(&serde_json::json!({"name": name}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    Keys {
+        test: body["api_keys"]["test"].as_str().unwrap().to_string(),
+        prod: body["api_keys"]["prod"].as_str().unwrap().to_string(),
+    }
+}
+
+/// A small client bound to one listener and key.
+#[derive(Clone)]
+pub struct Api {
+    pub base: String,
+    pub key: String,
+    pub http: reqwest::Client,
+}
+
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+}
+
+impl Api {
+    pub fn new(base: &str, key: &str) -> Api {
+        Api {
+            base: base.to_string(),
+            key: key.to_string(),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Sends a hand-built request and reads the answer.
+    pub async fn finish_raw(request: reqwest::RequestBuilder) -> Answer {
+        Self::finish(request.send().await.unwrap()).await
+    }
+
+    async fn finish(response: reqwest::Response) -> Answer {
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let text = response.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Answer { status, headers, body }
+    }
+
+    pub async fn get(&self, path: &str) -> Answer {
+        Self::finish(
+            self.http
+                .get(format!("{}{path}", self.base))
+                .header("x-api-key", &self.key)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Answer {
+        Self::finish(
+            self.http
+                .post(format!("{}{path}", self.base))
+                .header("x-api-key", &self.key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    }
+
+    pub async fn post_idempotent(&self, path: &str, key: &str, body: Value) -> Answer {
+        Self::finish(
+            self.http
+                .post(format!("{}{path}", self.base))
+                .header("x-api-key", &self.key)
+                .header("idempotency-key", key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    }
+}
+
+/// Asserts the decisions.md error body and returns its `error` object.
+pub fn assert_error(answer: &Answer, status: u16, error_type: &str) -> Value {
+    assert_eq!(answer.status, status, "body: {}", answer.body);
+    let error = &answer.body["error"];
+    assert_eq!(error["type"], error_type, "body: {}", answer.body);
+    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()));
+    assert!(error.get("code").is_some() && error.get("param").is_some());
+    let request_id = error["request_id"].as_str().expect("request_id");
+    assert_eq!(answer.body["trace_id"], request_id);
+    assert_eq!(answer.headers["x-request-id"], request_id);
+    error.clone()
+}
+
+pub fn temp_dir() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    (dir, path)
+}
