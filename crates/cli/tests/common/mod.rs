@@ -1,0 +1,116 @@
+//! Runs the real `tally` binary as a child process for persistence and crash tests.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+pub struct Served {
+    pub child: Child,
+    pub prod_url: String,
+    pub test_url: String,
+    /// Keys printed on the first start only.
+    pub test_key: Option<String>,
+    pub stdout: Vec<String>,
+}
+
+pub fn tally() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tally"))
+}
+
+/// Starts `tally serve` on free loopback ports and waits for its banner.
+pub fn serve(data_dir: &Path) -> Served {
+    let mut child = tally()
+        .args(["serve", "--data-dir"])
+        .arg(data_dir)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--test-listen",
+            "127.0.0.1:0",
+            "--rate-limit-per-second",
+            "1000000",
+            "--rate-limit-burst",
+            "1000000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tally serve");
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[tally] {line}");
+        }
+    });
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut stdout = Vec::new();
+    let (mut prod_url, mut test_url, mut test_key) = (None, None, None);
+    for line in lines.by_ref() {
+        let line = line.expect("read banner");
+        let field = |prefix: &str| line.trim().strip_prefix(prefix).map(|rest| rest.split_whitespace().next().unwrap().to_string());
+        if let Some(url) = field("production API:") {
+            prod_url = Some(url);
+        }
+        if let Some(url) = field("test API:") {
+            test_url = Some(url);
+        }
+        if let Some(key) = field("test key:") {
+            test_key = Some(key);
+        }
+        let done = line.starts_with("Try:") || line.trim().starts_with("stores:");
+        stdout.push(line);
+        if done {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Served {
+        child,
+        prod_url: prod_url.expect("banner names the production listener"),
+        test_url: test_url.expect("banner names the test listener"),
+        test_key,
+        stdout,
+    }
+}
+
+impl Served {
+    /// SIGTERM, then the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        for _ in 0..300 {
+            if let Some(exit) = self.child.try_wait().unwrap() {
+                return exit;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.child.kill().unwrap();
+        panic!("tally did not stop within 15 s of SIGTERM");
+    }
+
+    /// SIGKILL: no chance to flush anything.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+pub async fn post(http: &reqwest::Client, url: &str, key: &str, body: Value) -> Result<(u16, Value), reqwest::Error> {
+    let response = http.post(url).header("x-api-key", key).json(&body).send().await?;
+    let status = response.status().as_u16();
+    Ok((status, response.json().await.unwrap_or(Value::Null)))
+}
+
+pub async fn get(http: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
+    let response = http.get(url).header("x-api-key", key).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
