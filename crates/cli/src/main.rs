@@ -162,7 +162,9 @@ struct ReplayArgs {
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TALLY_LOG_LEVEL")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),
@@ -183,7 +185,11 @@ async fn open_log(storage: &StorageArgs, create_kafka_topic: bool) -> Result<Arc
         }
         LogKind::Kafka => {
             let config = storage.kafka.config();
-            if create_kafka_topic && create_topic(&config).await.context("creating the Kafka topic")? {
+            if create_kafka_topic
+                && create_topic(&config)
+                    .await
+                    .context("creating the Kafka topic")?
+            {
                 tracing::info!(topic = %config.topic, partitions = config.partitions, "created Kafka topic");
             }
             Arc::new(KafkaLog::connect(config).context("connecting to Kafka")?)
@@ -192,9 +198,9 @@ async fn open_log(storage: &StorageArgs, create_kafka_topic: bool) -> Result<Arc
 }
 
 fn open_projections(dir: &Path) -> Result<Arc<dyn ProjectionStore>> {
-    Ok(Arc::new(
-        SledStore::open(dir).with_context(|| format!("opening the projection store in {}", dir.display()))?,
-    ))
+    Ok(Arc::new(SledStore::open(dir).with_context(|| {
+        format!("opening the projection store in {}", dir.display())
+    })?))
 }
 
 async fn shutdown_signal() {
@@ -256,10 +262,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
             tracing::info!(?positions, "catching up with the log (applied, end)");
         }
     }
-    tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "projections caught up with the log");
+    tracing::info!(
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "projections caught up with the log"
+    );
     let log_description = match args.storage.log_kind {
-        LogKind::Embedded => format!("embedded log in {}", args.storage.data_dir.join("log").display()),
-        LogKind::Kafka => format!("Kafka topic {} at {}", args.storage.kafka.kafka_topic, args.storage.kafka.kafka_brokers),
+        LogKind::Embedded => format!(
+            "embedded log in {}",
+            args.storage.data_dir.join("log").display()
+        ),
+        LogKind::Kafka => format!(
+            "Kafka topic {} at {}",
+            args.storage.kafka.kafka_topic, args.storage.kafka.kafka_brokers
+        ),
     };
     println!("tally {} is serving", env!("CARGO_PKG_VERSION"));
     println!("  production API: http://{prod_addr}  (prod keys)");
@@ -268,13 +283,22 @@ async fn serve(args: ServeArgs) -> Result<()> {
     match engine.bootstrap_default_store().await? {
         Some(created) => {
             println!();
-            println!("Created store \"{}\" ({}). Its API keys are shown only this once:", created.name, created.store_id);
+            println!(
+                "Created store \"{}\" ({}). Its API keys are shown only this once:",
+                created.name, created.store_id
+            );
             println!("  test key: {}", created.test_key);
             println!("  prod key: {}", created.prod_key);
             println!();
-            println!("Try: curl -H 'x-api-key: {}' http://{test_addr}/v1/meters", created.test_key);
+            println!(
+                "Try: curl -H 'x-api-key: {}' http://{test_addr}/v1/meters",
+                created.test_key
+            );
         }
-        None => println!("  stores:         {} (keys were printed when each was created)", engine.store_count()?),
+        None => println!(
+            "  stores:         {} (keys were printed when each was created)",
+            engine.store_count()?
+        ),
     }
     use std::io::Write;
     let _ = std::io::stdout().flush();
@@ -300,17 +324,28 @@ async fn serve(args: ServeArgs) -> Result<()> {
 async fn replay(args: ReplayArgs) -> Result<()> {
     init_tracing(LogFormat::Text);
     let log = open_log(&args.storage, false).await?;
-    let scratch = args.storage.data_dir.join(format!("replay-{}", std::process::id()));
+    let scratch = args
+        .storage
+        .data_dir
+        .join(format!("replay-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     let replayed = open_projections(&scratch)?;
     let show_progress = std::io::stderr().is_terminal();
     let mut records = 0;
     for partition in 0..log.partition_count() {
-        records += tally_engine::projector::replay_partition(log.as_ref(), replayed.clone(), partition, |at, end| {
-            if show_progress {
-                eprint!("\rpartition {partition}: {at}/{end} ({:.0}%)   ", at as f64 * 100.0 / end.max(1) as f64);
-            }
-        })
+        records += tally_engine::projector::replay_partition(
+            log.as_ref(),
+            replayed.clone(),
+            partition,
+            |at, end| {
+                if show_progress {
+                    eprint!(
+                        "\rpartition {partition}: {at}/{end} ({:.0}%)   ",
+                        at as f64 * 100.0 / end.max(1) as f64
+                    );
+                }
+            },
+        )
         .await?;
     }
     if show_progress {
@@ -324,7 +359,8 @@ async fn replay(args: ReplayArgs) -> Result<()> {
 
     let live = open_projections(&args.storage.data_dir.join("projections"))?;
     for partition in 0..log.partition_count() {
-        tally_engine::projector::replay_partition(log.as_ref(), live.clone(), partition, |_, _| {}).await?;
+        tally_engine::projector::replay_partition(log.as_ref(), live.clone(), partition, |_, _| {})
+            .await?;
     }
     live.flush()?;
     let live_digest = live.digest()?;
@@ -349,11 +385,24 @@ async fn store_create(name: String, base_url: String, admin_token: String) -> Re
     let status = response.status();
     let body: serde_json::Value = response.json().await.context("reading the answer")?;
     if !status.is_success() {
-        bail!("{status}: {}", body["error"]["message"].as_str().unwrap_or("unknown error"));
+        bail!(
+            "{status}: {}",
+            body["error"]["message"].as_str().unwrap_or("unknown error")
+        );
     }
-    println!("Created store \"{}\" ({}). Its API keys are shown only this once:", body["name"].as_str().unwrap_or(""), body["id"].as_str().unwrap_or(""));
-    println!("  test key: {}", body["api_keys"]["test"].as_str().unwrap_or(""));
-    println!("  prod key: {}", body["api_keys"]["prod"].as_str().unwrap_or(""));
+    println!(
+        "Created store \"{}\" ({}). Its API keys are shown only this once:",
+        body["name"].as_str().unwrap_or(""),
+        body["id"].as_str().unwrap_or("")
+    );
+    println!(
+        "  test key: {}",
+        body["api_keys"]["test"].as_str().unwrap_or("")
+    );
+    println!(
+        "  prod key: {}",
+        body["api_keys"]["prod"].as_str().unwrap_or("")
+    );
     Ok(())
 }
 
@@ -364,14 +413,22 @@ async fn main() -> Result<()> {
         Command::Serve(args) => serve(args).await,
         Command::Replay(args) => replay(args).await,
         Command::Store {
-            command: StoreCommand::Create { name, base_url, admin_token },
+            command:
+                StoreCommand::Create {
+                    name,
+                    base_url,
+                    admin_token,
+                },
         } => store_create(name, base_url, admin_token).await,
         Command::Kafka {
             command: KafkaCommand::CreateTopics(args),
         } => {
             let config = args.config();
             if create_topic(&config).await? {
-                println!("created topic {} with {} partitions", config.topic, config.partitions);
+                println!(
+                    "created topic {} with {} partitions",
+                    config.topic, config.partitions
+                );
             } else {
                 println!("topic {} already exists", config.topic);
             }

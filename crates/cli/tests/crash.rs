@@ -20,10 +20,24 @@ async fn acknowledged_events_survive_sigkill_exactly_once() {
     let key = served.test_key.clone().expect("first start prints keys");
     let base = served.test_url.clone();
     let http = reqwest::Client::new();
-    let (status, customer) = post(&http, &format!("{base}/v1/customers"), &key, json!({"email": "c@x.io", "external_id": "crash"})).await.unwrap();
+    let (status, customer) = post(
+        &http,
+        &format!("{base}/v1/customers"),
+        &key,
+        json!({"email": "c@x.io", "external_id": "crash"}),
+    )
+    .await
+    .unwrap();
     assert_eq!(status, 200);
     let customer_id = customer["id"].as_str().unwrap().to_string();
-    let (status, meter) = post(&http, &format!("{base}/v1/meters"), &key, json!({"name": "all", "event_name": "tick", "aggregation": "count"})).await.unwrap();
+    let (status, meter) = post(
+        &http,
+        &format!("{base}/v1/meters"),
+        &key,
+        json!({"name": "all", "event_name": "tick", "aggregation": "count"}),
+    )
+    .await
+    .unwrap();
     assert_eq!(status, 200);
     let meter_id = meter["id"].as_str().unwrap().to_string();
 
@@ -31,14 +45,27 @@ async fn acknowledged_events_survive_sigkill_exactly_once() {
     let attempted: Arc<Mutex<HashSet<String>>> = Arc::default();
     let mut clients = Vec::new();
     for client in 0..16 {
-        let (http, base, key, customer_id) = (http.clone(), base.clone(), key.clone(), customer_id.clone());
+        let (http, base, key, customer_id) =
+            (http.clone(), base.clone(), key.clone(), customer_id.clone());
         let (acknowledged, attempted) = (acknowledged.clone(), attempted.clone());
         clients.push(tokio::spawn(async move {
             for batch in 0..10_000 {
-                let ids: Vec<String> = (0..10).map(|i| format!("c{client}-b{batch}-e{i}")).collect();
+                let ids: Vec<String> = (0..10)
+                    .map(|i| format!("c{client}-b{batch}-e{i}"))
+                    .collect();
                 attempted.lock().unwrap().extend(ids.iter().cloned());
-                let events: Vec<_> = ids.iter().map(|id| json!({"name": "tick", "customer_id": customer_id, "event_id": id})).collect();
-                match post(&http, &format!("{base}/v1/events/ingest"), &key, json!({"events": events})).await {
+                let events: Vec<_> = ids
+                    .iter()
+                    .map(|id| json!({"name": "tick", "customer_id": customer_id, "event_id": id}))
+                    .collect();
+                match post(
+                    &http,
+                    &format!("{base}/v1/events/ingest"),
+                    &key,
+                    json!({"events": events}),
+                )
+                .await
+                {
                     Ok((202, _)) => acknowledged.lock().unwrap().extend(ids),
                     _ => break, // the server died
                 }
@@ -52,7 +79,11 @@ async fn acknowledged_events_survive_sigkill_exactly_once() {
     }
     let acknowledged = acknowledged.lock().unwrap().clone();
     let attempted = attempted.lock().unwrap().clone();
-    assert!(acknowledged.len() >= 100, "load ran before the kill ({} acknowledged)", acknowledged.len());
+    assert!(
+        acknowledged.len() >= 100,
+        "load ran before the kill ({} acknowledged)",
+        acknowledged.len()
+    );
 
     // A crash mid-write leaves half a frame at the end of the active segment.
     let log_dir = dir.path().join("log");
@@ -62,8 +93,12 @@ async fn acknowledged_events_survive_sigkill_exactly_once() {
         .filter(|p| p.extension().is_some_and(|x| x == "seg"))
         .collect();
     segments.sort();
-    let mut tail = std::fs::OpenOptions::new().append(true).open(segments.last().unwrap()).unwrap();
-    tail.write_all(&[200, 0, 0, 0, 9, 9, 9, 9, 1, 2, 3]).unwrap();
+    let mut tail = std::fs::OpenOptions::new()
+        .append(true)
+        .open(segments.last().unwrap())
+        .unwrap();
+    tail.write_all(&[200, 0, 0, 0, 9, 9, 9, 9, 1, 2, 3])
+        .unwrap();
     drop(tail);
 
     let served = serve(dir.path());
@@ -81,15 +116,36 @@ async fn acknowledged_events_survive_sigkill_exactly_once() {
     // ...exactly once: re-sending all of them yields only duplicates, and the usage
     // count equals the number of distinct events stored.
     for chunk in acknowledged.chunks(100) {
-        let events: Vec<_> = chunk.iter().map(|id| json!({"name": "tick", "customer_id": customer_id, "event_id": id})).collect();
-        let (status, answer) = post(&http, &format!("{base}/v1/events/ingest"), &key, json!({"events": events})).await.unwrap();
+        let events: Vec<_> = chunk
+            .iter()
+            .map(|id| json!({"name": "tick", "customer_id": customer_id, "event_id": id}))
+            .collect();
+        let (status, answer) = post(
+            &http,
+            &format!("{base}/v1/events/ingest"),
+            &key,
+            json!({"events": events}),
+        )
+        .await
+        .unwrap();
         assert_eq!(status, 202);
-        assert_eq!(answer["accepted"], 0, "an acknowledged event was missing: {answer}");
+        assert_eq!(
+            answer["accepted"], 0,
+            "an acknowledged event was missing: {answer}"
+        );
     }
     let (_, usage) = get(&http, &format!("{base}/v1/meters/{meter_id}/usage"), &key).await;
     let counted: usize = usage["value"].as_str().unwrap().parse().unwrap();
-    assert!(counted >= acknowledged.len(), "counted {counted} < acknowledged {}", acknowledged.len());
-    assert!(counted <= attempted.len(), "counted {counted} > attempted {}", attempted.len());
+    assert!(
+        counted >= acknowledged.len(),
+        "counted {counted} < acknowledged {}",
+        acknowledged.len()
+    );
+    assert!(
+        counted <= attempted.len(),
+        "counted {counted} > attempted {}",
+        attempted.len()
+    );
     let exit = served.terminate();
     assert!(exit.success());
 }

@@ -7,7 +7,11 @@ use common::*;
 use serde_json::json;
 
 fn replay(dir: &std::path::Path) -> (bool, String, String) {
-    let output = tally().args(["replay", "--data-dir"]).arg(dir).output().unwrap();
+    let output = tally()
+        .args(["replay", "--data-dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout).to_string();
     let digest = |label: &str| {
         stdout
@@ -15,21 +19,46 @@ fn replay(dir: &std::path::Path) -> (bool, String, String) {
             .find_map(|l| l.strip_prefix(label).map(|d| d.trim().to_string()))
             .unwrap_or_else(|| panic!("no `{label}` in {stdout}"))
     };
-    (output.status.success(), digest("replayed projection digest:"), digest("live projection digest:"))
+    (
+        output.status.success(),
+        digest("replayed projection digest:"),
+        digest("live projection digest:"),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_is_graceful_and_replay_reproduces_the_digest() {
     let dir = tempfile::tempdir().unwrap();
     let served = serve(dir.path());
-    assert!(served.stdout.iter().any(|l| l.contains("test key: tally_test_")), "{:?}", served.stdout);
+    assert!(
+        served
+            .stdout
+            .iter()
+            .any(|l| l.contains("test key: tally_test_")),
+        "{:?}",
+        served.stdout
+    );
     let key = served.test_key.clone().unwrap();
     let base = served.test_url.clone();
     let http = reqwest::Client::new();
-    let (_, customer) = post(&http, &format!("{base}/v1/customers"), &key, json!({"email": "l@x.io"})).await.unwrap();
+    let (_, customer) = post(
+        &http,
+        &format!("{base}/v1/customers"),
+        &key,
+        json!({"email": "l@x.io"}),
+    )
+    .await
+    .unwrap();
     let (_, meter) = post(&http, &format!("{base}/v1/meters"), &key, json!({"name": "sum", "event_name": "e", "aggregation": "sum", "aggregation_property": "n"})).await.unwrap();
     let events: Vec<_> = (0..50).map(|i| json!({"name": "e", "customer_id": customer["id"], "event_id": format!("l{i}"), "properties": {"n": format!("{i}.5")}})).collect();
-    let (status, _) = post(&http, &format!("{base}/v1/events/ingest"), &key, json!({"events": events})).await.unwrap();
+    let (status, _) = post(
+        &http,
+        &format!("{base}/v1/events/ingest"),
+        &key,
+        json!({"events": events}),
+    )
+    .await
+    .unwrap();
     assert_eq!(status, 202);
     let meter_id = meter["id"].as_str().unwrap().to_string();
     // Let the projector apply, then stop gracefully.
@@ -41,7 +70,10 @@ async fn sigterm_is_graceful_and_replay_reproduces_the_digest() {
     assert!(matched, "live projection equals a replay");
     assert_eq!(replayed, live);
     let (_, replayed_again, _) = replay(dir.path());
-    assert_eq!(replayed_again, replayed, "two replays of one log give one digest");
+    assert_eq!(
+        replayed_again, replayed,
+        "two replays of one log give one digest"
+    );
 
     let served = serve(dir.path());
     assert!(served.test_key.is_none());
@@ -57,8 +89,21 @@ async fn sigterm_is_graceful_and_replay_reproduces_the_digest() {
 fn help_explains_every_flag() {
     let output = tally().args(["serve", "--help"]).output().unwrap();
     let help = String::from_utf8_lossy(&output.stdout);
-    for flag in ["--data-dir", "--listen", "--test-listen", "--log", "--kafka-brokers", "--log-format", "--rate-limit-per-second", "TALLY_DATA_DIR", "TALLY_ADMIN_TOKEN"] {
-        assert!(help.contains(flag), "`serve --help` mentions {flag}:\n{help}");
+    for flag in [
+        "--data-dir",
+        "--listen",
+        "--test-listen",
+        "--log",
+        "--kafka-brokers",
+        "--log-format",
+        "--rate-limit-per-second",
+        "TALLY_DATA_DIR",
+        "TALLY_ADMIN_TOKEN",
+    ] {
+        assert!(
+            help.contains(flag),
+            "`serve --help` mentions {flag}:\n{help}"
+        );
     }
     let replay_running = tally().args(["replay", "--help"]).output().unwrap();
     assert!(String::from_utf8_lossy(&replay_running.stdout).contains("Stop the server first"));
@@ -68,8 +113,16 @@ fn help_explains_every_flag() {
 fn replay_refuses_a_data_dir_in_use() {
     let dir = tempfile::tempdir().unwrap();
     let served = serve(dir.path());
-    let output = tally().args(["replay", "--data-dir"]).arg(dir.path()).output().unwrap();
+    let output = tally()
+        .args(["replay", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
     assert!(!output.status.success());
-    assert!(String::from_utf8_lossy(&output.stderr).contains("in use"), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("in use"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     served.terminate();
 }

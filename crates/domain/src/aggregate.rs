@@ -146,19 +146,31 @@ mod tests {
             agg.add(Some(v.parse().unwrap()));
         }
         assert_eq!(agg.value(Aggregation::Sum, 0).unwrap().to_string(), "0.6");
-        assert_eq!(agg.value(Aggregation::Average, 0).unwrap().normalize().to_string(), "0.2");
+        assert_eq!(
+            agg.value(Aggregation::Average, 0)
+                .unwrap()
+                .normalize()
+                .to_string(),
+            "0.2"
+        );
         assert_eq!(Aggregate::default().value(Aggregation::Min, 0), None);
     }
 
     #[test]
     fn contributions_skip_unusable_properties() {
         let s = PropertyValue::String("abc".into());
-        assert_eq!(contribution(Aggregation::Sum, Some(&s)), Contribution::Skipped);
+        assert_eq!(
+            contribution(Aggregation::Sum, Some(&s)),
+            Contribution::Skipped
+        );
         assert_eq!(contribution(Aggregation::Sum, None), Contribution::Skipped);
         assert_eq!(
             contribution(Aggregation::Unique, Some(&s)),
             Contribution::Distinct("s:abc".into())
         );
-        assert_eq!(contribution(Aggregation::Count, None), Contribution::Event { number: None });
+        assert_eq!(
+            contribution(Aggregation::Count, None),
+            Contribution::Event { number: None }
+        );
     }
 }

@@ -125,7 +125,10 @@ pub fn validate_customer_input(
         Patch::Set(email) => {
             let email = email.trim();
             if !is_valid_email(email) {
-                return Err(FieldError::invalid("email", "`email` is not a valid address"));
+                return Err(FieldError::invalid(
+                    "email",
+                    "`email` is not a valid address",
+                ));
             }
             Patch::Set(email.to_string())
         }
@@ -217,12 +220,18 @@ mod tests {
     #[test]
     fn create_requires_email_and_checks_country() {
         let input = CustomerInput::default();
-        assert_eq!(validate_customer_input(&input, true).unwrap_err().param, "email");
+        assert_eq!(
+            validate_customer_input(&input, true).unwrap_err().param,
+            "email"
+        );
         let input = CustomerInput {
             email: Patch::Set("a@b.co".into()),
             country: Patch::Set("de".into()),
             ..Default::default()
         };
-        assert_eq!(validate_customer_input(&input, true).unwrap_err().param, "country");
+        assert_eq!(
+            validate_customer_input(&input, true).unwrap_err().param,
+            "country"
+        );
     }
 }

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use rust_decimal::Decimal;
 
 use crate::error::FieldError;
-use crate::limits::{MAX_FILTER_CLAUSES, MAX_FILTER_IN_VALUES, MAX_METER_NAME_CHARS, MAX_PROPERTY_KEY_CHARS};
+use crate::limits::{
+    MAX_FILTER_CLAUSES, MAX_FILTER_IN_VALUES, MAX_METER_NAME_CHARS, MAX_PROPERTY_KEY_CHARS,
+};
 use crate::mode::Mode;
 use crate::time::format_iso8601_ms;
 use crate::usage::PropertyValue;
@@ -226,11 +228,18 @@ fn compare_clause(operator: Operator, actual: &PropertyValue, expected: &FilterV
         Operator::Eq => ordering(actual, expected) == Some(Ordering::Equal),
         Operator::Ne => matches!(ordering(actual, expected), Some(o) if o != Ordering::Equal),
         Operator::Gt => ordering(actual, expected) == Some(Ordering::Greater),
-        Operator::Gte => matches!(ordering(actual, expected), Some(Ordering::Greater | Ordering::Equal)),
+        Operator::Gte => matches!(
+            ordering(actual, expected),
+            Some(Ordering::Greater | Ordering::Equal)
+        ),
         Operator::Lt => ordering(actual, expected) == Some(Ordering::Less),
-        Operator::Lte => matches!(ordering(actual, expected), Some(Ordering::Less | Ordering::Equal)),
+        Operator::Lte => matches!(
+            ordering(actual, expected),
+            Some(Ordering::Less | Ordering::Equal)
+        ),
         Operator::Like | Operator::NotLike => {
-            let (PropertyValue::String(text), FilterValue::String(needle)) = (actual, expected) else {
+            let (PropertyValue::String(text), FilterValue::String(needle)) = (actual, expected)
+            else {
                 return false;
             };
             text.contains(needle.as_str()) == (operator == Operator::Like)
@@ -334,7 +343,9 @@ pub fn validate_filter(raw: &RawMeterFilter) -> Result<MeterFilter, FieldError> 
             (Operator::Exists, _) => false,
             (Operator::Like | Operator::NotLike, FilterValue::String(s)) => !s.is_empty(),
             (Operator::Like | Operator::NotLike, _) => false,
-            (Operator::Gt | Operator::Gte | Operator::Lt | Operator::Lte, FilterValue::Bool(_)) => false,
+            (Operator::Gt | Operator::Gte | Operator::Lt | Operator::Lte, FilterValue::Bool(_)) => {
+                false
+            }
             _ => true,
         };
         if !shape_ok {
@@ -342,7 +353,9 @@ pub fn validate_filter(raw: &RawMeterFilter) -> Result<MeterFilter, FieldError> 
                 Operator::In => "a non-empty array of at most 100 strings, numbers or booleans",
                 Operator::Exists => "a boolean",
                 Operator::Like | Operator::NotLike => "a non-empty string",
-                Operator::Gt | Operator::Gte | Operator::Lt | Operator::Lte => "a number or a string",
+                Operator::Gt | Operator::Gte | Operator::Lt | Operator::Lte => {
+                    "a number or a string"
+                }
                 _ => "a string, number or boolean",
             };
             return Err(FieldError::invalid(
@@ -487,7 +500,10 @@ mod tests {
     use super::*;
 
     fn props(pairs: &[(&str, PropertyValue)]) -> BTreeMap<String, PropertyValue> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect()
     }
 
     fn clause(property: &str, operator: Operator, value: FilterValue) -> FilterClause {
@@ -513,25 +529,68 @@ mod tests {
     #[test]
     fn numbers_compare_numerically_and_strings_coerce() {
         let p = props(&[("n", PropertyValue::String("12".into()))]);
-        assert!(eval(clause("n", Operator::Eq, FilterValue::Number(12.into())), &p));
-        assert!(eval(clause("n", Operator::Gt, FilterValue::Number(9.into())), &p));
-        assert!(!eval(clause("n", Operator::Lt, FilterValue::Number(9.into())), &p));
+        assert!(eval(
+            clause("n", Operator::Eq, FilterValue::Number(12.into())),
+            &p
+        ));
+        assert!(eval(
+            clause("n", Operator::Gt, FilterValue::Number(9.into())),
+            &p
+        ));
+        assert!(!eval(
+            clause("n", Operator::Lt, FilterValue::Number(9.into())),
+            &p
+        ));
         let q = props(&[("n", PropertyValue::Number(12.into()))]);
-        assert!(!eval(clause("n", Operator::Eq, FilterValue::String("12".into())), &q));
-        assert!(!eval(clause("n", Operator::Ne, FilterValue::String("12".into())), &q), "mismatch is false");
+        assert!(!eval(
+            clause("n", Operator::Eq, FilterValue::String("12".into())),
+            &q
+        ));
+        assert!(
+            !eval(
+                clause("n", Operator::Ne, FilterValue::String("12".into())),
+                &q
+            ),
+            "mismatch is false"
+        );
     }
 
     #[test]
     fn like_in_exists() {
         let p = props(&[("model", PropertyValue::String("gpt-large".into()))]);
-        assert!(eval(clause("model", Operator::Like, FilterValue::String("large".into())), &p));
-        assert!(eval(clause("model", Operator::NotLike, FilterValue::String("small".into())), &p));
-        let list = FilterValue::List(vec![FilterValue::String("a".into()), FilterValue::String("gpt-large".into())]);
+        assert!(eval(
+            clause("model", Operator::Like, FilterValue::String("large".into())),
+            &p
+        ));
+        assert!(eval(
+            clause(
+                "model",
+                Operator::NotLike,
+                FilterValue::String("small".into())
+            ),
+            &p
+        ));
+        let list = FilterValue::List(vec![
+            FilterValue::String("a".into()),
+            FilterValue::String("gpt-large".into()),
+        ]);
         assert!(eval(clause("model", Operator::In, list), &p));
-        assert!(eval(clause("model", Operator::Exists, FilterValue::Bool(true)), &p));
-        assert!(eval(clause("other", Operator::Exists, FilterValue::Bool(false)), &p));
-        assert!(!eval(clause("other", Operator::Ne, FilterValue::String("x".into())), &p));
-        assert!(eval(clause("name", Operator::Eq, FilterValue::String("api_call".into())), &p));
+        assert!(eval(
+            clause("model", Operator::Exists, FilterValue::Bool(true)),
+            &p
+        ));
+        assert!(eval(
+            clause("other", Operator::Exists, FilterValue::Bool(false)),
+            &p
+        ));
+        assert!(!eval(
+            clause("other", Operator::Ne, FilterValue::String("x".into())),
+            &p
+        ));
+        assert!(eval(
+            clause("name", Operator::Eq, FilterValue::String("api_call".into())),
+            &p
+        ));
     }
 
     #[test]
@@ -544,7 +603,11 @@ mod tests {
                 clause("a", Operator::Eq, FilterValue::Number(1.into())),
             ],
         };
-        let view = EventView { name: "x", timestamp_ms: 0, properties: &p };
+        let view = EventView {
+            name: "x",
+            timestamp_ms: 0,
+            properties: &p,
+        };
         assert!(filter.matches(&view));
         assert!(MeterFilter::default().matches(&view));
     }
@@ -559,12 +622,18 @@ mod tests {
                 value: Some(FilterValue::String("x".into())),
             }],
         };
-        assert_eq!(validate_filter(&raw).unwrap_err().param, "filter.clauses[0].value");
+        assert_eq!(
+            validate_filter(&raw).unwrap_err().param,
+            "filter.clauses[0].value"
+        );
         let raw = RawMeterFilter {
             conjunction: Some("xor".into()),
             clauses: vec![],
         };
-        assert_eq!(validate_filter(&raw).unwrap_err().param, "filter.conjunction");
+        assert_eq!(
+            validate_filter(&raw).unwrap_err().param,
+            "filter.conjunction"
+        );
     }
 
     #[test]
@@ -577,11 +646,17 @@ mod tests {
         };
         assert_eq!(validate_meter(&input).unwrap().unit_label, "units");
         input.aggregation_property = Some("x".into());
-        assert_eq!(validate_meter(&input).unwrap_err().param, "aggregation_property");
+        assert_eq!(
+            validate_meter(&input).unwrap_err().param,
+            "aggregation_property"
+        );
         input.aggregation = Some("sum".into());
         assert!(validate_meter(&input).is_ok());
         input.aggregation_property = None;
-        assert_eq!(validate_meter(&input).unwrap_err().param, "aggregation_property");
+        assert_eq!(
+            validate_meter(&input).unwrap_err().param,
+            "aggregation_property"
+        );
         input.aggregation = Some("median".into());
         assert_eq!(validate_meter(&input).unwrap_err().param, "aggregation");
     }

@@ -43,7 +43,9 @@ impl Record {
             Record::CustomerUpserted(c) => c.store_id.as_bytes().to_vec(),
             Record::MeterUpserted(m) => m.store_id.as_bytes().to_vec(),
             Record::MeterBackfill { store_id, .. } => store_id.as_bytes().to_vec(),
-            Record::UsageBatch { store_id, events, .. } => match events.first() {
+            Record::UsageBatch {
+                store_id, events, ..
+            } => match events.first() {
                 Some(e) => format!("{store_id}/{}", e.customer_id).into_bytes(),
                 None => store_id.as_bytes().to_vec(),
             },

@@ -108,7 +108,10 @@ mod tests {
         let ms = parse_iso8601_ms("2026-11-22T12:00:00+02:00").unwrap();
         assert_eq!(format_iso8601_ms(ms), "2026-11-22T10:00:00.000Z");
         assert!(parse_iso8601_ms("2026-11-22 12:00").is_none());
-        assert!(parse_iso8601_ms("2026-11-22T12:00:00").is_none(), "offset is required");
+        assert!(
+            parse_iso8601_ms("2026-11-22T12:00:00").is_none(),
+            "offset is required"
+        );
     }
 
     #[test]

@@ -181,7 +181,9 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
             if trimmed.is_empty() || trimmed.chars().count() > MAX_EVENT_ID_CHARS {
                 return Err(invalid(
                     "event_id",
-                    format!("`event_id` must be 1 to {MAX_EVENT_ID_CHARS} characters after trimming"),
+                    format!(
+                        "`event_id` must be 1 to {MAX_EVENT_ID_CHARS} characters after trimming"
+                    ),
                 ));
             }
             Some(trimmed.to_string())
@@ -299,7 +301,10 @@ mod tests {
         assert_eq!(validate_event(&both, NOW).unwrap_err().param, "customer_id");
         let mut neither = raw();
         neither.customer_id = None;
-        assert_eq!(validate_event(&neither, NOW).unwrap_err().param, "customer_id");
+        assert_eq!(
+            validate_event(&neither, NOW).unwrap_err().param,
+            "customer_id"
+        );
     }
 
     #[test]
@@ -330,7 +335,10 @@ mod tests {
             "properties.tokens"
         );
         event.properties = vec![("flag".into(), RawPropertyValue::Other("a boolean"))];
-        assert_eq!(validate_event(&event, NOW).unwrap_err().param, "properties.flag");
+        assert_eq!(
+            validate_event(&event, NOW).unwrap_err().param,
+            "properties.flag"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub fn encode_customer(c: &Customer) -> Vec<u8> {
 }
 
 pub fn decode_customer(bytes: &[u8]) -> Result<Customer, EngineError> {
-    Ok(tally_proto::customer_from_proto(v1::Customer::decode(bytes).map_err(corrupt)?).map_err(corrupt)?)
+    tally_proto::customer_from_proto(v1::Customer::decode(bytes).map_err(corrupt)?).map_err(corrupt)
 }
 
 pub fn encode_meter(m: &Meter) -> Vec<u8> {
@@ -24,7 +24,7 @@ pub fn encode_meter(m: &Meter) -> Vec<u8> {
 }
 
 pub fn decode_meter(bytes: &[u8]) -> Result<Meter, EngineError> {
-    Ok(tally_proto::meter_from_proto(v1::Meter::decode(bytes).map_err(corrupt)?).map_err(corrupt)?)
+    tally_proto::meter_from_proto(v1::Meter::decode(bytes).map_err(corrupt)?).map_err(corrupt)
 }
 
 pub fn encode_store(s: &StoreRecord) -> Vec<u8> {

@@ -22,8 +22,13 @@ impl Engine {
     }
 
     /// The customer id holding `external_id`, if any.
-    pub fn customer_id_by_external(&self, scope: &Scope, external_id: &str) -> Result<Option<String>, EngineError> {
-        let key = Key::scoped(keys::CUSTOMER_EXTERNAL, &scope.store_id, scope.mode).text(external_id);
+    pub fn customer_id_by_external(
+        &self,
+        scope: &Scope,
+        external_id: &str,
+    ) -> Result<Option<String>, EngineError> {
+        let key =
+            Key::scoped(keys::CUSTOMER_EXTERNAL, &scope.store_id, scope.mode).text(external_id);
         Ok(self
             .store()
             .get(key.as_bytes())?
@@ -35,7 +40,11 @@ impl Engine {
         Ok(self.store().get(key.as_bytes())?.is_some())
     }
 
-    pub async fn create_customer(&self, scope: &Scope, input: &CustomerInput) -> Result<Customer, EngineError> {
+    pub async fn create_customer(
+        &self,
+        scope: &Scope,
+        input: &CustomerInput,
+    ) -> Result<Customer, EngineError> {
         let changes = validate_customer_input(input, true)?;
         let lock = self.control_lock(scope);
         let _guard = lock.lock().await;
@@ -58,7 +67,8 @@ impl Engine {
             updated_at_ms: now,
         };
         customer.apply(changes, now);
-        self.append_and_apply(&Record::CustomerUpserted(customer.clone())).await?;
+        self.append_and_apply(&Record::CustomerUpserted(customer.clone()))
+            .await?;
         Ok(customer)
     }
 
@@ -79,28 +89,44 @@ impl Engine {
             }
         }
         customer.apply(changes, self.now_ms());
-        self.append_and_apply(&Record::CustomerUpserted(customer.clone())).await?;
+        self.append_and_apply(&Record::CustomerUpserted(customer.clone()))
+            .await?;
         Ok(customer)
     }
 
-    pub fn list_customers(&self, scope: &Scope, page: &PageRequest) -> Result<Page<Customer>, EngineError> {
+    pub fn list_customers(
+        &self,
+        scope: &Scope,
+        page: &PageRequest,
+    ) -> Result<Page<Customer>, EngineError> {
         let prefix = Key::scoped(keys::CUSTOMER_LIST, &scope.store_id, scope.mode).into_bytes();
         let cursor_key = |id: &str| -> Result<Vec<u8>, EngineError> {
-            let customer = self.get_customer(scope, id).map_err(|_| EngineError::NotFound {
-                resource: "customer",
-                id: id.to_string(),
-                param: None,
-            })?;
-            Ok(Key::scoped(keys::CUSTOMER_LIST, &scope.store_id, scope.mode)
-                .int(customer.created_at_ms)
-                .text(&customer.id)
-                .into_bytes())
+            let customer = self
+                .get_customer(scope, id)
+                .map_err(|_| EngineError::NotFound {
+                    resource: "customer",
+                    id: id.to_string(),
+                    param: None,
+                })?;
+            Ok(
+                Key::scoped(keys::CUSTOMER_LIST, &scope.store_id, scope.mode)
+                    .int(customer.created_at_ms)
+                    .text(&customer.id)
+                    .into_bytes(),
+            )
         };
         let cursor = cursor_from(page, cursor_key)?;
-        paginate(self.store().as_ref(), &prefix, cursor, page.limit, |key, _| {
-            let (id, _) = keys::read_text(key, prefix.len() + 8).ok_or_else(|| EngineError::Corrupt("customer index".into()))?;
-            self.get_customer(scope, id).map(Some)
-        })
+        paginate(
+            self.store().as_ref(),
+            &prefix,
+            cursor,
+            page.limit,
+            |key, _| {
+                let (id, _) = keys::read_text(key, prefix.len() + 8)
+                    .ok_or_else(|| EngineError::Corrupt("customer index".into()))?;
+                self.get_customer(scope, id).map(Some)
+            },
+        )
     }
 }
 

@@ -119,14 +119,22 @@ impl Engine {
             .collect()
     }
 
-    fn resolve_customer(&self, scope: &Scope, customer: &CustomerRef) -> Result<Option<String>, EngineError> {
+    fn resolve_customer(
+        &self,
+        scope: &Scope,
+        customer: &CustomerRef,
+    ) -> Result<Option<String>, EngineError> {
         match customer {
             CustomerRef::Id(id) => Ok(self.customer_exists(scope, id)?.then(|| id.clone())),
             CustomerRef::External(external) => self.customer_id_by_external(scope, external),
         }
     }
 
-    fn stored_event(&self, scope: &Scope, event_id: &str) -> Result<Option<UsageEvent>, EngineError> {
+    fn stored_event(
+        &self,
+        scope: &Scope,
+        event_id: &str,
+    ) -> Result<Option<UsageEvent>, EngineError> {
         let key = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).tail(event_id.as_bytes());
         match self.store().get(key.as_bytes())? {
             Some(bytes) => Ok(Some(codec::decode_event(&bytes)?.1)),
@@ -157,7 +165,8 @@ impl Engine {
         };
         // Phase 1: validate, resolve and match every event; nothing is reserved yet.
         let mut reports = Vec::with_capacity(raws.len());
-        let mut candidates: Vec<Option<(ValidatedEvent, String, String, bool)>> = Vec::with_capacity(raws.len());
+        let mut candidates: Vec<Option<(ValidatedEvent, String, String, bool)>> =
+            Vec::with_capacity(raws.len());
         for (index, raw) in raws.iter().enumerate() {
             let mut report = EventReport {
                 valid: false,
@@ -184,9 +193,15 @@ impl Engine {
             let Some(customer_id) = self.resolve_customer(scope, &validated.customer)? else {
                 let (param, what) = match &validated.customer {
                     CustomerRef::Id(id) => ("customer_id", format!("no customer with id '{id}'")),
-                    CustomerRef::External(e) => ("external_customer_id", format!("no customer with external_id '{e}'")),
+                    CustomerRef::External(e) => (
+                        "external_customer_id",
+                        format!("no customer with external_id '{e}'"),
+                    ),
                 };
-                report.error = Some(invalid(index, FieldError::new("invalid_usage_event", param, what)));
+                report.error = Some(invalid(
+                    index,
+                    FieldError::new("invalid_usage_event", param, what),
+                ));
                 reports.push(report);
                 candidates.push(None);
                 continue;
@@ -197,11 +212,16 @@ impl Engine {
             if matched.is_empty() {
                 report.warnings.push(Warning {
                     code: "no_matching_meter",
-                    message: format!("no active meter consumes events named '{}' with these properties", validated.name),
+                    message: format!(
+                        "no active meter consumes events named '{}' with these properties",
+                        validated.name
+                    ),
                 });
             }
             for meter in &matched {
-                let Some(property) = &meter.aggregation_property else { continue };
+                let Some(property) = &meter.aggregation_property else {
+                    continue;
+                };
                 let usable = match validated.properties.get(property) {
                     None => false,
                     Some(v) => meter.aggregation == Aggregation::Unique || v.as_number().is_some(),
@@ -230,7 +250,14 @@ impl Engine {
         }
         // Phase 2: dedup (and, for ingest, reserve) in batch order: the first wins.
         let mut reservations = Vec::new();
-        match self.dedup_batch(scope, &mut reports, candidates, evaluation, now, &mut reservations) {
+        match self.dedup_batch(
+            scope,
+            &mut reports,
+            candidates,
+            evaluation,
+            now,
+            &mut reservations,
+        ) {
             Ok(accepted) => Ok(Evaluated {
                 reports,
                 accepted,
@@ -258,7 +285,9 @@ impl Engine {
         let mut accepted = Vec::new();
         let mut in_batch: HashMap<String, u64> = HashMap::new();
         for (report, candidate) in reports.iter_mut().zip(candidates) {
-            let Some((validated, customer_id, event_id, assigned)) = candidate else { continue };
+            let Some((validated, customer_id, event_id, assigned)) = candidate else {
+                continue;
+            };
             let print = fingerprint(&validated, &customer_id);
             if !assigned {
                 if let Some(earlier) = in_batch.get(&event_id) {
@@ -316,7 +345,9 @@ impl Engine {
         scope: &Scope,
         raws: &[Result<RawUsageEvent, FieldError>],
     ) -> Result<Vec<EventReport>, EngineError> {
-        Ok(self.evaluate_batch(scope, raws, Evaluation::Preview)?.reports)
+        Ok(self
+            .evaluate_batch(scope, raws, Evaluation::Preview)?
+            .reports)
     }
 
     /// `POST /v1/events/ingest`: all or nothing; returns once the batch is durable.
@@ -325,6 +356,7 @@ impl Engine {
         scope: &Scope,
         raws: &[Result<RawUsageEvent, FieldError>],
     ) -> Result<IngestOutcome, EngineError> {
+        self.wait_for_projector_headroom().await?;
         let evaluated = self.evaluate_batch(scope, raws, Evaluation::Ingest)?;
         let accepted = evaluated.accepted.len();
         let duplicates = evaluated.reports.iter().filter(|r| r.duplicate).count();
@@ -354,8 +386,12 @@ impl Engine {
                 }
             }
         }
-        self.metrics.events_accepted.fetch_add(accepted as u64, Ordering::Relaxed);
-        self.metrics.events_duplicate.fetch_add(duplicates as u64, Ordering::Relaxed);
+        self.metrics
+            .events_accepted
+            .fetch_add(accepted as u64, Ordering::Relaxed);
+        self.metrics
+            .events_duplicate
+            .fetch_add(duplicates as u64, Ordering::Relaxed);
         Ok(IngestOutcome {
             accepted,
             duplicates,
@@ -369,7 +405,12 @@ impl Engine {
     }
 
     /// `GET /v1/events`: stored events, newest received first.
-    pub fn list_events(&self, scope: &Scope, filter: &EventFilter, page: &PageRequest) -> Result<Page<UsageEvent>, EngineError> {
+    pub fn list_events(
+        &self,
+        scope: &Scope,
+        filter: &EventFilter,
+        page: &PageRequest,
+    ) -> Result<Page<UsageEvent>, EngineError> {
         let prefix = Key::scoped(keys::EVENT_LIST, &scope.store_id, scope.mode).into_bytes();
         let cursor = cursor_from(page, |id| {
             let key = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).tail(id.as_bytes());
@@ -382,18 +423,27 @@ impl Engine {
             list_key.extend_from_slice(suffix);
             Ok(list_key)
         })?;
-        paginate(self.store().as_ref(), &prefix, cursor, page.limit, |_, value| {
-            let event_id = String::from_utf8_lossy(value);
-            let event = self.get_event(scope, &event_id)?;
-            let keep = filter.customer_id.as_ref().is_none_or(|c| *c == event.customer_id)
-                && filter.name.as_ref().is_none_or(|n| *n == event.name)
-                && filter
-                    .meter_id
+        paginate(
+            self.store().as_ref(),
+            &prefix,
+            cursor,
+            page.limit,
+            |_, value| {
+                let event_id = String::from_utf8_lossy(value);
+                let event = self.get_event(scope, &event_id)?;
+                let keep = filter
+                    .customer_id
                     .as_ref()
-                    .is_none_or(|m| event.matched_meter_ids.contains(m))
-                && filter.start_ms.is_none_or(|s| event.timestamp_ms >= s)
-                && filter.end_ms.is_none_or(|e| event.timestamp_ms < e);
-            Ok(keep.then_some(event))
-        })
+                    .is_none_or(|c| *c == event.customer_id)
+                    && filter.name.as_ref().is_none_or(|n| *n == event.name)
+                    && filter
+                        .meter_id
+                        .as_ref()
+                        .is_none_or(|m| event.matched_meter_ids.contains(m))
+                    && filter.start_ms.is_none_or(|s| event.timestamp_ms >= s)
+                    && filter.end_ms.is_none_or(|e| event.timestamp_ms < e);
+                Ok(keep.then_some(event))
+            },
+        )
     }
 }

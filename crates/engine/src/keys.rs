@@ -62,7 +62,8 @@ impl Key {
     }
 
     pub fn int(mut self, value: i64) -> Key {
-        self.0.extend_from_slice(&((value as u64) ^ (1 << 63)).to_be_bytes());
+        self.0
+            .extend_from_slice(&((value as u64) ^ (1 << 63)).to_be_bytes());
         self
     }
 

@@ -30,7 +30,12 @@ pub struct MeterUpdate {
 }
 
 /// Fields of a meter that an update may not touch (decisions.md).
-pub const IMMUTABLE_METER_FIELDS: [&str; 4] = ["event_name", "aggregation", "aggregation_property", "filter"];
+pub const IMMUTABLE_METER_FIELDS: [&str; 4] = [
+    "event_name",
+    "aggregation",
+    "aggregation_property",
+    "filter",
+];
 
 impl Engine {
     pub fn get_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
@@ -50,7 +55,12 @@ impl Engine {
     }
 
     /// 409 `meter_name_taken`, with the archived holder when it is archived.
-    fn check_name_free(&self, scope: &Scope, name: &str, except_id: Option<&str>) -> Result<(), EngineError> {
+    fn check_name_free(
+        &self,
+        scope: &Scope,
+        name: &str,
+        except_id: Option<&str>,
+    ) -> Result<(), EngineError> {
         let Some(holder_id) = self.meter_id_by_name(scope, name)? else {
             return Ok(());
         };
@@ -73,7 +83,11 @@ impl Engine {
         })
     }
 
-    pub async fn create_meter(&self, scope: &Scope, input: &MeterInput) -> Result<Meter, EngineError> {
+    pub async fn create_meter(
+        &self,
+        scope: &Scope,
+        input: &MeterInput,
+    ) -> Result<Meter, EngineError> {
         let definition = validate_meter(input)?;
         let lock = self.control_lock(scope);
         let _guard = lock.lock().await;
@@ -94,11 +108,17 @@ impl Engine {
             updated_at_ms: now,
             counts_from_ms: now,
         };
-        self.append_and_apply(&Record::MeterUpserted(meter.clone())).await?;
+        self.append_and_apply(&Record::MeterUpserted(meter.clone()))
+            .await?;
         Ok(meter)
     }
 
-    pub async fn update_meter(&self, scope: &Scope, id: &str, update: &MeterUpdate) -> Result<Meter, EngineError> {
+    pub async fn update_meter(
+        &self,
+        scope: &Scope,
+        id: &str,
+        update: &MeterUpdate,
+    ) -> Result<Meter, EngineError> {
         if let Some(field) = update.immutable_fields.first() {
             return Err(FieldError::new(
                 "meter_field_immutable",
@@ -130,26 +150,37 @@ impl Engine {
             meter.unit_label = unit_label;
         }
         meter.updated_at_ms = self.now_ms();
-        self.append_and_apply(&Record::MeterUpserted(meter.clone())).await?;
+        self.append_and_apply(&Record::MeterUpserted(meter.clone()))
+            .await?;
         Ok(meter)
     }
 
     /// Whether the meter is priced on a product still being sold. Products arrive with
     /// the billing issue; until then no meter is priced, and this is the one place
     /// that will answer from the product projection.
-    pub fn meter_priced_on_active_product(&self, _scope: &Scope, _meter_id: &str) -> Result<bool, EngineError> {
+    pub fn meter_priced_on_active_product(
+        &self,
+        _scope: &Scope,
+        _meter_id: &str,
+    ) -> Result<bool, EngineError> {
         Ok(false)
     }
 
     pub async fn archive_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
-        self.set_meter_status(scope, id, MeterStatus::Archived).await
+        self.set_meter_status(scope, id, MeterStatus::Archived)
+            .await
     }
 
     pub async fn unarchive_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
         self.set_meter_status(scope, id, MeterStatus::Active).await
     }
 
-    async fn set_meter_status(&self, scope: &Scope, id: &str, status: MeterStatus) -> Result<Meter, EngineError> {
+    async fn set_meter_status(
+        &self,
+        scope: &Scope,
+        id: &str,
+        status: MeterStatus,
+    ) -> Result<Meter, EngineError> {
         let lock = self.control_lock(scope);
         let _guard = lock.lock().await;
         let mut meter = self.get_meter(scope, id)?;
@@ -165,16 +196,26 @@ impl Engine {
         }
         meter.status = status;
         meter.updated_at_ms = self.now_ms();
-        self.append_and_apply(&Record::MeterUpserted(meter.clone())).await?;
+        self.append_and_apply(&Record::MeterUpserted(meter.clone()))
+            .await?;
         Ok(meter)
     }
 
     /// Opts the meter in to stored events from `start_ms` (decisions.md). A start at
     /// or after the current counting start changes nothing.
-    pub async fn backfill_meter(&self, scope: &Scope, id: &str, start_ms: i64) -> Result<Meter, EngineError> {
+    pub async fn backfill_meter(
+        &self,
+        scope: &Scope,
+        id: &str,
+        start_ms: i64,
+    ) -> Result<Meter, EngineError> {
         let oldest = self.now_ms() - tally_domain::limits::MAX_EVENT_AGE_MS;
         if start_ms < oldest {
-            return Err(FieldError::invalid("start", "`start` may be at most 35 days in the past (older events cannot exist)").into());
+            return Err(FieldError::invalid(
+                "start",
+                "`start` may be at most 35 days in the past (older events cannot exist)",
+            )
+            .into());
         }
         let lock = self.control_lock(scope);
         let _guard = lock.lock().await;
@@ -206,15 +247,22 @@ impl Engine {
                 .text(&meter.id)
                 .into_bytes())
         })?;
-        paginate(self.store().as_ref(), &prefix, cursor, page.limit, |key, _| {
-            let (id, _) = keys::read_text(key, prefix.len() + 8).ok_or_else(|| EngineError::Corrupt("meter index".into()))?;
-            let meter = self.get_meter(scope, id)?;
-            let keep = match status {
-                MeterStatusFilter::All => true,
-                MeterStatusFilter::Active => meter.status == MeterStatus::Active,
-                MeterStatusFilter::Archived => meter.status == MeterStatus::Archived,
-            };
-            Ok(keep.then_some(meter))
-        })
+        paginate(
+            self.store().as_ref(),
+            &prefix,
+            cursor,
+            page.limit,
+            |key, _| {
+                let (id, _) = keys::read_text(key, prefix.len() + 8)
+                    .ok_or_else(|| EngineError::Corrupt("meter index".into()))?;
+                let meter = self.get_meter(scope, id)?;
+                let keep = match status {
+                    MeterStatusFilter::All => true,
+                    MeterStatusFilter::Active => meter.status == MeterStatus::Active,
+                    MeterStatusFilter::Archived => meter.status == MeterStatus::Archived,
+                };
+                Ok(keep.then_some(meter))
+            },
+        )
     }
 }

@@ -79,7 +79,9 @@ impl Metrics {
     /// Renders everything; `positions` are (applied, end) per partition.
     pub fn render(&self, positions: &[(u64, u64)], log_kind: &str) -> String {
         let mut out = String::new();
-        out.push_str("# HELP tally_http_requests_total HTTP requests by method, route and status.\n");
+        out.push_str(
+            "# HELP tally_http_requests_total HTTP requests by method, route and status.\n",
+        );
         out.push_str("# TYPE tally_http_requests_total counter\n");
         let mut rows: Vec<_> = self
             .http_requests
@@ -99,13 +101,22 @@ impl Metrics {
         routes.sort();
         for route in routes {
             if let Some(h) = self.http_latency.get(&route) {
-                h.render(&mut out, "tally_http_request_duration_seconds", &format!("route=\"{route}\""));
+                h.render(
+                    &mut out,
+                    "tally_http_request_duration_seconds",
+                    &format!("route=\"{route}\""),
+                );
             }
         }
-        out.push_str("# HELP tally_log_append_duration_seconds Time for an append to become durable.\n");
+        out.push_str(
+            "# HELP tally_log_append_duration_seconds Time for an append to become durable.\n",
+        );
         out.push_str("# TYPE tally_log_append_duration_seconds histogram\n");
-        self.log_append
-            .render(&mut out, "tally_log_append_duration_seconds", &format!("log=\"{log_kind}\""));
+        self.log_append.render(
+            &mut out,
+            "tally_log_append_duration_seconds",
+            &format!("log=\"{log_kind}\""),
+        );
         out.push_str("# HELP tally_consumer_lag_bytes_or_records Log not yet applied to projections (bytes for the embedded log, records for Kafka).\n");
         out.push_str("# TYPE tally_consumer_lag_bytes_or_records gauge\n");
         for (partition, (applied, end)) in positions.iter().enumerate() {
@@ -116,11 +127,27 @@ impl Metrics {
             );
         }
         for (name, help, value) in [
-            ("tally_records_applied_total", "Log records applied by the projector.", &self.records_applied),
-            ("tally_events_accepted_total", "Usage events accepted (not duplicates).", &self.events_accepted),
-            ("tally_events_duplicate_total", "Usage events dropped as duplicates.", &self.events_duplicate),
+            (
+                "tally_records_applied_total",
+                "Log records applied by the projector.",
+                &self.records_applied,
+            ),
+            (
+                "tally_events_accepted_total",
+                "Usage events accepted (not duplicates).",
+                &self.events_accepted,
+            ),
+            (
+                "tally_events_duplicate_total",
+                "Usage events dropped as duplicates.",
+                &self.events_duplicate,
+            ),
         ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", value.load(Ordering::Relaxed));
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                value.load(Ordering::Relaxed)
+            );
         }
         out
     }

@@ -57,9 +57,24 @@ pub fn paginate<T>(
     };
     let towards_newer = matches!(cursor, Cursor::Before(_));
     match &cursor {
-        Cursor::None => store.scan(Bound::Included(prefix), Bound::Excluded(&end), true, &mut visit)?,
-        Cursor::After(key) => store.scan(Bound::Included(prefix), Bound::Excluded(key), true, &mut visit)?,
-        Cursor::Before(key) => store.scan(Bound::Excluded(key), Bound::Excluded(&end), false, &mut visit)?,
+        Cursor::None => store.scan(
+            Bound::Included(prefix),
+            Bound::Excluded(&end),
+            true,
+            &mut visit,
+        )?,
+        Cursor::After(key) => store.scan(
+            Bound::Included(prefix),
+            Bound::Excluded(key),
+            true,
+            &mut visit,
+        )?,
+        Cursor::Before(key) => store.scan(
+            Bound::Excluded(key),
+            Bound::Excluded(&end),
+            false,
+            &mut visit,
+        )?,
     }
     if let Some(e) = failure {
         return Err(e);

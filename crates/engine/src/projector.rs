@@ -72,7 +72,8 @@ impl<'a> Overlay<'a> {
 
     pub fn into_changes(mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
         for (key, aggregate) in self.aggregates.drain() {
-            self.changes.insert(key, Some(codec::encode_aggregate(&aggregate)));
+            self.changes
+                .insert(key, Some(codec::encode_aggregate(&aggregate)));
         }
         self.changes.into_iter().collect()
     }
@@ -101,8 +102,10 @@ pub fn apply_chunk(
     let mut applied = Applied::default();
     let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
     for entry in entries {
-        let (record, _recorded_at_ms) = tally_proto::decode_record(&entry.payload)
-            .map_err(|e| EngineError::Corrupt(format!("log record at offset {}: {e}", entry.offset)))?;
+        let (record, _recorded_at_ms) =
+            tally_proto::decode_record(&entry.payload).map_err(|e| {
+                EngineError::Corrupt(format!("log record at offset {}: {e}", entry.offset))
+            })?;
         apply_record(&mut overlay, &record, entry, &mut applied)?;
         positions.insert(entry.partition, entry.next_offset);
     }
@@ -137,7 +140,10 @@ fn apply_record(
             let key = Key::scoped(keys::CUSTOMER, &customer.store_id, customer.mode)
                 .text(&customer.id)
                 .into_bytes();
-            let previous = overlay.get(&key)?.map(|b| codec::decode_customer(&b)).transpose()?;
+            let previous = overlay
+                .get(&key)?
+                .map(|b| codec::decode_customer(&b))
+                .transpose()?;
             let external_key = |external: &str| {
                 Key::scoped(keys::CUSTOMER_EXTERNAL, &customer.store_id, customer.mode)
                     .text(external)
@@ -168,7 +174,10 @@ fn apply_record(
             let key = Key::scoped(keys::METER, &meter.store_id, meter.mode)
                 .text(&meter.id)
                 .into_bytes();
-            let previous = overlay.get(&key)?.map(|b| codec::decode_meter(&b)).transpose()?;
+            let previous = overlay
+                .get(&key)?
+                .map(|b| codec::decode_meter(&b))
+                .transpose()?;
             let name_key = |name: &str| {
                 Key::scoped(keys::METER_NAME, &meter.store_id, meter.mode)
                     .text(name)
@@ -241,7 +250,9 @@ fn apply_record(
                 backfill(overlay, &meter, *start_ms)?;
                 meter.counts_from_ms = *start_ms;
                 overlay.put(
-                    Key::scoped(keys::METER, store_id, *mode).text(meter_id).into_bytes(),
+                    Key::scoped(keys::METER, store_id, *mode)
+                        .text(meter_id)
+                        .into_bytes(),
                     codec::encode_meter(&meter),
                 );
                 applied.meters.push(meter);
@@ -257,7 +268,9 @@ fn load_meter(
     mode: Mode,
     meter_id: &str,
 ) -> Result<Meter, EngineError> {
-    let key = Key::scoped(keys::METER, store_id, mode).text(meter_id).into_bytes();
+    let key = Key::scoped(keys::METER, store_id, mode)
+        .text(meter_id)
+        .into_bytes();
     match overlay.get(&key)? {
         Some(bytes) => codec::decode_meter(&bytes),
         // With one partition the meter record always precedes; in Kafka mode the
@@ -363,7 +376,10 @@ pub async fn replay_partition(
     let mut records = 0u64;
     while next < end {
         let entries = reader
-            .next_batch(crate::APPLY_CHUNK_MAX_RECORDS, std::time::Duration::from_secs(5))
+            .next_batch(
+                crate::APPLY_CHUNK_MAX_RECORDS,
+                std::time::Duration::from_secs(5),
+            )
             .await?;
         if entries.is_empty() {
             break;

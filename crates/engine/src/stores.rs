@@ -30,7 +30,9 @@ pub enum AuthError {
     Missing,
     Unknown,
     /// A valid key of the other environment.
-    WrongEnvironment { key_mode: Mode },
+    WrongEnvironment {
+        key_mode: Mode,
+    },
 }
 
 pub fn key_digest(key: &str) -> Vec<u8> {
@@ -39,7 +41,10 @@ pub fn key_digest(key: &str) -> Vec<u8> {
 
 impl Engine {
     pub fn authenticate(&self, key: Option<&str>, listener: Mode) -> Result<Scope, AuthError> {
-        let key = key.map(str::trim).filter(|k| !k.is_empty()).ok_or(AuthError::Missing)?;
+        let key = key
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+            .ok_or(AuthError::Missing)?;
         let scope = self
             .caches()
             .api_keys
@@ -47,7 +52,9 @@ impl Engine {
             .map(|s| s.clone())
             .ok_or(AuthError::Unknown)?;
         if scope.mode != listener {
-            return Err(AuthError::WrongEnvironment { key_mode: scope.mode });
+            return Err(AuthError::WrongEnvironment {
+                key_mode: scope.mode,
+            });
         }
         Ok(scope)
     }
@@ -57,7 +64,11 @@ impl Engine {
     pub async fn create_store(&self, name: &str) -> Result<CreatedStore, EngineError> {
         let name = name.trim();
         if name.is_empty() || name.chars().count() > MAX_STORE_NAME_CHARS {
-            return Err(tally_domain::FieldError::invalid("name", "`name` must be 1 to 255 characters").into());
+            return Err(tally_domain::FieldError::invalid(
+                "name",
+                "`name` must be 1 to 255 characters",
+            )
+            .into());
         }
         let prod_key = format!("{PROD_KEY_PREFIX}{}", random_base62(API_KEY_RANDOM_CHARS));
         let test_key = format!("{TEST_KEY_PREFIX}{}", random_base62(API_KEY_RANDOM_CHARS));
@@ -68,7 +79,8 @@ impl Engine {
             test_key_sha256: key_digest(&test_key),
             created_at_ms: self.now_ms(),
         };
-        self.append_and_apply(&Record::StoreCreated(record.clone())).await?;
+        self.append_and_apply(&Record::StoreCreated(record.clone()))
+            .await?;
         Ok(CreatedStore {
             store_id: record.store_id,
             name: record.name,

@@ -69,7 +69,12 @@ struct WindowFold {
 }
 
 impl WindowFold {
-    fn new(aggregation: Aggregation, start_ms: i64, end_ms: i64, window: Window) -> Result<WindowFold, EngineError> {
+    fn new(
+        aggregation: Aggregation,
+        start_ms: i64,
+        end_ms: i64,
+        window: Window,
+    ) -> Result<WindowFold, EngineError> {
         let mut windows = Vec::new();
         let mut at = window.start_of(start_ms, start_ms);
         while at < end_ms {
@@ -114,7 +119,9 @@ impl WindowFold {
     }
 
     fn add_event(&mut self, at_ms: i64, contribution: &Contribution) {
-        let Some(i) = self.window_of(at_ms) else { return };
+        let Some(i) = self.window_of(at_ms) else {
+            return;
+        };
         match contribution {
             Contribution::Skipped => {}
             Contribution::Event { number } => self.aggregates[i].add(*number),
@@ -174,50 +181,81 @@ impl Engine {
         window: Window,
     ) -> Result<UsageSeries, EngineError> {
         let mut fold = WindowFold::new(meter.aggregation, start_ms, end_ms, window)?;
-        let table = if meter.aggregation == Aggregation::Unique { keys::UNIQUE } else { keys::AGGREGATE };
-        let base = Key::scoped(table, &meter.store_id, meter.mode).text(&meter.id).text(customer);
+        let table = if meter.aggregation == Aggregation::Unique {
+            keys::UNIQUE
+        } else {
+            keys::AGGREGATE
+        };
+        let base = Key::scoped(table, &meter.store_id, meter.mode)
+            .text(&meter.id)
+            .text(customer);
         let prefix_len = base.as_bytes().len();
-        let from = base.clone().int(start_ms.div_euclid(MINUTE_MS)).into_bytes();
+        let from = base
+            .clone()
+            .int(start_ms.div_euclid(MINUTE_MS))
+            .into_bytes();
         let to = base.int(end_ms.div_euclid(MINUTE_MS)).into_bytes();
         let mut failure = None;
-        self.store().scan(Bound::Included(&from), Bound::Excluded(&to), false, &mut |key, value| {
-            let minute_ms = read_int(&key[prefix_len..]) * MINUTE_MS;
-            if table == keys::UNIQUE {
-                fold.add_distinct(minute_ms, &key[prefix_len + 8..]);
-            } else {
-                match codec::decode_aggregate(value) {
-                    Ok(aggregate) => fold.add_bucket(minute_ms, &aggregate),
-                    Err(e) => {
-                        failure = Some(e);
-                        return Visit::Stop;
+        self.store().scan(
+            Bound::Included(&from),
+            Bound::Excluded(&to),
+            false,
+            &mut |key, value| {
+                let minute_ms = read_int(&key[prefix_len..]) * MINUTE_MS;
+                if table == keys::UNIQUE {
+                    fold.add_distinct(minute_ms, &key[prefix_len + 8..]);
+                } else {
+                    match codec::decode_aggregate(value) {
+                        Ok(aggregate) => fold.add_bucket(minute_ms, &aggregate),
+                        Err(e) => {
+                            failure = Some(e);
+                            return Visit::Stop;
+                        }
                     }
                 }
-            }
-            Visit::Continue
-        })?;
+                Visit::Continue
+            },
+        )?;
         if let Some(e) = failure {
             return Err(e);
         }
         // For `unique`, event counts come from the aggregate table as well.
         if table == keys::UNIQUE {
-            let counted = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode).text(&meter.id).text(customer);
+            let counted = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode)
+                .text(&meter.id)
+                .text(customer);
             let counted_len = counted.as_bytes().len();
-            let from = counted.clone().int(start_ms.div_euclid(MINUTE_MS)).into_bytes();
+            let from = counted
+                .clone()
+                .int(start_ms.div_euclid(MINUTE_MS))
+                .into_bytes();
             let to = counted.int(end_ms.div_euclid(MINUTE_MS)).into_bytes();
-            self.store().scan(Bound::Included(&from), Bound::Excluded(&to), false, &mut |key, value| {
-                if let Ok(aggregate) = codec::decode_aggregate(value) {
-                    fold.add_bucket(read_int(&key[counted_len..]) * MINUTE_MS, &aggregate);
-                }
-                Visit::Continue
-            })?;
+            self.store().scan(
+                Bound::Included(&from),
+                Bound::Excluded(&to),
+                false,
+                &mut |key, value| {
+                    if let Ok(aggregate) = codec::decode_aggregate(value) {
+                        fold.add_bucket(read_int(&key[counted_len..]) * MINUTE_MS, &aggregate);
+                    }
+                    Visit::Continue
+                },
+            )?;
         }
         let customer_id = (customer != ALL_CUSTOMERS).then(|| customer.to_string());
         Ok(fold.finish(customer_id))
     }
 
     /// Customers with any usage of the meter in the range.
-    fn customers_with_usage(&self, meter: &Meter, start_ms: i64, end_ms: i64) -> Result<BTreeSet<String>, EngineError> {
-        let prefix = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode).text(&meter.id).into_bytes();
+    fn customers_with_usage(
+        &self,
+        meter: &Meter,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<BTreeSet<String>, EngineError> {
+        let prefix = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode)
+            .text(&meter.id)
+            .into_bytes();
         let (first, last) = (start_ms.div_euclid(MINUTE_MS), end_ms.div_euclid(MINUTE_MS));
         let mut customers = BTreeSet::new();
         scan_prefix(self.store().as_ref(), &prefix, false, &mut |key, _| {
@@ -233,7 +271,11 @@ impl Engine {
     }
 
     /// `GET /v1/meters/{id}/usage`.
-    pub fn query_usage(&self, scope: &Scope, query: &UsageQuery) -> Result<UsageResult, EngineError> {
+    pub fn query_usage(
+        &self,
+        scope: &Scope,
+        query: &UsageQuery,
+    ) -> Result<UsageResult, EngineError> {
         let meter = self.get_meter(scope, &query.meter_id)?;
         let (start_ms, end_ms) = minute_range(query.start_ms, query.end_ms)?;
         let customer = query.customer_id.as_deref().unwrap_or(ALL_CUSTOMERS);
@@ -241,7 +283,11 @@ impl Engine {
         let groups = if query.group_by_customer && query.customer_id.is_none() {
             let customers = self.customers_with_usage(&meter, start_ms, end_ms)?;
             if customers.len() > MAX_USAGE_GROUPS {
-                return Err(FieldError::invalid("group_by", format!("more than {MAX_USAGE_GROUPS} customers; filter by customer")).into());
+                return Err(FieldError::invalid(
+                    "group_by",
+                    format!("more than {MAX_USAGE_GROUPS} customers; filter by customer"),
+                )
+                .into());
             }
             Some(
                 customers
@@ -307,14 +353,25 @@ impl Engine {
             };
             if definition.filter.matches(&view) {
                 matched += 1;
-                let value = definition.aggregation_property.as_ref().and_then(|p| event.properties.get(p));
-                fold.add_event(event.timestamp_ms, &contribution(definition.aggregation, value));
+                let value = definition
+                    .aggregation_property
+                    .as_ref()
+                    .and_then(|p| event.properties.get(p));
+                fold.add_event(
+                    event.timestamp_ms,
+                    &contribution(definition.aggregation, value),
+                );
             }
             Visit::Continue
         })?;
         if let Some(e) = failure {
             return Err(e);
         }
-        Ok((fold.finish(customer_id.map(str::to_string)), scanned.min(MAX_PREVIEW_SCAN_EVENTS), matched, truncated))
+        Ok((
+            fold.finish(customer_id.map(str::to_string)),
+            scanned.min(MAX_PREVIEW_SCAN_EVENTS),
+            matched,
+            truncated,
+        ))
     }
 }

@@ -24,25 +24,32 @@ const STORE: &str = "st_prop";
 const T0: i64 = 1_800_000_000_000;
 
 fn meters() -> Vec<Meter> {
-    [Aggregation::Count, Aggregation::Sum, Aggregation::Min, Aggregation::Max, Aggregation::Unique, Aggregation::Average]
-        .into_iter()
-        .enumerate()
-        .map(|(i, aggregation)| Meter {
-            id: format!("mtr_{i}"),
-            store_id: STORE.into(),
-            mode: Mode::Test,
-            name: format!("m{i}"),
-            event_name: "e".into(),
-            aggregation,
-            aggregation_property: (aggregation != Aggregation::Count).then(|| "v".to_string()),
-            filter: MeterFilter::default(),
-            unit_label: "units".into(),
-            status: MeterStatus::Active,
-            created_at_ms: T0,
-            updated_at_ms: T0,
-            counts_from_ms: T0,
-        })
-        .collect()
+    [
+        Aggregation::Count,
+        Aggregation::Sum,
+        Aggregation::Min,
+        Aggregation::Max,
+        Aggregation::Unique,
+        Aggregation::Average,
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, aggregation)| Meter {
+        id: format!("mtr_{i}"),
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        name: format!("m{i}"),
+        event_name: "e".into(),
+        aggregation,
+        aggregation_property: (aggregation != Aggregation::Count).then(|| "v".to_string()),
+        filter: MeterFilter::default(),
+        unit_label: "units".into(),
+        status: MeterStatus::Active,
+        created_at_ms: T0,
+        updated_at_ms: T0,
+        counts_from_ms: T0,
+    })
+    .collect()
 }
 
 #[derive(Debug, Clone)]
@@ -54,12 +61,14 @@ struct GenEvent {
 }
 
 fn gen_event() -> impl Strategy<Value = GenEvent> {
-    (0u8..30, 0u8..3, 0i64..5, proptest::option::of(-50i64..50)).prop_map(|(id, customer, minute, value)| GenEvent {
-        id,
-        customer,
-        minute,
-        value,
-    })
+    (0u8..30, 0u8..3, 0i64..5, proptest::option::of(-50i64..50)).prop_map(
+        |(id, customer, minute, value)| GenEvent {
+            id,
+            customer,
+            minute,
+            value,
+        },
+    )
 }
 
 fn usage_event(e: &GenEvent, meter_ids: &[String]) -> UsageEvent {
@@ -105,7 +114,11 @@ fn log_entries(batches: &[Vec<GenEvent>]) -> Vec<LogEntry> {
 }
 
 /// The reference: dedup by id (first wins), then fold each meter's definition.
-fn reference(batches: &[Vec<GenEvent>], customer: Option<u8>, aggregation: Aggregation) -> Option<Decimal> {
+fn reference(
+    batches: &[Vec<GenEvent>],
+    customer: Option<u8>,
+    aggregation: Aggregation,
+) -> Option<Decimal> {
     let mut seen = HashSet::new();
     let kept: Vec<&GenEvent> = batches
         .iter()
@@ -113,7 +126,10 @@ fn reference(batches: &[Vec<GenEvent>], customer: Option<u8>, aggregation: Aggre
         .filter(|e| seen.insert(e.id))
         .filter(|e| customer.is_none_or(|c| c == e.customer))
         .collect();
-    let numbers: Vec<Decimal> = kept.iter().filter_map(|e| e.value.map(|v| Decimal::new(v, 1))).collect();
+    let numbers: Vec<Decimal> = kept
+        .iter()
+        .filter_map(|e| e.value.map(|v| Decimal::new(v, 1)))
+        .collect();
     match aggregation {
         Aggregation::Count => Some(Decimal::from(kept.len())),
         Aggregation::Sum => Some(numbers.iter().copied().sum()),
@@ -122,7 +138,11 @@ fn reference(batches: &[Vec<GenEvent>], customer: Option<u8>, aggregation: Aggre
         Aggregation::Average => (!numbers.is_empty())
             .then(|| numbers.iter().copied().sum::<Decimal>() / Decimal::from(numbers.len())),
         Aggregation::Unique => Some(Decimal::from(
-            numbers.iter().map(|n| n.normalize().to_string()).collect::<HashSet<_>>().len(),
+            numbers
+                .iter()
+                .map(|n| n.normalize().to_string())
+                .collect::<HashSet<_>>()
+                .len(),
         )),
     }
 }
@@ -195,13 +215,29 @@ proptest! {
 #[test]
 fn the_first_event_wins_whatever_comes_later() {
     let batches = vec![
-        vec![GenEvent { id: 1, customer: 0, minute: 0, value: Some(10) }],
-        vec![GenEvent { id: 1, customer: 1, minute: 3, value: Some(99) }],
+        vec![GenEvent {
+            id: 1,
+            customer: 0,
+            minute: 0,
+            value: Some(10),
+        }],
+        vec![GenEvent {
+            id: 1,
+            customer: 1,
+            minute: 3,
+            value: Some(99),
+        }],
     ];
     let store = apply_in_chunks(&log_entries(&batches), &[]);
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let (engine, _dir) = runtime.block_on(engine_over(store));
-    let scope = tally_engine::Scope { store_id: STORE.into(), mode: Mode::Test };
+    let scope = tally_engine::Scope {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+    };
     let event = engine.get_event(&scope, "ev1").unwrap();
     assert_eq!(event.customer_id, "cus_0");
 }

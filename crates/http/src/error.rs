@@ -93,7 +93,11 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::Invalid(field) => field.into(),
-            EngineError::NotFound { resource, id, param } => {
+            EngineError::NotFound {
+                resource,
+                id,
+                param,
+            } => {
                 let mut error = ApiError::new(
                     StatusCode::NOT_FOUND,
                     "resource_missing",

@@ -73,7 +73,10 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
         }
         match serde_json::from_slice::<Value>(&bytes) {
             Ok(Value::Object(map)) => Ok(JsonObject(map)),
-            Ok(_) => Err(ApiError::bad_request("invalid_json", "the request body must be a JSON object")),
+            Ok(_) => Err(ApiError::bad_request(
+                "invalid_json",
+                "the request body must be a JSON object",
+            )),
             Err(e) => Err(ApiError::bad_request(
                 "invalid_json",
                 format!("the request body is not valid JSON: {e}"),
@@ -93,7 +96,9 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryParams {
         Query::<HashMap<String, String>>::from_request_parts(parts, state)
             .await
             .map(|Query(q)| QueryParams(q))
-            .map_err(|e| ApiError::bad_request("invalid_query", format!("malformed query string: {e}")))
+            .map_err(|e| {
+                ApiError::bad_request("invalid_query", format!("malformed query string: {e}"))
+            })
     }
 }
 
@@ -145,7 +150,10 @@ fn type_name(value: &Value) -> &'static str {
 }
 
 fn wrong_type(param: &str, wanted: &str, value: &Value) -> FieldError {
-    FieldError::invalid(param, format!("`{param}` must be {wanted}, not {}", type_name(value)))
+    FieldError::invalid(
+        param,
+        format!("`{param}` must be {wanted}, not {}", type_name(value)),
+    )
 }
 
 /// Typed access to the fields of a JSON object, naming `prefix.field` on errors.
@@ -188,7 +196,10 @@ impl<'a> Fields<'a> {
 
     /// Metadata: an object whose values are strings, numbers or booleans (kept as
     /// their text, as a Stripe-class API does).
-    pub fn patch_metadata(&self, name: &str) -> Result<Patch<BTreeMap<String, String>>, FieldError> {
+    pub fn patch_metadata(
+        &self,
+        name: &str,
+    ) -> Result<Patch<BTreeMap<String, String>>, FieldError> {
         match self.map.get(name) {
             None => Ok(Patch::Keep),
             Some(Value::Null) => Ok(Patch::Clear),
@@ -199,7 +210,9 @@ impl<'a> Fields<'a> {
                         Value::String(s) => s.clone(),
                         Value::Number(n) => n.to_string(),
                         Value::Bool(b) => b.to_string(),
-                        other => return Err(wrong_type(&format!("{name}.{key}"), "a string", other)),
+                        other => {
+                            return Err(wrong_type(&format!("{name}.{key}"), "a string", other))
+                        }
                     };
                     metadata.insert(key.clone(), text);
                 }
@@ -213,12 +226,19 @@ impl<'a> Fields<'a> {
 /// The one parse of a timestamp parameter (body or query).
 pub fn parse_instant(param: &str, text: &str) -> Result<i64, FieldError> {
     tally_domain::time::parse_iso8601_ms(text).ok_or_else(|| {
-        FieldError::invalid(param, format!("`{param}` must be an ISO 8601 instant with an offset, e.g. 2026-01-31T00:00:00Z"))
+        FieldError::invalid(
+            param,
+            format!(
+                "`{param}` must be an ISO 8601 instant with an offset, e.g. 2026-01-31T00:00:00Z"
+            ),
+        )
     })
 }
 
 /// Cursor page parameters: `limit` 1..100 (default 10), `starting_after`, `ending_before`.
-pub fn page_request(query: &QueryParams) -> Result<tally_engine::pagination::PageRequest, FieldError> {
+pub fn page_request(
+    query: &QueryParams,
+) -> Result<tally_engine::pagination::PageRequest, FieldError> {
     use tally_domain::limits::{DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT};
     let limit = match query.get("limit") {
         None => DEFAULT_PAGE_LIMIT,
@@ -235,7 +255,9 @@ pub fn page_request(query: &QueryParams) -> Result<tally_engine::pagination::Pag
     let cursor = |name: &str| -> Result<Option<String>, FieldError> {
         match query.get(name) {
             None => Ok(None),
-            Some(v) if v.trim().is_empty() => Err(FieldError::invalid(name, format!("`{name}` is empty"))),
+            Some(v) if v.trim().is_empty() => {
+                Err(FieldError::invalid(name, format!("`{name}` is empty")))
+            }
             Some(v) => Ok(Some(v.to_string())),
         }
     };

@@ -49,24 +49,40 @@ pub struct AppState {
 
 impl std::fmt::Debug for AppState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AppState").field("mode", &self.mode).finish()
+        f.debug_struct("AppState")
+            .field("mode", &self.mode)
+            .finish()
     }
 }
 
 async fn route_not_found() -> impl IntoResponse {
-    ApiError::new(StatusCode::NOT_FOUND, "route_not_found", "no such route; see docs/api.md")
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "route_not_found",
+        "no such route; see docs/api.md",
+    )
 }
 
 async fn method_not_allowed() -> impl IntoResponse {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this route does not take that HTTP method")
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not take that HTTP method",
+    )
 }
 
 /// The router of one listener.
 pub fn router(state: AppState) -> Router {
     use routes::{customers, events, meters};
     let v1 = Router::new()
-        .route("/v1/customers", get(customers::list).post(customers::create))
-        .route("/v1/customers/{id}", get(customers::get).post(customers::update))
+        .route(
+            "/v1/customers",
+            get(customers::list).post(customers::create),
+        )
+        .route(
+            "/v1/customers/{id}",
+            get(customers::get).post(customers::update),
+        )
         .route("/v1/meters", get(meters::list).post(meters::create))
         .route("/v1/meters/preview", post(meters::preview_definition))
         .route("/v1/meters/{id}", get(meters::get).post(meters::update))
@@ -94,14 +110,20 @@ pub fn router(state: AppState) -> Router {
     open.method_not_allowed_fallback(method_not_allowed)
         .merge(v1)
         .fallback(route_not_found)
-        .layer(from_fn_with_state(state.clone(), middleware::request_context))
+        .layer(from_fn_with_state(
+            state.clone(),
+            middleware::request_context,
+        ))
         .with_state(state)
 }
 
 /// The state of both listeners (they share limits and the idempotency guard).
 pub fn states(engine: Arc<Engine>, config: HttpConfig) -> (AppState, AppState) {
     let config = Arc::new(config);
-    let limiter = Arc::new(RateLimiter::new(config.rate_limit_per_second, config.rate_limit_burst));
+    let limiter = Arc::new(RateLimiter::new(
+        config.rate_limit_per_second,
+        config.rate_limit_burst,
+    ));
     let inflight: InflightIdempotency = Arc::new(DashMap::new());
     let make = |mode| AppState {
         engine: engine.clone(),
@@ -122,7 +144,9 @@ pub async fn serve(
     let sweeper_state = prod.1.clone();
     let mut sweeper_shutdown = shutdown.clone();
     let sweeper = tokio::spawn(async move {
-        let mut interval = tokio::time::interval(std::time::Duration::from_millis(IDEMPOTENCY_SWEEP_INTERVAL_MS));
+        let mut interval = tokio::time::interval(std::time::Duration::from_millis(
+            IDEMPOTENCY_SWEEP_INTERVAL_MS,
+        ));
         loop {
             tokio::select! {
                 _ = interval.tick() => {

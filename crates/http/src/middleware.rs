@@ -36,10 +36,16 @@ pub const MAX_RATE_LIMIT_BUCKETS: usize = 100_000;
 #[derive(Debug, Clone)]
 pub struct RequestId(pub String);
 
-pub async fn request_context(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
+pub async fn request_context(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let started = Instant::now();
     let request_id = format!("req_{}", tally_engine::ids::random_base62(20));
-    request.extensions_mut().insert(RequestId(request_id.clone()));
+    request
+        .extensions_mut()
+        .insert(RequestId(request_id.clone()));
     let method = request.method().clone();
     let route = request
         .extensions()
@@ -51,7 +57,9 @@ pub async fn request_context(State(state): State<AppState>, mut request: Request
         let headers = std::mem::take(response.headers_mut());
         let mut rendered = (error.status, axum::Json(error.body(&request_id))).into_response();
         for (name, value) in headers.iter() {
-            if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
+            if name != axum::http::header::CONTENT_TYPE
+                && name != axum::http::header::CONTENT_LENGTH
+            {
                 rendered.headers_mut().insert(name.clone(), value.clone());
             }
         }
@@ -65,13 +73,20 @@ pub async fn request_context(State(state): State<AppState>, mut request: Request
     }
     let status = response.status().as_u16();
     let elapsed = started.elapsed();
-    state.engine.metrics.record_request(method.as_str(), &route, status, elapsed);
+    state
+        .engine
+        .metrics
+        .record_request(method.as_str(), &route, status, elapsed);
     tracing::debug!(request_id, method = %method, route, status, elapsed_us = elapsed.as_micros() as u64, "request");
     response
 }
 
 /// Resolves `x-api-key` to the scope and stores it in the request extensions.
-pub async fn authenticate(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
+pub async fn authenticate(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let key = request
         .headers()
         .get(API_KEY_HEADER)
@@ -80,7 +95,9 @@ pub async fn authenticate(State(state): State<AppState>, mut request: Request, n
     match state.engine.authenticate(key.as_deref(), state.mode) {
         Ok(scope) => {
             request.extensions_mut().insert(scope);
-            request.extensions_mut().insert(KeyDigest(key_digest(key.as_deref().unwrap_or(""))));
+            request
+                .extensions_mut()
+                .insert(KeyDigest(key_digest(key.as_deref().unwrap_or(""))));
             next.run(request).await
         }
         Err(error) => {
@@ -134,11 +151,16 @@ impl RateLimiter {
         let now = Instant::now();
         if self.buckets.len() > MAX_RATE_LIMIT_BUCKETS {
             let idle = Duration::from_secs_f64(self.burst / self.per_second);
-            self.buckets.retain(|_, (_, at)| now.duration_since(*at) < idle);
+            self.buckets
+                .retain(|_, (_, at)| now.duration_since(*at) < idle);
         }
-        let mut bucket = self.buckets.entry(key.to_vec()).or_insert((self.burst, now));
+        let mut bucket = self
+            .buckets
+            .entry(key.to_vec())
+            .or_insert((self.burst, now));
         let (tokens, at) = *bucket;
-        let refilled = (tokens + now.duration_since(at).as_secs_f64() * self.per_second).min(self.burst);
+        let refilled =
+            (tokens + now.duration_since(at).as_secs_f64() * self.per_second).min(self.burst);
         if refilled >= 1.0 {
             *bucket = (refilled - 1.0, now);
             RateDecision {
@@ -182,9 +204,18 @@ pub async fn rate_limit(State(state): State<AppState>, request: Request, next: N
         refused
     };
     let headers = response.headers_mut();
-    headers.insert("x-ratelimit-limit", HeaderValue::from(state.limiter.per_second as u64));
-    headers.insert("x-ratelimit-remaining", HeaderValue::from(decision.remaining));
-    headers.insert("x-ratelimit-reset", HeaderValue::from(decision.reset_seconds));
+    headers.insert(
+        "x-ratelimit-limit",
+        HeaderValue::from(state.limiter.per_second as u64),
+    );
+    headers.insert(
+        "x-ratelimit-remaining",
+        HeaderValue::from(decision.remaining),
+    );
+    headers.insert(
+        "x-ratelimit-reset",
+        HeaderValue::from(decision.reset_seconds),
+    );
     response
 }
 
@@ -221,7 +252,9 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
         _ => {
             return ApiError::bad_request(
                 "idempotency_key_invalid",
-                format!("`idempotency-key` must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} visible characters"),
+                format!(
+                    "`idempotency-key` must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} visible characters"
+                ),
             )
             .into_response()
         }
@@ -258,8 +291,9 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
                         .with_param("idempotency-key")
                         .into_response();
                     }
-                    let status = StatusCode::from_u16(saved["status"].as_u64().unwrap_or(200) as u16)
-                        .unwrap_or(StatusCode::OK);
+                    let status =
+                        StatusCode::from_u16(saved["status"].as_u64().unwrap_or(200) as u16)
+                            .unwrap_or(StatusCode::OK);
                     let body = saved["body"].as_str().unwrap_or("").to_string();
                     let mut response = Response::new(Body::from(body));
                     *response.status_mut() = status;
@@ -267,9 +301,10 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
                         axum::http::header::CONTENT_TYPE,
                         HeaderValue::from_static("application/json"),
                     );
-                    response
-                        .headers_mut()
-                        .insert(HeaderName::from_static("idempotent-replayed"), HeaderValue::from_static("true"));
+                    response.headers_mut().insert(
+                        HeaderName::from_static("idempotent-replayed"),
+                        HeaderValue::from_static("true"),
+                    );
                     return response;
                 }
             }
@@ -277,7 +312,11 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
         Ok(None) => {}
         Err(e) => return ApiError::internal(format!("idempotency store: {e}")).into_response(),
     }
-    if state.idempotency_inflight.insert(storage_key.clone(), ()).is_some() {
+    if state
+        .idempotency_inflight
+        .insert(storage_key.clone(), ())
+        .is_some()
+    {
         return ApiError::new(
             StatusCode::CONFLICT,
             "idempotency_key_in_use",
@@ -291,7 +330,15 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
         .map(|r| r.0.clone())
         .unwrap_or_default();
     let response = next.run(Request::from_parts(parts, Body::from(body))).await;
-    let response = remember(&state, &storage_key, &fingerprint, now, response, &request_id).await;
+    let response = remember(
+        &state,
+        &storage_key,
+        &fingerprint,
+        now,
+        response,
+        &request_id,
+    )
+    .await;
     state.idempotency_inflight.remove(&storage_key);
     response
 }

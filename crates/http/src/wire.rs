@@ -132,7 +132,8 @@ pub fn preview_report(r: &EventReport) -> Value {
         "warnings": warnings(&r.warnings),
     });
     if let Some(error) = &r.error {
-        value["error"] = json!({"code": error.code, "message": error.message, "param": error.param});
+        value["error"] =
+            json!({"code": error.code, "message": error.message, "param": error.param});
     }
     value
 }
@@ -176,7 +177,13 @@ pub fn usage(result: &UsageResult, window: &str) -> Value {
     value
 }
 
-pub fn meter_preview(series: &UsageSeries, aggregation: &str, scanned: usize, matched: usize, truncated: bool) -> Value {
+pub fn meter_preview(
+    series: &UsageSeries,
+    aggregation: &str,
+    scanned: usize,
+    matched: usize,
+    truncated: bool,
+) -> Value {
     json!({
         "object": "meter_preview",
         "aggregation": aggregation,

@@ -13,23 +13,45 @@ async fn keys_work_only_on_their_own_listener() {
     let server = Server::start(&dir, default_config()).await;
     let keys = create_store(&server, "acme").await;
 
-    let ok = Api::new(&server.test_url, &keys.test).get("/v1/meters").await;
+    let ok = Api::new(&server.test_url, &keys.test)
+        .get("/v1/meters")
+        .await;
     assert_eq!(ok.status, 200);
     assert_eq!(ok.body["object"], "list");
-    assert!(ok.headers.contains_key("x-request-id"), "request id on success too");
+    assert!(
+        ok.headers.contains_key("x-request-id"),
+        "request id on success too"
+    );
 
     let missing = Api::new(&server.test_url, "").get("/v1/meters").await;
-    assert_eq!(assert_error(&missing, 401, "authentication_error")["code"], "api_key_missing");
-    let unknown = Api::new(&server.test_url, "tally_test_nope").get("/v1/meters").await;
-    assert_eq!(assert_error(&unknown, 401, "authentication_error")["code"], "api_key_invalid");
-    let crossed = Api::new(&server.test_url, &keys.prod).get("/v1/meters").await;
+    assert_eq!(
+        assert_error(&missing, 401, "authentication_error")["code"],
+        "api_key_missing"
+    );
+    let unknown = Api::new(&server.test_url, "tally_test_nope")
+        .get("/v1/meters")
+        .await;
+    assert_eq!(
+        assert_error(&unknown, 401, "authentication_error")["code"],
+        "api_key_invalid"
+    );
+    let crossed = Api::new(&server.test_url, &keys.prod)
+        .get("/v1/meters")
+        .await;
     let error = assert_error(&crossed, 401, "authentication_error");
-    assert!(error["message"].as_str().unwrap().contains("production"), "{error}");
-    let crossed = Api::new(&server.prod_url, &keys.test).get("/v1/meters").await;
-    assert!(assert_error(&crossed, 401, "authentication_error")["message"]
-        .as_str()
-        .unwrap()
-        .contains("test"));
+    assert!(
+        error["message"].as_str().unwrap().contains("production"),
+        "{error}"
+    );
+    let crossed = Api::new(&server.prod_url, &keys.test)
+        .get("/v1/meters")
+        .await;
+    assert!(
+        assert_error(&crossed, 401, "authentication_error")["message"]
+            .as_str()
+            .unwrap()
+            .contains("test")
+    );
     server.stop().await;
 }
 
@@ -40,13 +62,23 @@ async fn environments_never_share_data() {
     let keys = create_store(&server, "acme").await;
     let test = Api::new(&server.test_url, &keys.test);
     let prod = Api::new(&server.prod_url, &keys.prod);
-    let created = test.post("/v1/customers", json!({"email": "a@b.co", "external_id": "u1"})).await;
+    let created = test
+        .post(
+            "/v1/customers",
+            json!({"email": "a@b.co", "external_id": "u1"}),
+        )
+        .await;
     assert_eq!(created.status, 200);
     assert_eq!(created.body["mode"], "test");
     let id = created.body["id"].as_str().unwrap();
     assert_eq!(prod.get(&format!("/v1/customers/{id}")).await.status, 404);
     // The same external id is free in the other environment.
-    let in_prod = prod.post("/v1/customers", json!({"email": "a@b.co", "external_id": "u1"})).await;
+    let in_prod = prod
+        .post(
+            "/v1/customers",
+            json!({"email": "a@b.co", "external_id": "u1"}),
+        )
+        .await;
     assert_eq!(in_prod.status, 200);
     assert_eq!(in_prod.body["mode"], "prod");
     server.stop().await;
@@ -61,8 +93,15 @@ async fn every_error_has_the_error_body() {
     let http = reqwest::Client::new();
 
     let unknown_route = api.get("/v1/nothing-here").await;
-    assert_eq!(assert_error(&unknown_route, 404, "invalid_request_error")["code"], "route_not_found");
-    let wrong_method = Api::finish_raw(http.delete(format!("{}/v1/meters", server.test_url)).header("x-api-key", &keys.test)).await;
+    assert_eq!(
+        assert_error(&unknown_route, 404, "invalid_request_error")["code"],
+        "route_not_found"
+    );
+    let wrong_method = Api::finish_raw(
+        http.delete(format!("{}/v1/meters", server.test_url))
+            .header("x-api-key", &keys.test),
+    )
+    .await;
     assert_error(&wrong_method, 405, "invalid_request_error");
 
     let malformed = Api::finish_raw(
@@ -72,7 +111,10 @@ async fn every_error_has_the_error_body() {
             .body("{not json"),
     )
     .await;
-    assert_eq!(assert_error(&malformed, 400, "invalid_request_error")["code"], "invalid_json");
+    assert_eq!(
+        assert_error(&malformed, 400, "invalid_request_error")["code"],
+        "invalid_json"
+    );
 
     let wrong_type = Api::finish_raw(
         http.post(format!("{}/v1/customers", server.test_url))
@@ -81,13 +123,19 @@ async fn every_error_has_the_error_body() {
             .body("{\"email\": \"a@b.co\"}"),
     )
     .await;
-    assert_eq!(assert_error(&wrong_type, 400, "invalid_request_error")["code"], "invalid_content_type");
+    assert_eq!(
+        assert_error(&wrong_type, 400, "invalid_request_error")["code"],
+        "invalid_content_type"
+    );
 
     let not_object = api.post("/v1/customers", json!([1, 2])).await;
     assert_error(&not_object, 400, "invalid_request_error");
 
     let wrong_field_type = api.post("/v1/customers", json!({"email": 42})).await;
-    assert_eq!(assert_error(&wrong_field_type, 400, "invalid_request_error")["param"], "email");
+    assert_eq!(
+        assert_error(&wrong_field_type, 400, "invalid_request_error")["param"],
+        "email"
+    );
 
     let huge = "x".repeat(1024 * 1024 + 10);
     let too_large = Api::finish_raw(
@@ -97,10 +145,16 @@ async fn every_error_has_the_error_body() {
             .body(format!("{{\"email\": \"{huge}\"}}")),
     )
     .await;
-    assert_eq!(assert_error(&too_large, 413, "invalid_request_error")["code"], "body_too_large");
+    assert_eq!(
+        assert_error(&too_large, 413, "invalid_request_error")["code"],
+        "body_too_large"
+    );
 
     let missing = api.get("/v1/customers/cus_unknown").await;
-    assert_eq!(assert_error(&missing, 404, "invalid_request_error")["code"], "resource_missing");
+    assert_eq!(
+        assert_error(&missing, 404, "invalid_request_error")["code"],
+        "resource_missing"
+    );
     server.stop().await;
 }
 
@@ -111,28 +165,50 @@ async fn idempotency_key_replays_and_survives_restart() {
     let keys = create_store(&server, "acme").await;
     let api = Api::new(&server.test_url, &keys.test);
     let body = json!({"email": "idem@b.co"});
-    let first = api.post_idempotent("/v1/customers", "key-1", body.clone()).await;
+    let first = api
+        .post_idempotent("/v1/customers", "key-1", body.clone())
+        .await;
     assert_eq!(first.status, 200);
-    let again = api.post_idempotent("/v1/customers", "key-1", body.clone()).await;
+    let again = api
+        .post_idempotent("/v1/customers", "key-1", body.clone())
+        .await;
     assert_eq!(again.status, 200);
-    assert_eq!(again.body, first.body, "the first response, not a second customer");
+    assert_eq!(
+        again.body, first.body,
+        "the first response, not a second customer"
+    );
     assert_eq!(again.headers["idempotent-replayed"], "true");
-    let reused = api.post_idempotent("/v1/customers", "key-1", json!({"email": "other@b.co"})).await;
-    assert_eq!(assert_error(&reused, 409, "invalid_request_error")["code"], "idempotency_key_reused");
+    let reused = api
+        .post_idempotent("/v1/customers", "key-1", json!({"email": "other@b.co"}))
+        .await;
+    assert_eq!(
+        assert_error(&reused, 409, "invalid_request_error")["code"],
+        "idempotency_key_reused"
+    );
     // Errors are replayed too, byte for byte.
-    let bad = api.post_idempotent("/v1/customers", "key-2", json!({"email": "nope"})).await;
+    let bad = api
+        .post_idempotent("/v1/customers", "key-2", json!({"email": "nope"}))
+        .await;
     assert_eq!(bad.status, 400);
-    let bad_again = api.post_idempotent("/v1/customers", "key-2", json!({"email": "nope"})).await;
+    let bad_again = api
+        .post_idempotent("/v1/customers", "key-2", json!({"email": "nope"}))
+        .await;
     assert_eq!(bad_again.body, bad.body);
 
     let clock = server.clock.clone();
     server.stop().await;
     let server = Server::start_with_clock(&dir, default_config(), clock.clone()).await;
     let api = Api::new(&server.test_url, &keys.test);
-    let after_restart = api.post_idempotent("/v1/customers", "key-1", body.clone()).await;
+    let after_restart = api
+        .post_idempotent("/v1/customers", "key-1", body.clone())
+        .await;
     assert_eq!(after_restart.body, first.body, "kept across a restart");
     let list = api.get("/v1/customers?limit=100").await;
-    assert_eq!(list.body["data"].as_array().unwrap().len(), 1, "exactly one customer was created");
+    assert_eq!(
+        list.body["data"].as_array().unwrap().len(),
+        1,
+        "exactly one customer was created"
+    );
 
     // After 24 hours the key is forgotten and the request runs again.
     clock.advance_ms(24 * 60 * 60 * 1000 + 1);
@@ -163,15 +239,36 @@ async fn rate_limit_answers_429_with_headers() {
     assert_eq!(&statuses[..3], &[200, 200, 200], "the burst is allowed");
     assert_eq!(statuses[4], 429);
     let limited = last.unwrap();
-    assert_eq!(assert_error(&limited, 429, "rate_limit_error")["code"], "rate_limited");
-    for header in ["retry-after", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"] {
+    assert_eq!(
+        assert_error(&limited, 429, "rate_limit_error")["code"],
+        "rate_limited"
+    );
+    for header in [
+        "retry-after",
+        "x-ratelimit-limit",
+        "x-ratelimit-remaining",
+        "x-ratelimit-reset",
+    ] {
         assert!(limited.headers.contains_key(header), "{header}");
     }
-    assert!(limited.headers["retry-after"].to_str().unwrap().parse::<u64>().unwrap() >= 1);
+    assert!(
+        limited.headers["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            >= 1
+    );
     assert_eq!(limited.headers["x-ratelimit-remaining"], "0");
     // Another key has its own bucket.
     let other = create_store(&server, "other").await;
-    assert_eq!(Api::new(&server.test_url, &other.test).get("/v1/meters").await.status, 200);
+    assert_eq!(
+        Api::new(&server.test_url, &other.test)
+            .get("/v1/meters")
+            .await
+            .status,
+        200
+    );
     server.stop().await;
 }
 
@@ -193,27 +290,62 @@ async fn admin_api_needs_the_token_and_health_endpoints_answer() {
             .json(&json!({"name": "x"})),
     )
     .await;
-    assert_eq!(on_test_listener.status, 404, "admin API lives on the production listener");
-    let health = http.get(format!("{}/healthz", server.prod_url)).send().await.unwrap();
+    assert_eq!(
+        on_test_listener.status, 404,
+        "admin API lives on the production listener"
+    );
+    let health = http
+        .get(format!("{}/healthz", server.prod_url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(health.status(), 200);
-    let ready = http.get(format!("{}/readyz", server.test_url)).send().await.unwrap();
+    let ready = http
+        .get(format!("{}/readyz", server.test_url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(ready.status(), 200);
     let keys = create_store(&server, "metrics").await;
-    Api::new(&server.test_url, &keys.test).get("/v1/meters").await;
-    let metrics = http.get(format!("{}/metrics", server.prod_url)).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("tally_http_requests_total{method=\"GET\",route=\"/v1/meters\",status=\"200\"} 1"), "{metrics}");
+    Api::new(&server.test_url, &keys.test)
+        .get("/v1/meters")
+        .await;
+    let metrics = http
+        .get(format!("{}/metrics", server.prod_url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(
+            "tally_http_requests_total{method=\"GET\",route=\"/v1/meters\",status=\"200\"} 1"
+        ),
+        "{metrics}"
+    );
     assert!(metrics.contains("tally_log_append_duration_seconds_count"));
     assert!(metrics.contains("tally_consumer_lag_bytes_or_records{partition=\"0\"} 0"));
     server.stop().await;
 
     let (_guard2, dir2) = temp_dir();
-    let no_admin = Server::start(&dir2, tally_http::HttpConfig { admin_token: None, ..default_config() }).await;
+    let no_admin = Server::start(
+        &dir2,
+        tally_http::HttpConfig {
+            admin_token: None,
+            ..default_config()
+        },
+    )
+    .await;
     let absent = Api::finish_raw(
         http.post(format!("{}/admin/v1/stores", no_admin.prod_url))
             .bearer_auth("admin-secret")
             .json(&json!({"name": "x"})),
     )
     .await;
-    assert_eq!(assert_error(&absent, 404, "invalid_request_error")["code"], "route_not_found");
+    assert_eq!(
+        assert_error(&absent, 404, "invalid_request_error")["code"],
+        "route_not_found"
+    );
     no_admin.stop().await;
 }

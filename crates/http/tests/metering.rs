@@ -17,7 +17,10 @@ async fn setup() -> (tempfile::TempDir, Server, Api) {
 
 async fn customer(api: &Api, external_id: &str) -> String {
     let answer = api
-        .post("/v1/customers", json!({"email": format!("{external_id}@example.com"), "external_id": external_id}))
+        .post(
+            "/v1/customers",
+            json!({"email": format!("{external_id}@example.com"), "external_id": external_id}),
+        )
         .await;
     assert_eq!(answer.status, 200, "{}", answer.body);
     answer.body["id"].as_str().unwrap().to_string()
@@ -33,14 +36,43 @@ async fn meter(api: &Api, body: Value) -> Value {
 async fn customers_validate_and_enforce_unique_external_ids() {
     let (_g, server, api) = setup().await;
     let no_email = api.post("/v1/customers", json!({"name": "x"})).await;
-    assert_eq!(assert_error(&no_email, 400, "invalid_request_error")["param"], "email");
-    let bad_email = api.post("/v1/customers", json!({"email": "not-an-email"})).await;
-    assert_eq!(assert_error(&bad_email, 400, "invalid_request_error")["param"], "email");
-    let bad_country = api.post("/v1/customers", json!({"email": "a@b.co", "country": "Germany"})).await;
-    assert_eq!(assert_error(&bad_country, 400, "invalid_request_error")["param"], "country");
-    let bad_external = api.post("/v1/customers", json!({"email": "a@b.co", "external_id": "has space"})).await;
-    assert_eq!(assert_error(&bad_external, 400, "invalid_request_error")["param"], "external_id");
-    let long_external = api.post("/v1/customers", json!({"email": "a@b.co", "external_id": "x".repeat(256)})).await;
+    assert_eq!(
+        assert_error(&no_email, 400, "invalid_request_error")["param"],
+        "email"
+    );
+    let bad_email = api
+        .post("/v1/customers", json!({"email": "not-an-email"}))
+        .await;
+    assert_eq!(
+        assert_error(&bad_email, 400, "invalid_request_error")["param"],
+        "email"
+    );
+    let bad_country = api
+        .post(
+            "/v1/customers",
+            json!({"email": "a@b.co", "country": "Germany"}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&bad_country, 400, "invalid_request_error")["param"],
+        "country"
+    );
+    let bad_external = api
+        .post(
+            "/v1/customers",
+            json!({"email": "a@b.co", "external_id": "has space"}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&bad_external, 400, "invalid_request_error")["param"],
+        "external_id"
+    );
+    let long_external = api
+        .post(
+            "/v1/customers",
+            json!({"email": "a@b.co", "external_id": "x".repeat(256)}),
+        )
+        .await;
     assert_eq!(long_external.status, 400);
 
     let created = api
@@ -56,15 +88,28 @@ async fn customers_validate_and_enforce_unique_external_ids() {
     let id = created.body["id"].as_str().unwrap();
     assert!(id.starts_with("cus_"));
 
-    let taken = api.post("/v1/customers", json!({"email": "b@b.co", "external_id": "user_1"})).await;
-    assert_eq!(assert_error(&taken, 409, "invalid_request_error")["code"], "external_id_taken");
+    let taken = api
+        .post(
+            "/v1/customers",
+            json!({"email": "b@b.co", "external_id": "user_1"}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&taken, 409, "invalid_request_error")["code"],
+        "external_id_taken"
+    );
 
     let fetched = api.get(&format!("/v1/customers/{id}")).await;
     assert_eq!(fetched.body, created.body);
     let by_external = api.get("/v1/customers?external_id=user_1").await;
     assert_eq!(by_external.body["data"][0]["id"], id);
 
-    let updated = api.post(&format!("/v1/customers/{id}"), json!({"name": "Ada L.", "country": null})).await;
+    let updated = api
+        .post(
+            &format!("/v1/customers/{id}"),
+            json!({"name": "Ada L.", "country": null}),
+        )
+        .await;
     assert_eq!(updated.status, 200);
     assert_eq!(updated.body["name"], "Ada L.");
     assert_eq!(updated.body["country"], Value::Null);
@@ -75,49 +120,116 @@ async fn customers_validate_and_enforce_unique_external_ids() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn meter_states_follow_the_spec_table() {
     let (_g, server, api) = setup().await;
-    let created = meter(&api, json!({"name": "API calls", "event_name": "api_call", "aggregation": "count"})).await;
+    let created = meter(
+        &api,
+        json!({"name": "API calls", "event_name": "api_call", "aggregation": "count"}),
+    )
+    .await;
     assert_eq!(created["status"], "active");
-    assert_eq!(created["filter"], json!({"conjunction": "and", "clauses": []}));
+    assert_eq!(
+        created["filter"],
+        json!({"conjunction": "and", "clauses": []})
+    );
     assert_eq!(created["aggregation_property"], Value::Null);
     assert_eq!(created["unit_label"], "units");
     let id = created["id"].as_str().unwrap();
 
-    let archived = api.post(&format!("/v1/meters/{id}/archive"), json!({})).await;
+    let archived = api
+        .post(&format!("/v1/meters/{id}/archive"), json!({}))
+        .await;
     assert_eq!(archived.status, 200);
     assert_eq!(archived.body["status"], "archived");
-    let again = api.post(&format!("/v1/meters/{id}/archive"), json!({})).await;
-    assert_eq!(again.body, archived.body, "archiving an archived meter changes nothing");
+    let again = api
+        .post(&format!("/v1/meters/{id}/archive"), json!({}))
+        .await;
+    assert_eq!(
+        again.body, archived.body,
+        "archiving an archived meter changes nothing"
+    );
 
-    assert_eq!(api.get("/v1/meters").await.body["data"].as_array().unwrap().len(), 0, "not in the default listing");
-    assert_eq!(api.get("/v1/meters?status=archived").await.body["data"][0]["id"], id);
-    assert_eq!(api.get("/v1/meters?status=all").await.body["data"].as_array().unwrap().len(), 1);
-    assert_error(&api.get("/v1/meters?status=weird").await, 400, "invalid_request_error");
+    assert_eq!(
+        api.get("/v1/meters").await.body["data"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0,
+        "not in the default listing"
+    );
+    assert_eq!(
+        api.get("/v1/meters?status=archived").await.body["data"][0]["id"],
+        id
+    );
+    assert_eq!(
+        api.get("/v1/meters?status=all").await.body["data"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_error(
+        &api.get("/v1/meters?status=weird").await,
+        400,
+        "invalid_request_error",
+    );
 
-    let taken = api.post("/v1/meters", json!({"name": "API calls", "event_name": "x", "aggregation": "count"})).await;
+    let taken = api
+        .post(
+            "/v1/meters",
+            json!({"name": "API calls", "event_name": "x", "aggregation": "count"}),
+        )
+        .await;
     let error = assert_error(&taken, 409, "invalid_request_error");
     assert_eq!(error["code"], "meter_name_taken");
     assert_eq!(error["details"]["archived_holder"], true);
     assert_eq!(error["details"]["archived_holder_id"], id);
 
-    let restored = api.post(&format!("/v1/meters/{id}/unarchive"), json!({})).await;
+    let restored = api
+        .post(&format!("/v1/meters/{id}/unarchive"), json!({}))
+        .await;
     assert_eq!(restored.body["status"], "active");
-    let unchanged = api.post(&format!("/v1/meters/{id}/unarchive"), json!({})).await;
+    let unchanged = api
+        .post(&format!("/v1/meters/{id}/unarchive"), json!({}))
+        .await;
     assert_eq!(unchanged.body["status"], "active");
-    let taken_active = api.post("/v1/meters", json!({"name": "API calls", "event_name": "x", "aggregation": "count"})).await;
+    let taken_active = api
+        .post(
+            "/v1/meters",
+            json!({"name": "API calls", "event_name": "x", "aggregation": "count"}),
+        )
+        .await;
     let error = assert_error(&taken_active, 409, "invalid_request_error");
-    assert!(error.get("details").is_none(), "no details when the holder is active");
+    assert!(
+        error.get("details").is_none(),
+        "no details when the holder is active"
+    );
 
-    let immutable = api.post(&format!("/v1/meters/{id}"), json!({"aggregation": "sum"})).await;
+    let immutable = api
+        .post(&format!("/v1/meters/{id}"), json!({"aggregation": "sum"}))
+        .await;
     let error = assert_error(&immutable, 400, "invalid_request_error");
     assert_eq!(error["code"], "meter_field_immutable");
     assert_eq!(error["param"], "aggregation");
-    let renamed = api.post(&format!("/v1/meters/{id}"), json!({"name": "Calls", "unit_label": "calls"})).await;
+    let renamed = api
+        .post(
+            &format!("/v1/meters/{id}"),
+            json!({"name": "Calls", "unit_label": "calls"}),
+        )
+        .await;
     assert_eq!(renamed.body["name"], "Calls");
     assert_eq!(renamed.body["unit_label"], "calls");
     // The old name is free again.
-    meter(&api, json!({"name": "API calls", "event_name": "x", "aggregation": "count"})).await;
+    meter(
+        &api,
+        json!({"name": "API calls", "event_name": "x", "aggregation": "count"}),
+    )
+    .await;
 
-    assert_eq!(api.post("/v1/meters/mtr_nope/archive", json!({})).await.status, 404);
+    assert_eq!(
+        api.post("/v1/meters/mtr_nope/archive", json!({}))
+            .await
+            .status,
+        404
+    );
     let bad_operator = api
         .post(
             "/v1/meters",
@@ -125,9 +237,20 @@ async fn meter_states_follow_the_spec_table() {
                    "filter": {"conjunction": "and", "clauses": [{"property": "p", "operator": "approx", "value": 1}]}}),
         )
         .await;
-    assert_eq!(assert_error(&bad_operator, 400, "invalid_request_error")["param"], "filter.clauses[0].operator");
-    let missing_property = api.post("/v1/meters", json!({"name": "m3", "event_name": "e", "aggregation": "sum"})).await;
-    assert_eq!(assert_error(&missing_property, 400, "invalid_request_error")["param"], "aggregation_property");
+    assert_eq!(
+        assert_error(&bad_operator, 400, "invalid_request_error")["param"],
+        "filter.clauses[0].operator"
+    );
+    let missing_property = api
+        .post(
+            "/v1/meters",
+            json!({"name": "m3", "event_name": "e", "aggregation": "sum"}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&missing_property, 400, "invalid_request_error")["param"],
+        "aggregation_property"
+    );
     server.stop().await;
 }
 
@@ -144,30 +267,75 @@ async fn ingest_is_all_or_nothing_and_names_the_field() {
     let error = assert_error(&refused, 400, "invalid_request_error");
     assert_eq!(error["code"], "invalid_usage_event");
     assert_eq!(error["param"], "events[1].timestamp");
-    assert_eq!(api.get("/v1/events/a").await.status, 404, "nothing was written");
+    assert_eq!(
+        api.get("/v1/events/a").await.status,
+        404,
+        "nothing was written"
+    );
 
     for (body, param) in [
         (json!({"events": []}), "events"),
         (json!({"events": "x"}), "events"),
         (json!({}), "events"),
-        (json!({"events": [{"external_customer_id": "u1"}]}), "events[0].name"),
+        (
+            json!({"events": [{"external_customer_id": "u1"}]}),
+            "events[0].name",
+        ),
         (json!({"events": [{"name": "x"}]}), "events[0].customer_id"),
-        (json!({"events": [{"name": "x", "customer_id": "c", "external_customer_id": "u1"}]}), "events[0].customer_id"),
-        (json!({"events": [{"name": "x", "external_customer_id": "nobody"}]}), "events[0].external_customer_id"),
-        (json!({"events": [{"name": "x", "external_customer_id": "u1", "event_id": "  "}]}), "events[0].event_id"),
-        (json!({"events": [{"name": "x", "external_customer_id": "u1", "properties": {"a": true}}]}), "events[0].properties.a"),
-        (json!({"events": [{"name": "x", "external_customer_id": "u1", "properties": {"a": "x".repeat(1025)}}]}), "events[0].properties.a"),
-        (json!({"events": [{"name": "x", "external_customer_id": "u1", "timestamp": "yesterday"}]}), "events[0].timestamp"),
+        (
+            json!({"events": [{"name": "x", "customer_id": "c", "external_customer_id": "u1"}]}),
+            "events[0].customer_id",
+        ),
+        (
+            json!({"events": [{"name": "x", "external_customer_id": "nobody"}]}),
+            "events[0].external_customer_id",
+        ),
+        (
+            json!({"events": [{"name": "x", "external_customer_id": "u1", "event_id": "  "}]}),
+            "events[0].event_id",
+        ),
+        (
+            json!({"events": [{"name": "x", "external_customer_id": "u1", "properties": {"a": true}}]}),
+            "events[0].properties.a",
+        ),
+        (
+            json!({"events": [{"name": "x", "external_customer_id": "u1", "properties": {"a": "x".repeat(1025)}}]}),
+            "events[0].properties.a",
+        ),
+        (
+            json!({"events": [{"name": "x", "external_customer_id": "u1", "timestamp": "yesterday"}]}),
+            "events[0].timestamp",
+        ),
         (json!({"events": [7]}), "events[0]"),
     ] {
         let answer = api.post("/v1/events/ingest", body.clone()).await;
-        assert_eq!(assert_error(&answer, 400, "invalid_request_error")["param"], param, "{body}");
+        assert_eq!(
+            assert_error(&answer, 400, "invalid_request_error")["param"],
+            param,
+            "{body}"
+        );
     }
-    let too_many: Vec<Value> = (0..101).map(|i| json!({"name": "x", "external_customer_id": "u1", "event_id": i.to_string()})).collect();
-    assert_eq!(api.post("/v1/events/ingest", json!({"events": too_many})).await.status, 400);
-    let props: serde_json::Map<String, Value> = (0..51).map(|i| (format!("p{i}"), json!(i))).collect();
-    let too_many_props = api.post("/v1/events/ingest", json!({"events": [{"name": "x", "external_customer_id": "u1", "properties": props}]})).await;
-    assert_eq!(assert_error(&too_many_props, 400, "invalid_request_error")["param"], "events[0].properties");
+    let too_many: Vec<Value> = (0..101)
+        .map(|i| json!({"name": "x", "external_customer_id": "u1", "event_id": i.to_string()}))
+        .collect();
+    assert_eq!(
+        api.post("/v1/events/ingest", json!({"events": too_many}))
+            .await
+            .status,
+        400
+    );
+    let props: serde_json::Map<String, Value> =
+        (0..51).map(|i| (format!("p{i}"), json!(i))).collect();
+    let too_many_props = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [{"name": "x", "external_customer_id": "u1", "properties": props}]}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&too_many_props, 400, "invalid_request_error")["param"],
+        "events[0].properties"
+    );
     server.stop().await;
 }
 
@@ -175,27 +343,48 @@ async fn ingest_is_all_or_nothing_and_names_the_field() {
 async fn dedup_is_exact_across_batches_within_batches_and_concurrent_requests() {
     let (_g, server, api) = setup().await;
     let cus = customer(&api, "u1").await;
-    let count = meter(&api, json!({"name": "calls", "event_name": "api_call", "aggregation": "count"})).await;
+    let count = meter(
+        &api,
+        json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+    )
+    .await;
     let first = api
-        .post("/v1/events/ingest", json!({"events": [
-            {"name": "api_call", "customer_id": cus, "event_id": "e1"},
-            {"name": "api_call", "customer_id": cus, "event_id": "e1"},
-            {"name": "api_call", "customer_id": cus},
-        ]}))
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [
+                {"name": "api_call", "customer_id": cus, "event_id": "e1"},
+                {"name": "api_call", "customer_id": cus, "event_id": "e1"},
+                {"name": "api_call", "customer_id": cus},
+            ]}),
+        )
         .await;
     assert_eq!(first.status, 202);
     assert_eq!(first.body["accepted"], 2);
     assert_eq!(first.body["duplicates"], 1);
     assert_eq!(first.body["events"][1]["duplicate"], true);
-    assert!(first.body["events"][2]["event_id"].as_str().unwrap().starts_with("evt_"), "assigned id");
+    assert!(
+        first.body["events"][2]["event_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("evt_"),
+        "assigned id"
+    );
     let later = api
         .post("/v1/events/ingest", json!({"events": [
             {"name": "api_call", "customer_id": cus, "event_id": "e1", "properties": {"different": 1}}
         ]}))
         .await;
     assert_eq!(later.body["accepted"], 0);
-    let codes: Vec<&str> = later.body["events"][0]["warnings"].as_array().unwrap().iter().map(|w| w["code"].as_str().unwrap()).collect();
-    assert_eq!(codes, vec!["duplicate_event_id", "duplicate_payload_differs"]);
+    let codes: Vec<&str> = later.body["events"][0]["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["code"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        codes,
+        vec!["duplicate_event_id", "duplicate_payload_differs"]
+    );
 
     // 20 concurrent requests carrying the same id: exactly one is accepted.
     let mut tasks = Vec::new();
@@ -203,9 +392,12 @@ async fn dedup_is_exact_across_batches_within_batches_and_concurrent_requests() 
         let api = api.clone();
         let cus = cus.clone();
         tasks.push(tokio::spawn(async move {
-            api.post("/v1/events/ingest", json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "race"}]}))
-                .await
-                .body["accepted"]
+            api.post(
+                "/v1/events/ingest",
+                json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "race"}]}),
+            )
+            .await
+            .body["accepted"]
                 .as_u64()
                 .unwrap()
         }));
@@ -216,8 +408,17 @@ async fn dedup_is_exact_across_batches_within_batches_and_concurrent_requests() 
     }
     assert_eq!(accepted, 1);
     server.engine.wait_caught_up().await.unwrap();
-    let usage = api.get(&format!("/v1/meters/{}/usage?customer_id={cus}", count["id"].as_str().unwrap())).await;
-    assert_eq!(usage.body["value"], "3", "e1, the assigned one, race: {}", usage.body);
+    let usage = api
+        .get(&format!(
+            "/v1/meters/{}/usage?customer_id={cus}",
+            count["id"].as_str().unwrap()
+        ))
+        .await;
+    assert_eq!(
+        usage.body["value"], "3",
+        "e1, the assigned one, race: {}",
+        usage.body
+    );
 
     // Still exact after a restart (dedup state is durable).
     let clock = server.clock.clone();
@@ -225,7 +426,12 @@ async fn dedup_is_exact_across_batches_within_batches_and_concurrent_requests() 
     server.stop().await;
     let server = Server::start_with_clock(&dir, default_config(), clock).await;
     let api = Api::new(&server.test_url, &api.key);
-    let replayed = api.post("/v1/events/ingest", json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "race"}]})).await;
+    let replayed = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "race"}]}),
+        )
+        .await;
     assert_eq!(replayed.body["duplicates"], 1);
     server.stop().await;
 }
@@ -262,13 +468,27 @@ async fn preview_reports_per_event_and_writes_nothing() {
     assert_eq!(events[1]["warnings"][0]["code"], "no_matching_meter");
     assert_eq!(events[2]["valid"], false);
     assert_eq!(events[2]["error"]["code"], "invalid_usage_event");
-    assert_eq!(events[2]["error"]["param"], "events[2].external_customer_id");
+    assert_eq!(
+        events[2]["error"]["param"],
+        "events[2].external_customer_id"
+    );
     assert_eq!(events[3]["duplicate"], true, "against a stored event");
-    assert!(events[3]["warnings"].as_array().unwrap().iter().all(|w| w["code"] != "duplicate_payload_differs"));
+    assert!(events[3]["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|w| w["code"] != "duplicate_payload_differs"));
     assert_eq!(events[4]["duplicate"], false);
-    assert_eq!(events[5]["duplicate"], true, "against an earlier entry of the batch");
+    assert_eq!(
+        events[5]["duplicate"], true,
+        "against an earlier entry of the batch"
+    );
     server.engine.wait_caught_up().await.unwrap();
-    assert_eq!(api.get("/v1/events/twice").await.status, 404, "preview stored nothing");
+    assert_eq!(
+        api.get("/v1/events/twice").await.status,
+        404,
+        "preview stored nothing"
+    );
     let listed = api.get("/v1/events?limit=100").await;
     assert_eq!(listed.body["data"].as_array().unwrap().len(), 1);
     server.stop().await;
@@ -281,7 +501,13 @@ async fn usage_is_exact_for_every_aggregation_and_window() {
     let b = customer(&api, "b").await;
     let mut meters = std::collections::HashMap::new();
     for aggregation in ["count", "sum", "average", "min", "max", "unique"] {
-        let property = if aggregation == "count" { Value::Null } else if aggregation == "unique" { json!("user") } else { json!("n") };
+        let property = if aggregation == "count" {
+            Value::Null
+        } else if aggregation == "unique" {
+            json!("user")
+        } else {
+            json!("n")
+        };
         let body = meter(&api, json!({"name": aggregation, "event_name": "e", "aggregation": aggregation, "aggregation_property": property,
             "filter": {"conjunction": "or", "clauses": [{"property": "region", "operator": "in", "value": ["eu", "us"]}]}})).await;
         meters.insert(aggregation, body["id"].as_str().unwrap().to_string());
@@ -301,23 +527,50 @@ async fn usage_is_exact_for_every_aggregation_and_window() {
     let ingested = api.post("/v1/events/ingest", events).await;
     assert_eq!(ingested.status, 202, "{}", ingested.body);
     let warned = &ingested.body["events"][5]["warnings"];
-    assert!(warned.as_array().unwrap().iter().any(|w| w["code"] == "aggregation_property_missing"));
+    assert!(warned
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|w| w["code"] == "aggregation_property_missing"));
     server.engine.wait_caught_up().await.unwrap();
     let value = |body: &Value| body["value"].clone();
     let usage = |aggregation: &str, query: String| {
         let api = api.clone();
         let id = meters[aggregation].clone();
-        async move { api.get(&format!("/v1/meters/{id}/usage?{query}")).await.body }
+        async move {
+            api.get(&format!("/v1/meters/{id}/usage?{query}"))
+                .await
+                .body
+        }
     };
     // Event 8 predates the meters: it does not count. Event 5 is filtered out (apac).
-    assert_eq!(value(&usage("count", format!("customer_id={a}")).await), "3");
-    assert_eq!(value(&usage("sum", format!("customer_id={a}")).await), "10.3");
+    assert_eq!(
+        value(&usage("count", format!("customer_id={a}")).await),
+        "3"
+    );
+    assert_eq!(
+        value(&usage("sum", format!("customer_id={a}")).await),
+        "10.3"
+    );
     assert_eq!(value(&usage("sum", String::new()).await), "7.3");
-    assert_eq!(value(&usage("average", format!("customer_id={b}")).await), "-3");
+    assert_eq!(
+        value(&usage("average", format!("customer_id={b}")).await),
+        "-3"
+    );
     assert_eq!(value(&usage("min", String::new()).await), "-3");
-    assert_eq!(value(&usage("max", "external_customer_id=a".into()).await), "10");
-    assert_eq!(value(&usage("unique", String::new()).await), "3", "x, y and w across customers");
-    assert_eq!(value(&usage("unique", format!("customer_id={a}")).await), "2");
+    assert_eq!(
+        value(&usage("max", "external_customer_id=a".into()).await),
+        "10"
+    );
+    assert_eq!(
+        value(&usage("unique", String::new()).await),
+        "3",
+        "x, y and w across customers"
+    );
+    assert_eq!(
+        value(&usage("unique", format!("customer_id={a}")).await),
+        "2"
+    );
     assert_eq!(value(&usage("count", String::new()).await), "5");
 
     let grouped = usage("sum", "group_by=customer_id".into()).await;
@@ -332,25 +585,79 @@ async fn usage_is_exact_for_every_aggregation_and_window() {
     assert_eq!(windows[0]["value"], "5");
     assert!(windows[0]["start"].as_str().unwrap().ends_with(":00.000Z"));
 
-    let empty_min = usage("min", format!("customer_id={a}&start={}&end={}", format_iso8601_ms(now - 7_200_000), hour_ago)).await;
+    let empty_min = usage(
+        "min",
+        format!(
+            "customer_id={a}&start={}&end={}",
+            format_iso8601_ms(now - 7_200_000),
+            hour_ago
+        ),
+    )
+    .await;
     assert_eq!(empty_min["value"], Value::Null, "no data point");
-    let empty_count = usage("count", format!("start={}&end={}", format_iso8601_ms(now - 7_200_000), hour_ago)).await;
+    let empty_count = usage(
+        "count",
+        format!(
+            "start={}&end={}",
+            format_iso8601_ms(now - 7_200_000),
+            hour_ago
+        ),
+    )
+    .await;
     assert_eq!(empty_count["value"], "0");
 
-    assert_error(&api.get(&format!("/v1/meters/{}/usage?window=week", meters["count"])).await, 400, "invalid_request_error");
-    assert_error(&api.get("/v1/meters/mtr_nope/usage").await, 404, "invalid_request_error");
-    assert_error(&api.get(&format!("/v1/meters/{}/usage?customer_id=cus_nope", meters["count"])).await, 404, "invalid_request_error");
+    assert_error(
+        &api.get(&format!("/v1/meters/{}/usage?window=week", meters["count"]))
+            .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_error(
+        &api.get("/v1/meters/mtr_nope/usage").await,
+        404,
+        "invalid_request_error",
+    );
+    assert_error(
+        &api.get(&format!(
+            "/v1/meters/{}/usage?customer_id=cus_nope",
+            meters["count"]
+        ))
+        .await,
+        404,
+        "invalid_request_error",
+    );
 
     // Backfill opts the meter in to the older event 8.
-    let backfilled = api.post(&format!("/v1/meters/{}/backfill", meters["sum"]), json!({"start": format_iso8601_ms(now - 2 * 3_600_000)})).await;
+    let backfilled = api
+        .post(
+            &format!("/v1/meters/{}/backfill", meters["sum"]),
+            json!({"start": format_iso8601_ms(now - 2 * 3_600_000)}),
+        )
+        .await;
     assert_eq!(backfilled.status, 200, "{}", backfilled.body);
-    assert_eq!(value(&usage("sum", format!("customer_id={a}")).await), "1010.3");
-    let again = api.post(&format!("/v1/meters/{}/backfill", meters["sum"]), json!({"start": format_iso8601_ms(now - 2 * 3_600_000)})).await;
+    assert_eq!(
+        value(&usage("sum", format!("customer_id={a}")).await),
+        "1010.3"
+    );
+    let again = api
+        .post(
+            &format!("/v1/meters/{}/backfill", meters["sum"]),
+            json!({"start": format_iso8601_ms(now - 2 * 3_600_000)}),
+        )
+        .await;
     assert_eq!(again.status, 200);
-    assert_eq!(value(&usage("sum", format!("customer_id={a}")).await), "1010.3", "a second backfill counts nothing twice");
+    assert_eq!(
+        value(&usage("sum", format!("customer_id={a}")).await),
+        "1010.3",
+        "a second backfill counts nothing twice"
+    );
 
     // Archived meters stop accruing; recorded usage stays.
-    api.post(&format!("/v1/meters/{}/archive", meters["count"]), json!({})).await;
+    api.post(
+        &format!("/v1/meters/{}/archive", meters["count"]),
+        json!({}),
+    )
+    .await;
     api.post("/v1/events/ingest", json!({"events": [{"name": "e", "customer_id": a, "event_id": "9", "properties": {"region": "eu"}}]})).await;
     server.engine.wait_caught_up().await.unwrap();
     assert_eq!(value(&usage("count", String::new()).await), "5");
@@ -361,9 +668,20 @@ async fn usage_is_exact_for_every_aggregation_and_window() {
             "start": format_iso8601_ms(now - 2 * 3_600_000), "end": format_iso8601_ms(now + 60_000)}))
         .await;
     assert_eq!(preview.status, 200, "{}", preview.body);
-    assert_eq!(preview.body["value"], "1014.3", "all stored `e` events, no filter");
-    let existing = api.post(&format!("/v1/meters/{}/preview", meters["max"]), json!({"customer_id": b})).await;
-    assert_eq!(existing.body["value"], "-3", "region filter applies: only event 4");
+    assert_eq!(
+        preview.body["value"], "1014.3",
+        "all stored `e` events, no filter"
+    );
+    let existing = api
+        .post(
+            &format!("/v1/meters/{}/preview", meters["max"]),
+            json!({"customer_id": b}),
+        )
+        .await;
+    assert_eq!(
+        existing.body["value"], "-3",
+        "region filter applies: only event 4"
+    );
     server.stop().await;
 }
 
@@ -377,26 +695,67 @@ async fn cursor_pagination_edges() {
     }
     ids.reverse(); // newest first
     let page = api.get("/v1/customers?limit=2").await;
-    let got: Vec<&str> = page.body["data"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
+    let got: Vec<&str> = page.body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
     assert_eq!(got, vec![ids[0].as_str(), ids[1].as_str()]);
     assert_eq!(page.body["has_more"], true);
-    let next = api.get(&format!("/v1/customers?limit=2&starting_after={}", ids[1])).await;
+    let next = api
+        .get(&format!("/v1/customers?limit=2&starting_after={}", ids[1]))
+        .await;
     assert_eq!(next.body["data"][0]["id"], ids[2]);
     assert_eq!(next.body["has_more"], true);
-    let last = api.get(&format!("/v1/customers?limit=2&starting_after={}", ids[3])).await;
+    let last = api
+        .get(&format!("/v1/customers?limit=2&starting_after={}", ids[3]))
+        .await;
     assert_eq!(last.body["data"].as_array().unwrap().len(), 1);
-    assert_eq!(last.body["has_more"], false, "exact: nothing after the last one");
-    let exact = api.get(&format!("/v1/customers?limit=3&starting_after={}", ids[1])).await;
+    assert_eq!(
+        last.body["has_more"], false,
+        "exact: nothing after the last one"
+    );
+    let exact = api
+        .get(&format!("/v1/customers?limit=3&starting_after={}", ids[1]))
+        .await;
     assert_eq!(exact.body["has_more"], false, "exactly the rest");
-    let before = api.get(&format!("/v1/customers?limit=2&ending_before={}", ids[3])).await;
-    let got: Vec<&str> = before.body["data"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
-    assert_eq!(got, vec![ids[1].as_str(), ids[2].as_str()], "still newest first");
+    let before = api
+        .get(&format!("/v1/customers?limit=2&ending_before={}", ids[3]))
+        .await;
+    let got: Vec<&str> = before.body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        got,
+        vec![ids[1].as_str(), ids[2].as_str()],
+        "still newest first"
+    );
     assert_eq!(before.body["has_more"], true);
     for bad in ["limit=0", "limit=101", "limit=abc"] {
-        assert_eq!(assert_error(&api.get(&format!("/v1/customers?{bad}")).await, 400, "invalid_request_error")["param"], "limit");
+        assert_eq!(
+            assert_error(
+                &api.get(&format!("/v1/customers?{bad}")).await,
+                400,
+                "invalid_request_error"
+            )["param"],
+            "limit"
+        );
     }
     let unknown = api.get("/v1/customers?starting_after=cus_unknown").await;
-    assert_eq!(assert_error(&unknown, 404, "invalid_request_error")["param"], "starting_after");
-    assert_eq!(api.get("/v1/customers?limit=100").await.body["data"].as_array().unwrap().len(), 5);
+    assert_eq!(
+        assert_error(&unknown, 404, "invalid_request_error")["param"],
+        "starting_after"
+    );
+    assert_eq!(
+        api.get("/v1/customers?limit=100").await.body["data"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
     server.stop().await;
 }

@@ -143,7 +143,10 @@ impl EmbeddedLog {
         }
         let active_base = *bases.last().expect("at least one segment");
         let active_path = segment_path(&dir, active_base);
-        let mut active = OpenOptions::new().read(true).write(true).open(&active_path)?;
+        let mut active = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&active_path)?;
         let file_len = active.metadata()?.len();
         let valid_len = valid_prefix_len(&mut active)?;
         if valid_len < file_len {
@@ -379,7 +382,12 @@ impl EmbeddedReader {
                 return Ok(());
             }
         }
-        let bases = self.shared.segment_bases.read().expect("segment list lock").clone();
+        let bases = self
+            .shared
+            .segment_bases
+            .read()
+            .expect("segment list lock")
+            .clone();
         let index = match bases.binary_search(&self.offset) {
             Ok(i) => i,
             Err(0) => 0,
@@ -409,8 +417,10 @@ impl EmbeddedReader {
             let mut cursor = 0usize;
             let mut progressed = false;
             while entries.len() < max_records && cursor + FRAME_HEADER_BYTES <= self.buffer.len() {
-                let len = u32::from_le_bytes(self.buffer[cursor..cursor + 4].try_into().expect("4")) as usize;
-                let crc = u32::from_le_bytes(self.buffer[cursor + 4..cursor + 8].try_into().expect("4"));
+                let len = u32::from_le_bytes(self.buffer[cursor..cursor + 4].try_into().expect("4"))
+                    as usize;
+                let crc =
+                    u32::from_le_bytes(self.buffer[cursor + 4..cursor + 8].try_into().expect("4"));
                 let frame_end = cursor + FRAME_HEADER_BYTES + len;
                 if frame_end > self.buffer.len() {
                     if !progressed {
@@ -488,12 +498,18 @@ mod tests {
         drop(file);
         let log = EmbeddedLog::open(dir.path()).unwrap();
         let mut reader = log.reader(0, 0).await.unwrap();
-        let entries = reader.next_batch(10, Duration::from_millis(10)).await.unwrap();
+        let entries = reader
+            .next_batch(10, Duration::from_millis(10))
+            .await
+            .unwrap();
         let payloads: Vec<_> = entries.iter().map(|e| e.payload.clone()).collect();
         assert_eq!(payloads, vec![b"first".to_vec(), b"second".to_vec()]);
         // And appends continue cleanly after the truncation point.
         log.append(b"k", b"third".to_vec()).await.unwrap();
-        let more = reader.next_batch(10, Duration::from_millis(100)).await.unwrap();
+        let more = reader
+            .next_batch(10, Duration::from_millis(100))
+            .await
+            .unwrap();
         assert_eq!(more.len(), 1);
         assert_eq!(more[0].payload, b"third");
     }
@@ -512,13 +528,19 @@ mod tests {
         bytes[last] ^= 0xff;
         fs::write(&path, bytes).unwrap();
         let log = EmbeddedLog::open(dir.path()).unwrap();
-        assert_eq!(log.end_offset(0).await.unwrap(), (FRAME_HEADER_BYTES + 4) as u64);
+        assert_eq!(
+            log.end_offset(0).await.unwrap(),
+            (FRAME_HEADER_BYTES + 4) as u64
+        );
     }
 
     #[tokio::test]
     async fn a_second_process_cannot_open_the_same_dir() {
         let dir = tempfile::tempdir().unwrap();
         let _log = EmbeddedLog::open(dir.path()).unwrap();
-        assert!(matches!(EmbeddedLog::open(dir.path()), Err(LogError::Locked(_))));
+        assert!(matches!(
+            EmbeddedLog::open(dir.path()),
+            Err(LogError::Locked(_))
+        ));
     }
 }

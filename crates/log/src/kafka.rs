@@ -41,7 +41,9 @@ pub struct KafkaLog {
 
 impl std::fmt::Debug for KafkaLog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaLog").field("config", &self.config).finish()
+        f.debug_struct("KafkaLog")
+            .field("config", &self.config)
+            .finish()
     }
 }
 
@@ -68,19 +70,20 @@ pub async fn create_topic(config: &KafkaConfig) -> Result<bool, LogError> {
         config.partitions as i32,
         TopicReplication::Fixed(config.replication_factor),
     );
-    let options = AdminOptions::new().operation_timeout(Some(Duration::from_millis(ADMIN_TIMEOUT_MS)));
+    let options =
+        AdminOptions::new().operation_timeout(Some(Duration::from_millis(ADMIN_TIMEOUT_MS)));
     let results = admin
         .create_topics([&topic], &options)
         .await
         .map_err(kafka_error)?;
-    for result in results {
-        match result {
-            Ok(_) => return Ok(true),
-            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => return Ok(false),
-            Err((name, code)) => return Err(LogError::Kafka(format!("create topic {name}: {code}"))),
-        }
+    match results.into_iter().next() {
+        Some(Ok(_)) => Ok(true),
+        Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) => Ok(false),
+        Some(Err((name, code))) => Err(LogError::Kafka(format!("create topic {name}: {code}"))),
+        None => Err(LogError::Kafka(
+            "create topic: the broker answered nothing".into(),
+        )),
     }
-    Ok(false)
 }
 
 impl KafkaLog {
@@ -163,7 +166,11 @@ impl Log for KafkaLog {
             .map_err(kafka_error)?;
         let mut assignment = TopicPartitionList::new();
         assignment
-            .add_partition_offset(&self.config.topic, partition as i32, Offset::Offset(from_offset as i64))
+            .add_partition_offset(
+                &self.config.topic,
+                partition as i32,
+                Offset::Offset(from_offset as i64),
+            )
             .map_err(kafka_error)?;
         consumer.assign(&assignment).map_err(kafka_error)?;
         Ok(Box::new(KafkaReader {
@@ -178,7 +185,11 @@ impl Log for KafkaLog {
         let topic = self.config.topic.clone();
         tokio::task::spawn_blocking(move || {
             committer
-                .fetch_watermarks(&topic, partition as i32, Duration::from_millis(ADMIN_TIMEOUT_MS))
+                .fetch_watermarks(
+                    &topic,
+                    partition as i32,
+                    Duration::from_millis(ADMIN_TIMEOUT_MS),
+                )
                 .map(|(_, high)| high.max(0) as u64)
                 .map_err(kafka_error)
         })
@@ -189,11 +200,19 @@ impl Log for KafkaLog {
     async fn commit(&self, group: &str, partition: u32, next_offset: u64) -> Result<(), LogError> {
         let committer = self.committer(group)?;
         let mut list = TopicPartitionList::new();
-        list.add_partition_offset(&self.config.topic, partition as i32, Offset::Offset(next_offset as i64))
-            .map_err(kafka_error)?;
-        tokio::task::spawn_blocking(move || committer.commit(&list, CommitMode::Sync).map_err(kafka_error))
-            .await
-            .map_err(|_| LogError::Closed)?
+        list.add_partition_offset(
+            &self.config.topic,
+            partition as i32,
+            Offset::Offset(next_offset as i64),
+        )
+        .map_err(kafka_error)?;
+        tokio::task::spawn_blocking(move || {
+            committer
+                .commit(&list, CommitMode::Sync)
+                .map_err(kafka_error)
+        })
+        .await
+        .map_err(|_| LogError::Closed)?
     }
 
     async fn committed(&self, group: &str, partition: u32) -> Result<Option<u64>, LogError> {

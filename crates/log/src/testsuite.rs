@@ -57,9 +57,16 @@ pub async fn append_then_read_in_order(factory: &dyn LogFactory) {
     let start = log.end_offset(partition).await.unwrap();
     let mut offsets = Vec::new();
     for i in 0..20 {
-        offsets.push(log.append(b"customer-a", payload("order", i)).await.unwrap());
+        offsets.push(
+            log.append(b"customer-a", payload("order", i))
+                .await
+                .unwrap(),
+        );
     }
-    assert!(offsets.windows(2).all(|w| w[0] < w[1]), "offsets increase: {offsets:?}");
+    assert!(
+        offsets.windows(2).all(|w| w[0] < w[1]),
+        "offsets increase: {offsets:?}"
+    );
     assert!(offsets[0] >= start);
     let entries = read_exactly(log.as_ref(), partition, offsets[0], 20).await;
     for (i, entry) in entries.iter().enumerate() {
@@ -69,7 +76,10 @@ pub async fn append_then_read_in_order(factory: &dyn LogFactory) {
             assert_eq!(entry.next_offset, entries[i + 1].offset);
         }
     }
-    assert_eq!(log.end_offset(partition).await.unwrap(), entries[19].next_offset);
+    assert_eq!(
+        log.end_offset(partition).await.unwrap(),
+        entries[19].next_offset
+    );
 }
 
 /// A reader started at the end sees records appended afterwards (tailing).
@@ -78,7 +88,10 @@ pub async fn tailing_reader_sees_later_appends(factory: &dyn LogFactory) {
     let partition = log.partition_for(b"tail");
     let end = log.end_offset(partition).await.unwrap();
     let mut reader = log.reader(partition, end).await.unwrap();
-    let empty = reader.next_batch(10, Duration::from_millis(200)).await.unwrap();
+    let empty = reader
+        .next_batch(10, Duration::from_millis(200))
+        .await
+        .unwrap();
     assert!(empty.is_empty(), "nothing past the end yet");
     let writer = log.clone();
     let appender = tokio::spawn(async move {
@@ -90,7 +103,11 @@ pub async fn tailing_reader_sees_later_appends(factory: &dyn LogFactory) {
     let mut seen = Vec::new();
     while seen.len() < 5 {
         let batch = reader.next_batch(10, READ_WAIT).await.unwrap();
-        assert!(!batch.is_empty(), "tailing reader timed out with {} records", seen.len());
+        assert!(
+            !batch.is_empty(),
+            "tailing reader timed out with {} records",
+            seen.len()
+        );
         seen.extend(batch.into_iter().map(|e| e.payload));
     }
     appender.await.unwrap();
@@ -107,7 +124,9 @@ pub async fn concurrent_appends_land_exactly_once(factory: &dyn LogFactory) {
         let log = log.clone();
         tasks.push(tokio::spawn(async move {
             for i in 0..25 {
-                log.append(b"concurrent", payload(&format!("t{task}"), i)).await.unwrap();
+                log.append(b"concurrent", payload(&format!("t{task}"), i))
+                    .await
+                    .unwrap();
             }
         }));
     }
@@ -124,7 +143,11 @@ pub async fn concurrent_appends_land_exactly_once(factory: &dyn LogFactory) {
             .filter_map(|e| String::from_utf8(e.payload.clone()).ok())
             .filter_map(|p| p.strip_prefix(&tag).map(|n| n.parse().unwrap()))
             .collect();
-        assert_eq!(order, (0..25).collect::<Vec<_>>(), "one appender's records keep their order");
+        assert_eq!(
+            order,
+            (0..25).collect::<Vec<_>>(),
+            "one appender's records keep their order"
+        );
     }
 }
 
@@ -142,8 +165,14 @@ pub async fn restart_keeps_every_record(factory: &dyn LogFactory) {
     let log = factory.open().await;
     let entries = read_exactly(log.as_ref(), partition, start, 10).await;
     let payloads: Vec<_> = entries.into_iter().map(|e| e.payload).collect();
-    assert_eq!(payloads, (0..10).map(|i| payload("restart", i)).collect::<Vec<_>>());
-    let next = log.append(b"restart", payload("restart", 10)).await.unwrap();
+    assert_eq!(
+        payloads,
+        (0..10).map(|i| payload("restart", i)).collect::<Vec<_>>()
+    );
+    let next = log
+        .append(b"restart", payload("restart", 10))
+        .await
+        .unwrap();
     assert!(next >= start, "offsets continue after a restart");
 }
 
@@ -159,7 +188,9 @@ pub async fn consumer_resumes_without_replay_or_loss(factory: &dyn LogFactory) {
             log.append(b"resume", payload("resume", i)).await.unwrap();
         }
         let first_half = read_exactly(log.as_ref(), partition, start, 4).await;
-        log.commit(group, partition, first_half[3].next_offset).await.unwrap();
+        log.commit(group, partition, first_half[3].next_offset)
+            .await
+            .unwrap();
         (partition, start)
     };
     let log = factory.open().await;
@@ -171,7 +202,10 @@ pub async fn consumer_resumes_without_replay_or_loss(factory: &dyn LogFactory) {
     assert!(resume_at > start);
     let rest = read_exactly(log.as_ref(), partition, resume_at, 6).await;
     let payloads: Vec<_> = rest.into_iter().map(|e| e.payload).collect();
-    assert_eq!(payloads, (4..10).map(|i| payload("resume", i)).collect::<Vec<_>>());
+    assert_eq!(
+        payloads,
+        (4..10).map(|i| payload("resume", i)).collect::<Vec<_>>()
+    );
 }
 
 /// Runs every case of the suite against one implementation.

@@ -51,7 +51,10 @@ async fn kafka_log_passes_the_shared_suite() {
         replication_factor: 1,
     };
     assert!(create_topic(&config).await.unwrap(), "topic is new");
-    assert!(!create_topic(&config).await.unwrap(), "creating twice is idempotent");
+    assert!(
+        !create_topic(&config).await.unwrap(),
+        "creating twice is idempotent"
+    );
     let factory = KafkaFactory { config };
     testsuite::run_all(&factory).await;
 }

@@ -94,7 +94,12 @@ pub fn scan_prefix(
     visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
 ) -> Result<(), StoreError> {
     match prefix_end(prefix) {
-        Some(end) => store.scan(Bound::Included(prefix), Bound::Excluded(&end), reverse, visit),
+        Some(end) => store.scan(
+            Bound::Included(prefix),
+            Bound::Excluded(&end),
+            reverse,
+            visit,
+        ),
         None => store.scan(Bound::Included(prefix), Bound::Unbounded, reverse, visit),
     }
 }

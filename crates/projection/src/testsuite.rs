@@ -32,19 +32,36 @@ pub fn basic_semantics(store: &dyn ProjectionStore) {
     assert_eq!(store.position(0).unwrap(), 42);
     assert_eq!(store.position(1).unwrap(), 0, "positions are per partition");
     assert_eq!(store.get(b"a/2").unwrap().as_deref(), Some(&b"two"[..]));
-    assert_eq!(collect(store, b"a/", false), vec![b"a/1".to_vec(), b"a/2".to_vec(), b"a/3".to_vec()]);
-    assert_eq!(collect(store, b"a/", true), vec![b"a/3".to_vec(), b"a/2".to_vec(), b"a/1".to_vec()]);
+    assert_eq!(
+        collect(store, b"a/", false),
+        vec![b"a/1".to_vec(), b"a/2".to_vec(), b"a/3".to_vec()]
+    );
+    assert_eq!(
+        collect(store, b"a/", true),
+        vec![b"a/3".to_vec(), b"a/2".to_vec(), b"a/1".to_vec()]
+    );
     let mut first = Vec::new();
     store
-        .scan(Bound::Excluded(&b"a/1"[..]), Bound::Unbounded, false, &mut |k, _| {
-            first.push(k.to_vec());
-            Visit::Stop
-        })
+        .scan(
+            Bound::Excluded(&b"a/1"[..]),
+            Bound::Unbounded,
+            false,
+            &mut |k, _| {
+                first.push(k.to_vec());
+                Visit::Stop
+            },
+        )
         .unwrap();
-    assert_eq!(first, vec![b"a/2".to_vec()], "scan stops when told; exclusive start");
+    assert_eq!(
+        first,
+        vec![b"a/2".to_vec()],
+        "scan stops when told; exclusive start"
+    );
     let full_digest = store.digest().unwrap();
     assert_ne!(full_digest, empty_digest);
-    store.apply(vec![(b"a/2".to_vec(), None)], &[(0, 50)]).unwrap();
+    store
+        .apply(vec![(b"a/2".to_vec(), None)], &[(0, 50)])
+        .unwrap();
     assert_eq!(store.get(b"a/2").unwrap(), None);
     assert_eq!(collect(store, b"a/", false).len(), 2);
     assert_ne!(store.digest().unwrap(), full_digest);
@@ -63,7 +80,10 @@ pub fn basic_semantics(store: &dyn ProjectionStore) {
 pub fn aux_is_separate(store: &dyn ProjectionStore) {
     let before = store.digest().unwrap();
     store.aux_put(b"idem/1", Some(b"response")).unwrap();
-    assert_eq!(store.aux_get(b"idem/1").unwrap().as_deref(), Some(&b"response"[..]));
+    assert_eq!(
+        store.aux_get(b"idem/1").unwrap().as_deref(),
+        Some(&b"response"[..])
+    );
     assert_eq!(store.get(b"idem/1").unwrap(), None);
     assert_eq!(store.digest().unwrap(), before);
     let mut seen = 0;

@@ -173,7 +173,9 @@ pub fn meter_from_proto(m: v1::Meter) -> Result<Meter, DecodeError> {
                 operator: Operator::parse(&c.operator)
                     .ok_or(DecodeError::BadField("filter.operator"))?,
                 property: c.property,
-                value: filter_value_from_proto(c.value.ok_or(DecodeError::BadField("filter.value"))?)?,
+                value: filter_value_from_proto(
+                    c.value.ok_or(DecodeError::BadField("filter.value"))?,
+                )?,
             })
         })
         .collect::<Result<Vec<_>, DecodeError>>()?;
@@ -215,7 +217,9 @@ fn property_from_proto(value: v1::PropertyValue) -> Result<PropertyValue, Decode
     use v1::property_value::Value;
     match value.value {
         Some(Value::StringValue(s)) => Ok(PropertyValue::String(s)),
-        Some(Value::NumberValue(n)) => Ok(PropertyValue::Number(decimal_from_text(&n, "properties")?)),
+        Some(Value::NumberValue(n)) => {
+            Ok(PropertyValue::Number(decimal_from_text(&n, "properties")?))
+        }
         None => Err(DecodeError::BadField("properties")),
     }
 }
@@ -255,52 +259,6 @@ pub fn usage_event_from_proto(e: v1::UsageEvent) -> Result<UsageEvent, DecodeErr
         matched_meter_ids: e.matched_meter_ids,
         event_id_assigned: e.event_id_assigned,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use prost::Message;
-
-    #[test]
-    fn meter_round_trips_through_bytes() {
-        let meter = Meter {
-            id: "mtr_1".into(),
-            store_id: "st_1".into(),
-            mode: Mode::Test,
-            name: "tokens".into(),
-            event_name: "llm".into(),
-            aggregation: Aggregation::Sum,
-            aggregation_property: Some("tokens".into()),
-            filter: MeterFilter {
-                conjunction: Conjunction::Or,
-                clauses: vec![FilterClause {
-                    property: "model".into(),
-                    operator: Operator::In,
-                    value: FilterValue::List(vec![
-                        FilterValue::String("a".into()),
-                        FilterValue::Number("1.5".parse().unwrap()),
-                        FilterValue::Bool(true),
-                    ]),
-                }],
-            },
-            unit_label: "tokens".into(),
-            status: MeterStatus::Archived,
-            created_at_ms: 1,
-            updated_at_ms: 2,
-            counts_from_ms: 1,
-        };
-        let bytes = meter_to_proto(&meter).encode_to_vec();
-        let back = meter_from_proto(v1::Meter::decode(bytes.as_slice()).unwrap()).unwrap();
-        assert_eq!(back, meter);
-    }
-
-    #[test]
-    fn unknown_enum_values_are_errors() {
-        let mut m = v1::Meter::default();
-        m.mode = 99;
-        assert!(meter_from_proto(m).is_err());
-    }
 }
 
 /// Encodes a record for the log.
@@ -387,4 +345,52 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
         },
     };
     Ok((decoded, record.recorded_at_ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    #[test]
+    fn meter_round_trips_through_bytes() {
+        let meter = Meter {
+            id: "mtr_1".into(),
+            store_id: "st_1".into(),
+            mode: Mode::Test,
+            name: "tokens".into(),
+            event_name: "llm".into(),
+            aggregation: Aggregation::Sum,
+            aggregation_property: Some("tokens".into()),
+            filter: MeterFilter {
+                conjunction: Conjunction::Or,
+                clauses: vec![FilterClause {
+                    property: "model".into(),
+                    operator: Operator::In,
+                    value: FilterValue::List(vec![
+                        FilterValue::String("a".into()),
+                        FilterValue::Number("1.5".parse().unwrap()),
+                        FilterValue::Bool(true),
+                    ]),
+                }],
+            },
+            unit_label: "tokens".into(),
+            status: MeterStatus::Archived,
+            created_at_ms: 1,
+            updated_at_ms: 2,
+            counts_from_ms: 1,
+        };
+        let bytes = meter_to_proto(&meter).encode_to_vec();
+        let back = meter_from_proto(v1::Meter::decode(bytes.as_slice()).unwrap()).unwrap();
+        assert_eq!(back, meter);
+    }
+
+    #[test]
+    fn unknown_enum_values_are_errors() {
+        let m = v1::Meter {
+            mode: 99,
+            ..Default::default()
+        };
+        assert!(meter_from_proto(m).is_err());
+    }
 }

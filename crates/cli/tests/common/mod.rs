@@ -52,7 +52,11 @@ pub fn serve(data_dir: &Path) -> Served {
     let (mut prod_url, mut test_url, mut test_key) = (None, None, None);
     for line in lines.by_ref() {
         let line = line.expect("read banner");
-        let field = |prefix: &str| line.trim().strip_prefix(prefix).map(|rest| rest.split_whitespace().next().unwrap().to_string());
+        let field = |prefix: &str| {
+            line.trim()
+                .strip_prefix(prefix)
+                .map(|rest| rest.split_whitespace().next().unwrap().to_string())
+        };
         if let Some(url) = field("production API:") {
             prod_url = Some(url);
         }
@@ -103,8 +107,18 @@ impl Served {
     }
 }
 
-pub async fn post(http: &reqwest::Client, url: &str, key: &str, body: Value) -> Result<(u16, Value), reqwest::Error> {
-    let response = http.post(url).header("x-api-key", key).json(&body).send().await?;
+pub async fn post(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: Value,
+) -> Result<(u16, Value), reqwest::Error> {
+    let response = http
+        .post(url)
+        .header("x-api-key", key)
+        .json(&body)
+        .send()
+        .await?;
     let status = response.status().as_u16();
     Ok((status, response.json().await.unwrap_or(Value::Null)))
 }

@@ -21,7 +21,11 @@ pub async fn create_store(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let Some(token) = state.config.admin_token.as_deref() else {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, "route_not_found", "no such route"));
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "route_not_found",
+            "no such route",
+        ));
     };
     let presented = headers
         .get("authorization")

@@ -10,7 +10,9 @@ use crate::error::ApiResult;
 use crate::extract::{page_request, Fields, JsonObject, PathId, QueryParams};
 use crate::{wire, AppState};
 
-fn customer_input(body: &serde_json::Map<String, Value>) -> Result<CustomerInput, tally_domain::FieldError> {
+fn customer_input(
+    body: &serde_json::Map<String, Value>,
+) -> Result<CustomerInput, tally_domain::FieldError> {
     let fields = Fields::new(body);
     Ok(CustomerInput {
         email: fields.patch_string("email")?,
@@ -56,7 +58,9 @@ pub async fn get(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    Ok(Json(wire::customer(&state.engine.get_customer(&scope, &id)?)))
+    Ok(Json(wire::customer(
+        &state.engine.get_customer(&scope, &id)?,
+    )))
 }
 
 /// Lists customers newest first; `external_id=` narrows to the one holding it.

@@ -17,7 +17,13 @@ use crate::{wire, AppState};
 /// One JSON event into its raw shape; type errors name the field (relative to the
 /// event; the engine prefixes `events[N]`).
 fn raw_event(value: &Value) -> Result<RawUsageEvent, FieldError> {
-    let invalid = |param: &str, message: &str| FieldError::new("invalid_usage_event", param.to_string(), message.to_string());
+    let invalid = |param: &str, message: &str| {
+        FieldError::new(
+            "invalid_usage_event",
+            param.to_string(),
+            message.to_string(),
+        )
+    };
     let Value::Object(object) = value else {
         return Err(invalid("", "each event must be a JSON object"));
     };
@@ -56,7 +62,11 @@ fn raw_event(value: &Value) -> Result<RawUsageEvent, FieldError> {
 
 fn batch(body: &Map<String, Value>) -> Result<Vec<Result<RawUsageEvent, FieldError>>, ApiError> {
     match body.get("events") {
-        None | Some(Value::Null) => Err(ApiError::bad_request("parameter_missing", "`events` is required").with_param("events")),
+        None | Some(Value::Null) => Err(ApiError::bad_request(
+            "parameter_missing",
+            "`events` is required",
+        )
+        .with_param("events")),
         Some(Value::Array(items)) if (1..=MAX_EVENTS_PER_BATCH).contains(&items.len()) => {
             Ok(items.iter().map(raw_event).collect())
         }
@@ -64,7 +74,10 @@ fn batch(body: &Map<String, Value>) -> Result<Vec<Result<RawUsageEvent, FieldErr
             "events",
             format!("`events` must hold 1 to {MAX_EVENTS_PER_BATCH} events"),
         )),
-        Some(_) => Err(ApiError::invalid_param("events", "`events` must be an array")),
+        Some(_) => Err(ApiError::invalid_param(
+            "events",
+            "`events` must be an array",
+        )),
     }
 }
 
@@ -117,7 +130,10 @@ pub async fn list(
     let page = page_request(&query)?;
     let customer_id = match (query.get("customer_id"), query.get("external_customer_id")) {
         (Some(_), Some(_)) => {
-            return Err(ApiError::invalid_param("customer_id", "give at most one of `customer_id` and `external_customer_id`"))
+            return Err(ApiError::invalid_param(
+                "customer_id",
+                "give at most one of `customer_id` and `external_customer_id`",
+            ))
         }
         (Some(id), None) => Some(id.to_string()),
         (None, Some(external)) => match state.engine.customer_id_by_external(&scope, external)? {
@@ -131,8 +147,14 @@ pub async fn list(
         customer_id,
         name: query.get("name").map(str::to_string),
         meter_id: query.get("meter_id").map(str::to_string),
-        start_ms: query.get("start").map(|s| parse_instant("start", s)).transpose()?,
-        end_ms: query.get("end").map(|s| parse_instant("end", s)).transpose()?,
+        start_ms: query
+            .get("start")
+            .map(|s| parse_instant("start", s))
+            .transpose()?,
+        end_ms: query
+            .get("end")
+            .map(|s| parse_instant("end", s))
+            .transpose()?,
     };
     let page = state.engine.list_events(&scope, &filter, &page)?;
     Ok(Json(wire::list(&page, |e| wire::usage_event(e, &scope))))

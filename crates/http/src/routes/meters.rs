@@ -4,7 +4,9 @@
 use axum::extract::State;
 use axum::{Extension, Json};
 use serde_json::{Map, Value};
-use tally_domain::meter::{validate_meter, FilterValue, MeterInput, RawFilterClause, RawMeterFilter};
+use tally_domain::meter::{
+    validate_meter, FilterValue, MeterInput, RawFilterClause, RawMeterFilter,
+};
 use tally_domain::time::Window;
 use tally_domain::usage::parse_decimal;
 use tally_domain::FieldError;
@@ -13,7 +15,9 @@ use tally_engine::usage::UsageQuery;
 use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{number_text, page_request, parse_instant, Fields, JsonObject, PathId, QueryParams};
+use crate::extract::{
+    number_text, page_request, parse_instant, Fields, JsonObject, PathId, QueryParams,
+};
 use crate::{wire, AppState};
 
 fn filter_value(param: &str, value: &Value, in_list: bool) -> Result<FilterValue, FieldError> {
@@ -22,7 +26,9 @@ fn filter_value(param: &str, value: &Value, in_list: bool) -> Result<FilterValue
         Value::Bool(b) => Ok(FilterValue::Bool(*b)),
         Value::Number(n) => parse_decimal(&number_text(n))
             .map(FilterValue::Number)
-            .ok_or_else(|| FieldError::invalid(param, "the number does not fit 28 significant digits")),
+            .ok_or_else(|| {
+                FieldError::invalid(param, "the number does not fit 28 significant digits")
+            }),
         Value::Array(items) if !in_list => Ok(FilterValue::List(
             items
                 .iter()
@@ -30,18 +36,29 @@ fn filter_value(param: &str, value: &Value, in_list: bool) -> Result<FilterValue
                 .map(|(i, item)| filter_value(&format!("{param}[{i}]"), item, true))
                 .collect::<Result<_, _>>()?,
         )),
-        _ => Err(FieldError::invalid(param, "a clause value is a string, number, boolean, or (for `in`) an array of those")),
+        _ => Err(FieldError::invalid(
+            param,
+            "a clause value is a string, number, boolean, or (for `in`) an array of those",
+        )),
     }
 }
 
 fn raw_filter(value: &Value) -> Result<RawMeterFilter, FieldError> {
     let Value::Object(object) = value else {
-        return Err(FieldError::invalid("filter", "`filter` must be an object {conjunction, clauses}"));
+        return Err(FieldError::invalid(
+            "filter",
+            "`filter` must be an object {conjunction, clauses}",
+        ));
     };
     let conjunction = match object.get("conjunction") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(FieldError::invalid("filter.conjunction", "`conjunction` must be `and` or `or`")),
+        Some(_) => {
+            return Err(FieldError::invalid(
+                "filter.conjunction",
+                "`conjunction` must be `and` or `or`",
+            ))
+        }
     };
     let clauses = match object.get("clauses") {
         None | Some(Value::Null) => Vec::new(),
@@ -51,12 +68,18 @@ fn raw_filter(value: &Value) -> Result<RawMeterFilter, FieldError> {
             .map(|(i, item)| {
                 let at = |f: &str| format!("filter.clauses[{i}].{f}");
                 let Value::Object(clause) = item else {
-                    return Err(FieldError::invalid(format!("filter.clauses[{i}]"), "a clause is an object {property, operator, value}"));
+                    return Err(FieldError::invalid(
+                        format!("filter.clauses[{i}]"),
+                        "a clause is an object {property, operator, value}",
+                    ));
                 };
                 let text = |name: &str| match clause.get(name) {
                     None | Some(Value::Null) => Ok(None),
                     Some(Value::String(s)) => Ok(Some(s.clone())),
-                    Some(_) => Err(FieldError::invalid(at(name), format!("`{name}` must be a string"))),
+                    Some(_) => Err(FieldError::invalid(
+                        at(name),
+                        format!("`{name}` must be a string"),
+                    )),
                 };
                 Ok(RawFilterClause {
                     property: text("property")?,
@@ -68,9 +91,17 @@ fn raw_filter(value: &Value) -> Result<RawMeterFilter, FieldError> {
                 })
             })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(FieldError::invalid("filter.clauses", "`clauses` must be an array")),
+        Some(_) => {
+            return Err(FieldError::invalid(
+                "filter.clauses",
+                "`clauses` must be an array",
+            ))
+        }
     };
-    Ok(RawMeterFilter { conjunction, clauses })
+    Ok(RawMeterFilter {
+        conjunction,
+        clauses,
+    })
 }
 
 fn meter_input(body: &Map<String, Value>) -> Result<MeterInput, FieldError> {
@@ -93,7 +124,10 @@ pub async fn create(
     Extension(scope): Extension<Scope>,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    let meter = state.engine.create_meter(&scope, &meter_input(&body)?).await?;
+    let meter = state
+        .engine
+        .create_meter(&scope, &meter_input(&body)?)
+        .await?;
     Ok(Json(wire::meter(&meter)))
 }
 
@@ -114,9 +148,16 @@ pub async fn list(
         None | Some("active") => MeterStatusFilter::Active,
         Some("archived") => MeterStatusFilter::Archived,
         Some("all") => MeterStatusFilter::All,
-        Some(_) => return Err(ApiError::invalid_param("status", "`status` must be active, archived or all")),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "status",
+                "`status` must be active, archived or all",
+            ))
+        }
     };
-    let page = state.engine.list_meters(&scope, status, &page_request(&query)?)?;
+    let page = state
+        .engine
+        .list_meters(&scope, status, &page_request(&query)?)?;
     Ok(Json(wire::list(&page, wire::meter)))
 }
 
@@ -136,7 +177,9 @@ pub async fn update(
             .map(|f| f.to_string())
             .collect(),
     };
-    Ok(Json(wire::meter(&state.engine.update_meter(&scope, &id, &update).await?)))
+    Ok(Json(wire::meter(
+        &state.engine.update_meter(&scope, &id, &update).await?,
+    )))
 }
 
 pub async fn archive(
@@ -144,7 +187,9 @@ pub async fn archive(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    Ok(Json(wire::meter(&state.engine.archive_meter(&scope, &id).await?)))
+    Ok(Json(wire::meter(
+        &state.engine.archive_meter(&scope, &id).await?,
+    )))
 }
 
 pub async fn unarchive(
@@ -152,7 +197,9 @@ pub async fn unarchive(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    Ok(Json(wire::meter(&state.engine.unarchive_meter(&scope, &id).await?)))
+    Ok(Json(wire::meter(
+        &state.engine.unarchive_meter(&scope, &id).await?,
+    )))
 }
 
 pub async fn backfill(
@@ -163,14 +210,21 @@ pub async fn backfill(
 ) -> ApiResult<Json<Value>> {
     let start = Fields::new(&body).required_string("start")?;
     let start_ms = parse_instant("start", &start)?;
-    Ok(Json(wire::meter(&state.engine.backfill_meter(&scope, &id, start_ms).await?)))
+    Ok(Json(wire::meter(
+        &state.engine.backfill_meter(&scope, &id, start_ms).await?,
+    )))
 }
 
 fn window_param(text: Option<&str>) -> Result<(Window, String), FieldError> {
     let text = text.unwrap_or("none");
     Window::parse(text)
         .map(|w| (w, text.to_string()))
-        .ok_or_else(|| FieldError::invalid("window", "`window` must be minute, hour, day, month or none"))
+        .ok_or_else(|| {
+            FieldError::invalid(
+                "window",
+                "`window` must be minute, hour, day, month or none",
+            )
+        })
 }
 
 /// The customer of a usage or preview request: `customer_id` or `external_customer_id`.
@@ -186,12 +240,18 @@ fn customer_param(
             "give at most one of `customer_id` and `external_customer_id`",
         )),
         (Some(id), None) => {
-            state.engine.get_customer(scope, id).map_err(|e| ApiError::from(e).with_param("customer_id"))?;
+            state
+                .engine
+                .get_customer(scope, id)
+                .map_err(|e| ApiError::from(e).with_param("customer_id"))?;
             Ok(Some(id.to_string()))
         }
         (None, Some(external)) => match state.engine.customer_id_by_external(scope, external)? {
             Some(id) => Ok(Some(id)),
-            None => Err(ApiError::from(tally_engine::EngineError::not_found("customer", external)).with_param("external_customer_id")),
+            None => Err(
+                ApiError::from(tally_engine::EngineError::not_found("customer", external))
+                    .with_param("external_customer_id"),
+            ),
         },
         (None, None) => Ok(None),
     }
@@ -200,7 +260,11 @@ fn customer_param(
 /// `start` and `end` of a range. `end` defaults to now plus the future skew ingest
 /// accepts (so every ingested event is inside), `start` to 35 days (the ingest
 /// horizon) before now.
-fn range(state: &AppState, start: Option<&str>, end: Option<&str>) -> Result<(i64, i64), FieldError> {
+fn range(
+    state: &AppState,
+    start: Option<&str>,
+    end: Option<&str>,
+) -> Result<(i64, i64), FieldError> {
     let now = state.engine.now_ms();
     let end_ms = match end {
         Some(text) => parse_instant("end", text)?,
@@ -227,11 +291,21 @@ pub async fn usage(
     let group_by_customer = match query.get("group_by") {
         None => false,
         Some("customer_id") => true,
-        Some(_) => return Err(ApiError::invalid_param("group_by", "`group_by` supports only customer_id")),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "group_by",
+                "`group_by` supports only customer_id",
+            ))
+        }
     };
     // Resolve the meter first, so an unknown meter is a 404 whatever else is wrong.
     state.engine.get_meter(&scope, &id)?;
-    let customer_id = customer_param(&state, &scope, query.get("customer_id"), query.get("external_customer_id"))?;
+    let customer_id = customer_param(
+        &state,
+        &scope,
+        query.get("customer_id"),
+        query.get("external_customer_id"),
+    )?;
     let result = state.engine.query_usage(
         &scope,
         &UsageQuery {
@@ -254,7 +328,11 @@ async fn run_preview(
     body: &Map<String, Value>,
 ) -> ApiResult<Json<Value>> {
     let fields = Fields::new(body);
-    let (start_ms, end_ms) = range(state, fields.string("start")?.as_deref(), fields.string("end")?.as_deref())?;
+    let (start_ms, end_ms) = range(
+        state,
+        fields.string("start")?.as_deref(),
+        fields.string("end")?.as_deref(),
+    )?;
     let (window, _) = window_param(fields.string("window")?.as_deref())?;
     let customer = customer_param(
         state,
@@ -262,11 +340,21 @@ async fn run_preview(
         fields.string("customer_id")?.as_deref(),
         fields.string("external_customer_id")?.as_deref(),
     )?;
-    let (series, scanned, matched, truncated) =
-        state
-            .engine
-            .preview_meter(scope, definition, customer.as_deref(), start_ms, end_ms, window)?;
-    Ok(Json(wire::meter_preview(&series, definition.aggregation.as_str(), scanned, matched, truncated)))
+    let (series, scanned, matched, truncated) = state.engine.preview_meter(
+        scope,
+        definition,
+        customer.as_deref(),
+        start_ms,
+        end_ms,
+        window,
+    )?;
+    Ok(Json(wire::meter_preview(
+        &series,
+        definition.aggregation.as_str(),
+        scanned,
+        matched,
+        truncated,
+    )))
 }
 
 /// `POST /v1/meters/preview`: a definition in the body (same fields as create; the

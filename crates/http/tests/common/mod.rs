@@ -45,18 +45,28 @@ impl Server {
         Self::start_with_clock(dir, config, Arc::new(ManualClock::new(wall_clock_ms()))).await
     }
 
-    pub async fn start_with_clock(dir: &Path, config: HttpConfig, clock: Arc<ManualClock>) -> Server {
+    pub async fn start_with_clock(
+        dir: &Path,
+        config: HttpConfig,
+        clock: Arc<ManualClock>,
+    ) -> Server {
         let log = loop {
             match EmbeddedLog::open(dir.join("log")) {
                 Ok(log) => break log,
-                Err(tally_log::LogError::Locked(_)) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+                Err(tally_log::LogError::Locked(_)) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await
+                }
                 Err(e) => panic!("{e}"),
             }
         };
         let store = SledStore::open(dir.join("projections")).unwrap();
-        let engine = Engine::open(Arc::new(log), Arc::new(store), clock.clone() as Arc<dyn Clock>)
-            .await
-            .unwrap();
+        let engine = Engine::open(
+            Arc::new(log),
+            Arc::new(store),
+            clock.clone() as Arc<dyn Clock>,
+        )
+        .await
+        .unwrap();
         let (shutdown, rx) = tokio::sync::watch::channel(false);
         let projector = engine.start_projector(rx.clone());
         engine.wait_caught_up().await.unwrap();
@@ -65,7 +75,11 @@ impl Server {
         let prod_url = format!("http://{}", prod.local_addr().unwrap());
         let test_url = format!("http://{}", test.local_addr().unwrap());
         let (prod_state, test_state) = tally_http::states(engine.clone(), config);
-        let server = tokio::spawn(tally_http::serve((prod, prod_state), (test, test_state), rx));
+        let server = tokio::spawn(tally_http::serve(
+            (prod, prod_state),
+            (test, test_state),
+            rx,
+        ));
         Server {
             prod_url,
             test_url,
@@ -145,7 +159,11 @@ impl Api {
         let headers = response.headers().clone();
         let text = response.text().await.unwrap();
         let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
-        Answer { status, headers, body }
+        Answer {
+            status,
+            headers,
+            body,
+        }
     }
 
     pub async fn get(&self, path: &str) -> Answer {

@@ -1,0 +1,363 @@
+//! End-to-end ingest load generator (issue 3's benchmark).
+//!
+//! Starts a real `tally serve` (embedded log, fresh data dir), creates 10k customers
+//! and 20 meters with filters, then drives `POST /v1/events/ingest` with batches of
+//! 100 realistic events over many connections, while another task times usage
+//! queries. Reports in one run:
+//!   (a) sustained ingest events/s, (b) the raw embedded-log append rate for records
+//!   of the same shape, (c) a/b, (d) time from the last 202 until projections caught
+//!   up, (e) p50/p99 of a usage query under load, (f) the server's peak RSS.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use rand::Rng;
+use serde_json::{json, Value};
+use tally_benches::{percentile, usage_record_bytes, EVENT_NAMES, MODELS, REGIONS};
+use tally_log::Log;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// The tally binary to run.
+    #[arg(long, default_value = "target/release/tally")]
+    tally_bin: String,
+    /// Concurrent HTTP connections sending batches.
+    #[arg(long, default_value_t = 32)]
+    connections: usize,
+    /// Stop after this many events have been acknowledged.
+    #[arg(long, default_value_t = 2_000_000)]
+    events: u64,
+    /// Or after this many seconds, whichever comes first.
+    #[arg(long, default_value_t = 60.0)]
+    max_seconds: f64,
+    #[arg(long, default_value_t = 10_000)]
+    customers: usize,
+    /// Where the server keeps its data (default: a fresh temp dir).
+    #[arg(long)]
+    data_dir: Option<String>,
+}
+
+fn rss_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+fn meter_definitions() -> Vec<Value> {
+    let mut meters = Vec::new();
+    let numeric = ["max", "min", "average", "sum"];
+    for (i, name) in EVENT_NAMES.iter().enumerate() {
+        meters.push(
+            json!({"name": format!("{name} count"), "event_name": name, "aggregation": "count"}),
+        );
+        meters.push(json!({"name": format!("{name} tokens eu"), "event_name": name, "aggregation": "sum", "aggregation_property": "tokens",
+            "filter": {"conjunction": "and", "clauses": [{"property": "region", "operator": "eq", "value": "eu"}]}}));
+        meters.push(json!({"name": format!("{name} max bytes large"), "event_name": name, "aggregation": numeric[i % 4], "aggregation_property": "bytes",
+            "filter": {"conjunction": "or", "clauses": [{"property": "model", "operator": "in", "value": ["large", "medium"]}, {"property": "tokens", "operator": "gt", "value": 4000}]}}));
+        meters.push(json!({"name": format!("{name} unique users"), "event_name": name, "aggregation": "unique", "aggregation_property": "user",
+            "filter": {"conjunction": "and", "clauses": [{"property": "user", "operator": "like", "value": "user_"}]}}));
+    }
+    meters
+}
+
+fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: usize) -> String {
+    let mut body = String::with_capacity(20_000);
+    body.push_str("{\"events\":[");
+    for i in 0..100 {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(&format!(
+            "{{\"name\":\"{}\",\"external_customer_id\":\"customer-{}\",\"event_id\":\"c{connection}-{batch}-{i}\",\"properties\":{{\"region\":\"{}\",\"model\":\"{}\",\"tokens\":{},\"bytes\":{}.{:02},\"user\":\"user_{}\"}}}}",
+            EVENT_NAMES[rng.random_range(0..5)],
+            rng.random_range(0..customers),
+            REGIONS[rng.random_range(0..4)],
+            MODELS[rng.random_range(0..3)],
+            rng.random_range(1..5000),
+            rng.random_range(1..100_000),
+            rng.random_range(0..100),
+            rng.random_range(0..1000),
+        ));
+    }
+    body.push_str("]}");
+    body
+}
+
+async fn raw_log_rate(seconds: f64) -> anyhow::Result<f64> {
+    let dir = tempfile::tempdir()?;
+    let log: Arc<dyn Log> = Arc::new(tally_log::embedded::EmbeddedLog::open(dir.path())?);
+    let payloads: Arc<Vec<Vec<u8>>> =
+        Arc::new((0..64).map(|b| usage_record_bytes(100, b)).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for a in 0..32usize {
+        let (log, payloads, stop, count) =
+            (log.clone(), payloads.clone(), stop.clone(), count.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = a;
+            while !stop.load(Ordering::Relaxed) {
+                log.append(b"k", payloads[i % 64].clone()).await.unwrap();
+                count.fetch_add(100, Ordering::Relaxed);
+                i += 32;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await?;
+    }
+    Ok(count.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let temp = tempfile::tempdir()?;
+    let data_dir = args
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| temp.path().display().to_string());
+    let mut child = Command::new(&args.tally_bin)
+        .args([
+            "serve",
+            "--data-dir",
+            &data_dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--test-listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--rate-limit-per-second",
+            "100000000",
+            "--rate-limit-burst",
+            "100000000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pid = child.id();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut base, mut key) = (String::new(), String::new());
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(rest) = line.trim().strip_prefix("test API:") {
+            base = rest.split_whitespace().next().unwrap_or("").to_string();
+        }
+        if let Some(rest) = line.trim().strip_prefix("test key:") {
+            key = rest.trim().to_string();
+        }
+        if line.starts_with("Try:") {
+            break;
+        }
+    }
+    anyhow::ensure!(
+        !key.is_empty(),
+        "the server printed no test key (use an empty data dir)"
+    );
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.connections + 8)
+        .build()?;
+
+    eprintln!(
+        "setup: {} customers, {} meters",
+        args.customers,
+        meter_definitions().len()
+    );
+    let setup = Instant::now();
+    let mut tasks = Vec::new();
+    for worker in 0..32 {
+        let (http, base, key, customers) =
+            (http.clone(), base.clone(), key.clone(), args.customers);
+        tasks.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for i in (worker..customers).step_by(32) {
+                let r = http
+                    .post(format!("{base}/v1/customers"))
+                    .header("x-api-key", &key)
+                    .json(&json!({"email": format!("c{i}@example.com"), "external_id": format!("customer-{i}")}))
+                    .send()
+                    .await
+                    .unwrap();
+                let v: Value = r.json().await.unwrap();
+                ids.push(v["id"].as_str().unwrap().to_string());
+            }
+            ids
+        }));
+    }
+    let mut customer_ids = Vec::new();
+    for t in tasks {
+        customer_ids.extend(t.await?);
+    }
+    let mut meter_ids = Vec::new();
+    for m in meter_definitions() {
+        let v: Value = http
+            .post(format!("{base}/v1/meters"))
+            .header("x-api-key", &key)
+            .json(&m)
+            .send()
+            .await?
+            .json()
+            .await?;
+        meter_ids.push(v["id"].as_str().unwrap().to_string());
+    }
+    eprintln!("setup took {:.1?}; loading...", setup.elapsed());
+
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let mut senders = Vec::new();
+    for connection in 0..args.connections {
+        let (http, base, key, acked, stop) = (
+            http.clone(),
+            base.clone(),
+            key.clone(),
+            acked.clone(),
+            stop.clone(),
+        );
+        let (customers, target) = (args.customers, args.events);
+        senders.push(tokio::spawn(async move {
+            let mut batch = 0u64;
+            let mut last_ok = Instant::now();
+            while !stop.load(Ordering::Relaxed) && acked.load(Ordering::Relaxed) < target {
+                let body = batch_body(&mut rand::rng(), connection, batch, customers);
+                batch += 1;
+                let response = http
+                    .post(format!("{base}/v1/events/ingest"))
+                    .header("x-api-key", &key)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await;
+                match response {
+                    Ok(r) if r.status().as_u16() == 202 => {
+                        let _ = r.bytes().await;
+                        acked.fetch_add(100, Ordering::Relaxed);
+                        last_ok = Instant::now();
+                    }
+                    Ok(r) => panic!(
+                        "ingest answered {}: {}",
+                        r.status(),
+                        r.text().await.unwrap_or_default()
+                    ),
+                    Err(e) => panic!("ingest failed: {e}"),
+                }
+            }
+            last_ok
+        }));
+    }
+    let query_stop = Arc::new(AtomicBool::new(false));
+    let querier = {
+        let (http, base, key, stop) = (http.clone(), base.clone(), key.clone(), query_stop.clone());
+        let (customer_ids, meter_ids) = (customer_ids.clone(), meter_ids.clone());
+        tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let (c, m) = {
+                    let mut rng = rand::rng();
+                    (
+                        customer_ids[rng.random_range(0..customer_ids.len())].clone(),
+                        meter_ids[rng.random_range(0..meter_ids.len())].clone(),
+                    )
+                };
+                let t = Instant::now();
+                let r = http
+                    .get(format!(
+                        "{base}/v1/meters/{m}/usage?customer_id={c}&window=hour"
+                    ))
+                    .header("x-api-key", &key)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status().as_u16(), 200);
+                let _ = r.bytes().await;
+                latencies.push(t.elapsed());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            latencies
+        })
+    };
+    let mut peak_rss = 0;
+    while acked.load(Ordering::Relaxed) < args.events
+        && started.elapsed().as_secs_f64() < args.max_seconds
+    {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        peak_rss = peak_rss.max(rss_kib(pid, "VmRSS:"));
+        eprint!(
+            "\r{} events acknowledged, {:.0} events/s   ",
+            acked.load(Ordering::Relaxed),
+            acked.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut last_ack = started;
+    for s in senders {
+        last_ack = last_ack.max(s.await?);
+    }
+    let load_seconds = last_ack.duration_since(started).as_secs_f64();
+    let total = acked.load(Ordering::Relaxed);
+    eprintln!();
+    // (d) catch-up: until the consumer lag gauge reads 0.
+    let catch_up = loop {
+        let metrics = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?;
+        let lag: u64 = metrics
+            .lines()
+            .find(|l| l.starts_with("tally_consumer_lag_bytes_or_records{partition=\"0\"}"))
+            .and_then(|l| l.split_whitespace().last()?.parse().ok())
+            .unwrap_or(u64::MAX);
+        if lag == 0 {
+            break last_ack.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    query_stop.store(true, Ordering::Relaxed);
+    let mut latencies = querier.await?;
+    latencies.sort();
+    peak_rss = peak_rss.max(rss_kib(pid, "VmHWM:"));
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let _ = child.wait();
+
+    let ingest_rate = total as f64 / load_seconds;
+    let raw_rate = raw_log_rate(5.0).await?;
+    println!(
+        "events acknowledged:              {total} in {load_seconds:.1} s over {} connections",
+        args.connections
+    );
+    println!("(a) sustained ingest:             {ingest_rate:.0} events/s");
+    println!("(b) raw embedded-log appends:     {raw_rate:.0} events/s (same record shape, 100 events/record, 32 appenders)");
+    println!(
+        "(c) ratio a/b:                    {:.3}",
+        ingest_rate / raw_rate
+    );
+    println!("(d) catch-up after last 202:      {catch_up:.2?}");
+    println!(
+        "(e) usage query under load:       p50 {:.2?}, p99 {:.2?} ({} queries)",
+        percentile(&latencies, 50.0),
+        percentile(&latencies, 99.0),
+        latencies.len()
+    );
+    println!(
+        "(f) server peak RSS:              {:.0} MiB",
+        peak_rss as f64 / 1024.0
+    );
+    Ok(())
+}

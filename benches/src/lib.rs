@@ -1,0 +1,87 @@
+//! Shared pieces of the benchmarks: realistic usage records, timing and percentiles.
+//! Benchmarks are binaries (`src/bin`), never timed unit tests; each reports ratios
+//! against a baseline measured in the same run, because the machines are shared.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rand::Rng;
+use rust_decimal::Decimal;
+use tally_domain::record::Record;
+use tally_domain::usage::{PropertyValue, UsageEvent};
+use tally_domain::Mode;
+
+pub const EVENT_NAMES: [&str; 5] = [
+    "api_call",
+    "llm_tokens",
+    "storage_bytes",
+    "seat_active",
+    "job_minutes",
+];
+pub const REGIONS: [&str; 4] = ["eu", "us", "apac", "sa"];
+pub const MODELS: [&str; 3] = ["small", "medium", "large"];
+
+/// One realistic event's properties (as the load generator sends them).
+pub fn random_properties(rng: &mut impl Rng) -> BTreeMap<String, PropertyValue> {
+    let mut p = BTreeMap::new();
+    p.insert(
+        "region".into(),
+        PropertyValue::String(REGIONS[rng.random_range(0..4)].into()),
+    );
+    p.insert(
+        "model".into(),
+        PropertyValue::String(MODELS[rng.random_range(0..3)].into()),
+    );
+    p.insert(
+        "tokens".into(),
+        PropertyValue::Number(Decimal::from(rng.random_range(1..5000))),
+    );
+    p.insert(
+        "bytes".into(),
+        PropertyValue::Number(Decimal::new(rng.random_range(1..10_000_000), 2)),
+    );
+    p.insert(
+        "user".into(),
+        PropertyValue::String(format!("user_{}", rng.random_range(0..1000))),
+    );
+    p
+}
+
+/// An encoded usage-batch log record of `events` realistic events: the exact bytes
+/// ingest appends for a batch of that size.
+pub fn usage_record_bytes(events: usize, batch: u64) -> Vec<u8> {
+    let mut rng = rand::rng();
+    let events = (0..events)
+        .map(|i| UsageEvent {
+            event_id: format!("bench-{batch}-{i}"),
+            name: EVENT_NAMES[rng.random_range(0..5)].into(),
+            customer_id: format!("cus_{:024}", rng.random_range(0..10_000)),
+            external_customer_id: Some(format!("customer-{}", rng.random_range(0..10_000))),
+            timestamp_ms: 1_800_000_000_000,
+            properties: random_properties(&mut rng),
+            received_at_ms: 1_800_000_000_000,
+            matched_meter_ids: vec![
+                "mtr_000000000000000000000001".into(),
+                "mtr_000000000000000000000002".into(),
+            ],
+            event_id_assigned: false,
+        })
+        .collect();
+    tally_proto::encode_record(
+        &Record::UsageBatch {
+            store_id: "st_bench".into(),
+            mode: Mode::Test,
+            events,
+        },
+        1_800_000_000_000,
+    )
+}
+
+/// The p-th percentile (0..=100) of sorted durations.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let index = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
+    sorted[index]
+}
