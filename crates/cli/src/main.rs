@@ -151,6 +151,10 @@ struct ServeArgs {
     /// Admin API token; enables POST /admin/v1/stores on the production listener.
     #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+    /// Do not create the `default` store on a first start (for additional nodes of a
+    /// Kafka deployment; create stores with `tally store create`).
+    #[arg(long, env = "TALLY_NO_DEFAULT_STORE")]
+    no_default_store: bool,
 }
 
 #[derive(Args, Debug)]
@@ -280,7 +284,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
     println!("  production API: http://{prod_addr}  (prod keys)");
     println!("  test API:       http://{test_addr}  (test keys)");
     println!("  data:           {log_description}");
-    match engine.bootstrap_default_store().await? {
+    let bootstrapped = if args.no_default_store {
+        None
+    } else {
+        engine.bootstrap_default_store().await?
+    };
+    match bootstrapped {
         Some(created) => {
             println!();
             println!(
