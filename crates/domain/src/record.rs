@@ -3,6 +3,7 @@
 //! meter after an update), so applying one never depends on reading the clock.
 
 use crate::customer::Customer;
+use crate::ledger::{Account, Transaction};
 use crate::meter::Meter;
 use crate::mode::Mode;
 use crate::usage::UsageEvent;
@@ -32,6 +33,23 @@ pub enum Record {
         meter_id: String,
         start_ms: i64,
     },
+    /// One atomic ledger step (see `tally.v1.CreditLedger`).
+    CreditLedger {
+        account: Option<Account>,
+        transaction: Option<Transaction>,
+        events: Vec<LedgerEvent>,
+    },
+}
+
+/// A webhook event the ledger emits; delivered by the webhook dispatcher.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LedgerEvent {
+    pub id: String,
+    pub event_type: String,
+    pub created_at_ms: i64,
+    pub transaction_id: Option<String>,
+    pub account: Account,
+    pub balance: rust_decimal::Decimal,
 }
 
 impl Record {
@@ -43,6 +61,19 @@ impl Record {
             Record::CustomerUpserted(c) => c.store_id.as_bytes().to_vec(),
             Record::MeterUpserted(m) => m.store_id.as_bytes().to_vec(),
             Record::MeterBackfill { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::CreditLedger {
+                account,
+                transaction,
+                ..
+            } => {
+                // One account's steps stay in one partition, in order.
+                let account_id = account
+                    .as_ref()
+                    .map(|a| a.id.as_str())
+                    .or(transaction.as_ref().map(|t| t.account_id.as_str()))
+                    .unwrap_or("");
+                account_id.as_bytes().to_vec()
+            }
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

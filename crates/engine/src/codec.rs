@@ -131,3 +131,71 @@ mod tests {
         assert_eq!(decode_aggregate(&encode_aggregate(&empty)).unwrap(), empty);
     }
 }
+
+pub fn encode_decimal(value: Decimal) -> Vec<u8> {
+    value.serialize().to_vec()
+}
+
+pub fn decode_decimal(bytes: &[u8]) -> Result<Decimal, EngineError> {
+    let raw: [u8; 16] = bytes
+        .try_into()
+        .map_err(|_| EngineError::Corrupt("decimal of wrong size".into()))?;
+    Ok(Decimal::deserialize(raw))
+}
+
+pub fn encode_account(a: &tally_domain::ledger::Account) -> Vec<u8> {
+    tally_proto::account_to_proto(a).encode_to_vec()
+}
+
+pub fn decode_account(bytes: &[u8]) -> Result<tally_domain::ledger::Account, EngineError> {
+    tally_proto::account_from_proto(v1::CreditAccount::decode(bytes).map_err(corrupt)?)
+        .map_err(corrupt)
+}
+
+pub fn encode_transaction(t: &tally_domain::ledger::Transaction) -> Vec<u8> {
+    tally_proto::transaction_to_proto(t).encode_to_vec()
+}
+
+pub fn decode_transaction(bytes: &[u8]) -> Result<tally_domain::ledger::Transaction, EngineError> {
+    tally_proto::transaction_from_proto(v1::CreditTransaction::decode(bytes).map_err(corrupt)?)
+        .map_err(corrupt)
+}
+
+/// A customer account's entry as stored for listing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredEntry {
+    pub id: String,
+    pub transaction_id: String,
+    pub account_id: String,
+    pub amount: Decimal,
+    pub created_at_ms: i64,
+    pub balance_after: Decimal,
+}
+
+pub fn encode_entry(e: &StoredEntry) -> Vec<u8> {
+    v1::StoredEntry {
+        id: e.id.clone(),
+        transaction_id: e.transaction_id.clone(),
+        account_id: e.account_id.clone(),
+        amount: tally_domain::usage::canonical_decimal(e.amount),
+        created_at_ms: e.created_at_ms,
+        balance_after: tally_domain::usage::canonical_decimal(e.balance_after),
+    }
+    .encode_to_vec()
+}
+
+pub fn decode_entry(bytes: &[u8]) -> Result<StoredEntry, EngineError> {
+    let e = v1::StoredEntry::decode(bytes).map_err(corrupt)?;
+    let decimal = |text: &str| {
+        tally_domain::usage::parse_decimal(text)
+            .ok_or_else(|| EngineError::Corrupt("entry decimal".into()))
+    };
+    Ok(StoredEntry {
+        amount: decimal(&e.amount)?,
+        balance_after: decimal(&e.balance_after)?,
+        id: e.id,
+        transaction_id: e.transaction_id,
+        account_id: e.account_id,
+        created_at_ms: e.created_at_ms,
+    })
+}

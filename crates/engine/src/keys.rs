@@ -16,6 +16,19 @@
 //! | `e` | store, mode, received_at, partition, offset, index | event_id |
 //! | `A` | store, mode, meter, customer ("" = all), minute | Aggregate |
 //! | `U` | store, mode, meter, customer ("" = all), minute, distinct value | (empty) |
+//! | `a` | store, mode, account_id | CreditAccount (proto) |
+//! | `b` | store, mode, account_id (or `system:*`) | balance (16-byte decimal) |
+//! | `n` | store, mode, customer_id, account name | account_id |
+//! | `l` | store, mode, created_at, account_id | (empty) newest-first listing |
+//! | `k` | store, mode, customer_id, created_at, account_id | (empty) per customer |
+//! | `T` | store, mode, transaction_id | CreditTransaction (proto) |
+//! | `r` | store, mode, reversed transaction_id | reversal transaction_id |
+//! | `i` | store, mode, idempotency key | transaction_id |
+//! | `L` | store, mode, account_id, seq | StoredEntry (proto) |
+//! | `j` | store, mode, entry_id | account_id, seq |
+//! | `h` | store, mode, account_id, created_at, seq | balance after (16 bytes) |
+//! | `q` | store, mode, account_id | next entry seq (u64) |
+//! | `W` | store, mode, created_at, event_id | LedgerEvent (proto), for webhooks |
 
 use tally_domain::Mode;
 
@@ -31,6 +44,20 @@ pub const EVENT: u8 = b'E';
 pub const EVENT_LIST: u8 = b'e';
 pub const AGGREGATE: u8 = b'A';
 pub const UNIQUE: u8 = b'U';
+
+pub const CREDIT_ACCOUNT: u8 = b'a';
+pub const CREDIT_BALANCE: u8 = b'b';
+pub const CREDIT_ACCOUNT_NAME: u8 = b'n';
+pub const CREDIT_ACCOUNT_LIST: u8 = b'l';
+pub const CREDIT_ACCOUNT_BY_CUSTOMER: u8 = b'k';
+pub const CREDIT_TRANSACTION: u8 = b'T';
+pub const CREDIT_REVERSED: u8 = b'r';
+pub const CREDIT_IDEMPOTENCY: u8 = b'i';
+pub const CREDIT_ENTRY: u8 = b'L';
+pub const CREDIT_ENTRY_ID: u8 = b'j';
+pub const CREDIT_BALANCE_HISTORY: u8 = b'h';
+pub const CREDIT_ENTRY_SEQ: u8 = b'q';
+pub const WEBHOOK_EVENT: u8 = b'W';
 
 /// The customer component of meter-wide (all customers) usage rows.
 pub const ALL_CUSTOMERS: &str = "";

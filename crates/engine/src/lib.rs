@@ -30,6 +30,7 @@ pub mod error;
 pub mod events;
 pub mod ids;
 pub mod keys;
+pub mod ledger;
 pub mod meters;
 pub mod metrics;
 pub mod pagination;
@@ -87,6 +88,8 @@ pub struct Engine {
     caches: Caches,
     applied: Vec<watch::Sender<u64>>,
     control_locks: DashMap<Scope, Arc<tokio::sync::Mutex<()>>>,
+    /// Serializes each credits account's balance check, append and apply.
+    account_locks: DashMap<String, Arc<tokio::sync::Mutex<()>>>,
     ready: AtomicBool,
     failed: AtomicBool,
     startup_end: Vec<u64>,
@@ -123,6 +126,7 @@ impl Engine {
             caches: Caches::default(),
             applied,
             control_locks: DashMap::new(),
+            account_locks: DashMap::new(),
             ready: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             startup_end,

@@ -239,6 +239,16 @@ fn apply_record(
                 }
             }
         }
+        Record::CreditLedger {
+            account,
+            transaction,
+            events,
+        } => crate::ledger::apply_ledger_step(
+            overlay,
+            account.as_ref(),
+            transaction.as_ref(),
+            events,
+        )?,
         Record::MeterBackfill {
             store_id,
             mode,

@@ -73,7 +73,7 @@ async fn method_not_allowed() -> impl IntoResponse {
 
 /// The router of one listener.
 pub fn router(state: AppState) -> Router {
-    use routes::{customers, events, meters};
+    use routes::{credits, customers, events, meters};
     let v1 = Router::new()
         .route(
             "/v1/customers",
@@ -95,6 +95,46 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/events/ingest", post(events::ingest))
         .route("/v1/events/preview", post(events::preview))
         .route("/v1/events/{event_id}", get(events::get))
+        .route(
+            "/v1/customer-credits/accounts",
+            get(credits::list_accounts).post(credits::create_account),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}",
+            get(credits::get_account),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/freeze",
+            post(credits::freeze),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/unfreeze",
+            post(credits::unfreeze),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/close",
+            post(credits::close),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/credit",
+            post(credits::credit),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/debit",
+            post(credits::debit),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/entries",
+            get(credits::entries),
+        )
+        .route(
+            "/v1/customer-credits/transactions/{id}",
+            get(credits::get_transaction),
+        )
+        .route(
+            "/v1/customer-credits/transactions/{id}/reverse",
+            post(credits::reverse),
+        )
         .method_not_allowed_fallback(method_not_allowed)
         // Layers run bottom-up: authenticate, then rate limit, then idempotency.
         .layer(from_fn_with_state(state.clone(), middleware::idempotency))

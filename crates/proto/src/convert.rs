@@ -5,9 +5,11 @@ use std::collections::BTreeMap;
 
 use rust_decimal::Decimal;
 use tally_domain::customer::Customer;
+use tally_domain::ledger::{Account, AccountStatus, Entry, Transaction, TransactionKind};
 use tally_domain::meter::{
     Aggregation, Conjunction, FilterClause, FilterValue, Meter, MeterFilter, MeterStatus, Operator,
 };
+use tally_domain::record::LedgerEvent;
 use tally_domain::usage::{canonical_decimal, parse_decimal, PropertyValue, UsageEvent};
 use tally_domain::Mode;
 
@@ -261,6 +263,113 @@ pub fn usage_event_from_proto(e: v1::UsageEvent) -> Result<UsageEvent, DecodeErr
     })
 }
 
+pub fn account_to_proto(a: &Account) -> v1::CreditAccount {
+    v1::CreditAccount {
+        id: a.id.clone(),
+        store_id: a.store_id.clone(),
+        mode: mode_to_proto(a.mode),
+        customer_id: a.customer_id.clone(),
+        name: a.name.clone(),
+        unit_label: a.unit_label.clone(),
+        status: a.status.as_str().to_string(),
+        created_at_ms: a.created_at_ms,
+        updated_at_ms: a.updated_at_ms,
+    }
+}
+
+pub fn account_from_proto(a: v1::CreditAccount) -> Result<Account, DecodeError> {
+    Ok(Account {
+        mode: mode_from_proto(a.mode)?,
+        status: match a.status.as_str() {
+            "active" => AccountStatus::Active,
+            "frozen" => AccountStatus::Frozen,
+            "closed" => AccountStatus::Closed,
+            _ => return Err(DecodeError::BadField("account.status")),
+        },
+        id: a.id,
+        store_id: a.store_id,
+        customer_id: a.customer_id,
+        name: a.name,
+        unit_label: a.unit_label,
+        created_at_ms: a.created_at_ms,
+        updated_at_ms: a.updated_at_ms,
+    })
+}
+
+pub fn transaction_to_proto(t: &Transaction) -> v1::CreditTransaction {
+    v1::CreditTransaction {
+        id: t.id.clone(),
+        store_id: t.store_id.clone(),
+        mode: mode_to_proto(t.mode),
+        kind: t.kind.as_str().to_string(),
+        account_id: t.account_id.clone(),
+        amount: canonical_decimal(t.amount),
+        entries: t
+            .entries
+            .iter()
+            .map(|e| v1::CreditEntry {
+                id: e.id.clone(),
+                account_id: e.account_id.clone(),
+                amount: canonical_decimal(e.amount),
+            })
+            .collect(),
+        idempotency_key: t.idempotency_key.clone(),
+        description: t.description.clone(),
+        metadata: t.metadata.clone(),
+        reverses: t.reverses.clone(),
+        created_at_ms: t.created_at_ms,
+    }
+}
+
+pub fn transaction_from_proto(t: v1::CreditTransaction) -> Result<Transaction, DecodeError> {
+    Ok(Transaction {
+        mode: mode_from_proto(t.mode)?,
+        kind: TransactionKind::parse(&t.kind).ok_or(DecodeError::BadField("transaction.kind"))?,
+        amount: decimal_from_text(&t.amount, "transaction.amount")?,
+        entries: t
+            .entries
+            .into_iter()
+            .map(|e| {
+                Ok(Entry {
+                    amount: decimal_from_text(&e.amount, "entry.amount")?,
+                    id: e.id,
+                    account_id: e.account_id,
+                })
+            })
+            .collect::<Result<_, DecodeError>>()?,
+        id: t.id,
+        store_id: t.store_id,
+        account_id: t.account_id,
+        idempotency_key: t.idempotency_key,
+        description: t.description,
+        metadata: t.metadata,
+        reverses: t.reverses,
+        created_at_ms: t.created_at_ms,
+    })
+}
+
+pub fn ledger_event_to_proto(e: &LedgerEvent) -> v1::LedgerEvent {
+    v1::LedgerEvent {
+        id: e.id.clone(),
+        event_type: e.event_type.clone(),
+        created_at_ms: e.created_at_ms,
+        transaction_id: e.transaction_id.clone(),
+        account: Some(account_to_proto(&e.account)),
+        balance: canonical_decimal(e.balance),
+    }
+}
+
+pub fn ledger_event_from_proto(e: v1::LedgerEvent) -> Result<LedgerEvent, DecodeError> {
+    Ok(LedgerEvent {
+        account: account_from_proto(e.account.ok_or(DecodeError::BadField("event.account"))?)?,
+        balance: decimal_from_text(&e.balance, "event.balance")?,
+        id: e.id,
+        event_type: e.event_type,
+        created_at_ms: e.created_at_ms,
+        transaction_id: e.transaction_id,
+    })
+}
+
 /// Encodes a record for the log.
 pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64) -> Vec<u8> {
     use prost::Message;
@@ -299,6 +408,15 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
             mode: mode_to_proto(*mode),
             meter_id: meter_id.clone(),
             start_ms: *start_ms,
+        }),
+        Record::CreditLedger {
+            account,
+            transaction,
+            events,
+        } => Kind::CreditLedger(v1::CreditLedger {
+            account: account.as_ref().map(account_to_proto),
+            transaction: transaction.as_ref().map(transaction_to_proto),
+            events: events.iter().map(ledger_event_to_proto).collect(),
         }),
     };
     v1::LogRecord {
@@ -342,6 +460,15 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
             mode: mode_from_proto(b.mode)?,
             meter_id: b.meter_id,
             start_ms: b.start_ms,
+        },
+        Kind::CreditLedger(l) => Record::CreditLedger {
+            account: l.account.map(account_from_proto).transpose()?,
+            transaction: l.transaction.map(transaction_from_proto).transpose()?,
+            events: l
+                .events
+                .into_iter()
+                .map(ledger_event_from_proto)
+                .collect::<Result<_, _>>()?,
         },
     };
     Ok((decoded, record.recorded_at_ms))

@@ -1,0 +1,436 @@
+//! The credits ledger's pure rules: accounts, double-entry transactions, posting
+//! rules and rejections (decisions.md "Customer credits").
+//!
+//! Every transaction moves value between a customer account and one of the store's
+//! system accounts (`issuance`, `consumption`, `forfeit`); its entries sum to exactly
+//! zero. Rejections are values with reason codes, never panics.
+
+use rust_decimal::Decimal;
+
+use crate::error::FieldError;
+use crate::mode::Mode;
+use crate::usage::parse_decimal;
+
+/// Most fractional digits an amount may carry (issue 4).
+pub const MAX_AMOUNT_SCALE: u32 = 18;
+/// Account name and unit label length.
+pub const MAX_ACCOUNT_NAME_CHARS: usize = 255;
+pub const DEFAULT_ACCOUNT_NAME: &str = "default";
+pub const DEFAULT_UNIT_LABEL: &str = "credits";
+/// Description length of a transaction.
+pub const MAX_DESCRIPTION_CHARS: usize = 1000;
+/// Caller idempotency key length.
+pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccountStatus {
+    Active,
+    Frozen,
+    Closed,
+}
+
+impl AccountStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AccountStatus::Active => "active",
+            AccountStatus::Frozen => "frozen",
+            AccountStatus::Closed => "closed",
+        }
+    }
+}
+
+/// The store's own accounts that take the other side of every transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SystemAccount {
+    Issuance,
+    Consumption,
+    Forfeit,
+}
+
+impl SystemAccount {
+    pub const ALL: [SystemAccount; 3] = [
+        SystemAccount::Issuance,
+        SystemAccount::Consumption,
+        SystemAccount::Forfeit,
+    ];
+
+    /// The account id used in entries. Never a customer account id (those start `ca_`).
+    pub fn account_id(self) -> &'static str {
+        match self {
+            SystemAccount::Issuance => "system:issuance",
+            SystemAccount::Consumption => "system:consumption",
+            SystemAccount::Forfeit => "system:forfeit",
+        }
+    }
+
+    pub fn from_account_id(id: &str) -> Option<SystemAccount> {
+        SystemAccount::ALL
+            .into_iter()
+            .find(|s| s.account_id() == id)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Account {
+    pub id: String,
+    pub store_id: String,
+    pub mode: Mode,
+    pub customer_id: String,
+    pub name: String,
+    pub unit_label: String,
+    pub status: AccountStatus,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransactionKind {
+    /// `initial_balance` at account creation.
+    InitialBalance,
+    Credit,
+    Debit,
+    /// Mirrors another transaction's entries.
+    Reversal,
+    /// Moves the remaining balance to `forfeit` when an account closes.
+    Close,
+}
+
+impl TransactionKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransactionKind::InitialBalance => "initial_balance",
+            TransactionKind::Credit => "credit",
+            TransactionKind::Debit => "debit",
+            TransactionKind::Reversal => "reversal",
+            TransactionKind::Close => "close",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<TransactionKind> {
+        [
+            TransactionKind::InitialBalance,
+            TransactionKind::Credit,
+            TransactionKind::Debit,
+            TransactionKind::Reversal,
+            TransactionKind::Close,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == text)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    pub id: String,
+    pub account_id: String,
+    /// Signed: + credits the account, - debits it.
+    pub amount: Decimal,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transaction {
+    pub id: String,
+    pub store_id: String,
+    pub mode: Mode,
+    pub kind: TransactionKind,
+    /// The customer account the transaction is about.
+    pub account_id: String,
+    /// Positive size of the movement.
+    pub amount: Decimal,
+    pub entries: Vec<Entry>,
+    pub idempotency_key: Option<String>,
+    pub description: Option<String>,
+    pub metadata: std::collections::BTreeMap<String, String>,
+    /// For a reversal: the transaction it reverses.
+    pub reverses: Option<String>,
+    pub created_at_ms: i64,
+}
+
+impl Transaction {
+    /// The double-entry invariant.
+    pub fn entries_sum_to_zero(&self) -> bool {
+        self.entries
+            .iter()
+            .map(|e| e.amount)
+            .sum::<Decimal>()
+            .is_zero()
+            && self.entries.len() >= 2
+    }
+
+    /// The signed change this transaction makes to `account_id`.
+    pub fn delta_for(&self, account_id: &str) -> Decimal {
+        self.entries
+            .iter()
+            .filter(|e| e.account_id == account_id)
+            .map(|e| e.amount)
+            .sum()
+    }
+}
+
+/// Why the ledger refuses a transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    InsufficientBalance,
+    AccountFrozen,
+    AccountClosed,
+    AlreadyReversed,
+    NotReversible,
+}
+
+impl Rejection {
+    pub fn code(&self) -> &'static str {
+        match self {
+            Rejection::InsufficientBalance => "insufficient_balance",
+            Rejection::AccountFrozen => "account_frozen",
+            Rejection::AccountClosed => "account_closed",
+            Rejection::AlreadyReversed => "transaction_already_reversed",
+            Rejection::NotReversible => "transaction_not_reversible",
+        }
+    }
+
+    pub fn message(&self) -> &'static str {
+        match self {
+            Rejection::InsufficientBalance => {
+                "the account's balance is lower than the amount; nothing was written"
+            }
+            Rejection::AccountFrozen => {
+                "the account is frozen and takes no transactions; unfreeze it first"
+            }
+            Rejection::AccountClosed => "the account is closed for good and takes no transactions",
+            Rejection::AlreadyReversed => "the transaction was already reversed",
+            Rejection::NotReversible => {
+                "only credit, debit and initial-balance transactions can be reversed"
+            }
+        }
+    }
+}
+
+/// Parses an amount: a positive decimal string, at most 18 fractional digits, within
+/// rust_decimal's range. `allow_zero` for `initial_balance`.
+pub fn parse_amount(param: &str, text: &str, allow_zero: bool) -> Result<Decimal, FieldError> {
+    let trimmed = text.trim();
+    let invalid = || {
+        FieldError::invalid(
+            param,
+            format!("`{param}` must be a {} decimal string with at most {MAX_AMOUNT_SCALE} fractional digits, e.g. \"12.5\"",
+                if allow_zero { "non-negative" } else { "positive" }),
+        )
+    };
+    let plain = !trimmed.is_empty()
+        && trimmed.chars().all(|c| c.is_ascii_digit() || c == '.')
+        && trimmed.chars().filter(|c| *c == '.').count() <= 1
+        && !trimmed.starts_with('.')
+        && !trimmed.ends_with('.');
+    if !plain {
+        return Err(invalid());
+    }
+    let fraction_digits = trimmed.split_once('.').map_or(0, |(_, f)| f.len());
+    if fraction_digits > MAX_AMOUNT_SCALE as usize {
+        return Err(invalid());
+    }
+    let value = parse_decimal(trimmed).ok_or_else(invalid)?;
+    if value.is_sign_negative() || (value.is_zero() && !allow_zero) {
+        return Err(invalid());
+    }
+    Ok(value.normalize())
+}
+
+/// Checks that an account can take a transaction at all.
+pub fn check_open(status: AccountStatus) -> Result<(), Rejection> {
+    match status {
+        AccountStatus::Active => Ok(()),
+        AccountStatus::Frozen => Err(Rejection::AccountFrozen),
+        AccountStatus::Closed => Err(Rejection::AccountClosed),
+    }
+}
+
+/// The entries of a movement of `amount` into (`+`) or out of (`-`) the account.
+fn pair(
+    account_id: &str,
+    signed: Decimal,
+    other: SystemAccount,
+    new_entry_id: &mut dyn FnMut() -> String,
+) -> Vec<Entry> {
+    vec![
+        Entry {
+            id: new_entry_id(),
+            account_id: account_id.to_string(),
+            amount: signed,
+        },
+        Entry {
+            id: new_entry_id(),
+            account_id: other.account_id().to_string(),
+            amount: -signed,
+        },
+    ]
+}
+
+/// Posting rule for a transaction kind, given the account's status and balance.
+/// Returns the entries or why not.
+pub fn post(
+    kind: TransactionKind,
+    account_id: &str,
+    status: AccountStatus,
+    balance: Decimal,
+    amount: Decimal,
+    new_entry_id: &mut dyn FnMut() -> String,
+) -> Result<Vec<Entry>, Rejection> {
+    check_open(status)?;
+    match kind {
+        TransactionKind::InitialBalance | TransactionKind::Credit => Ok(pair(
+            account_id,
+            amount,
+            SystemAccount::Issuance,
+            new_entry_id,
+        )),
+        TransactionKind::Debit => {
+            if balance < amount {
+                return Err(Rejection::InsufficientBalance);
+            }
+            Ok(pair(
+                account_id,
+                -amount,
+                SystemAccount::Consumption,
+                new_entry_id,
+            ))
+        }
+        TransactionKind::Close => Ok(pair(
+            account_id,
+            -balance,
+            SystemAccount::Forfeit,
+            new_entry_id,
+        )),
+        TransactionKind::Reversal => Err(Rejection::NotReversible),
+    }
+}
+
+/// Posting rule of a reversal: the original's entries mirrored. Refused when the
+/// account would go negative, is not active, or the original is not reversible.
+pub fn post_reversal(
+    original: &Transaction,
+    status: AccountStatus,
+    balance: Decimal,
+    already_reversed: bool,
+    new_entry_id: &mut dyn FnMut() -> String,
+) -> Result<Vec<Entry>, Rejection> {
+    if already_reversed {
+        return Err(Rejection::AlreadyReversed);
+    }
+    if !matches!(
+        original.kind,
+        TransactionKind::Credit | TransactionKind::Debit | TransactionKind::InitialBalance
+    ) {
+        return Err(Rejection::NotReversible);
+    }
+    check_open(status)?;
+    let delta = -original.delta_for(&original.account_id);
+    if balance + delta < Decimal::ZERO {
+        return Err(Rejection::InsufficientBalance);
+    }
+    Ok(original
+        .entries
+        .iter()
+        .map(|e| Entry {
+            id: new_entry_id(),
+            account_id: e.account_id.clone(),
+            amount: -e.amount,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids() -> impl FnMut() -> String {
+        let mut n = 0;
+        move || {
+            n += 1;
+            format!("ce_{n}")
+        }
+    }
+
+    #[test]
+    fn amounts_are_positive_exact_decimal_strings() {
+        assert_eq!(
+            parse_amount("amount", "12.50", false).unwrap().to_string(),
+            "12.5"
+        );
+        assert_eq!(
+            parse_amount("amount", "0.000000000000000001", false)
+                .unwrap()
+                .to_string(),
+            "0.000000000000000001"
+        );
+        for bad in [
+            "",
+            "0",
+            "-1",
+            "1e3",
+            "0.0000000000000000001",
+            "abc",
+            "1.",
+            ".5",
+            " ",
+            "1,5",
+            "99999999999999999999999999999999",
+        ] {
+            assert!(parse_amount("amount", bad, false).is_err(), "{bad}");
+        }
+        assert!(parse_amount("initial_balance", "0", true)
+            .unwrap()
+            .is_zero());
+    }
+
+    #[test]
+    fn posting_rules_balance_and_refuse() {
+        let mut new_id = ids();
+        let credit = post(
+            TransactionKind::Credit,
+            "ca_1",
+            AccountStatus::Active,
+            Decimal::ZERO,
+            Decimal::TEN,
+            &mut new_id,
+        )
+        .unwrap();
+        assert_eq!(
+            credit.iter().map(|e| e.amount).sum::<Decimal>(),
+            Decimal::ZERO
+        );
+        assert_eq!(credit[1].account_id, "system:issuance");
+        assert_eq!(
+            post(
+                TransactionKind::Debit,
+                "ca_1",
+                AccountStatus::Active,
+                Decimal::ONE,
+                Decimal::TEN,
+                &mut new_id
+            ),
+            Err(Rejection::InsufficientBalance)
+        );
+        assert_eq!(
+            post(
+                TransactionKind::Credit,
+                "ca_1",
+                AccountStatus::Frozen,
+                Decimal::ONE,
+                Decimal::TEN,
+                &mut new_id
+            ),
+            Err(Rejection::AccountFrozen)
+        );
+        assert_eq!(
+            post(
+                TransactionKind::Debit,
+                "ca_1",
+                AccountStatus::Closed,
+                Decimal::TEN,
+                Decimal::ONE,
+                &mut new_id
+            ),
+            Err(Rejection::AccountClosed)
+        );
+    }
+}

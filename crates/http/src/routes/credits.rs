@@ -1,0 +1,225 @@
+//! `/v1/customer-credits`: accounts, credit/debit, reversal, transactions, entries.
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use rust_decimal::Decimal;
+use serde_json::{json, Map, Value};
+use tally_domain::customer::Patch;
+use tally_domain::ledger::{Account, TransactionKind};
+use tally_domain::time::format_iso8601_ms;
+use tally_domain::usage::canonical_decimal;
+use tally_engine::codec::StoredEntry;
+use tally_engine::ledger::{AccountInput, MovementInput, TransactionView};
+use tally_engine::Scope;
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{page_request, parse_instant, Fields, JsonObject, PathId, QueryParams};
+use crate::{wire, AppState};
+
+pub fn account_json(account: &Account, balance: Decimal) -> Value {
+    json!({
+        "id": account.id,
+        "object": "customer_credits_account",
+        "mode": account.mode.as_str(),
+        "store_id": account.store_id,
+        "customer_id": account.customer_id,
+        "name": account.name,
+        "unit_label": account.unit_label,
+        "status": account.status.as_str(),
+        "balance": canonical_decimal(balance),
+        "created_at": format_iso8601_ms(account.created_at_ms),
+        "updated_at": format_iso8601_ms(account.updated_at_ms),
+    })
+}
+
+pub fn transaction_json(view: &TransactionView) -> Value {
+    let tx = &view.transaction;
+    json!({
+        "id": tx.id,
+        "object": "customer_credits_transaction",
+        "mode": tx.mode.as_str(),
+        "type": tx.kind.as_str(),
+        "account_id": tx.account_id,
+        "amount": canonical_decimal(tx.amount),
+        "description": tx.description,
+        "metadata": tx.metadata,
+        "idempotency_key": tx.idempotency_key,
+        "reverses": tx.reverses,
+        "reversed_by": view.reversed_by,
+        "entries": tx.entries.iter().map(|e| json!({
+            "id": e.id,
+            "object": "customer_credits_entry",
+            "transaction_id": tx.id,
+            "account_id": e.account_id,
+            "amount": canonical_decimal(e.amount),
+            "created_at": format_iso8601_ms(tx.created_at_ms),
+        })).collect::<Vec<_>>(),
+        "created_at": format_iso8601_ms(tx.created_at_ms),
+    })
+}
+
+fn entry_json(entry: &StoredEntry) -> Value {
+    json!({
+        "id": entry.id,
+        "object": "customer_credits_entry",
+        "transaction_id": entry.transaction_id,
+        "account_id": entry.account_id,
+        "amount": canonical_decimal(entry.amount),
+        "balance_after": canonical_decimal(entry.balance_after),
+        "created_at": format_iso8601_ms(entry.created_at_ms),
+    })
+}
+
+/// Amounts must be JSON strings: a JSON number would have passed through a float in
+/// many clients.
+fn decimal_string(fields: &Fields<'_>, name: &str) -> Result<Option<String>, ApiError> {
+    match fields.map.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::invalid_param(
+            name,
+            format!("`{name}` must be a decimal string, e.g. \"12.5\""),
+        )),
+    }
+}
+
+pub async fn create_account(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let input = AccountInput {
+        customer_id: fields.string("customer_id")?,
+        name: fields.string("name")?,
+        unit_label: fields.string("unit_label")?,
+        initial_balance: decimal_string(&fields, "initial_balance")?,
+    };
+    let (account, balance) = state.engine.create_account(&scope, &input).await?;
+    Ok(Json(account_json(&account, balance)))
+}
+
+pub async fn list_accounts(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let page = page_request(&query)?;
+    let page = state
+        .engine
+        .list_accounts(&scope, query.get("customer_id"), &page)?;
+    Ok(Json(wire::list(&page, |(a, b)| account_json(a, *b))))
+}
+
+pub async fn get_account(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let account = state.engine.get_account(&scope, &id)?;
+    let balance = match query.get("at") {
+        Some(at) => state
+            .engine
+            .balance_at(&scope, &id, parse_instant("at", at)?)?,
+        None => state.engine.balance(&scope, &id)?,
+    };
+    Ok(Json(account_json(&account, balance)))
+}
+
+pub async fn freeze(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let (account, balance) = state.engine.set_account_frozen(&scope, &id, true).await?;
+    Ok(Json(account_json(&account, balance)))
+}
+
+pub async fn unfreeze(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let (account, balance) = state.engine.set_account_frozen(&scope, &id, false).await?;
+    Ok(Json(account_json(&account, balance)))
+}
+
+pub async fn close(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let (account, balance) = state.engine.close_account(&scope, &id).await?;
+    Ok(Json(account_json(&account, balance)))
+}
+
+fn movement(body: &Map<String, Value>) -> Result<MovementInput, ApiError> {
+    let fields = Fields::new(body);
+    Ok(MovementInput {
+        amount: decimal_string(&fields, "amount")?,
+        idempotency_key: fields.string("idempotency_key")?,
+        description: fields.string("description")?,
+        metadata: match fields.patch_metadata("metadata")? {
+            Patch::Set(m) => m,
+            _ => Default::default(),
+        },
+    })
+}
+
+pub async fn credit(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let view = state
+        .engine
+        .move_credits(&scope, &id, TransactionKind::Credit, &movement(&body)?)
+        .await?;
+    Ok(Json(transaction_json(&view)))
+}
+
+pub async fn debit(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let view = state
+        .engine
+        .move_credits(&scope, &id, TransactionKind::Debit, &movement(&body)?)
+        .await?;
+    Ok(Json(transaction_json(&view)))
+}
+
+pub async fn entries(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let page = page_request(&query)?;
+    let page = state.engine.list_entries(&scope, &id, &page)?;
+    Ok(Json(wire::list(&page, entry_json)))
+}
+
+pub async fn get_transaction(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(transaction_json(
+        &state.engine.get_transaction(&scope, &id)?,
+    )))
+}
+
+pub async fn reverse(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(transaction_json(
+        &state.engine.reverse_transaction(&scope, &id).await?,
+    )))
+}
