@@ -1,7 +1,7 @@
 //! `tally`: the one binary. Subcommands serve the API, rebuild projections from the
 //! log, and administer stores and Kafka topics. `anyhow` lives here and nowhere else.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -51,6 +51,40 @@ enum Command {
         #[command(subcommand)]
         command: KafkaCommand,
     },
+    /// Credits ledger audit and export (stop the server first).
+    Ledger {
+        #[command(subcommand)]
+        command: LedgerCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum LedgerCommand {
+    /// Replay the ledger from the log and check it: every transaction sums to zero, no
+    /// customer balance is ever negative, projected balances equal replayed ones.
+    /// Prints account and transaction counts, totals and a digest; exit code 1 on any
+    /// violation, naming it.
+    Verify(ReplayArgs),
+    /// Write every ledger entry (customer and system accounts) for finance.
+    Export(ExportArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum ExportFormat {
+    Csv,
+    Jsonl,
+}
+
+#[derive(Args, Debug)]
+struct ExportArgs {
+    #[command(flatten)]
+    storage: StorageArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ExportFormat::Csv)]
+    format: ExportFormat,
+    /// Output file (default: standard output).
+    #[arg(long)]
+    output: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -309,7 +343,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
             engine.store_count()?
         ),
     }
-    use std::io::Write;
     let _ = std::io::stdout().flush();
 
     shutdown_signal().await;
@@ -382,6 +415,142 @@ async fn replay(args: ReplayArgs) -> Result<()> {
     Ok(())
 }
 
+/// A progress line on stderr when it is a terminal.
+fn progress_printer(label: &'static str) -> impl FnMut(u64, u32, u64, u64) {
+    let terminal = std::io::stderr().is_terminal();
+    move |records, partition, at, end| {
+        if terminal {
+            eprint!(
+                "\r{label}: {records} records, partition {partition} {:.0}%   ",
+                at as f64 * 100.0 / end.max(1) as f64
+            );
+        }
+    }
+}
+
+async fn ledger_verify(args: ReplayArgs) -> Result<()> {
+    init_tracing(LogFormat::Text);
+    let log = open_log(&args.storage, false).await?;
+    let store = open_projections(&args.storage.data_dir.join("projections"))?;
+    // Bring the projection up to the end of the log first, as a restart would.
+    for partition in 0..log.partition_count() {
+        tally_engine::projector::replay_partition(
+            log.as_ref(),
+            store.clone(),
+            partition,
+            |_, _| {},
+        )
+        .await?;
+    }
+    let engine = Engine::open(log.clone(), store, Arc::new(clock::SystemClock)).await?;
+    let mut replay =
+        tally_engine::audit::replay_ledger(log.as_ref(), |_, _| {}, progress_printer("verifying"))
+            .await?;
+    if std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+    engine.check_projected_balances(&mut replay)?;
+    println!("accounts:        {}", replay.customer_account_count());
+    println!("transactions:    {}", replay.transactions);
+    println!("total issued:    {}", replay.total_issued().normalize());
+    println!("total consumed:  {}", replay.total_consumed().normalize());
+    println!("total forfeited: {}", replay.total_forfeited().normalize());
+    println!("digest:          {}", replay.digest());
+    if replay.violations.is_empty() {
+        println!("ok: every transaction sums to zero, no balance went negative, projection matches the log");
+        Ok(())
+    } else {
+        for violation in &replay.violations {
+            println!("VIOLATION: {violation}");
+        }
+        std::process::exit(1);
+    }
+}
+
+fn csv_field(text: &str) -> String {
+    if text.contains([',', '"', '\n']) {
+        format!("\"{}\"", text.replace('"', "\"\""))
+    } else {
+        text.to_string()
+    }
+}
+
+async fn ledger_export(args: ExportArgs) -> Result<()> {
+    init_tracing(LogFormat::Text);
+    let log = open_log(&args.storage, false).await?;
+    let mut out: Box<dyn std::io::Write> = match &args.output {
+        Some(path) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        )),
+        None => Box::new(std::io::BufWriter::new(std::io::stdout())),
+    };
+    if args.format == ExportFormat::Csv {
+        writeln!(
+            out,
+            "transaction_id,type,created_at,store_id,mode,entry_id,account_id,customer_id,amount"
+        )?;
+    }
+    let mut failure: Option<std::io::Error> = None;
+    let mut entries = 0u64;
+    let replay = tally_engine::audit::replay_ledger(
+        log.as_ref(),
+        |tx, account| {
+            let created_at = tally_domain::time::format_iso8601_ms(tx.created_at_ms);
+            for entry in &tx.entries {
+                let customer = if entry.account_id == tx.account_id {
+                    account.map(|a| a.customer_id.as_str()).unwrap_or("")
+                } else {
+                    ""
+                };
+                let amount = tally_domain::usage::canonical_decimal(entry.amount);
+                let line = match args.format {
+                    ExportFormat::Csv => [
+                        tx.id.as_str(),
+                        tx.kind.as_str(),
+                        &created_at,
+                        &tx.store_id,
+                        tx.mode.as_str(),
+                        &entry.id,
+                        &entry.account_id,
+                        customer,
+                        &amount,
+                    ]
+                    .iter()
+                    .map(|f| csv_field(f))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                    ExportFormat::Jsonl => serde_json::json!({
+                        "transaction_id": tx.id, "type": tx.kind.as_str(), "created_at": created_at,
+                        "store_id": tx.store_id, "mode": tx.mode.as_str(), "entry_id": entry.id,
+                        "account_id": entry.account_id, "customer_id": customer, "amount": amount,
+                    })
+                    .to_string(),
+                };
+                if failure.is_none() {
+                    if let Err(e) = writeln!(out, "{line}") {
+                        failure = Some(e);
+                    }
+                }
+                entries += 1;
+            }
+        },
+        progress_printer("exporting"),
+    )
+    .await?;
+    if let Some(e) = failure {
+        return Err(e).context("writing the export");
+    }
+    out.flush()?;
+    if std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+    eprintln!(
+        "exported {entries} entries of {} transactions",
+        replay.transactions
+    );
+    Ok(())
+}
+
 async fn store_create(name: String, base_url: String, admin_token: String) -> Result<()> {
     let url = format!("{}/admin/v1/stores", base_url.trim_end_matches('/'));
     let response = reqwest::Client::new()
@@ -429,6 +598,12 @@ async fn main() -> Result<()> {
                     admin_token,
                 },
         } => store_create(name, base_url, admin_token).await,
+        Command::Ledger {
+            command: LedgerCommand::Verify(args),
+        } => ledger_verify(args).await,
+        Command::Ledger {
+            command: LedgerCommand::Export(args),
+        } => ledger_export(args).await,
         Command::Kafka {
             command: KafkaCommand::CreateTopics(args),
         } => {

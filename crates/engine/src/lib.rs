@@ -24,6 +24,7 @@ use tally_log::Log;
 use tally_projection::{scan_prefix, ProjectionStore, Visit};
 use tokio::sync::watch;
 
+pub mod audit;
 pub mod codec;
 pub mod customers;
 pub mod error;

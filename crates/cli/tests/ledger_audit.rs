@@ -1,0 +1,266 @@
+//! `tally ledger verify` and `tally ledger export` against real data dirs.
+
+mod common;
+
+use common::*;
+use rust_decimal::Decimal;
+use serde_json::json;
+use tally_domain::ledger::{Account, AccountStatus, Entry, Transaction, TransactionKind};
+use tally_domain::record::Record;
+use tally_domain::Mode;
+use tally_log::Log;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_passes_on_a_real_ledger_and_export_lists_every_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = serve(dir.path());
+    let key = served.test_key.clone().unwrap();
+    let base = served.test_url.clone();
+    let http = reqwest::Client::new();
+    let (_, customer) = post(
+        &http,
+        &format!("{base}/v1/customers"),
+        &key,
+        json!({"email": "v@x.io"}),
+    )
+    .await
+    .unwrap();
+    let url = format!("{base}/v1/customer-credits/accounts");
+    let (_, a) = post(
+        &http,
+        &url,
+        &key,
+        json!({"customer_id": customer["id"], "initial_balance": "100"}),
+    )
+    .await
+    .unwrap();
+    let (_, b) = post(
+        &http,
+        &url,
+        &key,
+        json!({"customer_id": customer["id"], "name": "b"}),
+    )
+    .await
+    .unwrap();
+    let (a, b) = (
+        a["id"].as_str().unwrap().to_string(),
+        b["id"].as_str().unwrap().to_string(),
+    );
+    post(
+        &http,
+        &format!("{url}/{a}/debit"),
+        &key,
+        json!({"amount": "30.5", "idempotency_key": "1"}),
+    )
+    .await
+    .unwrap();
+    post(
+        &http,
+        &format!("{url}/{b}/credit"),
+        &key,
+        json!({"amount": "7", "idempotency_key": "2"}),
+    )
+    .await
+    .unwrap();
+    let (_, spent) = post(
+        &http,
+        &format!("{url}/{b}/debit"),
+        &key,
+        json!({"amount": "2", "idempotency_key": "3"}),
+    )
+    .await
+    .unwrap();
+    post(
+        &http,
+        &format!(
+            "{base}/v1/customer-credits/transactions/{}/reverse",
+            spent["id"].as_str().unwrap()
+        ),
+        &key,
+        json!({}),
+    )
+    .await
+    .unwrap();
+    post(&http, &format!("{url}/{b}/close"), &key, json!({}))
+        .await
+        .unwrap();
+    assert!(served.terminate().success());
+
+    let output = tally()
+        .args(["ledger", "verify", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let value = |label: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(label))
+            .unwrap_or_else(|| panic!("{label} in {stdout}"))
+            .trim()
+            .to_string()
+    };
+    assert_eq!(value("accounts:"), "2");
+    assert_eq!(
+        value("transactions:"),
+        "6",
+        "seed, debit, credit, debit, reversal, close"
+    );
+    assert_eq!(value("total issued:"), "107");
+    assert_eq!(
+        value("total consumed:"),
+        "30.5",
+        "the reversed debit gives its 2 back"
+    );
+    assert_eq!(value("total forfeited:"), "7");
+    let digest = value("digest:");
+    let again = tally()
+        .args(["ledger", "verify", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains(&digest),
+        "the digest is stable"
+    );
+
+    let csv = dir.path().join("entries.csv");
+    let export = tally()
+        .args(["ledger", "export", "--format", "csv", "--output"])
+        .arg(&csv)
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(export.status.success());
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let rows: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        rows[0],
+        "transaction_id,type,created_at,store_id,mode,entry_id,account_id,customer_id,amount"
+    );
+    assert_eq!(rows.len(), 1 + 12, "two entries per transaction");
+    let sum: Decimal = rows[1..]
+        .iter()
+        .map(|r| r.rsplit(',').next().unwrap().parse::<Decimal>().unwrap())
+        .sum();
+    assert!(sum.is_zero(), "all entries sum to zero");
+    let jsonl = tally()
+        .args(["ledger", "export", "--format", "jsonl", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&jsonl.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 12);
+    assert!(lines
+        .iter()
+        .any(|l| l["account_id"] == "system:forfeit" && l["amount"] == "7"));
+}
+
+fn account(id: &str) -> Account {
+    Account {
+        id: id.into(),
+        store_id: "st_x".into(),
+        mode: Mode::Test,
+        customer_id: "cus_x".into(),
+        name: id.into(),
+        unit_label: "credits".into(),
+        status: AccountStatus::Active,
+        created_at_ms: 1,
+        updated_at_ms: 1,
+    }
+}
+
+fn transaction(
+    id: &str,
+    account_id: &str,
+    kind: TransactionKind,
+    entries: &[(&str, i64)],
+) -> Transaction {
+    Transaction {
+        id: id.into(),
+        store_id: "st_x".into(),
+        mode: Mode::Test,
+        kind,
+        account_id: account_id.into(),
+        amount: Decimal::from(entries[0].1.abs()),
+        entries: entries
+            .iter()
+            .enumerate()
+            .map(|(i, (account, amount))| Entry {
+                id: format!("{id}-{i}"),
+                account_id: account.to_string(),
+                amount: Decimal::from(*amount),
+            })
+            .collect(),
+        idempotency_key: None,
+        description: None,
+        metadata: Default::default(),
+        reverses: None,
+        created_at_ms: 2,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_every_violation_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let log = tally_log::embedded::EmbeddedLog::open(dir.path().join("log")).unwrap();
+        let records = [
+            Record::CreditLedger {
+                account: Some(account("ca_a")),
+                transaction: None,
+                events: vec![],
+            },
+            Record::CreditLedger {
+                account: None,
+                transaction: Some(transaction(
+                    "ctx_unbalanced",
+                    "ca_a",
+                    TransactionKind::Credit,
+                    &[("ca_a", 10), ("system:issuance", -9)],
+                )),
+                events: vec![],
+            },
+            Record::CreditLedger {
+                account: None,
+                transaction: Some(transaction(
+                    "ctx_overdraw",
+                    "ca_a",
+                    TransactionKind::Debit,
+                    &[("ca_a", -50), ("system:consumption", 50)],
+                )),
+                events: vec![],
+            },
+        ];
+        for record in &records {
+            log.append(b"k", tally_proto::encode_record(record, 1))
+                .await
+                .unwrap();
+        }
+    }
+    let output = tally()
+        .args(["ledger", "verify", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("VIOLATION: transaction ctx_unbalanced has entries summing to 1"),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .contains("VIOLATION: account ca_a went negative (-40) with transaction ctx_overdraw"),
+        "{stdout}"
+    );
+}

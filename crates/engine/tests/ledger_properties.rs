@@ -1,0 +1,290 @@
+//! Property tests of the credits ledger through the engine (real embedded log, real
+//! sled, restarts included): for any sequence of credit, debit, reverse, freeze,
+//! unfreeze and close,
+//! - accept/refuse decisions and balances equal an independent reference model;
+//! - every transaction's entries sum to zero and no balance ever goes negative
+//!   (checked by the audit replay of the log);
+//! - replaying the log into an empty store gives the live projection's digest.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use rust_decimal::Decimal;
+use tally_domain::clock::ManualClock;
+use tally_domain::ledger::{AccountStatus, TransactionKind};
+use tally_domain::Mode;
+use tally_engine::ledger::{AccountInput, MovementInput};
+use tally_engine::{Engine, EngineError, Scope};
+use tally_log::embedded::EmbeddedLog;
+use tally_projection::{MemoryStore, ProjectionStore, SledStore};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Credit(usize, i64),
+    Debit(usize, i64),
+    Reverse(usize),
+    Freeze(usize),
+    Unfreeze(usize),
+    Close(usize),
+    Restart,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0usize..3, 1i64..500).prop_map(|(a, n)| Op::Credit(a, n)),
+        4 => (0usize..3, 1i64..500).prop_map(|(a, n)| Op::Debit(a, n)),
+        2 => (0usize..50).prop_map(Op::Reverse),
+        1 => (0usize..3).prop_map(Op::Freeze),
+        1 => (0usize..3).prop_map(Op::Unfreeze),
+        1 => (0usize..3).prop_map(Op::Close),
+        1 => Just(Op::Restart),
+    ]
+}
+
+/// The reference: balances, statuses and transactions, by the rules of decisions.md.
+#[derive(Debug, Default)]
+struct Model {
+    balances: Vec<Decimal>,
+    statuses: Vec<AccountStatus>,
+    /// (engine transaction id, account, signed delta, reversible, reversed)
+    transactions: Vec<(String, usize, Decimal, bool, bool)>,
+}
+
+struct Harness {
+    dir: tempfile::TempDir,
+    clock: Arc<ManualClock>,
+    engine: Option<(
+        Arc<Engine>,
+        tokio::sync::watch::Sender<bool>,
+        Vec<tokio::task::JoinHandle<()>>,
+    )>,
+}
+
+impl Harness {
+    async fn start(&mut self) {
+        let log = Arc::new(EmbeddedLog::open(self.dir.path().join("log")).unwrap());
+        let store = Arc::new(SledStore::open(self.dir.path().join("projections")).unwrap());
+        let engine = Engine::open(log, store, self.clock.clone()).await.unwrap();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let tasks = engine.start_projector(rx);
+        engine.wait_caught_up().await.unwrap();
+        self.engine = Some((engine, tx, tasks));
+    }
+
+    async fn stop(&mut self) {
+        let (engine, tx, tasks) = self.engine.take().unwrap();
+        tx.send(true).unwrap();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        engine.flush().unwrap();
+    }
+
+    fn engine(&self) -> &Arc<Engine> {
+        &self.engine.as_ref().unwrap().0
+    }
+}
+
+fn code(result: &Result<impl std::fmt::Debug, EngineError>) -> Option<&'static str> {
+    match result {
+        Ok(_) => None,
+        Err(EngineError::Conflict { code, .. }) => Some(code),
+        Err(other) => panic!("unexpected error {other:?}"),
+    }
+}
+
+async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
+    let mut h = Harness {
+        dir: tempfile::tempdir().unwrap(),
+        clock: Arc::new(ManualClock::new(1_800_000_000_000)),
+        engine: None,
+    };
+    h.start().await;
+    let store = h.engine().create_store("prop").await.unwrap();
+    let scope = Scope {
+        store_id: store.store_id,
+        mode: Mode::Test,
+    };
+    let customer = h
+        .engine()
+        .create_customer(
+            &scope,
+            &tally_domain::customer::CustomerInput {
+                email: tally_domain::customer::Patch::Set("p@x.io".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let mut model = Model::default();
+    let mut accounts = Vec::new();
+    for (i, seed) in seeds.iter().enumerate() {
+        let (account, _) = h
+            .engine()
+            .create_account(
+                &scope,
+                &AccountInput {
+                    customer_id: Some(customer.id.clone()),
+                    name: Some(format!("a{i}")),
+                    unit_label: None,
+                    initial_balance: Some(seed.to_string()),
+                },
+            )
+            .await
+            .unwrap();
+        accounts.push(account.id);
+        model.balances.push(Decimal::from(*seed));
+        model.statuses.push(AccountStatus::Active);
+    }
+    let mut key = 0;
+    for op in ops {
+        h.clock.advance_ms(1);
+        match op {
+            Op::Credit(a, n) | Op::Debit(a, n) => {
+                let debit = matches!(op, Op::Debit(..));
+                key += 1;
+                let amount = Decimal::new(n, 1);
+                let result = h
+                    .engine()
+                    .move_credits(
+                        &scope,
+                        &accounts[a],
+                        if debit {
+                            TransactionKind::Debit
+                        } else {
+                            TransactionKind::Credit
+                        },
+                        &MovementInput {
+                            amount: Some(amount.to_string()),
+                            idempotency_key: Some(format!("k{key}")),
+                            ..Default::default()
+                        },
+                    )
+                    .await;
+                let expected = match model.statuses[a] {
+                    AccountStatus::Frozen => Some("account_frozen"),
+                    AccountStatus::Closed => Some("account_closed"),
+                    AccountStatus::Active if debit && model.balances[a] < amount => {
+                        Some("insufficient_balance")
+                    }
+                    AccountStatus::Active => None,
+                };
+                prop_assert_eq!(code(&result), expected, "{:?}", op);
+                if let Ok(view) = result {
+                    let delta = if debit { -amount } else { amount };
+                    model.balances[a] += delta;
+                    model
+                        .transactions
+                        .push((view.transaction.id, a, delta, true, false));
+                }
+            }
+            Op::Reverse(pick) => {
+                if model.transactions.is_empty() {
+                    continue;
+                }
+                let index = pick % model.transactions.len();
+                let (id, a, delta, reversible, reversed) = model.transactions[index].clone();
+                let result = h.engine().reverse_transaction(&scope, &id).await;
+                let expected = if reversed {
+                    Some("transaction_already_reversed")
+                } else if !reversible {
+                    Some("transaction_not_reversible")
+                } else {
+                    match model.statuses[a] {
+                        AccountStatus::Frozen => Some("account_frozen"),
+                        AccountStatus::Closed => Some("account_closed"),
+                        AccountStatus::Active if model.balances[a] - delta < Decimal::ZERO => {
+                            Some("insufficient_balance")
+                        }
+                        AccountStatus::Active => None,
+                    }
+                };
+                prop_assert_eq!(code(&result), expected, "reverse {}", id);
+                if let Ok(view) = result {
+                    model.balances[a] -= delta;
+                    model.transactions[index].4 = true;
+                    model
+                        .transactions
+                        .push((view.transaction.id, a, -delta, false, false));
+                }
+            }
+            Op::Freeze(a) | Op::Unfreeze(a) => {
+                let freeze = matches!(op, Op::Freeze(_));
+                let result = h
+                    .engine()
+                    .set_account_frozen(&scope, &accounts[a], freeze)
+                    .await;
+                if model.statuses[a] == AccountStatus::Closed {
+                    prop_assert_eq!(code(&result), Some("account_closed"));
+                } else {
+                    prop_assert!(result.is_ok());
+                    model.statuses[a] = if freeze {
+                        AccountStatus::Frozen
+                    } else {
+                        AccountStatus::Active
+                    };
+                }
+            }
+            Op::Close(a) => {
+                h.engine()
+                    .close_account(&scope, &accounts[a])
+                    .await
+                    .unwrap();
+                model.statuses[a] = AccountStatus::Closed;
+                model.balances[a] = Decimal::ZERO;
+            }
+            Op::Restart => {
+                h.stop().await;
+                h.start().await;
+            }
+        }
+    }
+    for (i, id) in accounts.iter().enumerate() {
+        prop_assert_eq!(
+            h.engine().balance(&scope, id).unwrap(),
+            model.balances[i],
+            "balance of account {}",
+            i
+        );
+        prop_assert_eq!(
+            h.engine().get_account(&scope, id).unwrap().status,
+            model.statuses[i]
+        );
+    }
+    let log = h.engine().log().clone();
+    let mut audit = tally_engine::audit::replay_ledger(log.as_ref(), |_, _| {}, |_, _, _, _| {})
+        .await
+        .unwrap();
+    h.engine().check_projected_balances(&mut audit).unwrap();
+    prop_assert!(audit.violations.is_empty(), "{:?}", audit.violations);
+    let issued_minus_out = audit.total_issued() - audit.total_consumed() - audit.total_forfeited();
+    prop_assert_eq!(
+        issued_minus_out,
+        model.balances.iter().copied().sum::<Decimal>(),
+        "money is conserved"
+    );
+
+    let replayed: Arc<dyn ProjectionStore> = Arc::new(MemoryStore::new());
+    tally_engine::projector::replay_partition(log.as_ref(), replayed.clone(), 0, |_, _| {})
+        .await
+        .unwrap();
+    prop_assert_eq!(
+        replayed.digest().unwrap(),
+        h.engine().store().digest().unwrap()
+    );
+    h.stop().await;
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    #[test]
+    fn ledger_matches_the_reference_and_stays_balanced(
+        ops in proptest::collection::vec(op(), 1..40),
+        seeds in [0i64..300, 0i64..300, 0i64..300],
+    ) {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        runtime.block_on(run(ops, seeds))?;
+    }
+}
