@@ -50,14 +50,17 @@ struct Model {
     transactions: Vec<(String, usize, Decimal, bool, bool)>,
 }
 
+/// A running engine: the engine, its projector's shutdown switch and tasks.
+type Running = (
+    Arc<Engine>,
+    tokio::sync::watch::Sender<bool>,
+    Vec<tokio::task::JoinHandle<()>>,
+);
+
 struct Harness {
     dir: tempfile::TempDir,
     clock: Arc<ManualClock>,
-    engine: Option<(
-        Arc<Engine>,
-        tokio::sync::watch::Sender<bool>,
-        Vec<tokio::task::JoinHandle<()>>,
-    )>,
+    engine: Option<Running>,
 }
 
 impl Harness {

@@ -1,0 +1,208 @@
+//! Credits ledger benchmark (issue 4): debit transactions per second over HTTP
+//! against a running `tally serve` it starts itself, (a) spread over many accounts and
+//! (b) all on one hot account, with latency percentiles.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use rand::Rng;
+use serde_json::{json, Value};
+use tally_benches::percentile;
+
+#[derive(Parser, Debug)]
+struct Args {
+    #[arg(long, default_value = "target/release/tally")]
+    tally_bin: String,
+    #[arg(long, default_value_t = 10_000)]
+    accounts: usize,
+    #[arg(long, default_value_t = 64)]
+    connections: usize,
+    /// Seconds per scenario.
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+}
+
+async fn scenario(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    accounts: Arc<Vec<String>>,
+    connections: usize,
+    seconds: f64,
+    tag: &str,
+) -> (f64, Vec<Duration>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..connections {
+        let (http, base, key, accounts, stop, done) = (
+            http.clone(),
+            base.to_string(),
+            key.to_string(),
+            accounts.clone(),
+            stop.clone(),
+            done.clone(),
+        );
+        let tag = tag.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let account = accounts[rand::rng().random_range(0..accounts.len())].clone();
+                n += 1;
+                let t = Instant::now();
+                let r = http
+                    .post(format!(
+                        "{base}/v1/customer-credits/accounts/{account}/debit"
+                    ))
+                    .header("x-api-key", &key)
+                    .json(&json!({"amount": "1", "idempotency_key": format!("{tag}-{c}-{n}")}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    r.status().as_u16(),
+                    200,
+                    "{}",
+                    r.text().await.unwrap_or_default()
+                );
+                let _ = r.bytes().await;
+                latencies.push(t.elapsed());
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            latencies
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    latencies.sort();
+    (
+        done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64(),
+        latencies,
+    )
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let temp = tempfile::tempdir()?;
+    let mut child = Command::new(&args.tally_bin)
+        .args(["serve", "--data-dir"])
+        .arg(temp.path())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--test-listen",
+            "127.0.0.1:0",
+            "--rate-limit-per-second",
+            "100000000",
+            "--rate-limit-burst",
+            "100000000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let (mut base, mut key) = (String::new(), String::new());
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line?;
+        if let Some(rest) = line.trim().strip_prefix("test API:") {
+            base = rest.split_whitespace().next().unwrap_or("").to_string();
+        }
+        if let Some(rest) = line.trim().strip_prefix("test key:") {
+            key = rest.trim().to_string();
+        }
+        if line.starts_with("Try:") {
+            break;
+        }
+    }
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.connections + 8)
+        .build()?;
+    let customer: Value = http
+        .post(format!("{base}/v1/customers"))
+        .header("x-api-key", &key)
+        .json(&json!({"email": "bench@x.io"}))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let customer_id = customer["id"].as_str().unwrap().to_string();
+    eprintln!("creating {} accounts...", args.accounts);
+    let mut tasks = Vec::new();
+    for w in 0..32 {
+        let (http, base, key, customer_id, total) = (
+            http.clone(),
+            base.clone(),
+            key.clone(),
+            customer_id.clone(),
+            args.accounts,
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for i in (w..total).step_by(32) {
+                let v: Value = http
+                    .post(format!("{base}/v1/customer-credits/accounts"))
+                    .header("x-api-key", &key)
+                    .json(&json!({"customer_id": customer_id, "name": format!("acct-{i}"), "initial_balance": "1000000000"}))
+                    .send().await.unwrap().json().await.unwrap();
+                ids.push(v["id"].as_str().unwrap().to_string());
+            }
+            ids
+        }));
+    }
+    let mut accounts = Vec::new();
+    for t in tasks {
+        accounts.extend(t.await?);
+    }
+    let hot = Arc::new(vec![accounts[0].clone()]);
+    let spread = Arc::new(accounts);
+    let (spread_rate, spread_lat) = scenario(
+        &http,
+        &base,
+        &key,
+        spread,
+        args.connections,
+        args.seconds,
+        "spread",
+    )
+    .await;
+    let (hot_rate, hot_lat) = scenario(
+        &http,
+        &base,
+        &key,
+        hot,
+        args.connections,
+        args.seconds,
+        "hot",
+    )
+    .await;
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    println!(
+        "(a) spread over {} accounts: {spread_rate:.0} debits/s, p50 {:.2?}, p99 {:.2?}",
+        args.accounts,
+        percentile(&spread_lat, 50.0),
+        percentile(&spread_lat, 99.0)
+    );
+    println!(
+        "(b) one hot account:          {hot_rate:.0} debits/s, p50 {:.2?}, p99 {:.2?}",
+        percentile(&hot_lat, 50.0),
+        percentile(&hot_lat, 99.0)
+    );
+    println!(
+        "({} connections, {} s per scenario)",
+        args.connections, args.seconds
+    );
+    Ok(())
+}
