@@ -321,6 +321,53 @@ impl Engine {
         events
     }
 
+    /// A transaction of `kind` on `account_id` with the given entries, created now.
+    fn new_transaction(
+        &self,
+        scope: &Scope,
+        kind: TransactionKind,
+        account_id: &str,
+        amount: Decimal,
+        entries: Vec<tally_domain::ledger::Entry>,
+    ) -> Transaction {
+        Transaction {
+            id: new_id("ctx"),
+            store_id: scope.store_id.clone(),
+            mode: scope.mode,
+            kind,
+            account_id: account_id.to_string(),
+            amount,
+            entries,
+            idempotency_key: None,
+            description: None,
+            metadata: Default::default(),
+            reverses: None,
+            created_at_ms: self.now_ms(),
+        }
+    }
+
+    /// Appends a transaction on an account whose balance was `balance`, with the
+    /// webhook events it causes, and waits until it is applied.
+    async fn commit_movement(
+        &self,
+        account: &Account,
+        balance: Decimal,
+        tx: Transaction,
+    ) -> Result<TransactionView, EngineError> {
+        let delta = tx.delta_for(&account.id);
+        let events = self.movement_events(&tx, account, delta, balance + delta);
+        self.append_and_apply(&Record::CreditLedger {
+            account: None,
+            transaction: Some(tx.clone()),
+            events,
+        })
+        .await?;
+        Ok(TransactionView {
+            transaction: tx,
+            reversed_by: None,
+        })
+    }
+
     pub async fn create_account(
         &self,
         scope: &Scope,
@@ -381,20 +428,14 @@ impl Engine {
                 &mut || new_id("ce"),
             )
             .map_err(rejected)?;
-            let tx = Transaction {
-                id: new_id("ctx"),
-                store_id: scope.store_id.clone(),
-                mode: scope.mode,
-                kind: TransactionKind::InitialBalance,
-                account_id: account.id.clone(),
-                amount: initial,
+            let mut tx = self.new_transaction(
+                scope,
+                TransactionKind::InitialBalance,
+                &account.id,
+                initial,
                 entries,
-                idempotency_key: None,
-                description: Some("initial balance".into()),
-                metadata: Default::default(),
-                reverses: None,
-                created_at_ms: now,
-            };
+            );
+            tx.description = Some("initial balance".into());
             events = self.movement_events(&tx, &account, initial, initial);
             Some(tx)
         } else {
@@ -516,20 +557,9 @@ impl Engine {
                 &mut || new_id("ce"),
             )
             .map_err(rejected)?;
-            Some(Transaction {
-                id: new_id("ctx"),
-                store_id: scope.store_id.clone(),
-                mode: scope.mode,
-                kind: TransactionKind::Close,
-                account_id: id.to_string(),
-                amount: balance,
-                entries,
-                idempotency_key: None,
-                description: Some("account closed: remaining balance forfeited".into()),
-                metadata: Default::default(),
-                reverses: None,
-                created_at_ms: now,
-            })
+            let mut tx = self.new_transaction(scope, TransactionKind::Close, id, balance, entries);
+            tx.description = Some("account closed: remaining balance forfeited".into());
+            Some(tx)
         } else {
             None
         };
@@ -632,32 +662,11 @@ impl Engine {
             &mut || new_id("ce"),
         )
         .map_err(rejected)?;
-        let tx = Transaction {
-            id: new_id("ctx"),
-            store_id: scope.store_id.clone(),
-            mode: scope.mode,
-            kind,
-            account_id: account_id.to_string(),
-            amount,
-            entries,
-            idempotency_key: Some(idempotency_key),
-            description: input.description.clone(),
-            metadata: input.metadata.clone(),
-            reverses: None,
-            created_at_ms: self.now_ms(),
-        };
-        let delta = tx.delta_for(account_id);
-        let events = self.movement_events(&tx, &account, delta, balance + delta);
-        self.append_and_apply(&Record::CreditLedger {
-            account: None,
-            transaction: Some(tx.clone()),
-            events,
-        })
-        .await?;
-        Ok(TransactionView {
-            transaction: tx,
-            reversed_by: None,
-        })
+        let mut tx = self.new_transaction(scope, kind, account_id, amount, entries);
+        tx.idempotency_key = Some(idempotency_key);
+        tx.description = input.description.clone();
+        tx.metadata = input.metadata.clone();
+        self.commit_movement(&account, balance, tx).await
     }
 
     /// A new transaction mirroring the original's entries; at most once.
@@ -681,32 +690,16 @@ impl Engine {
             &mut || new_id("ce"),
         )
         .map_err(rejected)?;
-        let tx = Transaction {
-            id: new_id("ctx"),
-            store_id: scope.store_id.clone(),
-            mode: scope.mode,
-            kind: TransactionKind::Reversal,
-            account_id: account_id.clone(),
-            amount: original.transaction.amount,
+        let mut tx = self.new_transaction(
+            scope,
+            TransactionKind::Reversal,
+            &account_id,
+            original.transaction.amount,
             entries,
-            idempotency_key: None,
-            description: Some(format!("reversal of {id}")),
-            metadata: Default::default(),
-            reverses: Some(id.to_string()),
-            created_at_ms: self.now_ms(),
-        };
-        let delta = tx.delta_for(&account_id);
-        let events = self.movement_events(&tx, &account, delta, balance + delta);
-        self.append_and_apply(&Record::CreditLedger {
-            account: None,
-            transaction: Some(tx.clone()),
-            events,
-        })
-        .await?;
-        Ok(TransactionView {
-            transaction: tx,
-            reversed_by: None,
-        })
+        );
+        tx.description = Some(format!("reversal of {id}"));
+        tx.reverses = Some(id.to_string());
+        self.commit_movement(&account, balance, tx).await
     }
 
     pub fn list_entries(
