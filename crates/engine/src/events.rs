@@ -27,8 +27,12 @@ use crate::error::EngineError;
 use crate::ids::new_id;
 use crate::keys::{self, Key};
 use crate::pagination::{paginate, Page, PageRequest};
-use crate::projector::inflight_key;
+use crate::projector::{customer_cache_key, inflight_key};
 use crate::{Engine, Scope};
+
+/// Customer ids and external ids cached for ingest before the cache is emptied
+/// (bounds memory; a miss costs one projection read).
+pub const MAX_CACHED_CUSTOMERS: usize = 1_000_000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Warning {
@@ -119,14 +123,51 @@ impl Engine {
             .collect()
     }
 
+    /// Resolves a customer reference through the caches (see `Caches`), falling back
+    /// to the projection.
     fn resolve_customer(
         &self,
         scope: &Scope,
         customer: &CustomerRef,
     ) -> Result<Option<String>, EngineError> {
+        let caches = self.caches();
+        if caches.known_customers.len() + caches.external_ids.len() > MAX_CACHED_CUSTOMERS {
+            caches.known_customers.clear();
+            caches.external_ids.clear();
+        }
         match customer {
-            CustomerRef::Id(id) => Ok(self.customer_exists(scope, id)?.then(|| id.clone())),
-            CustomerRef::External(external) => self.customer_id_by_external(scope, external),
+            CustomerRef::Id(id) => {
+                let key = customer_cache_key(&scope.store_id, scope.mode, id);
+                if caches.known_customers.contains_key(&key) {
+                    return Ok(Some(id.clone()));
+                }
+                let exists = self.customer_exists(scope, id)?;
+                if exists {
+                    caches.known_customers.insert(key, ());
+                }
+                Ok(exists.then(|| id.clone()))
+            }
+            CustomerRef::External(external) => {
+                let key = customer_cache_key(&scope.store_id, scope.mode, external);
+                if let Some(id) = caches.external_ids.get(&key) {
+                    return Ok(Some(id.clone()));
+                }
+                let before = *caches
+                    .customer_generation
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner());
+                let found = self.customer_id_by_external(scope, external)?;
+                if let Some(id) = &found {
+                    let generation = caches
+                        .customer_generation
+                        .read()
+                        .unwrap_or_else(|p| p.into_inner());
+                    if *generation == before {
+                        caches.external_ids.insert(key, id.clone());
+                    }
+                }
+                Ok(found)
+            }
         }
     }
 

@@ -49,7 +49,7 @@ pub use metrics::Metrics;
 pub const APPLY_CHUNK_MAX_RECORDS: usize = 32;
 /// Accepted events not yet applied by the projector. Beyond this, ingest waits for
 /// the projector (backpressure), so memory and catch-up time stay bounded.
-pub const MAX_UNAPPLIED_EVENTS: usize = 100_000;
+pub const MAX_UNAPPLIED_EVENTS: usize = 20_000;
 /// How long ingest waits for projector headroom before answering 503.
 pub const BACKPRESSURE_WAIT_MS: u64 = 30_000;
 /// How long a write waits for its record to be applied before answering 503.
@@ -75,6 +75,16 @@ pub struct Caches {
     pub api_keys: DashMap<Vec<u8>, Scope>,
     /// Every meter of a scope (archived too), for matching at ingest.
     pub meters: DashMap<Scope, Arc<Vec<Meter>>>,
+    /// Customer ids known to exist (`scope key + id`). Customers are never deleted,
+    /// so an entry never goes stale.
+    pub known_customers: DashMap<String, ()>,
+    /// `scope key + external id` -> customer id. Filled by the gateway only when no
+    /// customer changed while it looked the id up (see `customer_generation`).
+    pub external_ids: DashMap<String, String>,
+    /// Bumped (under its write lock) by the projector after it removed the mappings
+    /// a customer update made stale; the gateway checks and inserts under the read
+    /// lock, so a lookup that raced an update is never cached.
+    pub customer_generation: std::sync::RwLock<u64>,
     /// Event ids appended but not yet applied, with a fingerprint of the payload.
     /// Together with the stored-event table this makes dedup exact under concurrent
     /// requests: a reservation is made atomically before the append and removed only
@@ -91,6 +101,11 @@ pub struct Engine {
     control_locks: DashMap<Scope, Arc<tokio::sync::Mutex<()>>>,
     /// Serializes each credits account's balance check, append and apply.
     account_locks: DashMap<String, Arc<tokio::sync::Mutex<()>>>,
+    /// One chunk is applied at a time, whatever its partition: chunks of different
+    /// partitions read-modify-write shared keys (all-customers buckets, system
+    /// balances, the dedup entry of an id sent for two customers), so concurrent
+    /// application would lose updates. Also guards `bucket_cache`.
+    apply_lock: Arc<std::sync::Mutex<projector::BucketCache>>,
     ready: AtomicBool,
     failed: AtomicBool,
     startup_end: Vec<u64>,
@@ -128,6 +143,7 @@ impl Engine {
             applied,
             control_locks: DashMap::new(),
             account_locks: DashMap::new(),
+            apply_lock: Arc::new(std::sync::Mutex::new(projector::BucketCache::default())),
             ready: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             startup_end,
@@ -351,8 +367,13 @@ impl Engine {
                 let mut entries = entries;
                 loop {
                     let store = self.store.clone();
+                    let apply_lock = self.apply_lock.clone();
                     let result = tokio::task::spawn_blocking(move || {
-                        let outcome = projector::apply_chunk(store.as_ref(), &entries);
+                        let mut cache = apply_lock
+                            .lock()
+                            .unwrap_or_else(|poisoned| poisoned.into_inner());
+                        let outcome =
+                            projector::apply_chunk_cached(store.as_ref(), &entries, &mut cache);
                         (entries, outcome)
                     })
                     .await;
@@ -436,6 +457,17 @@ impl Engine {
         }
         for key in applied.event_keys {
             self.caches.inflight_events.remove(&key);
+        }
+        if applied.customers_changed {
+            let mut generation = self
+                .caches
+                .customer_generation
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            for key in &applied.stale_external_ids {
+                self.caches.external_ids.remove(key);
+            }
+            *generation += 1;
         }
     }
 

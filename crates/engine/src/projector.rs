@@ -29,12 +29,26 @@ pub struct Overlay<'a> {
     /// Decoded buckets of this chunk; encoded once at the end (a hot bucket is
     /// touched by many events of one chunk).
     aggregates: HashMap<Vec<u8>, Aggregate>,
+    cache: Option<&'a BucketCache>,
 }
+
+/// Usage buckets as last committed, kept by the projector so a bucket touched again
+/// in a later chunk is not read back from the store. The projector is the only writer
+/// of buckets and updates this only after a successful commit, so it never holds a
+/// value the store does not.
+#[derive(Debug, Default)]
+pub struct BucketCache {
+    buckets: HashMap<Vec<u8>, Aggregate>,
+}
+
+/// Buckets kept in the cache before it is emptied (bounds memory: ~150 B each).
+pub const MAX_CACHED_BUCKETS: usize = 200_000;
 
 impl<'a> Overlay<'a> {
     pub fn new(store: &'a dyn ProjectionStore) -> Self {
         Overlay {
             store,
+            cache: None,
             changes: BTreeMap::new(),
             aggregates: HashMap::new(),
         }
@@ -61,21 +75,27 @@ impl<'a> Overlay<'a> {
 
     fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
         if !self.aggregates.contains_key(&key) {
-            let current = match self.store.get(&key)? {
-                Some(bytes) => codec::decode_aggregate(&bytes)?,
-                None => Aggregate::default(),
+            let cached = self.cache.and_then(|c| c.buckets.get(&key)).cloned();
+            let current = match cached {
+                Some(aggregate) => aggregate,
+                None => match self.store.get(&key)? {
+                    Some(bytes) => codec::decode_aggregate(&bytes)?,
+                    None => Aggregate::default(),
+                },
             };
             self.aggregates.insert(key.clone(), current);
         }
         Ok(self.aggregates.get_mut(&key).expect("inserted"))
     }
 
-    pub fn into_changes(mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
-        for (key, aggregate) in self.aggregates.drain() {
-            self.changes
-                .insert(key, Some(codec::encode_aggregate(&aggregate)));
+    /// The batch to commit, and the buckets it writes (for the cache).
+    #[allow(clippy::type_complexity)]
+    pub fn into_changes(self) -> (Vec<(Vec<u8>, Option<Vec<u8>>)>, HashMap<Vec<u8>, Aggregate>) {
+        let mut changes = self.changes;
+        for (key, aggregate) in &self.aggregates {
+            changes.insert(key.clone(), Some(codec::encode_aggregate(aggregate)));
         }
-        self.changes.into_iter().collect()
+        (changes.into_iter().collect(), self.aggregates)
     }
 }
 
@@ -86,6 +106,15 @@ pub struct Applied {
     pub meters: Vec<Meter>,
     /// In-flight dedup reservations that this chunk made durable.
     pub event_keys: Vec<String>,
+    /// A customer was created or updated.
+    pub customers_changed: bool,
+    /// Cache keys (`customer_cache_key`) of external ids a customer update released.
+    pub stale_external_ids: Vec<String>,
+}
+
+/// The cache key of a customer id or external id within a scope.
+pub fn customer_cache_key(store_id: &str, mode: Mode, id: &str) -> String {
+    format!("{store_id}\u{0}{}\u{0}{id}", mode.key_byte() as char)
 }
 
 /// The in-flight key of an event id (see `Caches::inflight_events`).
@@ -98,7 +127,17 @@ pub fn apply_chunk(
     store: &dyn ProjectionStore,
     entries: &[LogEntry],
 ) -> Result<Applied, EngineError> {
+    apply_chunk_cached(store, entries, &mut BucketCache::default())
+}
+
+/// `apply_chunk` reading buckets through `cache`, which it updates after the commit.
+pub fn apply_chunk_cached(
+    store: &dyn ProjectionStore,
+    entries: &[LogEntry],
+    cache: &mut BucketCache,
+) -> Result<Applied, EngineError> {
     let mut overlay = Overlay::new(store);
+    overlay.cache = Some(cache);
     let mut applied = Applied::default();
     let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
     for entry in entries {
@@ -110,7 +149,12 @@ pub fn apply_chunk(
         positions.insert(entry.partition, entry.next_offset);
     }
     let positions: Vec<(u32, u64)> = positions.into_iter().collect();
-    store.apply(overlay.into_changes(), &positions)?;
+    let (changes, buckets) = overlay.into_changes();
+    store.apply(changes, &positions)?;
+    if cache.buckets.len() + buckets.len() > MAX_CACHED_BUCKETS {
+        cache.buckets.clear();
+    }
+    cache.buckets.extend(buckets);
     Ok(applied)
 }
 
@@ -161,10 +205,16 @@ fn apply_record(
                     if let Some(old_external) = &old.external_id {
                         if customer.external_id.as_ref() != Some(old_external) {
                             overlay.delete(external_key(old_external));
+                            applied.stale_external_ids.push(customer_cache_key(
+                                &customer.store_id,
+                                customer.mode,
+                                old_external,
+                            ));
                         }
                     }
                 }
             }
+            applied.customers_changed = true;
             if let Some(external) = &customer.external_id {
                 overlay.put(external_key(external), customer.id.as_bytes().to_vec());
             }

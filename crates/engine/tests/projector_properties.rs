@@ -15,7 +15,7 @@ use tally_domain::record::Record;
 use tally_domain::time::Window;
 use tally_domain::usage::{PropertyValue, UsageEvent};
 use tally_domain::Mode;
-use tally_engine::projector::apply_chunk;
+use tally_engine::projector::{apply_chunk, apply_chunk_cached, BucketCache};
 use tally_engine::usage::UsageQuery;
 use tally_log::LogEntry;
 use tally_projection::{MemoryStore, ProjectionStore};
@@ -154,11 +154,16 @@ fn apply_in_chunks(entries: &[LogEntry], cuts: &[usize]) -> Arc<MemoryStore> {
     cut_points.push(entries.len());
     cut_points.sort_unstable();
     cut_points.dedup();
-    for window in cut_points.windows(2) {
+    // The live projector keeps a bucket cache across chunks; a restart loses it.
+    let mut cache = BucketCache::default();
+    for (i, window) in cut_points.windows(2).enumerate() {
         // A restart: resume from the stored position, as the projector does.
         let resume = store.position(0).unwrap() as usize;
         assert_eq!(resume, window[0]);
-        apply_chunk(store.as_ref(), &entries[window[0]..window[1]]).unwrap();
+        if i % 2 == 1 {
+            cache = BucketCache::default();
+        }
+        apply_chunk_cached(store.as_ref(), &entries[window[0]..window[1]], &mut cache).unwrap();
     }
     store
 }
@@ -182,7 +187,8 @@ proptest! {
     ) {
         let entries = log_entries(&batches);
         let chunked = apply_in_chunks(&entries, &cuts);
-        let whole = apply_in_chunks(&entries, &[]);
+        let whole = Arc::new(MemoryStore::new());
+        apply_chunk(whole.as_ref(), &entries).unwrap();
         prop_assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
 
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

@@ -759,3 +759,32 @@ async fn cursor_pagination_edges() {
     );
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_external_id_is_never_resolved_from_a_stale_cache() {
+    let (_g, server, api) = setup().await;
+    let id = customer(&api, "before").await;
+    let event = |external: &str, event_id: &str| json!({"events": [{"name": "e", "external_customer_id": external, "event_id": event_id}]});
+    let first = api.post("/v1/events/ingest", event("before", "x1")).await;
+    assert_eq!(first.status, 202, "{}", first.body);
+    assert_eq!(first.body["events"][0]["customer_id"], id);
+    let updated = api
+        .post(
+            &format!("/v1/customers/{id}"),
+            json!({"external_id": "after"}),
+        )
+        .await;
+    assert_eq!(updated.status, 200);
+    let stale = api.post("/v1/events/ingest", event("before", "x2")).await;
+    assert_eq!(
+        assert_error(&stale, 400, "invalid_request_error")["param"],
+        "events[0].external_customer_id"
+    );
+    let fresh = api.post("/v1/events/ingest", event("after", "x3")).await;
+    assert_eq!(fresh.body["events"][0]["customer_id"], id);
+    // The released id can now name another customer.
+    let other = customer(&api, "before").await;
+    let reused = api.post("/v1/events/ingest", event("before", "x4")).await;
+    assert_eq!(reused.body["events"][0]["customer_id"], other);
+    server.stop().await;
+}
