@@ -24,6 +24,11 @@ pub fn tally() -> Command {
 
 /// Starts `tally serve` on free loopback ports and waits for its banner.
 pub fn serve(data_dir: &Path) -> Served {
+    serve_with(data_dir, &[])
+}
+
+/// `serve` with extra flags (e.g. the Kafka log).
+pub fn serve_with(data_dir: &Path, extra: &[&str]) -> Served {
     let mut child = tally()
         .args(["serve", "--data-dir"])
         .arg(data_dir)
@@ -37,6 +42,7 @@ pub fn serve(data_dir: &Path) -> Served {
             "--rate-limit-burst",
             "1000000",
         ])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
