@@ -185,6 +185,10 @@ struct ServeArgs {
     /// Admin API token; enables POST /admin/v1/stores on the production listener.
     #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+    /// Let production webhook endpoints target loopback, private and link-local
+    /// addresses (refused by default, also after DNS resolution: SSRF protection).
+    #[arg(long, env = "TALLY_ALLOW_PRIVATE_WEBHOOKS")]
+    allow_private_webhooks: bool,
     /// Do not create the `default` store on a first start (for additional nodes of a
     /// Kafka deployment; create stores with `tally store create`).
     #[arg(long, env = "TALLY_NO_DEFAULT_STORE")]
@@ -283,6 +287,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             admin_token: args.admin_token.clone().filter(|t| !t.is_empty()),
             rate_limit_per_second: args.rate_limit_per_second,
             rate_limit_burst: args.rate_limit_burst,
+            allow_private_webhooks: args.allow_private_webhooks,
         },
     );
     let server = tokio::spawn(tally_http::serve(

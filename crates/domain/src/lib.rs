@@ -15,6 +15,7 @@ pub mod mode;
 pub mod record;
 pub mod time;
 pub mod usage;
+pub mod webhook;
 
 pub use error::FieldError;
 pub use mode::Mode;

@@ -33,12 +33,36 @@ pub enum Record {
         meter_id: String,
         start_ms: i64,
     },
+    WebhookEndpointUpserted(crate::webhook::WebhookEndpoint),
+    WebhookEndpointDeleted {
+        store_id: String,
+        mode: Mode,
+        endpoint_id: String,
+    },
+    WebhookAttempt(WebhookAttempt),
     /// One atomic ledger step (see `tally.v1.CreditLedger`).
     CreditLedger {
         account: Option<Account>,
         transaction: Option<Transaction>,
         events: Vec<LedgerEvent>,
     },
+}
+
+/// The outcome of one delivery attempt (see `tally.v1.WebhookAttempt`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WebhookAttempt {
+    pub store_id: String,
+    pub mode: Mode,
+    pub endpoint_id: String,
+    pub event_id: String,
+    pub attempt: u32,
+    pub at_ms: i64,
+    pub status_code: u16,
+    pub latency_ms: u64,
+    pub error: String,
+    pub delivered: bool,
+    pub next_attempt_at_ms: Option<i64>,
+    pub manual: bool,
 }
 
 /// A webhook event the ledger emits; delivered by the webhook dispatcher.
@@ -61,19 +85,22 @@ impl Record {
             Record::CustomerUpserted(c) => c.store_id.as_bytes().to_vec(),
             Record::MeterUpserted(m) => m.store_id.as_bytes().to_vec(),
             Record::MeterBackfill { store_id, .. } => store_id.as_bytes().to_vec(),
+            // Ledger steps go with their store's control records, so the endpoints
+            // subscribed when an event happens are decided in one log order.
             Record::CreditLedger {
                 account,
                 transaction,
                 ..
-            } => {
-                // One account's steps stay in one partition, in order.
-                let account_id = account
-                    .as_ref()
-                    .map(|a| a.id.as_str())
-                    .or(transaction.as_ref().map(|t| t.account_id.as_str()))
-                    .unwrap_or("");
-                account_id.as_bytes().to_vec()
-            }
+            } => account
+                .as_ref()
+                .map(|a| a.store_id.as_str())
+                .or(transaction.as_ref().map(|t| t.store_id.as_str()))
+                .unwrap_or("")
+                .as_bytes()
+                .to_vec(),
+            Record::WebhookEndpointUpserted(e) => e.store_id.as_bytes().to_vec(),
+            Record::WebhookEndpointDeleted { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::WebhookAttempt(a) => a.store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

@@ -29,6 +29,11 @@
 //! | `h` | store, mode, account_id, created_at, seq | balance after (16 bytes) |
 //! | `q` | store, mode, account_id | next entry seq (u64) |
 //! | `W` | store, mode, created_at, event_id | LedgerEvent (proto), for webhooks |
+//! | `w` | store, mode, endpoint_id | WebhookEndpoint (proto) |
+//! | `D` | store, mode, endpoint_id, event_id | WebhookDelivery (proto) |
+//! | `Q` | due_at, store, mode, endpoint_id, event_id | (empty) http deliveries due |
+//! | `P` | store, mode, endpoint_id, created_at, event_id | (empty) cli feed, oldest first |
+//! | `Y` | store, mode, endpoint_id, at, event_id, attempt | WebhookAttempt (proto) |
 
 use tally_domain::Mode;
 
@@ -58,6 +63,11 @@ pub const CREDIT_ENTRY_ID: u8 = b'j';
 pub const CREDIT_BALANCE_HISTORY: u8 = b'h';
 pub const CREDIT_ENTRY_SEQ: u8 = b'q';
 pub const WEBHOOK_EVENT: u8 = b'W';
+pub const WEBHOOK_ENDPOINT: u8 = b'w';
+pub const WEBHOOK_DELIVERY: u8 = b'D';
+pub const WEBHOOK_DUE: u8 = b'Q';
+pub const WEBHOOK_PENDING: u8 = b'P';
+pub const WEBHOOK_ATTEMPT: u8 = b'Y';
 
 /// The customer component of meter-wide (all customers) usage rows.
 pub const ALL_CUSTOMERS: &str = "";

@@ -38,6 +38,7 @@ pub mod pagination;
 pub mod projector;
 pub mod stores;
 pub mod usage;
+pub mod webhooks;
 
 pub use error::EngineError;
 pub use metrics::Metrics;

@@ -61,6 +61,25 @@ impl<'a> Overlay<'a> {
         }
     }
 
+    /// Every entry under `prefix`: the store's, with this chunk's writes on top.
+    pub fn prefix_entries(&self, prefix: &[u8]) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
+        let mut entries = BTreeMap::new();
+        scan_prefix(self.store, prefix, false, &mut |k, v| {
+            entries.insert(k.to_vec(), v.to_vec());
+            Visit::Continue
+        })?;
+        for (key, value) in self.changes.range(prefix.to_vec()..) {
+            if !key.starts_with(prefix) {
+                break;
+            }
+            match value {
+                Some(v) => entries.insert(key.clone(), v.clone()),
+                None => entries.remove(key),
+            };
+        }
+        Ok(entries)
+    }
+
     pub fn contains(&self, key: &[u8]) -> Result<bool, EngineError> {
         Ok(self.get(key)?.is_some())
     }
@@ -293,12 +312,28 @@ fn apply_record(
             account,
             transaction,
             events,
-        } => crate::ledger::apply_ledger_step(
-            overlay,
-            account.as_ref(),
-            transaction.as_ref(),
-            events,
-        )?,
+        } => {
+            crate::ledger::apply_ledger_step(
+                overlay,
+                account.as_ref(),
+                transaction.as_ref(),
+                events,
+            )?;
+            crate::webhooks::schedule_deliveries(overlay, events)?;
+        }
+        Record::WebhookEndpointUpserted(endpoint) => {
+            crate::webhooks::apply_endpoint(overlay, endpoint)
+        }
+        Record::WebhookEndpointDeleted {
+            store_id,
+            mode,
+            endpoint_id,
+        } => overlay.delete(
+            Key::scoped(keys::WEBHOOK_ENDPOINT, store_id, *mode)
+                .text(endpoint_id)
+                .into_bytes(),
+        ),
+        Record::WebhookAttempt(attempt) => crate::webhooks::apply_attempt(overlay, attempt)?,
         Record::MeterBackfill {
             store_id,
             mode,

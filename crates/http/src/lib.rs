@@ -21,6 +21,7 @@ pub mod error;
 pub mod extract;
 pub mod middleware;
 pub mod routes;
+pub mod webhooks;
 pub mod wire;
 
 use error::ApiError;
@@ -35,6 +36,8 @@ pub struct HttpConfig {
     pub admin_token: Option<String>,
     pub rate_limit_per_second: u32,
     pub rate_limit_burst: u32,
+    /// `--allow-private-webhooks`: production endpoints may target private addresses.
+    pub allow_private_webhooks: bool,
 }
 
 #[derive(Clone)]
@@ -45,6 +48,7 @@ pub struct AppState {
     pub config: Arc<HttpConfig>,
     pub limiter: Arc<RateLimiter>,
     pub idempotency_inflight: InflightIdempotency,
+    pub dispatcher: Arc<webhooks::Dispatcher>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -73,6 +77,7 @@ async fn method_not_allowed() -> impl IntoResponse {
 
 /// The router of one listener.
 pub fn router(state: AppState) -> Router {
+    use routes::webhooks as webhook_routes;
     use routes::{credits, customers, events, meters};
     let v1 = Router::new()
         .route(
@@ -135,6 +140,37 @@ pub fn router(state: AppState) -> Router {
             "/v1/customer-credits/transactions/{id}/reverse",
             post(credits::reverse),
         )
+        .route(
+            "/v1/webhooks",
+            get(webhook_routes::list).post(webhook_routes::create),
+        )
+        .route(
+            "/v1/webhooks/{id}",
+            get(webhook_routes::get)
+                .post(webhook_routes::update)
+                .delete(webhook_routes::delete),
+        )
+        .route("/v1/webhooks/{id}/secret", get(webhook_routes::secret))
+        .route(
+            "/v1/webhooks/{id}/secret/rotate",
+            post(webhook_routes::rotate),
+        )
+        .route(
+            "/v1/webhooks/{id}/deliveries",
+            get(webhook_routes::deliveries),
+        )
+        .route(
+            "/v1/webhooks/{id}/events/pending",
+            get(webhook_routes::pending),
+        )
+        .route(
+            "/v1/webhooks/{id}/events/{event_id}/resend",
+            post(webhook_routes::resend),
+        )
+        .route(
+            "/v1/webhooks/{id}/events/{event_id}/ack",
+            post(webhook_routes::ack),
+        )
         .method_not_allowed_fallback(method_not_allowed)
         // Layers run bottom-up: authenticate, then rate limit, then idempotency.
         .layer(from_fn_with_state(state.clone(), middleware::idempotency))
@@ -165,7 +201,9 @@ pub fn states(engine: Arc<Engine>, config: HttpConfig) -> (AppState, AppState) {
         config.rate_limit_burst,
     ));
     let inflight: InflightIdempotency = Arc::new(DashMap::new());
+    let dispatcher = webhooks::Dispatcher::new(engine.clone(), config.allow_private_webhooks);
     let make = |mode| AppState {
+        dispatcher: dispatcher.clone(),
         engine: engine.clone(),
         mode,
         config: config.clone(),
@@ -203,6 +241,7 @@ pub async fn serve(
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let (prod_listener, prod_state) = prod;
+    let dispatcher = tokio::spawn(prod_state.dispatcher.clone().run(shutdown.clone()));
     let (test_listener, test_state) = test;
     let prod_server = axum::serve(
         prod_listener,
@@ -216,6 +255,7 @@ pub async fn serve(
     .with_graceful_shutdown(wait(shutdown.clone()));
     let (a, b) = tokio::join!(prod_server, test_server);
     sweeper.abort();
+    let _ = dispatcher.await;
     a?;
     b?;
     Ok(())

@@ -9,8 +9,9 @@ use tally_domain::ledger::{Account, AccountStatus, Entry, Transaction, Transacti
 use tally_domain::meter::{
     Aggregation, Conjunction, FilterClause, FilterValue, Meter, MeterFilter, MeterStatus, Operator,
 };
-use tally_domain::record::LedgerEvent;
+use tally_domain::record::{LedgerEvent, WebhookAttempt};
 use tally_domain::usage::{canonical_decimal, parse_decimal, PropertyValue, UsageEvent};
+use tally_domain::webhook::{DeliveryMode, WebhookEndpoint};
 use tally_domain::Mode;
 
 use crate::v1;
@@ -370,6 +371,78 @@ pub fn ledger_event_from_proto(e: v1::LedgerEvent) -> Result<LedgerEvent, Decode
     })
 }
 
+pub fn endpoint_to_proto(e: &WebhookEndpoint) -> v1::WebhookEndpoint {
+    v1::WebhookEndpoint {
+        id: e.id.clone(),
+        store_id: e.store_id.clone(),
+        mode: mode_to_proto(e.mode),
+        name: e.name.clone(),
+        url: e.url.clone(),
+        delivery_mode: e.delivery_mode.as_str().to_string(),
+        enabled: e.enabled,
+        events: e.events.clone(),
+        secret: e.secret.clone(),
+        previous_secret: e.previous_secret.clone(),
+        previous_secret_expires_at_ms: e.previous_secret_expires_at_ms,
+        created_at_ms: e.created_at_ms,
+        updated_at_ms: e.updated_at_ms,
+    }
+}
+
+pub fn endpoint_from_proto(e: v1::WebhookEndpoint) -> Result<WebhookEndpoint, DecodeError> {
+    Ok(WebhookEndpoint {
+        mode: mode_from_proto(e.mode)?,
+        delivery_mode: DeliveryMode::parse(&e.delivery_mode)
+            .ok_or(DecodeError::BadField("delivery_mode"))?,
+        id: e.id,
+        store_id: e.store_id,
+        name: e.name,
+        url: e.url,
+        enabled: e.enabled,
+        events: e.events,
+        secret: e.secret,
+        previous_secret: e.previous_secret,
+        previous_secret_expires_at_ms: e.previous_secret_expires_at_ms,
+        created_at_ms: e.created_at_ms,
+        updated_at_ms: e.updated_at_ms,
+    })
+}
+
+pub fn attempt_to_proto(a: &WebhookAttempt) -> v1::WebhookAttempt {
+    v1::WebhookAttempt {
+        store_id: a.store_id.clone(),
+        mode: mode_to_proto(a.mode),
+        endpoint_id: a.endpoint_id.clone(),
+        event_id: a.event_id.clone(),
+        attempt: a.attempt,
+        at_ms: a.at_ms,
+        status_code: a.status_code as u32,
+        latency_ms: a.latency_ms,
+        error: a.error.clone(),
+        delivered: a.delivered,
+        next_attempt_at_ms: a.next_attempt_at_ms,
+        manual: a.manual,
+    }
+}
+
+pub fn attempt_from_proto(a: v1::WebhookAttempt) -> Result<WebhookAttempt, DecodeError> {
+    Ok(WebhookAttempt {
+        mode: mode_from_proto(a.mode)?,
+        store_id: a.store_id,
+        endpoint_id: a.endpoint_id,
+        event_id: a.event_id,
+        attempt: a.attempt,
+        at_ms: a.at_ms,
+        status_code: u16::try_from(a.status_code)
+            .map_err(|_| DecodeError::BadField("status_code"))?,
+        latency_ms: a.latency_ms,
+        error: a.error,
+        delivered: a.delivered,
+        next_attempt_at_ms: a.next_attempt_at_ms,
+        manual: a.manual,
+    })
+}
+
 /// Encodes a record for the log.
 pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64) -> Vec<u8> {
     use prost::Message;
@@ -409,6 +482,21 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
             meter_id: meter_id.clone(),
             start_ms: *start_ms,
         }),
+        Record::WebhookEndpointUpserted(e) => {
+            Kind::WebhookEndpointUpserted(v1::WebhookEndpointUpserted {
+                endpoint: Some(endpoint_to_proto(e)),
+            })
+        }
+        Record::WebhookEndpointDeleted {
+            store_id,
+            mode,
+            endpoint_id,
+        } => Kind::WebhookEndpointDeleted(v1::WebhookEndpointDeleted {
+            store_id: store_id.clone(),
+            mode: mode_to_proto(*mode),
+            endpoint_id: endpoint_id.clone(),
+        }),
+        Record::WebhookAttempt(a) => Kind::WebhookAttempt(attempt_to_proto(a)),
         Record::CreditLedger {
             account,
             transaction,
@@ -461,6 +549,15 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
             meter_id: b.meter_id,
             start_ms: b.start_ms,
         },
+        Kind::WebhookEndpointUpserted(e) => Record::WebhookEndpointUpserted(endpoint_from_proto(
+            e.endpoint.ok_or(DecodeError::BadField("endpoint"))?,
+        )?),
+        Kind::WebhookEndpointDeleted(d) => Record::WebhookEndpointDeleted {
+            store_id: d.store_id,
+            mode: mode_from_proto(d.mode)?,
+            endpoint_id: d.endpoint_id,
+        },
+        Kind::WebhookAttempt(a) => Record::WebhookAttempt(attempt_from_proto(a)?),
         Kind::CreditLedger(l) => Record::CreditLedger {
             account: l.account.map(account_from_proto).transpose()?,
             transaction: l.transaction.map(transaction_from_proto).transpose()?,

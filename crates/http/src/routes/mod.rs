@@ -6,3 +6,4 @@ pub mod customers;
 pub mod events;
 pub mod health;
 pub mod meters;
+pub mod webhooks;

@@ -37,6 +37,7 @@ pub fn default_config() -> HttpConfig {
         admin_token: Some("admin-secret".into()),
         rate_limit_per_second: 100_000,
         rate_limit_burst: 100_000,
+        allow_private_webhooks: false,
     }
 }
 

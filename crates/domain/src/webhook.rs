@@ -1,0 +1,369 @@
+//! Webhooks: endpoint rules, event types, the signature scheme and the retry
+//! schedule (spec parts 2.8 and 6, decisions.md "Webhooks"). Pure: DNS resolution and
+//! HTTP happen at the edge; they call [`is_forbidden_ip`] on what they resolve.
+
+use std::net::IpAddr;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::error::FieldError;
+use crate::mode::Mode;
+
+/// Every event type an endpoint may subscribe to (spec part 6).
+pub const EVENT_TYPES: [&str; 17] = [
+    "checkout.completed",
+    "refund.created",
+    "dispute.created",
+    "subscription.active",
+    "subscription.trialing",
+    "subscription.canceled",
+    "subscription.scheduled_cancel",
+    "subscription.paid",
+    "subscription.expired",
+    "subscription.unpaid",
+    "subscription.update",
+    "subscription.past_due",
+    "subscription.paused",
+    "customer_credits.exhausted",
+    "credits.granted",
+    "credits.consumed",
+    "credits.auto_recharged",
+];
+
+/// Retries after the first attempt (spec part 6): 5 attempts in all.
+pub const RETRY_OFFSETS_MS: [i64; 4] = [30_000, 5 * 60_000, 30 * 60_000, 6 * 3_600_000];
+/// No attempt is made later than this after the first one.
+pub const GIVE_UP_AFTER_MS: i64 = 24 * 3_600_000;
+/// An old secret keeps signing deliveries this long after a rotation.
+pub const ROTATED_SECRET_GRACE_MS: i64 = 24 * 3_600_000;
+/// Receivers should reject signatures older than this (decisions.md).
+pub const SIGNATURE_TOLERANCE_S: i64 = 5 * 60;
+pub const MAX_URL_CHARS: usize = 2048;
+pub const MAX_ENDPOINT_NAME_CHARS: usize = 255;
+/// Placeholder URL of `cli` endpoints (never called).
+pub const CLI_PLACEHOLDER_URL: &str = "cli://tally-listen";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryMode {
+    Http,
+    Cli,
+}
+
+impl DeliveryMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeliveryMode::Http => "http",
+            DeliveryMode::Cli => "cli",
+        }
+    }
+    pub fn parse(text: &str) -> Option<DeliveryMode> {
+        match text {
+            "http" => Some(DeliveryMode::Http),
+            "cli" => Some(DeliveryMode::Cli),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct WebhookEndpoint {
+    pub id: String,
+    pub store_id: String,
+    pub mode: Mode,
+    pub name: String,
+    pub url: String,
+    pub delivery_mode: DeliveryMode,
+    pub enabled: bool,
+    pub events: Vec<String>,
+    pub secret: String,
+    /// The secret before the last rotation, valid until `previous_secret_expires_at_ms`.
+    pub previous_secret: Option<String>,
+    pub previous_secret_expires_at_ms: i64,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+impl WebhookEndpoint {
+    /// The secrets that sign a delivery at `now_ms`: the current one, and the previous
+    /// one during its grace period.
+    pub fn signing_secrets(&self, now_ms: i64) -> Vec<&str> {
+        let mut secrets = vec![self.secret.as_str()];
+        if let Some(previous) = &self.previous_secret {
+            if now_ms < self.previous_secret_expires_at_ms {
+                secrets.push(previous);
+            }
+        }
+        secrets
+    }
+
+    pub fn subscribes_to(&self, event_type: &str) -> bool {
+        self.enabled && self.events.iter().any(|e| e == event_type)
+    }
+}
+
+/// Addresses a production webhook may never reach: loopback, private, link-local
+/// (including the cloud metadata address 169.254.169.254), CGNAT, unspecified,
+/// multicast, and their IPv6 counterparts (also IPv4-mapped ones).
+pub fn is_forbidden_ip(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, ..] = v4.octets();
+            v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_documentation()
+                || a == 0
+                || (a == 100 && (64..128).contains(&b))
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_forbidden_ip(IpAddr::V4(v4));
+            }
+            let first = v6.segments()[0];
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (first & 0xfe00) == 0xfc00
+                || (first & 0xffc0) == 0xfe80
+        }
+    }
+}
+
+/// Splits `scheme://host[:port]/path` into scheme and host (brackets removed).
+pub fn url_scheme_and_host(url: &str) -> Option<(&str, &str)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    let host = if let Some(stripped) = authority.strip_prefix('[') {
+        stripped.split_once(']')?.0
+    } else {
+        authority.split(':').next()?
+    };
+    (!host.is_empty()).then_some((scheme, host))
+}
+
+/// Checks an endpoint URL for the environment: production needs `https://` and a
+/// public host (unless private targets are allowed); test accepts `http://` and
+/// loopback for local development.
+pub fn validate_url(url: &str, mode: Mode, allow_private: bool) -> Result<(), FieldError> {
+    if url.chars().count() > MAX_URL_CHARS {
+        return Err(FieldError::invalid(
+            "url",
+            "`url` is at most 2048 characters",
+        ));
+    }
+    let (scheme, host) = url_scheme_and_host(url)
+        .ok_or_else(|| FieldError::invalid("url", "`url` must be an absolute http(s) URL"))?;
+    match (mode, scheme) {
+        (Mode::Prod, "https") => {}
+        (Mode::Prod, _) if allow_private && scheme == "http" => {}
+        (Mode::Prod, _) => {
+            return Err(FieldError::invalid(
+                "url",
+                "production endpoints need an https:// URL",
+            ))
+        }
+        (Mode::Test, "https" | "http") => {}
+        (Mode::Test, _) => {
+            return Err(FieldError::invalid(
+                "url",
+                "`url` must be http:// or https://",
+            ))
+        }
+    }
+    if mode == Mode::Prod && !allow_private {
+        // A trailing dot names the same host ("localhost." is localhost).
+        let lowered = host.trim_end_matches('.').to_ascii_lowercase();
+        let named_private = lowered == "localhost"
+            || lowered.ends_with(".localhost")
+            || lowered.ends_with(".internal")
+            || lowered.ends_with(".local")
+            || lowered == "metadata.google.internal";
+        let ip_private = host.parse::<IpAddr>().is_ok_and(is_forbidden_ip);
+        if named_private || ip_private {
+            return Err(FieldError::invalid(
+                "url",
+                "production endpoints must be public: loopback, private, link-local and metadata addresses are refused",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks subscribed event types; names the first unknown one.
+pub fn validate_event_types(events: &[String]) -> Result<(), FieldError> {
+    if events.is_empty() {
+        return Err(FieldError::invalid(
+            "events",
+            "`events` needs at least one event type",
+        ));
+    }
+    for (i, event) in events.iter().enumerate() {
+        if !EVENT_TYPES.contains(&event.as_str()) {
+            return Err(FieldError::invalid(
+                format!("events[{i}]"),
+                format!("unknown event type `{event}`"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn hmac_hex(secret: &str, timestamp_s: i64, body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).expect("HMAC takes any key");
+    mac.update(timestamp_s.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    hex::encode(mac.finalize().into_bytes())
+}
+
+/// `tally-signature`: `t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`,
+/// with one more space-separated `v1=` per extra secret (rotation grace period).
+pub fn signature_header(secrets: &[&str], timestamp_s: i64, body: &[u8]) -> String {
+    let signatures: Vec<String> = secrets
+        .iter()
+        .map(|s| format!("v1={}", hmac_hex(s, timestamp_s, body)))
+        .collect();
+    format!("t={timestamp_s},{}", signatures.join(" "))
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SignatureError {
+    #[error("the signature header is malformed (expected t=<seconds>,v1=<hex>)")]
+    Malformed,
+    #[error("the signature timestamp is more than 5 minutes away from now")]
+    Expired,
+    #[error("no v1 signature matches the secret and body")]
+    Mismatch,
+}
+
+/// Verifies a `tally-signature` header against a secret and the raw body.
+pub fn verify_signature(
+    header: &str,
+    secret: &str,
+    body: &[u8],
+    now_s: i64,
+) -> Result<(), SignatureError> {
+    let (t, signatures) = header.split_once(',').ok_or(SignatureError::Malformed)?;
+    let timestamp: i64 = t
+        .trim()
+        .strip_prefix("t=")
+        .and_then(|v| v.parse().ok())
+        .ok_or(SignatureError::Malformed)?;
+    if (now_s - timestamp).abs() > SIGNATURE_TOLERANCE_S {
+        return Err(SignatureError::Expired);
+    }
+    let expected = hmac_hex(secret, timestamp, body);
+    let candidates: Vec<&str> = signatures
+        .split([' ', ','])
+        .filter_map(|s| s.trim().strip_prefix("v1="))
+        .collect();
+    if candidates.is_empty() {
+        return Err(SignatureError::Malformed);
+    }
+    // Constant-time comparison of equal-length hex strings.
+    let matches = candidates.iter().any(|c| {
+        c.len() == expected.len()
+            && c.bytes()
+                .zip(expected.bytes())
+                .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+                == 0
+    });
+    if matches {
+        Ok(())
+    } else {
+        Err(SignatureError::Mismatch)
+    }
+}
+
+/// When the next attempt is due after `attempts_made` attempts, the first at
+/// `first_attempt_at_ms`; `None` when the schedule is over.
+pub fn next_attempt_at(first_attempt_at_ms: i64, attempts_made: u32) -> Option<i64> {
+    let offset = *RETRY_OFFSETS_MS.get((attempts_made as usize).checked_sub(1)?)?;
+    (offset < GIVE_UP_AFTER_MS).then_some(first_attempt_at_ms + offset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_is_30s_5m_30m_6h_then_over() {
+        assert_eq!(next_attempt_at(0, 1), Some(30_000));
+        assert_eq!(next_attempt_at(0, 2), Some(300_000));
+        assert_eq!(next_attempt_at(0, 3), Some(1_800_000));
+        assert_eq!(next_attempt_at(0, 4), Some(21_600_000));
+        assert_eq!(next_attempt_at(0, 5), None);
+    }
+
+    #[test]
+    fn signatures_verify_and_reject() {
+        let header = signature_header(&["whsec_a", "whsec_b"], 1_000, b"{\"x\":1}");
+        assert!(header.starts_with("t=1000,v1="));
+        assert!(header.contains(" v1="));
+        assert_eq!(
+            verify_signature(&header, "whsec_a", b"{\"x\":1}", 1_010),
+            Ok(())
+        );
+        assert_eq!(
+            verify_signature(&header, "whsec_b", b"{\"x\":1}", 1_010),
+            Ok(())
+        );
+        assert_eq!(
+            verify_signature(&header, "whsec_c", b"{\"x\":1}", 1_010),
+            Err(SignatureError::Mismatch)
+        );
+        assert_eq!(
+            verify_signature(&header, "whsec_a", b"{\"x\":2}", 1_010),
+            Err(SignatureError::Mismatch)
+        );
+        assert_eq!(
+            verify_signature(&header, "whsec_a", b"{\"x\":1}", 2_000),
+            Err(SignatureError::Expired)
+        );
+        assert_eq!(
+            verify_signature("nonsense", "whsec_a", b"", 0),
+            Err(SignatureError::Malformed)
+        );
+    }
+
+    #[test]
+    fn production_urls_must_be_public_https() {
+        assert!(validate_url("https://hooks.example.com/x", Mode::Prod, false).is_ok());
+        for bad in [
+            "http://hooks.example.com/x",
+            "https://127.0.0.1/x",
+            "https://10.1.2.3/",
+            "https://169.254.169.254/latest",
+            "https://[::1]:8443/",
+            "https://localhost/",
+            "https://LocalHost./",
+            "https://192.168.0.10:443/",
+            "ftp://x.com",
+            "not a url",
+        ] {
+            assert!(validate_url(bad, Mode::Prod, false).is_err(), "{bad}");
+        }
+        assert!(validate_url("http://127.0.0.1:9000/hook", Mode::Test, false).is_ok());
+        assert!(validate_url("https://127.0.0.1/x", Mode::Prod, true).is_ok());
+        assert!(is_forbidden_ip("::ffff:10.0.0.1".parse().unwrap()));
+        assert!(!is_forbidden_ip("93.184.216.34".parse().unwrap()));
+    }
+
+    #[test]
+    fn event_types_are_checked() {
+        assert!(validate_event_types(&["credits.granted".into()]).is_ok());
+        assert_eq!(
+            validate_event_types(&["credits.granted".into(), "nope".into()])
+                .unwrap_err()
+                .param,
+            "events[1]"
+        );
+    }
+}

@@ -1,0 +1,606 @@
+//! Webhooks in the engine: endpoints, the deliveries the projector schedules when an
+//! event is applied (in log order, so the endpoints subscribed at that moment decide),
+//! attempts folded in from the log, the cli pending feed, and due deliveries for the
+//! dispatcher (which lives at the HTTP edge, where bodies are rendered and sent).
+
+use std::ops::Bound;
+
+use tally_domain::record::{LedgerEvent, Record, WebhookAttempt};
+use tally_domain::webhook::{
+    validate_event_types, validate_url, DeliveryMode, WebhookEndpoint, CLI_PLACEHOLDER_URL,
+    MAX_ENDPOINT_NAME_CHARS, ROTATED_SECRET_GRACE_MS,
+};
+use tally_domain::{FieldError, Mode};
+use tally_projection::{scan_prefix, Visit};
+use tally_proto::{v1, Message};
+
+use crate::error::EngineError;
+use crate::ids::{new_id, random_base62};
+use crate::keys::{self, read_int, Key};
+use crate::projector::Overlay;
+use crate::{Engine, Scope};
+
+/// 43 base62 characters: more than 32 random bytes (issue 5).
+pub const SECRET_RANDOM_CHARS: usize = 43;
+/// Endpoints per store and environment (each event is matched against all of them).
+pub const MAX_ENDPOINTS_PER_SCOPE: usize = 100;
+
+/// Input of create and update, as the edge parsed it (`None`: not given).
+#[derive(Debug, Clone, Default)]
+pub struct EndpointInput {
+    pub name: Option<String>,
+    pub url: Option<String>,
+    pub delivery_mode: Option<String>,
+    pub events: Option<Vec<String>>,
+    pub status: Option<String>,
+}
+
+/// A delivery and what is known about it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delivery {
+    pub endpoint_id: String,
+    pub event_id: String,
+    pub event_type: String,
+    pub created_at_ms: i64,
+    pub attempts: u32,
+    pub delivered: bool,
+    pub next_attempt_at_ms: Option<i64>,
+    pub first_attempt_at_ms: i64,
+    pub last_status_code: u16,
+    pub last_error: String,
+    pub event_key: Vec<u8>,
+}
+
+fn corrupt(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Corrupt(e.to_string())
+}
+
+fn encode_delivery(d: &Delivery) -> Vec<u8> {
+    v1::WebhookDelivery {
+        endpoint_id: d.endpoint_id.clone(),
+        event_id: d.event_id.clone(),
+        event_type: d.event_type.clone(),
+        created_at_ms: d.created_at_ms,
+        attempts: d.attempts,
+        delivered: d.delivered,
+        next_attempt_at_ms: d.next_attempt_at_ms,
+        first_attempt_at_ms: d.first_attempt_at_ms,
+        last_status_code: d.last_status_code as u32,
+        last_error: d.last_error.clone(),
+        event_key: d.event_key.clone(),
+    }
+    .encode_to_vec()
+}
+
+fn decode_delivery(bytes: &[u8]) -> Result<Delivery, EngineError> {
+    let d = v1::WebhookDelivery::decode(bytes).map_err(corrupt)?;
+    Ok(Delivery {
+        endpoint_id: d.endpoint_id,
+        event_id: d.event_id,
+        event_type: d.event_type,
+        created_at_ms: d.created_at_ms,
+        attempts: d.attempts,
+        delivered: d.delivered,
+        next_attempt_at_ms: d.next_attempt_at_ms,
+        first_attempt_at_ms: d.first_attempt_at_ms,
+        last_status_code: d.last_status_code as u16,
+        last_error: d.last_error,
+        event_key: d.event_key,
+    })
+}
+
+fn decode_endpoint(bytes: &[u8]) -> Result<WebhookEndpoint, EngineError> {
+    tally_proto::endpoint_from_proto(v1::WebhookEndpoint::decode(bytes).map_err(corrupt)?)
+        .map_err(corrupt)
+}
+
+fn delivery_key(store: &str, mode: Mode, endpoint: &str, event: &str) -> Vec<u8> {
+    Key::scoped(keys::WEBHOOK_DELIVERY, store, mode)
+        .text(endpoint)
+        .text(event)
+        .into_bytes()
+}
+
+fn due_key(at_ms: i64, store: &str, mode: Mode, endpoint: &str, event: &str) -> Vec<u8> {
+    Key::table(keys::WEBHOOK_DUE)
+        .int(at_ms)
+        .text(store)
+        .mode(mode)
+        .text(endpoint)
+        .text(event)
+        .into_bytes()
+}
+
+fn pending_key(
+    store: &str,
+    mode: Mode,
+    endpoint: &str,
+    created_at_ms: i64,
+    event: &str,
+) -> Vec<u8> {
+    Key::scoped(keys::WEBHOOK_PENDING, store, mode)
+        .text(endpoint)
+        .int(created_at_ms)
+        .text(event)
+        .into_bytes()
+}
+
+/// Projector: the endpoint's new state.
+pub fn apply_endpoint(overlay: &mut Overlay<'_>, endpoint: &WebhookEndpoint) {
+    overlay.put(
+        Key::scoped(keys::WEBHOOK_ENDPOINT, &endpoint.store_id, endpoint.mode)
+            .text(&endpoint.id)
+            .into_bytes(),
+        tally_proto::endpoint_to_proto(endpoint).encode_to_vec(),
+    );
+}
+
+/// Projector: one delivery per enabled endpoint subscribed to each event. HTTP
+/// deliveries are due at once; cli ones join the endpoint's pending feed.
+pub fn schedule_deliveries(
+    overlay: &mut Overlay<'_>,
+    events: &[LedgerEvent],
+) -> Result<(), EngineError> {
+    for event in events {
+        let (store, mode) = (&event.account.store_id, event.account.mode);
+        let prefix = Key::scoped(keys::WEBHOOK_ENDPOINT, store, mode).into_bytes();
+        let endpoints = overlay
+            .prefix_entries(&prefix)?
+            .values()
+            .map(|v| decode_endpoint(v))
+            .collect::<Result<Vec<_>, _>>()?;
+        let event_key = Key::scoped(keys::WEBHOOK_EVENT, store, mode)
+            .int(event.created_at_ms)
+            .text(&event.id)
+            .into_bytes();
+        for endpoint in endpoints
+            .iter()
+            .filter(|e| e.subscribes_to(&event.event_type))
+        {
+            let delivery = Delivery {
+                endpoint_id: endpoint.id.clone(),
+                event_id: event.id.clone(),
+                event_type: event.event_type.clone(),
+                created_at_ms: event.created_at_ms,
+                attempts: 0,
+                delivered: false,
+                next_attempt_at_ms: (endpoint.delivery_mode == DeliveryMode::Http)
+                    .then_some(event.created_at_ms),
+                first_attempt_at_ms: 0,
+                last_status_code: 0,
+                last_error: String::new(),
+                event_key: event_key.clone(),
+            };
+            match endpoint.delivery_mode {
+                DeliveryMode::Http => overlay.put(
+                    due_key(event.created_at_ms, store, mode, &endpoint.id, &event.id),
+                    Vec::new(),
+                ),
+                DeliveryMode::Cli => overlay.put(
+                    pending_key(store, mode, &endpoint.id, event.created_at_ms, &event.id),
+                    Vec::new(),
+                ),
+            }
+            overlay.put(
+                delivery_key(store, mode, &endpoint.id, &event.id),
+                encode_delivery(&delivery),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Projector: an attempt's outcome.
+pub fn apply_attempt(
+    overlay: &mut Overlay<'_>,
+    attempt: &WebhookAttempt,
+) -> Result<(), EngineError> {
+    let (store, mode) = (&attempt.store_id, attempt.mode);
+    let key = delivery_key(store, mode, &attempt.endpoint_id, &attempt.event_id);
+    let Some(bytes) = overlay.get(&key)? else {
+        return Ok(()); // a resend of a delivery that no longer exists
+    };
+    let mut delivery = decode_delivery(&bytes)?;
+    if let Some(previous) = delivery.next_attempt_at_ms {
+        overlay.delete(due_key(
+            previous,
+            store,
+            mode,
+            &attempt.endpoint_id,
+            &attempt.event_id,
+        ));
+    }
+    if delivery.first_attempt_at_ms == 0 {
+        delivery.first_attempt_at_ms = attempt.at_ms;
+    }
+    delivery.attempts = delivery.attempts.max(attempt.attempt);
+    delivery.delivered |= attempt.delivered;
+    delivery.last_status_code = attempt.status_code;
+    delivery.last_error = attempt.error.clone();
+    delivery.next_attempt_at_ms = if delivery.delivered {
+        None
+    } else {
+        attempt.next_attempt_at_ms
+    };
+    if let Some(next) = delivery.next_attempt_at_ms {
+        overlay.put(
+            due_key(next, store, mode, &attempt.endpoint_id, &attempt.event_id),
+            Vec::new(),
+        );
+    }
+    if delivery.delivered {
+        overlay.delete(pending_key(
+            store,
+            mode,
+            &attempt.endpoint_id,
+            delivery.created_at_ms,
+            &attempt.event_id,
+        ));
+    }
+    overlay.put(key, encode_delivery(&delivery));
+    overlay.put(
+        Key::scoped(keys::WEBHOOK_ATTEMPT, store, mode)
+            .text(&attempt.endpoint_id)
+            .int(attempt.at_ms)
+            .text(&attempt.event_id)
+            .uint(attempt.attempt as u64)
+            .into_bytes(),
+        tally_proto::attempt_to_proto(attempt).encode_to_vec(),
+    );
+    Ok(())
+}
+
+fn text(param: &str, value: &str, max: usize) -> Result<String, FieldError> {
+    let trimmed = value.trim();
+    if trimmed.is_empty() || trimmed.chars().count() > max {
+        return Err(FieldError::invalid(
+            param,
+            format!("`{param}` must be 1 to {max} characters"),
+        ));
+    }
+    Ok(trimmed.to_string())
+}
+
+fn new_secret() -> String {
+    format!("whsec_{}", random_base62(SECRET_RANDOM_CHARS))
+}
+
+impl Engine {
+    pub fn get_endpoint(&self, scope: &Scope, id: &str) -> Result<WebhookEndpoint, EngineError> {
+        let key = Key::scoped(keys::WEBHOOK_ENDPOINT, &scope.store_id, scope.mode).text(id);
+        match self.store().get(key.as_bytes())? {
+            Some(bytes) => decode_endpoint(&bytes),
+            None => Err(EngineError::not_found("webhook", id)),
+        }
+    }
+
+    /// Endpoints of the scope, newest first.
+    pub fn list_endpoints(&self, scope: &Scope) -> Result<Vec<WebhookEndpoint>, EngineError> {
+        let prefix = Key::scoped(keys::WEBHOOK_ENDPOINT, &scope.store_id, scope.mode).into_bytes();
+        let mut endpoints = Vec::new();
+        let mut failure = None;
+        scan_prefix(self.store().as_ref(), &prefix, false, &mut |_, v| {
+            match decode_endpoint(v) {
+                Ok(e) => endpoints.push(e),
+                Err(e) => failure = Some(e),
+            }
+            Visit::Continue
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        endpoints.sort_by(|a, b| b.created_at_ms.cmp(&a.created_at_ms).then(b.id.cmp(&a.id)));
+        Ok(endpoints)
+    }
+
+    pub async fn create_endpoint(
+        &self,
+        scope: &Scope,
+        input: &EndpointInput,
+        allow_private: bool,
+    ) -> Result<WebhookEndpoint, EngineError> {
+        let name = text(
+            "name",
+            input.name.as_deref().unwrap_or("webhook"),
+            MAX_ENDPOINT_NAME_CHARS,
+        )?;
+        let delivery_mode = match input.delivery_mode.as_deref() {
+            None => DeliveryMode::Http,
+            Some(m) => DeliveryMode::parse(m).ok_or_else(|| {
+                FieldError::invalid("delivery_mode", "`delivery_mode` must be http or cli")
+            })?,
+        };
+        let url = match (delivery_mode, input.url.as_deref()) {
+            (DeliveryMode::Cli, None) => CLI_PLACEHOLDER_URL.to_string(),
+            (DeliveryMode::Cli, Some(url)) => {
+                text("url", url, tally_domain::webhook::MAX_URL_CHARS)?
+            }
+            (DeliveryMode::Http, None) => return Err(FieldError::missing("url").into()),
+            (DeliveryMode::Http, Some(url)) => {
+                let url = url.trim().to_string();
+                validate_url(&url, scope.mode, allow_private)?;
+                url
+            }
+        };
+        let events = input
+            .events
+            .clone()
+            .ok_or_else(|| FieldError::missing("events"))?;
+        validate_event_types(&events)?;
+        let enabled = match input.status.as_deref() {
+            None | Some("enabled") => true,
+            Some("disabled") => false,
+            Some(_) => {
+                return Err(
+                    FieldError::invalid("status", "`status` must be enabled or disabled").into(),
+                )
+            }
+        };
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        if self.list_endpoints(scope)?.len() >= MAX_ENDPOINTS_PER_SCOPE {
+            return Err(EngineError::conflict(
+                "too_many_webhooks",
+                "at most 100 webhook endpoints per store and environment",
+            ));
+        }
+        let now = self.now_ms();
+        let endpoint = WebhookEndpoint {
+            id: new_id("wh"),
+            store_id: scope.store_id.clone(),
+            mode: scope.mode,
+            name,
+            url,
+            delivery_mode,
+            enabled,
+            events,
+            secret: new_secret(),
+            previous_secret: None,
+            previous_secret_expires_at_ms: 0,
+            created_at_ms: now,
+            updated_at_ms: now,
+        };
+        self.append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
+            .await?;
+        Ok(endpoint)
+    }
+
+    pub async fn update_endpoint(
+        &self,
+        scope: &Scope,
+        id: &str,
+        input: &EndpointInput,
+        allow_private: bool,
+    ) -> Result<WebhookEndpoint, EngineError> {
+        if input.delivery_mode.is_some() {
+            return Err(FieldError::new(
+                "webhook_field_immutable",
+                "delivery_mode",
+                "`delivery_mode` cannot change; create another endpoint",
+            )
+            .into());
+        }
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        let mut endpoint = self.get_endpoint(scope, id)?;
+        if let Some(name) = &input.name {
+            endpoint.name = text("name", name, MAX_ENDPOINT_NAME_CHARS)?;
+        }
+        if let Some(url) = &input.url {
+            let url = url.trim().to_string();
+            if endpoint.delivery_mode == DeliveryMode::Http {
+                validate_url(&url, scope.mode, allow_private)?;
+            }
+            endpoint.url = url;
+        }
+        if let Some(events) = &input.events {
+            validate_event_types(events)?;
+            endpoint.events = events.clone();
+        }
+        match input.status.as_deref() {
+            None => {}
+            Some("enabled") => endpoint.enabled = true,
+            Some("disabled") => endpoint.enabled = false,
+            Some(_) => {
+                return Err(
+                    FieldError::invalid("status", "`status` must be enabled or disabled").into(),
+                )
+            }
+        }
+        endpoint.updated_at_ms = self.now_ms();
+        self.append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
+            .await?;
+        Ok(endpoint)
+    }
+
+    pub async fn delete_endpoint(
+        &self,
+        scope: &Scope,
+        id: &str,
+    ) -> Result<WebhookEndpoint, EngineError> {
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        let endpoint = self.get_endpoint(scope, id)?;
+        self.append_and_apply(&Record::WebhookEndpointDeleted {
+            store_id: scope.store_id.clone(),
+            mode: scope.mode,
+            endpoint_id: id.to_string(),
+        })
+        .await?;
+        Ok(endpoint)
+    }
+
+    /// A new secret; the old one keeps signing for 24 hours.
+    pub async fn rotate_secret(
+        &self,
+        scope: &Scope,
+        id: &str,
+    ) -> Result<WebhookEndpoint, EngineError> {
+        let lock = self.control_lock(scope);
+        let _guard = lock.lock().await;
+        let mut endpoint = self.get_endpoint(scope, id)?;
+        let now = self.now_ms();
+        endpoint.previous_secret = Some(std::mem::replace(&mut endpoint.secret, new_secret()));
+        endpoint.previous_secret_expires_at_ms = now + ROTATED_SECRET_GRACE_MS;
+        endpoint.updated_at_ms = now;
+        self.append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
+            .await?;
+        Ok(endpoint)
+    }
+
+    pub fn get_delivery(
+        &self,
+        scope: &Scope,
+        endpoint_id: &str,
+        event_id: &str,
+    ) -> Result<Delivery, EngineError> {
+        match self.store().get(&delivery_key(
+            &scope.store_id,
+            scope.mode,
+            endpoint_id,
+            event_id,
+        ))? {
+            Some(bytes) => decode_delivery(&bytes),
+            None => Err(EngineError::NotFound {
+                resource: "webhook event",
+                id: event_id.to_string(),
+                param: Some("event_id".into()),
+            }),
+        }
+    }
+
+    /// The event a delivery carries.
+    pub fn delivery_event(&self, delivery: &Delivery) -> Result<LedgerEvent, EngineError> {
+        let bytes = self.store().get(&delivery.event_key)?.ok_or_else(|| {
+            EngineError::Corrupt(format!(
+                "event {} of a delivery is missing",
+                delivery.event_id
+            ))
+        })?;
+        tally_proto::ledger_event_from_proto(
+            v1::LedgerEvent::decode(bytes.as_slice()).map_err(corrupt)?,
+        )
+        .map_err(corrupt)
+    }
+
+    /// The cli feed: unacknowledged deliveries of the endpoint, oldest first.
+    pub fn pending_deliveries(
+        &self,
+        scope: &Scope,
+        endpoint_id: &str,
+        limit: usize,
+    ) -> Result<Vec<Delivery>, EngineError> {
+        let prefix = Key::scoped(keys::WEBHOOK_PENDING, &scope.store_id, scope.mode)
+            .text(endpoint_id)
+            .into_bytes();
+        let mut keys_found = Vec::new();
+        scan_prefix(self.store().as_ref(), &prefix, false, &mut |k, _| {
+            keys_found.push(k.to_vec());
+            if keys_found.len() >= limit {
+                Visit::Stop
+            } else {
+                Visit::Continue
+            }
+        })?;
+        keys_found
+            .iter()
+            .map(|k| {
+                let (event_id, _) = keys::read_text(k, prefix.len() + 8)
+                    .ok_or_else(|| EngineError::Corrupt("pending key".into()))?;
+                self.get_delivery(scope, endpoint_id, event_id)
+            })
+            .collect()
+    }
+
+    /// Records an attempt and waits until it is applied.
+    pub async fn record_attempt(&self, attempt: WebhookAttempt) -> Result<(), EngineError> {
+        self.append_and_apply(&Record::WebhookAttempt(attempt))
+            .await
+    }
+
+    /// Attempts of an endpoint, newest first.
+    pub fn list_attempts(
+        &self,
+        scope: &Scope,
+        endpoint_id: &str,
+        limit: usize,
+    ) -> Result<Vec<WebhookAttempt>, EngineError> {
+        let prefix = Key::scoped(keys::WEBHOOK_ATTEMPT, &scope.store_id, scope.mode)
+            .text(endpoint_id)
+            .into_bytes();
+        let mut attempts = Vec::new();
+        let mut failure = None;
+        scan_prefix(self.store().as_ref(), &prefix, true, &mut |_, v| {
+            match v1::WebhookAttempt::decode(v)
+                .map_err(corrupt)
+                .and_then(|a| tally_proto::attempt_from_proto(a).map_err(corrupt))
+            {
+                Ok(a) => attempts.push(a),
+                Err(e) => {
+                    failure = Some(e);
+                    return Visit::Stop;
+                }
+            }
+            if attempts.len() >= limit {
+                Visit::Stop
+            } else {
+                Visit::Continue
+            }
+        })?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(attempts),
+        }
+    }
+
+    /// HTTP deliveries due at or before `now_ms`, oldest due first.
+    pub fn due_deliveries(
+        &self,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(Scope, Delivery)>, EngineError> {
+        let start = Key::table(keys::WEBHOOK_DUE).into_bytes();
+        let end = Key::table(keys::WEBHOOK_DUE)
+            .int(now_ms.saturating_add(1))
+            .into_bytes();
+        let mut found = Vec::new();
+        self.store().scan(
+            Bound::Included(&start),
+            Bound::Excluded(&end),
+            false,
+            &mut |k, _| {
+                found.push(k.to_vec());
+                if found.len() >= limit {
+                    Visit::Stop
+                } else {
+                    Visit::Continue
+                }
+            },
+        )?;
+        let mut due = Vec::new();
+        for key in found {
+            let _due_at = read_int(&key[1..]);
+            let Some((store_id, after_store)) = keys::read_text(&key, 9) else {
+                continue;
+            };
+            let mode = if key[after_store] == Mode::Prod.key_byte() {
+                Mode::Prod
+            } else {
+                Mode::Test
+            };
+            let Some((endpoint_id, after_endpoint)) = keys::read_text(&key, after_store + 1) else {
+                continue;
+            };
+            let Some((event_id, _)) = keys::read_text(&key, after_endpoint) else {
+                continue;
+            };
+            let scope = Scope {
+                store_id: store_id.to_string(),
+                mode,
+            };
+            let delivery = self.get_delivery(&scope, endpoint_id, event_id)?;
+            due.push((scope, delivery));
+        }
+        Ok(due)
+    }
+}

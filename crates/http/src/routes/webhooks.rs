@@ -1,0 +1,322 @@
+//! `/v1/webhooks`: endpoints, secrets, deliveries, resend, and the cli pending feed.
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use serde_json::{json, Map, Value};
+use tally_domain::record::WebhookAttempt;
+use tally_domain::time::format_iso8601_ms;
+use tally_domain::webhook::{DeliveryMode, WebhookEndpoint};
+use tally_engine::webhooks::EndpointInput;
+use tally_engine::Scope;
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Fields, JsonObject, PathId, PathIds, QueryParams};
+use crate::webhooks::{delivery_headers, event_body};
+use crate::AppState;
+
+/// Pending events returned at once (spec 4.9: 1..100, default 10).
+pub const MAX_PENDING_LIMIT: usize = 100;
+pub const DEFAULT_PENDING_LIMIT: usize = 10;
+
+fn endpoint_json(e: &WebhookEndpoint, with_secret: bool) -> Value {
+    let mut value = json!({
+        "id": e.id,
+        "object": "webhook",
+        "mode": e.mode.as_str(),
+        "store_id": e.store_id,
+        "name": e.name,
+        "url": e.url,
+        "delivery_mode": e.delivery_mode.as_str(),
+        "status": if e.enabled { "enabled" } else { "disabled" },
+        "events": e.events,
+        "created_at": format_iso8601_ms(e.created_at_ms),
+        "updated_at": format_iso8601_ms(e.updated_at_ms),
+    });
+    if with_secret {
+        value["secret"] = Value::String(e.secret.clone());
+    }
+    value
+}
+
+fn attempt_json(a: &WebhookAttempt) -> Value {
+    json!({
+        "object": "webhook_attempt",
+        "endpoint_id": a.endpoint_id,
+        "event_id": a.event_id,
+        "attempt": a.attempt,
+        "status_code": if a.status_code == 0 { Value::Null } else { json!(a.status_code) },
+        "latency_ms": a.latency_ms,
+        "error": if a.error.is_empty() { Value::Null } else { json!(a.error) },
+        "delivered": a.delivered,
+        "manual": a.manual,
+        "next_attempt_at": a.next_attempt_at_ms.map(format_iso8601_ms),
+        "created_at": format_iso8601_ms(a.at_ms),
+    })
+}
+
+fn endpoint_input(body: &Map<String, Value>) -> Result<EndpointInput, ApiError> {
+    let fields = Fields::new(body);
+    let events = match body.get("events") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(items)) => Some(
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        ApiError::invalid_param(&format!("events[{i}]"), "event types are strings")
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "events",
+                "`events` must be an array of event types",
+            ))
+        }
+    };
+    Ok(EndpointInput {
+        name: fields.string("name")?,
+        url: fields.string("url")?,
+        delivery_mode: fields.string("delivery_mode")?,
+        events,
+        status: fields.string("status")?,
+    })
+}
+
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let endpoint = state
+        .engine
+        .create_endpoint(
+            &scope,
+            &endpoint_input(&body)?,
+            state.config.allow_private_webhooks,
+        )
+        .await?;
+    Ok(Json(endpoint_json(&endpoint, true)))
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+) -> ApiResult<Json<Value>> {
+    let endpoints = state.engine.list_endpoints(&scope)?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": endpoints.iter().map(|e| endpoint_json(e, false)).collect::<Vec<_>>(),
+        "has_more": false,
+    })))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(endpoint_json(
+        &state.engine.get_endpoint(&scope, &id)?,
+        false,
+    )))
+}
+
+pub async fn update(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let endpoint = state
+        .engine
+        .update_endpoint(
+            &scope,
+            &id,
+            &endpoint_input(&body)?,
+            state.config.allow_private_webhooks,
+        )
+        .await?;
+    Ok(Json(endpoint_json(&endpoint, false)))
+}
+
+pub async fn delete(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let endpoint = state.engine.delete_endpoint(&scope, &id).await?;
+    Ok(Json(
+        json!({"id": endpoint.id, "object": "webhook", "deleted": true}),
+    ))
+}
+
+pub async fn secret(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    Ok(Json(
+        json!({"object": "webhook_secret", "secret": endpoint.secret}),
+    ))
+}
+
+pub async fn rotate(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let endpoint = state.engine.rotate_secret(&scope, &id).await?;
+    Ok(Json(endpoint_json(&endpoint, true)))
+}
+
+fn limit(query: &QueryParams) -> Result<usize, ApiError> {
+    match query.get("limit") {
+        None => Ok(DEFAULT_PENDING_LIMIT),
+        Some(text) => match text.trim().parse::<usize>() {
+            Ok(n) if (1..=MAX_PENDING_LIMIT).contains(&n) => Ok(n),
+            _ => Err(ApiError::invalid_param(
+                "limit",
+                "`limit` must be an integer from 1 to 100",
+            )),
+        },
+    }
+}
+
+pub async fn deliveries(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    state.engine.get_endpoint(&scope, &id)?;
+    let attempts = state.engine.list_attempts(&scope, &id, limit(&query)?)?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+        "has_more": false,
+    })))
+}
+
+pub async fn resend(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathIds(id, event_id): PathIds,
+) -> ApiResult<Json<Value>> {
+    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    if endpoint.delivery_mode == DeliveryMode::Cli {
+        return Err(ApiError::bad_request(
+            "webhook_is_cli",
+            "cli endpoints keep events in their pending feed until acknowledged; nothing to resend",
+        ));
+    }
+    let delivery = state.engine.get_delivery(&scope, &id, &event_id)?;
+    let attempt = state.dispatcher.deliver(&scope, &delivery, true).await?;
+    Ok(Json(attempt_json(&attempt)))
+}
+
+fn require_cli(endpoint: &WebhookEndpoint) -> Result<(), ApiError> {
+    if endpoint.delivery_mode == DeliveryMode::Cli {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(
+            "webhook_not_cli",
+            "the pending feed exists only for endpoints with delivery_mode `cli`",
+        ))
+    }
+}
+
+pub async fn pending(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let limit = limit(&query)?;
+    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    require_cli(&endpoint)?;
+    let now = state.engine.now_ms();
+    let mut items = Vec::new();
+    for delivery in state.engine.pending_deliveries(&scope, &id, limit)? {
+        let body = event_body(&state.engine, &scope, &delivery)?;
+        let headers: Map<String, Value> = delivery_headers(&endpoint, &delivery, &body, now)
+            .into_iter()
+            .map(|(k, v)| (k, Value::String(v)))
+            .collect();
+        items.push(json!({
+            "id": delivery.event_id,
+            "object": "webhook_event",
+            "event_type": delivery.event_type,
+            "created_at": format_iso8601_ms(delivery.created_at_ms),
+            "body": body,
+            "headers": headers,
+        }));
+    }
+    Ok(Json(json!({"object": "list", "items": items})))
+}
+
+pub async fn ack(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathIds(id, event_id): PathIds,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let status = match body.get("status") {
+        Some(Value::Number(n)) => {
+            n.as_u64()
+                .filter(|s| (100..=599).contains(s))
+                .ok_or_else(|| {
+                    ApiError::invalid_param(
+                        "status",
+                        "`status` must be an HTTP status code (100-599)",
+                    )
+                })?
+        }
+        None => {
+            return Err(
+                ApiError::bad_request("parameter_missing", "`status` is required")
+                    .with_param("status"),
+            )
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "status",
+                "`status` must be an integer",
+            ))
+        }
+    } as u16;
+    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    require_cli(&endpoint)?;
+    let delivery = state.engine.get_delivery(&scope, &id, &event_id)?;
+    if delivery.delivered {
+        return Err(ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            "webhook_event_acknowledged",
+            "this event was already acknowledged with 200",
+        ));
+    }
+    let delivered = status == 200;
+    let attempt = WebhookAttempt {
+        store_id: scope.store_id.clone(),
+        mode: scope.mode,
+        endpoint_id: id.clone(),
+        event_id: event_id.clone(),
+        attempt: delivery.attempts + 1,
+        at_ms: state.engine.now_ms(),
+        status_code: status,
+        latency_ms: 0,
+        error: if delivered {
+            String::new()
+        } else {
+            format!("the local server answered {status}")
+        },
+        delivered,
+        next_attempt_at_ms: None,
+        manual: false,
+    };
+    state.engine.record_attempt(attempt.clone()).await?;
+    Ok(Json(attempt_json(&attempt)))
+}

@@ -1,0 +1,503 @@
+//! Webhooks over real sockets: endpoints and secrets, signed HTTP delivery to a real
+//! local receiver with the retry schedule run on the test clock, restart
+//! mid-schedule, disabled endpoints, the cli feed and its acknowledgements, SSRF.
+
+mod common;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use common::*;
+use serde_json::{json, Value};
+use tally_domain::clock::Clock;
+use tally_domain::webhook::verify_signature;
+
+/// A local HTTP receiver answering a scripted sequence of statuses (then 200).
+#[derive(Clone, Default)]
+struct Receiver {
+    answers: Arc<Mutex<VecDeque<u16>>>,
+    received: Arc<Mutex<Vec<(HeaderMap, Bytes)>>>,
+}
+
+impl Receiver {
+    async fn start(answers: &[u16]) -> (Receiver, String) {
+        let receiver = Receiver::default();
+        receiver.answers.lock().unwrap().extend(answers);
+        let state = receiver.clone();
+        let app = axum::Router::new().route(
+            "/hook",
+            axum::routing::post(move |headers: HeaderMap, body: Bytes| {
+                let state = state.clone();
+                async move {
+                    state.received.lock().unwrap().push((headers, body));
+                    let status = state.answers.lock().unwrap().pop_front().unwrap_or(200);
+                    StatusCode::from_u16(status).unwrap()
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (receiver, url)
+    }
+
+    fn count(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+
+    async fn wait_for(&self, n: usize) {
+        for _ in 0..100 {
+            if self.count() >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("receiver got {} requests, expected {n}", self.count());
+    }
+}
+
+async fn credit_event(api: &Api, amount: &str, key: &str) -> (String, String) {
+    let customer = api
+        .post("/v1/customers", json!({"email": format!("{key}@x.io")}))
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let account = api
+        .post(
+            "/v1/customer-credits/accounts",
+            json!({"customer_id": customer}),
+        )
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let tx = api
+        .post(
+            &format!("/v1/customer-credits/accounts/{account}/credit"),
+            json!({"amount": amount, "idempotency_key": key}),
+        )
+        .await;
+    assert_eq!(tx.status, 200);
+    (account, tx.body["id"].as_str().unwrap().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_secrets_and_validation() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let test = Api::new(&server.test_url, &keys.test);
+    let prod = Api::new(&server.prod_url, &keys.prod);
+    let created = test.post("/v1/webhooks", json!({"name": "local", "url": "http://127.0.0.1:9/hook", "delivery_mode": "http", "events": ["credits.granted"]})).await;
+    assert_eq!(created.status, 200, "{}", created.body);
+    let secret = created.body["secret"].as_str().unwrap().to_string();
+    assert!(secret.starts_with("whsec_") && secret.len() >= 6 + 43);
+    assert_eq!(created.body["status"], "enabled");
+    let id = created.body["id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("wh_"));
+    let fetched = test.get(&format!("/v1/webhooks/{id}")).await;
+    assert!(
+        fetched.body.get("secret").is_none(),
+        "the secret is shown only at creation"
+    );
+    assert_eq!(
+        test.get(&format!("/v1/webhooks/{id}/secret")).await.body["secret"],
+        secret
+    );
+    assert_eq!(
+        test.get("/v1/webhooks").await.body["data"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    let unknown = test
+        .post(
+            "/v1/webhooks",
+            json!({"url": "http://127.0.0.1:9/", "events": ["credits.granted", "nope.happened"]}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&unknown, 400, "invalid_request_error")["param"],
+        "events[1]"
+    );
+    for url in [
+        "http://hooks.example.com/x",
+        "https://127.0.0.1/x",
+        "https://10.0.0.8/",
+        "https://169.254.169.254/",
+        "https://localhost./",
+    ] {
+        let refused = prod
+            .post(
+                "/v1/webhooks",
+                json!({"url": url, "events": ["credits.granted"]}),
+            )
+            .await;
+        assert_eq!(
+            assert_error(&refused, 400, "invalid_request_error")["param"],
+            "url",
+            "{url}"
+        );
+    }
+    assert_eq!(
+        prod.post(
+            "/v1/webhooks",
+            json!({"url": "https://hooks.example.com/x", "events": ["credits.granted"]})
+        )
+        .await
+        .status,
+        200
+    );
+
+    let updated = test
+        .post(
+            &format!("/v1/webhooks/{id}"),
+            json!({"name": "renamed", "status": "disabled", "events": ["credits.consumed"]}),
+        )
+        .await;
+    assert_eq!(updated.body["name"], "renamed");
+    assert_eq!(updated.body["status"], "disabled");
+    assert_eq!(updated.body["events"], json!(["credits.consumed"]));
+    let rotated = test
+        .post(&format!("/v1/webhooks/{id}/secret/rotate"), json!({}))
+        .await;
+    let new_secret = rotated.body["secret"].as_str().unwrap();
+    assert_ne!(new_secret, secret);
+    assert_eq!(
+        test.get(&format!("/v1/webhooks/{id}/secret")).await.body["secret"],
+        new_secret
+    );
+    let deleted = Api::finish_raw(
+        reqwest::Client::new()
+            .delete(format!("{}/v1/webhooks/{id}", server.test_url))
+            .header("x-api-key", &keys.test),
+    )
+    .await;
+    assert_eq!(deleted.body["deleted"], true);
+    assert_eq!(test.get(&format!("/v1/webhooks/{id}")).await.status, 404);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_delivery_follows_the_retry_schedule_across_a_restart() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let (receiver, url) = Receiver::start(&[500, 500]).await;
+    let (silent, silent_url) = Receiver::start(&[]).await;
+    let endpoint = api
+        .post(
+            "/v1/webhooks",
+            json!({"url": url, "events": ["credits.granted"]}),
+        )
+        .await
+        .body;
+    let endpoint_id = endpoint["id"].as_str().unwrap().to_string();
+    let secret = endpoint["secret"].as_str().unwrap().to_string();
+    api.post(
+        "/v1/webhooks",
+        json!({"url": silent_url, "events": ["credits.granted"], "status": "disabled"}),
+    )
+    .await;
+    let (_, tx) = credit_event(&api, "12.5", "w1").await;
+    let t0 = server.clock.now_ms();
+
+    receiver.wait_for(1).await;
+    let (headers, body) = receiver.received.lock().unwrap()[0].clone();
+    assert_eq!(headers["content-type"], "application/json");
+    assert_eq!(headers["tally-event-type"], "credits.granted");
+    let envelope: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(envelope["eventType"], "credits.granted");
+    assert_eq!(envelope["id"], headers["tally-event-id"].to_str().unwrap());
+    assert!(envelope["created_at"].is_i64(), "epoch milliseconds");
+    assert_eq!(envelope["object"]["id"], tx);
+    assert_eq!(envelope["object"]["amount"], "12.5");
+    let signature = headers["tally-signature"].to_str().unwrap();
+    assert_eq!(
+        verify_signature(signature, &secret, &body, t0 / 1000),
+        Ok(()),
+        "{signature}"
+    );
+
+    // Nothing more until the clock reaches +30 s.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(receiver.count(), 1);
+    server.clock.advance_ms(30_000);
+    receiver.wait_for(2).await;
+
+    // Restart mid-schedule: the schedule lives in the log and the projection.
+    let clock = server.clock.clone();
+    server.stop().await;
+    let server = Server::start_with_clock(&dir, default_config(), clock.clone()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(receiver.count(), 2, "no attempt repeated by the restart");
+    clock.advance_ms(5 * 60_000 - 30_000);
+    receiver.wait_for(3).await;
+    // Delivered (200 on the third try): no further attempts, ever.
+    clock.advance_ms(24 * 3_600_000);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(receiver.count(), 3);
+    let bodies: Vec<Bytes> = receiver
+        .received
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, b)| b.clone())
+        .collect();
+    assert!(
+        bodies.iter().all(|b| *b == bodies[0]),
+        "the same bytes on every attempt"
+    );
+
+    let attempts = api
+        .get(&format!("/v1/webhooks/{endpoint_id}/deliveries"))
+        .await
+        .body["data"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(attempts.len(), 3);
+    let offsets: Vec<i64> = attempts
+        .iter()
+        .rev()
+        .map(|a| {
+            tally_domain::time::parse_iso8601_ms(a["created_at"].as_str().unwrap()).unwrap() - t0
+        })
+        .collect();
+    assert_eq!(offsets, vec![0, 30_000, 300_000]);
+    let statuses: Vec<Value> = attempts
+        .iter()
+        .rev()
+        .map(|a| a["status_code"].clone())
+        .collect();
+    assert_eq!(statuses, vec![json!(500), json!(500), json!(200)]);
+    assert_eq!(attempts[0]["delivered"], true);
+    assert_eq!(silent.count(), 0, "a disabled endpoint receives nothing");
+
+    // A manual resend sends the same body again.
+    let event_id = attempts[0]["event_id"].as_str().unwrap();
+    let resent = api
+        .post(
+            &format!("/v1/webhooks/{endpoint_id}/events/{event_id}/resend"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(resent.body["manual"], true);
+    assert_eq!(receiver.count(), 4);
+    assert_eq!(receiver.received.lock().unwrap()[3].1, bodies[0]);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_feed_lists_oldest_first_until_acknowledged() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let endpoint = api.post("/v1/webhooks", json!({"delivery_mode": "cli", "events": ["credits.consumed", "customer_credits.exhausted"]})).await.body;
+    let id = endpoint["id"].as_str().unwrap().to_string();
+    let secret = endpoint["secret"].as_str().unwrap().to_string();
+    let http_endpoint = api
+        .post(
+            "/v1/webhooks",
+            json!({"url": "http://127.0.0.1:9/", "events": ["credits.granted"]}),
+        )
+        .await
+        .body;
+    let (account, _) = credit_event(&api, "5", "c1").await;
+    server.clock.advance_ms(10);
+    api.post(
+        &format!("/v1/customer-credits/accounts/{account}/debit"),
+        json!({"amount": "5", "idempotency_key": "d1"}),
+    )
+    .await;
+
+    let feed = api.get(&format!("/v1/webhooks/{id}/events/pending")).await;
+    assert_eq!(feed.status, 200, "{}", feed.body);
+    let items = feed.body["items"].as_array().unwrap().clone();
+    let types: Vec<&str> = items
+        .iter()
+        .map(|i| i["event_type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        types,
+        vec!["credits.consumed", "customer_credits.exhausted"]
+    );
+    for item in &items {
+        assert_eq!(item["object"], "webhook_event");
+        let body = item["body"].as_str().unwrap();
+        let envelope: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(envelope["id"], item["id"]);
+        assert_eq!(item["headers"]["Content-Type"], "application/json");
+        let signature = item["headers"]["tally-signature"].as_str().unwrap();
+        assert_eq!(
+            verify_signature(
+                signature,
+                &secret,
+                body.as_bytes(),
+                server.clock.now_ms() / 1000
+            ),
+            Ok(())
+        );
+    }
+    assert_eq!(
+        serde_json::from_str::<Value>(items[1]["body"].as_str().unwrap()).unwrap()["object"]
+            ["balance"],
+        "0"
+    );
+    for bad in ["limit=0", "limit=101"] {
+        assert_eq!(
+            assert_error(
+                &api.get(&format!("/v1/webhooks/{id}/events/pending?{bad}"))
+                    .await,
+                400,
+                "invalid_request_error"
+            )["param"],
+            "limit"
+        );
+    }
+    let http_id = http_endpoint["id"].as_str().unwrap();
+    assert_eq!(
+        assert_error(
+            &api.get(&format!("/v1/webhooks/{http_id}/events/pending"))
+                .await,
+            400,
+            "invalid_request_error"
+        )["code"],
+        "webhook_not_cli"
+    );
+    assert_eq!(
+        api.get(&format!("/v1/webhooks/{id}/events/pending?limit=1"))
+            .await
+            .body["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    let first = items[0]["id"].as_str().unwrap();
+    let failed = api
+        .post(
+            &format!("/v1/webhooks/{id}/events/{first}/ack"),
+            json!({"status": 500}),
+        )
+        .await;
+    assert_eq!(failed.body["delivered"], false);
+    assert_eq!(
+        api.get(&format!("/v1/webhooks/{id}/events/pending"))
+            .await
+            .body["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2,
+        "still pending"
+    );
+    let ok = api
+        .post(
+            &format!("/v1/webhooks/{id}/events/{first}/ack"),
+            json!({"status": 200}),
+        )
+        .await;
+    assert_eq!(ok.body["delivered"], true);
+    let remaining = api
+        .get(&format!("/v1/webhooks/{id}/events/pending"))
+        .await
+        .body["items"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(remaining.len(), 1);
+    assert_eq!(remaining[0]["id"], items[1]["id"]);
+    assert_eq!(
+        api.post(
+            &format!("/v1/webhooks/{id}/events/{first}/ack"),
+            json!({"status": 200})
+        )
+        .await
+        .status,
+        409
+    );
+    assert_eq!(
+        api.post(
+            &format!("/v1/webhooks/{id}/events/whevt_nope/ack"),
+            json!({"status": 200})
+        )
+        .await
+        .status,
+        404
+    );
+    assert_eq!(
+        assert_error(
+            &api.post(
+                &format!("/v1/webhooks/{id}/events/{first}/ack"),
+                json!({"status": "ok"})
+            )
+            .await,
+            400,
+            "invalid_request_error"
+        )["param"],
+        "status"
+    );
+    let attempts = api.get(&format!("/v1/webhooks/{id}/deliveries")).await.body["data"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(attempts, 2, "both acknowledgements are recorded attempts");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn production_deliveries_refuse_names_resolving_to_private_addresses() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let prod = Api::new(&server.prod_url, &keys.prod);
+    // `127.1` is not an IP literal to the creation check, but resolves to 127.0.0.1.
+    let endpoint = prod
+        .post(
+            "/v1/webhooks",
+            json!({"url": "https://127.1/hook", "events": ["credits.granted"]}),
+        )
+        .await;
+    assert_eq!(endpoint.status, 200, "{}", endpoint.body);
+    let id = endpoint.body["id"].as_str().unwrap().to_string();
+    credit_event(&prod, "1", "p1").await;
+    let mut attempts = Vec::new();
+    for _ in 0..100 {
+        attempts = prod
+            .get(&format!("/v1/webhooks/{id}/deliveries"))
+            .await
+            .body["data"]
+            .as_array()
+            .unwrap()
+            .clone();
+        if !attempts.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(attempts.len(), 1);
+    assert!(
+        attempts[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("non-public address"),
+        "{}",
+        attempts[0]
+    );
+    assert_eq!(attempts[0]["status_code"], Value::Null);
+    assert_eq!(attempts[0]["delivered"], false);
+    server.stop().await;
+}
