@@ -51,10 +51,55 @@ enum Command {
         #[command(subcommand)]
         command: KafkaCommand,
     },
+    /// Forward the events of a `cli` webhook endpoint to a local server: polls the
+    /// pending feed, POSTs each body with its headers unchanged to --forward-to, and
+    /// acknowledges with the local server's status. Ctrl-C stops it.
+    Listen(ListenArgs),
+    /// Webhook helpers.
+    Webhook {
+        #[command(subcommand)]
+        command: WebhookCommand,
+    },
     /// Credits ledger audit and export (stop the server first).
     Ledger {
         #[command(subcommand)]
         command: LedgerCommand,
+    },
+}
+
+#[derive(Args, Debug)]
+struct ListenArgs {
+    /// Local URL each event is POSTed to.
+    #[arg(long, env = "TALLY_FORWARD_TO")]
+    forward_to: String,
+    /// The `cli` webhook endpoint whose feed is read.
+    #[arg(long, env = "TALLY_WEBHOOK_ID")]
+    webhook_id: String,
+    /// API key of the endpoint's store and environment.
+    #[arg(long, env = "TALLY_API_KEY", hide_env_values = true)]
+    api_key: String,
+    /// The tally listener of that environment.
+    #[arg(long, env = "TALLY_BASE_URL", default_value = "http://127.0.0.1:8081")]
+    base_url: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum WebhookCommand {
+    /// Check a `tally-signature` header against a secret and the raw body. Exit code
+    /// 0 when valid, 1 otherwise.
+    Verify {
+        /// The endpoint's signing secret (`whsec_...`).
+        #[arg(long, env = "TALLY_WEBHOOK_SECRET", hide_env_values = true)]
+        secret: String,
+        /// The `tally-signature` header value.
+        #[arg(long)]
+        header: String,
+        /// File holding the exact request body.
+        #[arg(long)]
+        body_file: PathBuf,
+        /// Skip the 5-minute freshness check (for old captures).
+        #[arg(long)]
+        ignore_timestamp: bool,
     },
 }
 
@@ -556,6 +601,106 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
     Ok(())
 }
 
+/// Idle polling starts here and doubles up to `LISTEN_MAX_IDLE_MS`.
+const LISTEN_MIN_IDLE_MS: u64 = 200;
+const LISTEN_MAX_IDLE_MS: u64 = 5_000;
+
+async fn listen(args: ListenArgs) -> Result<()> {
+    let base = args.base_url.trim_end_matches('/').to_string();
+    let feed = format!(
+        "{base}/v1/webhooks/{}/events/pending?limit=100",
+        args.webhook_id
+    );
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .build()?;
+    eprintln!(
+        "forwarding events of {} to {} (Ctrl-C to stop)",
+        args.webhook_id, args.forward_to
+    );
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    let mut idle_ms = LISTEN_MIN_IDLE_MS;
+    loop {
+        let answer = client
+            .get(&feed)
+            .header("x-api-key", &args.api_key)
+            .send()
+            .await;
+        let items = match answer {
+            Ok(response) if response.status().is_success() => {
+                let body: serde_json::Value = response.json().await.unwrap_or_default();
+                body["items"].as_array().cloned().unwrap_or_default()
+            }
+            Ok(response) => {
+                let status = response.status();
+                let body: serde_json::Value = response.json().await.unwrap_or_default();
+                let message = body["error"]["message"].as_str().unwrap_or("").to_string();
+                if status.is_client_error() && status.as_u16() != 429 {
+                    bail!("the server refused the feed ({status}): {message}");
+                }
+                eprintln!("feed answered {status}: {message}; retrying");
+                Vec::new()
+            }
+            Err(e) => {
+                eprintln!("cannot reach {base}: {e}; retrying");
+                Vec::new()
+            }
+        };
+        for item in &items {
+            let id = item["id"].as_str().unwrap_or_default();
+            let event_type = item["event_type"].as_str().unwrap_or_default();
+            let mut request = client
+                .post(&args.forward_to)
+                .body(item["body"].as_str().unwrap_or_default().to_string());
+            if let Some(headers) = item["headers"].as_object() {
+                for (name, value) in headers {
+                    request = request.header(name, value.as_str().unwrap_or_default());
+                }
+            }
+            let started = std::time::Instant::now();
+            // A local server that cannot be reached counts as 502 (not acknowledged).
+            let status = match request.send().await {
+                Ok(response) => response.status().as_u16(),
+                Err(_) => 502,
+            };
+            let latency_ms = started.elapsed().as_millis();
+            let ack = format!("{base}/v1/webhooks/{}/events/{id}/ack", args.webhook_id);
+            let acked = client
+                .post(&ack)
+                .header("x-api-key", &args.api_key)
+                .json(&serde_json::json!({ "status": status }))
+                .send()
+                .await
+                .map(|r| r.status().is_success())
+                .unwrap_or(false);
+            println!(
+                "{}  {event_type:<28} {id}  {status}  {latency_ms} ms{}",
+                tally_domain::time::format_iso8601_ms(clock::SystemClock.now_ms()),
+                if acked {
+                    ""
+                } else {
+                    "  (ack failed; will retry)"
+                }
+            );
+            let _ = std::io::stdout().flush();
+        }
+        idle_ms = if items.is_empty() {
+            (idle_ms * 2).min(LISTEN_MAX_IDLE_MS)
+        } else {
+            LISTEN_MIN_IDLE_MS
+        };
+        let wait = if items.is_empty() { idle_ms } else { 0 };
+        tokio::select! {
+            _ = &mut stop => {
+                eprintln!("stopped");
+                return Ok(());
+            }
+            _ = tokio::time::sleep(std::time::Duration::from_millis(wait)) => {}
+        }
+    }
+}
+
 async fn store_create(name: String, base_url: String, admin_token: String) -> Result<()> {
     let url = format!("{}/admin/v1/stores", base_url.trim_end_matches('/'));
     let response = reqwest::Client::new()
@@ -603,6 +748,39 @@ async fn main() -> Result<()> {
                     admin_token,
                 },
         } => store_create(name, base_url, admin_token).await,
+        Command::Listen(args) => listen(args).await,
+        Command::Webhook {
+            command:
+                WebhookCommand::Verify {
+                    secret,
+                    header,
+                    body_file,
+                    ignore_timestamp,
+                },
+        } => {
+            let body = std::fs::read(&body_file)
+                .with_context(|| format!("reading {}", body_file.display()))?;
+            let now_s = if ignore_timestamp {
+                header
+                    .split(',')
+                    .next()
+                    .and_then(|t| t.trim().strip_prefix("t="))
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(0)
+            } else {
+                clock::SystemClock.now_ms() / 1000
+            };
+            match tally_domain::webhook::verify_signature(&header, &secret, &body, now_s) {
+                Ok(()) => {
+                    println!("valid");
+                    Ok(())
+                }
+                Err(e) => {
+                    println!("invalid: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
         Command::Ledger {
             command: LedgerCommand::Verify(args),
         } => ledger_verify(args).await,
