@@ -234,6 +234,10 @@ struct ServeArgs {
     /// addresses (refused by default, also after DNS resolution: SSRF protection).
     #[arg(long, env = "TALLY_ALLOW_PRIVATE_WEBHOOKS")]
     allow_private_webhooks: bool,
+    /// Do not deliver webhooks from this node. In a Kafka deployment every node holds
+    /// every delivery; exactly one node should dispatch them.
+    #[arg(long, env = "TALLY_NO_WEBHOOK_DISPATCH")]
+    no_webhook_dispatch: bool,
     /// Do not create the `default` store on a first start (for additional nodes of a
     /// Kafka deployment; create stores with `tally store create`).
     #[arg(long, env = "TALLY_NO_DEFAULT_STORE")]
@@ -333,6 +337,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             rate_limit_per_second: args.rate_limit_per_second,
             rate_limit_burst: args.rate_limit_burst,
             allow_private_webhooks: args.allow_private_webhooks,
+            dispatch_webhooks: !args.no_webhook_dispatch,
         },
     );
     let server = tokio::spawn(tally_http::serve(

@@ -38,6 +38,8 @@ pub struct HttpConfig {
     pub rate_limit_burst: u32,
     /// `--allow-private-webhooks`: production endpoints may target private addresses.
     pub allow_private_webhooks: bool,
+    /// Whether this node runs the webhook dispatcher (exactly one node should).
+    pub dispatch_webhooks: bool,
 }
 
 #[derive(Clone)]
@@ -241,7 +243,10 @@ pub async fn serve(
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let (prod_listener, prod_state) = prod;
-    let dispatcher = tokio::spawn(prod_state.dispatcher.clone().run(shutdown.clone()));
+    let dispatcher = prod_state
+        .config
+        .dispatch_webhooks
+        .then(|| tokio::spawn(prod_state.dispatcher.clone().run(shutdown.clone())));
     let (test_listener, test_state) = test;
     let prod_server = axum::serve(
         prod_listener,
@@ -255,7 +260,9 @@ pub async fn serve(
     .with_graceful_shutdown(wait(shutdown.clone()));
     let (a, b) = tokio::join!(prod_server, test_server);
     sweeper.abort();
-    let _ = dispatcher.await;
+    if let Some(dispatcher) = dispatcher {
+        let _ = dispatcher.await;
+    }
     a?;
     b?;
     Ok(())

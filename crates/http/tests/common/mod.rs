@@ -38,6 +38,7 @@ pub fn default_config() -> HttpConfig {
         rate_limit_per_second: 100_000,
         rate_limit_burst: 100_000,
         allow_private_webhooks: false,
+        dispatch_webhooks: true,
     }
 }
 
