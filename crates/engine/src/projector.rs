@@ -319,7 +319,7 @@ fn apply_record(
                 transaction.as_ref(),
                 events,
             )?;
-            crate::webhooks::schedule_deliveries(overlay, events)?;
+            crate::webhooks::schedule_deliveries(overlay, events, entry.offset)?;
         }
         Record::WebhookEndpointUpserted(endpoint) => {
             crate::webhooks::apply_endpoint(overlay, endpoint)

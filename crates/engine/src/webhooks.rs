@@ -49,6 +49,8 @@ pub struct Delivery {
     pub last_status_code: u16,
     pub last_error: String,
     pub event_key: Vec<u8>,
+    /// cli endpoints: this delivery's key in the pending feed.
+    pub pending_key: Vec<u8>,
 }
 
 fn corrupt(e: impl std::fmt::Display) -> EngineError {
@@ -68,6 +70,7 @@ fn encode_delivery(d: &Delivery) -> Vec<u8> {
         last_status_code: d.last_status_code as u32,
         last_error: d.last_error.clone(),
         event_key: d.event_key.clone(),
+        pending_key: d.pending_key.clone(),
     }
     .encode_to_vec()
 }
@@ -86,6 +89,7 @@ fn decode_delivery(bytes: &[u8]) -> Result<Delivery, EngineError> {
         last_status_code: d.last_status_code as u16,
         last_error: d.last_error,
         event_key: d.event_key,
+        pending_key: d.pending_key,
     })
 }
 
@@ -111,16 +115,21 @@ fn due_key(at_ms: i64, store: &str, mode: Mode, endpoint: &str, event: &str) -> 
         .into_bytes()
 }
 
+/// Oldest first: by event time, then log position, then place within the record, so
+/// two events of one step (consumed, then exhausted) keep their order.
 fn pending_key(
     store: &str,
     mode: Mode,
     endpoint: &str,
     created_at_ms: i64,
+    position: (u64, usize),
     event: &str,
 ) -> Vec<u8> {
     Key::scoped(keys::WEBHOOK_PENDING, store, mode)
         .text(endpoint)
         .int(created_at_ms)
+        .uint(position.0)
+        .uint(position.1 as u64)
         .text(event)
         .into_bytes()
 }
@@ -140,8 +149,9 @@ pub fn apply_endpoint(overlay: &mut Overlay<'_>, endpoint: &WebhookEndpoint) {
 pub fn schedule_deliveries(
     overlay: &mut Overlay<'_>,
     events: &[LedgerEvent],
+    log_offset: u64,
 ) -> Result<(), EngineError> {
-    for event in events {
+    for (index, event) in events.iter().enumerate() {
         let (store, mode) = (&event.account.store_id, event.account.mode);
         let prefix = Key::scoped(keys::WEBHOOK_ENDPOINT, store, mode).into_bytes();
         let endpoints = overlay
@@ -157,6 +167,17 @@ pub fn schedule_deliveries(
             .iter()
             .filter(|e| e.subscribes_to(&event.event_type))
         {
+            let pending = match endpoint.delivery_mode {
+                DeliveryMode::Http => Vec::new(),
+                DeliveryMode::Cli => pending_key(
+                    store,
+                    mode,
+                    &endpoint.id,
+                    event.created_at_ms,
+                    (log_offset, index),
+                    &event.id,
+                ),
+            };
             let delivery = Delivery {
                 endpoint_id: endpoint.id.clone(),
                 event_id: event.id.clone(),
@@ -170,16 +191,14 @@ pub fn schedule_deliveries(
                 last_status_code: 0,
                 last_error: String::new(),
                 event_key: event_key.clone(),
+                pending_key: pending.clone(),
             };
             match endpoint.delivery_mode {
                 DeliveryMode::Http => overlay.put(
                     due_key(event.created_at_ms, store, mode, &endpoint.id, &event.id),
                     Vec::new(),
                 ),
-                DeliveryMode::Cli => overlay.put(
-                    pending_key(store, mode, &endpoint.id, event.created_at_ms, &event.id),
-                    Vec::new(),
-                ),
+                DeliveryMode::Cli => overlay.put(pending, Vec::new()),
             }
             overlay.put(
                 delivery_key(store, mode, &endpoint.id, &event.id),
@@ -228,14 +247,8 @@ pub fn apply_attempt(
             Vec::new(),
         );
     }
-    if delivery.delivered {
-        overlay.delete(pending_key(
-            store,
-            mode,
-            &attempt.endpoint_id,
-            delivery.created_at_ms,
-            &attempt.event_id,
-        ));
+    if delivery.delivered && !delivery.pending_key.is_empty() {
+        overlay.delete(delivery.pending_key.clone());
     }
     overlay.put(key, encode_delivery(&delivery));
     overlay.put(
@@ -505,7 +518,7 @@ impl Engine {
         keys_found
             .iter()
             .map(|k| {
-                let (event_id, _) = keys::read_text(k, prefix.len() + 8)
+                let (event_id, _) = keys::read_text(k, prefix.len() + 8 + 8 + 8)
                     .ok_or_else(|| EngineError::Corrupt("pending key".into()))?;
                 self.get_delivery(scope, endpoint_id, event_id)
             })
