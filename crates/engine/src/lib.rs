@@ -156,7 +156,6 @@ impl Engine {
     }
 
     fn load_caches(&self) -> Result<(), EngineError> {
-        let mut failure = None;
         scan_prefix(self.store.as_ref(), &[keys::API_KEY], false, &mut |k, v| {
             if let Some((mode_byte, store_id)) = v.split_last() {
                 let mode = if *mode_byte == Mode::Prod.key_byte() {
@@ -172,25 +171,20 @@ impl Engine {
             }
             Visit::Continue
         })?;
+        let all = pagination::collect_prefix(
+            self.store.as_ref(),
+            &[keys::METER],
+            false,
+            usize::MAX,
+            |_, v| codec::decode_meter(v).map(Some),
+        )?;
         let mut meters: std::collections::HashMap<Scope, Vec<Meter>> = Default::default();
-        scan_prefix(self.store.as_ref(), &[keys::METER], false, &mut |_, v| {
-            match codec::decode_meter(v) {
-                Ok(m) => meters
-                    .entry(Scope {
-                        store_id: m.store_id.clone(),
-                        mode: m.mode,
-                    })
-                    .or_default()
-                    .push(m),
-                Err(e) => {
-                    failure = Some(e);
-                    return Visit::Stop;
-                }
-            }
-            Visit::Continue
-        })?;
-        if let Some(e) = failure {
-            return Err(e);
+        for m in all {
+            let scope = Scope {
+                store_id: m.store_id.clone(),
+                mode: m.mode,
+            };
+            meters.entry(scope).or_default().push(m);
         }
         for (scope, list) in meters {
             self.caches.meters.insert(scope, Arc::new(list));

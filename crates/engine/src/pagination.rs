@@ -4,7 +4,7 @@
 
 use std::ops::Bound;
 
-use tally_projection::{prefix_end, ProjectionStore, Visit};
+use tally_projection::{prefix_end, scan_prefix, ProjectionStore, Visit};
 
 use crate::error::EngineError;
 
@@ -88,4 +88,36 @@ pub fn paginate<T>(
         data: items,
         has_more,
     })
+}
+
+/// Decodes the entries under `prefix` in key order (or reversed), keeping those
+/// `decode` returns `Some` for, at most `limit` of them; stops at the first error.
+pub fn collect_prefix<T>(
+    store: &dyn ProjectionStore,
+    prefix: &[u8],
+    reverse: bool,
+    limit: usize,
+    mut decode: impl FnMut(&[u8], &[u8]) -> Result<Option<T>, EngineError>,
+) -> Result<Vec<T>, EngineError> {
+    let mut items = Vec::new();
+    let mut failure = None;
+    scan_prefix(store, prefix, reverse, &mut |k, v| match decode(k, v) {
+        Ok(Some(item)) => {
+            items.push(item);
+            if items.len() >= limit {
+                Visit::Stop
+            } else {
+                Visit::Continue
+            }
+        }
+        Ok(None) => Visit::Continue,
+        Err(e) => {
+            failure = Some(e);
+            Visit::Stop
+        }
+    })?;
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(items),
+    }
 }

@@ -414,25 +414,19 @@ pub fn fold_event(
 /// the events it skipped because they predate it (decisions.md "backfill").
 fn backfill(overlay: &mut Overlay<'_>, meter: &Meter, start_ms: i64) -> Result<(), EngineError> {
     let prefix = Key::scoped(keys::EVENT, &meter.store_id, meter.mode).into_bytes();
-    let mut events = Vec::new();
-    let mut failure = None;
-    scan_prefix(overlay.store, &prefix, false, &mut |_, value| {
-        match codec::decode_event(value) {
-            Ok((_, event)) => {
-                if event.timestamp_ms >= start_ms && event.timestamp_ms < meter.counts_from_ms {
-                    events.push(event);
-                }
-            }
-            Err(e) => {
-                failure = Some(e);
-                return Visit::Stop;
-            }
-        }
-        Visit::Continue
-    })?;
-    if let Some(e) = failure {
-        return Err(e);
-    }
+    let in_range = |event: &UsageEvent| {
+        event.timestamp_ms >= start_ms && event.timestamp_ms < meter.counts_from_ms
+    };
+    let mut events = crate::pagination::collect_prefix(
+        overlay.store,
+        &prefix,
+        false,
+        usize::MAX,
+        |_, value| {
+            let (_, event) = codec::decode_event(value)?;
+            Ok(in_range(&event).then_some(event))
+        },
+    )?;
     // Events written earlier in this same chunk are not in the store yet.
     for (key, value) in overlay.changes.range(prefix.clone()..) {
         if !key.starts_with(&prefix) {
@@ -440,7 +434,7 @@ fn backfill(overlay: &mut Overlay<'_>, meter: &Meter, start_ms: i64) -> Result<(
         }
         if let Some(value) = value {
             let (_, event) = codec::decode_event(value)?;
-            if event.timestamp_ms >= start_ms && event.timestamp_ms < meter.counts_from_ms {
+            if in_range(&event) {
                 events.push(event);
             }
         }

@@ -11,12 +11,13 @@ use tally_domain::webhook::{
     MAX_ENDPOINT_NAME_CHARS, ROTATED_SECRET_GRACE_MS,
 };
 use tally_domain::{FieldError, Mode};
-use tally_projection::{scan_prefix, Visit};
+use tally_projection::Visit;
 use tally_proto::{v1, Message};
 
 use crate::error::EngineError;
 use crate::ids::{new_id, random_base62};
 use crate::keys::{self, read_int, Key};
+use crate::pagination::collect_prefix;
 use crate::projector::Overlay;
 use crate::{Engine, Scope};
 
@@ -290,18 +291,10 @@ impl Engine {
     /// Endpoints of the scope, newest first.
     pub fn list_endpoints(&self, scope: &Scope) -> Result<Vec<WebhookEndpoint>, EngineError> {
         let prefix = Key::scoped(keys::WEBHOOK_ENDPOINT, &scope.store_id, scope.mode).into_bytes();
-        let mut endpoints = Vec::new();
-        let mut failure = None;
-        scan_prefix(self.store().as_ref(), &prefix, false, &mut |_, v| {
-            match decode_endpoint(v) {
-                Ok(e) => endpoints.push(e),
-                Err(e) => failure = Some(e),
-            }
-            Visit::Continue
-        })?;
-        if let Some(e) = failure {
-            return Err(e);
-        }
+        let mut endpoints =
+            collect_prefix(self.store().as_ref(), &prefix, false, usize::MAX, |_, v| {
+                decode_endpoint(v).map(Some)
+            })?;
         endpoints.sort_by(|a, b| b.created_at_ms.cmp(&a.created_at_ms).then(b.id.cmp(&a.id)));
         Ok(endpoints)
     }
@@ -506,22 +499,14 @@ impl Engine {
         let prefix = Key::scoped(keys::WEBHOOK_PENDING, &scope.store_id, scope.mode)
             .text(endpoint_id)
             .into_bytes();
-        let mut keys_found = Vec::new();
-        scan_prefix(self.store().as_ref(), &prefix, false, &mut |k, _| {
-            keys_found.push(k.to_vec());
-            if keys_found.len() >= limit {
-                Visit::Stop
-            } else {
-                Visit::Continue
-            }
+        let event_ids = collect_prefix(self.store().as_ref(), &prefix, false, limit, |k, _| {
+            keys::read_text(k, prefix.len() + 8 + 8 + 8)
+                .map(|(event_id, _)| Some(event_id.to_string()))
+                .ok_or_else(|| EngineError::Corrupt("pending key".into()))
         })?;
-        keys_found
+        event_ids
             .iter()
-            .map(|k| {
-                let (event_id, _) = keys::read_text(k, prefix.len() + 8 + 8 + 8)
-                    .ok_or_else(|| EngineError::Corrupt("pending key".into()))?;
-                self.get_delivery(scope, endpoint_id, event_id)
-            })
+            .map(|event_id| self.get_delivery(scope, endpoint_id, event_id))
             .collect()
     }
 
@@ -541,29 +526,12 @@ impl Engine {
         let prefix = Key::scoped(keys::WEBHOOK_ATTEMPT, &scope.store_id, scope.mode)
             .text(endpoint_id)
             .into_bytes();
-        let mut attempts = Vec::new();
-        let mut failure = None;
-        scan_prefix(self.store().as_ref(), &prefix, true, &mut |_, v| {
-            match v1::WebhookAttempt::decode(v)
+        collect_prefix(self.store().as_ref(), &prefix, true, limit, |_, v| {
+            let attempt = v1::WebhookAttempt::decode(v).map_err(corrupt)?;
+            tally_proto::attempt_from_proto(attempt)
+                .map(Some)
                 .map_err(corrupt)
-                .and_then(|a| tally_proto::attempt_from_proto(a).map_err(corrupt))
-            {
-                Ok(a) => attempts.push(a),
-                Err(e) => {
-                    failure = Some(e);
-                    return Visit::Stop;
-                }
-            }
-            if attempts.len() >= limit {
-                Visit::Stop
-            } else {
-                Visit::Continue
-            }
-        })?;
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(attempts),
-        }
+        })
     }
 
     /// HTTP deliveries due at or before `now_ms`, oldest due first.
