@@ -10,20 +10,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::{json, Value};
 
-fn brokers() -> Option<String> {
-    match std::env::var("TALLY_TEST_KAFKA_BROKERS") {
-        Ok(b) if !b.is_empty() => Some(b),
-        _ => {
-            assert!(
-                std::env::var("CI").is_err(),
-                "CI must provide a broker in TALLY_TEST_KAFKA_BROKERS"
-            );
-            eprintln!("TALLY_TEST_KAFKA_BROKERS not set: Kafka serve test not run here");
-            None
-        }
-    }
-}
-
 async fn usage_value(http: &reqwest::Client, base: &str, key: &str, meter: &str) -> String {
     let (_, usage) = get(http, &format!("{base}/v1/meters/{meter}/usage"), key).await;
     usage["value"].as_str().unwrap_or_default().to_string()
@@ -51,7 +37,9 @@ async fn wait_for_usage(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn serving_on_kafka_is_exact_and_survives_restarts() {
-    let Some(brokers) = brokers() else { return };
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

@@ -20,6 +20,23 @@ pub trait LogFactory: Send + Sync {
     async fn open(&self) -> Arc<dyn Log>;
 }
 
+/// The broker tests of the Kafka path use (`TALLY_TEST_KAFKA_BROKERS`, set by
+/// `.ci/run`). Outside CI a missing broker skips those tests with a message; in CI
+/// (`CI` set) it fails them, so the Kafka path is never silently untested.
+pub fn test_brokers() -> Option<String> {
+    match std::env::var("TALLY_TEST_KAFKA_BROKERS") {
+        Ok(brokers) if !brokers.is_empty() => Some(brokers),
+        _ => {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI must provide a broker in TALLY_TEST_KAFKA_BROKERS"
+            );
+            eprintln!("TALLY_TEST_KAFKA_BROKERS not set: Kafka test not run here");
+            None
+        }
+    }
+}
+
 /// Generous wait for a reader to see a record; Kafka needs a broker round trip.
 const READ_WAIT: Duration = Duration::from_secs(10);
 

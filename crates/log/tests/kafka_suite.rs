@@ -23,23 +23,11 @@ impl LogFactory for KafkaFactory {
     }
 }
 
-fn brokers() -> Option<String> {
-    match std::env::var("TALLY_TEST_KAFKA_BROKERS") {
-        Ok(b) if !b.is_empty() => Some(b),
-        _ => {
-            assert!(
-                std::env::var("CI").is_err(),
-                "CI must provide a broker in TALLY_TEST_KAFKA_BROKERS"
-            );
-            eprintln!("TALLY_TEST_KAFKA_BROKERS not set: Kafka suite not run here");
-            None
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kafka_log_passes_the_shared_suite() {
-    let Some(brokers) = brokers() else { return };
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
