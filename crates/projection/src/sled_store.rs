@@ -12,8 +12,10 @@ const POSITION_PREFIX: &[u8] = b"\x00pos\x00";
 /// How often sled writes its buffers to disk in the background. Losing the last
 /// interval on a crash is harmless: those batches are re-applied from the log.
 pub const SLED_FLUSH_EVERY_MS: u64 = 500;
-/// sled's page cache.
-pub const SLED_CACHE_BYTES: u64 = 256 * 1024 * 1024;
+/// sled's page cache. Measured with the ingest benchmark: 256 MiB gave a 684 MiB
+/// peak RSS, 64 MiB gives 429 MiB at the same throughput (within noise), and the hot
+/// data (recent buckets) is small.
+pub const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
 pub struct SledStore {
     db: sled::Db,
