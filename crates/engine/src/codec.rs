@@ -38,17 +38,6 @@ pub fn encode_store(s: &StoreRecord) -> Vec<u8> {
     .encode_to_vec()
 }
 
-pub fn decode_store(bytes: &[u8]) -> Result<StoreRecord, EngineError> {
-    let s = v1::StoreCreated::decode(bytes).map_err(corrupt)?;
-    Ok(StoreRecord {
-        store_id: s.store_id,
-        name: s.name,
-        prod_key_sha256: s.prod_key_sha256,
-        test_key_sha256: s.test_key_sha256,
-        created_at_ms: s.created_at_ms,
-    })
-}
-
 /// Stored events are prefixed with the suffix of their listing key, so a cursor
 /// (an event id) finds its place in the listing.
 pub const EVENT_LIST_SUFFIX_BYTES: usize = 8 + 4 + 8 + 4;
