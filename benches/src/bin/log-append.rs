@@ -113,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
             topic: format!("tally-bench-{}", std::process::id()),
             partitions: 4,
             replication_factor: 1,
+            min_insync_replicas: 1,
         };
         tally_log::kafka::create_topic(&config).await?;
         let kafka: Arc<dyn Log> = Arc::new(tally_log::kafka::KafkaLog::connect(config)?);

@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use tally_domain::clock::Clock;
 use tally_engine::Engine;
 use tally_log::embedded::EmbeddedLog;
-use tally_log::kafka::{create_topic, KafkaConfig, KafkaLog};
+use tally_log::kafka::{create_topic, verify_topic, KafkaConfig, KafkaLog};
 use tally_log::Log;
 use tally_projection::{ProjectionStore, SledStore};
 
@@ -183,6 +183,12 @@ struct KafkaArgs {
     /// Replication factor when creating the topic (3 in production, 1 for a test broker).
     #[arg(long, env = "TALLY_KAFKA_REPLICATION_FACTOR", default_value_t = 1)]
     kafka_replication_factor: i32,
+    /// `min.insync.replicas` when creating the topic: an acknowledged write is on at
+    /// least this many replicas. 2 with a replication factor of 3; 1 only for a
+    /// one-broker development cluster. Defaults to 2, or 1 when the replication
+    /// factor is 1.
+    #[arg(long, env = "TALLY_KAFKA_MIN_INSYNC_REPLICAS")]
+    kafka_min_insync_replicas: Option<i32>,
 }
 
 impl KafkaArgs {
@@ -192,6 +198,13 @@ impl KafkaArgs {
             topic: self.kafka_topic.clone(),
             partitions: self.kafka_partitions,
             replication_factor: self.kafka_replication_factor,
+            min_insync_replicas: self.kafka_min_insync_replicas.unwrap_or(
+                if self.kafka_replication_factor > 1 {
+                    2
+                } else {
+                    1
+                },
+            ),
         }
     }
 }
@@ -228,6 +241,8 @@ struct ServeArgs {
     #[arg(long, env = "TALLY_RATE_LIMIT_BURST", default_value_t = 2000)]
     rate_limit_burst: u32,
     /// Admin API token; enables POST /admin/v1/stores on the production listener.
+    /// At least 32 characters (a random secret): a guessable token on a public
+    /// listener hands out stores.
     #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
     /// Let production webhook endpoints target loopback, private and link-local
@@ -263,6 +278,9 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// Shortest admin token `serve` accepts.
+const MIN_ADMIN_TOKEN_CHARS: usize = 32;
+
 async fn open_log(storage: &StorageArgs, create_kafka_topic: bool) -> Result<Arc<dyn Log>> {
     Ok(match storage.log_kind {
         LogKind::Embedded => {
@@ -284,6 +302,9 @@ async fn open_log(storage: &StorageArgs, create_kafka_topic: bool) -> Result<Arc
             {
                 tracing::info!(topic = %config.topic, partitions = config.partitions, "created Kafka topic");
             }
+            verify_topic(&config)
+                .await
+                .context("checking the Kafka topic's settings")?;
             Arc::new(KafkaLog::connect(config).context("connecting to Kafka")?)
         }
     })
@@ -321,8 +342,17 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let clock: Arc<dyn Clock> = Arc::new(clock::SystemClock);
     let engine = Engine::open(log.clone(), store, clock).await?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-    let projector = engine.start_projector(shutdown_rx.clone());
+    // The projector stops only after HTTP has drained: in-flight writes wait for
+    // their records to be applied, and would otherwise answer 503 while durable.
+    let (projector_stop_tx, projector_stop_rx) = tokio::sync::watch::channel(false);
+    let projector = engine.start_projector(projector_stop_rx);
 
+    let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
+    if let Some(token) = &admin_token {
+        if token.chars().count() < MIN_ADMIN_TOKEN_CHARS || token == "change-me" {
+            bail!("TALLY_ADMIN_TOKEN must be a random secret of at least {MIN_ADMIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)");
+        }
+    }
     let prod_listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding the production listener {}", args.listen))?;
@@ -334,7 +364,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let (prod_state, test_state) = tally_http::states(
         engine.clone(),
         tally_http::HttpConfig {
-            admin_token: args.admin_token.clone().filter(|t| !t.is_empty()),
+            admin_token,
             rate_limit_per_second: args.rate_limit_per_second,
             rate_limit_burst: args.rate_limit_burst,
             allow_private_webhooks: args.allow_private_webhooks,
@@ -409,6 +439,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         Ok(Err(e)) => tracing::error!(error = %e, "server error during shutdown"),
         Err(e) => tracing::error!(error = %e, "server task failed"),
     }
+    let _ = projector_stop_tx.send(true);
     for task in projector {
         let _ = task.await;
     }

@@ -40,11 +40,7 @@ async fn serving_on_kafka_is_exact_and_survives_restarts() {
     let Some(brokers) = tally_log::testsuite::test_brokers() else {
         return;
     };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let topic = format!("tally-serve-{nanos}");
+    let topic = tally_log::testsuite::unique_topic("tally-serve");
     let flags = [
         "--log",
         "kafka",

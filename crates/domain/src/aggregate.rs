@@ -7,6 +7,7 @@
 
 use rust_decimal::Decimal;
 
+use crate::exact::exact_add;
 use crate::meter::Aggregation;
 use crate::usage::PropertyValue;
 
@@ -20,6 +21,10 @@ pub struct Aggregate {
     pub sum: Decimal,
     pub min: Option<Decimal>,
     pub max: Option<Decimal>,
+    /// The exact sum left rust_decimal's 28 significant digits: `sum` is no longer
+    /// meaningful, and sum and average have no value. Sticky, and merged by `or`, so
+    /// folding stays associative whatever the input.
+    pub overflowed: bool,
 }
 
 /// What an event contributes to a meter, decided from its properties.
@@ -59,22 +64,32 @@ impl Aggregate {
         self.events += 1;
         if let Some(n) = number {
             self.numeric_events += 1;
-            // Inputs are bounded (limits::MAX_PROPERTY_NUMBER_ABS) so a sum overflows
-            // only after ~10^10 maximal events in one bucket; saturate rather than panic.
-            self.sum = self.sum.checked_add(n).unwrap_or(if n.is_sign_negative() {
-                Decimal::MIN
-            } else {
-                Decimal::MAX
-            });
+            self.add_to_sum(n);
             self.min = Some(self.min.map_or(n, |m| m.min(n)));
             self.max = Some(self.max.map_or(n, |m| m.max(n)));
+        }
+    }
+
+    /// Inputs are bounded (limits::MAX_PROPERTY_NUMBER_ABS), so only a hostile stream
+    /// leaves the exact range; then the bucket says so instead of rounding.
+    fn add_to_sum(&mut self, n: Decimal) {
+        if self.overflowed {
+            return;
+        }
+        match exact_add(self.sum, n) {
+            Some(sum) => self.sum = sum,
+            None => {
+                self.overflowed = true;
+                self.sum = Decimal::ZERO;
+            }
         }
     }
 
     pub fn merge(&mut self, other: &Aggregate) {
         self.events += other.events;
         self.numeric_events += other.numeric_events;
-        self.sum = self.sum.checked_add(other.sum).unwrap_or(Decimal::MAX);
+        self.overflowed |= other.overflowed;
+        self.add_to_sum(other.sum);
         self.min = match (self.min, other.min) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -86,13 +101,14 @@ impl Aggregate {
     }
 
     /// The meter value of this (merged) bucket. `distinct_values` is used by
-    /// `unique`. `None` when min/max/average have no data point.
+    /// `unique`. `None` when min/max/average have no data point, and for sum and
+    /// average when the exact sum does not fit 28 significant digits.
     pub fn value(&self, aggregation: Aggregation, distinct_values: u64) -> Option<Decimal> {
         match aggregation {
             Aggregation::Count => Some(Decimal::from(self.events)),
-            Aggregation::Sum => Some(self.sum),
+            Aggregation::Sum => (!self.overflowed).then_some(self.sum),
             Aggregation::Average => {
-                if self.numeric_events == 0 {
+                if self.numeric_events == 0 || self.overflowed {
                     None
                 } else {
                     self.sum.checked_div(Decimal::from(self.numeric_events))

@@ -5,14 +5,31 @@
 //! system accounts (`issuance`, `consumption`, `forfeit`); its entries sum to exactly
 //! zero. Rejections are values with reason codes, never panics.
 
+use std::collections::BTreeMap;
+
 use rust_decimal::Decimal;
 
 use crate::error::FieldError;
+use crate::exact::{exact_add, exact_sum};
 use crate::mode::Mode;
 use crate::usage::parse_decimal;
 
-/// Most fractional digits an amount may carry (issue 4).
+/// Most fractional digits an amount may carry (docs/api.md "Amounts").
 pub const MAX_AMOUNT_SCALE: u32 = 18;
+/// Largest amount of one credit, debit or initial balance: a quadrillion credits,
+/// far beyond any real grant, small enough that no sum below can overflow.
+pub const MAX_AMOUNT: Decimal = Decimal::from_parts(0xA4C6_8000, 0x0003_8D7E, 0, false, 0); // 1e15
+/// Largest magnitude any balance may reach: customer accounts and the store's
+/// system accounts (which carry the running totals of every grant and consumption).
+///
+/// Why nothing can overflow: every entry is at most `MAX_BALANCE` in magnitude (an
+/// amount is at most `MAX_AMOUNT`, a close forfeits at most a whole balance), so a
+/// balance plus an entry is at most 2e18 in magnitude, far inside rust_decimal's
+/// ~7.9e28. The projector adds with `exact_add` and refuses (a recorded rejection,
+/// `amount_out_of_range`) any step that would take a balance past this limit or need
+/// more than 28 significant digits; so every stored balance stays in range, and a
+/// store's total over all its accounts is exactly zero by double entry.
+pub const MAX_BALANCE: Decimal = Decimal::from_parts(0xA764_0000, 0x0DE0_B6B3, 0, false, 0); // 1e18
 /// Account name and unit label length.
 pub const MAX_ACCOUNT_NAME_CHARS: usize = 255;
 pub const DEFAULT_ACCOUNT_NAME: &str = "default";
@@ -149,21 +166,20 @@ pub struct Transaction {
 impl Transaction {
     /// The double-entry invariant.
     pub fn entries_sum_to_zero(&self) -> bool {
-        self.entries
-            .iter()
-            .map(|e| e.amount)
-            .sum::<Decimal>()
-            .is_zero()
+        exact_sum(self.entries.iter().map(|e| e.amount)).is_some_and(|sum| sum.is_zero())
             && self.entries.len() >= 2
     }
 
-    /// The signed change this transaction makes to `account_id`.
+    /// The signed change this transaction makes to `account_id` (zero when the
+    /// entries cannot be summed exactly; `balances_after` refuses such a transaction).
     pub fn delta_for(&self, account_id: &str) -> Decimal {
-        self.entries
-            .iter()
-            .filter(|e| e.account_id == account_id)
-            .map(|e| e.amount)
-            .sum()
+        exact_sum(
+            self.entries
+                .iter()
+                .filter(|e| e.account_id == account_id)
+                .map(|e| e.amount),
+        )
+        .unwrap_or_default()
     }
 }
 
@@ -175,6 +191,10 @@ pub enum Rejection {
     AccountClosed,
     AlreadyReversed,
     NotReversible,
+    /// A balance would pass `MAX_BALANCE` or need rounding.
+    AmountOutOfRange,
+    /// The entries do not form a valid double-entry transaction (a forged record).
+    Unbalanced,
 }
 
 impl Rejection {
@@ -185,6 +205,8 @@ impl Rejection {
             Rejection::AccountClosed => "account_closed",
             Rejection::AlreadyReversed => "transaction_already_reversed",
             Rejection::NotReversible => "transaction_not_reversible",
+            Rejection::AmountOutOfRange => "amount_out_of_range",
+            Rejection::Unbalanced => "transaction_unbalanced",
         }
     }
 
@@ -201,18 +223,25 @@ impl Rejection {
             Rejection::NotReversible => {
                 "only credit, debit and initial-balance transactions can be reversed"
             }
+            Rejection::AmountOutOfRange => {
+                "the transaction would take a balance (the account's or the store's running total) past 1e18 credits or beyond 28 significant digits; nothing was written"
+            }
+            Rejection::Unbalanced => {
+                "a transaction needs at least two entries that sum to exactly zero"
+            }
         }
     }
 }
 
-/// Parses an amount: a positive decimal string, at most 18 fractional digits, within
-/// rust_decimal's range. `allow_zero` for `initial_balance`.
+/// Parses an amount: a positive decimal string, at most `MAX_AMOUNT_SCALE` fractional
+/// digits, at most `MAX_AMOUNT`, exactly representable (never rounded).
+/// `allow_zero` for `initial_balance`.
 pub fn parse_amount(param: &str, text: &str, allow_zero: bool) -> Result<Decimal, FieldError> {
     let trimmed = text.trim();
     let invalid = || {
         FieldError::invalid(
             param,
-            format!("`{param}` must be a {} decimal string with at most {MAX_AMOUNT_SCALE} fractional digits, e.g. \"12.5\"",
+            format!("`{param}` must be a {} decimal string of at most {MAX_AMOUNT} with at most {MAX_AMOUNT_SCALE} fractional digits and 28 significant digits, e.g. \"12.5\"",
                 if allow_zero { "non-negative" } else { "positive" }),
         )
     };
@@ -229,10 +258,45 @@ pub fn parse_amount(param: &str, text: &str, allow_zero: bool) -> Result<Decimal
         return Err(invalid());
     }
     let value = parse_decimal(trimmed).ok_or_else(invalid)?;
-    if value.is_sign_negative() || (value.is_zero() && !allow_zero) {
+    if value.is_sign_negative() || (value.is_zero() && !allow_zero) || value > MAX_AMOUNT {
         return Err(invalid());
     }
     Ok(value.normalize())
+}
+
+/// The balances a transaction leaves, account by account, given the balances before
+/// (`balance_before`, zero for an account never touched). This is the projector's
+/// re-check, in log order, of what the service decided: entries must form a valid
+/// double-entry transaction, no balance may pass `MAX_BALANCE` or need rounding,
+/// and no customer account may go below zero (system accounts are signed by nature).
+pub fn balances_after(
+    transaction: &Transaction,
+    balance_before: &dyn Fn(&str) -> Decimal,
+) -> Result<BTreeMap<String, Decimal>, Rejection> {
+    if !transaction.entries_sum_to_zero() {
+        return Err(Rejection::Unbalanced);
+    }
+    let mut after: BTreeMap<String, Decimal> = BTreeMap::new();
+    for entry in &transaction.entries {
+        if entry.amount.abs() > MAX_BALANCE {
+            return Err(Rejection::AmountOutOfRange);
+        }
+        let before = match after.get(&entry.account_id) {
+            Some(balance) => *balance,
+            None => balance_before(&entry.account_id),
+        };
+        let balance = exact_add(before, entry.amount)
+            .filter(|b| b.abs() <= MAX_BALANCE)
+            .ok_or(Rejection::AmountOutOfRange)?;
+        after.insert(entry.account_id.clone(), balance);
+    }
+    let overdrawn = after.iter().any(|(id, balance)| {
+        SystemAccount::from_account_id(id).is_none() && *balance < Decimal::ZERO
+    });
+    if overdrawn {
+        return Err(Rejection::InsufficientBalance);
+    }
+    Ok(after)
 }
 
 /// Checks that an account can take a transaction at all.
@@ -324,8 +388,10 @@ pub fn post_reversal(
     }
     check_open(status)?;
     let delta = -original.delta_for(&original.account_id);
-    if balance + delta < Decimal::ZERO {
-        return Err(Rejection::InsufficientBalance);
+    match exact_add(balance, delta) {
+        None => return Err(Rejection::AmountOutOfRange),
+        Some(after) if after < Decimal::ZERO => return Err(Rejection::InsufficientBalance),
+        Some(_) => {}
     }
     Ok(original
         .entries
@@ -380,6 +446,89 @@ mod tests {
         assert!(parse_amount("initial_balance", "0", true)
             .unwrap()
             .is_zero());
+    }
+
+    #[test]
+    fn limits_are_what_their_names_say_and_cannot_overflow() {
+        assert_eq!(MAX_AMOUNT.to_string(), "1000000000000000");
+        assert_eq!(MAX_BALANCE.to_string(), "1000000000000000000");
+        // The worst case the proof in MAX_BALANCE's comment relies on.
+        assert!(MAX_BALANCE.checked_add(MAX_BALANCE).is_some());
+        assert!(parse_amount("amount", "1000000000000000", false).is_ok());
+        for bad in [
+            "1000000000000000.000000000000000001",
+            "1000000000000001",
+            "79228162514264337593543950335",
+        ] {
+            assert!(parse_amount("amount", bad, false).is_err(), "{bad}");
+        }
+    }
+
+    fn tx(entries: &[(&str, &str)]) -> Transaction {
+        Transaction {
+            id: "ctx_1".into(),
+            store_id: "st".into(),
+            mode: Mode::Test,
+            kind: TransactionKind::Credit,
+            account_id: "ca_1".into(),
+            amount: Decimal::ONE,
+            entries: entries
+                .iter()
+                .enumerate()
+                .map(|(i, (account, amount))| Entry {
+                    id: format!("ce_{i}"),
+                    account_id: account.to_string(),
+                    amount: amount.parse().unwrap(),
+                })
+                .collect(),
+            idempotency_key: None,
+            description: None,
+            metadata: Default::default(),
+            reverses: None,
+            created_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn balances_after_refuses_what_breaks_an_invariant() {
+        let zero = |_: &str| Decimal::ZERO;
+        let after =
+            balances_after(&tx(&[("ca_1", "5"), ("system:issuance", "-5")]), &zero).unwrap();
+        assert_eq!(after["ca_1"], Decimal::from(5));
+        assert_eq!(after["system:issuance"], Decimal::from(-5));
+        assert_eq!(
+            balances_after(&tx(&[("ca_1", "-5"), ("system:consumption", "5")]), &zero),
+            Err(Rejection::InsufficientBalance)
+        );
+        assert_eq!(
+            balances_after(&tx(&[("ca_1", "5"), ("system:issuance", "-4")]), &zero),
+            Err(Rejection::Unbalanced)
+        );
+        assert_eq!(balances_after(&tx(&[]), &zero), Err(Rejection::Unbalanced));
+        // The store's issuance total at its limit refuses one more credit.
+        let at_limit = |id: &str| {
+            if id == "system:issuance" {
+                -MAX_BALANCE
+            } else {
+                Decimal::ZERO
+            }
+        };
+        assert_eq!(
+            balances_after(&tx(&[("ca_1", "1"), ("system:issuance", "-1")]), &at_limit),
+            Err(Rejection::AmountOutOfRange)
+        );
+        // A credit that would need rounding is refused, not rounded.
+        let big = |_: &str| Decimal::from(100_000_000_000i64);
+        assert_eq!(
+            balances_after(
+                &tx(&[
+                    ("ca_1", "0.000000000000000001"),
+                    ("system:issuance", "-0.000000000000000001")
+                ]),
+                &big
+            ),
+            Err(Rejection::AmountOutOfRange)
+        );
     }
 
     #[test]

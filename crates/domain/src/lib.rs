@@ -8,6 +8,7 @@ pub mod aggregate;
 pub mod clock;
 pub mod customer;
 pub mod error;
+pub mod exact;
 pub mod ledger;
 pub mod limits;
 pub mod meter;

@@ -41,3 +41,9 @@ pub const MAX_METADATA_VALUE_CHARS: usize = 500;
 /// Cursor list page size (spec part 8).
 pub const MAX_PAGE_LIMIT: usize = 100;
 pub const DEFAULT_PAGE_LIMIT: usize = 10;
+/// Meters per store and environment (archived ones included: they keep their names).
+/// Bounds the meter list every ingest request matches against.
+pub const MAX_METERS_PER_SCOPE: usize = 500;
+/// Meters on one event name: each event is folded into every meter on its name (two
+/// buckets each), so this bounds the apply cost of one event.
+pub const MAX_METERS_PER_EVENT_NAME: usize = 50;

@@ -27,11 +27,18 @@ pub enum Record {
         mode: Mode,
         events: Vec<UsageEvent>,
     },
+    /// One step of a backfill (ARCHITECTURE.md "Backfill"): fold the listed stored
+    /// events into the meter; the finishing step also folds what arrived since the
+    /// service's scan (received at or after `rescan_from_ms`) and moves the meter's
+    /// counting start to `start_ms`.
     MeterBackfill {
         store_id: String,
         mode: Mode,
         meter_id: String,
         start_ms: i64,
+        event_ids: Vec<String>,
+        finish: bool,
+        rescan_from_ms: i64,
     },
     WebhookEndpointUpserted(crate::webhook::WebhookEndpoint),
     WebhookEndpointDeleted {

@@ -22,11 +22,13 @@ pub enum PropertyValue {
 }
 
 impl PropertyValue {
-    /// The numeric reading of a value: numbers, and strings that parse as decimals.
+    /// The numeric reading of a value: numbers, and strings that parse as decimals
+    /// within the same bound as numbers (`MAX_PROPERTY_NUMBER_ABS`); a larger string
+    /// is not a number.
     pub fn as_number(&self) -> Option<Decimal> {
         match self {
             PropertyValue::Number(n) => Some(*n),
-            PropertyValue::String(s) => parse_decimal(s),
+            PropertyValue::String(s) => parse_property_number(s),
         }
     }
 
@@ -49,6 +51,11 @@ pub fn parse_decimal(text: &str) -> Option<Decimal> {
     Decimal::from_str_exact(text)
         .ok()
         .or_else(|| Decimal::from_scientific(text).ok())
+}
+
+/// A property number: a decimal within ±`MAX_PROPERTY_NUMBER_ABS`.
+pub fn parse_property_number(text: &str) -> Option<Decimal> {
+    parse_decimal(text).filter(|n| n.abs() <= Decimal::from(MAX_PROPERTY_NUMBER_ABS))
 }
 
 /// The canonical text of a decimal: no trailing zeros, no exponent ("12.50" -> "12.5").
@@ -237,15 +244,12 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
                 PropertyValue::String(s.clone())
             }
             RawPropertyValue::Number(text) => {
-                let number = parse_decimal(text)
-                    .filter(|n| n.abs() <= Decimal::from(MAX_PROPERTY_NUMBER_ABS))
-                    .ok_or_else(|| {
-                        invalid(
-                            &param,
-                            "numbers must be within ±1e18 with at most 28 significant digits"
-                                .into(),
-                        )
-                    })?;
+                let number = parse_property_number(text).ok_or_else(|| {
+                    invalid(
+                        &param,
+                        format!("numbers must be within ±{MAX_PROPERTY_NUMBER_ABS} with at most 28 significant digits"),
+                    )
+                })?;
                 PropertyValue::Number(number.normalize())
             }
             RawPropertyValue::Other(kind) => {

@@ -102,13 +102,16 @@ impl WebhookEndpoint {
     }
 }
 
-/// Addresses a production webhook may never reach: loopback, private, link-local
-/// (including the cloud metadata address 169.254.169.254), CGNAT, unspecified,
-/// multicast, and their IPv6 counterparts (also IPv4-mapped ones).
+/// Addresses a webhook may never reach (outside `--allow-private-webhooks`):
+/// loopback, private, link-local (the cloud metadata address 169.254.169.254
+/// among them), CGNAT, benchmarking (198.18/15), reserved (240/4), IETF protocol
+/// assignments (192.0.0/24), documentation, unspecified, broadcast, multicast; in
+/// IPv6 the same, plus the forms that embed or tunnel an IPv4 address (mapped,
+/// compatible, NAT64, 6to4, Teredo) and site-local.
 pub fn is_forbidden_ip(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
+            let [a, b, c, _] = v4.octets();
             v4.is_loopback()
                 || v4.is_private()
                 || v4.is_link_local()
@@ -118,82 +121,118 @@ pub fn is_forbidden_ip(ip: IpAddr) -> bool {
                 || v4.is_documentation()
                 || a == 0
                 || (a == 100 && (64..128).contains(&b))
+                || (a == 198 && (b == 18 || b == 19))
+                || a >= 240
+                || (a == 192 && b == 0 && c == 0)
         }
         IpAddr::V6(v6) => {
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return is_forbidden_ip(IpAddr::V4(v4));
             }
-            let first = v6.segments()[0];
+            let s = v6.segments();
+            let compatible = s[..6] == [0; 6] && !v6.is_loopback() && !v6.is_unspecified();
+            let nat64 = s[0] == 0x64 && s[1] == 0xff9b;
             v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
-                || (first & 0xfe00) == 0xfc00
-                || (first & 0xffc0) == 0xfe80
+                || compatible
+                || nat64
+                || s[0] == 0x2002
+                || (s[0] == 0x2001 && s[1] == 0)
+                || (s[0] == 0x2001 && s[1] == 0x0db8)
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] & 0xffc0) == 0xfec0
         }
     }
 }
 
-/// Splits `scheme://host[:port]/path` into scheme and host (brackets removed).
-pub fn url_scheme_and_host(url: &str) -> Option<(&str, &str)> {
-    let (scheme, rest) = url.split_once("://")?;
-    let authority = rest.split(['/', '?', '#']).next()?;
-    let authority = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, host)| host);
-    let host = if let Some(stripped) = authority.strip_prefix('[') {
-        stripped.split_once(']')?.0
-    } else {
-        authority.split(':').next()?
+/// Whether a webhook of `mode` may reach `ip`: never a forbidden address, except
+/// that test endpoints may reach loopback (local development); anything goes with
+/// `allow_private` (a single-tenant deployment's own choice).
+pub fn may_reach(ip: IpAddr, mode: Mode, allow_private: bool) -> bool {
+    allow_private || !is_forbidden_ip(ip) || (mode == Mode::Test && ip.to_canonical().is_loopback())
+}
+
+/// Where an endpoint URL points, as the HTTP client will read it: the WHATWG URL
+/// parser (the `url` crate, which reqwest uses too), so the host checked is the
+/// host connected to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub scheme: String,
+    pub host: url::Host<String>,
+    pub port: u16,
+}
+
+/// Parses and checks an endpoint URL for `mode` (see `validate_url`).
+pub fn endpoint_target(text: &str, mode: Mode, allow_private: bool) -> Result<Target, FieldError> {
+    let invalid = |message: &str| FieldError::invalid("url", message);
+    if text.chars().count() > MAX_URL_CHARS {
+        return Err(FieldError::invalid(
+            "url",
+            format!("`url` is at most {MAX_URL_CHARS} characters"),
+        ));
+    }
+    // Parsers disagree about `\` and control characters; refuse them outright.
+    if text.contains('\\') || text.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(invalid(
+            "`url` may not contain backslashes, spaces or control characters",
+        ));
+    }
+    let url =
+        url::Url::parse(text).map_err(|_| invalid("`url` must be an absolute http(s) URL"))?;
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(invalid("`url` may not carry credentials (user:password@)"));
+    }
+    let scheme = url.scheme().to_string();
+    match (mode, scheme.as_str()) {
+        (Mode::Prod, "https") => {}
+        (Mode::Prod, "http") if allow_private => {}
+        (Mode::Prod, _) => return Err(invalid("production endpoints need an https:// URL")),
+        (Mode::Test, "https" | "http") => {}
+        (Mode::Test, _) => return Err(invalid("`url` must be http:// or https://")),
+    }
+    let host = url
+        .host()
+        .map(|h| h.to_owned())
+        .ok_or_else(|| invalid("`url` must name a host"))?;
+    let port = url.port_or_known_default().unwrap_or(443);
+    let refused = || {
+        invalid(if mode == Mode::Prod {
+            "production endpoints must be public: loopback, private, link-local and metadata addresses are refused"
+        } else {
+            "test endpoints may be public or loopback; private, link-local and metadata addresses are refused"
+        })
     };
-    (!host.is_empty()).then_some((scheme, host))
+    match &host {
+        url::Host::Ipv4(ip) if !may_reach(IpAddr::V4(*ip), mode, allow_private) => {
+            return Err(refused())
+        }
+        url::Host::Ipv6(ip) if !may_reach(IpAddr::V6(*ip), mode, allow_private) => {
+            return Err(refused())
+        }
+        url::Host::Domain(name) if !allow_private => {
+            // A trailing dot names the same host ("localhost." is localhost).
+            let name = name.trim_end_matches('.').to_ascii_lowercase();
+            let local = name == "localhost" || name.ends_with(".localhost");
+            let internal = name.ends_with(".internal")
+                || name.ends_with(".local")
+                || name.ends_with(".home.arpa")
+                || (!name.contains('.') && !local);
+            if internal || (local && mode == Mode::Prod) {
+                return Err(refused());
+            }
+        }
+        _ => {}
+    }
+    Ok(Target { scheme, host, port })
 }
 
 /// Checks an endpoint URL for the environment: production needs `https://` and a
 /// public host (unless private targets are allowed); test accepts `http://` and
-/// loopback for local development.
+/// loopback for local development, never private or metadata addresses.
 pub fn validate_url(url: &str, mode: Mode, allow_private: bool) -> Result<(), FieldError> {
-    if url.chars().count() > MAX_URL_CHARS {
-        return Err(FieldError::invalid(
-            "url",
-            "`url` is at most 2048 characters",
-        ));
-    }
-    let (scheme, host) = url_scheme_and_host(url)
-        .ok_or_else(|| FieldError::invalid("url", "`url` must be an absolute http(s) URL"))?;
-    match (mode, scheme) {
-        (Mode::Prod, "https") => {}
-        (Mode::Prod, _) if allow_private && scheme == "http" => {}
-        (Mode::Prod, _) => {
-            return Err(FieldError::invalid(
-                "url",
-                "production endpoints need an https:// URL",
-            ))
-        }
-        (Mode::Test, "https" | "http") => {}
-        (Mode::Test, _) => {
-            return Err(FieldError::invalid(
-                "url",
-                "`url` must be http:// or https://",
-            ))
-        }
-    }
-    if mode == Mode::Prod && !allow_private {
-        // A trailing dot names the same host ("localhost." is localhost).
-        let lowered = host.trim_end_matches('.').to_ascii_lowercase();
-        let named_private = lowered == "localhost"
-            || lowered.ends_with(".localhost")
-            || lowered.ends_with(".internal")
-            || lowered.ends_with(".local")
-            || lowered == "metadata.google.internal";
-        let ip_private = host.parse::<IpAddr>().is_ok_and(is_forbidden_ip);
-        if named_private || ip_private {
-            return Err(FieldError::invalid(
-                "url",
-                "production endpoints must be public: loopback, private, link-local and metadata addresses are refused",
-            ));
-        }
-    }
-    Ok(())
+    endpoint_target(url, mode, allow_private).map(|_| ())
 }
 
 /// Checks subscribed event types; names the first unknown one.
@@ -354,6 +393,79 @@ mod tests {
         assert!(validate_url("https://127.0.0.1/x", Mode::Prod, true).is_ok());
         assert!(is_forbidden_ip("::ffff:10.0.0.1".parse().unwrap()));
         assert!(!is_forbidden_ip("93.184.216.34".parse().unwrap()));
+    }
+
+    /// The parser-differential and encoding tricks that reach internal addresses.
+    #[test]
+    fn ssrf_spellings_are_refused() {
+        // Loopback spelled otherwise: refused in production, loopback for test.
+        let loopback = [
+            "https://0x7f.0.0.1/",
+            "https://2130706433/",
+            "https://0177.0.0.1/",
+            "https://127.1/",
+            "https://[::ffff:7f00:1]/",
+        ];
+        let everywhere = [
+            // reqwest ends the host at `\\`: this would connect to 127.0.0.1.
+            "https://127.0.0.1\\@example.com/",
+            "https://grafana.corp.internal\\@example.com/",
+            "https://user:pass@example.com/",
+            "https://example.com@127.0.0.1/",
+            "https://169.254.169.254/",
+            "https://[::ffff:169.254.169.254]/",
+            "https://[::10.0.0.1]/",
+            "https://[64:ff9b::a9fe:a9fe]/",
+            "https://[2002:a00:1::]/",
+            "https://[fec0::1]/",
+            "https://[fe80::1]/",
+            "https://[fd00::1]/",
+            "https://198.18.0.1/",
+            "https://240.0.0.1/",
+            "https://192.0.0.8/",
+            "https://100.64.0.1/",
+            "https://10.0.0.5:22/",
+            "https://0.0.0.0/",
+            "https://metadata.google.internal/",
+            "https://printer.local/",
+            "https://intranet/",
+            "https://router.home.arpa/",
+            "https://exa mple.com/",
+        ];
+        for bad in loopback.iter().chain(&everywhere) {
+            assert!(
+                validate_url(bad, Mode::Prod, false).is_err(),
+                "prod accepted {bad}"
+            );
+        }
+        for bad in everywhere {
+            assert!(
+                validate_url(bad, Mode::Test, false).is_err(),
+                "test accepted {bad}"
+            );
+        }
+        for spelling in loopback {
+            assert!(
+                validate_url(spelling, Mode::Test, false).is_ok(),
+                "{spelling}"
+            );
+        }
+        // Test endpoints: loopback (any spelling) and public hosts; nothing private.
+        for good in [
+            "http://localhost:3000/h",
+            "http://127.0.0.1/",
+            "http://[::1]:8080/",
+            "https://hooks.example.com/",
+        ] {
+            assert!(validate_url(good, Mode::Test, false).is_ok(), "{good}");
+        }
+        let target =
+            endpoint_target("https://Hooks.Example.com:8443/x", Mode::Prod, false).unwrap();
+        assert_eq!(
+            target.host,
+            url::Host::Domain("hooks.example.com".to_string())
+        );
+        assert_eq!(target.port, 8443);
     }
 
     #[test]

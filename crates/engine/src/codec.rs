@@ -83,13 +83,19 @@ pub fn encode_aggregate(a: &Aggregate) -> Vec<u8> {
     bytes.extend_from_slice(&a.sum.serialize());
     put_optional(&mut bytes, a.min);
     put_optional(&mut bytes, a.max);
+    if a.overflowed {
+        bytes.push(1);
+    }
     bytes
 }
 
 pub fn decode_aggregate(bytes: &[u8]) -> Result<Aggregate, EngineError> {
-    if bytes.len() != AGGREGATE_BYTES {
-        return Err(EngineError::Corrupt("aggregate of wrong size".into()));
-    }
+    // One trailing byte marks an overflowed sum; it is absent otherwise.
+    let overflowed = match bytes.len().checked_sub(AGGREGATE_BYTES) {
+        Some(0) => false,
+        Some(1) if bytes[AGGREGATE_BYTES] == 1 => true,
+        _ => return Err(EngineError::Corrupt("aggregate of wrong size".into())),
+    };
     let decimal = |at: usize| Decimal::deserialize(bytes[at..at + 16].try_into().expect("16"));
     let optional = |at: usize| (bytes[at] == 1).then(|| decimal(at + 1));
     Ok(Aggregate {
@@ -98,6 +104,7 @@ pub fn decode_aggregate(bytes: &[u8]) -> Result<Aggregate, EngineError> {
         sum: decimal(16),
         min: optional(32),
         max: optional(49),
+        overflowed,
     })
 }
 
@@ -118,6 +125,14 @@ mod tests {
         assert_eq!(decode_aggregate(&encode_aggregate(&a)).unwrap(), a);
         let empty = Aggregate::default();
         assert_eq!(decode_aggregate(&encode_aggregate(&empty)).unwrap(), empty);
+        let mut overflowed = Aggregate::default();
+        overflowed.add(Some(Decimal::MAX));
+        overflowed.add(Some(Decimal::MAX));
+        assert!(overflowed.overflowed);
+        assert_eq!(
+            decode_aggregate(&encode_aggregate(&overflowed)).unwrap(),
+            overflowed
+        );
     }
 }
 

@@ -9,6 +9,7 @@ use crate::codec;
 use crate::error::EngineError;
 use crate::ids::new_id;
 use crate::keys::{self, Key};
+use crate::outcome::Outcome;
 use crate::pagination::{paginate, Cursor, Page, PageRequest};
 use crate::{Engine, Scope};
 
@@ -47,10 +48,10 @@ impl Engine {
     ) -> Result<Customer, EngineError> {
         let changes = validate_customer_input(input, true)?;
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         if let Patch::Set(external) = &changes.external_id {
             if self.customer_id_by_external(scope, external)?.is_some() {
-                return Err(external_id_taken(external));
+                return Err(external_id_taken(external).into());
             }
         }
         let now = self.now_ms();
@@ -80,11 +81,13 @@ impl Engine {
     ) -> Result<Customer, EngineError> {
         let changes = validate_customer_input(input, false)?;
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let mut customer = self.get_customer(scope, id)?;
         if let Patch::Set(external) = &changes.external_id {
             match self.customer_id_by_external(scope, external)? {
-                Some(holder) if holder != customer.id => return Err(external_id_taken(external)),
+                Some(holder) if holder != customer.id => {
+                    return Err(external_id_taken(external).into())
+                }
                 _ => {}
             }
         }
@@ -157,11 +160,12 @@ pub fn cursor_from(
     })
 }
 
-fn external_id_taken(external: &str) -> EngineError {
-    EngineError::Conflict {
-        code: "external_id_taken",
-        message: format!("a customer with external_id '{external}' already exists"),
-        param: Some("external_id".into()),
-        archived_holder_id: None,
-    }
+/// 409 `external_id_taken`: decided by the service before appending and again by
+/// the projector in log order.
+pub(crate) fn external_id_taken(external: &str) -> Outcome {
+    Outcome::rejected(
+        "external_id_taken",
+        format!("a customer with external_id '{external}' already exists"),
+    )
+    .with_param("external_id")
 }

@@ -32,6 +32,12 @@ pub enum EngineError {
     /// A stored value or record did not decode: a bug or a corrupted store (500).
     #[error("corrupt data: {0}")]
     Corrupt(String),
+    /// Writes are not taken now; nothing was written (503 with this code).
+    #[error("{message}")]
+    Unavailable {
+        code: &'static str,
+        message: &'static str,
+    },
     /// The write was appended but the projector did not apply it in time (503).
     #[error("timed out waiting for the projection to apply the write")]
     ApplyTimeout,

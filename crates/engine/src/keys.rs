@@ -34,6 +34,8 @@
 //! | `Q` | due_at, store, mode, endpoint_id, event_id | (empty) http deliveries due |
 //! | `P` | store, mode, endpoint_id, created_at, event_id | (empty) cli feed, oldest first |
 //! | `Y` | store, mode, endpoint_id, at, event_id, attempt | WebhookAttempt (proto) |
+//! | `O` | partition, offset | Outcome (JSON) of a record apply refused (outcome.rs) |
+//! | `B` | store, mode, meter_id, event_id | (empty) event folded by a backfill step |
 
 use tally_domain::Mode;
 
@@ -68,6 +70,8 @@ pub const WEBHOOK_DELIVERY: u8 = b'D';
 pub const WEBHOOK_DUE: u8 = b'Q';
 pub const WEBHOOK_PENDING: u8 = b'P';
 pub const WEBHOOK_ATTEMPT: u8 = b'Y';
+pub const OUTCOME: u8 = b'O';
+pub const BACKFILLED: u8 = b'B';
 
 /// The customer component of meter-wide (all customers) usage rows.
 pub const ALL_CUSTOMERS: &str = "";

@@ -1,31 +1,35 @@
 //! The credits ledger service and its projection (decisions.md "Customer credits").
 //!
-//! Consistency: every step for an account (balance check, append, apply) runs under
-//! that account's lock, held until the record is applied, so 200 concurrent debits of
-//! 1 against a balance of 100 succeed exactly 100 times. Multi-node Kafka deployments
-//! route a store's writes to one node (deploy/README.md), which makes that node the
-//! account's single decider.
+//! Consistency: the service checks a request against the projection (fast 409s) and
+//! appends it; the projector decides it in log order (balance, status, idempotency
+//! key, reversal at most once, limits) and records the outcome the caller waits for.
+//! So 200 concurrent debits of 1 against a balance of 100 succeed exactly 100 times on
+//! any number of nodes, without a per-account lock; webhook events are decided in
+//! apply too, from the balance the transaction leaves. Freeze, unfreeze and close
+//! keep a per-account lock (rare, and a close must see the balance it forfeits).
 
 use std::ops::Bound;
-use std::sync::Arc;
 
 use rust_decimal::Decimal;
+use tally_domain::exact::exact_add;
 use tally_domain::ledger::{
-    parse_amount, post, post_reversal, Account, AccountStatus, Rejection, SystemAccount,
-    Transaction, TransactionKind, DEFAULT_ACCOUNT_NAME, DEFAULT_UNIT_LABEL, MAX_ACCOUNT_NAME_CHARS,
-    MAX_DESCRIPTION_CHARS, MAX_IDEMPOTENCY_KEY_CHARS,
+    balances_after, check_open, parse_amount, post, post_reversal, Account, AccountStatus,
+    Rejection, SystemAccount, Transaction, TransactionKind, DEFAULT_ACCOUNT_NAME,
+    DEFAULT_UNIT_LABEL, MAX_ACCOUNT_NAME_CHARS, MAX_AMOUNT, MAX_DESCRIPTION_CHARS,
+    MAX_IDEMPOTENCY_KEY_CHARS,
 };
 use tally_domain::record::{LedgerEvent, Record};
-use tally_domain::FieldError;
+use tally_domain::{FieldError, Mode};
 
 use crate::codec::{self, StoredEntry};
 use crate::customers::cursor_from;
 use crate::error::EngineError;
 use crate::ids::new_id;
 use crate::keys::{self, Key};
+use crate::outcome::Outcome;
 use crate::pagination::{paginate, Page, PageRequest};
-use crate::projector::Overlay;
-use crate::{Engine, Scope};
+use crate::projector::{ApplyError, Overlay};
+use crate::{Decision, Engine, Scope};
 
 pub const EVENT_CREDITS_GRANTED: &str = "credits.granted";
 pub const EVENT_CREDITS_CONSUMED: &str = "credits.consumed";
@@ -76,134 +80,103 @@ fn text_field(param: &str, value: Option<&String>, default: &str) -> Result<Stri
     }
 }
 
-/// Folds one ledger step into the projection (called by the projector).
+fn refused(rejection: Rejection) -> ApplyError {
+    ApplyError::Refused(Outcome::rejected(rejection.code(), rejection.message()))
+}
+
+fn balance_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
+    Key::scoped(keys::CREDIT_BALANCE, store, mode)
+        .text(account_id)
+        .into_bytes()
+}
+
+/// Folds one ledger step into the projection (called by the projector), after
+/// re-checking in log order every decision the service took before appending: the
+/// account name is free, a closed account changes no more, the account takes
+/// transactions, the idempotency key is new (or this repeats its transaction), a
+/// reversal is the first, entries balance, no balance passes its limit and no
+/// customer balance goes negative, and a closed account keeps nothing. A step that
+/// fails a check is refused as a whole (the projector records the outcome).
+///
+/// Returns the webhook events of the step. They are decided here too, from the
+/// balance the transaction leaves (ids derive from the transaction's, so a replay
+/// produces the same ones); records written before that carry their own.
 pub fn apply_ledger_step(
     overlay: &mut Overlay<'_>,
     account: Option<&Account>,
     transaction: Option<&Transaction>,
     events: &[LedgerEvent],
-) -> Result<(), EngineError> {
+) -> Result<Vec<LedgerEvent>, ApplyError> {
+    // The status the transaction is checked against: the account's before this step.
+    let mut status_before = None;
     if let Some(account) = account {
         let (store, mode) = (&account.store_id, account.mode);
         let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
             .text(&account.id)
             .into_bytes();
-        if overlay.get(&key)?.is_none() {
-            overlay.put(
-                Key::scoped(keys::CREDIT_ACCOUNT_LIST, store, mode)
-                    .int(account.created_at_ms)
-                    .text(&account.id)
-                    .into_bytes(),
-                Vec::new(),
-            );
-            overlay.put(
-                Key::scoped(keys::CREDIT_ACCOUNT_BY_CUSTOMER, store, mode)
-                    .text(&account.customer_id)
-                    .int(account.created_at_ms)
-                    .text(&account.id)
-                    .into_bytes(),
-                Vec::new(),
-            );
-            overlay.put(
-                Key::scoped(keys::CREDIT_ACCOUNT_NAME, store, mode)
+        match overlay.get(&key)? {
+            None => {
+                let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, store, mode)
                     .text(&account.customer_id)
                     .text(&account.name)
-                    .into_bytes(),
-                account.id.as_bytes().to_vec(),
-            );
-            overlay.put(
-                Key::scoped(keys::CREDIT_BALANCE, store, mode)
-                    .text(&account.id)
-                    .into_bytes(),
-                codec::encode_decimal(Decimal::ZERO),
-            );
+                    .into_bytes();
+                if overlay.contains(&name_key)? {
+                    return Err(account_name_taken(&account.customer_id, &account.name).into());
+                }
+                status_before = Some(AccountStatus::Active);
+                overlay.put(
+                    Key::scoped(keys::CREDIT_ACCOUNT_LIST, store, mode)
+                        .int(account.created_at_ms)
+                        .text(&account.id)
+                        .into_bytes(),
+                    Vec::new(),
+                );
+                overlay.put(
+                    Key::scoped(keys::CREDIT_ACCOUNT_BY_CUSTOMER, store, mode)
+                        .text(&account.customer_id)
+                        .int(account.created_at_ms)
+                        .text(&account.id)
+                        .into_bytes(),
+                    Vec::new(),
+                );
+                overlay.put(name_key, account.id.as_bytes().to_vec());
+                overlay.put(
+                    balance_key(store, mode, &account.id),
+                    codec::encode_decimal(Decimal::ZERO),
+                );
+            }
+            Some(bytes) => {
+                let before = codec::decode_account(&bytes)?;
+                if before.status == AccountStatus::Closed {
+                    return Err(refused(Rejection::AccountClosed));
+                }
+                status_before = Some(before.status);
+            }
         }
         overlay.put(key, codec::encode_account(account));
     }
+    let mut events = events.to_vec();
     if let Some(tx) = transaction {
-        let (store, mode) = (&tx.store_id, tx.mode);
-        overlay.put(
-            Key::scoped(keys::CREDIT_TRANSACTION, store, mode)
-                .text(&tx.id)
-                .into_bytes(),
-            codec::encode_transaction(tx),
-        );
-        if let Some(idempotency_key) = &tx.idempotency_key {
-            overlay.put(
-                Key::scoped(keys::CREDIT_IDEMPOTENCY, store, mode)
-                    .tail(idempotency_key.as_bytes())
-                    .into_bytes(),
-                tx.id.as_bytes().to_vec(),
-            );
-        }
-        if let Some(original) = &tx.reverses {
-            overlay.put(
-                Key::scoped(keys::CREDIT_REVERSED, store, mode)
-                    .text(original)
-                    .into_bytes(),
-                tx.id.as_bytes().to_vec(),
-            );
-        }
-        for entry in &tx.entries {
-            let balance_key = Key::scoped(keys::CREDIT_BALANCE, store, mode)
-                .text(&entry.account_id)
-                .into_bytes();
-            let balance = match overlay.get(&balance_key)? {
-                Some(bytes) => codec::decode_decimal(&bytes)?,
-                None => Decimal::ZERO,
-            } + entry.amount;
-            overlay.put(balance_key, codec::encode_decimal(balance));
-            if SystemAccount::from_account_id(&entry.account_id).is_some() {
-                continue;
-            }
-            let seq_key = Key::scoped(keys::CREDIT_ENTRY_SEQ, store, mode)
-                .text(&entry.account_id)
-                .into_bytes();
-            let seq = match overlay.get(&seq_key)? {
-                Some(bytes) => u64::from_be_bytes(
-                    bytes
-                        .as_slice()
-                        .try_into()
-                        .map_err(|_| EngineError::Corrupt("entry seq".into()))?,
-                ),
-                None => 0,
-            };
-            overlay.put(seq_key, (seq + 1).to_be_bytes().to_vec());
-            let stored = StoredEntry {
-                id: entry.id.clone(),
-                transaction_id: tx.id.clone(),
-                account_id: entry.account_id.clone(),
-                amount: entry.amount,
-                created_at_ms: tx.created_at_ms,
-                balance_after: balance,
-            };
-            overlay.put(
-                Key::scoped(keys::CREDIT_ENTRY, store, mode)
-                    .text(&entry.account_id)
-                    .uint(seq)
-                    .into_bytes(),
-                codec::encode_entry(&stored),
-            );
-            let mut pointer = entry.account_id.as_bytes().to_vec();
-            pointer.push(0);
-            pointer.extend_from_slice(&seq.to_be_bytes());
-            overlay.put(
-                Key::scoped(keys::CREDIT_ENTRY_ID, store, mode)
-                    .text(&entry.id)
-                    .into_bytes(),
-                pointer,
-            );
-            overlay.put(
-                Key::scoped(keys::CREDIT_BALANCE_HISTORY, store, mode)
-                    .text(&entry.account_id)
-                    .int(tx.created_at_ms)
-                    .uint(seq)
-                    .into_bytes(),
-                codec::encode_decimal(balance),
-            );
+        let (holder, balance_after) = apply_transaction(overlay, tx, status_before, account)?;
+        if events.is_empty() {
+            events = movement_events(tx, &holder, balance_after);
         }
     }
-    for event in events {
+    if let Some(account) = account.filter(|a| a.status == AccountStatus::Closed) {
+        let key = balance_key(&account.store_id, account.mode, &account.id);
+        let left = match overlay.get(&key)? {
+            Some(bytes) => codec::decode_decimal(&bytes)?,
+            None => Decimal::ZERO,
+        };
+        if !left.is_zero() {
+            return Err(Outcome::rejected(
+                "account_balance_changed",
+                "the balance changed while the account was being closed; retry the close",
+            )
+            .into());
+        }
+    }
+    for event in &events {
         let (store, mode) = (&event.account.store_id, event.account.mode);
         overlay.put(
             Key::scoped(keys::WEBHOOK_EVENT, store, mode)
@@ -213,15 +186,240 @@ pub fn apply_ledger_step(
             tally_proto::Message::encode_to_vec(&tally_proto::ledger_event_to_proto(event)),
         );
     }
+    Ok(events)
+}
+
+/// The webhook events of a transaction that left its account at `balance_after`:
+/// `credits.granted` when it added, `credits.consumed` when it took (and
+/// `customer_credits.exhausted` when that left exactly 0); none for a close.
+fn movement_events(
+    tx: &Transaction,
+    account: &Account,
+    balance_after: Decimal,
+) -> Vec<LedgerEvent> {
+    let delta = tx.delta_for(&tx.account_id);
+    let event = |event_type: &str, suffix: &str| LedgerEvent {
+        id: format!("whevt_{}{suffix}", tx.id.trim_start_matches("ctx_")),
+        event_type: event_type.to_string(),
+        created_at_ms: tx.created_at_ms,
+        transaction_id: Some(tx.id.clone()),
+        account: account.clone(),
+        balance: balance_after,
+    };
+    match tx.kind {
+        TransactionKind::Close => Vec::new(),
+        _ if delta > Decimal::ZERO => vec![event(EVENT_CREDITS_GRANTED, "g")],
+        _ if delta < Decimal::ZERO && balance_after.is_zero() => vec![
+            event(EVENT_CREDITS_CONSUMED, "c"),
+            event(EVENT_CREDITS_EXHAUSTED, "x"),
+        ],
+        _ if delta < Decimal::ZERO => vec![event(EVENT_CREDITS_CONSUMED, "c")],
+        _ => Vec::new(),
+    }
+}
+
+/// One transaction of a ledger step; `status_before` is the account's status before
+/// the step when the step carries the account (created or changed), else read here.
+fn apply_transaction(
+    overlay: &mut Overlay<'_>,
+    tx: &Transaction,
+    status_before: Option<AccountStatus>,
+    account_in_step: Option<&Account>,
+) -> Result<(Account, Decimal), ApplyError> {
+    let (store, mode) = (&tx.store_id, tx.mode);
+    let stored = match account_in_step.filter(|a| a.id == tx.account_id) {
+        Some(account) => account.clone(),
+        None => {
+            let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
+                .text(&tx.account_id)
+                .into_bytes();
+            match overlay.get(&key)? {
+                Some(bytes) => codec::decode_account(&bytes)?,
+                None => {
+                    return Err(Outcome::rejected(
+                        "resource_missing",
+                        format!("no such customer credits account: '{}'", tx.account_id),
+                    )
+                    .into())
+                }
+            }
+        }
+    };
+    let status = status_before.unwrap_or(stored.status);
+    // A close posts against a frozen account too; everything else needs it active.
+    if tx.kind != TransactionKind::Close {
+        check_open(status).map_err(refused)?;
+    }
+    if !movement_matches_kind(tx) {
+        return Err(refused(Rejection::Unbalanced));
+    }
+    if let Some(idempotency_key) = &tx.idempotency_key {
+        let key = Key::scoped(keys::CREDIT_IDEMPOTENCY, store, mode)
+            .tail(idempotency_key.as_bytes())
+            .into_bytes();
+        if let Some(existing_id) = overlay.get(&key)? {
+            let existing_id = String::from_utf8_lossy(&existing_id).into_owned();
+            let existing_key = Key::scoped(keys::CREDIT_TRANSACTION, store, mode)
+                .text(&existing_id)
+                .into_bytes();
+            let existing = match overlay.get(&existing_key)? {
+                Some(bytes) => codec::decode_transaction(&bytes)?,
+                None => {
+                    return Err(EngineError::Corrupt(
+                        "idempotency key without its transaction".into(),
+                    )
+                    .into())
+                }
+            };
+            return Err(if same_request(&existing, tx) {
+                ApplyError::Refused(Outcome::SameAs { id: existing_id })
+            } else {
+                idempotency_key_reused().into()
+            });
+        }
+        overlay.put(key, tx.id.as_bytes().to_vec());
+    }
+    if let Some(original) = &tx.reverses {
+        let key = Key::scoped(keys::CREDIT_REVERSED, store, mode)
+            .text(original)
+            .into_bytes();
+        if overlay.contains(&key)? {
+            return Err(refused(Rejection::AlreadyReversed));
+        }
+        overlay.put(key, tx.id.as_bytes().to_vec());
+    }
+    let mut balances_before = std::collections::HashMap::new();
+    for entry in &tx.entries {
+        let key = balance_key(store, mode, &entry.account_id);
+        let balance = match overlay.get(&key)? {
+            Some(bytes) => codec::decode_decimal(&bytes)?,
+            None => Decimal::ZERO,
+        };
+        balances_before.insert(entry.account_id.clone(), balance);
+    }
+    let balance_before = |id: &str| balances_before.get(id).copied().unwrap_or_default();
+    // Checked against the final balances; each entry is then posted in order.
+    balances_after(tx, &balance_before).map_err(refused)?;
+    overlay.put(
+        Key::scoped(keys::CREDIT_TRANSACTION, store, mode)
+            .text(&tx.id)
+            .into_bytes(),
+        codec::encode_transaction(tx),
+    );
+    let mut running = balances_before;
+    for entry in &tx.entries {
+        let before = running.get(&entry.account_id).copied().unwrap_or_default();
+        let balance =
+            exact_add(before, entry.amount).ok_or_else(|| refused(Rejection::AmountOutOfRange))?;
+        running.insert(entry.account_id.clone(), balance);
+        overlay.put(
+            balance_key(store, mode, &entry.account_id),
+            codec::encode_decimal(balance),
+        );
+        if SystemAccount::from_account_id(&entry.account_id).is_some() {
+            continue;
+        }
+        post_entry(overlay, tx, entry, balance)?;
+    }
+    let balance_after = running.get(&tx.account_id).copied().unwrap_or_default();
+    Ok((stored, balance_after))
+}
+
+/// The customer-visible side of one entry: sequence, entry, id pointer, history.
+fn post_entry(
+    overlay: &mut Overlay<'_>,
+    tx: &Transaction,
+    entry: &tally_domain::ledger::Entry,
+    balance: Decimal,
+) -> Result<(), ApplyError> {
+    let (store, mode) = (&tx.store_id, tx.mode);
+    let seq_key = Key::scoped(keys::CREDIT_ENTRY_SEQ, store, mode)
+        .text(&entry.account_id)
+        .into_bytes();
+    let seq = match overlay.get(&seq_key)? {
+        Some(bytes) => u64::from_be_bytes(
+            bytes
+                .as_slice()
+                .try_into()
+                .map_err(|_| EngineError::Corrupt("entry seq".into()))?,
+        ),
+        None => 0,
+    };
+    overlay.put(seq_key, (seq + 1).to_be_bytes().to_vec());
+    let stored = StoredEntry {
+        id: entry.id.clone(),
+        transaction_id: tx.id.clone(),
+        account_id: entry.account_id.clone(),
+        amount: entry.amount,
+        created_at_ms: tx.created_at_ms,
+        balance_after: balance,
+    };
+    overlay.put(
+        Key::scoped(keys::CREDIT_ENTRY, store, mode)
+            .text(&entry.account_id)
+            .uint(seq)
+            .into_bytes(),
+        codec::encode_entry(&stored),
+    );
+    let mut pointer = entry.account_id.as_bytes().to_vec();
+    pointer.push(0);
+    pointer.extend_from_slice(&seq.to_be_bytes());
+    overlay.put(
+        Key::scoped(keys::CREDIT_ENTRY_ID, store, mode)
+            .text(&entry.id)
+            .into_bytes(),
+        pointer,
+    );
+    overlay.put(
+        Key::scoped(keys::CREDIT_BALANCE_HISTORY, store, mode)
+            .text(&entry.account_id)
+            .int(tx.created_at_ms)
+            .uint(seq)
+            .into_bytes(),
+        codec::encode_decimal(balance),
+    );
     Ok(())
 }
 
+/// Whether the account's side of a transaction is what its kind says: a credit or
+/// seed adds its positive `amount`, a debit takes it, a close empties the account.
+/// The service only writes such transactions; apply refuses any other.
+fn movement_matches_kind(tx: &Transaction) -> bool {
+    let delta = tx.delta_for(&tx.account_id);
+    let in_range = tx.amount > Decimal::ZERO && tx.amount <= MAX_AMOUNT;
+    match tx.kind {
+        TransactionKind::Credit | TransactionKind::InitialBalance => in_range && delta == tx.amount,
+        TransactionKind::Debit => in_range && delta == -tx.amount,
+        TransactionKind::Close => delta <= Decimal::ZERO,
+        TransactionKind::Reversal => tx.reverses.is_some(),
+    }
+}
+
+/// Whether `tx` repeats `existing` (same idempotency key): same account, amount and
+/// operation. Then the caller gets the existing transaction, not a second one.
+fn same_request(existing: &Transaction, tx: &Transaction) -> bool {
+    existing.account_id == tx.account_id && existing.amount == tx.amount && existing.kind == tx.kind
+}
+
+fn idempotency_key_reused() -> Outcome {
+    Outcome::rejected(
+        "idempotency_key_reused",
+        "this idempotency_key was used for a different amount, account or operation",
+    )
+    .with_param("idempotency_key")
+}
+
+fn account_name_taken(customer_id: &str, name: &str) -> Outcome {
+    Outcome::rejected(
+        "account_name_taken",
+        format!("customer {customer_id} already has an account named '{name}'"),
+    )
+    .with_param("name")
+}
+
 impl Engine {
-    fn account_lock(&self, account_id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.account_locks
-            .entry(account_id.to_string())
-            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
-            .clone()
+    fn account_lock(&self, account_id: &str) -> &tokio::sync::Mutex<()> {
+        self.account_locks.get(account_id.as_bytes())
     }
 
     pub fn get_account(&self, scope: &Scope, id: &str) -> Result<Account, EngineError> {
@@ -269,58 +467,6 @@ impl Engine {
         }
     }
 
-    fn ledger_event(
-        &self,
-        event_type: &str,
-        transaction_id: Option<&str>,
-        account: &Account,
-        balance: Decimal,
-    ) -> LedgerEvent {
-        LedgerEvent {
-            id: new_id("whevt"),
-            event_type: event_type.to_string(),
-            created_at_ms: self.now_ms(),
-            transaction_id: transaction_id.map(str::to_string),
-            account: account.clone(),
-            balance,
-        }
-    }
-
-    /// Events of a transaction that moved the account by `delta` to `balance_after`.
-    fn movement_events(
-        &self,
-        tx: &Transaction,
-        account: &Account,
-        delta: Decimal,
-        balance_after: Decimal,
-    ) -> Vec<LedgerEvent> {
-        let mut events = Vec::new();
-        if delta > Decimal::ZERO {
-            events.push(self.ledger_event(
-                EVENT_CREDITS_GRANTED,
-                Some(&tx.id),
-                account,
-                balance_after,
-            ));
-        } else if delta < Decimal::ZERO {
-            events.push(self.ledger_event(
-                EVENT_CREDITS_CONSUMED,
-                Some(&tx.id),
-                account,
-                balance_after,
-            ));
-            if balance_after.is_zero() {
-                events.push(self.ledger_event(
-                    EVENT_CREDITS_EXHAUSTED,
-                    Some(&tx.id),
-                    account,
-                    balance_after,
-                ));
-            }
-        }
-        events
-    }
-
     /// A transaction of `kind` on `account_id` with the given entries, created now.
     fn new_transaction(
         &self,
@@ -347,25 +493,29 @@ impl Engine {
     }
 
     /// Appends a transaction on an account whose balance was `balance`, with the
-    /// webhook events it causes, and waits until it is applied.
+    /// and waits for the projector's decision: applied, refused (409), or a repeat of
+    /// an earlier transaction with the same idempotency key (that transaction is
+    /// returned). The balance it leaves, and so its webhook events, are decided in
+    /// apply.
     async fn commit_movement(
         &self,
-        account: &Account,
-        balance: Decimal,
+        scope: &Scope,
         tx: Transaction,
     ) -> Result<TransactionView, EngineError> {
-        let delta = tx.delta_for(&account.id);
-        let events = self.movement_events(&tx, account, delta, balance + delta);
-        self.append_and_apply(&Record::CreditLedger {
-            account: None,
-            transaction: Some(tx.clone()),
-            events,
-        })
-        .await?;
-        Ok(TransactionView {
-            transaction: tx,
-            reversed_by: None,
-        })
+        let decision = self
+            .append_and_decide(&Record::CreditLedger {
+                account: None,
+                transaction: Some(tx.clone()),
+                events: Vec::new(),
+            })
+            .await?;
+        match decision {
+            Decision::Applied => Ok(TransactionView {
+                transaction: tx,
+                reversed_by: None,
+            }),
+            Decision::SameAs(id) => self.get_transaction(scope, &id),
+        }
     }
 
     pub async fn create_account(
@@ -393,17 +543,12 @@ impl Engine {
             });
         }
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, &scope.store_id, scope.mode)
             .text(customer_id)
             .text(&name);
         if self.store().get(name_key.as_bytes())?.is_some() {
-            return Err(EngineError::Conflict {
-                code: "account_name_taken",
-                message: format!("customer {customer_id} already has an account named '{name}'"),
-                param: Some("name".into()),
-                archived_holder_id: None,
-            });
+            return Err(account_name_taken(customer_id, &name).into());
         }
         let now = self.now_ms();
         let account = Account {
@@ -417,7 +562,6 @@ impl Engine {
             created_at_ms: now,
             updated_at_ms: now,
         };
-        let mut events = Vec::new();
         let transaction = if initial > Decimal::ZERO {
             let entries = post(
                 TransactionKind::InitialBalance,
@@ -436,7 +580,6 @@ impl Engine {
                 entries,
             );
             tx.description = Some("initial balance".into());
-            events = self.movement_events(&tx, &account, initial, initial);
             Some(tx)
         } else {
             None
@@ -445,7 +588,7 @@ impl Engine {
         self.append_and_apply(&Record::CreditLedger {
             account: Some(account.clone()),
             transaction,
-            events,
+            events: Vec::new(),
         })
         .await?;
         Ok((account, initial))
@@ -508,7 +651,7 @@ impl Engine {
         frozen: bool,
     ) -> Result<(Account, Decimal), EngineError> {
         let lock = self.account_lock(id);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let mut account = self.get_account(scope, id)?;
         let target = if frozen {
             AccountStatus::Frozen
@@ -539,7 +682,7 @@ impl Engine {
         id: &str,
     ) -> Result<(Account, Decimal), EngineError> {
         let lock = self.account_lock(id);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let mut account = self.get_account(scope, id)?;
         if account.status == AccountStatus::Closed {
             return Ok((account, Decimal::ZERO));
@@ -630,8 +773,8 @@ impl Engine {
             .into());
         }
         tally_domain::customer::validate_metadata(&input.metadata)?;
-        let lock = self.account_lock(account_id);
-        let _guard = lock.lock().await;
+        // No lock: the projector decides in log order (balance, status, idempotency
+        // key), so concurrent debits share group commits and none overdraws.
         let account = self.get_account(scope, account_id)?;
         let idempotency = Key::scoped(keys::CREDIT_IDEMPOTENCY, &scope.store_id, scope.mode)
             .tail(idempotency_key.as_bytes());
@@ -641,14 +784,7 @@ impl Engine {
                 && view.transaction.amount == amount
                 && view.transaction.kind == kind;
             if !same {
-                return Err(EngineError::Conflict {
-                    code: "idempotency_key_reused",
-                    message:
-                        "this idempotency_key was used for a different amount, account or operation"
-                            .into(),
-                    param: Some("idempotency_key".into()),
-                    archived_holder_id: None,
-                });
+                return Err(idempotency_key_reused().into());
             }
             return Ok(view);
         }
@@ -666,7 +802,7 @@ impl Engine {
         tx.idempotency_key = Some(idempotency_key);
         tx.description = input.description.clone();
         tx.metadata = input.metadata.clone();
-        self.commit_movement(&account, balance, tx).await
+        self.commit_movement(scope, tx).await
     }
 
     /// A new transaction mirroring the original's entries; at most once.
@@ -677,9 +813,6 @@ impl Engine {
     ) -> Result<TransactionView, EngineError> {
         let original = self.get_transaction(scope, id)?;
         let account_id = original.transaction.account_id.clone();
-        let lock = self.account_lock(&account_id);
-        let _guard = lock.lock().await;
-        let original = self.get_transaction(scope, id)?;
         let account = self.get_account(scope, &account_id)?;
         let balance = self.balance(scope, &account_id)?;
         let entries = post_reversal(
@@ -699,7 +832,7 @@ impl Engine {
         );
         tx.description = Some(format!("reversal of {id}"));
         tx.reverses = Some(id.to_string());
-        self.commit_movement(&account, balance, tx).await
+        self.commit_movement(scope, tx).await
     }
 
     pub fn list_entries(

@@ -34,6 +34,7 @@ pub mod keys;
 pub mod ledger;
 pub mod meters;
 pub mod metrics;
+pub mod outcome;
 pub mod pagination;
 pub mod projector;
 pub mod stores;
@@ -55,12 +56,49 @@ pub const MAX_UNAPPLIED_EVENTS: usize = 20_000;
 pub const BACKPRESSURE_WAIT_MS: u64 = 30_000;
 /// How long a write waits for its record to be applied before answering 503.
 pub const APPLY_WAIT_TIMEOUT_MS: u64 = 30_000;
+/// Writes are refused (503, nothing appended) while a record this node appended has
+/// waited longer than this to be applied: decisions would be taken on stale state,
+/// and callers would only wait into a timeout.
+pub const MAX_APPLY_LAG_MS: u64 = 10_000;
+/// How often `positions` (metrics) asks the log for its end offsets, at most.
+pub const POSITIONS_REFRESH_MS: u64 = 5_000;
 /// Kafka mode: how often the projection is flushed and the group offsets committed.
 pub const KAFKA_COMMIT_INTERVAL_MS: u64 = 1_000;
 /// Kafka mode: pause before retrying a chunk whose meter is not projected yet.
 pub const NOT_YET_PROJECTED_RETRY_MS: u64 = 20;
 /// Consumer group name the projector commits under (Kafka).
 pub const PROJECTOR_GROUP: &str = "tally-projector";
+
+tokio::task_local! {
+    /// How long a write waits for its record to be applied, when not the default
+    /// `APPLY_WAIT_TIMEOUT_MS`: the HTTP idempotency layer lets a keyed request go on
+    /// in the background after its client stopped waiting, so its outcome is saved.
+    pub static APPLY_WAIT: Duration;
+}
+
+/// Write locks striped by hash: a fixed set, so memory never grows with the ids
+/// callers send (a lock for an unchecked path id costs nothing). Two keys may share
+/// a stripe; no write path takes two locks of one set.
+#[derive(Debug)]
+struct WriteLocks(Vec<tokio::sync::Mutex<()>>);
+
+/// Stripes per lock set: collisions are rare at this size (1 in 1,024 pairs of keys)
+/// and cost only a short wait.
+pub const WRITE_LOCK_STRIPES: usize = 1_024;
+
+impl WriteLocks {
+    fn new() -> WriteLocks {
+        WriteLocks(
+            (0..WRITE_LOCK_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+        )
+    }
+
+    fn get(&self, key: &[u8]) -> &tokio::sync::Mutex<()> {
+        &self.0[crc32fast::hash(key) as usize % WRITE_LOCK_STRIPES]
+    }
+}
 
 /// A store and environment: the scope every API request acts in.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -93,15 +131,34 @@ pub struct Caches {
     pub inflight_events: DashMap<String, u64>,
 }
 
+/// What the projector decided about a record a caller appended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Applied as written.
+    Applied,
+    /// A repeat of an earlier write (same idempotency key): nothing new was applied;
+    /// the id of what the earlier write created.
+    SameAs(String),
+}
+
+/// Records this node appended and the projector has not applied yet, per partition:
+/// offset -> (when appended, events it carries). Backpressure counts every event in
+/// it (with or without event_id), and the write gate measures lag by its oldest entry.
+#[derive(Debug, Default)]
+struct Unapplied {
+    partitions: Vec<std::collections::BTreeMap<u64, (Instant, usize)>>,
+    events: usize,
+}
+
 pub struct Engine {
     log: Arc<dyn Log>,
     store: Arc<dyn ProjectionStore>,
     clock: Arc<dyn Clock>,
     caches: Caches,
     applied: Vec<watch::Sender<u64>>,
-    control_locks: DashMap<Scope, Arc<tokio::sync::Mutex<()>>>,
+    control_locks: WriteLocks,
     /// Serializes each credits account's balance check, append and apply.
-    account_locks: DashMap<String, Arc<tokio::sync::Mutex<()>>>,
+    account_locks: WriteLocks,
     /// One chunk is applied at a time, whatever its partition: chunks of different
     /// partitions read-modify-write shared keys (all-customers buckets, system
     /// balances, the dedup entry of an id sent for two customers), so concurrent
@@ -110,6 +167,13 @@ pub struct Engine {
     ready: AtomicBool,
     failed: AtomicBool,
     startup_end: Vec<u64>,
+    unapplied: std::sync::Mutex<Unapplied>,
+    /// The log's end offsets as last asked, and when (see `positions`).
+    end_offsets: std::sync::Mutex<Option<(Instant, Vec<u64>)>>,
+    /// `APPLY_WAIT_TIMEOUT_MS` and `MAX_APPLY_LAG_MS` unless tuned (tests shorten
+    /// them to exercise the paths they guard without waiting half a minute).
+    apply_wait_ms: std::sync::atomic::AtomicU64,
+    max_apply_lag_ms: std::sync::atomic::AtomicU64,
     pub metrics: Metrics,
 }
 
@@ -124,17 +188,49 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Loads the caches from the projection and notes where the log ends, so
     /// readiness can be reported once the projection has caught up.
+    ///
+    /// Refuses a projection that is ahead of the log (see `open_detached`).
     pub async fn open(
         log: Arc<dyn Log>,
         store: Arc<dyn ProjectionStore>,
         clock: Arc<dyn Clock>,
     ) -> Result<Arc<Engine>, EngineError> {
+        Engine::open_inner(log, store, clock, true).await
+    }
+
+    /// An engine over a projection that was built from records not in `log` (tests
+    /// that fold synthetic entries, then query): the position check of `open` is
+    /// skipped, so its projector must never be started.
+    pub async fn open_detached(
+        log: Arc<dyn Log>,
+        store: Arc<dyn ProjectionStore>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Arc<Engine>, EngineError> {
+        Engine::open_inner(log, store, clock, false).await
+    }
+
+    async fn open_inner(
+        log: Arc<dyn Log>,
+        store: Arc<dyn ProjectionStore>,
+        clock: Arc<dyn Clock>,
+        check_positions: bool,
+    ) -> Result<Arc<Engine>, EngineError> {
         let partitions = log.partition_count();
         let mut applied = Vec::new();
         let mut startup_end = Vec::new();
         for partition in 0..partitions {
-            applied.push(watch::channel(store.position(partition)?).0);
-            startup_end.push(log.end_offset(partition).await?);
+            let position = store.position(partition)?;
+            let end = log.end_offset(partition).await?;
+            if check_positions && !log.covers(partition, position).await? {
+                // The log lost records the projection has applied (a truncated log, a
+                // restored backup, a recreated topic): new records would land below
+                // the position and be skipped. Refuse rather than serve.
+                return Err(EngineError::Corrupt(format!(
+                    "the projection is ahead of the log on partition {partition} (applied up to {position}, log ends at {end}); rebuild the projection with `tally replay` or restore the log"
+                )));
+            }
+            applied.push(watch::channel(position).0);
+            startup_end.push(end);
         }
         let engine = Engine {
             log,
@@ -142,12 +238,19 @@ impl Engine {
             clock,
             caches: Caches::default(),
             applied,
-            control_locks: DashMap::new(),
-            account_locks: DashMap::new(),
+            control_locks: WriteLocks::new(),
+            account_locks: WriteLocks::new(),
             apply_lock: Arc::new(std::sync::Mutex::new(projector::BucketCache::default())),
             ready: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             startup_end,
+            unapplied: std::sync::Mutex::new(Unapplied {
+                partitions: vec![Default::default(); partitions as usize],
+                events: 0,
+            }),
+            end_offsets: std::sync::Mutex::new(None),
+            apply_wait_ms: APPLY_WAIT_TIMEOUT_MS.into(),
+            max_apply_lag_ms: MAX_APPLY_LAG_MS.into(),
             metrics: Metrics::default(),
         };
         engine.load_caches()?;
@@ -213,9 +316,12 @@ impl Engine {
     }
 
     /// Ready once every partition has been applied up to where the log ended at
-    /// start-up (`/readyz`), and the projector has not failed.
+    /// start-up (`/readyz`), while the projector has not failed and the log takes
+    /// appends (a poisoned log, a fatal producer error).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst) && !self.failed.load(Ordering::SeqCst)
+        self.ready.load(Ordering::SeqCst)
+            && !self.failed.load(Ordering::SeqCst)
+            && self.log.health().is_none()
     }
 
     fn update_readiness(&self) {
@@ -229,54 +335,193 @@ impl Engine {
         }
     }
 
-    /// Per partition: (applied next offset, durable end offset).
+    /// Per partition: (applied next offset, durable end offset). The ends are asked
+    /// of the log at most once per `POSITIONS_REFRESH_MS`, however often this is
+    /// called (`/metrics` is unauthenticated: scrapes must not each reach Kafka).
     pub async fn positions(&self) -> Vec<(u64, u64)> {
-        let mut result = Vec::new();
-        for (partition, applied) in self.applied.iter().enumerate() {
-            let end = self.log.end_offset(partition as u32).await.unwrap_or(0);
-            result.push((*applied.borrow(), end));
-        }
-        result
+        let cached = {
+            let cache = self.end_offsets.lock().unwrap_or_else(|p| p.into_inner());
+            cache
+                .as_ref()
+                .filter(|(at, _)| at.elapsed() < Duration::from_millis(POSITIONS_REFRESH_MS))
+                .map(|(_, ends)| ends.clone())
+        };
+        let ends = match cached {
+            Some(ends) => ends,
+            None => {
+                let mut ends = Vec::new();
+                for partition in 0..self.log.partition_count() {
+                    ends.push(self.log.end_offset(partition).await.unwrap_or(0));
+                }
+                *self.end_offsets.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((Instant::now(), ends.clone()));
+                ends
+            }
+        };
+        self.applied
+            .iter()
+            .zip(ends)
+            .map(|(applied, end)| {
+                let applied = *applied.borrow();
+                (applied, end.max(applied))
+            })
+            .collect()
     }
 
     /// The lock serializing control-plane writes of one scope (uniqueness checks of
-    /// meter names and external ids happen under it).
-    pub fn control_lock(&self, scope: &Scope) -> Arc<tokio::sync::Mutex<()>> {
-        self.control_locks
-            .entry(scope.clone())
-            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
-            .clone()
+    /// meter names and external ids happen under it; apply re-checks them).
+    pub fn control_lock(&self, scope: &Scope) -> &tokio::sync::Mutex<()> {
+        let mut key = scope.store_id.as_bytes().to_vec();
+        key.push(scope.mode.key_byte());
+        self.control_locks.get(&key)
+    }
+
+    /// Takes a write lock, waiting at most the apply wait: a write that waits longer
+    /// would only queue behind one the projector has not applied (503, nothing
+    /// written).
+    pub async fn acquire<'a>(
+        &self,
+        lock: &'a tokio::sync::Mutex<()>,
+    ) -> Result<tokio::sync::MutexGuard<'a, ()>, EngineError> {
+        tokio::time::timeout(self.apply_wait(), lock.lock())
+            .await
+            .map_err(|_| EngineError::Unavailable {
+                code: "write_busy",
+                message: "another write of this store or account is still waiting for the projection; nothing was written, retry shortly",
+            })
+    }
+
+    /// Whether writes may be taken now: refused (503, nothing appended) before the
+    /// projection caught up after start-up, after the projector failed, while the log
+    /// is failed, and while this node's writes wait too long to be applied.
+    pub fn check_writable(&self) -> Result<(), EngineError> {
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(EngineError::Unavailable {
+                code: "projector_failed",
+                message: "the projector stopped on a storage failure; writes are refused until an operator restarts the node (see its log)",
+            });
+        }
+        if let Some(problem) = self.log.health() {
+            tracing::warn!(%problem, "write refused: the log is failed");
+            return Err(EngineError::Unavailable {
+                code: "log_unavailable",
+                message:
+                    "the event log is failed (see the node's log); nothing was written, retry later",
+            });
+        }
+        if !self.ready.load(Ordering::SeqCst) {
+            return Err(EngineError::Unavailable {
+                code: "not_ready",
+                message: "the node is catching up with the log after a start; nothing was written, retry shortly",
+            });
+        }
+        if self.apply_lag() > Duration::from_millis(self.max_apply_lag_ms.load(Ordering::Relaxed)) {
+            return Err(EngineError::Unavailable {
+                code: "projection_lagging",
+                message: "the projection is behind the log; nothing was written, retry shortly",
+            });
+        }
+        Ok(())
+    }
+
+    /// How long a write waits for its record to be applied before answering
+    /// `outcome_pending` (default `APPLY_WAIT_TIMEOUT_MS`).
+    pub fn apply_wait(&self) -> Duration {
+        Duration::from_millis(self.apply_wait_ms.load(Ordering::Relaxed))
+    }
+
+    /// Overrides the apply wait and the write gate's lag bound.
+    pub fn tune_waits(&self, apply_wait: Duration, max_apply_lag: Duration) {
+        self.apply_wait_ms
+            .store(apply_wait.as_millis() as u64, Ordering::Relaxed);
+        self.max_apply_lag_ms
+            .store(max_apply_lag.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long the oldest record this node appended has waited to be applied.
+    pub fn apply_lag(&self) -> Duration {
+        let unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
+        // Offsets grow in append order, so each partition's first entry is its oldest.
+        unapplied
+            .partitions
+            .iter()
+            .filter_map(|p| p.first_key_value().map(|(_, (at, _))| at.elapsed()))
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Accepted events this node appended that are not applied yet.
+    pub fn unapplied_events(&self) -> usize {
+        self.unapplied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .events
     }
 
     /// Appends a record; returns (partition, offset) once it is durable.
     pub async fn append(&self, record: &Record) -> Result<(u32, u64), EngineError> {
+        self.check_writable()?;
         let key = record.partition_key();
         let payload = tally_proto::encode_record(record, self.clock.now_ms());
         let partition = self.log.partition_for(&key);
         let started = Instant::now();
         let offset = self.log.append(&key, payload).await?;
         self.metrics.log_append.observe(started.elapsed());
+        let events = match record {
+            Record::UsageBatch { events, .. } => events.len(),
+            _ => 0,
+        };
+        let mut unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
+        if *self.applied[partition as usize].borrow() <= offset {
+            unapplied.partitions[partition as usize].insert(offset, (Instant::now(), events));
+            unapplied.events += events;
+        }
         Ok((partition, offset))
+    }
+
+    /// Forgets this node's appends below `next_offset` of `partition` (applied).
+    fn note_applied(&self, partition: u32, next_offset: u64) {
+        let mut unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
+        let pending = &mut unapplied.partitions[partition as usize];
+        let still = pending.split_off(&next_offset);
+        let done: usize = pending.values().map(|(_, events)| events).sum();
+        *pending = still;
+        unapplied.events = unapplied.events.saturating_sub(done);
     }
 
     /// Waits until the projector has applied the record at `offset`.
     pub async fn wait_applied(&self, partition: u32, offset: u64) -> Result<(), EngineError> {
         let mut applied = self.applied[partition as usize].subscribe();
-        let outcome = tokio::time::timeout(
-            Duration::from_millis(APPLY_WAIT_TIMEOUT_MS),
-            applied.wait_for(|next| *next > offset),
-        )
-        .await;
-        match outcome {
-            Ok(Ok(_)) => Ok(()),
-            _ => Err(EngineError::ApplyTimeout),
+        let wait = APPLY_WAIT
+            .try_with(|wait| *wait)
+            .unwrap_or_else(|_| self.apply_wait());
+        let deadline = Instant::now() + wait;
+        // Polls `failed` too: a projector that stopped will never apply the record.
+        loop {
+            if self.failed.load(Ordering::SeqCst) {
+                return Err(EngineError::Unavailable {
+                    code: "projector_failed",
+                    message: "the write is durable, but the projector stopped on a storage failure; retry with the same idempotency key once the node is restarted",
+                });
+            }
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(500));
+            if slice.is_zero() {
+                return Err(EngineError::ApplyTimeout);
+            }
+            if let Ok(Ok(_)) =
+                tokio::time::timeout(slice, applied.wait_for(|next| *next > offset)).await
+            {
+                return Ok(());
+            }
         }
     }
 
     /// Waits while too many accepted events are unapplied (see MAX_UNAPPLIED_EVENTS).
     pub async fn wait_for_projector_headroom(&self) -> Result<(), EngineError> {
         let started = Instant::now();
-        while self.caches.inflight_events.len() > MAX_UNAPPLIED_EVENTS {
+        while self.unapplied_events() > MAX_UNAPPLIED_EVENTS {
             if started.elapsed() > Duration::from_millis(BACKPRESSURE_WAIT_MS) {
                 return Err(EngineError::ApplyTimeout);
             }
@@ -285,10 +530,24 @@ impl Engine {
         Ok(())
     }
 
-    /// Appends a record and waits until it is visible in the projections.
+    /// Appends a record and waits until it is visible in the projections; a record
+    /// the projector refused answers with its recorded rejection.
     pub async fn append_and_apply(&self, record: &Record) -> Result<(), EngineError> {
+        self.append_and_decide(record).await.map(|_| ())
+    }
+
+    /// Appends a record, waits for the projector, and returns what it decided: the
+    /// decision is taken in apply, in log order (see `outcome`), and read back here.
+    pub async fn append_and_decide(&self, record: &Record) -> Result<Decision, EngineError> {
         let (partition, offset) = self.append(record).await?;
-        self.wait_applied(partition, offset).await
+        self.wait_applied(partition, offset).await?;
+        match self.store.get(&outcome::outcome_key(partition, offset))? {
+            None => Ok(Decision::Applied),
+            Some(bytes) => match outcome::Outcome::decode(&bytes)? {
+                outcome::Outcome::SameAs { id } => Ok(Decision::SameAs(id)),
+                rejected => Err(rejected.into()),
+            },
+        }
     }
 
     /// Waits until everything durable in the log at this moment is applied.
@@ -350,6 +609,12 @@ impl Engine {
             };
             let entries = match batch {
                 Ok(entries) => entries,
+                Err(error) if error.is_corruption() => {
+                    // Acknowledged records are damaged: never skip them (fail-stop).
+                    tracing::error!(%error, partition, "projector stopped: the log is corrupt; restore it from a backup");
+                    self.failed.store(true, Ordering::SeqCst);
+                    return;
+                }
                 Err(error) => {
                     tracing::error!(%error, partition, "log read failed; reopening the reader");
                     reader = None;
@@ -400,6 +665,7 @@ impl Engine {
                 self.metrics
                     .records_applied
                     .fetch_add(entries.len() as u64, Ordering::Relaxed);
+                self.note_applied(partition, next_offset);
                 self.applied[partition as usize].send_replace(next_offset);
                 self.update_readiness();
             }

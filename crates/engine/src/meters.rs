@@ -1,6 +1,7 @@
 //! Meters: create, read, list, update (name and unit label only), archive and
 //! unarchive with the state table of spec part 3, and backfill.
 
+use tally_domain::limits::{MAX_METERS_PER_EVENT_NAME, MAX_METERS_PER_SCOPE};
 use tally_domain::meter::{validate_meter, validate_meter_name, Meter, MeterInput, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::FieldError;
@@ -10,6 +11,7 @@ use crate::customers::cursor_from;
 use crate::error::EngineError;
 use crate::ids::new_id;
 use crate::keys::{self, Key};
+use crate::outcome::Outcome;
 use crate::pagination::{paginate, Page, PageRequest};
 use crate::{Engine, Scope};
 
@@ -36,6 +38,109 @@ pub const IMMUTABLE_METER_FIELDS: [&str; 4] = [
     "aggregation_property",
     "filter",
 ];
+
+/// 409 `meter_name_taken`, naming the archived holder when it is archived. Decided
+/// by the service before appending and again by the projector in log order.
+pub(crate) fn meter_name_taken(name: &str, holder: &Meter) -> Outcome {
+    let holder_id = &holder.id;
+    let archived = holder.status == MeterStatus::Archived;
+    Outcome::Rejected {
+        code: "meter_name_taken".into(),
+        message: if archived {
+            format!(
+                "the meter name '{name}' is held by the archived meter {holder_id}; unarchive it (POST /v1/meters/{holder_id}/unarchive) or choose another name"
+            )
+        } else {
+            format!("a meter named '{name}' already exists ({holder_id})")
+        },
+        param: Some("name".into()),
+        archived_holder_id: archived.then(|| holder_id.clone()),
+    }
+}
+
+/// Refuses a new meter beyond the per-scope and per-event-name limits, given how
+/// many meters the scope has and how many of them are on the new meter's event name.
+pub(crate) fn check_meter_limits(in_scope: usize, on_event_name: usize) -> Result<(), Outcome> {
+    if in_scope >= MAX_METERS_PER_SCOPE {
+        return Err(Outcome::rejected(
+            "meter_limit_reached",
+            format!("a store has at most {MAX_METERS_PER_SCOPE} meters per environment (archived ones included)"),
+        ));
+    }
+    if on_event_name >= MAX_METERS_PER_EVENT_NAME {
+        return Err(Outcome::rejected(
+            "meter_limit_reached",
+            format!("at most {MAX_METERS_PER_EVENT_NAME} meters may aggregate one event name"),
+        )
+        .with_param("event_name"));
+    }
+    Ok(())
+}
+
+/// Stored events one backfill step names at most: bounds the apply work of a step
+/// (and the record's size), however many events the store holds.
+pub const BACKFILL_CHUNK_EVENTS: usize = 2_000;
+/// Stored events one scan pass looks at before handing back (bounds the blocking
+/// work between steps).
+pub const BACKFILL_SCAN_EVENTS: usize = 50_000;
+/// The finishing step re-sweeps events received since the scan began, minus this
+/// margin: covers the time between an event's receipt and its append.
+pub const BACKFILL_RESCAN_MARGIN_MS: i64 = 60_000;
+
+/// One pass of a backfill scan over the store's events (by id), after `after`:
+/// ids of events the meter skipped (matched, timestamp in `[start_ms,
+/// counts_from)`), at most `BACKFILL_CHUNK_EVENTS`, and where to go on (`None`: the
+/// end was reached).
+#[allow(clippy::type_complexity)]
+fn backfill_candidates(
+    store: &dyn tally_projection::ProjectionStore,
+    scope: &Scope,
+    meter: &Meter,
+    start_ms: i64,
+    after: Option<Vec<u8>>,
+) -> Result<(Vec<String>, Option<Vec<u8>>), EngineError> {
+    use std::ops::Bound;
+    let prefix = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).into_bytes();
+    let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
+    let start = match &after {
+        Some(key) => Bound::Excluded(key.as_slice()),
+        None => Bound::Included(prefix.as_slice()),
+    };
+    let (mut ids, mut scanned, mut last, mut failure) = (Vec::new(), 0usize, None, None);
+    store.scan(start, Bound::Excluded(&end), false, &mut |key, value| {
+        scanned += 1;
+        last = Some(key.to_vec());
+        match codec::decode_event(value) {
+            Ok((_, event)) => {
+                let view = tally_domain::meter::EventView {
+                    name: &event.name,
+                    timestamp_ms: event.timestamp_ms,
+                    properties: &event.properties,
+                };
+                if event.timestamp_ms >= start_ms
+                    && event.timestamp_ms < meter.counts_from_ms
+                    && meter.matches(&view)
+                {
+                    ids.push(event.event_id);
+                }
+            }
+            Err(error) => {
+                failure = Some(error);
+                return tally_projection::Visit::Stop;
+            }
+        }
+        if ids.len() >= BACKFILL_CHUNK_EVENTS || scanned >= BACKFILL_SCAN_EVENTS {
+            tally_projection::Visit::Stop
+        } else {
+            tally_projection::Visit::Continue
+        }
+    })?;
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    let more = ids.len() >= BACKFILL_CHUNK_EVENTS || scanned >= BACKFILL_SCAN_EVENTS;
+    Ok((ids, if more { last } else { None }))
+}
 
 impl Engine {
     pub fn get_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
@@ -68,19 +173,7 @@ impl Engine {
             return Ok(());
         }
         let holder = self.get_meter(scope, &holder_id)?;
-        let archived = holder.status == MeterStatus::Archived;
-        Err(EngineError::Conflict {
-            code: "meter_name_taken",
-            message: if archived {
-                format!(
-                    "the meter name '{name}' is held by the archived meter {holder_id}; unarchive it (POST /v1/meters/{holder_id}/unarchive) or choose another name"
-                )
-            } else {
-                format!("a meter named '{name}' already exists ({holder_id})")
-            },
-            param: Some("name".into()),
-            archived_holder_id: archived.then_some(holder_id),
-        })
+        Err(meter_name_taken(name, &holder).into())
     }
 
     pub async fn create_meter(
@@ -90,8 +183,15 @@ impl Engine {
     ) -> Result<Meter, EngineError> {
         let definition = validate_meter(input)?;
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         self.check_name_free(scope, &definition.name, None)?;
+        if let Some(meters) = self.caches().meters.get(scope) {
+            let on_event_name = meters
+                .iter()
+                .filter(|m| m.event_name == definition.event_name)
+                .count();
+            check_meter_limits(meters.len(), on_event_name)?;
+        }
         let now = self.now_ms();
         let meter = Meter {
             id: new_id("mtr"),
@@ -138,7 +238,7 @@ impl Engine {
             .map(|u| validate_meter_name(Some(u), "unit_label"))
             .transpose()?;
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let mut meter = self.get_meter(scope, id)?;
         if let Some(name) = name {
             if name != meter.name {
@@ -182,7 +282,7 @@ impl Engine {
         status: MeterStatus,
     ) -> Result<Meter, EngineError> {
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let mut meter = self.get_meter(scope, id)?;
         if meter.status == status {
             // Archive of an archived meter and unarchive of an active one are idempotent.
@@ -217,19 +317,41 @@ impl Engine {
             )
             .into());
         }
-        let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
         let meter = self.get_meter(scope, id)?;
         if start_ms >= meter.counts_from_ms {
             return Ok(meter);
         }
-        self.append_and_apply(&Record::MeterBackfill {
+        // The scan runs off the apply path, in chunks of bounded records; the
+        // projector only folds the ids each step names.
+        let rescan_from_ms = self.now_ms() - BACKFILL_RESCAN_MARGIN_MS;
+        self.wait_caught_up().await?;
+        let step = |event_ids: Vec<String>, finish: bool| Record::MeterBackfill {
             store_id: scope.store_id.clone(),
             mode: scope.mode,
             meter_id: id.to_string(),
             start_ms,
-        })
-        .await?;
+            event_ids,
+            finish,
+            rescan_from_ms,
+        };
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let store = self.store().clone();
+            let (scope_key, meter_for_scan, from) = (scope.clone(), meter.clone(), after.clone());
+            let (ids, next) = tokio::task::spawn_blocking(move || {
+                backfill_candidates(store.as_ref(), &scope_key, &meter_for_scan, start_ms, from)
+            })
+            .await
+            .map_err(|_| EngineError::Corrupt("backfill scan task failed".into()))??;
+            if !ids.is_empty() {
+                self.append_and_apply(&step(ids, false)).await?;
+            }
+            match next {
+                Some(key) => after = Some(key),
+                None => break,
+            }
+        }
+        self.append_and_apply(&step(Vec::new(), true)).await?;
         self.get_meter(scope, id)
     }
 

@@ -65,7 +65,16 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Counts a request. The label set stays bounded whatever clients send: methods
+    /// outside the standard ones count as `OTHER` (HTTP allows any token as a
+    /// method), routes are route templates or `unmatched`.
     pub fn record_request(&self, method: &str, route: &str, status: u16, elapsed: Duration) {
+        const METHODS: [&str; 7] = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"];
+        let method = METHODS
+            .iter()
+            .find(|m| **m == method)
+            .copied()
+            .unwrap_or("OTHER");
         self.http_requests
             .entry((method.to_string(), route.to_string(), status))
             .or_default()
@@ -150,5 +159,20 @@ impl Metrics {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arbitrary_methods_share_one_label() {
+        let metrics = Metrics::default();
+        for i in 0..100 {
+            metrics.record_request(&format!("M{i}"), "unmatched", 405, Duration::ZERO);
+        }
+        metrics.record_request("GET", "/healthz", 200, Duration::ZERO);
+        assert_eq!(metrics.http_requests.len(), 2);
     }
 }

@@ -21,6 +21,7 @@ use tally_projection::{scan_prefix, ProjectionStore, Visit};
 use crate::codec;
 use crate::error::EngineError;
 use crate::keys::{self, Key, ALL_CUSTOMERS};
+use crate::outcome::{outcome_key, Outcome};
 
 /// Reads through to the store, with this chunk's pending writes on top.
 pub struct Overlay<'a> {
@@ -30,6 +31,38 @@ pub struct Overlay<'a> {
     /// touched by many events of one chunk).
     aggregates: HashMap<Vec<u8>, Aggregate>,
     cache: Option<&'a BucketCache>,
+    /// What the record being applied overwrote, newest last: rolled back when apply
+    /// refuses the record, so a refused record leaves no trace but its outcome.
+    journal: Vec<Undo>,
+}
+
+/// One overwritten value of the overlay (`None`: the key was not in the overlay).
+enum Undo {
+    Change(Vec<u8>, Option<Option<Vec<u8>>>),
+    Aggregate(Vec<u8>, Option<Aggregate>),
+}
+
+/// Why apply did not apply a record.
+#[derive(Debug)]
+pub enum ApplyError {
+    /// The record is refused (bad data, a decision that no longer holds): its outcome
+    /// is recorded and the projector moves on.
+    Refused(Outcome),
+    /// The projection cannot be read or written (fail-stop), or the chunk must wait
+    /// for another partition (`NotYetProjected`).
+    Engine(EngineError),
+}
+
+impl From<EngineError> for ApplyError {
+    fn from(error: EngineError) -> Self {
+        ApplyError::Engine(error)
+    }
+}
+
+impl From<Outcome> for ApplyError {
+    fn from(outcome: Outcome) -> Self {
+        ApplyError::Refused(outcome)
+    }
 }
 
 /// Usage buckets as last committed, kept by the projector so a bucket touched again
@@ -51,6 +84,32 @@ impl<'a> Overlay<'a> {
             cache: None,
             changes: BTreeMap::new(),
             aggregates: HashMap::new(),
+            journal: Vec::new(),
+        }
+    }
+
+    /// Forgets the journal: the record applied so far stays.
+    fn keep(&mut self) {
+        self.journal.clear();
+    }
+
+    /// Undoes everything since the last `keep`.
+    fn roll_back(&mut self) {
+        while let Some(undo) = self.journal.pop() {
+            match undo {
+                Undo::Change(key, Some(previous)) => {
+                    self.changes.insert(key, previous);
+                }
+                Undo::Change(key, None) => {
+                    self.changes.remove(&key);
+                }
+                Undo::Aggregate(key, Some(previous)) => {
+                    self.aggregates.insert(key, previous);
+                }
+                Undo::Aggregate(key, None) => {
+                    self.aggregates.remove(&key);
+                }
+            }
         }
     }
 
@@ -85,11 +144,16 @@ impl<'a> Overlay<'a> {
     }
 
     pub fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
-        self.changes.insert(key, Some(value));
+        self.set(key, Some(value));
     }
 
     pub fn delete(&mut self, key: Vec<u8>) {
-        self.changes.insert(key, None);
+        self.set(key, None);
+    }
+
+    fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        let previous = self.changes.insert(key.clone(), value);
+        self.journal.push(Undo::Change(key, previous));
     }
 
     fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
@@ -102,9 +166,15 @@ impl<'a> Overlay<'a> {
                     None => Aggregate::default(),
                 },
             };
-            self.aggregates.insert(key.clone(), current);
+            self.journal.push(Undo::Aggregate(key.clone(), None));
+            self.aggregates.insert(key.clone(), current.clone());
+        } else {
+            let previous = self.aggregates.get(&key).cloned();
+            self.journal.push(Undo::Aggregate(key.clone(), previous));
         }
-        Ok(self.aggregates.get_mut(&key).expect("inserted"))
+        self.aggregates
+            .get_mut(&key)
+            .ok_or_else(|| EngineError::Corrupt("bucket vanished from the overlay".into()))
     }
 
     /// The batch to commit, and the buckets it writes (for the cache).
@@ -129,6 +199,16 @@ pub struct Applied {
     pub customers_changed: bool,
     /// Cache keys (`customer_cache_key`) of external ids a customer update released.
     pub stale_external_ids: Vec<String>,
+}
+
+impl Applied {
+    fn absorb(&mut self, other: Applied) {
+        self.stores.extend(other.stores);
+        self.meters.extend(other.meters);
+        self.event_keys.extend(other.event_keys);
+        self.customers_changed |= other.customers_changed;
+        self.stale_external_ids.extend(other.stale_external_ids);
+    }
 }
 
 /// The cache key of a customer id or external id within a scope.
@@ -160,11 +240,7 @@ pub fn apply_chunk_cached(
     let mut applied = Applied::default();
     let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
     for entry in entries {
-        let (record, _recorded_at_ms) =
-            tally_proto::decode_record(&entry.payload).map_err(|e| {
-                EngineError::Corrupt(format!("log record at offset {}: {e}", entry.offset))
-            })?;
-        apply_record(&mut overlay, &record, entry, &mut applied)?;
+        apply_entry(&mut overlay, entry, &mut applied)?;
         positions.insert(entry.partition, entry.next_offset);
     }
     let positions: Vec<(u32, u64)> = positions.into_iter().collect();
@@ -177,12 +253,74 @@ pub fn apply_chunk_cached(
     Ok(applied)
 }
 
+/// Applies one log entry, or records why not. Only storage failures (and the
+/// cross-partition wait) leave as errors: bad data never stops the projector, and
+/// neither does a panic in apply (a bug, logged loudly, that the apply fuzz test
+/// exists to catch), which is refused like bad data.
+fn apply_entry(
+    overlay: &mut Overlay<'_>,
+    entry: &LogEntry,
+    applied: &mut Applied,
+) -> Result<(), EngineError> {
+    let refused = match tally_proto::decode_record(&entry.payload) {
+        Err(error) => Outcome::rejected(
+            "record_undecodable",
+            format!("the log record does not decode: {error}"),
+        ),
+        Ok((record, _recorded_at_ms)) => {
+            if let Record::UsageBatch {
+                store_id,
+                mode,
+                events,
+            } = &record
+            {
+                // Reservations end with the record, applied or refused.
+                applied.event_keys.extend(
+                    events
+                        .iter()
+                        .map(|event| inflight_key(store_id, *mode, &event.event_id)),
+                );
+            }
+            let mut effects = Applied::default();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                apply_record(overlay, &record, entry, &mut effects)
+            }));
+            match result {
+                Ok(Ok(())) => {
+                    overlay.keep();
+                    applied.absorb(effects);
+                    return Ok(());
+                }
+                Ok(Err(ApplyError::Engine(error))) => {
+                    overlay.roll_back();
+                    return Err(error);
+                }
+                Ok(Err(ApplyError::Refused(outcome))) => outcome,
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::error!(partition = entry.partition, offset = entry.offset, panic = %what,
+                        "BUG: apply panicked; the record is refused and the projector goes on");
+                    Outcome::rejected("apply_failed", "the record could not be applied")
+                }
+            }
+        }
+    };
+    overlay.roll_back();
+    overlay.put(outcome_key(entry.partition, entry.offset), refused.encode());
+    overlay.keep();
+    Ok(())
+}
+
 fn apply_record(
     overlay: &mut Overlay<'_>,
     record: &Record,
     entry: &LogEntry,
     applied: &mut Applied,
-) -> Result<(), EngineError> {
+) -> Result<(), ApplyError> {
     match record {
         Record::StoreCreated(store) => {
             overlay.put(
@@ -199,74 +337,8 @@ fn apply_record(
             }
             applied.stores.push(store.clone());
         }
-        Record::CustomerUpserted(customer) => {
-            let key = Key::scoped(keys::CUSTOMER, &customer.store_id, customer.mode)
-                .text(&customer.id)
-                .into_bytes();
-            let previous = overlay
-                .get(&key)?
-                .map(|b| codec::decode_customer(&b))
-                .transpose()?;
-            let external_key = |external: &str| {
-                Key::scoped(keys::CUSTOMER_EXTERNAL, &customer.store_id, customer.mode)
-                    .text(external)
-                    .into_bytes()
-            };
-            match &previous {
-                None => overlay.put(
-                    Key::scoped(keys::CUSTOMER_LIST, &customer.store_id, customer.mode)
-                        .int(customer.created_at_ms)
-                        .text(&customer.id)
-                        .into_bytes(),
-                    Vec::new(),
-                ),
-                Some(old) => {
-                    if let Some(old_external) = &old.external_id {
-                        if customer.external_id.as_ref() != Some(old_external) {
-                            overlay.delete(external_key(old_external));
-                            applied.stale_external_ids.push(customer_cache_key(
-                                &customer.store_id,
-                                customer.mode,
-                                old_external,
-                            ));
-                        }
-                    }
-                }
-            }
-            applied.customers_changed = true;
-            if let Some(external) = &customer.external_id {
-                overlay.put(external_key(external), customer.id.as_bytes().to_vec());
-            }
-            overlay.put(key, codec::encode_customer(customer));
-        }
-        Record::MeterUpserted(meter) => {
-            let key = Key::scoped(keys::METER, &meter.store_id, meter.mode)
-                .text(&meter.id)
-                .into_bytes();
-            let previous = overlay
-                .get(&key)?
-                .map(|b| codec::decode_meter(&b))
-                .transpose()?;
-            let name_key = |name: &str| {
-                Key::scoped(keys::METER_NAME, &meter.store_id, meter.mode)
-                    .text(name)
-                    .into_bytes()
-            };
-            match &previous {
-                None => overlay.put(
-                    Key::scoped(keys::METER_LIST, &meter.store_id, meter.mode)
-                        .int(meter.created_at_ms)
-                        .text(&meter.id)
-                        .into_bytes(),
-                    Vec::new(),
-                ),
-                Some(old) if old.name != meter.name => overlay.delete(name_key(&old.name)),
-                Some(_) => {}
-            }
-            overlay.put(name_key(&meter.name), meter.id.as_bytes().to_vec());
-            overlay.put(key, codec::encode_meter(meter));
-            applied.meters.push(meter.clone());
-        }
+        Record::CustomerUpserted(customer) => apply_customer(overlay, customer, applied)?,
+        Record::MeterUpserted(meter) => apply_meter(overlay, meter, applied)?,
         Record::UsageBatch {
             store_id,
             mode,
@@ -277,9 +349,6 @@ fn apply_record(
                 let event_key = Key::scoped(keys::EVENT, store_id, *mode)
                     .tail(event.event_id.as_bytes())
                     .into_bytes();
-                applied
-                    .event_keys
-                    .push(inflight_key(store_id, *mode, &event.event_id));
                 // Exact dedup: the first record carrying an id wins, whatever came later.
                 if overlay.contains(&event_key)? {
                     continue;
@@ -313,13 +382,13 @@ fn apply_record(
             transaction,
             events,
         } => {
-            crate::ledger::apply_ledger_step(
+            let events = crate::ledger::apply_ledger_step(
                 overlay,
                 account.as_ref(),
                 transaction.as_ref(),
                 events,
             )?;
-            crate::webhooks::schedule_deliveries(overlay, events, entry.offset)?;
+            crate::webhooks::schedule_deliveries(overlay, &events, entry.offset)?;
         }
         Record::WebhookEndpointUpserted(endpoint) => {
             crate::webhooks::apply_endpoint(overlay, endpoint)
@@ -339,21 +408,145 @@ fn apply_record(
             mode,
             meter_id,
             start_ms,
+            event_ids,
+            finish,
+            rescan_from_ms,
         } => {
             let mut meter = load_meter(overlay, store_id, *mode, meter_id)?;
             if *start_ms < meter.counts_from_ms {
-                backfill(overlay, &meter, *start_ms)?;
-                meter.counts_from_ms = *start_ms;
-                overlay.put(
-                    Key::scoped(keys::METER, store_id, *mode)
-                        .text(meter_id)
-                        .into_bytes(),
-                    codec::encode_meter(&meter),
-                );
-                applied.meters.push(meter);
+                for event_id in event_ids {
+                    backfill_event(overlay, &meter, *start_ms, event_id)?;
+                }
+                // A record without ids that does not finish predates chunked
+                // backfills: it meant "all stored events" (a rescan from the start).
+                let legacy = event_ids.is_empty() && !*finish;
+                if *finish || legacy {
+                    let from = if legacy { i64::MIN } else { *rescan_from_ms };
+                    backfill_rescan(overlay, &meter, *start_ms, from)?;
+                    meter.counts_from_ms = *start_ms;
+                    overlay.put(
+                        Key::scoped(keys::METER, store_id, *mode)
+                            .text(meter_id)
+                            .into_bytes(),
+                        codec::encode_meter(&meter),
+                    );
+                    applied.meters.push(meter);
+                }
             }
         }
     }
+    Ok(())
+}
+
+/// A customer, created or updated. Re-checks in log order that its external id is
+/// not held by another customer (the service checked before appending, but another
+/// node, or a retry of a write whose outcome was unknown, may have taken it since).
+fn apply_customer(
+    overlay: &mut Overlay<'_>,
+    customer: &tally_domain::customer::Customer,
+    applied: &mut Applied,
+) -> Result<(), ApplyError> {
+    let (store_id, mode) = (&customer.store_id, customer.mode);
+    let key = Key::scoped(keys::CUSTOMER, store_id, mode)
+        .text(&customer.id)
+        .into_bytes();
+    let previous = overlay
+        .get(&key)?
+        .map(|b| codec::decode_customer(&b))
+        .transpose()?;
+    let external_key = |external: &str| {
+        Key::scoped(keys::CUSTOMER_EXTERNAL, store_id, mode)
+            .text(external)
+            .into_bytes()
+    };
+    if let Some(external) = &customer.external_id {
+        if let Some(holder) = overlay.get(&external_key(external))? {
+            if holder != customer.id.as_bytes() {
+                return Err(crate::customers::external_id_taken(external).into());
+            }
+        }
+    }
+    match &previous {
+        None => overlay.put(
+            Key::scoped(keys::CUSTOMER_LIST, store_id, mode)
+                .int(customer.created_at_ms)
+                .text(&customer.id)
+                .into_bytes(),
+            Vec::new(),
+        ),
+        Some(old) => {
+            if let Some(old_external) = &old.external_id {
+                if customer.external_id.as_ref() != Some(old_external) {
+                    overlay.delete(external_key(old_external));
+                    applied.stale_external_ids.push(customer_cache_key(
+                        store_id,
+                        mode,
+                        old_external,
+                    ));
+                }
+            }
+        }
+    }
+    applied.customers_changed = true;
+    if let Some(external) = &customer.external_id {
+        overlay.put(external_key(external), customer.id.as_bytes().to_vec());
+    }
+    overlay.put(key, codec::encode_customer(customer));
+    Ok(())
+}
+
+/// A meter, created or updated. Re-checks in log order that its name is free and,
+/// for a new meter, the per-store and per-event-name limits.
+fn apply_meter(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    applied: &mut Applied,
+) -> Result<(), ApplyError> {
+    let (store_id, mode) = (&meter.store_id, meter.mode);
+    let key = Key::scoped(keys::METER, store_id, mode)
+        .text(&meter.id)
+        .into_bytes();
+    let previous = overlay
+        .get(&key)?
+        .map(|b| codec::decode_meter(&b))
+        .transpose()?;
+    let name_key = |name: &str| {
+        Key::scoped(keys::METER_NAME, store_id, mode)
+            .text(name)
+            .into_bytes()
+    };
+    if let Some(holder_id) = overlay.get(&name_key(&meter.name))? {
+        if holder_id != meter.id.as_bytes() {
+            let holder_id = String::from_utf8_lossy(&holder_id).into_owned();
+            let holder = load_meter(overlay, store_id, mode, &holder_id)?;
+            return Err(crate::meters::meter_name_taken(&meter.name, &holder).into());
+        }
+    }
+    match &previous {
+        None => {
+            let existing =
+                overlay.prefix_entries(&Key::scoped(keys::METER, store_id, mode).into_bytes())?;
+            let mut same_event = 0;
+            for value in existing.values() {
+                if codec::decode_meter(value)?.event_name == meter.event_name {
+                    same_event += 1;
+                }
+            }
+            crate::meters::check_meter_limits(existing.len(), same_event)?;
+            overlay.put(
+                Key::scoped(keys::METER_LIST, store_id, mode)
+                    .int(meter.created_at_ms)
+                    .text(&meter.id)
+                    .into_bytes(),
+                Vec::new(),
+            );
+        }
+        Some(old) if old.name != meter.name => overlay.delete(name_key(&old.name)),
+        Some(_) => {}
+    }
+    overlay.put(name_key(&meter.name), meter.id.as_bytes().to_vec());
+    overlay.put(key, codec::encode_meter(meter));
+    applied.meters.push(meter.clone());
     Ok(())
 }
 
@@ -410,44 +603,80 @@ pub fn fold_event(
     Ok(())
 }
 
-/// Folds stored events in `[start_ms, counts_from)` that the meter matches: exactly
-/// the events it skipped because they predate it (decisions.md "backfill").
-fn backfill(overlay: &mut Overlay<'_>, meter: &Meter, start_ms: i64) -> Result<(), EngineError> {
-    let prefix = Key::scoped(keys::EVENT, &meter.store_id, meter.mode).into_bytes();
-    let in_range = |event: &UsageEvent| {
-        event.timestamp_ms >= start_ms && event.timestamp_ms < meter.counts_from_ms
+/// Folds one stored event into a meter being backfilled from `start_ms`, when it
+/// is one the meter skipped (matched, timestamp in `[start_ms, counts_from)`) and
+/// not folded by an earlier step (a marker per meter and event makes every step
+/// safe to repeat).
+fn backfill_event(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    start_ms: i64,
+    event_id: &str,
+) -> Result<(), EngineError> {
+    let (store_id, mode) = (&meter.store_id, meter.mode);
+    let Some(bytes) = overlay.get(
+        &Key::scoped(keys::EVENT, store_id, mode)
+            .tail(event_id.as_bytes())
+            .into_bytes(),
+    )?
+    else {
+        return Ok(());
     };
-    let mut events = crate::pagination::collect_prefix(
-        overlay.store,
-        &prefix,
+    let (_, event) = codec::decode_event(&bytes)?;
+    let view = EventView {
+        name: &event.name,
+        timestamp_ms: event.timestamp_ms,
+        properties: &event.properties,
+    };
+    let in_range = event.timestamp_ms >= start_ms && event.timestamp_ms < meter.counts_from_ms;
+    if !in_range || !meter.matches(&view) {
+        return Ok(());
+    }
+    let marker = Key::scoped(keys::BACKFILLED, store_id, mode)
+        .text(&meter.id)
+        .tail(event_id.as_bytes())
+        .into_bytes();
+    if overlay.contains(&marker)? {
+        return Ok(());
+    }
+    overlay.put(marker, Vec::new());
+    fold_event(overlay, meter, &event)
+}
+
+/// The finishing step's sweep: stored events received at or after `from_ms` (what
+/// arrived while the service scanned), in receipt order. Bounded by what was
+/// received during the backfill, not by the store's history.
+fn backfill_rescan(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    start_ms: i64,
+    from_ms: i64,
+) -> Result<(), EngineError> {
+    let prefix = Key::scoped(keys::EVENT_LIST, &meter.store_id, meter.mode).into_bytes();
+    let from = Key::scoped(keys::EVENT_LIST, &meter.store_id, meter.mode)
+        .int(from_ms)
+        .into_bytes();
+    let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
+    let mut ids = Vec::new();
+    overlay.store.scan(
+        std::ops::Bound::Included(&from),
+        std::ops::Bound::Excluded(&end),
         false,
-        usize::MAX,
-        |_, value| {
-            let (_, event) = codec::decode_event(value)?;
-            Ok(in_range(&event).then_some(event))
+        &mut |_, value| {
+            ids.push(String::from_utf8_lossy(value).into_owned());
+            Visit::Continue
         },
     )?;
-    // Events written earlier in this same chunk are not in the store yet.
-    for (key, value) in overlay.changes.range(prefix.clone()..) {
-        if !key.starts_with(&prefix) {
-            break;
-        }
-        if let Some(value) = value {
-            let (_, event) = codec::decode_event(value)?;
-            if in_range(&event) {
-                events.push(event);
-            }
-        }
+    // Events stored earlier in this same chunk are not in the store yet.
+    for value in overlay
+        .changes
+        .range(from.clone()..end.clone())
+        .filter_map(|(_, value)| value.as_ref())
+    {
+        ids.push(String::from_utf8_lossy(value).into_owned());
     }
-    for event in events {
-        let view = EventView {
-            name: &event.name,
-            timestamp_ms: event.timestamp_ms,
-            properties: &event.properties,
-        };
-        if meter.matches(&view) {
-            fold_event(overlay, meter, &event)?;
-        }
+    for id in ids {
+        backfill_event(overlay, meter, start_ms, &id)?;
     }
     Ok(())
 }

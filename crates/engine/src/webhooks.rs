@@ -279,6 +279,18 @@ fn new_secret() -> String {
     format!("whsec_{}", random_base62(SECRET_RANDOM_CHARS))
 }
 
+/// Due-index entries one dispatcher poll looks at, at most: bounds the poll's cost
+/// when many deliveries wait on endpoints at their concurrency cap.
+pub const MAX_DUE_SCAN: usize = 20_000;
+
+/// The endpoint and event ids of a due-index key.
+fn due_key_ids(key: &[u8]) -> Option<(&str, &str)> {
+    let (_store_id, after_store) = keys::read_text(key, 9)?;
+    let (endpoint_id, after_endpoint) = keys::read_text(key, after_store + 1)?;
+    let (event_id, _) = keys::read_text(key, after_endpoint)?;
+    Some((endpoint_id, event_id))
+}
+
 impl Engine {
     pub fn get_endpoint(&self, scope: &Scope, id: &str) -> Result<WebhookEndpoint, EngineError> {
         let key = Key::scoped(keys::WEBHOOK_ENDPOINT, &scope.store_id, scope.mode).text(id);
@@ -343,7 +355,7 @@ impl Engine {
             }
         };
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         if self.list_endpoints(scope)?.len() >= MAX_ENDPOINTS_PER_SCOPE {
             return Err(EngineError::conflict(
                 "too_many_webhooks",
@@ -387,7 +399,7 @@ impl Engine {
             .into());
         }
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let mut endpoint = self.get_endpoint(scope, id)?;
         if let Some(name) = &input.name {
             endpoint.name = text("name", name, MAX_ENDPOINT_NAME_CHARS)?;
@@ -425,7 +437,7 @@ impl Engine {
         id: &str,
     ) -> Result<WebhookEndpoint, EngineError> {
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let endpoint = self.get_endpoint(scope, id)?;
         self.append_and_apply(&Record::WebhookEndpointDeleted {
             store_id: scope.store_id.clone(),
@@ -443,7 +455,7 @@ impl Engine {
         id: &str,
     ) -> Result<WebhookEndpoint, EngineError> {
         let lock = self.control_lock(scope);
-        let _guard = lock.lock().await;
+        let _guard = self.acquire(lock).await?;
         let mut endpoint = self.get_endpoint(scope, id)?;
         let now = self.now_ms();
         endpoint.previous_secret = Some(std::mem::replace(&mut endpoint.secret, new_secret()));
@@ -535,23 +547,33 @@ impl Engine {
     }
 
     /// HTTP deliveries due at or before `now_ms`, oldest due first.
+    /// Deliveries due at `now_ms`, oldest first: at most `limit` that `skip` does not
+    /// pass over (the dispatcher skips deliveries in flight and endpoints at their
+    /// concurrency cap, so one slow endpoint's backlog never hides the others'),
+    /// looking at no more than `MAX_DUE_SCAN` index entries.
     pub fn due_deliveries(
         &self,
         now_ms: i64,
         limit: usize,
+        skip: &dyn Fn(&str, &str) -> bool,
     ) -> Result<Vec<(Scope, Delivery)>, EngineError> {
         let start = Key::table(keys::WEBHOOK_DUE).into_bytes();
         let end = Key::table(keys::WEBHOOK_DUE)
             .int(now_ms.saturating_add(1))
             .into_bytes();
         let mut found = Vec::new();
+        let mut scanned = 0usize;
         self.store().scan(
             Bound::Included(&start),
             Bound::Excluded(&end),
             false,
             &mut |k, _| {
-                found.push(k.to_vec());
-                if found.len() >= limit {
+                scanned += 1;
+                let skipped = due_key_ids(k).is_some_and(|(endpoint, event)| skip(endpoint, event));
+                if !skipped {
+                    found.push(k.to_vec());
+                }
+                if found.len() >= limit || scanned >= MAX_DUE_SCAN {
                     Visit::Stop
                 } else {
                     Visit::Continue

@@ -173,7 +173,9 @@ async fn engine_over(store: Arc<MemoryStore>) -> (Arc<tally_engine::Engine>, tem
     let dir = tempfile::tempdir().unwrap();
     let log = Arc::new(tally_log::embedded::EmbeddedLog::open(dir.path()).unwrap());
     let clock = Arc::new(tally_domain::clock::ManualClock::new(T0 + 3_600_000));
-    let engine = tally_engine::Engine::open(log, store, clock).await.unwrap();
+    let engine = tally_engine::Engine::open_detached(log, store, clock)
+        .await
+        .unwrap();
     (engine, dir)
 }
 

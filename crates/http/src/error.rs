@@ -122,6 +122,24 @@ impl From<EngineError> for ApiError {
                 }
                 error
             }
+            EngineError::LogUnavailable(tally_log::LogError::RecordTooLarge(bytes)) => {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "record_too_large",
+                    format!(
+                        "the request makes a log record of {bytes} bytes, more than the {} allowed; send fewer or smaller events per request. Nothing was written",
+                        tally_log::MAX_RECORD_BYTES
+                    ),
+                )
+            }
+            EngineError::LogUnavailable(inner) if inner.outcome_unknown() => {
+                tracing::error!(error = %inner, "log append failed with an unknown outcome");
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "outcome_unknown",
+                    "the write may or may not have been appended to the log; retry with the same idempotency key to learn its outcome",
+                )
+            }
             EngineError::LogUnavailable(inner) => {
                 tracing::error!(error = %inner, "log append failed");
                 ApiError::new(
@@ -130,10 +148,13 @@ impl From<EngineError> for ApiError {
                     "the event log is unavailable; nothing was written, retry later",
                 )
             }
+            EngineError::Unavailable { code, message } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+            }
             EngineError::ApplyTimeout | EngineError::NotYetProjected => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "projection_lagging",
-                "the write is durable but not yet visible; retry with the same idempotency-key",
+                "outcome_pending",
+                "the write is durable but its outcome is not decided yet; retry with the same idempotency-key (or the same idempotency_key for credits) to get it, never without",
             ),
             EngineError::Store(inner) => {
                 tracing::error!(error = %inner, "projection store failure");

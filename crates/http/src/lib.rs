@@ -5,8 +5,8 @@
 //! Wire types (JSON) are built and parsed here and nowhere else; all errors pass
 //! through `error.rs`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::middleware::from_fn_with_state;
@@ -75,6 +75,21 @@ async fn method_not_allowed() -> impl IntoResponse {
         "method_not_allowed",
         "this route does not take that HTTP method",
     )
+}
+
+/// Runs engine work that scans (listings with filters, previews, usage queries)
+/// on the blocking pool, so it never holds an async worker that other requests
+/// need.
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, tally_engine::EngineError> + Send + 'static,
+) -> Result<T, ApiError> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result.map_err(ApiError::from),
+        Err(join_error) => {
+            tracing::error!(%join_error, "a blocking request task failed");
+            Err(ApiError::internal("internal error; it has been logged"))
+        }
+    }
 }
 
 /// The router of one listener.
@@ -174,7 +189,9 @@ pub fn router(state: AppState) -> Router {
             post(webhook_routes::ack),
         )
         .method_not_allowed_fallback(method_not_allowed)
-        // Layers run bottom-up: authenticate, then rate limit, then idempotency.
+        // Layers run bottom-up: authenticate, then rate limit, then idempotency,
+        // then the write gate.
+        .layer(from_fn_with_state(state.clone(), middleware::write_gate))
         .layer(from_fn_with_state(state.clone(), middleware::idempotency))
         .layer(from_fn_with_state(state.clone(), middleware::rate_limit))
         .layer(from_fn_with_state(state.clone(), middleware::authenticate));
@@ -230,7 +247,12 @@ pub async fn serve(
         loop {
             tokio::select! {
                 _ = interval.tick() => {
-                    let removed = middleware::sweep_idempotency(&sweeper_state);
+                    let state = sweeper_state.clone();
+                    let removed = tokio::task::spawn_blocking(move || {
+                        middleware::sweep_idempotency(&state)
+                    })
+                    .await
+                    .unwrap_or(0);
                     if removed > 0 {
                         tracing::info!(removed, "expired idempotency keys deleted");
                     }
@@ -239,25 +261,14 @@ pub async fn serve(
             }
         }
     });
-    let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
     let (prod_listener, prod_state) = prod;
     let dispatcher = prod_state
         .config
         .dispatch_webhooks
         .then(|| tokio::spawn(prod_state.dispatcher.clone().run(shutdown.clone())));
     let (test_listener, test_state) = test;
-    let prod_server = axum::serve(
-        prod_listener,
-        router(prod_state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(wait(shutdown.clone()));
-    let test_server = axum::serve(
-        test_listener,
-        router(test_state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(wait(shutdown.clone()));
+    let prod_server = serve_listener(prod_listener, router(prod_state), shutdown.clone());
+    let test_server = serve_listener(test_listener, router(test_state), shutdown.clone());
     let (a, b) = tokio::join!(prod_server, test_server);
     sweeper.abort();
     if let Some(dispatcher) = dispatcher {
@@ -265,5 +276,121 @@ pub async fn serve(
     }
     a?;
     b?;
+    Ok(())
+}
+
+/// Open connections per listener. Beyond it, new connections wait in the kernel's
+/// accept queue instead of taking file descriptors and memory (slowloris, fd
+/// exhaustion).
+pub const MAX_CONNECTIONS: usize = 4_096;
+/// How long a client may take to send a request's headers.
+pub const HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// How long a request may take from its first byte to its response, body included
+/// (a write itself waits at most `APPLY_WAIT_TIMEOUT_MS` for the projector).
+pub const REQUEST_TIMEOUT_MS: u64 = tally_engine::APPLY_WAIT_TIMEOUT_MS + 15_000;
+/// How long reading a request body may take (a 1 MiB body on a slow link).
+pub const BODY_READ_TIMEOUT_MS: u64 = 30_000;
+/// Requests handled at once per listener; more wait their turn (bounds memory and
+/// the blocking pool under floods).
+pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
+
+/// The layers every listener's router gets: a panic answers 500 with the error body
+/// (and is logged) instead of dropping the connection, and requests have a total
+/// and a body-read deadline and a concurrency cap.
+fn hardened(router: Router) -> Router {
+    use tower_http::catch_panic::CatchPanicLayer;
+    use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
+    router
+        .layer(CatchPanicLayer::custom(
+            |panic: Box<dyn std::any::Any + Send>| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!(panic = %what, "BUG: a request handler panicked");
+                ApiError::internal("internal error; it has been logged").into_response()
+            },
+        ))
+        .layer(RequestBodyTimeoutLayer::new(Duration::from_millis(
+            BODY_READ_TIMEOUT_MS,
+        )))
+        .layer(TimeoutLayer::with_status_code(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Duration::from_millis(REQUEST_TIMEOUT_MS),
+        ))
+        .layer(tower::limit::ConcurrencyLimitLayer::new(
+            MAX_CONCURRENT_REQUESTS,
+        ))
+}
+
+/// Serves one listener until `shutdown`, then lets open requests finish. Written on
+/// hyper-util rather than `axum::serve` for what that one does not set: a header
+/// read timeout (it needs a timer) and a cap on open connections.
+async fn serve_listener(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let mut shutdown = shutdown;
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::server::graceful::GracefulShutdown;
+    use tower::ServiceExt;
+
+    let router = hardened(router);
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(HEADER_READ_TIMEOUT_MS));
+    builder.http2().timer(TokioTimer::new());
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let stop = async move {
+        let _ = shutdown.wait_for(|stop| *stop).await;
+    };
+    tokio::pin!(stop);
+    loop {
+        let slot = tokio::select! {
+            _ = &mut stop => break,
+            slot = slots.clone().acquire_owned() => slot,
+        };
+        let Ok(slot) = slot else { break };
+        let (stream, peer) = tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(error) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let service = router.clone().map_request(
+            move |mut request: axum::extract::Request<hyper::body::Incoming>| {
+                request
+                    .extensions_mut()
+                    .insert(axum::extract::ConnectInfo(peer));
+                request.map(axum::body::Body::new)
+            },
+        );
+        let service = hyper_util::service::TowerToHyperService::new(service);
+        let connection = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            let _slot = slot;
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
     Ok(())
 }

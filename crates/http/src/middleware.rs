@@ -3,7 +3,8 @@
 //! 2. [`authenticate`]: `x-api-key` to a scope of this listener's environment;
 //! 3. [`rate_limit`]: a token bucket per key, 429 with `retry-after` and
 //!    `x-ratelimit-*` headers;
-//! 4. [`idempotency`]: `idempotency-key` replay for POSTs (24 h, survives restarts).
+//! 4. [`idempotency`]: `idempotency-key` replay for POSTs (24 h, survives restarts);
+//! 5. [`write_gate`]: 503 for writes while the engine takes none.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,9 +15,10 @@ use axum::http::{HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use dashmap::DashMap;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tally_engine::stores::{key_digest, AuthError};
+use tokio::sync::watch;
 
 use crate::error::ApiError;
 use crate::extract::read_body_limited;
@@ -219,8 +221,40 @@ pub async fn rate_limit(State(state): State<AppState>, request: Request, next: N
     response
 }
 
-/// Keys being processed right now, so a concurrent retry cannot run twice.
-pub type InflightIdempotency = Arc<DashMap<Vec<u8>, ()>>;
+/// Refuses writes (anything but GET and HEAD) with 503 before any lock or check while
+/// the engine takes none: before the projection caught up after a start, after the
+/// projector or the log failed, while the projection lags. Reads are served.
+pub async fn write_gate(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    // Previews are POSTs that write nothing.
+    let read_only = matches!(*request.method(), Method::GET | Method::HEAD)
+        || request.uri().path().ends_with("/preview");
+    if read_only {
+        return next.run(request).await;
+    }
+    match state.engine.check_writable() {
+        Ok(()) => next.run(request).await,
+        Err(error) => ApiError::from(error).into_response(),
+    }
+}
+
+/// Keys being processed right now, each with a signal that turns true when its
+/// request has finished (and its response, if final, is saved). A concurrent retry
+/// waits for it instead of running twice.
+pub type InflightIdempotency = Arc<DashMap<Vec<u8>, watch::Receiver<bool>>>;
+
+/// How long a request with an `idempotency-key` may run in the background after its
+/// client stopped waiting (`outcome_pending`): the write is durable, and its final
+/// response is saved for the retry when the projector gets to it.
+pub const IDEMPOTENT_BACKGROUND_WAIT_MS: u64 = 10 * 60 * 1000;
+
+/// A saved response (`aux` space, key `idem\0<api key digest>\0<idempotency key>`).
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedResponse {
+    fingerprint: String,
+    status: u16,
+    body: String,
+    created_at_ms: i64,
+}
 
 fn idempotency_storage_key(digest: &[u8], key: &str) -> Vec<u8> {
     let mut storage = b"idem\x00".to_vec();
@@ -234,6 +268,78 @@ fn idempotency_storage_key(digest: &[u8], key: &str) -> Vec<u8> {
 /// retry (auth, rate limit, server errors, lag) are not.
 fn remembered(status: StatusCode) -> bool {
     !(status.is_server_error() || matches!(status.as_u16(), 401 | 403 | 429))
+}
+
+/// Removes its in-flight entry and signals waiters when dropped: also when the
+/// handler panicked, so a key is never left "in use".
+struct InflightGuard {
+    inflight: InflightIdempotency,
+    key: Vec<u8>,
+    done: watch::Sender<bool>,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.inflight.remove(&self.key);
+        self.done.send_replace(true);
+    }
+}
+
+/// What the saved entry says about this request.
+enum Saved {
+    None,
+    Replay(Response),
+    Conflict(Response),
+}
+
+fn saved_response(
+    state: &AppState,
+    storage_key: &[u8],
+    fingerprint: &str,
+    now: i64,
+) -> Result<Saved, Response> {
+    let saved = match state.engine.store().aux_get(storage_key) {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return Ok(Saved::None),
+        Err(e) => return Err(ApiError::internal(format!("idempotency store: {e}")).into_response()),
+    };
+    let Ok(saved) = serde_json::from_slice::<SavedResponse>(&saved) else {
+        return Ok(Saved::None);
+    };
+    if now - saved.created_at_ms >= IDEMPOTENCY_TTL_MS {
+        return Ok(Saved::None);
+    }
+    if saved.fingerprint != fingerprint {
+        return Ok(Saved::Conflict(
+            ApiError::new(
+                StatusCode::CONFLICT,
+                "idempotency_key_reused",
+                "this idempotency-key was used with a different request; use a new key",
+            )
+            .with_param("idempotency-key")
+            .into_response(),
+        ));
+    }
+    let mut response = Response::new(Body::from(saved.body));
+    *response.status_mut() = StatusCode::from_u16(saved.status).unwrap_or(StatusCode::OK);
+    response.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response.headers_mut().insert(
+        HeaderName::from_static("idempotent-replayed"),
+        HeaderValue::from_static("true"),
+    );
+    Ok(Saved::Replay(response))
+}
+
+fn key_in_use() -> Response {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "idempotency_key_in_use",
+        "a request with this idempotency-key is still being processed; retry with the same key shortly",
+    )
+    .into_response()
 }
 
 pub async fn idempotency(State(state): State<AppState>, request: Request, next: Next) -> Response {
@@ -276,75 +382,75 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
     let fingerprint = hex::encode(hasher.finalize());
     let storage_key = idempotency_storage_key(&digest, &key);
     let now = state.engine.now_ms();
-    let store = state.engine.store().clone();
-    match store.aux_get(&storage_key) {
-        Ok(Some(saved)) => {
-            if let Ok(saved) = serde_json::from_slice::<Value>(&saved) {
-                let created = saved["created_at_ms"].as_i64().unwrap_or(0);
-                if now - created < IDEMPOTENCY_TTL_MS {
-                    if saved["fingerprint"].as_str() != Some(fingerprint.as_str()) {
-                        return ApiError::new(
-                            StatusCode::CONFLICT,
-                            "idempotency_key_reused",
-                            "this idempotency-key was used with a different request; use a new key",
-                        )
-                        .with_param("idempotency-key")
-                        .into_response();
-                    }
-                    let status =
-                        StatusCode::from_u16(saved["status"].as_u64().unwrap_or(200) as u16)
-                            .unwrap_or(StatusCode::OK);
-                    let body = saved["body"].as_str().unwrap_or("").to_string();
-                    let mut response = Response::new(Body::from(body));
-                    *response.status_mut() = status;
-                    response.headers_mut().insert(
-                        axum::http::header::CONTENT_TYPE,
-                        HeaderValue::from_static("application/json"),
-                    );
-                    response.headers_mut().insert(
-                        HeaderName::from_static("idempotent-replayed"),
-                        HeaderValue::from_static("true"),
-                    );
-                    return response;
-                }
-            }
+    let client_wait = state.engine.apply_wait();
+    // Claim the key, or wait for the request that holds it and answer with its saved
+    // response; a holder that saved nothing (it failed) lets this one run.
+    let done = loop {
+        match saved_response(&state, &storage_key, &fingerprint, now) {
+            Err(response) => return response,
+            Ok(Saved::Replay(response) | Saved::Conflict(response)) => return response,
+            Ok(Saved::None) => {}
         }
-        Ok(None) => {}
-        Err(e) => return ApiError::internal(format!("idempotency store: {e}")).into_response(),
-    }
-    if state
-        .idempotency_inflight
-        .insert(storage_key.clone(), ())
-        .is_some()
-    {
-        return ApiError::new(
-            StatusCode::CONFLICT,
-            "idempotency_key_in_use",
-            "a request with this idempotency-key is still being processed; retry shortly",
-        )
-        .into_response();
-    }
+        let holder = match state.idempotency_inflight.entry(storage_key.clone()) {
+            dashmap::Entry::Occupied(entry) => entry.get().clone(),
+            dashmap::Entry::Vacant(entry) => {
+                let (done, waiting) = watch::channel(false);
+                entry.insert(waiting);
+                break done;
+            }
+        };
+        let mut holder = holder;
+        let finished = tokio::time::timeout(client_wait, holder.wait_for(|finished| *finished))
+            .await
+            .is_ok();
+        if !finished {
+            return key_in_use();
+        }
+    };
+    let guard = InflightGuard {
+        inflight: state.idempotency_inflight.clone(),
+        key: storage_key.clone(),
+        done,
+    };
     let request_id = parts
         .extensions
         .get::<RequestId>()
         .map(|r| r.0.clone())
         .unwrap_or_default();
-    let response = next.run(Request::from_parts(parts, Body::from(body))).await;
-    let response = remember(
-        &state,
-        &storage_key,
-        &fingerprint,
-        now,
-        response,
-        &request_id,
-    )
-    .await;
-    state.idempotency_inflight.remove(&storage_key);
-    response
+    // The handler runs as its own task: a client that disconnects, or stops waiting,
+    // does not cancel a write that may already be durable; its final response is
+    // saved for the retry.
+    let task_state = state.clone();
+    let task = tokio::spawn(async move {
+        let _guard = guard;
+        let response = tally_engine::APPLY_WAIT
+            .scope(
+                Duration::from_millis(IDEMPOTENT_BACKGROUND_WAIT_MS),
+                next.run(Request::from_parts(parts, Body::from(body))),
+            )
+            .await;
+        remember(
+            &task_state,
+            &storage_key,
+            &fingerprint,
+            now,
+            response,
+            &request_id,
+        )
+        .await
+    });
+    match tokio::time::timeout(client_wait, task).await {
+        Ok(Ok(response)) => response,
+        Ok(Err(join_error)) => {
+            tracing::error!(%join_error, "request handler failed");
+            ApiError::internal("internal error; it has been logged").into_response()
+        }
+        Err(_) => ApiError::from(tally_engine::EngineError::ApplyTimeout).into_response(),
+    }
 }
 
 /// Saves the final response (rendering a pending error body first, so the replay is
-/// byte-identical) and returns it.
+/// byte-identical) durably, and returns it.
 async fn remember(
     state: &AppState,
     storage_key: &[u8],
@@ -364,18 +470,23 @@ async fn remember(
     let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
         return ApiError::internal("response body could not be read").into_response();
     };
-    let saved = json!({
-        "fingerprint": fingerprint,
-        "status": status.as_u16(),
-        "body": String::from_utf8_lossy(&bytes),
-        "created_at_ms": now,
-    });
-    if let Err(error) = state
-        .engine
-        .store()
-        .aux_put(storage_key, Some(saved.to_string().as_bytes()))
-    {
-        tracing::warn!(%error, "could not save idempotent response");
+    let saved = SavedResponse {
+        fingerprint: fingerprint.to_string(),
+        status: status.as_u16(),
+        body: String::from_utf8_lossy(&bytes).into_owned(),
+        created_at_ms: now,
+    };
+    let store = state.engine.store().clone();
+    let key = storage_key.to_vec();
+    let value = serde_json::to_vec(&saved).unwrap_or_default();
+    // Durable before the client sees the answer: a retry after a crash replays it.
+    let saved = tokio::task::spawn_blocking(move || {
+        store.aux_put(&key, Some(&value))?;
+        store.flush()
+    })
+    .await;
+    if !matches!(saved, Ok(Ok(()))) {
+        tracing::warn!("could not save idempotent response");
     }
     Response::from_parts(parts, Body::from(bytes))
 }
@@ -387,9 +498,8 @@ pub fn sweep_idempotency(state: &AppState) -> usize {
     let mut expired = Vec::new();
     let _ = store.aux_scan(&mut |key, value| {
         if key.starts_with(b"idem\x00") {
-            let created = serde_json::from_slice::<Value>(value)
-                .ok()
-                .and_then(|v| v["created_at_ms"].as_i64())
+            let created = serde_json::from_slice::<SavedResponse>(value)
+                .map(|saved| saved.created_at_ms)
                 .unwrap_or(0);
             if now - created >= IDEMPOTENCY_TTL_MS {
                 expired.push(key.to_vec());

@@ -9,8 +9,7 @@ use dashmap::DashMap;
 use serde_json::json;
 use tally_domain::record::WebhookAttempt;
 use tally_domain::webhook::{
-    is_forbidden_ip, next_attempt_at, signature_header, url_scheme_and_host, DeliveryMode,
-    WebhookEndpoint,
+    endpoint_target, may_reach, next_attempt_at, signature_header, DeliveryMode, WebhookEndpoint,
 };
 use tally_domain::Mode;
 use tally_engine::ledger::{TransactionView, EVENT_CREDITS_EXHAUSTED};
@@ -81,12 +80,44 @@ pub fn delivery_headers(
     ]
 }
 
+/// Resolves endpoint host names and keeps only the addresses a webhook of `mode` may
+/// reach (`may_reach`); a name with none left fails to resolve. The connector dials
+/// only what this returns.
+#[derive(Debug)]
+struct FilteringResolver {
+    mode: Mode,
+    allow_private: bool,
+}
+
+impl reqwest::dns::Resolve for FilteringResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let (mode, allow_private) = (self.mode, self.allow_private);
+        Box::pin(async move {
+            let host = name.as_str().to_string();
+            let resolved: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
+                .await?
+                .filter(|address| may_reach(address.ip(), mode, allow_private))
+                .collect();
+            if resolved.is_empty() {
+                let refused: Box<dyn std::error::Error + Send + Sync> =
+                    format!("{host} resolves to no address a webhook may reach").into();
+                return Err(refused);
+            }
+            let addresses: reqwest::dns::Addrs = Box::new(resolved.into_iter());
+            Ok(addresses)
+        })
+    }
+}
+
 pub struct Dispatcher {
     engine: Arc<Engine>,
     allow_private: bool,
-    client: reqwest::Client,
+    /// One client per environment: their resolvers allow different addresses.
+    prod_client: reqwest::Client,
+    test_client: reqwest::Client,
     in_flight: DashMap<String, ()>,
-    per_endpoint: DashMap<String, Arc<Semaphore>>,
+    /// Deliveries in flight per endpoint (entries removed at zero).
+    load: DashMap<String, usize>,
     overall: Arc<Semaphore>,
 }
 
@@ -98,17 +129,25 @@ impl std::fmt::Debug for Dispatcher {
 
 impl Dispatcher {
     pub fn new(engine: Arc<Engine>, allow_private: bool) -> Arc<Dispatcher> {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_millis(DELIVERY_TIMEOUT_MS))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .expect("build the webhook HTTP client");
+        let client = |mode: Mode| {
+            reqwest::Client::builder()
+                .timeout(Duration::from_millis(DELIVERY_TIMEOUT_MS))
+                .redirect(reqwest::redirect::Policy::none())
+                .no_proxy()
+                .dns_resolver(Arc::new(FilteringResolver {
+                    mode,
+                    allow_private,
+                }))
+                .build()
+                .expect("build the webhook HTTP client")
+        };
         Arc::new(Dispatcher {
             engine,
             allow_private,
-            client,
+            prod_client: client(Mode::Prod),
+            test_client: client(Mode::Test),
             in_flight: DashMap::new(),
-            per_endpoint: DashMap::new(),
+            load: DashMap::new(),
             overall: Arc::new(Semaphore::new(MAX_CONCURRENT_DELIVERIES)),
         })
     }
@@ -120,39 +159,81 @@ impl Dispatcher {
                 _ = shutdown.changed() => break,
                 _ = tokio::time::sleep(Duration::from_millis(DISPATCH_POLL_MS)) => {}
             }
-            let due = match self
-                .engine
-                .due_deliveries(self.engine.now_ms(), DISPATCH_BATCH)
-            {
-                Ok(due) => due,
-                Err(error) => {
-                    tracing::error!(%error, "reading due webhook deliveries failed");
-                    continue;
-                }
+            let at_capacity = |endpoint: &str, event: &str| {
+                self.in_flight.contains_key(&format!("{endpoint}/{event}"))
+                    || self.endpoint_load(endpoint) >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
             };
+            let due =
+                match self
+                    .engine
+                    .due_deliveries(self.engine.now_ms(), DISPATCH_BATCH, &at_capacity)
+                {
+                    Ok(due) => due,
+                    Err(error) => {
+                        tracing::error!(%error, "reading due webhook deliveries failed");
+                        continue;
+                    }
+                };
             for (scope, delivery) in due {
                 let key = format!("{}/{}", delivery.endpoint_id, delivery.event_id);
-                if self.in_flight.insert(key.clone(), ()).is_some() {
-                    continue;
+                // Fair across endpoints: one endpoint never has more deliveries in
+                // flight than its cap, so a black-holed endpoint holds at most that
+                // many slots while the scan moves on to the others.
+                {
+                    let mut load = self.load.entry(delivery.endpoint_id.clone()).or_insert(0);
+                    if *load >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
+                        || self.in_flight.insert(key.clone(), ()).is_some()
+                    {
+                        continue;
+                    }
+                    *load += 1;
                 }
                 let dispatcher = self.clone();
                 tokio::spawn(async move {
-                    let semaphore = dispatcher
-                        .per_endpoint
-                        .entry(delivery.endpoint_id.clone())
-                        .or_insert_with(|| {
-                            Arc::new(Semaphore::new(MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT))
-                        })
-                        .clone();
-                    let _endpoint_slot = semaphore.acquire().await;
                     let _slot = dispatcher.overall.acquire().await;
                     if let Err(error) = dispatcher.deliver(&scope, &delivery, false).await {
                         tracing::warn!(%error, event = %delivery.event_id, "webhook attempt could not be recorded");
                     }
                     dispatcher.in_flight.remove(&key);
+                    dispatcher.release_load(&delivery.endpoint_id);
                 });
             }
         }
+    }
+
+    /// Deliveries in flight to `endpoint_id`.
+    fn endpoint_load(&self, endpoint_id: &str) -> usize {
+        self.load.get(endpoint_id).map_or(0, |load| *load)
+    }
+
+    fn release_load(&self, endpoint_id: &str) {
+        self.load.remove_if_mut(endpoint_id, |_, load| {
+            *load = load.saturating_sub(1);
+            *load == 0
+        });
+    }
+
+    /// A manual resend: the same cap per endpoint and overall as scheduled delivery,
+    /// so resends cannot be used to flood an endpoint or scan for open ports.
+    pub async fn resend(
+        &self,
+        scope: &Scope,
+        delivery: &Delivery,
+    ) -> Result<WebhookAttempt, EngineError> {
+        {
+            let mut load = self.load.entry(delivery.endpoint_id.clone()).or_insert(0);
+            if *load >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT {
+                return Err(EngineError::Unavailable {
+                    code: "endpoint_busy",
+                    message: "this endpoint already has the most deliveries in flight; retry the resend shortly",
+                });
+            }
+            *load += 1;
+        }
+        let _slot = self.overall.acquire().await;
+        let result = self.deliver(scope, delivery, true).await;
+        self.release_load(&delivery.endpoint_id);
+        result
     }
 
     /// Makes one attempt and records it; returns the recorded attempt.
@@ -179,7 +260,7 @@ impl Dispatcher {
             None => (0, "endpoint disabled or deleted: not delivered".to_string()),
             Some(endpoint) => {
                 let body = event_body(&self.engine, scope, delivery)?;
-                match self.refuse_private_target(endpoint).await {
+                match self.refuse_target(endpoint) {
                     Some(reason) => (0, reason),
                     None => self.post(endpoint, delivery, &body, now).await,
                 }
@@ -210,28 +291,15 @@ impl Dispatcher {
         Ok(attempt)
     }
 
-    /// Production endpoints may not reach private addresses, also after DNS
-    /// resolution at delivery time (SSRF), unless `--allow-private-webhooks`.
-    async fn refuse_private_target(&self, endpoint: &WebhookEndpoint) -> Option<String> {
-        if endpoint.mode != Mode::Prod || self.allow_private {
-            return None;
-        }
-        let (scheme, host) = url_scheme_and_host(&endpoint.url)?;
-        let port = if scheme == "https" { 443 } else { 80 };
-        match tokio::net::lookup_host((host, port)).await {
-            Ok(addresses) => {
-                let addresses: Vec<_> = addresses.collect();
-                match addresses.iter().find(|a| is_forbidden_ip(a.ip())) {
-                    Some(bad) => Some(format!(
-                        "refused: {host} resolves to the non-public address {}",
-                        bad.ip()
-                    )),
-                    None if addresses.is_empty() => Some(format!("{host} did not resolve")),
-                    None => None,
-                }
-            }
-            Err(e) => Some(format!("{host} did not resolve: {e}")),
-        }
+    /// Why an endpoint may not be reached now, if it may not: its URL is checked
+    /// again (the rules may have changed since it was saved); names are checked
+    /// after resolution by the client's resolver (`FilteringResolver`), which hands
+    /// the connector only the addresses it checked, so DNS rebinding cannot slip an
+    /// internal address in between.
+    fn refuse_target(&self, endpoint: &WebhookEndpoint) -> Option<String> {
+        endpoint_target(&endpoint.url, endpoint.mode, self.allow_private)
+            .err()
+            .map(|error| format!("refused: {}", error.message))
     }
 
     async fn post(
@@ -241,7 +309,11 @@ impl Dispatcher {
         body: &str,
         now_ms: i64,
     ) -> (u16, String) {
-        let mut request = self.client.post(&endpoint.url).body(body.to_string());
+        let client = match endpoint.mode {
+            Mode::Prod => &self.prod_client,
+            Mode::Test => &self.test_client,
+        };
+        let mut request = client.post(&endpoint.url).body(body.to_string());
         for (name, value) in delivery_headers(endpoint, delivery, body, now_ms) {
             request = request.header(name, value);
         }
@@ -256,7 +328,36 @@ impl Dispatcher {
                 (status, error)
             }
             Err(e) if e.is_timeout() => (0, "timed out after 10 s".into()),
-            Err(e) => (0, format!("request failed: {e}")),
+            // No transport detail: the attempt log must not work as a port scanner.
+            Err(e) if e.is_connect() => (0, "could not connect to the endpoint".into()),
+            Err(_) => (0, "the request failed".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::dns::Resolve;
+    use std::str::FromStr;
+
+    async fn resolves(mode: Mode, allow_private: bool, name: &str) -> bool {
+        let resolver = FilteringResolver {
+            mode,
+            allow_private,
+        };
+        resolver
+            .resolve(reqwest::dns::Name::from_str(name).unwrap())
+            .await
+            .is_ok()
+    }
+
+    /// What the connector may dial is decided after resolution: a name that resolves
+    /// to loopback is refused for production endpoints, allowed for test ones.
+    #[tokio::test]
+    async fn the_resolver_hands_out_only_reachable_addresses() {
+        assert!(!resolves(Mode::Prod, false, "localhost").await);
+        assert!(resolves(Mode::Test, false, "localhost").await);
+        assert!(resolves(Mode::Prod, true, "localhost").await);
     }
 }

@@ -59,7 +59,8 @@ impl Receiver {
     }
 }
 
-async fn credit_event(api: &Api, amount: &str, key: &str) -> (String, String) {
+/// A new customer's new credits account: its id.
+async fn new_account(api: &Api, key: &str) -> String {
     let customer = api
         .post("/v1/customers", json!({"email": format!("{key}@x.io")}))
         .await
@@ -67,16 +68,19 @@ async fn credit_event(api: &Api, amount: &str, key: &str) -> (String, String) {
         .as_str()
         .unwrap()
         .to_string();
-    let account = api
-        .post(
-            "/v1/customer-credits/accounts",
-            json!({"customer_id": customer}),
-        )
-        .await
-        .body["id"]
+    api.post(
+        "/v1/customer-credits/accounts",
+        json!({"customer_id": customer}),
+    )
+    .await
+    .body["id"]
         .as_str()
         .unwrap()
-        .to_string();
+        .to_string()
+}
+
+async fn credit_event(api: &Api, amount: &str, key: &str) -> (String, String) {
+    let account = new_account(api, key).await;
     let tx = api
         .post(
             &format!("/v1/customer-credits/accounts/{account}/credit"),
@@ -458,46 +462,108 @@ async fn the_cli_feed_lists_oldest_first_until_acknowledged() {
     server.stop().await;
 }
 
+/// Every spelling of an internal address is refused when the endpoint is saved, the
+/// parser-differential one (`\\@`) included; names are checked again after DNS
+/// resolution at delivery (the dispatcher's resolver, unit-tested beside it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn production_deliveries_refuse_names_resolving_to_private_addresses() {
+async fn endpoints_refuse_internal_addresses_in_every_spelling() {
     let (_g, dir) = temp_dir();
     let server = Server::start(&dir, default_config()).await;
     let keys = create_store(&server, "acme").await;
     let prod = Api::new(&server.prod_url, &keys.prod);
-    // `127.1` is not an IP literal to the creation check, but resolves to 127.0.0.1.
-    let endpoint = prod
+    let test = Api::new(&server.test_url, &keys.test);
+    for url in [
+        "https://127.1/hook",
+        "https://0x7f.0.0.1/",
+        "https://2130706433/",
+        "https://127.0.0.1\\@example.com/",
+        "https://user@example.com/",
+        "https://[::ffff:a9fe:a9fe]/",
+        "https://[64:ff9b::a00:1]/",
+    ] {
+        let refused = prod
+            .post(
+                "/v1/webhooks",
+                json!({"url": url, "events": ["credits.granted"]}),
+            )
+            .await;
+        let error = assert_error(&refused, 400, "invalid_request_error");
+        assert_eq!(error["param"], "url", "{url}");
+    }
+    // Test endpoints: loopback yes, private and metadata addresses no.
+    for (url, status) in [
+        ("http://127.0.0.1:9/hook", 200),
+        ("http://localhost:9/hook", 200),
+        ("http://10.0.0.5:22/", 400),
+        ("http://169.254.169.254/latest/meta-data", 400),
+        ("http://192.168.1.1/", 400),
+    ] {
+        let answer = test
+            .post(
+                "/v1/webhooks",
+                json!({"url": url, "events": ["credits.granted"]}),
+            )
+            .await;
+        assert_eq!(answer.status, status, "{url}: {}", answer.body);
+    }
+    server.stop().await;
+}
+
+/// One store's black-holed endpoint (accepts connections, never answers) with more
+/// due deliveries than a dispatcher poll takes cannot delay another store's
+/// delivery: each endpoint holds at most its own cap of in-flight slots and the
+/// scan moves past the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_endpoint_does_not_delay_other_stores() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let a = Api::new(&server.test_url, &create_store(&server, "a").await.test);
+    let b = Api::new(&server.test_url, &create_store(&server, "b").await.test);
+    // The black hole: accepts and holds connections, never reads or answers.
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole_url = format!("http://{}/hook", hole.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket);
+        }
+    });
+    let created = a
         .post(
             "/v1/webhooks",
-            json!({"url": "https://127.1/hook", "events": ["credits.granted"]}),
+            json!({"url": hole_url, "delivery_mode": "http", "events": ["credits.granted"]}),
         )
         .await;
-    assert_eq!(endpoint.status, 200, "{}", endpoint.body);
-    let id = endpoint.body["id"].as_str().unwrap().to_string();
-    credit_event(&prod, "1", "p1").await;
-    let mut attempts = Vec::new();
-    for _ in 0..100 {
-        attempts = prod
-            .get(&format!("/v1/webhooks/{id}/deliveries"))
-            .await
-            .body["data"]
-            .as_array()
-            .unwrap()
-            .clone();
-        if !attempts.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(created.status, 200, "{}", created.body);
+    let account = new_account(&a, "a").await;
+    // More deliveries than one poll takes (DISPATCH_BATCH), all older than B's.
+    for i in 0..(tally_http::webhooks::DISPATCH_BATCH + 40) {
+        let credit = a
+            .post(
+                &format!("/v1/customer-credits/accounts/{account}/credit"),
+                json!({"amount": "1", "idempotency_key": format!("a{i}")}),
+            )
+            .await;
+        assert_eq!(credit.status, 200, "{}", credit.body);
     }
-    assert_eq!(attempts.len(), 1);
+    // B's delivery is due strictly after every one of A's.
+    server.clock.advance_ms(1);
+    let (receiver, url) = Receiver::start(&[]).await;
+    let created = b
+        .post(
+            "/v1/webhooks",
+            json!({"url": url, "delivery_mode": "http", "events": ["credits.granted"]}),
+        )
+        .await;
+    assert_eq!(created.status, 200, "{}", created.body);
+    let started = std::time::Instant::now();
+    credit_event(&b, "5", "b").await;
+    // Well inside one delivery timeout of the black hole (10 s).
+    receiver.wait_for(1).await;
     assert!(
-        attempts[0]["error"]
-            .as_str()
-            .unwrap()
-            .contains("non-public address"),
-        "{}",
-        attempts[0]
+        started.elapsed() < Duration::from_millis(tally_http::webhooks::DELIVERY_TIMEOUT_MS),
+        "B's delivery waited {:?}",
+        started.elapsed()
     );
-    assert_eq!(attempts[0]["status_code"], Value::Null);
-    assert_eq!(attempts[0]["delivered"], false);
     server.stop().await;
 }

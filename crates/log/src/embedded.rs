@@ -37,6 +37,12 @@ pub const APPEND_QUEUE_CAPACITY: usize = 16 * 1024;
 /// Most bytes one group commit writes before it fsyncs, so one huge burst cannot
 /// delay the first appender's answer indefinitely.
 pub const GROUP_COMMIT_MAX_BYTES: usize = 8 * 1024 * 1024;
+/// The most bytes a crash can leave unacknowledged at the end of the log: one group
+/// commit's worth plus one whole frame of the largest record (a group may exceed its
+/// byte budget by the frame that crossed it). Recovery cuts a bad tail only when it
+/// is no longer than this; anything longer is corruption of acknowledged records.
+pub const TORN_TAIL_MAX_BYTES: u64 =
+    (GROUP_COMMIT_MAX_BYTES + FRAME_HEADER_BYTES + MAX_RECORD_BYTES) as u64;
 /// Bytes a reader asks for at once.
 pub const READ_CHUNK_BYTES: usize = 1024 * 1024;
 const SEGMENT_SUFFIX: &str = ".seg";
@@ -92,6 +98,62 @@ fn fsync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Where, after a bad frame at `from`, a run of valid frames starts that ends exactly
+/// at `end` (the file's end), if one does: the mark of corruption in the middle of
+/// acknowledged records, as opposed to a torn write, after which nothing valid
+/// follows. The region is at most `TORN_TAIL_MAX_BYTES` (checked before).
+fn valid_frames_follow(file: &File, from: u64, end: u64) -> io::Result<Option<u64>> {
+    let mut region = vec![0u8; (end - from) as usize];
+    file.read_exact_at(&mut region, from)?;
+    let header_at = |at: usize| -> Option<(usize, u32)> {
+        let header = region.get(at..at + FRAME_HEADER_BYTES)?;
+        let len = u32::from_le_bytes(header[0..4].try_into().ok()?) as usize;
+        let crc = u32::from_le_bytes(header[4..8].try_into().ok()?);
+        (len > 0 && len <= MAX_RECORD_BYTES && at + FRAME_HEADER_BYTES + len <= region.len())
+            .then_some((len, crc))
+    };
+    for start in 1..region.len() {
+        // Walk headers first (cheap); check checksums only for a run that ends
+        // exactly at the end of the file.
+        let mut at = start;
+        let mut frames = Vec::new();
+        while let Some((len, crc)) = header_at(at) {
+            frames.push((at, len, crc));
+            at += FRAME_HEADER_BYTES + len;
+        }
+        if at != region.len() || frames.is_empty() {
+            continue;
+        }
+        let all_valid = frames.iter().all(|(at, len, crc)| {
+            let payload = &region[at + FRAME_HEADER_BYTES..at + FRAME_HEADER_BYTES + len];
+            crc32fast::hash(payload) == *crc
+        });
+        if all_valid {
+            return Ok(Some(from + start as u64));
+        }
+    }
+    Ok(None)
+}
+
+/// Every segment but the last is sealed: it must end exactly where the next begins
+/// (a shorter one lost acknowledged records; frames are checked as they are read).
+fn check_sealed_segments(dir: &Path, bases: &[u64]) -> Result<(), LogError> {
+    for pair in bases.windows(2) {
+        let path = segment_path(dir, pair[0]);
+        let len = fs::metadata(&path)?.len();
+        if pair[0] + len != pair[1] {
+            return Err(LogError::Corrupt(format!(
+                "segment {} holds {len} bytes but the next segment starts at log offset {}: records between {} and {} are missing",
+                path.display(),
+                pair[1],
+                pair[0] + len,
+                pair[1],
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Length of the valid prefix of a segment: where the first incomplete or corrupt
 /// frame starts (or the file length when all frames are whole).
 fn valid_prefix_len(file: &mut File) -> io::Result<u64> {
@@ -108,7 +170,8 @@ fn valid_prefix_len(file: &mut File) -> io::Result<u64> {
         reader.read_exact(&mut header)?;
         let payload_len = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes")) as usize;
         let crc = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
-        if payload_len > MAX_RECORD_BYTES
+        if payload_len == 0
+            || payload_len > MAX_RECORD_BYTES
             || position + (FRAME_HEADER_BYTES + payload_len) as u64 > len
         {
             return Ok(position);
@@ -147,9 +210,26 @@ impl EmbeddedLog {
             .read(true)
             .write(true)
             .open(&active_path)?;
+        check_sealed_segments(&dir, &bases)?;
         let file_len = active.metadata()?.len();
         let valid_len = valid_prefix_len(&mut active)?;
+        if file_len - valid_len > TORN_TAIL_MAX_BYTES {
+            return Err(LogError::Corrupt(format!(
+                "segment {} has a bad frame at log offset {} followed by {} more bytes, more than a crash can leave unacknowledged ({TORN_TAIL_MAX_BYTES}); refusing to drop acknowledged records. Restore the log from a backup, or cut the file at that offset by hand if you accept losing what follows",
+                active_path.display(),
+                active_base + valid_len,
+                file_len - valid_len,
+            )));
+        }
         if valid_len < file_len {
+            if let Some(at) = valid_frames_follow(&active, valid_len, file_len)? {
+                return Err(LogError::Corrupt(format!(
+                    "segment {} has a bad frame at log offset {}, yet valid frames follow from offset {} to its end: acknowledged records would be lost by cutting. Restore the log from a backup",
+                    active_path.display(),
+                    active_base + valid_len,
+                    active_base + at,
+                )));
+            }
             tracing::warn!(
                 segment = %active_path.display(),
                 valid_bytes = valid_len,
@@ -278,6 +358,13 @@ impl Log for EmbeddedLog {
         "embedded"
     }
 
+    fn health(&self) -> Option<String> {
+        self.shared
+            .poisoned
+            .load(Ordering::SeqCst)
+            .then(|| LogError::Poisoned.to_string())
+    }
+
     fn partition_count(&self) -> u32 {
         1
     }
@@ -285,6 +372,11 @@ impl Log for EmbeddedLog {
     async fn append(&self, _key: &[u8], payload: Vec<u8>) -> Result<u64, LogError> {
         if payload.len() > MAX_RECORD_BYTES {
             return Err(LogError::RecordTooLarge(payload.len()));
+        }
+        if payload.is_empty() {
+            // Frames are never empty, so a zeroed region of a file never reads as
+            // a run of valid frames.
+            return Err(LogError::EmptyRecord);
         }
         if self.shared.poisoned.load(Ordering::SeqCst) {
             return Err(LogError::Poisoned);
@@ -422,6 +514,17 @@ impl EmbeddedReader {
                 let crc =
                     u32::from_le_bytes(self.buffer[cursor + 4..cursor + 8].try_into().expect("4"));
                 let frame_end = cursor + FRAME_HEADER_BYTES + len;
+                let frame_offset = self.offset;
+                // Bounded before anything is allocated: a garbage length is corruption.
+                if len == 0
+                    || len > MAX_RECORD_BYTES
+                    || frame_offset + (FRAME_HEADER_BYTES + len) as u64 > readable_end
+                {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("corrupt frame length {len} in the log at offset {frame_offset}"),
+                    ));
+                }
                 if frame_end > self.buffer.len() {
                     if !progressed {
                         // A frame larger than the chunk: read exactly that frame.
@@ -531,6 +634,84 @@ mod tests {
         assert_eq!(
             log.end_offset(0).await.unwrap(),
             (FRAME_HEADER_BYTES + 4) as u64
+        );
+    }
+
+    fn frame(payload: &[u8]) -> Vec<u8> {
+        let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+        bytes.extend_from_slice(payload);
+        bytes
+    }
+
+    /// A bad frame followed by valid ones is corruption of acknowledged records:
+    /// start-up stops and names the offset instead of cutting them away.
+    #[tokio::test]
+    async fn corruption_before_valid_frames_stops_start_up() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let log = EmbeddedLog::open(dir.path()).unwrap();
+            for payload in [&b"one"[..], b"two", b"three"] {
+                log.append(b"k", payload.to_vec()).await.unwrap();
+            }
+        }
+        let path = segment_path(dir.path(), 0);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[FRAME_HEADER_BYTES] ^= 0xff; // the first payload's first byte
+        fs::write(&path, &bytes).unwrap();
+        match EmbeddedLog::open(dir.path()) {
+            Err(LogError::Corrupt(message)) => {
+                assert!(message.contains("offset 0"), "{message}");
+                assert!(
+                    message.contains(&format!("offset {}", FRAME_HEADER_BYTES + 3)),
+                    "{message}"
+                );
+            }
+            other => panic!("expected corruption, got {other:?}"),
+        }
+        assert_eq!(fs::read(&path).unwrap(), bytes, "nothing was cut");
+    }
+
+    /// A sealed segment shorter than the gap to the next one lost records; a
+    /// garbage frame length in a sealed segment is reported, never allocated.
+    #[tokio::test]
+    async fn sealed_segments_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = [frame(b"a"), frame(b"b")].concat();
+        fs::write(segment_path(dir.path(), 0), &first).unwrap();
+        fs::write(
+            segment_path(dir.path(), first.len() as u64 + 5),
+            frame(b"c"),
+        )
+        .unwrap();
+        assert!(matches!(
+            EmbeddedLog::open(dir.path()),
+            Err(LogError::Corrupt(_))
+        ));
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut garbage = frame(b"a");
+        garbage.extend_from_slice(&u32::MAX.to_le_bytes());
+        garbage.extend_from_slice(&[0; 4]);
+        fs::write(segment_path(dir.path(), 0), &garbage).unwrap();
+        fs::write(segment_path(dir.path(), garbage.len() as u64), frame(b"c")).unwrap();
+        let log = EmbeddedLog::open(dir.path()).unwrap();
+        let mut reader = log.reader(0, 0).await.unwrap();
+        let mut failure = None;
+        for _ in 0..3 {
+            match reader.next_batch(10, Duration::from_millis(10)).await {
+                Ok(_) => {}
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            }
+        }
+        let error = failure.expect("the garbage frame is reported");
+        assert!(error.is_corruption(), "{error}");
+        assert!(
+            log.append(b"k", Vec::new()).await.is_err(),
+            "empty records are refused"
         );
     }
 

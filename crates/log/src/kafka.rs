@@ -8,21 +8,33 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
-use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::{Log, LogEntry, LogError, LogReader};
+use crate::{Log, LogEntry, LogError, LogReader, MAX_RECORD_BYTES};
 
 /// How long a produce may wait for the broker (including retries) before it fails.
 pub const PRODUCE_TIMEOUT_MS: u64 = 30_000;
+/// How long `covers` waits for each fetch while it looks for the last applied record:
+/// long enough for a loaded broker, short enough that a truncated log is reported
+/// within seconds of startup.
+pub const COVERS_FETCH_WAIT_MS: u64 = 2_000;
+
+/// Records `covers` reads per fetch while it scans forward from the broker's end offset.
+const COVERS_SCAN_BATCH: usize = 1_000;
 /// Metadata and commit calls.
 pub const ADMIN_TIMEOUT_MS: u64 = 10_000;
+
+/// Largest message the producer sends and the topic accepts: a whole record
+/// (`MAX_RECORD_BYTES`) plus room for Kafka's own framing. Kafka's 1 MB default would
+/// refuse valid ingest batches.
+pub const MAX_MESSAGE_BYTES: usize = MAX_RECORD_BYTES + 64 * 1024;
 
 #[derive(Debug, Clone)]
 pub struct KafkaConfig {
@@ -30,6 +42,88 @@ pub struct KafkaConfig {
     pub topic: String,
     pub partitions: u32,
     pub replication_factor: i32,
+    /// `min.insync.replicas` of the topic: with `acks=all`, a write is acknowledged
+    /// only once this many replicas have it (2 in production; 1 for a one-broker
+    /// development cluster).
+    pub min_insync_replicas: i32,
+}
+
+/// The topic settings the log needs, set when tally creates the topic and checked
+/// at start-up (`verify_topic`): the topic is the source of truth, so nothing may
+/// delete or compact its records, and no out-of-sync replica may become leader.
+pub fn topic_settings(config: &KafkaConfig) -> Vec<(&'static str, String)> {
+    vec![
+        ("retention.ms", "-1".into()),
+        ("retention.bytes", "-1".into()),
+        ("cleanup.policy", "delete".into()),
+        ("unclean.leader.election.enable", "false".into()),
+        (
+            "min.insync.replicas",
+            config.min_insync_replicas.to_string(),
+        ),
+        ("max.message.bytes", MAX_MESSAGE_BYTES.to_string()),
+    ]
+}
+
+/// Why a topic's configuration could delete records of the log, if it could.
+/// Settings a broker does not report are taken as unset (brokers report every
+/// setting; development brokers only those given at creation).
+pub fn topic_problem(configs: &[(String, Option<String>)]) -> Option<String> {
+    let value = |name: &str| {
+        configs
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.clone())
+    };
+    for name in ["retention.ms", "retention.bytes"] {
+        if let Some(v) = value(name) {
+            if v.trim() != "-1" {
+                return Some(format!(
+                    "{name}={v} deletes records of the log; it must be -1"
+                ));
+            }
+        }
+    }
+    if let Some(policy) = value("cleanup.policy") {
+        if policy.contains("compact") {
+            return Some(format!(
+                "cleanup.policy={policy} compacts away records that share a key; it must be delete (with infinite retention)"
+            ));
+        }
+    }
+    if value("unclean.leader.election.enable").is_some_and(|v| v.trim() == "true") {
+        return Some("unclean.leader.election.enable=true can lose acknowledged records".into());
+    }
+    None
+}
+
+/// Refuses a topic that can delete records (see `topic_problem`).
+pub async fn verify_topic(config: &KafkaConfig) -> Result<(), LogError> {
+    let admin: AdminClient<DefaultClientContext> =
+        base_config(&config.brokers).create().map_err(kafka_error)?;
+    let options =
+        AdminOptions::new().request_timeout(Some(Duration::from_millis(ADMIN_TIMEOUT_MS)));
+    let results = admin
+        .describe_configs([&ResourceSpecifier::Topic(&config.topic)], &options)
+        .await
+        .map_err(kafka_error)?;
+    let resource = results
+        .into_iter()
+        .next()
+        .ok_or_else(|| LogError::Kafka("describe topic: the broker answered nothing".into()))?
+        .map_err(|code| LogError::Kafka(format!("describe topic {}: {code}", config.topic)))?;
+    let configs: Vec<(String, Option<String>)> = resource
+        .entries
+        .iter()
+        .map(|entry| (entry.name.clone(), entry.value.clone()))
+        .collect();
+    match topic_problem(&configs) {
+        Some(problem) => Err(LogError::Corrupt(format!(
+            "topic {} cannot hold the log: {problem}. Fix it with kafka-configs --alter, or point tally at another topic",
+            config.topic
+        ))),
+        None => Ok(()),
+    }
 }
 
 pub struct KafkaLog {
@@ -51,6 +145,34 @@ fn kafka_error(e: impl std::fmt::Display) -> LogError {
     LogError::Kafka(e.to_string())
 }
 
+/// A failed produce: nothing was written only when the broker refused the message
+/// outright; a timeout or a lost connection leaves the outcome unknown (the broker
+/// may have appended it), which callers must not report as "nothing written".
+fn produce_error(error: KafkaError) -> LogError {
+    use RDKafkaErrorCode as Code;
+    let refused = match &error {
+        KafkaError::MessageProduction(code) => matches!(
+            code,
+            Code::QueueFull
+                | Code::MessageSizeTooLarge
+                | Code::InvalidMessageSize
+                | Code::UnknownTopicOrPartition
+                | Code::UnknownPartition
+                | Code::UnknownTopic
+                | Code::TopicAuthorizationFailed
+                | Code::NotEnoughReplicas
+                | Code::InvalidMessage
+                | Code::InvalidRecord
+        ),
+        _ => false,
+    };
+    if refused {
+        kafka_error(error)
+    } else {
+        LogError::OutcomeUnknown(error.to_string())
+    }
+}
+
 fn base_config(brokers: &str) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
@@ -65,10 +187,14 @@ fn base_config(brokers: &str) -> ClientConfig {
 pub async fn create_topic(config: &KafkaConfig) -> Result<bool, LogError> {
     let admin: AdminClient<DefaultClientContext> =
         base_config(&config.brokers).create().map_err(kafka_error)?;
-    let topic = NewTopic::new(
-        &config.topic,
-        config.partitions as i32,
-        TopicReplication::Fixed(config.replication_factor),
+    let settings = topic_settings(config);
+    let topic = settings.iter().fold(
+        NewTopic::new(
+            &config.topic,
+            config.partitions as i32,
+            TopicReplication::Fixed(config.replication_factor),
+        ),
+        |topic, (name, value)| topic.set(name, value),
     );
     let options =
         AdminOptions::new().operation_timeout(Some(Duration::from_millis(ADMIN_TIMEOUT_MS)));
@@ -92,6 +218,7 @@ impl KafkaLog {
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "2")
+            .set("message.max.bytes", MAX_MESSAGE_BYTES.to_string())
             .set("message.timeout.ms", PRODUCE_TIMEOUT_MS.to_string())
             .create()
             .map_err(kafka_error)?;
@@ -132,7 +259,19 @@ impl Log for KafkaLog {
         self.config.partitions
     }
 
+    fn health(&self) -> Option<String> {
+        self.producer.client().fatal_error().map(|(code, reason)| {
+            format!("fatal producer error {code:?}: {reason}; restart the node")
+        })
+    }
+
     async fn append(&self, key: &[u8], payload: Vec<u8>) -> Result<u64, LogError> {
+        if payload.len() > MAX_RECORD_BYTES {
+            return Err(LogError::RecordTooLarge(payload.len()));
+        }
+        if payload.is_empty() {
+            return Err(LogError::EmptyRecord);
+        }
         let partition = self.partition_for(key);
         let record = FutureRecord::to(&self.config.topic)
             .partition(partition as i32)
@@ -142,7 +281,7 @@ impl Log for KafkaLog {
             .producer
             .send(record, Duration::from_millis(PRODUCE_TIMEOUT_MS))
             .await
-            .map_err(|(e, _)| kafka_error(e))?;
+            .map_err(|(e, _)| produce_error(e))?;
         Ok(delivery.offset as u64)
     }
 
@@ -160,7 +299,9 @@ impl Log for KafkaLog {
             .set("group.id", format!("{}-reader", self.config.topic))
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest")
+            // Never jump: a start offset the broker no longer has means records of
+            // the log were deleted, and the projector must stop, not skip them.
+            .set("auto.offset.reset", "error")
             .set("fetch.wait.max.ms", "50")
             .create()
             .map_err(kafka_error)?;
@@ -178,6 +319,41 @@ impl Log for KafkaLog {
             partition,
             next_offset: from_offset,
         }))
+    }
+
+    /// The broker's end offset first. When it says no, the records from just below
+    /// that end are read forward, looking for the last record the consumer applied:
+    /// some brokers (tansu) answer "latest offset" with the base offset of the newest
+    /// batch plus one, below the batch's last record, and serve only whole batches.
+    /// Reading stops at the first empty fetch or "offset out of range" (the log is
+    /// shorter: not covered).
+    async fn covers(&self, partition: u32, next_offset: u64) -> Result<bool, LogError> {
+        if next_offset == 0 {
+            return Ok(true);
+        }
+        let end = self.end_offset(partition).await?;
+        if end >= next_offset {
+            return Ok(true);
+        }
+        let mut reader = self.reader(partition, end.saturating_sub(1)).await?;
+        loop {
+            match reader
+                .next_batch(
+                    COVERS_SCAN_BATCH,
+                    Duration::from_millis(COVERS_FETCH_WAIT_MS),
+                )
+                .await
+            {
+                Ok(entries) if entries.is_empty() => return Ok(false),
+                Ok(entries) => {
+                    if entries.iter().any(|e| e.offset >= next_offset - 1) {
+                        return Ok(true);
+                    }
+                }
+                Err(error) if error.is_corruption() => return Ok(false),
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     async fn end_offset(&self, partition: u32) -> Result<u64, LogError> {
@@ -233,6 +409,19 @@ impl Log for KafkaLog {
     }
 }
 
+/// A failed read: an offset out of range (records deleted under the reader) is
+/// corruption of the log, never a reason to start elsewhere.
+fn consume_error(error: KafkaError) -> LogError {
+    match error.rdkafka_error_code() {
+        Some(RDKafkaErrorCode::AutoOffsetReset | RDKafkaErrorCode::OffsetOutOfRange) => {
+            LogError::Corrupt(format!(
+                "the reader's offset is out of range: {error}; records of the log were deleted"
+            ))
+        }
+        _ => kafka_error(error),
+    }
+}
+
 struct KafkaReader {
     consumer: StreamConsumer,
     partition: u32,
@@ -266,16 +455,54 @@ impl LogReader for KafkaReader {
         let mut entries = Vec::new();
         let first = match tokio::time::timeout(wait, self.consumer.recv()).await {
             Err(_) => return Ok(entries),
-            Ok(result) => result.map_err(kafka_error)?,
+            Ok(result) => result.map_err(consume_error)?,
         };
         entries.extend(self.accept(first.detach()));
         while entries.len() < max_records {
             let Some(result) = self.consumer.recv().now_or_never() else {
                 break;
             };
-            let message = result.map_err(kafka_error)?.detach();
+            let message = result.map_err(consume_error)?.detach();
             entries.extend(self.accept(message));
         }
         Ok(entries)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(pairs: &[(&str, &str)]) -> Vec<(String, Option<String>)> {
+        pairs
+            .iter()
+            .map(|(n, v)| (n.to_string(), Some(v.to_string())))
+            .collect()
+    }
+
+    #[test]
+    fn only_topics_that_keep_every_record_pass() {
+        let config = KafkaConfig {
+            brokers: String::new(),
+            topic: "t".into(),
+            partitions: 1,
+            replication_factor: 3,
+            min_insync_replicas: 2,
+        };
+        let ours: Vec<(String, Option<String>)> = topic_settings(&config)
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), Some(v)))
+            .collect();
+        assert_eq!(topic_problem(&ours), None);
+        assert_eq!(topic_problem(&[]), None, "unreported settings are unset");
+        for bad in [
+            ("retention.ms", "604800000"),
+            ("retention.bytes", "1073741824"),
+            ("cleanup.policy", "compact,delete"),
+            ("unclean.leader.election.enable", "true"),
+        ] {
+            let problem = topic_problem(&settings(&[bad])).expect("refused");
+            assert!(problem.contains(bad.0), "{problem}");
+        }
     }
 }

@@ -27,6 +27,8 @@ pub enum LogError {
     Io(#[from] std::io::Error),
     #[error("record of {0} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")]
     RecordTooLarge(usize),
+    #[error("records may not be empty")]
+    EmptyRecord,
     #[error("the log stopped accepting appends after an earlier write or fsync failure")]
     Poisoned,
     #[error("the log is closed")]
@@ -35,8 +37,32 @@ pub enum LogError {
     NoSuchPartition(u32),
     #[error("kafka: {0}")]
     Kafka(String),
+    /// The append may or may not have been written (a produce timeout, a lost
+    /// connection, a failed write or fsync after bytes reached the file).
+    #[error("the append's outcome is unknown: {0}")]
+    OutcomeUnknown(String),
     #[error("data directory {0} is locked by another process")]
     Locked(String),
+    /// Records the log acknowledged are damaged or missing: stop, never skip.
+    #[error("the log is corrupt: {0}")]
+    Corrupt(String),
+}
+
+impl LogError {
+    /// Whether the error says stored records are damaged (as opposed to a passing
+    /// failure worth retrying).
+    /// Whether an append that failed with this error may still have been written.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(self, LogError::OutcomeUnknown(_) | LogError::Io(_))
+    }
+
+    pub fn is_corruption(&self) -> bool {
+        match self {
+            LogError::Corrupt(_) => true,
+            LogError::Io(error) => error.kind() == std::io::ErrorKind::InvalidData,
+            _ => false,
+        }
+    }
 }
 
 /// One record read back from the log.
@@ -81,6 +107,19 @@ pub trait Log: Send + Sync + 'static {
 
     /// The last committed `next_offset` of `group` on `partition`, if any.
     async fn committed(&self, group: &str, partition: u32) -> Result<Option<u64>, LogError>;
+
+    /// Whether the log holds every record below `next_offset` of `partition` (a
+    /// consumer that applied up to there is not ahead of the log).
+    async fn covers(&self, partition: u32, next_offset: u64) -> Result<bool, LogError> {
+        Ok(self.end_offset(partition).await? >= next_offset)
+    }
+
+    /// Why the log cannot take appends now, if it cannot (a poisoned embedded log
+    /// after a failed write or fsync, a fatal producer error). Cheap: no I/O, so
+    /// readiness probes and the write gate may call it on every request.
+    fn health(&self) -> Option<String> {
+        None
+    }
 }
 
 #[async_trait]

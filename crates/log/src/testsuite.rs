@@ -37,6 +37,15 @@ pub fn test_brokers() -> Option<String> {
     }
 }
 
+/// A topic name no earlier run used (tests share one broker).
+pub fn unique_topic(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("{prefix}-{nanos}")
+}
+
 /// Generous wait for a reader to see a record; Kafka needs a broker round trip.
 const READ_WAIT: Duration = Duration::from_secs(10);
 
@@ -225,6 +234,46 @@ pub async fn consumer_resumes_without_replay_or_loss(factory: &dyn LogFactory) {
     );
 }
 
+/// `covers` answers yes for every position up to the end of what was appended, even
+/// when the appends were batched (concurrent appenders), and no for positions past
+/// the end: a consumer that applied records a log no longer holds is caught.
+pub async fn covers_exactly_what_was_appended(factory: &dyn LogFactory) {
+    let log = factory.open().await;
+    let partition = log.partition_for(b"covers");
+    let mut tasks = Vec::new();
+    for task in 0..8 {
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut last = 0;
+            for i in 0..10 {
+                last = log
+                    .append(b"covers", payload(&format!("c{task}"), i))
+                    .await
+                    .unwrap();
+            }
+            last
+        }));
+    }
+    let mut last = 0;
+    for task in tasks {
+        last = last.max(task.await.unwrap());
+    }
+    for position in [0, last, last + 1] {
+        assert!(
+            log.covers(partition, position).await.unwrap(),
+            "the log holds every record below {position}"
+        );
+    }
+    // Offsets are record numbers in Kafka and byte positions in the embedded log:
+    // positions a whole record past the last one are past the end in both.
+    for position in [last + 1_000, last + 100_000] {
+        assert!(
+            !log.covers(partition, position).await.unwrap(),
+            "the last record starts at {last}, so the log does not cover {position}"
+        );
+    }
+}
+
 /// Runs every case of the suite against one implementation.
 pub async fn run_all(factory: &dyn LogFactory) {
     append_then_read_in_order(factory).await;
@@ -232,4 +281,5 @@ pub async fn run_all(factory: &dyn LogFactory) {
     concurrent_appends_land_exactly_once(factory).await;
     restart_keeps_every_record(factory).await;
     consumer_resumes_without_replay_or_loss(factory).await;
+    covers_exactly_what_was_appended(factory).await;
 }

@@ -28,15 +28,12 @@ async fn kafka_log_passes_the_shared_suite() {
     let Some(brokers) = tally_log::testsuite::test_brokers() else {
         return;
     };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
     let config = KafkaConfig {
         brokers,
-        topic: format!("tally-suite-{nanos}"),
+        topic: tally_log::testsuite::unique_topic("tally-suite"),
         partitions: 3,
         replication_factor: 1,
+        min_insync_replicas: 1,
     };
     assert!(create_topic(&config).await.unwrap(), "topic is new");
     assert!(
@@ -45,4 +42,51 @@ async fn kafka_log_passes_the_shared_suite() {
     );
     let factory = KafkaFactory { config };
     testsuite::run_all(&factory).await;
+}
+
+/// A topic whose settings can delete records is refused; the one tally creates is
+/// accepted. Against the real broker: the settings are read back from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topics_that_can_delete_records_are_refused() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
+    let config = |topic: String| KafkaConfig {
+        brokers: brokers.clone(),
+        topic,
+        partitions: 1,
+        replication_factor: 1,
+        min_insync_replicas: 1,
+    };
+    let kept = config(tally_log::testsuite::unique_topic("tally-kept"));
+    assert!(create_topic(&kept).await.unwrap());
+    tally_log::kafka::verify_topic(&kept).await.unwrap();
+
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("broker.address.family", "v4")
+        .create()
+        .unwrap();
+    for (name, value) in [("retention.ms", "60000"), ("cleanup.policy", "compact")] {
+        let topic =
+            tally_log::testsuite::unique_topic(&format!("tally-{}", name.replace('.', "-")));
+        let new = NewTopic::new(&topic, 1, TopicReplication::Fixed(1)).set(name, value);
+        admin
+            .create_topics([&new], &AdminOptions::new())
+            .await
+            .unwrap()
+            .into_iter()
+            .for_each(|r| {
+                r.unwrap();
+            });
+        let refused = tally_log::kafka::verify_topic(&config(topic)).await;
+        match refused {
+            Err(tally_log::LogError::Corrupt(message)) => {
+                assert!(message.contains(name), "{message}")
+            }
+            other => panic!("{name}={value} accepted: {other:?}"),
+        }
+    }
 }

@@ -25,6 +25,9 @@ pub use sled_store::SledStore;
 pub enum StoreError {
     #[error("projection store: {0}")]
     Backend(String),
+    /// A stored value that must have a fixed shape does not (fail-stop).
+    #[error("projection store is corrupt: {0}")]
+    Corrupt(String),
 }
 
 impl From<sled::Error> for StoreError {

@@ -111,14 +111,19 @@ impl ProjectionStore for SledStore {
     }
 
     fn position(&self, partition: u32) -> Result<u64, StoreError> {
-        Ok(self
-            .projections
-            .get(position_key(partition))?
-            .map(|v| {
-                let bytes: [u8; 8] = v.as_ref().try_into().unwrap_or([0; 8]);
-                u64::from_be_bytes(bytes)
-            })
-            .unwrap_or(0))
+        match self.projections.get(position_key(partition))? {
+            None => Ok(0),
+            // A malformed position must not read as 0: that would re-apply the
+            // whole log over existing state (fail-stop instead).
+            Some(value) => <[u8; 8]>::try_from(value.as_ref())
+                .map(u64::from_be_bytes)
+                .map_err(|_| {
+                    StoreError::Corrupt(format!(
+                        "the stored position of partition {partition} is {} bytes, not 8",
+                        value.len()
+                    ))
+                }),
+        }
     }
 
     fn flush(&self) -> Result<(), StoreError> {

@@ -476,11 +476,17 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
             mode,
             meter_id,
             start_ms,
+            event_ids,
+            finish,
+            rescan_from_ms,
         } => Kind::MeterBackfill(v1::MeterBackfill {
             store_id: store_id.clone(),
             mode: mode_to_proto(*mode),
             meter_id: meter_id.clone(),
             start_ms: *start_ms,
+            event_ids: event_ids.clone(),
+            finish: *finish,
+            rescan_from_ms: *rescan_from_ms,
         }),
         Record::WebhookEndpointUpserted(e) => {
             Kind::WebhookEndpointUpserted(v1::WebhookEndpointUpserted {
@@ -548,6 +554,9 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
             mode: mode_from_proto(b.mode)?,
             meter_id: b.meter_id,
             start_ms: b.start_ms,
+            event_ids: b.event_ids,
+            finish: b.finish,
+            rescan_from_ms: b.rescan_from_ms,
         },
         Kind::WebhookEndpointUpserted(e) => Record::WebhookEndpointUpserted(endpoint_from_proto(
             e.endpoint.ok_or(DecodeError::BadField("endpoint"))?,

@@ -105,7 +105,8 @@ pub async fn preview(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let raws = batch(&body)?;
-    let reports = state.engine.preview_events(&scope, &raws)?;
+    let (engine, preview_scope) = (state.engine.clone(), scope.clone());
+    let reports = crate::blocking(move || engine.preview_events(&preview_scope, &raws)).await?;
     Ok(Json(json!({
         "object": "ingest_preview",
         "valid": reports.iter().all(|r| r.valid),
@@ -136,13 +137,24 @@ pub async fn list(
             ))
         }
         (Some(id), None) => Some(id.to_string()),
-        (None, Some(external)) => match state.engine.customer_id_by_external(&scope, external)? {
-            Some(id) => Some(id),
-            // No such customer: no events. An id that cannot match keeps the filter.
-            None => Some(String::new()),
-        },
+        (None, Some(external)) => state.engine.customer_id_by_external(&scope, external)?,
         (None, None) => None,
     };
+    // No such customer: no events, answered without scanning the store's events.
+    let unknown = match (&customer_id, query.get("external_customer_id")) {
+        (None, Some(_)) => true,
+        (Some(id), _) => !state.engine.customer_exists(&scope, id)?,
+        (None, None) => false,
+    };
+    if unknown {
+        return Ok(Json(wire::list(
+            &tally_engine::pagination::Page::<tally_domain::usage::UsageEvent> {
+                data: Vec::new(),
+                has_more: false,
+            },
+            |e| wire::usage_event(e, &scope),
+        )));
+    }
     let filter = EventFilter {
         customer_id,
         name: query.get("name").map(str::to_string),
@@ -156,6 +168,7 @@ pub async fn list(
             .map(|s| parse_instant("end", s))
             .transpose()?,
     };
-    let page = state.engine.list_events(&scope, &filter, &page)?;
+    let (engine, list_scope) = (state.engine.clone(), scope.clone());
+    let page = crate::blocking(move || engine.list_events(&list_scope, &filter, &page)).await?;
     Ok(Json(wire::list(&page, |e| wire::usage_event(e, &scope))))
 }

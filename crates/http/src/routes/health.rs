@@ -15,15 +15,23 @@ pub async fn healthz() -> Json<serde_json::Value> {
 }
 
 pub async fn readyz(State(state): State<AppState>) -> Response {
-    if state.engine.is_ready() {
-        Json(json!({"status": "ready"})).into_response()
-    } else {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
-            "projections are still catching up with the log",
-        )
-        .into_response()
+    match state.engine.check_writable() {
+        Ok(()) => Json(json!({"status": "ready"})).into_response(),
+        // Lagging: reads are served and writes resume by themselves; say so.
+        Err(tally_engine::EngineError::Unavailable {
+            code: "projection_lagging",
+            ..
+        }) => Json(json!({
+            "status": "ready",
+            "lagging": true,
+            "apply_lag_ms": state.engine.apply_lag().as_millis() as u64,
+        }))
+        .into_response(),
+        Err(error) => {
+            let mut error = ApiError::from(error);
+            error.status = StatusCode::SERVICE_UNAVAILABLE;
+            error.into_response()
+        }
     }
 }
 

@@ -306,17 +306,21 @@ pub async fn usage(
         query.get("customer_id"),
         query.get("external_customer_id"),
     )?;
-    let result = state.engine.query_usage(
-        &scope,
-        &UsageQuery {
-            meter_id: id,
-            customer_id,
-            start_ms,
-            end_ms,
-            window,
-            group_by_customer,
-        },
-    )?;
+    let engine = state.engine.clone();
+    let result = crate::blocking(move || {
+        engine.query_usage(
+            &scope,
+            &UsageQuery {
+                meter_id: id,
+                customer_id,
+                start_ms,
+                end_ms,
+                window,
+                group_by_customer,
+            },
+        )
+    })
+    .await?;
     Ok(Json(wire::usage(&result, &window_text)))
 }
 
@@ -340,14 +344,19 @@ async fn run_preview(
         fields.string("customer_id")?.as_deref(),
         fields.string("external_customer_id")?.as_deref(),
     )?;
-    let (series, scanned, matched, truncated) = state.engine.preview_meter(
-        scope,
-        definition,
-        customer.as_deref(),
-        start_ms,
-        end_ms,
-        window,
-    )?;
+    let (engine, preview_scope, preview_definition) =
+        (state.engine.clone(), scope.clone(), definition.clone());
+    let (series, scanned, matched, truncated) = crate::blocking(move || {
+        engine.preview_meter(
+            &preview_scope,
+            &preview_definition,
+            customer.as_deref(),
+            start_ms,
+            end_ms,
+            window,
+        )
+    })
+    .await?;
     Ok(Json(wire::meter_preview(
         &series,
         definition.aggregation.as_str(),

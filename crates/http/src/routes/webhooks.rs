@@ -214,7 +214,7 @@ pub async fn resend(
         ));
     }
     let delivery = state.engine.get_delivery(&scope, &id, &event_id)?;
-    let attempt = state.dispatcher.deliver(&scope, &delivery, true).await?;
+    let attempt = state.dispatcher.resend(&scope, &delivery).await?;
     Ok(Json(attempt_json(&attempt)))
 }
 

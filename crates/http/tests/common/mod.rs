@@ -12,7 +12,7 @@ use tally_domain::clock::{Clock, ManualClock};
 use tally_engine::Engine;
 use tally_http::HttpConfig;
 use tally_log::embedded::EmbeddedLog;
-use tally_projection::SledStore;
+use tally_projection::{ProjectionStore, SledStore};
 
 pub struct Server {
     pub prod_url: String,
@@ -52,6 +52,16 @@ impl Server {
         config: HttpConfig,
         clock: Arc<ManualClock>,
     ) -> Server {
+        Self::start_with_store(dir, config, clock, |store| store).await
+    }
+
+    /// Starts with the projection store wrapped by `wrap` (fault injection).
+    pub async fn start_with_store(
+        dir: &Path,
+        config: HttpConfig,
+        clock: Arc<ManualClock>,
+        wrap: impl FnOnce(Arc<dyn ProjectionStore>) -> Arc<dyn ProjectionStore>,
+    ) -> Server {
         let log = loop {
             match EmbeddedLog::open(dir.join("log")) {
                 Ok(log) => break log,
@@ -61,14 +71,22 @@ impl Server {
                 Err(e) => panic!("{e}"),
             }
         };
-        let store = SledStore::open(dir.join("projections")).unwrap();
-        let engine = Engine::open(
-            Arc::new(log),
-            Arc::new(store),
-            clock.clone() as Arc<dyn Clock>,
-        )
-        .await
-        .unwrap();
+        // sled releases its file lock when its background flusher notices the drop;
+        // a restart right after a stop may have to wait for it.
+        let mut attempts = 0;
+        let store: Arc<dyn ProjectionStore> = loop {
+            match SledStore::open(dir.join("projections")) {
+                Ok(store) => break Arc::new(store),
+                Err(_) if attempts < 100 => {
+                    attempts += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                Err(error) => panic!("{error}"),
+            }
+        };
+        let engine = Engine::open(Arc::new(log), wrap(store), clock.clone() as Arc<dyn Clock>)
+            .await
+            .unwrap();
         let (shutdown, rx) = tokio::sync::watch::channel(false);
         let projector = engine.start_projector(rx.clone());
         engine.wait_caught_up().await.unwrap();

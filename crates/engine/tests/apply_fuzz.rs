@@ -1,0 +1,481 @@
+//! Fuzz-style property test of the apply path: random records, as a buggy or hostile
+//! writer of the log could append them (extreme and unrepresentable decimals,
+//! forged unbalanced transactions, conflicting names, external ids and idempotency
+//! keys, reversals of anything, undecodable payloads), applied in any chunking:
+//! - apply never fails and never panics (a caught panic would leave an
+//!   `apply_failed` outcome, which this test refuses);
+//! - any chunking gives the digest of applying the whole log at once (replay);
+//! - the ledger's invariants hold whatever was written: every balance within
+//!   `MAX_BALANCE`, no customer balance below zero, every scope's balances sum to
+//!   exactly zero.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use rust_decimal::Decimal;
+use tally_domain::customer::Customer;
+use tally_domain::ledger::{
+    Account, AccountStatus, Entry, SystemAccount, Transaction, TransactionKind, MAX_AMOUNT,
+    MAX_BALANCE,
+};
+use tally_domain::meter::{Aggregation, Meter, MeterFilter, MeterStatus};
+use tally_domain::record::Record;
+use tally_domain::usage::{PropertyValue, UsageEvent};
+use tally_domain::Mode;
+use tally_engine::codec;
+use tally_engine::keys;
+use tally_engine::outcome::Outcome;
+use tally_engine::projector::apply_chunk;
+use tally_log::LogEntry;
+use tally_projection::{scan_prefix, MemoryStore, ProjectionStore, Visit};
+
+const STORE: &str = "st_fuzz";
+const T0: i64 = 1_800_000_000_000;
+
+fn decimal() -> impl Strategy<Value = Decimal> {
+    prop_oneof![
+        (1i64..1_000).prop_map(Decimal::from),
+        (1i64..1_000_000, 0u32..=18).prop_map(|(m, s)| Decimal::new(m, s)),
+        Just(MAX_AMOUNT),
+        Just(MAX_BALANCE),
+        Just(Decimal::MAX),
+        Just(Decimal::MIN),
+        Just(Decimal::new(1, 18)),
+        Just(Decimal::new(1, 28)),
+        (any::<i64>(), 0u32..=28).prop_map(|(m, s)| Decimal::new(m, s)),
+    ]
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Customer {
+        id: u8,
+        external: Option<u8>,
+    },
+    Meter {
+        id: u8,
+        name: u8,
+        aggregation: u8,
+    },
+    Usage {
+        customer: u8,
+        event: u8,
+        value: Decimal,
+        as_text: bool,
+    },
+    OpenAccount {
+        account: u8,
+        name: u8,
+        initial: Decimal,
+    },
+    Move {
+        account: u8,
+        debit: bool,
+        amount: Decimal,
+        key: u8,
+    },
+    Reverse {
+        tx: u8,
+        account: u8,
+    },
+    Status {
+        account: u8,
+        status: u8,
+    },
+    Forged {
+        account: u8,
+        amounts: Vec<(u8, Decimal)>,
+    },
+    Backfill {
+        meter: u8,
+        events: Vec<u8>,
+        finish: bool,
+    },
+    Garbage(Vec<u8>),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => (0u8..4, proptest::option::of(0u8..3)).prop_map(|(id, external)| Op::Customer { id, external }),
+        1 => (0u8..4, 0u8..3, 0u8..6).prop_map(|(id, name, aggregation)| Op::Meter { id, name, aggregation }),
+        3 => (0u8..4, 0u8..8, decimal(), any::<bool>())
+            .prop_map(|(customer, event, value, as_text)| Op::Usage { customer, event, value, as_text }),
+        1 => (0u8..4, 0u8..2, decimal()).prop_map(|(account, name, initial)| Op::OpenAccount { account, name, initial }),
+        4 => (0u8..4, any::<bool>(), decimal(), 0u8..6)
+            .prop_map(|(account, debit, amount, key)| Op::Move { account, debit, amount, key }),
+        1 => (0u8..12, 0u8..4).prop_map(|(tx, account)| Op::Reverse { tx, account }),
+        1 => (0u8..4, 0u8..3).prop_map(|(account, status)| Op::Status { account, status }),
+        1 => (0u8..4, proptest::collection::vec((0u8..6, decimal()), 0..4))
+            .prop_map(|(account, amounts)| Op::Forged { account, amounts }),
+        1 => (0u8..4, proptest::collection::vec(0u8..8, 0..4), any::<bool>())
+            .prop_map(|(meter, events, finish)| Op::Backfill { meter, events, finish }),
+        1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
+    ]
+}
+
+fn account(n: u8, name: u8, status: AccountStatus) -> Account {
+    Account {
+        id: format!("ca_{n}"),
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        customer_id: format!("cus_{}", n % 2),
+        name: format!("a{name}"),
+        unit_label: "credits".into(),
+        status,
+        created_at_ms: T0,
+        updated_at_ms: T0,
+    }
+}
+
+fn transaction(
+    id: String,
+    kind: TransactionKind,
+    account: u8,
+    amount: Decimal,
+    entries: Vec<Entry>,
+) -> Transaction {
+    Transaction {
+        id,
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        kind,
+        account_id: format!("ca_{account}"),
+        amount,
+        entries,
+        idempotency_key: None,
+        description: None,
+        metadata: Default::default(),
+        reverses: None,
+        created_at_ms: T0,
+    }
+}
+
+fn entry(i: usize, account: &str, amount: Decimal) -> Entry {
+    Entry {
+        id: format!("ce_{i}_{account}"),
+        account_id: account.to_string(),
+        amount,
+    }
+}
+
+fn meter(id: u8, name: u8, aggregation: u8) -> Meter {
+    let aggregation = [
+        Aggregation::Count,
+        Aggregation::Sum,
+        Aggregation::Min,
+        Aggregation::Max,
+        Aggregation::Unique,
+        Aggregation::Average,
+    ][aggregation as usize % 6];
+    Meter {
+        id: format!("mtr_{id}"),
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        name: format!("m{name}"),
+        event_name: "e".into(),
+        aggregation,
+        aggregation_property: (aggregation != Aggregation::Count).then(|| "v".to_string()),
+        filter: MeterFilter::default(),
+        unit_label: "units".into(),
+        status: MeterStatus::Active,
+        created_at_ms: T0,
+        updated_at_ms: T0,
+        counts_from_ms: T0,
+    }
+}
+
+/// The records of `ops`, as payloads (garbage stays garbage). Every meter id a usage
+/// event names is created first, so no chunk waits for another partition.
+fn payloads(ops: &[Op]) -> Vec<Vec<u8>> {
+    let mut records: Vec<Option<Record>> = (0..4)
+        .map(|i| Some(Record::MeterUpserted(meter(i, i, i))))
+        .collect();
+    let mut garbage = BTreeMap::new();
+    for (i, op) in ops.iter().enumerate() {
+        let record = match op {
+            Op::Customer { id, external } => Record::CustomerUpserted(Customer {
+                id: format!("cus_{id}"),
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                email: "f@x.io".into(),
+                name: None,
+                country: None,
+                metadata: Default::default(),
+                external_id: external.map(|e| format!("ext{e}")),
+                created_at_ms: T0,
+                updated_at_ms: T0,
+            }),
+            Op::Meter {
+                id,
+                name,
+                aggregation,
+            } => Record::MeterUpserted(meter(*id, *name, *aggregation)),
+            Op::Usage {
+                customer,
+                event,
+                value,
+                as_text,
+            } => {
+                let value = if *as_text {
+                    PropertyValue::String(value.to_string())
+                } else {
+                    PropertyValue::Number(*value)
+                };
+                Record::UsageBatch {
+                    store_id: STORE.into(),
+                    mode: Mode::Test,
+                    events: vec![UsageEvent {
+                        event_id: format!("ev{event}"),
+                        name: "e".into(),
+                        customer_id: format!("cus_{customer}"),
+                        external_customer_id: None,
+                        timestamp_ms: T0 + 1_000,
+                        properties: [("v".to_string(), value)].into_iter().collect(),
+                        received_at_ms: T0,
+                        matched_meter_ids: (0..4).map(|m| format!("mtr_{m}")).collect(),
+                        event_id_assigned: false,
+                    }],
+                }
+            }
+            Op::OpenAccount {
+                account: n,
+                name,
+                initial,
+            } => {
+                let a = account(*n, *name, AccountStatus::Active);
+                let seed = transaction(
+                    format!("ctx_{i}"),
+                    TransactionKind::InitialBalance,
+                    *n,
+                    *initial,
+                    vec![
+                        entry(i, &a.id, *initial),
+                        entry(i, SystemAccount::Issuance.account_id(), -*initial),
+                    ],
+                );
+                Record::CreditLedger {
+                    account: Some(a),
+                    transaction: Some(seed),
+                    events: vec![],
+                }
+            }
+            Op::Move {
+                account: n,
+                debit,
+                amount,
+                key,
+            } => {
+                let (kind, signed, other) = if *debit {
+                    (TransactionKind::Debit, -*amount, SystemAccount::Consumption)
+                } else {
+                    (TransactionKind::Credit, *amount, SystemAccount::Issuance)
+                };
+                let mut tx = transaction(
+                    format!("ctx_{i}"),
+                    kind,
+                    *n,
+                    *amount,
+                    vec![
+                        entry(i, &format!("ca_{n}"), signed),
+                        entry(i, other.account_id(), -signed),
+                    ],
+                );
+                tx.idempotency_key = Some(format!("k{key}"));
+                Record::CreditLedger {
+                    account: None,
+                    transaction: Some(tx),
+                    events: vec![],
+                }
+            }
+            Op::Reverse { tx, account: n } => {
+                let mut reversal = transaction(
+                    format!("ctx_{i}"),
+                    TransactionKind::Reversal,
+                    *n,
+                    Decimal::ONE,
+                    vec![
+                        entry(i, &format!("ca_{n}"), -Decimal::ONE),
+                        entry(i, SystemAccount::Issuance.account_id(), Decimal::ONE),
+                    ],
+                );
+                reversal.reverses = Some(format!("ctx_{tx}"));
+                Record::CreditLedger {
+                    account: None,
+                    transaction: Some(reversal),
+                    events: vec![],
+                }
+            }
+            Op::Status { account: n, status } => {
+                let status = [
+                    AccountStatus::Active,
+                    AccountStatus::Frozen,
+                    AccountStatus::Closed,
+                ][*status as usize % 3];
+                Record::CreditLedger {
+                    account: Some(account(*n, 0, status)),
+                    transaction: None,
+                    events: vec![],
+                }
+            }
+            Op::Forged {
+                account: n,
+                amounts,
+            } => {
+                let names = [
+                    "ca_0",
+                    "ca_1",
+                    "ca_2",
+                    "system:issuance",
+                    "system:consumption",
+                    "system:forfeit",
+                ];
+                let entries = amounts
+                    .iter()
+                    .enumerate()
+                    .map(|(j, (who, amount))| entry(i * 10 + j, names[*who as usize % 6], *amount))
+                    .collect();
+                Record::CreditLedger {
+                    account: None,
+                    transaction: Some(transaction(
+                        format!("ctx_{i}"),
+                        TransactionKind::Credit,
+                        *n,
+                        Decimal::ONE,
+                        entries,
+                    )),
+                    events: vec![],
+                }
+            }
+            Op::Backfill {
+                meter,
+                events,
+                finish,
+            } => Record::MeterBackfill {
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                meter_id: format!("mtr_{meter}"),
+                start_ms: T0 - 3_600_000,
+                event_ids: events.iter().map(|e| format!("ev{e}")).collect(),
+                finish: *finish,
+                rescan_from_ms: T0 - 60_000,
+            },
+            Op::Garbage(bytes) => {
+                garbage.insert(records.len(), bytes.clone());
+                records.push(None);
+                continue;
+            }
+        };
+        records.push(Some(record));
+    }
+    records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| match r {
+            Some(record) => tally_proto::encode_record(record, T0),
+            None => garbage[&i].clone(),
+        })
+        .collect()
+}
+
+fn entries(payloads: &[Vec<u8>]) -> Vec<LogEntry> {
+    payloads
+        .iter()
+        .enumerate()
+        .map(|(i, payload)| LogEntry {
+            partition: 0,
+            offset: i as u64,
+            next_offset: i as u64 + 1,
+            payload: payload.clone(),
+        })
+        .collect()
+}
+
+fn apply_in_chunks(
+    entries: &[LogEntry],
+    cuts: &[usize],
+) -> Result<Arc<MemoryStore>, TestCaseError> {
+    let store = Arc::new(MemoryStore::new());
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
+    points.extend([0, entries.len()]);
+    points.sort_unstable();
+    points.dedup();
+    for window in points.windows(2) {
+        if let Err(error) = apply_chunk(store.as_ref(), &entries[window[0]..window[1]]) {
+            return Err(TestCaseError::fail(format!("apply failed: {error}")));
+        }
+    }
+    Ok(store)
+}
+
+fn check_invariants(store: &MemoryStore) -> Result<(), TestCaseError> {
+    let mut failure = None;
+    scan_prefix(store, &[keys::OUTCOME], false, &mut |_, value| {
+        if let Ok(Outcome::Rejected { code, message, .. }) = Outcome::decode(value) {
+            if code == "apply_failed" {
+                failure = Some(format!("apply panicked: {message}"));
+            }
+        }
+        Visit::Continue
+    })
+    .unwrap();
+    let mut balances = Vec::new();
+    scan_prefix(store, &[keys::CREDIT_BALANCE], false, &mut |key, value| {
+        let balance = codec::decode_decimal(value).unwrap();
+        let customer = !String::from_utf8_lossy(key).contains("system:");
+        balances.push((customer, balance));
+        Visit::Continue
+    })
+    .unwrap();
+    if let Some(failure) = failure {
+        return Err(TestCaseError::fail(failure));
+    }
+    for (customer, balance) in &balances {
+        prop_assert!(
+            balance.abs() <= MAX_BALANCE,
+            "balance {} out of range",
+            balance
+        );
+        prop_assert!(
+            !customer || !balance.is_sign_negative() || balance.is_zero(),
+            "negative customer balance {}",
+            balance
+        );
+    }
+    prop_assert!(
+        sums_to_zero(balances.iter().map(|(_, b)| *b)),
+        "balances do not sum to zero: {:?}",
+        balances
+    );
+    Ok(())
+}
+
+/// Whether decimals sum to exactly zero, in i128 arithmetic of integer and
+/// fractional parts (a Decimal sum of balances of very different sizes may need
+/// more than 28 digits on the way, though each balance is exact).
+fn sums_to_zero(values: impl Iterator<Item = Decimal>) -> bool {
+    const ONE: i128 = 10_000_000_000_000_000_000_000_000_000; // 1e28
+    let (mut integers, mut fractions) = (0i128, 0i128);
+    for value in values {
+        let whole = value.trunc();
+        let fraction = value - whole;
+        integers += whole.mantissa() / 10i128.pow(whole.scale());
+        fractions += fraction.mantissa() * 10i128.pow(28 - fraction.scale());
+    }
+    fractions % ONE == 0 && integers + fractions / ONE == 0
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #[test]
+    fn apply_never_fails_and_replays_exactly(
+        ops in proptest::collection::vec(op(), 1..60),
+        cuts in proptest::collection::vec(0usize..80, 0..6),
+    ) {
+        let entries = entries(&payloads(&ops));
+        let whole = apply_in_chunks(&entries, &[])?;
+        let chunked = apply_in_chunks(&entries, &cuts)?;
+        prop_assert_eq!(whole.digest().unwrap(), chunked.digest().unwrap());
+        check_invariants(&whole)?;
+    }
+}

@@ -1,0 +1,330 @@
+//! Hardening over real sockets: no input stops the service, a write is never applied
+//! twice while the projector stalls, writes wait for readiness.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+use tally_projection::{Change, ProjectionStore, StoreError, Visit};
+
+async fn customer(api: &Api) -> String {
+    let answer = api.post("/v1/customers", json!({"email": "c@x.io"})).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body["id"].as_str().unwrap().to_string()
+}
+
+async fn account(api: &Api, customer: &str, name: &str, initial: &str) -> Answer {
+    api.post(
+        "/v1/customer-credits/accounts",
+        json!({"customer_id": customer, "name": name, "initial_balance": initial}),
+    )
+    .await
+}
+
+async fn move_credits(api: &Api, kind: &str, account: &str, amount: &str, key: &str) -> Answer {
+    api.post(
+        &format!("/v1/customer-credits/accounts/{account}/{kind}"),
+        json!({"amount": amount, "idempotency_key": key}),
+    )
+    .await
+}
+
+/// The largest Decimal, the reproduction of the one-request outage, is refused at the
+/// edge; amounts up to the limit are taken; the store's issuance total stops at its
+/// limit with a 409 decided in apply; other stores keep working, before and after a
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_amounts_never_stop_the_service() {
+    let (_guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let a = Api::new(&server.test_url, &create_store(&server, "a").await.test);
+    let b = Api::new(&server.test_url, &create_store(&server, "b").await.test);
+    let customer_a = customer(&a).await;
+    for (amount, param) in [
+        ("79228162514264337593543950335", "initial_balance"),
+        ("1000000000000001", "initial_balance"),
+        ("1000000000000000.000000000000000001", "initial_balance"),
+    ] {
+        let refused = account(&a, &customer_a, "x", amount).await;
+        let error = assert_error(&refused, 400, "invalid_request_error");
+        assert_eq!(error["param"], param, "{amount}");
+    }
+    // 1000 grants of the largest amount bring the issuance account to -1e18.
+    let big = account(&a, &customer_a, "big", "1000000000000000").await;
+    assert_eq!(big.status, 200, "{}", big.body);
+    let big_id = big.body["id"].as_str().unwrap().to_string();
+    // Fill the balance in accounts of at most 1e18 each: one account takes 999 more.
+    for i in 0..999 {
+        let answer =
+            move_credits(&a, "credit", &big_id, "1000000000000000", &format!("k{i}")).await;
+        assert_eq!(answer.status, 200, "credit {i}: {}", answer.body);
+    }
+    let full = a
+        .get(&format!("/v1/customer-credits/accounts/{big_id}"))
+        .await;
+    assert_eq!(full.body["balance"], "1000000000000000000");
+    // One more credit would take both the account and system:issuance past 1e18.
+    let refused = move_credits(&a, "credit", &big_id, "1", "one-more").await;
+    let error = assert_error(&refused, 409, "invalid_request_error");
+    assert_eq!(error["code"], "amount_out_of_range");
+    // A second account of the same store: the store's issuance total is at its limit.
+    let second = account(&a, &customer_a, "second", "1").await;
+    let error = assert_error(&second, 409, "invalid_request_error");
+    assert_eq!(error["code"], "amount_out_of_range");
+    // Nothing of the refused seed exists: the account was not created either.
+    let listed = a
+        .get(&format!(
+            "/v1/customer-credits/accounts?customer_id={customer_a}"
+        ))
+        .await;
+    assert_eq!(
+        listed.body["data"].as_array().unwrap().len(),
+        1,
+        "{}",
+        listed.body
+    );
+    // A debit brings the store back under the limit (consumption is its own account).
+    let debit = move_credits(&a, "debit", &big_id, "5", "d1").await;
+    assert_eq!(debit.status, 200, "{}", debit.body);
+    // The other store is untouched and fast.
+    let customer_b = customer(&b).await;
+    let started = std::time::Instant::now();
+    let fine = account(&b, &customer_b, "main", "10").await;
+    assert_eq!(fine.status, 200, "{}", fine.body);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let ready = reqwest::get(format!("{}/readyz", server.test_url))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let b = Api::new(&server.test_url, &b.key);
+    let ready = reqwest::get(format!("{}/readyz", server.test_url))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    let after = account(&b, &customer_b, "after-restart", "1").await;
+    assert_eq!(after.status, 200, "{}", after.body);
+    let a = Api::new(&server.test_url, &a.key);
+    let balance = a
+        .get(&format!("/v1/customer-credits/accounts/{big_id}"))
+        .await;
+    assert_eq!(balance.body["balance"], "999999999999999995");
+    server.stop().await;
+}
+
+/// A projection store whose `apply` blocks while `stalled` is set: the projector
+/// stalls with records durable in the log, as under a slow disk or a huge backfill.
+#[derive(Debug)]
+struct StallingStore {
+    inner: Arc<dyn ProjectionStore>,
+    stalled: Arc<AtomicBool>,
+}
+
+impl ProjectionStore for StallingStore {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.get(key)
+    }
+    fn scan(
+        &self,
+        start: std::ops::Bound<&[u8]>,
+        end: std::ops::Bound<&[u8]>,
+        reverse: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<(), StoreError> {
+        self.inner.scan(start, end, reverse, visit)
+    }
+    fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
+        while self.stalled.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.inner.apply(changes, positions)
+    }
+    fn position(&self, partition: u32) -> Result<u64, StoreError> {
+        self.inner.position(partition)
+    }
+    fn flush(&self) -> Result<(), StoreError> {
+        self.inner.flush()
+    }
+    fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.aux_get(key)
+    }
+    fn aux_put(&self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
+        self.inner.aux_put(key, value)
+    }
+    fn aux_scan(&self, visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit) -> Result<(), StoreError> {
+        self.inner.aux_scan(visit)
+    }
+}
+
+/// While the projector stalls, a debit answers `outcome_pending`; its retries and a
+/// concurrent debit are durable too, yet once the projector resumes exactly one
+/// debit is applied, the retry gets that transaction, the other debit is refused in
+/// apply, and writes are refused while the lag is over its bound. An
+/// `idempotency-key` create is answered with its one outcome, never twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_projector_never_double_applies() {
+    let (_guard, dir) = temp_dir();
+    let stalled = Arc::new(AtomicBool::new(false));
+    let flag = stalled.clone();
+    let server = Server::start_with_store(
+        &dir,
+        default_config(),
+        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
+        move |inner| {
+            Arc::new(StallingStore {
+                inner,
+                stalled: flag,
+            })
+        },
+    )
+    .await;
+    server
+        .engine
+        .tune_waits(Duration::from_millis(400), Duration::from_millis(1_500));
+    let api = Api::new(&server.test_url, &create_store(&server, "s").await.test);
+    let customer_id = customer(&api).await;
+    let created = account(&api, &customer_id, "main", "100").await;
+    let account_id = created.body["id"].as_str().unwrap().to_string();
+
+    stalled.store(true, Ordering::SeqCst);
+    let first = move_credits(&api, "debit", &account_id, "100", "k1").await;
+    let error = assert_error(&first, 503, "api_error");
+    assert_eq!(error["code"], "outcome_pending");
+    // The retry (same key) and another debit are decided on the stale balance and
+    // appended; apply will sort them out in log order.
+    let retry = move_credits(&api, "debit", &account_id, "100", "k1").await;
+    assert_eq!(retry.status, 503, "{}", retry.body);
+    let other = move_credits(&api, "debit", &account_id, "50", "k2").await;
+    assert_eq!(other.status, 503, "{}", other.body);
+    // A create with an idempotency-key: the client stops waiting, the write goes on.
+    let pending_create = api
+        .post_idempotent("/v1/customers", "create-1", json!({"email": "p@x.io"}))
+        .await;
+    assert_eq!(pending_create.status, 503, "{}", pending_create.body);
+    // Past the lag bound nothing more is appended.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    let gated = api
+        .post("/v1/customers", json!({"email": "late@x.io"}))
+        .await;
+    let error = assert_error(&gated, 503, "api_error");
+    assert_eq!(error["code"], "projection_lagging");
+    let ready = reqwest::get(format!("{}/readyz", server.test_url))
+        .await
+        .unwrap();
+    assert_eq!(
+        ready.status(),
+        200,
+        "reads and readiness stay up while writes wait"
+    );
+
+    stalled.store(false, Ordering::SeqCst);
+    server.engine.wait_caught_up().await.unwrap();
+    let again = move_credits(&api, "debit", &account_id, "100", "k1").await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    let refused = move_credits(&api, "debit", &account_id, "50", "k2").await;
+    let error = assert_error(&refused, 409, "invalid_request_error");
+    assert_eq!(error["code"], "insufficient_balance");
+    let balance = api
+        .get(&format!("/v1/customer-credits/accounts/{account_id}"))
+        .await;
+    assert_eq!(balance.body["balance"], "0");
+    let entries = api
+        .get(&format!(
+            "/v1/customer-credits/accounts/{account_id}/entries?limit=100"
+        ))
+        .await;
+    let debits: Vec<&Value> = entries.body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["amount"].as_str().is_some_and(|a| a.starts_with('-')))
+        .collect();
+    assert_eq!(debits.len(), 1, "{}", entries.body);
+    assert_eq!(debits[0]["transaction_id"], again.body["id"]);
+
+    // The keyed create finished in the background; its retry replays it.
+    let replayed = api
+        .post_idempotent("/v1/customers", "create-1", json!({"email": "p@x.io"}))
+        .await;
+    assert_eq!(replayed.status, 200, "{}", replayed.body);
+    assert_eq!(replayed.headers["idempotent-replayed"], "true");
+    let listed = api.get("/v1/customers?limit=100").await;
+    let emails: Vec<&str> = listed.body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["email"].as_str().unwrap())
+        .collect();
+    assert_eq!(emails.iter().filter(|e| **e == "p@x.io").count(), 1);
+    assert!(!emails.contains(&"late@x.io"), "a gated write was appended");
+    server.stop().await;
+}
+
+/// A backfill over more events than one step folds runs in bounded steps off the
+/// apply path, counts every skipped event once, and a repeat counts nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfill_runs_in_bounded_steps_and_counts_once() {
+    let (_guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &create_store(&server, "s").await.test);
+    let customer_id = customer(&api).await;
+    let meter = api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "call", "aggregation": "count"}),
+        )
+        .await;
+    assert_eq!(meter.status, 200, "{}", meter.body);
+    let meter_id = meter.body["id"].as_str().unwrap().to_string();
+    let now = tally_domain::clock::Clock::now_ms(server.clock.as_ref());
+    let old = tally_domain::time::format_iso8601_ms(now - 3_600_000);
+    let total = tally_engine::meters::BACKFILL_CHUNK_EVENTS * 2 + 300;
+    for batch in 0..total.div_ceil(99) {
+        let events: Vec<Value> = (0..99)
+            .map(|i| batch * 99 + i)
+            .filter(|n| *n < total)
+            .map(|n| json!({"name": "call", "customer_id": customer_id, "event_id": format!("e{n}"), "timestamp": old}))
+            .chain(std::iter::once(json!({"name": "other", "customer_id": customer_id, "timestamp": old})))
+            .collect();
+        let answer = api
+            .post("/v1/events/ingest", json!({ "events": events }))
+            .await;
+        assert_eq!(answer.status, 202, "{}", answer.body);
+    }
+    server.engine.wait_caught_up().await.unwrap();
+    let usage = |api: Api, meter_id: String| async move {
+        api.get(&format!(
+            "/v1/meters/{meter_id}/usage?start={}",
+            tally_domain::time::format_iso8601_ms(now - 7_200_000)
+        ))
+        .await
+        .body["value"]
+            .clone()
+    };
+    assert_eq!(
+        usage(api.clone(), meter_id.clone()).await,
+        "0",
+        "older events are not counted before a backfill"
+    );
+    let start = tally_domain::time::format_iso8601_ms(now - 7_200_000);
+    for _ in 0..2 {
+        let answer = api
+            .post(
+                &format!("/v1/meters/{meter_id}/backfill"),
+                json!({ "start": start }),
+            )
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(
+            usage(api.clone(), meter_id.clone()).await,
+            total.to_string()
+        );
+    }
+    server.stop().await;
+}
