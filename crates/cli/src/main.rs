@@ -13,7 +13,7 @@ use tally_engine::Engine;
 use tally_log::embedded::EmbeddedLog;
 use tally_log::kafka::{create_topic, verify_topic, KafkaConfig, KafkaLog};
 use tally_log::Log;
-use tally_projection::{ProjectionStore, SledStore};
+use tally_projection::{CheckpointStore, ProjectionStore, SledStore};
 
 mod clock;
 
@@ -310,10 +310,11 @@ async fn open_log(storage: &StorageArgs, create_kafka_topic: bool) -> Result<Arc
     })
 }
 
+/// sled under the in-memory write-back layer (ARCHITECTURE.md, "Checkpoints").
 fn open_projections(dir: &Path) -> Result<Arc<dyn ProjectionStore>> {
-    Ok(Arc::new(SledStore::open(dir).with_context(|| {
-        format!("opening the projection store in {}", dir.display())
-    })?))
+    let sled = SledStore::open(dir)
+        .with_context(|| format!("opening the projection store in {}", dir.display()))?;
+    Ok(Arc::new(CheckpointStore::new(sled)))
 }
 
 async fn shutdown_signal() {

@@ -622,6 +622,20 @@ impl Engine {
                     continue;
                 }
             };
+            if entries.is_empty() {
+                // Idle: write back what a write-back store holds once it is due, so a
+                // quiet projection does not keep a restart's replay long.
+                let store = self.store.clone();
+                let ticked = tokio::task::spawn_blocking(move || store.tick()).await;
+                if !matches!(ticked, Ok(Ok(()))) {
+                    tracing::error!(
+                        partition,
+                        "projector stopped: the projection checkpoint could not be written"
+                    );
+                    self.failed.store(true, Ordering::SeqCst);
+                    return;
+                }
+            }
             if let Some(last) = entries.last() {
                 let next_offset = last.next_offset;
                 let mut entries = entries;

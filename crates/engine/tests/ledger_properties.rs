@@ -71,7 +71,7 @@ impl Harness {
         let mut attempts = 0;
         let store = loop {
             match SledStore::open(self.dir.path().join("projections")) {
-                Ok(store) => break Arc::new(store),
+                Ok(store) => break Arc::new(tally_projection::CheckpointStore::new(store)),
                 Err(_) if attempts < 100 => {
                     attempts += 1;
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;

@@ -18,7 +18,7 @@ use tally_domain::Mode;
 use tally_engine::projector::{apply_chunk, apply_chunk_cached, BucketCache};
 use tally_engine::usage::UsageQuery;
 use tally_log::LogEntry;
-use tally_projection::{MemoryStore, ProjectionStore};
+use tally_projection::{CheckpointStore, MemoryStore, ProjectionStore};
 
 const STORE: &str = "st_prop";
 const T0: i64 = 1_800_000_000_000;
@@ -168,6 +168,56 @@ fn apply_in_chunks(entries: &[LogEntry], cuts: &[usize]) -> Arc<MemoryStore> {
     store
 }
 
+/// Applies `entries` through a checkpointing layer over `inner`, in chunks ending at
+/// `cuts`, checkpointing after chunk `i` when `checkpoints[i]` and crashing (losing
+/// the layer and the bucket cache, resuming from the inner store's position) when
+/// `crashes[i]`; at the end, a final checkpoint.
+fn apply_with_checkpoints_and_crashes(
+    entries: &[LogEntry],
+    cuts: &[usize],
+    checkpoints: &[bool],
+    crashes: &[bool],
+) -> Arc<MemoryStore> {
+    let inner = Arc::new(MemoryStore::new());
+    let layered = |inner: &Arc<MemoryStore>| {
+        CheckpointStore::with_limits(
+            inner.clone(),
+            usize::MAX,
+            std::time::Duration::from_secs(3600),
+        )
+    };
+    let mut store = layered(&inner);
+    let mut ends: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
+    ends.push(entries.len());
+    ends.sort_unstable();
+    ends.dedup();
+    let mut cache = BucketCache::default();
+    let mut step = 0;
+    loop {
+        let position = store.position(0).unwrap() as usize;
+        if position >= entries.len() {
+            break;
+        }
+        let end = ends
+            .iter()
+            .copied()
+            .find(|e| *e > position)
+            .expect("the last end is the log's");
+        apply_chunk_cached(&store, &entries[position..end], &mut cache).unwrap();
+        if checkpoints.get(step).copied().unwrap_or(false) {
+            store.checkpoint().unwrap();
+        }
+        if crashes.get(step).copied().unwrap_or(false) {
+            store = layered(&inner);
+            cache = BucketCache::default();
+        }
+        step += 1;
+    }
+    store.flush().unwrap();
+    assert_eq!(store.dirty_keys(), 0);
+    inner
+}
+
 /// An engine reading `store`; the temp dir of its (unused) log lives as long as the guard.
 async fn engine_over(store: Arc<MemoryStore>) -> (Arc<tally_engine::Engine>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -217,6 +267,28 @@ proptest! {
         }).unwrap();
         let windows_sum: Decimal = result.total.windows.iter().filter_map(|w| w.value).sum();
         prop_assert_eq!(Some(windows_sum.normalize()), result.total.value);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// Hot state in memory with sled as the checkpoint: whatever the checkpoint and
+    /// crash points, recovery (last checkpoint + the log from its positions) ends in
+    /// exactly the state of one replay of the whole log.
+    #[test]
+    fn any_checkpoint_and_crash_points_recover_the_replayed_state(
+        batches in proptest::collection::vec(proptest::collection::vec(gen_event(), 1..12), 1..8),
+        cuts in proptest::collection::vec(0usize..20, 0..6),
+        checkpoints in proptest::collection::vec(any::<bool>(), 0..8),
+        crashes in proptest::collection::vec(any::<bool>(), 0..8),
+    ) {
+        let entries = log_entries(&batches);
+        let recovered = apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes);
+        let whole = Arc::new(MemoryStore::new());
+        apply_chunk(whole.as_ref(), &entries).unwrap();
+        prop_assert_eq!(recovered.position(0).unwrap(), whole.position(0).unwrap());
+        prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
     }
 }
 

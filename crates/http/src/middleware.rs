@@ -482,7 +482,7 @@ async fn remember(
     // Durable before the client sees the answer: a retry after a crash replays it.
     let saved = tokio::task::spawn_blocking(move || {
         store.aux_put(&key, Some(&value))?;
-        store.flush()
+        store.flush_aux()
     })
     .await;
     if !matches!(saved, Ok(Ok(()))) {

@@ -14,10 +14,12 @@
 
 use std::ops::Bound;
 
+pub mod checkpoint;
 pub mod memory;
 pub mod sled_store;
 pub mod testsuite;
 
+pub use checkpoint::CheckpointStore;
 pub use memory::MemoryStore;
 pub use sled_store::SledStore;
 
@@ -68,6 +70,19 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
     /// offset commit).
     fn flush(&self) -> Result<(), StoreError>;
 
+    /// Makes the aux space durable (the HTTP idempotency cache saves a response
+    /// before sending it). Stores that write projections back lazily need not
+    /// checkpoint for this.
+    fn flush_aux(&self) -> Result<(), StoreError> {
+        self.flush()
+    }
+
+    /// Called by the projector when it is idle: a store with a write-back layer
+    /// checkpoints it if a checkpoint is due. Nothing to do for the others.
+    fn tick(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// SHA-256 over every projection key and value in order (positions and aux
     /// excluded): equal digests mean equal projected state.
     fn digest(&self) -> Result<String, StoreError> {
@@ -117,4 +132,45 @@ pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
         }
     }
     None
+}
+
+/// A shared store is a store (a checkpointing layer over a store that outlives it, as
+/// in crash tests).
+impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        (**self).get(key)
+    }
+    fn scan(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        reverse: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<(), StoreError> {
+        (**self).scan(start, end, reverse, visit)
+    }
+    fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
+        (**self).apply(changes, positions)
+    }
+    fn position(&self, partition: u32) -> Result<u64, StoreError> {
+        (**self).position(partition)
+    }
+    fn flush(&self) -> Result<(), StoreError> {
+        (**self).flush()
+    }
+    fn flush_aux(&self) -> Result<(), StoreError> {
+        (**self).flush_aux()
+    }
+    fn tick(&self) -> Result<(), StoreError> {
+        (**self).tick()
+    }
+    fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        (**self).aux_get(key)
+    }
+    fn aux_put(&self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
+        (**self).aux_put(key, value)
+    }
+    fn aux_scan(&self, visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit) -> Result<(), StoreError> {
+        (**self).aux_scan(visit)
+    }
 }

@@ -76,7 +76,7 @@ impl Server {
         let mut attempts = 0;
         let store: Arc<dyn ProjectionStore> = loop {
             match SledStore::open(dir.join("projections")) {
-                Ok(store) => break Arc::new(store),
+                Ok(store) => break Arc::new(tally_projection::CheckpointStore::new(store)),
                 Err(_) if attempts < 100 => {
                     attempts += 1;
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
