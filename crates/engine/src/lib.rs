@@ -185,6 +185,29 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// How long start-up waits for the first record of a non-empty partition.
+const FORMAT_CHECK_WAIT_MS: u64 = 5_000;
+
+/// Refuses a log whose first record is of another format version, before anything is
+/// served: a data dir (or topic) written by an older Tally is named, with what to do,
+/// instead of failing on its first record somewhere in the projector.
+async fn check_log_format(log: &dyn Log, partition: u32) -> Result<(), EngineError> {
+    let mut reader = log.reader(partition, 0).await?;
+    let first = reader
+        .next_batch(1, Duration::from_millis(FORMAT_CHECK_WAIT_MS))
+        .await?;
+    if let Some(entry) = first.first() {
+        if let Err(error @ tally_proto::DecodeError::Version { .. }) =
+            tally_proto::decode_record(&entry.payload)
+        {
+            return Err(EngineError::Corrupt(format!(
+                "the log was written by another Tally version (partition {partition}): {error}. Keep serving it with the Tally that wrote it, or start this version on a new data dir (or Kafka topic)"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Engine {
     /// Loads the caches from the projection and notes where the log ends, so
     /// readiness can be reported once the projection has caught up.
@@ -228,6 +251,9 @@ impl Engine {
                 return Err(EngineError::Corrupt(format!(
                     "the projection is ahead of the log on partition {partition} (applied up to {position}, log ends at {end}); rebuild the projection with `tally replay` or restore the log"
                 )));
+            }
+            if check_positions && end > 0 {
+                check_log_format(log.as_ref(), partition).await?;
             }
             applied.push(watch::channel(position).0);
             startup_end.push(end);

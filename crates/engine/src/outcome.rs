@@ -27,6 +27,7 @@ pub const OUTCOME_CODES: &[&str] = &[
     "insufficient_balance",
     "meter_limit_reached",
     "meter_name_taken",
+    "record_format_unsupported",
     "record_undecodable",
     "resource_missing",
     "transaction_already_reversed",

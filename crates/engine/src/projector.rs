@@ -263,6 +263,16 @@ fn apply_entry(
     applied: &mut Applied,
 ) -> Result<(), EngineError> {
     let refused = match tally_proto::decode_record(&entry.payload) {
+        Err(error @ tally_proto::DecodeError::Version { .. }) => {
+            // Start-up refuses a log of another format, so this is one foreign record
+            // inside a log of ours (a node of another build sharing the topic, or
+            // bytes that merely parse as a record): refused like any bad record, so
+            // no record can stop the projector, and loudly, because mixing builds
+            // on one log is unsupported (README, "Upgrading").
+            tracing::error!(partition = entry.partition, offset = entry.offset, %error,
+                "a log record of another format version is refused");
+            Outcome::rejected("record_format_unsupported", error.to_string())
+        }
         Err(error) => Outcome::rejected(
             "record_undecodable",
             format!("the log record does not decode: {error}"),

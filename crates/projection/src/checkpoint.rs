@@ -30,7 +30,7 @@ use crate::{Change, ProjectionStore, StoreError, Visit};
 
 /// Keys the layer holds before a checkpoint is forced. Bounds memory (a stored event
 /// is ~300 bytes, so ~60 MiB at the bound) and the size of one inner batch.
-pub const CHECKPOINT_MAX_DIRTY_KEYS: usize = 200_000;
+pub const CHECKPOINT_MAX_DIRTY_KEYS: usize = 5_000;
 
 /// Age of the oldest unwritten change that forces a checkpoint. Bounds how much of
 /// the log a restart re-applies (about one second of records).

@@ -22,7 +22,15 @@ pub enum DecodeError {
     Protobuf(#[from] prost::DecodeError),
     #[error("record field `{0}` holds an unknown or missing value")]
     BadField(&'static str),
+    /// A well-formed record of another format version: not bad data, a log this
+    /// build cannot read (fail-stop, never a per-record rejection).
+    #[error("the record is in log format version {found}; this build reads version {LOG_FORMAT_VERSION} only (see the README, \"Upgrading\")")]
+    Version { found: u32 },
 }
+
+/// The log record format this build writes and reads. Bump it when a record's
+/// meaning changes in a way older readers would misapply.
+pub const LOG_FORMAT_VERSION: u32 = 2;
 
 pub fn mode_to_proto(mode: Mode) -> i32 {
     match mode {
@@ -515,6 +523,7 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
     };
     v1::LogRecord {
         recorded_at_ms,
+        format_version: LOG_FORMAT_VERSION,
         kind: Some(kind),
     }
     .encode_to_vec()
@@ -526,6 +535,11 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
     use tally_domain::record::{Record, StoreRecord};
     use v1::log_record::Kind;
     let record = v1::LogRecord::decode(bytes)?;
+    if record.format_version != LOG_FORMAT_VERSION {
+        return Err(DecodeError::Version {
+            found: record.format_version,
+        });
+    }
     let decoded = match record.kind.ok_or(DecodeError::BadField("kind"))? {
         Kind::StoreCreated(s) => Record::StoreCreated(StoreRecord {
             store_id: s.store_id,

@@ -52,10 +52,14 @@ impl Server {
         config: HttpConfig,
         clock: Arc<ManualClock>,
     ) -> Server {
-        Self::start_with_store(dir, config, clock, |store| store).await
+        Self::start_with_store(dir, config, clock, |sled| {
+            Arc::new(tally_projection::CheckpointStore::new(sled))
+        })
+        .await
     }
 
-    /// Starts with the projection store wrapped by `wrap` (fault injection).
+    /// Starts with the projection stack `wrap` builds over the durable sled store (the
+    /// service runs `CheckpointStore` over it; tests insert faults above or below).
     pub async fn start_with_store(
         dir: &Path,
         config: HttpConfig,
@@ -76,7 +80,7 @@ impl Server {
         let mut attempts = 0;
         let store: Arc<dyn ProjectionStore> = loop {
             match SledStore::open(dir.join("projections")) {
-                Ok(store) => break Arc::new(tally_projection::CheckpointStore::new(store)),
+                Ok(store) => break Arc::new(store),
                 Err(_) if attempts < 100 => {
                     attempts += 1;
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -120,6 +124,18 @@ impl Server {
             p.await.unwrap();
         }
         self.engine.flush().unwrap();
+        drop(self.engine);
+    }
+
+    /// Stop after an injected storage fault: the final flush may fail (what it would
+    /// have written is re-applied from the log by the next start).
+    pub async fn stop_after_fault(self) {
+        self.shutdown.send(true).unwrap();
+        self.server.await.unwrap().unwrap();
+        for p in self.projector {
+            p.await.unwrap();
+        }
+        let _ = self.engine.flush();
         drop(self.engine);
     }
 }
