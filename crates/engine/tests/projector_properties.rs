@@ -177,12 +177,15 @@ fn apply_with_checkpoints_and_crashes(
     cuts: &[usize],
     checkpoints: &[bool],
     crashes: &[bool],
+    dirty_limit: usize,
 ) -> Arc<MemoryStore> {
     let inner = Arc::new(MemoryStore::new());
+    // Background checkpoints start whenever the layer reaches `dirty_limit` keys; a
+    // crash may land while one is being written.
     let layered = |inner: &Arc<MemoryStore>| {
         CheckpointStore::with_limits(
             inner.clone(),
-            usize::MAX,
+            dirty_limit,
             std::time::Duration::from_secs(3600),
         )
     };
@@ -282,9 +285,11 @@ proptest! {
         cuts in proptest::collection::vec(0usize..20, 0..6),
         checkpoints in proptest::collection::vec(any::<bool>(), 0..8),
         crashes in proptest::collection::vec(any::<bool>(), 0..8),
+        dirty_limit in prop_oneof![Just(usize::MAX), 1usize..40],
     ) {
         let entries = log_entries(&batches);
-        let recovered = apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes);
+        let recovered =
+            apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes, dirty_limit);
         let whole = Arc::new(MemoryStore::new());
         apply_chunk(whole.as_ref(), &entries).unwrap();
         prop_assert_eq!(recovered.position(0).unwrap(), whole.position(0).unwrap());

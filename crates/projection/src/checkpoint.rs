@@ -3,10 +3,14 @@
 //! [`CheckpointStore`] wraps a durable [`ProjectionStore`] (sled). Applied batches go
 //! into an in-memory write-back layer, newest value per key, and reads see that layer
 //! over the inner store. A **checkpoint** writes the whole layer and the positions it
-//! brings the projection to in one atomic batch of the inner store, then empties the
-//! layer. A checkpoint is taken when the layer holds [`CHECKPOINT_MAX_DIRTY_KEYS`]
-//! keys, when the oldest unwritten change is [`CHECKPOINT_EVERY_MS`] old (checked on
-//! every apply and on [`ProjectionStore::tick`]), and on `flush`.
+//! brings the projection to in one atomic batch of the inner store. When the layer
+//! holds [`CHECKPOINT_MAX_DIRTY_KEYS`] keys or its oldest change is
+//! [`CHECKPOINT_EVERY_MS`] old (checked on every apply and on
+//! [`ProjectionStore::tick`]), it is frozen and written by a background thread while
+//! a fresh layer takes the next applies; reads see both layers until the write ends.
+//! At most one checkpoint is in flight: an apply that finds the next one due before
+//! the last ended waits (backpressure when apply outruns the disk). `flush` writes
+//! everything synchronously. A failed checkpoint fails every later write (fail-stop).
 //!
 //! Why: a usage bucket is rewritten by every event that lands in it; in the layer
 //! those rewrites coalesce, so the durable store sees one write per bucket per
@@ -23,20 +27,27 @@
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::{Change, ProjectionStore, StoreError, Visit};
 
-/// Keys the layer holds before a checkpoint is forced. Bounds memory (a stored event
-/// is ~300 bytes, so ~60 MiB at the bound) and the size of one inner batch.
-pub const CHECKPOINT_MAX_DIRTY_KEYS: usize = 5_000;
+/// Keys the layer holds before a checkpoint is started. Bounds memory (a stored event
+/// is ~300 bytes; the layer being written and the one filling can both be full) and
+/// the size of one inner batch.
+pub const CHECKPOINT_MAX_DIRTY_KEYS: usize = 2_000;
 
-/// Age of the oldest unwritten change that forces a checkpoint. Bounds how much of
+/// Age of the oldest unwritten change that starts a checkpoint. Bounds how much of
 /// the log a restart re-applies (about one second of records).
 pub const CHECKPOINT_EVERY_MS: u64 = 1_000;
 
-/// The write-back layer: unwritten changes and the positions they reach.
+/// How far past `max_dirty_keys` the active layer may grow while the previous
+/// checkpoint is still being written, before applies wait for it: absorbs a slow
+/// sled batch without a latency spike, and still bounds memory (to 5x the limit in
+/// all, with the layer being written).
+pub const CHECKPOINT_BACKLOG_FACTOR: usize = 4;
+
+/// Unwritten changes and the positions they reach.
 #[derive(Debug, Default)]
 struct Layer {
     changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
@@ -45,19 +56,36 @@ struct Layer {
     since: Option<Instant>,
 }
 
+/// The layer that takes applies, and the one a background checkpoint is writing.
+#[derive(Debug, Default)]
+struct Layers {
+    active: Layer,
+    writing: Option<Arc<Layer>>,
+}
+
+#[derive(Debug)]
+struct Shared<S> {
+    inner: S,
+    layers: RwLock<Layers>,
+    /// Signalled when a background checkpoint ends.
+    written: Condvar,
+    /// Held while `writing` is set; `written` waits on it.
+    writing_done: Mutex<()>,
+    /// A background checkpoint failed: every later write fails (fail-stop).
+    failed: Mutex<Option<String>>,
+}
+
 /// A projection store with an in-memory write-back layer over a durable one.
 #[derive(Debug)]
 pub struct CheckpointStore<S> {
-    inner: S,
-    layer: RwLock<Layer>,
-    /// Serialises writers (applies and checkpoints), so a checkpoint writes a layer no
-    /// apply is changing; readers only take `layer`'s read lock.
+    shared: Arc<Shared<S>>,
+    /// Serialises writers (applies and checkpoints).
     writer: Mutex<()>,
     max_dirty_keys: usize,
     every: Duration,
 }
 
-impl<S: ProjectionStore> CheckpointStore<S> {
+impl<S: ProjectionStore + 'static> CheckpointStore<S> {
     pub fn new(inner: S) -> Self {
         Self::with_limits(
             inner,
@@ -69,8 +97,13 @@ impl<S: ProjectionStore> CheckpointStore<S> {
     /// With other thresholds (tests force checkpoints at chosen points).
     pub fn with_limits(inner: S, max_dirty_keys: usize, every: Duration) -> Self {
         CheckpointStore {
-            inner,
-            layer: RwLock::new(Layer::default()),
+            shared: Arc::new(Shared {
+                inner,
+                layers: RwLock::new(Layers::default()),
+                written: Condvar::new(),
+                writing_done: Mutex::new(()),
+                failed: Mutex::new(None),
+            }),
             writer: Mutex::new(()),
             max_dirty_keys,
             every,
@@ -79,40 +112,63 @@ impl<S: ProjectionStore> CheckpointStore<S> {
 
     /// The durable store underneath.
     pub fn inner(&self) -> &S {
-        &self.inner
+        &self.shared.inner
     }
 
-    /// Keys changed since the last checkpoint.
+    /// Keys changed since the last completed checkpoint.
     pub fn dirty_keys(&self) -> usize {
-        self.read_layer().changes.len()
+        let layers = self.shared.read();
+        layers.active.changes.len() + layers.writing.as_ref().map_or(0, |w| w.changes.len())
     }
 
-    /// Writes the layer and its positions to the inner store in one batch, then
-    /// empties the layer. Readers see the layer until the inner batch is written.
+    /// Writes everything applied so far to the inner store (waiting for a background
+    /// checkpoint first), in order, each layer as one atomic batch.
     pub fn checkpoint(&self) -> Result<(), StoreError> {
         let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-        self.checkpoint_locked()
+        self.shared.wait_written()?;
+        let layer = self.shared.freeze();
+        if let Some(layer) = layer {
+            self.shared.write(&layer)?;
+        }
+        Ok(())
     }
 
-    fn checkpoint_locked(&self) -> Result<(), StoreError> {
-        let (changes, positions) = {
-            let layer = self.read_layer();
-            if layer.since.is_none() && layer.positions.is_empty() {
-                return Ok(());
+    /// Starts a background checkpoint of the active layer, after the previous one
+    /// ends (an apply that outruns the disk waits here: backpressure).
+    fn start_checkpoint(&self) -> Result<(), StoreError> {
+        {
+            let layers = self.shared.read();
+            let backlog = self
+                .max_dirty_keys
+                .saturating_mul(CHECKPOINT_BACKLOG_FACTOR);
+            if layers.writing.is_some() && layers.active.changes.len() < backlog {
+                // The previous checkpoint is still being written: keep applying (the
+                // next apply checks again) rather than stall every waiting request.
+                drop(layers);
+                return self.shared.check_failed();
             }
-            let changes: Vec<Change> = layer
-                .changes
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            let positions: Vec<(u32, u64)> =
-                layer.positions.iter().map(|(p, o)| (*p, *o)).collect();
-            (changes, positions)
-        };
-        // Only this writer changes the layer, so what was copied is still all of it.
-        self.inner.apply(changes, &positions)?;
-        let mut layer = self.layer.write().unwrap_or_else(|p| p.into_inner());
-        *layer = Layer::default();
+        }
+        self.shared.wait_written()?;
+        if let Some(_layer) = self.shared.freeze() {
+            let shared = self.shared.clone();
+            std::thread::Builder::new()
+                .name("tally-checkpoint".into())
+                .spawn(move || {
+                    let layer = shared.read().writing.clone();
+                    if let Some(layer) = layer {
+                        if let Err(error) = shared.write(&layer) {
+                            *shared.failed.lock().unwrap_or_else(|p| p.into_inner()) =
+                                Some(error.to_string());
+                        }
+                    }
+                    let _done = shared
+                        .writing_done
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner());
+                    shared.written.notify_all();
+                })
+                .map_err(|e| StoreError::Backend(format!("starting a checkpoint: {e}")))?;
+        }
         Ok(())
     }
 
@@ -122,22 +178,102 @@ impl<S: ProjectionStore> CheckpointStore<S> {
                 .since
                 .is_some_and(|since| since.elapsed() >= self.every)
     }
+}
 
-    fn read_layer(&self) -> std::sync::RwLockReadGuard<'_, Layer> {
-        self.layer.read().unwrap_or_else(|p| p.into_inner())
+/// Dropping waits for a checkpoint in flight, so nothing writes to the inner store
+/// once its owner is gone (a reopen of the same store never races an old write).
+impl<S> Drop for CheckpointStore<S> {
+    fn drop(&mut self) {
+        self.shared.wait_idle();
     }
 }
 
-impl<S: ProjectionStore> ProjectionStore for CheckpointStore<S> {
-    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        if let Some(value) = self.read_layer().changes.get(key) {
-            return Ok(value.clone());
-        }
-        self.inner.get(key)
+impl<S> Shared<S> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Layers> {
+        self.layers.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The inner store's entries merged with the layer's: a key the layer holds is
-    /// taken from the layer (its value, or skipped when deleted there).
+    fn failed_is_none(&self) -> bool {
+        self.failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
+    /// Waits until no checkpoint is being written (or the one written failed).
+    fn wait_idle(&self) {
+        let mut done = self.writing_done.lock().unwrap_or_else(|p| p.into_inner());
+        while self.read().writing.is_some() && self.failed_is_none() {
+            done = self
+                .written
+                .wait_timeout(done, Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl<S: ProjectionStore> Shared<S> {
+    fn check_failed(&self) -> Result<(), StoreError> {
+        match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(error) => Err(StoreError::Backend(format!(
+                "an earlier checkpoint failed: {error}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until no checkpoint is being written; fails if one failed.
+    fn wait_written(&self) -> Result<(), StoreError> {
+        self.wait_idle();
+        self.check_failed()
+    }
+
+    /// Moves the active layer to `writing` (none may be in flight); returns it, or
+    /// `None` when there is nothing to write.
+    fn freeze(&self) -> Option<Arc<Layer>> {
+        let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
+        if layers.active.since.is_none() && layers.active.positions.is_empty() {
+            return None;
+        }
+        let layer = Arc::new(std::mem::take(&mut layers.active));
+        layers.writing = Some(layer.clone());
+        Some(layer)
+    }
+
+    /// Writes a frozen layer as one inner batch, then drops it from the reads.
+    fn write(&self, layer: &Layer) -> Result<(), StoreError> {
+        let changes: Vec<Change> = layer
+            .changes
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let positions: Vec<(u32, u64)> = layer.positions.iter().map(|(p, o)| (*p, *o)).collect();
+        self.inner.apply(changes, &positions)?;
+        self.layers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .writing = None;
+        Ok(())
+    }
+}
+
+impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        {
+            let layers = self.shared.read();
+            if let Some(value) = layers.active.changes.get(key) {
+                return Ok(value.clone());
+            }
+            if let Some(value) = layers.writing.as_ref().and_then(|w| w.changes.get(key)) {
+                return Ok(value.clone());
+            }
+        }
+        self.shared.inner.get(key)
+    }
+
+    /// The inner store's entries merged with the layers': a key a layer holds is taken
+    /// from the newest layer holding it (its value, or skipped when deleted there).
     fn scan(
         &self,
         start: Bound<&[u8]>,
@@ -145,12 +281,19 @@ impl<S: ProjectionStore> ProjectionStore for CheckpointStore<S> {
         reverse: bool,
         visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
     ) -> Result<(), StoreError> {
-        let mut pending: Vec<(Vec<u8>, Option<Vec<u8>>)> = self
-            .read_layer()
-            .changes
-            .range::<[u8], _>((start, end))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let mut pending: Vec<(Vec<u8>, Option<Vec<u8>>)> = {
+            let layers = self.shared.read();
+            let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
+            if let Some(writing) = &layers.writing {
+                for (k, v) in writing.changes.range::<[u8], _>((start, end)) {
+                    merged.insert(k.clone(), v.clone());
+                }
+            }
+            for (k, v) in layers.active.changes.range::<[u8], _>((start, end)) {
+                merged.insert(k.clone(), v.clone());
+            }
+            merged.into_iter().collect()
+        };
         if !reverse {
             pending.reverse();
         }
@@ -162,34 +305,36 @@ impl<S: ProjectionStore> ProjectionStore for CheckpointStore<S> {
                 Some(v) => visit(k, v) == Visit::Stop,
                 None => false,
             };
-        self.inner.scan(start, end, reverse, &mut |key, value| {
-            while let Some((next, _)) = pending.last() {
-                if !before(next, key) {
-                    break;
+        self.shared
+            .inner
+            .scan(start, end, reverse, &mut |key, value| {
+                while let Some((next, _)) = pending.last() {
+                    if !before(next, key) {
+                        break;
+                    }
+                    let (next, change) = pending.pop().expect("checked");
+                    if emit(visit, &next, &change) {
+                        stopped = true;
+                        return Visit::Stop;
+                    }
                 }
-                let (next, change) = pending.pop().expect("checked");
-                if emit(visit, &next, &change) {
+                if pending
+                    .last()
+                    .is_some_and(|(next, _)| next.as_slice() == key)
+                {
+                    let (next, change) = pending.pop().expect("checked");
+                    if emit(visit, &next, &change) {
+                        stopped = true;
+                        return Visit::Stop;
+                    }
+                    return Visit::Continue;
+                }
+                if visit(key, value) == Visit::Stop {
                     stopped = true;
                     return Visit::Stop;
                 }
-            }
-            if pending
-                .last()
-                .is_some_and(|(next, _)| next.as_slice() == key)
-            {
-                let (next, change) = pending.pop().expect("checked");
-                if emit(visit, &next, &change) {
-                    stopped = true;
-                    return Visit::Stop;
-                }
-                return Visit::Continue;
-            }
-            if visit(key, value) == Visit::Stop {
-                stopped = true;
-                return Visit::Stop;
-            }
-            Visit::Continue
-        })?;
+                Visit::Continue
+            })?;
         if !stopped {
             while let Some((next, change)) = pending.pop() {
                 if emit(visit, &next, &change) {
@@ -202,65 +347,79 @@ impl<S: ProjectionStore> ProjectionStore for CheckpointStore<S> {
 
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
         let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        self.shared.check_failed()?;
         let due = {
-            let mut layer = self.layer.write().unwrap_or_else(|p| p.into_inner());
-            if !changes.is_empty() && layer.since.is_none() {
-                layer.since = Some(Instant::now());
-            }
+            let mut layers = self
+                .shared
+                .layers
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let layer = &mut layers.active;
             for (key, value) in changes {
                 layer.changes.insert(key, value);
             }
             for (partition, next_offset) in positions {
                 layer.positions.insert(*partition, *next_offset);
             }
-            if layer.since.is_none() && !layer.positions.is_empty() {
-                // Positions alone (records that changed nothing) still age.
+            if layer.since.is_none() && (!layer.changes.is_empty() || !layer.positions.is_empty()) {
                 layer.since = Some(Instant::now());
             }
-            self.due(&layer)
+            self.due(layer)
         };
         if due {
-            self.checkpoint_locked()?;
+            self.start_checkpoint()?;
         }
         Ok(())
     }
 
     fn position(&self, partition: u32) -> Result<u64, StoreError> {
-        if let Some(next_offset) = self.read_layer().positions.get(&partition) {
-            return Ok(*next_offset);
+        {
+            let layers = self.shared.read();
+            if let Some(next_offset) = layers.active.positions.get(&partition) {
+                return Ok(*next_offset);
+            }
+            if let Some(next_offset) = layers
+                .writing
+                .as_ref()
+                .and_then(|w| w.positions.get(&partition))
+            {
+                return Ok(*next_offset);
+            }
         }
-        self.inner.position(partition)
+        self.shared.inner.position(partition)
     }
 
     /// A checkpoint, then the inner store's flush: everything applied is durable.
     fn flush(&self) -> Result<(), StoreError> {
         self.checkpoint()?;
-        self.inner.flush()
+        self.shared.inner.flush()
     }
 
     /// The aux space is written through, so only the inner store needs flushing.
     fn flush_aux(&self) -> Result<(), StoreError> {
-        self.inner.flush()
+        self.shared.inner.flush()
     }
 
     fn tick(&self) -> Result<(), StoreError> {
-        let due = self.due(&self.read_layer());
+        let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        self.shared.check_failed()?;
+        let due = self.due(&self.shared.read().active);
         if due {
-            self.checkpoint()?;
+            self.start_checkpoint()?;
         }
         Ok(())
     }
 
     fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        self.inner.aux_get(key)
+        self.shared.inner.aux_get(key)
     }
 
     fn aux_put(&self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
-        self.inner.aux_put(key, value)
+        self.shared.inner.aux_put(key, value)
     }
 
     fn aux_scan(&self, visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit) -> Result<(), StoreError> {
-        self.inner.aux_scan(visit)
+        self.shared.inner.aux_scan(visit)
     }
 }
 
@@ -349,6 +508,7 @@ mod tests {
             .unwrap();
         assert_eq!(store.inner().position(0).unwrap(), 0);
         store.apply(vec![put("c", "1")], &[(0, 3)]).unwrap();
+        store.shared.wait_written().unwrap();
         assert_eq!(
             store.inner().position(0).unwrap(),
             3,
@@ -357,6 +517,7 @@ mod tests {
 
         let store = CheckpointStore::with_limits(MemoryStore::new(), 100, Duration::ZERO);
         store.apply(vec![put("a", "1")], &[(1, 9)]).unwrap();
+        store.shared.wait_written().unwrap();
         assert_eq!(
             store.inner().position(1).unwrap(),
             9,
@@ -364,6 +525,7 @@ mod tests {
         );
         store.apply(vec![], &[(1, 10)]).unwrap();
         store.tick().unwrap();
+        store.shared.wait_written().unwrap();
         assert_eq!(
             store.inner().position(1).unwrap(),
             10,
