@@ -24,10 +24,32 @@ impl Mode {
             Mode::Test => b't',
         }
     }
+
+    /// The inverse of [`Mode::key_byte`]; `None` for any other byte (corrupt data,
+    /// which callers stop on rather than guess).
+    pub fn from_key_byte(byte: u8) -> Option<Mode> {
+        [Mode::Prod, Mode::Test]
+            .into_iter()
+            .find(|mode| mode.key_byte() == byte)
+    }
 }
 
 impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_bytes_round_trip_and_nothing_else_decodes() {
+        for mode in [Mode::Prod, Mode::Test] {
+            assert_eq!(Mode::from_key_byte(mode.key_byte()), Some(mode));
+        }
+        let decoded = (0..=u8::MAX).filter_map(Mode::from_key_byte).count();
+        assert_eq!(decoded, 2);
     }
 }

@@ -153,11 +153,7 @@ impl Engine {
         for ((store, mode, account), replayed) in &replay.balances {
             let scope = Scope {
                 store_id: store.clone(),
-                mode: if *mode == 'p' {
-                    tally_domain::Mode::Prod
-                } else {
-                    tally_domain::Mode::Test
-                },
+                mode: crate::keys::read_mode(*mode as u8, "a replayed ledger account")?,
             };
             let projected = self.balance(&scope, account)?;
             if projected != *replayed {

@@ -39,6 +39,8 @@
 
 use tally_domain::Mode;
 
+use crate::error::EngineError;
+
 pub const STORE: u8 = b'S';
 pub const API_KEY: u8 = b'K';
 pub const CUSTOMER: u8 = b'C';
@@ -140,6 +142,14 @@ pub fn read_text(bytes: &[u8], start: usize) -> Option<(&str, usize)> {
     let end = rest.iter().position(|b| *b == 0)?;
     let text = std::str::from_utf8(&rest[..end]).ok()?;
     Some((text, start + end + 1))
+}
+
+/// The mode a stored key or value names. Any byte but the two modes' is corrupt
+/// storage: fail-stop, never a default that would file data under the other mode.
+pub fn read_mode(byte: u8, what: &str) -> Result<Mode, EngineError> {
+    Mode::from_key_byte(byte).ok_or_else(|| {
+        EngineError::Corrupt(format!("{what} holds an unknown mode byte 0x{byte:02x}"))
+    })
 }
 
 #[cfg(test)]

@@ -285,21 +285,32 @@ impl Engine {
     }
 
     fn load_caches(&self) -> Result<(), EngineError> {
+        let mut corrupt = None;
         scan_prefix(self.store.as_ref(), &[keys::API_KEY], false, &mut |k, v| {
-            if let Some((mode_byte, store_id)) = v.split_last() {
-                let mode = if *mode_byte == Mode::Prod.key_byte() {
-                    Mode::Prod
-                } else {
-                    Mode::Test
-                };
-                let scope = Scope {
-                    store_id: String::from_utf8_lossy(store_id).into_owned(),
-                    mode,
-                };
-                self.caches.api_keys.insert(k[1..].to_vec(), scope);
+            let read = v
+                .split_last()
+                .ok_or_else(|| EngineError::Corrupt("an API key entry is empty".into()))
+                .and_then(|(mode_byte, store_id)| {
+                    Ok((keys::read_mode(*mode_byte, "an API key entry")?, store_id))
+                });
+            match read {
+                Ok((mode, store_id)) => {
+                    let scope = Scope {
+                        store_id: String::from_utf8_lossy(store_id).into_owned(),
+                        mode,
+                    };
+                    self.caches.api_keys.insert(k[1..].to_vec(), scope);
+                    Visit::Continue
+                }
+                Err(error) => {
+                    corrupt = Some(error);
+                    Visit::Stop
+                }
             }
-            Visit::Continue
         })?;
+        if let Some(error) = corrupt {
+            return Err(error);
+        }
         let all = pagination::collect_prefix(
             self.store.as_ref(),
             &[keys::METER],

@@ -586,11 +586,7 @@ impl Engine {
             let Some((store_id, after_store)) = keys::read_text(&key, 9) else {
                 continue;
             };
-            let mode = if key[after_store] == Mode::Prod.key_byte() {
-                Mode::Prod
-            } else {
-                Mode::Test
-            };
+            let mode = keys::read_mode(key[after_store], "a due-delivery key")?;
             let Some((endpoint_id, after_endpoint)) = keys::read_text(&key, after_store + 1) else {
                 continue;
             };

@@ -79,3 +79,24 @@ fn a_foreign_record_inside_the_log_is_a_recorded_rejection() {
     .unwrap();
     assert_eq!(stores, 0, "nothing of the foreign record was applied");
 }
+
+/// A stored mode byte that is neither mode is corrupt storage: opening stops with a
+/// message instead of filing the entry under a default mode.
+#[tokio::test]
+async fn an_unknown_stored_mode_byte_stops_start_up() {
+    use tally_projection::ProjectionStore;
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(EmbeddedLog::open(dir.path()).unwrap());
+    let store = Arc::new(MemoryStore::new());
+    let mut key = vec![tally_engine::keys::API_KEY];
+    key.extend_from_slice(&[7; 32]);
+    let mut value = b"st_1".to_vec();
+    value.push(b'x');
+    store.apply(vec![(key, Some(value))], &[]).unwrap();
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1));
+    let error = Engine::open(log, store, clock).await.err().unwrap();
+    assert!(
+        error.to_string().contains("unknown mode byte 0x78"),
+        "{error}"
+    );
+}

@@ -429,3 +429,163 @@ async fn a_failed_checkpoint_stops_writes_and_loses_nothing_acknowledged() {
     );
     server.stop().await;
 }
+
+/// A log whose appends fail: with nothing written (`NOT_WRITTEN`: a log poisoned by a
+/// failed fsync) or with an unknown outcome (`UNKNOWN`: an I/O error mid-append).
+struct FailingLog {
+    inner: Arc<dyn tally_log::Log>,
+    failing: Arc<std::sync::atomic::AtomicU8>,
+}
+
+const HEALTHY: u8 = 0;
+const NOT_WRITTEN: u8 = 1;
+const UNKNOWN: u8 = 2;
+
+#[async_trait::async_trait]
+impl tally_log::Log for FailingLog {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn partition_count(&self) -> u32 {
+        self.inner.partition_count()
+    }
+    async fn append(&self, key: &[u8], payload: Vec<u8>) -> Result<u64, tally_log::LogError> {
+        match self.failing.load(Ordering::SeqCst) {
+            NOT_WRITTEN => Err(tally_log::LogError::Poisoned),
+            UNKNOWN => Err(tally_log::LogError::Io(std::io::Error::other(
+                "injected append failure",
+            ))),
+            _ => self.inner.append(key, payload).await,
+        }
+    }
+    async fn reader(
+        &self,
+        partition: u32,
+        from_offset: u64,
+    ) -> Result<Box<dyn tally_log::LogReader>, tally_log::LogError> {
+        self.inner.reader(partition, from_offset).await
+    }
+    async fn end_offset(&self, partition: u32) -> Result<u64, tally_log::LogError> {
+        self.inner.end_offset(partition).await
+    }
+    async fn commit(
+        &self,
+        group: &str,
+        partition: u32,
+        next_offset: u64,
+    ) -> Result<(), tally_log::LogError> {
+        self.inner.commit(group, partition, next_offset).await
+    }
+    async fn committed(
+        &self,
+        group: &str,
+        partition: u32,
+    ) -> Result<Option<u64>, tally_log::LogError> {
+        self.inner.committed(group, partition).await
+    }
+}
+
+/// Appends fail: ingest, debits and creates answer 503 (`log_unavailable`, or
+/// `outcome_unknown` when the log cannot say whether it wrote) and leave nothing
+/// behind; once the log recovers, writes go on, and after a restart exactly
+/// the acknowledged writes are there (usage counts only the accepted events).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_appends_answer_503_and_lose_nothing_acknowledged() {
+    let (_guard, dir) = temp_dir();
+    let failing = Arc::new(std::sync::atomic::AtomicU8::new(HEALTHY));
+    let flag = failing.clone();
+    let server = Server::start_with_faults(
+        &dir,
+        default_config(),
+        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
+        move |inner| {
+            Arc::new(FailingLog {
+                inner,
+                failing: flag,
+            })
+        },
+        |sled| Arc::new(CheckpointStore::new(sled)),
+    )
+    .await;
+    let keys = create_store(&server, "s").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let customer_id = customer(&api).await;
+    let created = account(&api, &customer_id, "main", "100").await;
+    let account_id = created.body["id"].as_str().unwrap().to_string();
+    let meter = api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "call", "aggregation": "count"}),
+        )
+        .await;
+    assert_eq!(meter.status, 200, "{}", meter.body);
+    let meter_id = meter.body["id"].as_str().unwrap().to_string();
+    let ingest = |id: &str| json!({"events": [{"event_id": id, "name": "call", "customer_id": customer_id}]});
+
+    let mut acknowledged_debits = Vec::new();
+    let mut accepted_events = 0;
+    for round in 0..6 {
+        let fault = match round {
+            1 | 5 => NOT_WRITTEN,
+            3 => UNKNOWN,
+            _ => HEALTHY,
+        };
+        let fail = fault != HEALTHY;
+        failing.store(fault, Ordering::SeqCst);
+        let debit = move_credits(&api, "debit", &account_id, "1", &format!("d{round}")).await;
+        let sent = api
+            .post("/v1/events/ingest", ingest(&format!("e{round}")))
+            .await;
+        let create = api.post("/v1/customers", json!({"email": "x@x.io"})).await;
+        if fail {
+            for answer in [&debit, &sent, &create] {
+                let error = assert_error(answer, 503, "api_error");
+                let code = if fault == UNKNOWN {
+                    "outcome_unknown"
+                } else {
+                    "log_unavailable"
+                };
+                assert_eq!(error["code"], code, "{}", answer.body);
+            }
+        } else {
+            assert_eq!(debit.status, 200, "{}", debit.body);
+            assert!(sent.status == 202 || sent.status == 200, "{}", sent.body);
+            assert_eq!(create.status, 200, "{}", create.body);
+            acknowledged_debits.push(debit.body["id"].clone());
+            accepted_events += 1;
+        }
+    }
+    server.stop().await;
+
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let balance = api
+        .get(&format!("/v1/customer-credits/accounts/{account_id}"))
+        .await
+        .body["balance"]
+        .clone();
+    assert_eq!(
+        balance,
+        json!((100 - acknowledged_debits.len()).to_string()),
+        "exactly the acknowledged debits"
+    );
+    let customers = api.get("/v1/customers?limit=100").await;
+    assert_eq!(
+        customers.body["data"].as_array().unwrap().len(),
+        1 + accepted_events,
+        "exactly the acknowledged creates"
+    );
+    server.engine.wait_caught_up().await.unwrap();
+    let usage = api
+        .get(&format!(
+            "/v1/meters/{meter_id}/usage?customer_id={customer_id}"
+        ))
+        .await;
+    assert_eq!(
+        usage.body["value"],
+        json!(accepted_events.to_string()),
+        "exactly the accepted events: {}",
+        usage.body
+    );
+    server.stop().await;
+}

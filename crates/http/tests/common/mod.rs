@@ -66,6 +66,18 @@ impl Server {
         clock: Arc<ManualClock>,
         wrap: impl FnOnce(Arc<dyn ProjectionStore>) -> Arc<dyn ProjectionStore>,
     ) -> Server {
+        Self::start_with_faults(dir, config, clock, |log| log, wrap).await
+    }
+
+    /// Starts with the log wrapped by `wrap_log` and the projection stack built by
+    /// `wrap` (fault injection).
+    pub async fn start_with_faults(
+        dir: &Path,
+        config: HttpConfig,
+        clock: Arc<ManualClock>,
+        wrap_log: impl FnOnce(Arc<dyn tally_log::Log>) -> Arc<dyn tally_log::Log>,
+        wrap: impl FnOnce(Arc<dyn ProjectionStore>) -> Arc<dyn ProjectionStore>,
+    ) -> Server {
         let log = loop {
             match EmbeddedLog::open(dir.join("log")) {
                 Ok(log) => break log,
@@ -88,9 +100,13 @@ impl Server {
                 Err(error) => panic!("{error}"),
             }
         };
-        let engine = Engine::open(Arc::new(log), wrap(store), clock.clone() as Arc<dyn Clock>)
-            .await
-            .unwrap();
+        let engine = Engine::open(
+            wrap_log(Arc::new(log)),
+            wrap(store),
+            clock.clone() as Arc<dyn Clock>,
+        )
+        .await
+        .unwrap();
         let (shutdown, rx) = tokio::sync::watch::channel(false);
         let projector = engine.start_projector(rx.clone());
         engine.wait_caught_up().await.unwrap();
