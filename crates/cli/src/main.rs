@@ -516,11 +516,13 @@ fn progress_printer(label: &'static str) -> impl FnMut(u64, u32, u64, u64) {
     }
 }
 
-async fn ledger_verify(args: ReplayArgs) -> Result<()> {
-    init_tracing(LogFormat::Text);
-    let log = open_log(&args.storage, false).await?;
-    let store = open_projections(&args.storage.data_dir.join("projections"))?;
-    // Bring the projection up to the end of the log first, as a restart would.
+/// The projection brought up to the end of the log, as a restart would: the ledger
+/// audit reads from it which records apply refused.
+async fn caught_up_projections(
+    storage: &StorageArgs,
+    log: &Arc<dyn Log>,
+) -> Result<Arc<dyn ProjectionStore>> {
+    let store = open_projections(&storage.data_dir.join("projections"))?;
     for partition in 0..log.partition_count() {
         tally_engine::projector::replay_partition(
             log.as_ref(),
@@ -530,10 +532,22 @@ async fn ledger_verify(args: ReplayArgs) -> Result<()> {
         )
         .await?;
     }
+    store.flush()?;
+    Ok(store)
+}
+
+async fn ledger_verify(args: ReplayArgs) -> Result<()> {
+    init_tracing(LogFormat::Text);
+    let log = open_log(&args.storage, false).await?;
+    let store = caught_up_projections(&args.storage, &log).await?;
     let engine = Engine::open(log.clone(), store, Arc::new(clock::SystemClock)).await?;
-    let mut replay =
-        tally_engine::audit::replay_ledger(log.as_ref(), |_, _| {}, progress_printer("verifying"))
-            .await?;
+    let mut replay = tally_engine::audit::replay_ledger(
+        log.as_ref(),
+        engine.store().as_ref(),
+        |_, _| {},
+        progress_printer("verifying"),
+    )
+    .await?;
     if std::io::stderr().is_terminal() {
         eprintln!();
     }
@@ -566,6 +580,7 @@ fn csv_field(text: &str) -> String {
 async fn ledger_export(args: ExportArgs) -> Result<()> {
     init_tracing(LogFormat::Text);
     let log = open_log(&args.storage, false).await?;
+    let projection = caught_up_projections(&args.storage, &log).await?;
     let mut out: Box<dyn std::io::Write> = match &args.output {
         Some(path) => Box::new(std::io::BufWriter::new(
             std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
@@ -582,6 +597,7 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
     let mut entries = 0u64;
     let replay = tally_engine::audit::replay_ledger(
         log.as_ref(),
+        projection.as_ref(),
         |tx, account| {
             let created_at = tally_domain::time::format_iso8601_ms(tx.created_at_ms);
             for entry in &tx.entries {

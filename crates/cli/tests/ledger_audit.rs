@@ -209,9 +209,12 @@ fn transaction(
     }
 }
 
+/// Forged transactions in the log are refused by apply (verify passes); had apply let
+/// them through, the audit's own arithmetic names each violation and exits 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_names_every_violation_and_exits_1() {
     let dir = tempfile::tempdir().unwrap();
+    let mut offsets = Vec::new();
     {
         let log = tally_log::embedded::EmbeddedLog::open(dir.path().join("log")).unwrap();
         let records = [
@@ -242,10 +245,34 @@ async fn verify_names_every_violation_and_exits_1() {
             },
         ];
         for record in &records {
-            log.append(b"k", tally_proto::encode_record(record, 1))
-                .await
-                .unwrap();
+            offsets.push(
+                log.append(b"k", tally_proto::encode_record(record, 1))
+                    .await
+                    .unwrap(),
+            );
         }
+    }
+    // Apply refuses the forged transactions, so the ledger is sound and verify says
+    // so, naming nothing.
+    let first = tally()
+        .args(["ledger", "verify", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&first.stdout);
+    assert_eq!(first.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("transactions:    0"), "{stdout}");
+    // A projector with a bug would have applied them: simulate it by erasing their
+    // refusals from the projection. The audit's own arithmetic must catch it.
+    {
+        use tally_projection::ProjectionStore;
+        let store = tally_projection::SledStore::open(dir.path().join("projections")).unwrap();
+        let erased = offsets[1..]
+            .iter()
+            .map(|offset| (tally_engine::outcome::outcome_key(0, *offset), None))
+            .collect();
+        store.apply(erased, &[]).unwrap();
+        store.flush().unwrap();
     }
     let output = tally()
         .args(["ledger", "verify", "--data-dir"])

@@ -13,8 +13,10 @@ use tally_domain::ledger::{Account, SystemAccount, Transaction};
 use tally_domain::record::Record;
 use tally_domain::usage::canonical_decimal;
 use tally_log::Log;
+use tally_projection::ProjectionStore;
 
 use crate::error::EngineError;
+use crate::outcome::outcome_key;
 use crate::{Engine, Scope};
 
 #[derive(Debug, Default)]
@@ -94,17 +96,25 @@ impl LedgerReplay {
     }
 }
 
-/// Replays every credits record of the log. `visit` sees each transaction with its
-/// account (for exports); `progress` gets (records read, partition, offset, end).
+/// Replays every credits record of the log that apply applied (`projection` holds
+/// the outcomes of the records it refused, and must be caught up with the log).
+/// `visit` sees each transaction with its account (for exports); `progress` gets
+/// (records read, partition, offset, end).
 pub async fn replay_ledger(
     log: &dyn Log,
+    projection: &dyn ProjectionStore,
     mut visit: impl FnMut(&Transaction, Option<&Account>),
     mut progress: impl FnMut(u64, u32, u64, u64),
 ) -> Result<LedgerReplay, EngineError> {
     let mut replay = LedgerReplay::default();
     let mut records = 0u64;
     for partition in 0..log.partition_count() {
-        let end = log.end_offset(partition).await?;
+        // Only what the projection has decided: past its position, which records
+        // apply refuses is not known yet.
+        let end = log
+            .end_offset(partition)
+            .await?
+            .min(projection.position(partition)?);
         let mut reader = log.reader(partition, 0).await?;
         let mut at = 0;
         while at < end {
@@ -115,8 +125,21 @@ pub async fn replay_ledger(
                 break;
             }
             for entry in &entries {
+                if entry.offset >= end {
+                    at = end;
+                    break;
+                }
                 at = entry.next_offset;
                 records += 1;
+                // Apply decides credits, debits and reversals in log order; a record
+                // it refused (a debit appended on a stale balance, a repeated
+                // idempotency key) has a recorded outcome and moved no money.
+                if projection
+                    .get(&outcome_key(entry.partition, entry.offset))?
+                    .is_some()
+                {
+                    continue;
+                }
                 let (record, _) = tally_proto::decode_record(&entry.payload).map_err(|e| {
                     EngineError::Corrupt(format!("record at {}: {e}", entry.offset))
                 })?;
