@@ -5,7 +5,6 @@
 //! `tally ledger export`.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use rust_decimal::Decimal;
 use sha2::{Digest, Sha256};
@@ -115,56 +114,54 @@ pub async fn replay_ledger(
             .end_offset(partition)
             .await?
             .min(projection.position(partition)?);
-        let mut reader = log.reader(partition, 0).await?;
-        let mut at = 0;
-        while at < end {
-            let entries = reader
-                .next_batch(crate::APPLY_CHUNK_MAX_RECORDS, Duration::from_secs(5))
-                .await?;
-            if entries.is_empty() {
-                break;
-            }
-            for entry in &entries {
-                if entry.offset >= end {
-                    at = end;
-                    break;
-                }
-                at = entry.next_offset;
-                records += 1;
-                // Apply decides credits, debits and reversals in log order; a record
-                // it refused (a debit appended on a stale balance, a repeated
-                // idempotency key) has a recorded outcome and moved no money.
-                if projection
-                    .get(&outcome_key(entry.partition, entry.offset))?
-                    .is_some()
-                {
-                    continue;
-                }
-                let (record, _) = tally_proto::decode_record(&entry.payload).map_err(|e| {
-                    EngineError::Corrupt(format!("record at {}: {e}", entry.offset))
-                })?;
-                if let Record::CreditLedger {
-                    account,
-                    transaction,
-                    ..
-                } = record
-                {
-                    if let Some(account) = account {
-                        let mode = account.mode.key_byte() as char;
-                        replay
-                            .balances
-                            .entry((account.store_id.clone(), mode, account.id.clone()))
-                            .or_default();
-                        replay.accounts.insert(account.id.clone(), account);
+        tally_log::read_range(
+            log,
+            partition,
+            0,
+            end,
+            crate::APPLY_CHUNK_MAX_RECORDS,
+            |entries| {
+                for entry in entries {
+                    records += 1;
+                    // Apply decides credits, debits and reversals in log order; a
+                    // record it refused (a debit appended on a stale balance, a
+                    // repeated idempotency key) has a recorded outcome and moved no
+                    // money.
+                    if projection
+                        .get(&outcome_key(entry.partition, entry.offset))?
+                        .is_some()
+                    {
+                        continue;
                     }
-                    if let Some(transaction) = transaction {
-                        replay.apply(&transaction);
-                        visit(&transaction, replay.accounts.get(&transaction.account_id));
+                    let (record, _) = tally_proto::decode_record(&entry.payload).map_err(|e| {
+                        EngineError::Corrupt(format!("record at {}: {e}", entry.offset))
+                    })?;
+                    if let Record::CreditLedger {
+                        account,
+                        transaction,
+                        ..
+                    } = record
+                    {
+                        if let Some(account) = account {
+                            let mode = account.mode.key_byte() as char;
+                            replay
+                                .balances
+                                .entry((account.store_id.clone(), mode, account.id.clone()))
+                                .or_default();
+                            replay.accounts.insert(account.id.clone(), account);
+                        }
+                        if let Some(transaction) = transaction {
+                            replay.apply(&transaction);
+                            visit(&transaction, replay.accounts.get(&transaction.account_id));
+                        }
                     }
                 }
-            }
-            progress(records, partition, at, end);
-        }
+                let at = entries.last().map_or(end, |e| e.next_offset);
+                progress(records, partition, at, end);
+                Ok::<(), EngineError>(())
+            },
+        )
+        .await?;
     }
     Ok(replay)
 }

@@ -185,27 +185,29 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-/// How long start-up waits for the first record of a non-empty partition.
-const FORMAT_CHECK_WAIT_MS: u64 = 5_000;
-
 /// Refuses a log whose first record is of another format version, before anything is
 /// served: a data dir (or topic) written by an older Tally is named, with what to do,
 /// instead of failing on its first record somewhere in the projector.
 async fn check_log_format(log: &dyn Log, partition: u32) -> Result<(), EngineError> {
-    let mut reader = log.reader(partition, 0).await?;
-    let first = reader
-        .next_batch(1, Duration::from_millis(FORMAT_CHECK_WAIT_MS))
-        .await?;
-    if let Some(entry) = first.first() {
-        if let Err(error @ tally_proto::DecodeError::Version { .. }) =
-            tally_proto::decode_record(&entry.payload)
-        {
-            return Err(EngineError::Corrupt(format!(
-                "the log was written by another Tally version (partition {partition}): {error}. Keep serving it with the Tally that wrote it, or start this version on a new data dir (or Kafka topic)"
-            )));
+    let mut foreign = None;
+    // Offset 0 holds the first record in both logs; `until = 1` reads just it.
+    tally_log::read_range(log, partition, 0, 1, 1, |entries| {
+        if let Some(entry) = entries.first() {
+            if let Err(error @ tally_proto::DecodeError::Version { .. }) =
+                tally_proto::decode_record(&entry.payload)
+            {
+                foreign = Some(error);
+            }
         }
+        Ok::<(), EngineError>(())
+    })
+    .await?;
+    match foreign {
+        Some(error) => Err(EngineError::Corrupt(format!(
+            "the log was written by another Tally version (partition {partition}): {error}. Keep serving it with the Tally that wrote it, or start this version on a new data dir (or Kafka topic)"
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 impl Engine {

@@ -699,23 +699,21 @@ pub async fn replay_partition(
     mut progress: impl FnMut(u64, u64),
 ) -> Result<u64, EngineError> {
     let end = log.end_offset(partition).await?;
-    let mut next = store.position(partition)?;
-    let mut reader = log.reader(partition, next).await?;
+    let from = store.position(partition)?;
     let mut records = 0u64;
-    while next < end {
-        let entries = reader
-            .next_batch(
-                crate::APPLY_CHUNK_MAX_RECORDS,
-                std::time::Duration::from_secs(5),
-            )
-            .await?;
-        if entries.is_empty() {
-            break;
-        }
-        next = entries.last().map(|e| e.next_offset).unwrap_or(next);
-        records += entries.len() as u64;
-        apply_chunk(store.as_ref(), &entries)?;
-        progress(next, end);
-    }
+    tally_log::read_range(
+        log,
+        partition,
+        from,
+        end,
+        crate::APPLY_CHUNK_MAX_RECORDS,
+        |entries| {
+            records += entries.len() as u64;
+            apply_chunk(store.as_ref(), entries)?;
+            progress(entries.last().map_or(end, |e| e.next_offset), end);
+            Ok::<(), EngineError>(())
+        },
+    )
+    .await?;
     Ok(records)
 }

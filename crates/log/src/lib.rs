@@ -132,3 +132,45 @@ pub trait LogReader: Send {
         wait: Duration,
     ) -> Result<Vec<LogEntry>, LogError>;
 }
+
+/// How long a bounded read waits for its next chunk before concluding the log ends
+/// earlier than `until` (records below an end offset are durable, so only a broken or
+/// shrunken log trips this).
+pub const RANGE_READ_WAIT_MS: u64 = 5_000;
+
+/// The one reader for bounded reads (replays, audits, start-up checks): hands the
+/// records of `partition` in `[from, until)` to `visit` in log order, in chunks of at
+/// most `max_records`. Returns the offset reached: `until`, or less when the log ends
+/// before it.
+pub async fn read_range<E: From<LogError>>(
+    log: &dyn Log,
+    partition: u32,
+    from: u64,
+    until: u64,
+    max_records: usize,
+    mut visit: impl FnMut(&[LogEntry]) -> Result<(), E>,
+) -> Result<u64, E> {
+    let mut at = from;
+    if at >= until {
+        return Ok(at);
+    }
+    let mut reader = log.reader(partition, from).await?;
+    while at < until {
+        let mut entries = reader
+            .next_batch(max_records, Duration::from_millis(RANGE_READ_WAIT_MS))
+            .await?;
+        if entries.is_empty() {
+            break;
+        }
+        let read = entries.len();
+        entries.retain(|entry| entry.offset < until);
+        if let Some(last) = entries.last() {
+            at = last.next_offset;
+            visit(&entries)?;
+        }
+        if entries.len() < read {
+            at = until;
+        }
+    }
+    Ok(at)
+}

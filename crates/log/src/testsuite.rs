@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{Log, LogEntry};
+use crate::{Log, LogEntry, LogError};
 
 /// Opens the log under test. Calling `open` again after dropping the previous
 /// handle must give the same log back (a restart).
@@ -274,6 +274,44 @@ pub async fn covers_exactly_what_was_appended(factory: &dyn LogFactory) {
     }
 }
 
+/// `read_range` hands over exactly the records in `[from, until)`, in order, and says
+/// where it stopped; an empty range reads nothing.
+pub async fn read_range_is_exact(factory: &dyn LogFactory) {
+    let log = factory.open().await;
+    let partition = log.partition_for(b"range");
+    let mut offsets = Vec::new();
+    for i in 0..5 {
+        offsets.push(log.append(b"range", payload("range", i)).await.unwrap());
+    }
+    let mut seen = Vec::new();
+    let reached = crate::read_range(
+        log.as_ref(),
+        partition,
+        offsets[1],
+        offsets[4],
+        2,
+        |chunk| {
+            assert!(chunk.len() <= 2, "chunks are bounded");
+            seen.extend(chunk.iter().map(|e| e.payload.clone()));
+            Ok::<(), LogError>(())
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        seen,
+        (1..4).map(|i| payload("range", i)).collect::<Vec<_>>()
+    );
+    assert_eq!(reached, offsets[4]);
+    let none = crate::read_range(log.as_ref(), partition, offsets[2], offsets[2], 2, |_| {
+        panic!("nothing to read")
+    })
+    .await
+    .map_err(|e: LogError| e)
+    .unwrap();
+    assert_eq!(none, offsets[2]);
+}
+
 /// Runs every case of the suite against one implementation.
 pub async fn run_all(factory: &dyn LogFactory) {
     append_then_read_in_order(factory).await;
@@ -282,4 +320,5 @@ pub async fn run_all(factory: &dyn LogFactory) {
     restart_keeps_every_record(factory).await;
     consumer_resumes_without_replay_or_loss(factory).await;
     covers_exactly_what_was_appended(factory).await;
+    read_range_is_exact(factory).await;
 }
