@@ -156,9 +156,19 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 .spawn(move || {
                     let layer = shared.read().writing.clone();
                     if let Some(layer) = layer {
-                        if let Err(error) = shared.write(&layer) {
-                            *shared.failed.lock().unwrap_or_else(|p| p.into_inner()) =
-                                Some(error.to_string());
+                        // A panic in the inner store must not leave `writing` set
+                        // forever (waiters would hang): it fails like an error.
+                        let written =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                shared.write(&layer)
+                            }));
+                        let failure = match written {
+                            Ok(Ok(())) => None,
+                            Ok(Err(error)) => Some(error.to_string()),
+                            Err(_) => Some("the inner store panicked".to_string()),
+                        };
+                        if failure.is_some() {
+                            *shared.failed.lock().unwrap_or_else(|p| p.into_inner()) = failure;
                         }
                     }
                     let _done = shared
@@ -531,5 +541,60 @@ mod tests {
             10,
             "positions alone are kept too"
         );
+    }
+
+    /// An inner store whose writes panic.
+    #[derive(Debug, Default)]
+    struct Panicking(MemoryStore);
+
+    impl ProjectionStore for Panicking {
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            self.0.get(key)
+        }
+        fn scan(
+            &self,
+            start: Bound<&[u8]>,
+            end: Bound<&[u8]>,
+            reverse: bool,
+            visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+        ) -> Result<(), StoreError> {
+            self.0.scan(start, end, reverse, visit)
+        }
+        fn apply(&self, _: Vec<Change>, _: &[(u32, u64)]) -> Result<(), StoreError> {
+            panic!("disk on fire")
+        }
+        fn position(&self, partition: u32) -> Result<u64, StoreError> {
+            self.0.position(partition)
+        }
+        fn flush(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            self.0.aux_get(key)
+        }
+        fn aux_put(&self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
+            self.0.aux_put(key, value)
+        }
+        fn aux_scan(&self, visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit) -> Result<(), StoreError> {
+            self.0.aux_scan(visit)
+        }
+    }
+
+    #[test]
+    fn a_failed_background_checkpoint_fails_later_writes_and_never_hangs() {
+        let store = CheckpointStore::with_limits(Panicking::default(), 1, Duration::ZERO);
+        store.apply(vec![put("a", "1")], &[(0, 1)]).unwrap();
+        assert!(
+            store.shared.wait_written().is_err(),
+            "the failure is reported"
+        );
+        assert!(store.apply(vec![put("b", "1")], &[(0, 2)]).is_err());
+        assert!(store.flush().is_err());
+        assert_eq!(
+            store.get(b"a").unwrap().as_deref(),
+            Some(&b"1"[..]),
+            "what was applied stays readable"
+        );
+        drop(store); // returns: nothing waits on the failed write
     }
 }
