@@ -108,14 +108,17 @@ fn code(result: &Result<impl std::fmt::Debug, EngineError>) -> Option<&'static s
     }
 }
 
-async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
+/// A started harness with one store (test mode) and one customer in it.
+async fn started_with_customer(
+    store_name: &str,
+) -> (Harness, Scope, tally_domain::customer::Customer) {
     let mut h = Harness {
         dir: tempfile::tempdir().unwrap(),
         clock: Arc::new(ManualClock::new(1_800_000_000_000)),
         engine: None,
     };
     h.start().await;
-    let store = h.engine().create_store("prop").await.unwrap();
+    let store = h.engine().create_store(store_name).await.unwrap();
     let scope = Scope {
         store_id: store.store_id,
         mode: Mode::Test,
@@ -131,6 +134,11 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
         )
         .await
         .unwrap();
+    (h, scope, customer)
+}
+
+async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
+    let (mut h, scope, customer) = started_with_customer("prop").await;
     let mut model = Model::default();
     let mut accounts = Vec::new();
     for (i, seed) in seeds.iter().enumerate() {
@@ -315,28 +323,7 @@ proptest! {
 /// applied: balances equal the projection and no violation is reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_audit_skips_what_apply_refused() {
-    let mut h = Harness {
-        dir: tempfile::tempdir().unwrap(),
-        clock: Arc::new(ManualClock::new(1_800_000_000_000)),
-        engine: None,
-    };
-    h.start().await;
-    let store = h.engine().create_store("audit").await.unwrap();
-    let scope = Scope {
-        store_id: store.store_id,
-        mode: Mode::Test,
-    };
-    let customer = h
-        .engine()
-        .create_customer(
-            &scope,
-            &tally_domain::customer::CustomerInput {
-                email: tally_domain::customer::Patch::Set("a@x.io".into()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    let (mut h, scope, customer) = started_with_customer("audit").await;
     let (account, _) = h
         .engine()
         .create_account(

@@ -52,7 +52,8 @@ pub const CHECKPOINT_BACKLOG_FACTOR: usize = 4;
 struct Layer {
     changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     positions: BTreeMap<u32, u64>,
-    /// When the oldest unwritten change was applied (`None`: nothing unwritten).
+    /// When the oldest unwritten change or position was applied (`None`: the layer
+    /// is empty).
     since: Option<Instant>,
 }
 
@@ -243,7 +244,7 @@ impl<S: ProjectionStore> Shared<S> {
     /// `None` when there is nothing to write.
     fn freeze(&self) -> Option<Arc<Layer>> {
         let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
-        if layers.active.since.is_none() && layers.active.positions.is_empty() {
+        if layers.active.since.is_none() {
             return None;
         }
         let layer = Arc::new(std::mem::take(&mut layers.active));
