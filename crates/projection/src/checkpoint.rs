@@ -244,9 +244,8 @@ impl<S: ProjectionStore> Shared<S> {
     /// `None` when there is nothing to write.
     fn freeze(&self) -> Option<Arc<Layer>> {
         let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
-        if layers.active.since.is_none() {
-            return None;
-        }
+        // An empty layer has no age: nothing to write.
+        layers.active.since?;
         let layer = Arc::new(std::mem::take(&mut layers.active));
         layers.writing = Some(layer.clone());
         Some(layer)
