@@ -6,7 +6,6 @@ use tally_domain::aggregate::Aggregate;
 use tally_domain::customer::Customer;
 use tally_domain::meter::Meter;
 use tally_domain::record::StoreRecord;
-use tally_domain::usage::UsageEvent;
 use tally_proto::{v1, Message};
 
 use crate::error::EngineError;
@@ -36,29 +35,6 @@ pub fn encode_store(s: &StoreRecord) -> Vec<u8> {
         created_at_ms: s.created_at_ms,
     }
     .encode_to_vec()
-}
-
-/// Stored events are prefixed with the suffix of their listing key, so a cursor
-/// (an event id) finds its place in the listing.
-pub const EVENT_LIST_SUFFIX_BYTES: usize = 8 + 4 + 8 + 4;
-
-pub fn encode_event(list_suffix: &[u8], event: &UsageEvent) -> Vec<u8> {
-    let mut bytes = list_suffix.to_vec();
-    tally_proto::usage_event_to_proto(event)
-        .encode(&mut bytes)
-        .expect("vec grows");
-    bytes
-}
-
-/// Returns the listing-key suffix and the event.
-pub fn decode_event(bytes: &[u8]) -> Result<(&[u8], UsageEvent), EngineError> {
-    if bytes.len() < EVENT_LIST_SUFFIX_BYTES {
-        return Err(EngineError::Corrupt("short stored event".into()));
-    }
-    let (suffix, body) = bytes.split_at(EVENT_LIST_SUFFIX_BYTES);
-    let event = tally_proto::usage_event_from_proto(v1::UsageEvent::decode(body).map_err(corrupt)?)
-        .map_err(corrupt)?;
-    Ok((suffix, event))
 }
 
 const AGGREGATE_BYTES: usize = 8 + 8 + 16 + 17 + 17;

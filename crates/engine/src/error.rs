@@ -44,6 +44,10 @@ pub enum EngineError {
     /// The projector is waiting for a record of another partition (Kafka mode).
     #[error("a meter referenced by a usage record is not projected yet")]
     NotYetProjected,
+    /// Apply needs log records (by partition and offset) it was not given: the
+    /// projector fetches them and applies the chunk again (projector.rs).
+    #[error("apply needs {} more log records", .0.len())]
+    RecordsNeeded(Vec<(u32, u64)>),
 }
 
 impl EngineError {

@@ -4,15 +4,21 @@
 //! Ingest and preview run the same [`Engine::evaluate_batch`]; preview stops before
 //! reserving or writing anything.
 //!
-//! Dedup is exact: an event id is a duplicate when it is stored (the `E` table), in
-//! flight (appended, not yet applied: `Caches::inflight_events`), or earlier in the
-//! same batch. Ingest reserves ids atomically in the in-flight map before appending,
-//! so two concurrent requests carrying the same id cannot both be accepted. The
-//! projector deduplicates once more in log order, so a replay, or two nodes racing on
-//! Kafka, still keep exactly the first event.
+//! Dedup is exact: an event id is a duplicate when it is stored (the event index,
+//! confirmed by reading the original from the log), in flight (appended, not yet
+//! applied: `Caches::inflight_events`), or earlier in the same batch. Ingest
+//! reserves an id in the in-flight map before it looks the id up, so two concurrent
+//! requests carrying the same id cannot both be accepted, and an id the projector
+//! stores meanwhile is in the index before its reservation goes. The projector
+//! deduplicates once more in log order, so a replay, or two nodes racing on Kafka,
+//! still keep exactly the first event.
+//!
+//! Stored events are read from the log: by id through the index, and per scope in
+//! receipt order through the `F` rows (`scan_stored_events`).
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::ops::Bound;
 use std::sync::atomic::Ordering;
 
 use dashmap::mapref::entry::Entry;
@@ -20,15 +26,19 @@ use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::usage::{validate_event, CustomerRef, RawUsageEvent, UsageEvent, ValidatedEvent};
 use tally_domain::FieldError;
+use tally_projection::Visit;
 
-use crate::codec;
-use crate::customers::cursor_from;
 use crate::error::EngineError;
+use crate::event_index::{decode_stored, EventLocation};
 use crate::ids::new_id;
-use crate::keys::{self, Key};
-use crate::pagination::{paginate, Page, PageRequest};
-use crate::projector::{customer_cache_key, inflight_key};
+use crate::keys::StoredEventsKey;
+use crate::pagination::{Page, PageRequest};
+use crate::projector::{customer_cache_key, inflight_key, StoredBatch};
 use crate::{Engine, Scope};
+
+/// `F` rows read per step of a scan of stored events: one synchronous projection
+/// read, then one log read per row (bounds the memory of a step).
+pub const STORED_EVENTS_SCAN_ROWS: usize = 64;
 
 /// Customer ids and external ids cached for ingest before the cache is emptied
 /// (bounds memory; a miss costs one projection read).
@@ -105,6 +115,21 @@ fn duplicate_warnings(report: &mut EventReport, payload_differs: bool) {
     }
 }
 
+fn bound_ref(bound: &Bound<Vec<u8>>) -> Bound<&[u8]> {
+    match bound {
+        Bound::Included(key) => Bound::Included(key.as_slice()),
+        Bound::Excluded(key) => Bound::Excluded(key.as_slice()),
+        Bound::Unbounded => Bound::Unbounded,
+    }
+}
+
+/// The bounds of every `F` row of a scope.
+pub fn scope_rows(scope: &Scope) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
+    let prefix = StoredEventsKey::scope_prefix(&scope.store_id, scope.mode);
+    let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
+    (Bound::Included(prefix), Bound::Excluded(end))
+}
+
 impl Engine {
     /// The active meters of the scope that consume this event now.
     fn matching_meters<'m>(meters: &'m [Meter], event: &ValidatedEvent) -> Vec<&'m Meter> {
@@ -171,19 +196,130 @@ impl Engine {
         }
     }
 
-    fn stored_event(
+    /// The stored event `event_id` of the scope: where it is (with its `F` row's key)
+    /// and the event, read from the log. A fingerprint hit on another id is skipped.
+    pub async fn find_stored_event(
         &self,
         scope: &Scope,
         event_id: &str,
-    ) -> Result<Option<UsageEvent>, EngineError> {
-        let key = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).tail(event_id.as_bytes());
-        match self.store().get(key.as_bytes())? {
-            Some(bytes) => Ok(Some(codec::decode_event(&bytes)?.1)),
-            None => Ok(None),
+    ) -> Result<Option<(StoredEventsKey, EventLocation, UsageEvent)>, EngineError> {
+        let index = &self.caches().events;
+        let print = index.fingerprint(&scope.store_id, scope.mode, event_id);
+        for location in index.candidates(print) {
+            let Some(batch) = self.read_batch(location.partition, location.offset).await? else {
+                continue;
+            };
+            if let Some(event) =
+                batch.event_if(&scope.store_id, scope.mode, event_id, location.index)
+            {
+                let row = StoredEventsKey {
+                    store_id: scope.store_id.clone(),
+                    mode: scope.mode,
+                    received_at_ms: batch
+                        .events
+                        .iter()
+                        .map(|e| e.received_at_ms)
+                        .min()
+                        .unwrap_or(0),
+                    partition: location.partition,
+                    offset: location.offset,
+                };
+                return Ok(Some((row, location, event.clone())));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The usage record at a position the index or an `F` row names.
+    async fn read_batch(
+        &self,
+        partition: u32,
+        offset: u64,
+    ) -> Result<Option<StoredBatch>, EngineError> {
+        match self.log().read_at(partition, offset).await? {
+            Some(entry) => StoredBatch::decode(&entry.payload),
+            None => Err(EngineError::Corrupt(format!(
+                "a stored event points at partition {partition} offset {offset}, which the log does not hold"
+            ))),
         }
     }
 
-    fn evaluate_batch(
+    /// Visits the scope's stored events whose `F` rows fall in `(lower, upper)`, row by
+    /// row, in receipt order (newest first when `reverse`): `visit` gets the row and its
+    /// events (index in the record, event) in the same order, and may stop.
+    pub async fn scan_stored_events(
+        &self,
+        scope: &Scope,
+        lower: Bound<Vec<u8>>,
+        upper: Bound<Vec<u8>>,
+        reverse: bool,
+        mut visit: impl FnMut(&StoredEventsKey, Vec<(u32, &UsageEvent)>) -> Visit,
+    ) -> Result<(), EngineError> {
+        let (mut lower, mut upper) = (lower, upper);
+        loop {
+            let mut rows = Vec::new();
+            let mut failure = None;
+            self.store().scan(
+                bound_ref(&lower),
+                bound_ref(&upper),
+                reverse,
+                &mut |key, value| {
+                    match StoredEventsKey::decode(key).and_then(|k| Ok((k, decode_stored(value)?)))
+                    {
+                        Ok(row) => rows.push((key.to_vec(), row)),
+                        Err(error) => {
+                            failure = Some(error);
+                            return Visit::Stop;
+                        }
+                    }
+                    if rows.len() >= STORED_EVENTS_SCAN_ROWS {
+                        Visit::Stop
+                    } else {
+                        Visit::Continue
+                    }
+                },
+            )?;
+            if let Some(error) = failure {
+                return Err(error);
+            }
+            let full = rows.len() >= STORED_EVENTS_SCAN_ROWS;
+            let Some((last_key, _)) = rows.last() else {
+                return Ok(());
+            };
+            let last_key = last_key.clone();
+            for (_, (row, stored)) in rows {
+                if row.store_id != scope.store_id || row.mode != scope.mode {
+                    continue;
+                }
+                let Some(batch) = self.read_batch(row.partition, row.offset).await? else {
+                    return Err(EngineError::Corrupt(format!(
+                        "a stored-events row points at partition {} offset {}, which holds no usage record",
+                        row.partition, row.offset
+                    )));
+                };
+                let mut events: Vec<(u32, &UsageEvent)> = stored
+                    .iter()
+                    .filter_map(|(index, _)| batch.events.get(*index as usize).map(|e| (*index, e)))
+                    .collect();
+                if reverse {
+                    events.reverse();
+                }
+                if visit(&row, events) == Visit::Stop {
+                    return Ok(());
+                }
+            }
+            if !full {
+                return Ok(());
+            }
+            if reverse {
+                upper = Bound::Excluded(last_key);
+            } else {
+                lower = Bound::Excluded(last_key);
+            }
+        }
+    }
+
+    async fn evaluate_batch(
         &self,
         scope: &Scope,
         raws: &[Result<RawUsageEvent, FieldError>],
@@ -291,14 +427,17 @@ impl Engine {
         }
         // Phase 2: dedup (and, for ingest, reserve) in batch order: the first wins.
         let mut reservations = Vec::new();
-        match self.dedup_batch(
-            scope,
-            &mut reports,
-            candidates,
-            evaluation,
-            now,
-            &mut reservations,
-        ) {
+        match self
+            .dedup_batch(
+                scope,
+                &mut reports,
+                candidates,
+                evaluation,
+                now,
+                &mut reservations,
+            )
+            .await
+        {
             Ok(accepted) => Ok(Evaluated {
                 reports,
                 accepted,
@@ -314,7 +453,7 @@ impl Engine {
         }
     }
 
-    fn dedup_batch(
+    async fn dedup_batch(
         &self,
         scope: &Scope,
         reports: &mut [EventReport],
@@ -337,26 +476,32 @@ impl Engine {
                 }
                 in_batch.insert(event_id.clone(), print);
                 let key = inflight_key(&scope.store_id, scope.mode, &event_id);
-                let duplicate_of = match evaluation {
-                    Evaluation::Preview => match self.caches().inflight_events.get(&key) {
-                        Some(inflight) => Some(*inflight != print),
-                        None => self
-                            .stored_event(scope, &event_id)?
-                            .map(|stored| !stored.same_payload(&validated, &customer_id)),
-                    },
+                // In flight elsewhere? For ingest, reserve first (no lock is held across
+                // the log read below): an id the projector stores meanwhile is in the
+                // index before its reservation is released, so the lookup sees it.
+                let inflight = match evaluation {
+                    Evaluation::Preview => self.caches().inflight_events.get(&key).map(|p| *p),
                     Evaluation::Ingest => match self.caches().inflight_events.entry(key.clone()) {
-                        Entry::Occupied(inflight) => Some(*inflight.get() != print),
-                        Entry::Vacant(slot) => match self.stored_event(scope, &event_id)? {
-                            Some(stored) => Some(!stored.same_payload(&validated, &customer_id)),
-                            None => {
-                                slot.insert(print);
-                                reservations.push(key);
-                                None
-                            }
-                        },
+                        Entry::Occupied(inflight) => Some(*inflight.get()),
+                        Entry::Vacant(slot) => {
+                            slot.insert(print);
+                            reservations.push(key.clone());
+                            None
+                        }
                     },
                 };
+                let duplicate_of = match inflight {
+                    Some(inflight) => Some(inflight != print),
+                    None => self
+                        .find_stored_event(scope, &event_id)
+                        .await?
+                        .map(|(_, _, stored)| !stored.same_payload(&validated, &customer_id)),
+                };
                 if let Some(differs) = duplicate_of {
+                    if inflight.is_none() && evaluation == Evaluation::Ingest {
+                        self.caches().inflight_events.remove(&key);
+                        reservations.retain(|k| *k != key);
+                    }
                     duplicate_warnings(report, differs);
                     continue;
                 }
@@ -381,13 +526,14 @@ impl Engine {
     }
 
     /// `POST /v1/events/preview`: the ingest evaluation, writing nothing.
-    pub fn preview_events(
+    pub async fn preview_events(
         &self,
         scope: &Scope,
         raws: &[Result<RawUsageEvent, FieldError>],
     ) -> Result<Vec<EventReport>, EngineError> {
         Ok(self
-            .evaluate_batch(scope, raws, Evaluation::Preview)?
+            .evaluate_batch(scope, raws, Evaluation::Preview)
+            .await?
             .reports)
     }
 
@@ -398,7 +544,7 @@ impl Engine {
         raws: &[Result<RawUsageEvent, FieldError>],
     ) -> Result<IngestOutcome, EngineError> {
         self.wait_for_projector_headroom().await?;
-        let evaluated = self.evaluate_batch(scope, raws, Evaluation::Ingest)?;
+        let evaluated = self.evaluate_batch(scope, raws, Evaluation::Ingest).await?;
         let accepted = evaluated.accepted.len();
         let duplicates = evaluated.reports.iter().filter(|r| r.duplicate).count();
         if accepted > 0 {
@@ -440,38 +586,57 @@ impl Engine {
         })
     }
 
-    pub fn get_event(&self, scope: &Scope, event_id: &str) -> Result<UsageEvent, EngineError> {
-        self.stored_event(scope, event_id)?
+    pub async fn get_event(
+        &self,
+        scope: &Scope,
+        event_id: &str,
+    ) -> Result<UsageEvent, EngineError> {
+        self.find_stored_event(scope, event_id)
+            .await?
+            .map(|(_, _, event)| event)
             .ok_or_else(|| EngineError::not_found("event", event_id))
     }
 
-    /// `GET /v1/events`: stored events, newest received first.
-    pub fn list_events(
+    /// `GET /v1/events`: stored events, newest received first (within one record,
+    /// last first), read from the log through the scope's `F` rows.
+    pub async fn list_events(
         &self,
         scope: &Scope,
         filter: &EventFilter,
         page: &PageRequest,
     ) -> Result<Page<UsageEvent>, EngineError> {
-        let prefix = Key::scoped(keys::EVENT_LIST, &scope.store_id, scope.mode).into_bytes();
-        let cursor = cursor_from(page, |id| {
-            let key = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).tail(id.as_bytes());
-            let bytes = self
-                .store()
-                .get(key.as_bytes())?
-                .ok_or_else(|| EngineError::not_found("event", id))?;
-            let (suffix, _) = codec::decode_event(&bytes)?;
-            let mut list_key = prefix.clone();
-            list_key.extend_from_slice(suffix);
-            Ok(list_key)
-        })?;
-        paginate(
-            self.store().as_ref(),
-            &prefix,
-            cursor,
-            page.limit,
-            |_, value| {
-                let event_id = String::from_utf8_lossy(value);
-                let event = self.get_event(scope, &event_id)?;
+        // (towards older, cursor row, cursor index)
+        let cursor = match (&page.starting_after, &page.ending_before) {
+            (Some(_), Some(_)) => {
+                return Err(FieldError::invalid(
+                    "ending_before",
+                    "give at most one of `starting_after` and `ending_before`",
+                )
+                .into())
+            }
+            (Some(id), None) => Some((true, self.cursor_event(scope, id, "starting_after").await?)),
+            (None, Some(id)) => Some((false, self.cursor_event(scope, id, "ending_before").await?)),
+            (None, None) => None,
+        };
+        let (mut lower, mut upper) = scope_rows(scope);
+        let towards_newer = matches!(cursor, Some((false, _)));
+        match &cursor {
+            Some((true, (row, _))) => upper = Bound::Included(row.encode()),
+            Some((false, (row, _))) => lower = Bound::Included(row.encode()),
+            None => {}
+        }
+        let limit = page.limit;
+        let mut items = Vec::with_capacity(limit + 1);
+        self.scan_stored_events(scope, lower, upper, !towards_newer, |row, events| {
+            for (index, event) in events {
+                if let Some((older, (cursor_row, cursor_index))) = &cursor {
+                    if row == cursor_row
+                        && ((*older && index >= *cursor_index)
+                            || (!*older && index <= *cursor_index))
+                    {
+                        continue;
+                    }
+                }
                 let keep = filter
                     .customer_id
                     .as_ref()
@@ -483,8 +648,41 @@ impl Engine {
                         .is_none_or(|m| event.matched_meter_ids.contains(m))
                     && filter.start_ms.is_none_or(|s| event.timestamp_ms >= s)
                     && filter.end_ms.is_none_or(|e| event.timestamp_ms < e);
-                Ok(keep.then_some(event))
-            },
-        )
+                if keep {
+                    items.push(event.clone());
+                    if items.len() > limit {
+                        return Visit::Stop;
+                    }
+                }
+            }
+            Visit::Continue
+        })
+        .await?;
+        let has_more = items.len() > limit;
+        items.truncate(limit);
+        if towards_newer {
+            items.reverse();
+        }
+        Ok(Page {
+            data: items,
+            has_more,
+        })
+    }
+
+    /// Where a listing cursor's event is: its `F` row and index.
+    async fn cursor_event(
+        &self,
+        scope: &Scope,
+        event_id: &str,
+        param: &str,
+    ) -> Result<(StoredEventsKey, u32), EngineError> {
+        match self.find_stored_event(scope, event_id).await? {
+            Some((row, location, _)) => Ok((row, location.index)),
+            None => Err(EngineError::NotFound {
+                resource: "event",
+                id: event_id.to_string(),
+                param: Some(param.to_string()),
+            }),
+        }
     }
 }

@@ -12,8 +12,9 @@
 //! | `M` | store, mode, meter_id | Meter (proto) |
 //! | `N` | store, mode, meter name | meter_id |
 //! | `m` | store, mode, created_at, meter_id | (empty) |
-//! | `E` | store, mode, event_id | listing key suffix + UsageEvent (proto) |
-//! | `e` | store, mode, received_at, partition, offset, index | event_id |
+//! | `F` | store, mode, received_at, partition, offset | (index, fingerprint) of each event the usage record at that position stored (event_index.rs) |
+//! | `G` | (none) | received_at below which `F` rows are pruned (8-byte int) |
+//! | `V` | (none) | the projection's format version (u32; `projector::PROJECTION_FORMAT_VERSION`) |
 //! | `A` | store, mode, meter, customer ("" = all), minute | Aggregate |
 //! | `U` | store, mode, meter, customer ("" = all), minute, distinct value | (empty) |
 //! | `a` | store, mode, account_id | CreditAccount (proto) |
@@ -49,8 +50,9 @@ pub const CUSTOMER_LIST: u8 = b'c';
 pub const METER: u8 = b'M';
 pub const METER_NAME: u8 = b'N';
 pub const METER_LIST: u8 = b'm';
-pub const EVENT: u8 = b'E';
-pub const EVENT_LIST: u8 = b'e';
+pub const STORED_EVENTS: u8 = b'F';
+pub const STORED_EVENTS_PRUNED: u8 = b'G';
+pub const PROJECTION_FORMAT: u8 = b'V';
 pub const AGGREGATE: u8 = b'A';
 pub const UNIQUE: u8 = b'U';
 
@@ -144,6 +146,55 @@ pub fn read_text(bytes: &[u8], start: usize) -> Option<(&str, usize)> {
     Some((text, start + end + 1))
 }
 
+/// Where a usage record's stored events are listed (table `F`): by scope, then
+/// receipt time, then log position, so a scope's events list in receipt order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredEventsKey {
+    pub store_id: String,
+    pub mode: Mode,
+    pub received_at_ms: i64,
+    pub partition: u32,
+    pub offset: u64,
+}
+
+/// Bytes after the scope in an `F` key: receipt time, partition, offset.
+const STORED_EVENTS_TAIL_BYTES: usize = 8 + 4 + 8;
+
+impl StoredEventsKey {
+    pub fn encode(&self) -> Vec<u8> {
+        Key::scoped(STORED_EVENTS, &self.store_id, self.mode)
+            .int(self.received_at_ms)
+            .tail(&self.partition.to_be_bytes())
+            .uint(self.offset)
+            .into_bytes()
+    }
+
+    /// The key's prefix for one scope, optionally up to a receipt time.
+    pub fn scope_prefix(store_id: &str, mode: Mode) -> Vec<u8> {
+        Key::scoped(STORED_EVENTS, store_id, mode).into_bytes()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<StoredEventsKey, EngineError> {
+        let corrupt = || EngineError::Corrupt("a stored-events key does not decode".into());
+        if bytes.first() != Some(&STORED_EVENTS) {
+            return Err(corrupt());
+        }
+        let (store_id, at) = read_text(bytes, 1).ok_or_else(corrupt)?;
+        let mode = read_mode(*bytes.get(at).ok_or_else(corrupt)?, "a stored-events key")?;
+        let tail = bytes.get(at + 1..).ok_or_else(corrupt)?;
+        if tail.len() != STORED_EVENTS_TAIL_BYTES {
+            return Err(corrupt());
+        }
+        Ok(StoredEventsKey {
+            store_id: store_id.to_string(),
+            mode,
+            received_at_ms: read_int(&tail[..8]),
+            partition: u32::from_be_bytes(tail[8..12].try_into().expect("4")),
+            offset: u64::from_be_bytes(tail[12..].try_into().expect("8")),
+        })
+    }
+}
+
 /// The mode a stored key or value names. Any byte but the two modes' is corrupt
 /// storage: fail-stop, never a default that would file data under the other mode.
 pub fn read_mode(byte: u8, what: &str) -> Result<Mode, EngineError> {
@@ -164,5 +215,24 @@ mod tests {
         assert!(a < b && b < c);
         assert_eq!(read_int(&b[1..]), 3);
         assert_eq!(read_int(&a[1..]), -5);
+    }
+
+    #[test]
+    fn stored_events_keys_round_trip_and_sort_by_receipt() {
+        let key = StoredEventsKey {
+            store_id: "st_1".into(),
+            mode: Mode::Test,
+            received_at_ms: -3,
+            partition: 7,
+            offset: u64::MAX - 1,
+        };
+        assert_eq!(StoredEventsKey::decode(&key.encode()).unwrap(), key);
+        let later = StoredEventsKey {
+            received_at_ms: 5,
+            offset: 0,
+            ..key.clone()
+        };
+        assert!(key.encode() < later.encode());
+        assert!(StoredEventsKey::decode(&key.encode()[..10]).is_err());
     }
 }

@@ -28,6 +28,7 @@ pub mod audit;
 pub mod codec;
 pub mod customers;
 pub mod error;
+pub mod event_index;
 pub mod events;
 pub mod ids;
 pub mod keys;
@@ -125,10 +126,13 @@ pub struct Caches {
     /// lock, so a lookup that raced an update is never cached.
     pub customer_generation: std::sync::RwLock<u64>,
     /// Event ids appended but not yet applied, with a fingerprint of the payload.
-    /// Together with the stored-event table this makes dedup exact under concurrent
+    /// Together with the event index this makes dedup exact under concurrent
     /// requests: a reservation is made atomically before the append and removed only
-    /// after the projector has stored the event.
+    /// after the projector has stored the event and updated the index.
     pub inflight_events: DashMap<String, u64>,
+    /// Every stored event of the dedup horizon and where it is in the log
+    /// (event_index.rs). The projector updates it after each commit.
+    pub events: Arc<event_index::EventIndex>,
 }
 
 /// What the projector decided about a record a caller appended.
@@ -162,8 +166,8 @@ pub struct Engine {
     /// One chunk is applied at a time, whatever its partition: chunks of different
     /// partitions read-modify-write shared keys (all-customers buckets, system
     /// balances, the dedup entry of an id sent for two customers), so concurrent
-    /// application would lose updates. Also guards `bucket_cache`.
-    apply_lock: Arc<std::sync::Mutex<projector::BucketCache>>,
+    /// application would lose updates. Also guards the projector's memory state.
+    apply_lock: Arc<std::sync::Mutex<projector::ProjectorState>>,
     ready: AtomicBool,
     failed: AtomicBool,
     startup_end: Vec<u64>,
@@ -220,7 +224,18 @@ impl Engine {
         store: Arc<dyn ProjectionStore>,
         clock: Arc<dyn Clock>,
     ) -> Result<Arc<Engine>, EngineError> {
-        Engine::open_inner(log, store, clock, true).await
+        Engine::open_inner(log, store, clock, true, event_index::EventIndex::default()).await
+    }
+
+    /// `open` with an event index of another fingerprint function (tests force
+    /// fingerprint collisions with one).
+    pub async fn open_with_index(
+        log: Arc<dyn Log>,
+        store: Arc<dyn ProjectionStore>,
+        clock: Arc<dyn Clock>,
+        index: event_index::EventIndex,
+    ) -> Result<Arc<Engine>, EngineError> {
+        Engine::open_inner(log, store, clock, true, index).await
     }
 
     /// An engine over a projection that was built from records not in `log` (tests
@@ -231,7 +246,7 @@ impl Engine {
         store: Arc<dyn ProjectionStore>,
         clock: Arc<dyn Clock>,
     ) -> Result<Arc<Engine>, EngineError> {
-        Engine::open_inner(log, store, clock, false).await
+        Engine::open_inner(log, store, clock, false, event_index::EventIndex::default()).await
     }
 
     async fn open_inner(
@@ -239,8 +254,10 @@ impl Engine {
         store: Arc<dyn ProjectionStore>,
         clock: Arc<dyn Clock>,
         check_positions: bool,
+        index: event_index::EventIndex,
     ) -> Result<Arc<Engine>, EngineError> {
         let partitions = log.partition_count();
+        projector::check_projection_format(store.as_ref(), partitions)?;
         let mut applied = Vec::new();
         let mut startup_end = Vec::new();
         for partition in 0..partitions {
@@ -260,15 +277,19 @@ impl Engine {
             applied.push(watch::channel(position).0);
             startup_end.push(end);
         }
+        let state = projector::ProjectorState::load(store.as_ref(), Arc::new(index))?;
         let engine = Engine {
             log,
             store,
             clock,
-            caches: Caches::default(),
+            caches: Caches {
+                events: state.index.clone(),
+                ..Caches::default()
+            },
             applied,
             control_locks: WriteLocks::new(),
             account_locks: WriteLocks::new(),
-            apply_lock: Arc::new(std::sync::Mutex::new(projector::BucketCache::default())),
+            apply_lock: Arc::new(std::sync::Mutex::new(state)),
             ready: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             startup_end,
@@ -677,17 +698,46 @@ impl Engine {
             }
             if let Some(last) = entries.last() {
                 let next_offset = last.next_offset;
-                let mut entries = entries;
+                let count = entries.len();
+                let chunk = Arc::new(projector::DecodedChunk::new(entries));
+                let mut fetched = projector::Fetched::new();
+                let mut wanted: Vec<(u32, u64)> = match projector::plan_chunk(
+                    self.store.as_ref(),
+                    &self.caches.events,
+                    &chunk,
+                ) {
+                    Ok(wanted) => wanted.into_iter().collect(),
+                    Err(error) => {
+                        tracing::error!(%error, partition, "projector stopped: a chunk could not be planned");
+                        self.failed.store(true, Ordering::SeqCst);
+                        return;
+                    }
+                };
                 loop {
+                    if let Err(error) =
+                        projector::fetch_records(self.log.as_ref(), wanted.drain(..), &mut fetched)
+                            .await
+                    {
+                        // A log read failed (the record itself is durable): retry.
+                        tracing::error!(%error, partition, "reading records for apply failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        continue;
+                    }
                     let store = self.store.clone();
                     let apply_lock = self.apply_lock.clone();
+                    let shared_chunk = chunk.clone();
+                    let shared_fetched = std::mem::take(&mut fetched);
                     let result = tokio::task::spawn_blocking(move || {
-                        let mut cache = apply_lock
+                        let mut state = apply_lock
                             .lock()
                             .unwrap_or_else(|poisoned| poisoned.into_inner());
-                        let outcome =
-                            projector::apply_chunk_cached(store.as_ref(), &entries, &mut cache);
-                        (entries, outcome)
+                        let outcome = projector::apply_chunk(
+                            store.as_ref(),
+                            &mut state,
+                            &shared_chunk,
+                            &shared_fetched,
+                        );
+                        (shared_fetched, outcome)
                     })
                     .await;
                     let (returned, outcome) = match result {
@@ -698,12 +748,13 @@ impl Engine {
                             return;
                         }
                     };
-                    entries = returned;
+                    fetched = returned;
                     match outcome {
                         Ok(applied) => {
                             self.after_apply(applied);
                             break;
                         }
+                        Err(EngineError::RecordsNeeded(more)) => wanted = more,
                         Err(EngineError::NotYetProjected) => {
                             tokio::time::sleep(Duration::from_millis(NOT_YET_PROJECTED_RETRY_MS))
                                 .await;
@@ -717,7 +768,7 @@ impl Engine {
                 }
                 self.metrics
                     .records_applied
-                    .fetch_add(entries.len() as u64, Ordering::Relaxed);
+                    .fetch_add(count as u64, Ordering::Relaxed);
                 self.note_applied(partition, next_offset);
                 self.applied[partition as usize].send_replace(next_offset);
                 self.update_readiness();

@@ -87,31 +87,27 @@ pub const BACKFILL_SCAN_EVENTS: usize = 50_000;
 /// margin: covers the time between an event's receipt and its append.
 pub const BACKFILL_RESCAN_MARGIN_MS: i64 = 60_000;
 
-/// One pass of a backfill scan over the store's events (by id), after `after`:
-/// ids of events the meter skipped (matched, timestamp in `[start_ms,
-/// counts_from)`), at most `BACKFILL_CHUNK_EVENTS`, and where to go on (`None`: the
-/// end was reached).
-#[allow(clippy::type_complexity)]
-fn backfill_candidates(
-    store: &dyn tally_projection::ProjectionStore,
-    scope: &Scope,
-    meter: &Meter,
-    start_ms: i64,
-    after: Option<Vec<u8>>,
-) -> Result<(Vec<String>, Option<Vec<u8>>), EngineError> {
-    use std::ops::Bound;
-    let prefix = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).into_bytes();
-    let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
-    let start = match &after {
-        Some(key) => Bound::Excluded(key.as_slice()),
-        None => Bound::Included(prefix.as_slice()),
-    };
-    let (mut ids, mut scanned, mut last, mut failure) = (Vec::new(), 0usize, None, None);
-    store.scan(start, Bound::Excluded(&end), false, &mut |key, value| {
-        scanned += 1;
-        last = Some(key.to_vec());
-        match codec::decode_event(value) {
-            Ok((_, event)) => {
+impl Engine {
+    /// One pass of a backfill scan over the scope's stored events (in receipt order),
+    /// after the row `after`: ids of events the meter skipped (matched, timestamp in
+    /// `[start_ms, counts_from)`), whole rows until at least `BACKFILL_CHUNK_EVENTS`
+    /// ids or `BACKFILL_SCAN_EVENTS` events, and the last row read (`None`: the end
+    /// was reached).
+    async fn backfill_candidates(
+        &self,
+        scope: &Scope,
+        meter: &Meter,
+        start_ms: i64,
+        after: Option<Vec<u8>>,
+    ) -> Result<(Vec<String>, Option<Vec<u8>>), EngineError> {
+        let (mut lower, upper) = crate::events::scope_rows(scope);
+        if let Some(after) = after {
+            lower = std::ops::Bound::Excluded(after);
+        }
+        let (mut ids, mut scanned, mut last, mut more) = (Vec::new(), 0usize, None, false);
+        self.scan_stored_events(scope, lower, upper, false, |row, events| {
+            for (_, event) in events {
+                scanned += 1;
                 let view = tally_domain::meter::EventView {
                     name: &event.name,
                     timestamp_ms: event.timestamp_ms,
@@ -121,25 +117,20 @@ fn backfill_candidates(
                     && event.timestamp_ms < meter.counts_from_ms
                     && meter.matches(&view)
                 {
-                    ids.push(event.event_id);
+                    ids.push(event.event_id.clone());
                 }
             }
-            Err(error) => {
-                failure = Some(error);
-                return tally_projection::Visit::Stop;
+            last = Some(row.encode());
+            if ids.len() >= BACKFILL_CHUNK_EVENTS || scanned >= BACKFILL_SCAN_EVENTS {
+                more = true;
+                tally_projection::Visit::Stop
+            } else {
+                tally_projection::Visit::Continue
             }
-        }
-        if ids.len() >= BACKFILL_CHUNK_EVENTS || scanned >= BACKFILL_SCAN_EVENTS {
-            tally_projection::Visit::Stop
-        } else {
-            tally_projection::Visit::Continue
-        }
-    })?;
-    if let Some(error) = failure {
-        return Err(error);
+        })
+        .await?;
+        Ok((ids, if more { last } else { None }))
     }
-    let more = ids.len() >= BACKFILL_CHUNK_EVENTS || scanned >= BACKFILL_SCAN_EVENTS;
-    Ok((ids, if more { last } else { None }))
 }
 
 impl Engine {
@@ -336,13 +327,9 @@ impl Engine {
         };
         let mut after: Option<Vec<u8>> = None;
         loop {
-            let store = self.store().clone();
-            let (scope_key, meter_for_scan, from) = (scope.clone(), meter.clone(), after.clone());
-            let (ids, next) = tokio::task::spawn_blocking(move || {
-                backfill_candidates(store.as_ref(), &scope_key, &meter_for_scan, start_ms, from)
-            })
-            .await
-            .map_err(|_| EngineError::Corrupt("backfill scan task failed".into()))??;
+            let (ids, next) = self
+                .backfill_candidates(scope, &meter, start_ms, after.take())
+                .await?;
             if !ids.is_empty() {
                 self.append_and_apply(&step(ids, false)).await?;
             }

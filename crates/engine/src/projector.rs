@@ -5,8 +5,15 @@
 //! the chunk's end position. Applying is a pure function of the records and the
 //! projection: no clock, no randomness. Replaying the log into an empty store
 //! therefore reproduces the projection byte for byte (`tally replay` checks this).
+//!
+//! Stored events live only in the log (event_index.rs). A chunk is applied in two
+//! steps: [`plan_chunk`] names the records it will read (the originals its event ids'
+//! fingerprints point at, the events a backfill folds), the caller fetches them from
+//! the log, then [`apply_chunk`] applies it as a pure function of the records, the
+//! projection and what was fetched. A record apply needs but was not given stops the
+//! chunk with [`EngineError::RecordsNeeded`]; the caller fetches those and retries.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use tally_domain::aggregate::{contribution, Aggregate, Contribution};
@@ -20,8 +27,136 @@ use tally_projection::{scan_prefix, ProjectionStore, Visit};
 
 use crate::codec;
 use crate::error::EngineError;
-use crate::keys::{self, Key, ALL_CUSTOMERS};
+use crate::event_index::{
+    self, EventIndex, EventLocation, PRUNE_STEP_MS, STORED_EVENTS_RETENTION_MS,
+};
+use crate::keys::{self, Key, StoredEventsKey, ALL_CUSTOMERS};
 use crate::outcome::{outcome_key, Outcome};
+
+/// The layout of the projection this build writes. Version 2 keeps stored events in
+/// the log only (the `F` rows and the event index), where version 1 kept a copy of
+/// each in the projection; a projection of another version is refused at start-up
+/// (it is rebuilt from the log by deleting it).
+pub const PROJECTION_FORMAT_VERSION: u32 = 2;
+
+/// Refuses a projection of another layout: one that holds applied records but no
+/// (or another) format version.
+pub fn check_projection_format(
+    store: &dyn ProjectionStore,
+    partitions: u32,
+) -> Result<(), EngineError> {
+    let stamp = store.get(&[keys::PROJECTION_FORMAT])?;
+    let found = match stamp.as_deref() {
+        Some(bytes) => Some(u32::from_be_bytes(bytes.try_into().map_err(|_| {
+            EngineError::Corrupt("the projection format stamp is not 4 bytes".into())
+        })?)),
+        None => None,
+    };
+    let mut applied = false;
+    for partition in 0..partitions {
+        applied |= store.position(partition)? > 0;
+    }
+    match found {
+        Some(PROJECTION_FORMAT_VERSION) => Ok(()),
+        None if !applied => Ok(()),
+        other => Err(EngineError::Corrupt(format!(
+            "the projection has format version {} and this Tally writes version {PROJECTION_FORMAT_VERSION}; stop Tally, delete the projection directory (<data-dir>/projection; the log keeps everything) and start again: the projection is rebuilt from the log",
+            other.map_or("1".to_string(), |v| v.to_string())
+        ))),
+    }
+}
+
+/// A usage record read back from the log for apply or a query.
+#[derive(Debug)]
+pub struct StoredBatch {
+    pub store_id: String,
+    pub mode: Mode,
+    pub events: Vec<UsageEvent>,
+}
+
+impl StoredBatch {
+    /// The usage record in `payload`, or `None` when it holds another record.
+    pub fn decode(payload: &[u8]) -> Result<Option<StoredBatch>, EngineError> {
+        match tally_proto::decode_record(payload) {
+            Ok((
+                Record::UsageBatch {
+                    store_id,
+                    mode,
+                    events,
+                },
+                _,
+            )) => Ok(Some(StoredBatch {
+                store_id,
+                mode,
+                events,
+            })),
+            Ok(_) => Ok(None),
+            Err(error) => Err(EngineError::Corrupt(format!(
+                "a log record the event index points at does not decode: {error}"
+            ))),
+        }
+    }
+
+    /// The event at `index` when it is `event_id` of this scope.
+    pub fn event_if(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+        index: u32,
+    ) -> Option<&UsageEvent> {
+        if self.store_id != store_id || self.mode != mode {
+            return None;
+        }
+        self.events
+            .get(index as usize)
+            .filter(|event| event.event_id == event_id)
+    }
+}
+
+/// Records fetched for a chunk, by position; `None`: the log holds no usage record
+/// there.
+pub type Fetched = HashMap<(u32, u64), Option<Arc<StoredBatch>>>;
+
+/// A chunk of log entries, each decoded once (planning and apply both read them).
+pub struct DecodedChunk {
+    pub entries: Vec<LogEntry>,
+    records: Vec<Result<Record, Outcome>>,
+}
+
+impl DecodedChunk {
+    pub fn new(entries: Vec<LogEntry>) -> DecodedChunk {
+        let records = entries.iter().map(decode_entry).collect();
+        DecodedChunk { entries, records }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+fn decode_entry(entry: &LogEntry) -> Result<Record, Outcome> {
+    match tally_proto::decode_record(&entry.payload) {
+        Err(error @ tally_proto::DecodeError::Version { .. }) => {
+            // Start-up refuses a log of another format, so this is one foreign record
+            // inside a log of ours (a node of another build sharing the topic, or
+            // bytes that merely parse as a record): refused like any bad record, so
+            // no record can stop the projector, and loudly, because mixing builds
+            // on one log is unsupported (README, "Upgrading").
+            tracing::error!(partition = entry.partition, offset = entry.offset, %error,
+                "a log record of another format version is refused");
+            Err(Outcome::rejected(
+                "record_format_unsupported",
+                error.to_string(),
+            ))
+        }
+        Err(error) => Err(Outcome::rejected(
+            "record_undecodable",
+            format!("the log record does not decode: {error}"),
+        )),
+        Ok((record, _recorded_at_ms)) => Ok(record),
+    }
+}
 
 /// Reads through to the store, with this chunk's pending writes on top.
 pub struct Overlay<'a> {
@@ -34,12 +169,22 @@ pub struct Overlay<'a> {
     /// What the record being applied overwrote, newest last: rolled back when apply
     /// refuses the record, so a refused record leaves no trace but its outcome.
     journal: Vec<Undo>,
+    /// Stored events as of the last commit (this chunk's are in `new_events`).
+    index: &'a EventIndex,
+    fetched: &'a Fetched,
+    /// The usage records of this chunk, by position (read by later records' apply).
+    chunk: HashMap<(u32, u64), &'a Record>,
+    /// Events this chunk stored (`inflight_key` -> where).
+    new_events: HashMap<String, EventLocation>,
+    /// `F` rows this chunk deleted, with their events (for the index after commit).
+    pruned: Vec<StoredRow>,
 }
 
 /// One overwritten value of the overlay (`None`: the key was not in the overlay).
 enum Undo {
     Change(Vec<u8>, Option<Option<Vec<u8>>>),
     Aggregate(Vec<u8>, Option<Aggregate>),
+    NewEvent(String),
 }
 
 /// Why apply did not apply a record.
@@ -77,15 +222,149 @@ pub struct BucketCache {
 /// Buckets kept in the cache before it is emptied (bounds memory: ~150 B each).
 pub const MAX_CACHED_BUCKETS: usize = 200_000;
 
+/// What the projector keeps in memory between chunks: the bucket cache and the
+/// event index (both only ever hold what was committed).
+#[derive(Debug)]
+pub struct ProjectorState {
+    pub buckets: BucketCache,
+    pub index: Arc<EventIndex>,
+}
+
+impl ProjectorState {
+    /// The state over a projection: the index loaded from its `F` rows.
+    pub fn load(
+        store: &dyn ProjectionStore,
+        index: Arc<EventIndex>,
+    ) -> Result<ProjectorState, EngineError> {
+        let mut failure = None;
+        scan_prefix(store, &[keys::STORED_EVENTS], false, &mut |key, value| {
+            match StoredEventsKey::decode(key)
+                .and_then(|k| Ok((k, event_index::decode_stored(value)?)))
+            {
+                Ok((key, stored)) => {
+                    index.add_record(key.partition, key.offset, &stored);
+                    Visit::Continue
+                }
+                Err(error) => {
+                    failure = Some(error);
+                    Visit::Stop
+                }
+            }
+        })?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        Ok(ProjectorState {
+            buckets: BucketCache::default(),
+            index,
+        })
+    }
+
+    /// A fresh state over an empty projection.
+    pub fn empty() -> ProjectorState {
+        ProjectorState {
+            buckets: BucketCache::default(),
+            index: Arc::new(EventIndex::default()),
+        }
+    }
+}
+
 impl<'a> Overlay<'a> {
-    pub fn new(store: &'a dyn ProjectionStore) -> Self {
+    pub fn new(
+        store: &'a dyn ProjectionStore,
+        index: &'a EventIndex,
+        fetched: &'a Fetched,
+    ) -> Self {
         Overlay {
             store,
             cache: None,
             changes: BTreeMap::new(),
             aggregates: HashMap::new(),
             journal: Vec::new(),
+            index,
+            fetched,
+            chunk: HashMap::new(),
+            new_events: HashMap::new(),
+            pruned: Vec::new(),
         }
+    }
+
+    /// The usage record at a position: one of this chunk's, or one fetched for it.
+    fn batch_at(&self, partition: u32, offset: u64) -> Result<StoredRef<'_>, EngineError> {
+        if let Some(Record::UsageBatch {
+            store_id,
+            mode,
+            events,
+        }) = self.chunk.get(&(partition, offset)).copied()
+        {
+            return Ok(StoredRef {
+                store_id,
+                mode: *mode,
+                events,
+            });
+        }
+        match self.fetched.get(&(partition, offset)) {
+            Some(Some(batch)) => Ok(StoredRef {
+                store_id: &batch.store_id,
+                mode: batch.mode,
+                events: &batch.events,
+            }),
+            Some(None) => Err(EngineError::Corrupt(format!(
+                "the event index points at partition {partition} offset {offset}, where the log holds no usage record"
+            ))),
+            None => Err(EngineError::RecordsNeeded(vec![(partition, offset)])),
+        }
+    }
+
+    /// The stored event `event_id` of a scope, if any: this chunk's, else the first
+    /// committed candidate whose id matches exactly.
+    fn stored_event(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+    ) -> Result<Option<UsageEvent>, EngineError> {
+        let key = inflight_key(store_id, mode, event_id);
+        let print = self.index.fingerprint(store_id, mode, event_id);
+        let chunk = self.new_events.get(&key).copied();
+        let mut missing = Vec::new();
+        for location in chunk.into_iter().chain(self.index.candidates(print)) {
+            if self.pruned.iter().any(|(key, _)| {
+                (key.partition, key.offset) == (location.partition, location.offset)
+            }) {
+                continue;
+            }
+            match self.batch_at(location.partition, location.offset) {
+                Ok(batch) => {
+                    if let Some(event) = batch.event_if(store_id, mode, event_id, location.index) {
+                        return Ok(Some(event.clone()));
+                    }
+                }
+                Err(EngineError::RecordsNeeded(positions)) => missing.extend(positions),
+                Err(error) => return Err(error),
+            }
+        }
+        if missing.is_empty() {
+            Ok(None)
+        } else {
+            Err(EngineError::RecordsNeeded(missing))
+        }
+    }
+
+    /// Whether `event_id` is stored in its scope (this chunk's events included).
+    fn is_stored(&self, store_id: &str, mode: Mode, event_id: &str) -> Result<bool, EngineError> {
+        if self
+            .new_events
+            .contains_key(&inflight_key(store_id, mode, event_id))
+        {
+            return Ok(true);
+        }
+        Ok(self.stored_event(store_id, mode, event_id)?.is_some())
+    }
+
+    fn note_stored(&mut self, key: String, location: EventLocation) {
+        self.new_events.insert(key.clone(), location);
+        self.journal.push(Undo::NewEvent(key));
     }
 
     /// Forgets the journal: the record applied so far stays.
@@ -108,6 +387,9 @@ impl<'a> Overlay<'a> {
                 }
                 Undo::Aggregate(key, None) => {
                     self.aggregates.remove(&key);
+                }
+                Undo::NewEvent(key) => {
+                    self.new_events.remove(&key);
                 }
             }
         }
@@ -177,15 +459,63 @@ impl<'a> Overlay<'a> {
             .ok_or_else(|| EngineError::Corrupt("bucket vanished from the overlay".into()))
     }
 
-    /// The batch to commit, and the buckets it writes (for the cache).
-    #[allow(clippy::type_complexity)]
-    pub fn into_changes(self) -> (Vec<(Vec<u8>, Option<Vec<u8>>)>, HashMap<Vec<u8>, Aggregate>) {
+    /// The batch to commit, and what the caches learn from it.
+    fn into_changes(self) -> Result<Committed, EngineError> {
         let mut changes = self.changes;
         for (key, aggregate) in &self.aggregates {
             changes.insert(key.clone(), Some(codec::encode_aggregate(aggregate)));
         }
-        (changes.into_iter().collect(), self.aggregates)
+        let mut stored = Vec::new();
+        for (key, value) in changes.range(vec![keys::STORED_EVENTS]..vec![keys::STORED_EVENTS + 1])
+        {
+            if let Some(value) = value {
+                stored.push((
+                    StoredEventsKey::decode(key)?,
+                    event_index::decode_stored(value)?,
+                ));
+            }
+        }
+        Ok(Committed {
+            changes: changes.into_iter().collect(),
+            buckets: self.aggregates,
+            stored,
+            pruned: self.pruned,
+        })
     }
+}
+
+/// An `F` row: which events the usage record at the key's position stored.
+type StoredRow = (StoredEventsKey, Vec<(u32, u64)>);
+
+/// A usage record as apply reads it back.
+struct StoredRef<'b> {
+    store_id: &'b str,
+    mode: Mode,
+    events: &'b [UsageEvent],
+}
+
+impl StoredRef<'_> {
+    fn event_if(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+        index: u32,
+    ) -> Option<&UsageEvent> {
+        if self.store_id != store_id || self.mode != mode {
+            return None;
+        }
+        self.events
+            .get(index as usize)
+            .filter(|event| event.event_id == event_id)
+    }
+}
+
+struct Committed {
+    changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    buckets: HashMap<Vec<u8>, Aggregate>,
+    stored: Vec<StoredRow>,
+    pruned: Vec<StoredRow>,
 }
 
 /// What a committed chunk changed, for the in-memory caches.
@@ -221,63 +551,279 @@ pub fn inflight_key(store_id: &str, mode: Mode, event_id: &str) -> String {
     format!("{store_id}\u{0}{}\u{0}{event_id}", mode.key_byte() as char)
 }
 
-/// Folds `entries` (in log order) and commits them with the chunk's end positions.
-pub fn apply_chunk(
+/// The records applying `chunk` will read: the committed events its event ids'
+/// fingerprints point at, and what its backfill steps fold. Reads the projection
+/// only; the caller fetches these from the log before [`apply_chunk`].
+pub fn plan_chunk(
     store: &dyn ProjectionStore,
-    entries: &[LogEntry],
-) -> Result<Applied, EngineError> {
-    apply_chunk_cached(store, entries, &mut BucketCache::default())
+    index: &EventIndex,
+    chunk: &DecodedChunk,
+) -> Result<BTreeSet<(u32, u64)>, EngineError> {
+    let mut wanted = BTreeSet::new();
+    let locate = |wanted: &mut BTreeSet<(u32, u64)>, store_id: &str, mode: Mode, event_id: &str| {
+        for location in index.candidates(index.fingerprint(store_id, mode, event_id)) {
+            wanted.insert((location.partition, location.offset));
+        }
+    };
+    for record in chunk.records.iter().flatten() {
+        match record {
+            Record::UsageBatch {
+                store_id,
+                mode,
+                events,
+            } => {
+                for event in events {
+                    locate(&mut wanted, store_id, *mode, &event.event_id);
+                }
+            }
+            Record::MeterBackfill {
+                store_id,
+                mode,
+                event_ids,
+                finish,
+                rescan_from_ms,
+                ..
+            } => {
+                for event_id in event_ids {
+                    locate(&mut wanted, store_id, *mode, event_id);
+                }
+                if *finish || event_ids.is_empty() {
+                    let from = if *finish { *rescan_from_ms } else { i64::MIN };
+                    for (key, _) in stored_rows_from(store, store_id, *mode, from)? {
+                        wanted.insert((key.partition, key.offset));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    // This chunk's own records are read from the chunk.
+    for entry in &chunk.entries {
+        wanted.remove(&(entry.partition, entry.offset));
+    }
+    Ok(wanted)
 }
 
-/// `apply_chunk` reading buckets through `cache`, which it updates after the commit.
-pub fn apply_chunk_cached(
+/// The `F` rows of a scope received at or after `from_ms`, in receipt order.
+fn stored_rows_from(
     store: &dyn ProjectionStore,
-    entries: &[LogEntry],
-    cache: &mut BucketCache,
+    store_id: &str,
+    mode: Mode,
+    from_ms: i64,
+) -> Result<Vec<StoredRow>, EngineError> {
+    let prefix = StoredEventsKey::scope_prefix(store_id, mode);
+    let from = Key::scoped(keys::STORED_EVENTS, store_id, mode)
+        .int(from_ms)
+        .into_bytes();
+    let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
+    let mut rows = Vec::new();
+    let mut failure = None;
+    store.scan(
+        std::ops::Bound::Included(&from),
+        std::ops::Bound::Excluded(&end),
+        false,
+        &mut |key, value| match StoredEventsKey::decode(key)
+            .and_then(|k| Ok((k, event_index::decode_stored(value)?)))
+        {
+            Ok(row) => {
+                rows.push(row);
+                Visit::Continue
+            }
+            Err(error) => {
+                failure = Some(error);
+                Visit::Stop
+            }
+        },
+    )?;
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(rows),
+    }
+}
+
+/// Folds `chunk` (in log order) and commits it with the chunk's end positions, then
+/// brings `state` up to the commit. `fetched` holds the records [`plan_chunk`] named.
+pub fn apply_chunk(
+    store: &dyn ProjectionStore,
+    state: &mut ProjectorState,
+    chunk: &DecodedChunk,
+    fetched: &Fetched,
 ) -> Result<Applied, EngineError> {
-    let mut overlay = Overlay::new(store);
-    overlay.cache = Some(cache);
+    let index = state.index.clone();
+    let mut overlay = Overlay::new(store, &index, fetched);
+    overlay.cache = Some(&state.buckets);
+    for (entry, record) in chunk.entries.iter().zip(&chunk.records) {
+        if let Ok(record @ Record::UsageBatch { .. }) = record {
+            overlay
+                .chunk
+                .insert((entry.partition, entry.offset), record);
+        }
+    }
     let mut applied = Applied::default();
     let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
-    for entry in entries {
-        apply_entry(&mut overlay, entry, &mut applied)?;
+    let stamp = vec![keys::PROJECTION_FORMAT];
+    if overlay.get(&stamp)?.is_none() {
+        overlay.put(stamp, PROJECTION_FORMAT_VERSION.to_be_bytes().to_vec());
+        overlay.keep();
+    }
+    for (entry, record) in chunk.entries.iter().zip(&chunk.records) {
+        if let Ok(Record::UsageBatch { events, .. }) = record {
+            if let Some(received) = events.iter().map(|e| e.received_at_ms).min() {
+                prune_stored_events(&mut overlay, received)?;
+            }
+        }
+        apply_entry(&mut overlay, entry, record, &mut applied)?;
         positions.insert(entry.partition, entry.next_offset);
     }
     let positions: Vec<(u32, u64)> = positions.into_iter().collect();
-    let (changes, buckets) = overlay.into_changes();
-    store.apply(changes, &positions)?;
-    if cache.buckets.len() + buckets.len() > MAX_CACHED_BUCKETS {
+    let committed = overlay.into_changes()?;
+    store.apply(committed.changes, &positions)?;
+    for (key, stored) in &committed.pruned {
+        index.remove_record(key.partition, key.offset, stored);
+    }
+    for (key, stored) in &committed.stored {
+        index.add_record(key.partition, key.offset, stored);
+    }
+    let cache = &mut state.buckets;
+    if cache.buckets.len() + committed.buckets.len() > MAX_CACHED_BUCKETS {
         cache.buckets.clear();
     }
-    cache.buckets.extend(buckets);
+    cache.buckets.extend(committed.buckets);
     Ok(applied)
+}
+
+/// Plans, fetches through `read` and applies one chunk, synchronously (tests and
+/// tools that hold their records in memory).
+pub fn apply_chunk_reading(
+    store: &dyn ProjectionStore,
+    state: &mut ProjectorState,
+    entries: &[LogEntry],
+    mut read: impl FnMut(u32, u64) -> Result<Option<Vec<u8>>, EngineError>,
+) -> Result<Applied, EngineError> {
+    let chunk = DecodedChunk::new(entries.to_vec());
+    let mut fetched = Fetched::new();
+    let mut wanted: Vec<(u32, u64)> = plan_chunk(store, &state.index, &chunk)?
+        .into_iter()
+        .collect();
+    loop {
+        for (partition, offset) in wanted.drain(..) {
+            let batch = match read(partition, offset)? {
+                Some(payload) => StoredBatch::decode(&payload)?.map(Arc::new),
+                None => None,
+            };
+            fetched.insert((partition, offset), batch);
+        }
+        match apply_chunk(store, state, &chunk, &fetched) {
+            Err(EngineError::RecordsNeeded(more)) => wanted = more,
+            other => return other,
+        }
+    }
+}
+
+/// `apply_chunk_reading` over a log held in memory (`log` holds every entry the
+/// chunk may point back at): property tests and fuzzing.
+pub fn apply_chunk_in_memory(
+    store: &dyn ProjectionStore,
+    state: &mut ProjectorState,
+    entries: &[LogEntry],
+    log: &[LogEntry],
+) -> Result<Applied, EngineError> {
+    apply_chunk_reading(store, state, entries, |partition, offset| {
+        Ok(log
+            .iter()
+            .find(|e| e.partition == partition && e.offset == offset)
+            .map(|e| e.payload.clone()))
+    })
+}
+
+/// Fetches the records a chunk needs from the log.
+pub async fn fetch_records(
+    log: &dyn tally_log::Log,
+    wanted: impl IntoIterator<Item = (u32, u64)>,
+    fetched: &mut Fetched,
+) -> Result<(), EngineError> {
+    for (partition, offset) in wanted {
+        if fetched.contains_key(&(partition, offset)) {
+            continue;
+        }
+        let batch = match log.read_at(partition, offset).await? {
+            Some(entry) => StoredBatch::decode(&entry.payload)?.map(Arc::new),
+            None => None,
+        };
+        fetched.insert((partition, offset), batch);
+    }
+    Ok(())
+}
+
+/// Plans, fetches from `log` and applies one chunk; retries while apply names
+/// records it was not given (another partition's chunk committed in between).
+pub async fn apply_chunk_from_log(
+    log: &dyn tally_log::Log,
+    store: &dyn ProjectionStore,
+    state: &mut ProjectorState,
+    chunk: &DecodedChunk,
+) -> Result<Applied, EngineError> {
+    let mut fetched = Fetched::new();
+    let wanted = plan_chunk(store, &state.index, chunk)?;
+    fetch_records(log, wanted, &mut fetched).await?;
+    loop {
+        match apply_chunk(store, state, chunk, &fetched) {
+            Err(EngineError::RecordsNeeded(more)) => fetch_records(log, more, &mut fetched).await?,
+            other => return other,
+        }
+    }
+}
+
+/// Deletes the `F` rows received before the retention cut of `received_ms` (whole
+/// hours; the cut reached is stored, so live, restarted and replayed projections
+/// prune at the same records). Runs between records, never rolled back.
+fn prune_stored_events(overlay: &mut Overlay<'_>, received_ms: i64) -> Result<(), EngineError> {
+    let cut = received_ms
+        .saturating_sub(STORED_EVENTS_RETENTION_MS)
+        .div_euclid(PRUNE_STEP_MS)
+        .saturating_mul(PRUNE_STEP_MS);
+    let mark = Key::table(keys::STORED_EVENTS_PRUNED).into_bytes();
+    let done = match overlay.get(&mark)? {
+        Some(bytes) if bytes.len() == 8 => keys::read_int(&bytes),
+        Some(_) => {
+            return Err(EngineError::Corrupt(
+                "the pruning mark is not 8 bytes".into(),
+            ))
+        }
+        None => i64::MIN,
+    };
+    if cut <= done {
+        return Ok(());
+    }
+    let mut old = Vec::new();
+    for (key, value) in overlay.prefix_entries(&[keys::STORED_EVENTS])? {
+        let key = StoredEventsKey::decode(&key)?;
+        if key.received_at_ms < cut {
+            old.push((key, event_index::decode_stored(&value)?));
+        }
+    }
+    for (key, stored) in old {
+        overlay.delete(key.encode());
+        overlay.pruned.push((key, stored));
+    }
+    overlay.put(mark, Key::table(0).int(cut).into_bytes()[1..].to_vec());
+    overlay.keep();
+    Ok(())
 }
 
 /// Applies one log entry, or records why not. Only storage failures (and the
 /// cross-partition wait) leave as errors: bad data never stops the projector, and
 /// neither does a panic in apply (a bug, logged loudly, that the apply fuzz test
 /// exists to catch), which is refused like bad data.
-fn apply_entry(
-    overlay: &mut Overlay<'_>,
+fn apply_entry<'a>(
+    overlay: &mut Overlay<'a>,
     entry: &LogEntry,
+    record: &'a Result<Record, Outcome>,
     applied: &mut Applied,
 ) -> Result<(), EngineError> {
-    let refused = match tally_proto::decode_record(&entry.payload) {
-        Err(error @ tally_proto::DecodeError::Version { .. }) => {
-            // Start-up refuses a log of another format, so this is one foreign record
-            // inside a log of ours (a node of another build sharing the topic, or
-            // bytes that merely parse as a record): refused like any bad record, so
-            // no record can stop the projector, and loudly, because mixing builds
-            // on one log is unsupported (README, "Upgrading").
-            tracing::error!(partition = entry.partition, offset = entry.offset, %error,
-                "a log record of another format version is refused");
-            Outcome::rejected("record_format_unsupported", error.to_string())
-        }
-        Err(error) => Outcome::rejected(
-            "record_undecodable",
-            format!("the log record does not decode: {error}"),
-        ),
-        Ok((record, _recorded_at_ms)) => {
+    let refused = match record {
+        Err(outcome) => outcome.clone(),
+        Ok(record) => {
             if let Record::UsageBatch {
                 store_id,
                 mode,
@@ -293,7 +839,7 @@ fn apply_entry(
             }
             let mut effects = Applied::default();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                apply_record(overlay, &record, entry, &mut effects)
+                apply_record(overlay, record, entry, &mut effects)
             }));
             match result {
                 Ok(Ok(())) => {
@@ -355,26 +901,23 @@ fn apply_record(
             events,
         } => {
             let mut meters: HashMap<String, Meter> = HashMap::new();
+            let mut stored = Vec::new();
             for (index, event) in events.iter().enumerate() {
-                let event_key = Key::scoped(keys::EVENT, store_id, *mode)
-                    .tail(event.event_id.as_bytes())
-                    .into_bytes();
-                // Exact dedup: the first record carrying an id wins, whatever came later.
-                if overlay.contains(&event_key)? {
+                // Exact dedup: the first record carrying an id wins, whatever came later
+                // (an earlier event of this same record included).
+                if overlay.is_stored(store_id, *mode, &event.event_id)? {
                     continue;
                 }
-                let suffix = Key::table(0)
-                    .int(event.received_at_ms)
-                    .tail(&entry.partition.to_be_bytes())
-                    .uint(entry.offset)
-                    .tail(&(index as u32).to_be_bytes())
-                    .into_bytes()[1..]
-                    .to_vec();
-                let list_key = Key::scoped(keys::EVENT_LIST, store_id, *mode)
-                    .tail(&suffix)
-                    .into_bytes();
-                overlay.put(list_key, event.event_id.as_bytes().to_vec());
-                overlay.put(event_key, codec::encode_event(&suffix, event));
+                let location = EventLocation {
+                    partition: entry.partition,
+                    offset: entry.offset,
+                    index: index as u32,
+                };
+                overlay.note_stored(inflight_key(store_id, *mode, &event.event_id), location);
+                stored.push((
+                    index as u32,
+                    overlay.index.fingerprint(store_id, *mode, &event.event_id),
+                ));
                 for meter_id in &event.matched_meter_ids {
                     if !meters.contains_key(meter_id) {
                         let meter = load_meter(overlay, store_id, *mode, meter_id)?;
@@ -385,6 +928,16 @@ fn apply_record(
                         fold_event(overlay, meter, event)?;
                     }
                 }
+            }
+            if !stored.is_empty() {
+                let key = StoredEventsKey {
+                    store_id: store_id.clone(),
+                    mode: *mode,
+                    received_at_ms: events.iter().map(|e| e.received_at_ms).min().unwrap_or(0),
+                    partition: entry.partition,
+                    offset: entry.offset,
+                };
+                overlay.put(key.encode(), event_index::encode_stored(&stored));
             }
         }
         Record::CreditLedger {
@@ -425,7 +978,7 @@ fn apply_record(
             let mut meter = load_meter(overlay, store_id, *mode, meter_id)?;
             if *start_ms < meter.counts_from_ms {
                 for event_id in event_ids {
-                    backfill_event(overlay, &meter, *start_ms, event_id)?;
+                    backfill_event_id(overlay, &meter, *start_ms, event_id)?;
                 }
                 // A record without ids that does not finish predates chunked
                 // backfills: it meant "all stored events" (a rescan from the start).
@@ -613,6 +1166,20 @@ pub fn fold_event(
     Ok(())
 }
 
+/// Folds the stored event `event_id` into a meter being backfilled from `start_ms`
+/// (see [`backfill_event`]); an id the scope never stored is skipped.
+fn backfill_event_id(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    start_ms: i64,
+    event_id: &str,
+) -> Result<(), EngineError> {
+    match overlay.stored_event(&meter.store_id, meter.mode, event_id)? {
+        Some(event) => backfill_event(overlay, meter, start_ms, &event),
+        None => Ok(()),
+    }
+}
+
 /// Folds one stored event into a meter being backfilled from `start_ms`, when it
 /// is one the meter skipped (matched, timestamp in `[start_ms, counts_from)`) and
 /// not folded by an earlier step (a marker per meter and event makes every step
@@ -621,18 +1188,8 @@ fn backfill_event(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     start_ms: i64,
-    event_id: &str,
+    event: &UsageEvent,
 ) -> Result<(), EngineError> {
-    let (store_id, mode) = (&meter.store_id, meter.mode);
-    let Some(bytes) = overlay.get(
-        &Key::scoped(keys::EVENT, store_id, mode)
-            .tail(event_id.as_bytes())
-            .into_bytes(),
-    )?
-    else {
-        return Ok(());
-    };
-    let (_, event) = codec::decode_event(&bytes)?;
     let view = EventView {
         name: &event.name,
         timestamp_ms: event.timestamp_ms,
@@ -642,15 +1199,15 @@ fn backfill_event(
     if !in_range || !meter.matches(&view) {
         return Ok(());
     }
-    let marker = Key::scoped(keys::BACKFILLED, store_id, mode)
+    let marker = Key::scoped(keys::BACKFILLED, &meter.store_id, meter.mode)
         .text(&meter.id)
-        .tail(event_id.as_bytes())
+        .tail(event.event_id.as_bytes())
         .into_bytes();
     if overlay.contains(&marker)? {
         return Ok(());
     }
     overlay.put(marker, Vec::new());
-    fold_event(overlay, meter, &event)
+    fold_event(overlay, meter, event)
 }
 
 /// The finishing step's sweep: stored events received at or after `from_ms` (what
@@ -662,36 +1219,44 @@ fn backfill_rescan(
     start_ms: i64,
     from_ms: i64,
 ) -> Result<(), EngineError> {
-    let prefix = Key::scoped(keys::EVENT_LIST, &meter.store_id, meter.mode).into_bytes();
-    let from = Key::scoped(keys::EVENT_LIST, &meter.store_id, meter.mode)
+    let prefix = StoredEventsKey::scope_prefix(&meter.store_id, meter.mode);
+    let from = Key::scoped(keys::STORED_EVENTS, &meter.store_id, meter.mode)
         .int(from_ms)
         .into_bytes();
-    let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
-    let mut ids = Vec::new();
-    overlay.store.scan(
-        std::ops::Bound::Included(&from),
-        std::ops::Bound::Excluded(&end),
-        false,
-        &mut |_, value| {
-            ids.push(String::from_utf8_lossy(value).into_owned());
-            Visit::Continue
-        },
-    )?;
-    // Events stored earlier in this same chunk are not in the store yet.
-    for value in overlay
-        .changes
-        .range(from.clone()..end.clone())
-        .filter_map(|(_, value)| value.as_ref())
-    {
-        ids.push(String::from_utf8_lossy(value).into_owned());
+    // Rows stored earlier in this same chunk are in the overlay, not the store yet.
+    let mut rows = Vec::new();
+    for (key, value) in overlay.prefix_entries(&prefix)? {
+        if key >= from {
+            rows.push((
+                StoredEventsKey::decode(&key)?,
+                event_index::decode_stored(&value)?,
+            ));
+        }
     }
-    for id in ids {
-        backfill_event(overlay, meter, start_ms, &id)?;
+    let mut events = Vec::new();
+    let mut missing = Vec::new();
+    for (key, stored) in rows {
+        match overlay.batch_at(key.partition, key.offset) {
+            Ok(batch) => events.extend(
+                stored
+                    .iter()
+                    .filter_map(|(index, _)| batch.events.get(*index as usize).cloned()),
+            ),
+            Err(EngineError::RecordsNeeded(more)) => missing.extend(more),
+            Err(error) => return Err(error),
+        }
+    }
+    if !missing.is_empty() {
+        return Err(EngineError::RecordsNeeded(missing));
+    }
+    for event in &events {
+        backfill_event(overlay, meter, start_ms, event)?;
     }
     Ok(())
 }
 
-/// Applies the whole log of one partition into `store` (replay and tests).
+/// Applies the whole log of one partition into `store` (replay and tests), from
+/// the position the store holds.
 pub async fn replay_partition(
     log: &dyn tally_log::Log,
     store: Arc<dyn ProjectionStore>,
@@ -700,20 +1265,16 @@ pub async fn replay_partition(
 ) -> Result<u64, EngineError> {
     let end = log.end_offset(partition).await?;
     let from = store.position(partition)?;
+    let mut state = ProjectorState::load(store.as_ref(), Arc::new(EventIndex::default()))?;
+    let mut range =
+        tally_log::RangeReader::open(log, partition, from, end, crate::APPLY_CHUNK_MAX_RECORDS)
+            .await?;
     let mut records = 0u64;
-    tally_log::read_range(
-        log,
-        partition,
-        from,
-        end,
-        crate::APPLY_CHUNK_MAX_RECORDS,
-        |entries| {
-            records += entries.len() as u64;
-            apply_chunk(store.as_ref(), entries)?;
-            progress(entries.last().map_or(end, |e| e.next_offset), end);
-            Ok::<(), EngineError>(())
-        },
-    )
-    .await?;
+    while let Some(entries) = range.next_chunk().await? {
+        records += entries.len() as u64;
+        let chunk = DecodedChunk::new(entries);
+        apply_chunk_from_log(log, store.as_ref(), &mut state, &chunk).await?;
+        progress(chunk.entries.last().map_or(end, |e| e.next_offset), end);
+    }
     Ok(records)
 }

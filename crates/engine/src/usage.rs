@@ -310,7 +310,7 @@ impl Engine {
     /// `POST /v1/meters/preview` and `/v1/meters/{id}/preview`: runs a definition over
     /// stored events with timestamps in the range. Returns the series, the events
     /// scanned and matched, and whether the scan stopped at its limit.
-    pub fn preview_meter(
+    pub async fn preview_meter(
         &self,
         scope: &Scope,
         definition: &MeterDefinition,
@@ -323,50 +323,65 @@ impl Engine {
             return Err(FieldError::invalid("end", "`end` must be after `start`").into());
         }
         let mut fold = WindowFold::new(definition.aggregation, start_ms, end_ms, window)?;
-        let prefix = Key::scoped(keys::EVENT, &scope.store_id, scope.mode).into_bytes();
+        // Only rows received when an event of the range could be: an event's
+        // timestamp is at most its skew after its receipt and at most the oldest
+        // ingestible age before it.
+        let (_, upper) = crate::events::scope_rows(scope);
+        let lower =
+            crate::keys::Key::scoped(crate::keys::STORED_EVENTS, &scope.store_id, scope.mode)
+                .int(start_ms.saturating_sub(tally_domain::limits::MAX_EVENT_FUTURE_SKEW_MS))
+                .into_bytes();
+        let upper_in_range =
+            crate::keys::Key::scoped(crate::keys::STORED_EVENTS, &scope.store_id, scope.mode)
+                .int(end_ms.saturating_add(tally_domain::limits::MAX_EVENT_AGE_MS))
+                .into_bytes();
+        let upper = match upper {
+            std::ops::Bound::Excluded(end) if end < upper_in_range => {
+                std::ops::Bound::Excluded(end)
+            }
+            _ => std::ops::Bound::Excluded(upper_in_range),
+        };
         let (mut scanned, mut matched, mut truncated) = (0usize, 0usize, false);
-        let mut failure = None;
-        scan_prefix(self.store().as_ref(), &prefix, false, &mut |_, value| {
-            scanned += 1;
-            if scanned > MAX_PREVIEW_SCAN_EVENTS {
-                truncated = true;
-                return Visit::Stop;
-            }
-            let event = match codec::decode_event(value) {
-                Ok((_, e)) => e,
-                Err(e) => {
-                    failure = Some(e);
-                    return Visit::Stop;
+        self.scan_stored_events(
+            scope,
+            std::ops::Bound::Included(lower),
+            upper,
+            false,
+            |_, events| {
+                for (_, event) in events {
+                    scanned += 1;
+                    if scanned > MAX_PREVIEW_SCAN_EVENTS {
+                        truncated = true;
+                        return Visit::Stop;
+                    }
+                    if event.timestamp_ms < start_ms
+                        || event.timestamp_ms >= end_ms
+                        || customer_id.is_some_and(|c| c != event.customer_id)
+                        || event.name != definition.event_name
+                    {
+                        continue;
+                    }
+                    let view = EventView {
+                        name: &event.name,
+                        timestamp_ms: event.timestamp_ms,
+                        properties: &event.properties,
+                    };
+                    if definition.filter.matches(&view) {
+                        matched += 1;
+                        let value = definition
+                            .aggregation_property
+                            .as_ref()
+                            .and_then(|p| event.properties.get(p));
+                        fold.add_event(
+                            event.timestamp_ms,
+                            &contribution(definition.aggregation, value),
+                        );
+                    }
                 }
-            };
-            if event.timestamp_ms < start_ms
-                || event.timestamp_ms >= end_ms
-                || customer_id.is_some_and(|c| c != event.customer_id)
-                || event.name != definition.event_name
-            {
-                return Visit::Continue;
-            }
-            let view = EventView {
-                name: &event.name,
-                timestamp_ms: event.timestamp_ms,
-                properties: &event.properties,
-            };
-            if definition.filter.matches(&view) {
-                matched += 1;
-                let value = definition
-                    .aggregation_property
-                    .as_ref()
-                    .and_then(|p| event.properties.get(p));
-                fold.add_event(
-                    event.timestamp_ms,
-                    &contribution(definition.aggregation, value),
-                );
-            }
-            Visit::Continue
-        })?;
-        if let Some(e) = failure {
-            return Err(e);
-        }
+                Visit::Continue
+            },
+        )
+        .await?;
         Ok((
             fold.finish(customer_id.map(str::to_string)),
             scanned.min(MAX_PREVIEW_SCAN_EVENTS),

@@ -26,7 +26,7 @@ use tally_domain::Mode;
 use tally_engine::codec;
 use tally_engine::keys;
 use tally_engine::outcome::Outcome;
-use tally_engine::projector::apply_chunk;
+use tally_engine::projector::{apply_chunk_in_memory, ProjectorState};
 use tally_log::LogEntry;
 use tally_projection::{scan_prefix, MemoryStore, ProjectionStore, Visit};
 
@@ -396,12 +396,14 @@ fn apply_in_chunks(
     cuts: &[usize],
 ) -> Result<Arc<MemoryStore>, TestCaseError> {
     let store = Arc::new(MemoryStore::new());
+    let mut state = ProjectorState::empty();
     let mut points: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
     points.extend([0, entries.len()]);
     points.sort_unstable();
     points.dedup();
     for window in points.windows(2) {
-        if let Err(error) = apply_chunk(store.as_ref(), &entries[window[0]..window[1]]) {
+        let chunk = &entries[window[0]..window[1]];
+        if let Err(error) = apply_chunk_in_memory(store.as_ref(), &mut state, chunk, entries) {
             return Err(TestCaseError::fail(format!("apply failed: {error}")));
         }
     }

@@ -59,7 +59,14 @@ fn a_foreign_record_inside_the_log_is_a_recorded_rejection() {
         next_offset: offset + 1,
         payload,
     };
-    tally_engine::projector::apply_chunk(&store, &[entry(0, record_of_version(0))]).unwrap();
+    let entries = [entry(0, record_of_version(0))];
+    tally_engine::projector::apply_chunk_in_memory(
+        &store,
+        &mut tally_engine::projector::ProjectorState::empty(),
+        &entries,
+        &entries,
+    )
+    .unwrap();
     use tally_projection::ProjectionStore;
     let outcome = store
         .get(&tally_engine::outcome::outcome_key(0, 0))

@@ -15,7 +15,8 @@ use tally_domain::record::Record;
 use tally_domain::time::Window;
 use tally_domain::usage::{PropertyValue, UsageEvent};
 use tally_domain::Mode;
-use tally_engine::projector::{apply_chunk, apply_chunk_cached, BucketCache};
+use tally_engine::event_index::EventIndex;
+use tally_engine::projector::{apply_chunk_in_memory, ProjectorState};
 use tally_engine::usage::UsageQuery;
 use tally_log::LogEntry;
 use tally_projection::{CheckpointStore, MemoryStore, ProjectionStore};
@@ -148,22 +149,39 @@ fn reference(
 }
 
 fn apply_in_chunks(entries: &[LogEntry], cuts: &[usize]) -> Arc<MemoryStore> {
+    apply_in_chunks_with(entries, cuts, tally_engine::event_index::fingerprint)
+}
+
+/// `apply_in_chunks` with the event index fingerprinting ids with `fingerprint`.
+fn apply_in_chunks_with(
+    entries: &[LogEntry],
+    cuts: &[usize],
+    fingerprint: tally_engine::event_index::FingerprintFn,
+) -> Arc<MemoryStore> {
+    let index = || Arc::new(EventIndex::with_fingerprint(fingerprint));
     let store = Arc::new(MemoryStore::new());
     let mut cut_points: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
     cut_points.push(0);
     cut_points.push(entries.len());
     cut_points.sort_unstable();
     cut_points.dedup();
-    // The live projector keeps a bucket cache across chunks; a restart loses it.
-    let mut cache = BucketCache::default();
+    // The live projector keeps its memory state (bucket cache, event index) across
+    // chunks; a restart loads it from the store.
+    let mut state = ProjectorState::load(store.as_ref(), index()).unwrap();
     for (i, window) in cut_points.windows(2).enumerate() {
         // A restart: resume from the stored position, as the projector does.
         let resume = store.position(0).unwrap() as usize;
         assert_eq!(resume, window[0]);
         if i % 2 == 1 {
-            cache = BucketCache::default();
+            state = ProjectorState::load(store.as_ref(), index()).unwrap();
         }
-        apply_chunk_cached(store.as_ref(), &entries[window[0]..window[1]], &mut cache).unwrap();
+        apply_chunk_in_memory(
+            store.as_ref(),
+            &mut state,
+            &entries[window[0]..window[1]],
+            entries,
+        )
+        .unwrap();
     }
     store
 }
@@ -194,7 +212,7 @@ fn apply_with_checkpoints_and_crashes(
     ends.push(entries.len());
     ends.sort_unstable();
     ends.dedup();
-    let mut cache = BucketCache::default();
+    let mut state = ProjectorState::empty();
     let mut step = 0;
     loop {
         let position = store.position(0).unwrap() as usize;
@@ -206,13 +224,13 @@ fn apply_with_checkpoints_and_crashes(
             .copied()
             .find(|e| *e > position)
             .expect("the last end is the log's");
-        apply_chunk_cached(&store, &entries[position..end], &mut cache).unwrap();
+        apply_chunk_in_memory(&store, &mut state, &entries[position..end], entries).unwrap();
         if checkpoints.get(step).copied().unwrap_or(false) {
             store.checkpoint().unwrap();
         }
         if crashes.get(step).copied().unwrap_or(false) {
             store = layered(&inner);
-            cache = BucketCache::default();
+            state = ProjectorState::load(&store, Arc::new(EventIndex::default())).unwrap();
         }
         step += 1;
     }
@@ -243,7 +261,7 @@ proptest! {
         let entries = log_entries(&batches);
         let chunked = apply_in_chunks(&entries, &cuts);
         let whole = Arc::new(MemoryStore::new());
-        apply_chunk(whole.as_ref(), &entries).unwrap();
+        apply_chunk_in_memory(whole.as_ref(), &mut ProjectorState::empty(), &entries, &entries).unwrap();
         prop_assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
 
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -291,38 +309,149 @@ proptest! {
         let recovered =
             apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes, dirty_limit);
         let whole = Arc::new(MemoryStore::new());
-        apply_chunk(whole.as_ref(), &entries).unwrap();
+        apply_chunk_in_memory(whole.as_ref(), &mut ProjectorState::empty(), &entries, &entries).unwrap();
         prop_assert_eq!(recovered.position(0).unwrap(), whole.position(0).unwrap());
         prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
     }
 }
 
+/// A fingerprint under which most ids collide: a hit must be confirmed exactly.
+fn colliding(_: &str, _: Mode, event_id: &str) -> u64 {
+    (event_id.len() % 2) as u64
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// Dedup stays exact when fingerprints collide all the time: no distinct event is
+    /// dropped as a false duplicate, and no id is counted twice, in any chunking
+    /// with restarts.
+    #[test]
+    fn forced_fingerprint_collisions_neither_drop_nor_double_count(
+        batches in proptest::collection::vec(proptest::collection::vec(gen_event(), 1..12), 1..8),
+        cuts in proptest::collection::vec(0usize..20, 0..6),
+    ) {
+        let entries = log_entries(&batches);
+        let store = apply_in_chunks_with(&entries, &cuts, colliding);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (engine, _dir) = runtime.block_on(engine_over(store));
+        let scope = tally_engine::Scope { store_id: STORE.into(), mode: Mode::Test };
+        for (meter, aggregation) in [("mtr_0", Aggregation::Count), ("mtr_1", Aggregation::Sum)] {
+            for customer in [None, Some(0u8), Some(1), Some(2)] {
+                let result = engine.query_usage(&scope, &UsageQuery {
+                    meter_id: meter.into(),
+                    customer_id: customer.map(|c| format!("cus_{c}")),
+                    start_ms: T0,
+                    end_ms: T0 + 3_600_000,
+                    window: Window::None,
+                    group_by_customer: false,
+                }).unwrap();
+                let expected = reference(&batches, customer, aggregation).map(|d| d.normalize());
+                prop_assert_eq!(result.total.value, expected, "{:?} customer {:?}", aggregation, customer);
+            }
+        }
+    }
+}
+
+/// Through the service, over a real log: the first event wins, it is what
+/// `get_event` and the listing return, and ingest reports the later one as a
+/// duplicate whose payload differs, also when every id's fingerprint collides.
 #[test]
 fn the_first_event_wins_whatever_comes_later() {
-    let batches = vec![
-        vec![GenEvent {
-            id: 1,
-            customer: 0,
-            minute: 0,
-            value: Some(10),
-        }],
-        vec![GenEvent {
-            id: 1,
-            customer: 1,
-            minute: 3,
-            value: Some(99),
-        }],
-    ];
-    let store = apply_in_chunks(&log_entries(&batches), &[]);
-    let runtime = tokio::runtime::Builder::new_current_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let (engine, _dir) = runtime.block_on(engine_over(store));
-    let scope = tally_engine::Scope {
-        store_id: STORE.into(),
-        mode: Mode::Test,
-    };
-    let event = engine.get_event(&scope, "ev1").unwrap();
-    assert_eq!(event.customer_id, "cus_0");
+    runtime.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let log: Arc<dyn tally_log::Log> =
+            Arc::new(tally_log::embedded::EmbeddedLog::open(dir.path().join("log")).unwrap());
+        let store: Arc<dyn ProjectionStore> = Arc::new(MemoryStore::new());
+        let clock = Arc::new(tally_domain::clock::ManualClock::new(T0 + 60_000));
+        // The store and its meters, then two events under one id for two customers.
+        let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
+        for (customer, value) in [(0u8, 10i64), (1, 99)] {
+            let event = GenEvent {
+                id: 1,
+                customer,
+                minute: 0,
+                value: Some(value),
+            };
+            records.push(Record::UsageBatch {
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                events: vec![
+                    usage_event(&event, &["mtr_0".to_string()]),
+                    usage_event(
+                        &GenEvent {
+                            id: 2 + customer * 10,
+                            ..event
+                        },
+                        &["mtr_0".to_string()],
+                    ),
+                ],
+            });
+        }
+        for record in &records {
+            log.append(b"k", tally_proto::encode_record(record, T0))
+                .await
+                .unwrap();
+        }
+        let engine = tally_engine::Engine::open_with_index(
+            log,
+            store,
+            clock,
+            EventIndex::with_fingerprint(colliding),
+        )
+        .await
+        .unwrap();
+        let (_stop, shutdown) = tokio::sync::watch::channel(false);
+        let _projector = engine.start_projector(shutdown);
+        engine.wait_caught_up().await.unwrap();
+        let scope = tally_engine::Scope {
+            store_id: STORE.into(),
+            mode: Mode::Test,
+        };
+        let event = engine.get_event(&scope, "ev1").await.unwrap();
+        assert_eq!(event.customer_id, "cus_0");
+        for id in ["ev2", "ev12"] {
+            assert_eq!(engine.get_event(&scope, id).await.unwrap().event_id, id);
+        }
+        assert!(
+            engine.get_event(&scope, "ev3").await.is_err(),
+            "a colliding id that was never sent is not found"
+        );
+        let page = engine
+            .list_events(
+                &scope,
+                &tally_engine::events::EventFilter::default(),
+                &tally_engine::pagination::PageRequest {
+                    limit: 10,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let ids: Vec<&str> = page.data.iter().map(|e| e.event_id.as_str()).collect();
+        assert_eq!(
+            ids,
+            ["ev12", "ev2", "ev1"],
+            "newest record first, last event of a record first"
+        );
+        let count = engine
+            .query_usage(
+                &scope,
+                &UsageQuery {
+                    meter_id: "mtr_0".into(),
+                    customer_id: None,
+                    start_ms: T0,
+                    end_ms: T0 + 3_600_000,
+                    window: Window::None,
+                    group_by_customer: false,
+                },
+            )
+            .unwrap();
+        assert_eq!(count.total.value, Some(Decimal::from(3)));
+    });
 }

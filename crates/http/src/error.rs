@@ -151,7 +151,9 @@ impl From<EngineError> for ApiError {
             EngineError::Unavailable { code, message } => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
             }
-            EngineError::ApplyTimeout | EngineError::NotYetProjected => ApiError::new(
+            EngineError::ApplyTimeout
+            | EngineError::NotYetProjected
+            | EngineError::RecordsNeeded(_) => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "outcome_pending",
                 "the write is durable but its outcome is not decided yet; retry with the same idempotency-key (or the same idempotency_key for credits) to get it, never without",

@@ -114,6 +114,22 @@ pub trait Log: Send + Sync + 'static {
         Ok(self.end_offset(partition).await? >= next_offset)
     }
 
+    /// The record starting at `offset` of `partition`: a position a consumer read
+    /// before and kept (the event index points at records this way). `None` when the
+    /// log holds no record there (below its start, or at or past its end).
+    ///
+    /// The default opens a reader there; a log with cheap random access overrides it.
+    async fn read_at(&self, partition: u32, offset: u64) -> Result<Option<LogEntry>, LogError> {
+        if offset >= self.end_offset(partition).await? {
+            return Ok(None);
+        }
+        let mut reader = self.reader(partition, offset).await?;
+        let entries = reader
+            .next_batch(1, Duration::from_millis(RANGE_READ_WAIT_MS))
+            .await?;
+        Ok(entries.into_iter().next().filter(|e| e.offset == offset))
+    }
+
     /// Why the log cannot take appends now, if it cannot (a poisoned embedded log
     /// after a failed write or fsync, a fatal producer error). Cheap: no I/O, so
     /// readiness probes and the write gate may call it on every request.
@@ -138,10 +154,74 @@ pub trait LogReader: Send {
 /// shrunken log trips this).
 pub const RANGE_READ_WAIT_MS: u64 = 5_000;
 
-/// The one reader for bounded reads (replays, audits, start-up checks): hands the
-/// records of `partition` in `[from, until)` to `visit` in log order, in chunks of at
-/// most `max_records`. Returns the offset reached: `until`, or less when the log ends
-/// before it.
+/// The one reader for bounded reads (replays, audits, start-up checks): the records
+/// of `partition` in `[from, until)`, in log order, in chunks of at most
+/// `max_records`. [`read_range`] drives it with a callback; a caller whose work per
+/// chunk is async pulls chunks itself.
+pub struct RangeReader {
+    reader: Option<Box<dyn LogReader>>,
+    at: u64,
+    until: u64,
+    max_records: usize,
+}
+
+impl RangeReader {
+    pub async fn open(
+        log: &dyn Log,
+        partition: u32,
+        from: u64,
+        until: u64,
+        max_records: usize,
+    ) -> Result<RangeReader, LogError> {
+        let reader = if from < until {
+            Some(log.reader(partition, from).await?)
+        } else {
+            None
+        };
+        Ok(RangeReader {
+            reader,
+            at: from,
+            until,
+            max_records,
+        })
+    }
+
+    /// The next chunk; `None` once `until` is reached or the log ends before it.
+    pub async fn next_chunk(&mut self) -> Result<Option<Vec<LogEntry>>, LogError> {
+        let Some(reader) = self.reader.as_mut() else {
+            return Ok(None);
+        };
+        while self.at < self.until {
+            let mut entries = reader
+                .next_batch(self.max_records, Duration::from_millis(RANGE_READ_WAIT_MS))
+                .await?;
+            if entries.is_empty() {
+                break;
+            }
+            let read = entries.len();
+            entries.retain(|entry| entry.offset < self.until);
+            if entries.len() < read {
+                self.at = self.until;
+            } else if let Some(last) = entries.last() {
+                self.at = last.next_offset;
+            }
+            if !entries.is_empty() {
+                return Ok(Some(entries));
+            }
+        }
+        self.reader = None;
+        Ok(None)
+    }
+
+    /// The offset reached: `until`, or less when the log ended before it.
+    pub fn reached(&self) -> u64 {
+        self.at
+    }
+}
+
+/// Hands the records of `partition` in `[from, until)` to `visit` in log order, in
+/// chunks of at most `max_records` (see [`RangeReader`]). Returns the offset
+/// reached: `until`, or less when the log ends before it.
 pub async fn read_range<E: From<LogError>>(
     log: &dyn Log,
     partition: u32,
@@ -150,27 +230,9 @@ pub async fn read_range<E: From<LogError>>(
     max_records: usize,
     mut visit: impl FnMut(&[LogEntry]) -> Result<(), E>,
 ) -> Result<u64, E> {
-    let mut at = from;
-    if at >= until {
-        return Ok(at);
+    let mut range = RangeReader::open(log, partition, from, until, max_records).await?;
+    while let Some(entries) = range.next_chunk().await? {
+        visit(&entries)?;
     }
-    let mut reader = log.reader(partition, from).await?;
-    while at < until {
-        let mut entries = reader
-            .next_batch(max_records, Duration::from_millis(RANGE_READ_WAIT_MS))
-            .await?;
-        if entries.is_empty() {
-            break;
-        }
-        let read = entries.len();
-        entries.retain(|entry| entry.offset < until);
-        if let Some(last) = entries.last() {
-            at = last.next_offset;
-            visit(&entries)?;
-        }
-        if entries.len() < read {
-            at = until;
-        }
-    }
-    Ok(at)
+    Ok(range.reached())
 }

@@ -312,6 +312,28 @@ pub async fn read_range_is_exact(factory: &dyn LogFactory) {
     assert_eq!(none, offsets[2]);
 }
 
+/// `read_at` returns the record at each offset an append returned, also for records
+/// appended concurrently (batched together by a Kafka producer), and nothing past
+/// the end.
+pub async fn read_at_finds_every_appended_record(factory: &dyn LogFactory) {
+    let log = factory.open().await;
+    let partition = log.partition_for(b"at");
+    let appends = (0..24).map(|i| {
+        let log = log.clone();
+        async move { (i, log.append(b"at", payload("at", i)).await.unwrap()) }
+    });
+    let appended = futures::future::join_all(appends).await;
+    for (i, offset) in &appended {
+        let entry = log.read_at(partition, *offset).await.unwrap();
+        let entry = entry.unwrap_or_else(|| panic!("record {i} at offset {offset} is readable"));
+        assert_eq!(entry.offset, *offset);
+        assert_eq!(entry.payload, payload("at", *i));
+    }
+    let end = appended.iter().map(|(_, o)| *o).max().unwrap() + 1;
+    let past = log.read_at(partition, end + 1_000_000).await.unwrap();
+    assert!(past.is_none(), "nothing is stored past the end");
+}
+
 /// Runs every case of the suite against one implementation.
 pub async fn run_all(factory: &dyn LogFactory) {
     append_then_read_in_order(factory).await;
@@ -321,4 +343,5 @@ pub async fn run_all(factory: &dyn LogFactory) {
     consumer_resumes_without_replay_or_loss(factory).await;
     covers_exactly_what_was_appended(factory).await;
     read_range_is_exact(factory).await;
+    read_at_finds_every_appended_record(factory).await;
 }

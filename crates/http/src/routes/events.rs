@@ -105,8 +105,7 @@ pub async fn preview(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let raws = batch(&body)?;
-    let (engine, preview_scope) = (state.engine.clone(), scope.clone());
-    let reports = crate::blocking(move || engine.preview_events(&preview_scope, &raws)).await?;
+    let reports = state.engine.preview_events(&scope, &raws).await?;
     Ok(Json(json!({
         "object": "ingest_preview",
         "valid": reports.iter().all(|r| r.valid),
@@ -119,7 +118,7 @@ pub async fn get(
     Extension(scope): Extension<Scope>,
     PathId(event_id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let event = state.engine.get_event(&scope, &event_id)?;
+    let event = state.engine.get_event(&scope, &event_id).await?;
     Ok(Json(wire::usage_event(&event, &scope)))
 }
 
@@ -168,7 +167,6 @@ pub async fn list(
             .map(|s| parse_instant("end", s))
             .transpose()?,
     };
-    let (engine, list_scope) = (state.engine.clone(), scope.clone());
-    let page = crate::blocking(move || engine.list_events(&list_scope, &filter, &page)).await?;
+    let page = state.engine.list_events(&scope, &filter, &page).await?;
     Ok(Json(wire::list(&page, |e| wire::usage_event(e, &scope))))
 }

@@ -344,19 +344,17 @@ async fn run_preview(
         fields.string("customer_id")?.as_deref(),
         fields.string("external_customer_id")?.as_deref(),
     )?;
-    let (engine, preview_scope, preview_definition) =
-        (state.engine.clone(), scope.clone(), definition.clone());
-    let (series, scanned, matched, truncated) = crate::blocking(move || {
-        engine.preview_meter(
-            &preview_scope,
-            &preview_definition,
+    let (series, scanned, matched, truncated) = state
+        .engine
+        .preview_meter(
+            scope,
+            definition,
             customer.as_deref(),
             start_ms,
             end_ms,
             window,
         )
-    })
-    .await?;
+        .await?;
     Ok(Json(wire::meter_preview(
         &series,
         definition.aggregation.as_str(),
