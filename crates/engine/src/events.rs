@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::ops::Bound;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use dashmap::mapref::entry::Entry;
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
@@ -32,13 +33,63 @@ use crate::error::EngineError;
 use crate::event_index::{decode_stored, EventLocation};
 use crate::ids::new_id;
 use crate::keys::StoredEventsKey;
+use crate::overlay::{customer_cache_key, inflight_key, StoredBatch};
 use crate::pagination::{Page, PageRequest};
-use crate::projector::{customer_cache_key, inflight_key, StoredBatch};
 use crate::{Engine, Scope};
 
 /// `F` rows read per step of a scan of stored events: one synchronous projection
 /// read, then one log read per row (bounds the memory of a step).
 pub const STORED_EVENTS_SCAN_ROWS: usize = 64;
+
+/// Bytes of usage records (as stored in the log) the read cache keeps: a few hundred
+/// full ingest batches; bounds the memory of listings and dedup confirmations.
+pub const RECENT_RECORDS_MAX_BYTES: usize = 32 * 1024 * 1024;
+
+/// Usage records recently read from the log, oldest evicted first, bounded by
+/// [`RECENT_RECORDS_MAX_BYTES`]. Records never change, so an entry never goes stale.
+#[derive(Debug, Default)]
+pub struct RecentRecords {
+    inner: std::sync::Mutex<RecentInner>,
+}
+
+#[derive(Debug, Default)]
+struct RecentInner {
+    records: HashMap<(u32, u64), (usize, Arc<StoredBatch>)>,
+    order: std::collections::VecDeque<(u32, u64)>,
+    bytes: usize,
+}
+
+impl RecentRecords {
+    pub fn get(&self, partition: u32, offset: u64) -> Option<Arc<StoredBatch>> {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner
+            .records
+            .get(&(partition, offset))
+            .map(|(_, b)| b.clone())
+    }
+
+    pub fn put(&self, partition: u32, offset: u64, bytes: usize, batch: Arc<StoredBatch>) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if bytes > RECENT_RECORDS_MAX_BYTES
+            || inner
+                .records
+                .insert((partition, offset), (bytes, batch))
+                .is_some()
+        {
+            return;
+        }
+        inner.order.push_back((partition, offset));
+        inner.bytes += bytes;
+        while inner.bytes > RECENT_RECORDS_MAX_BYTES {
+            let Some(oldest) = inner.order.pop_front() else {
+                break;
+            };
+            if let Some((size, _)) = inner.records.remove(&oldest) {
+                inner.bytes -= size;
+            }
+        }
+    }
+}
 
 /// Customer ids and external ids cached for ingest before the cache is emptied
 /// (bounds memory; a miss costs one projection read).
@@ -230,14 +281,28 @@ impl Engine {
         Ok(None)
     }
 
-    /// The usage record at a position the index or an `F` row names.
+    /// The usage record at a position the index or an `F` row names, through the
+    /// cache of recently read records (a retried batch points at one record a
+    /// hundred times; a listing page reads its records again on the next page).
     async fn read_batch(
         &self,
         partition: u32,
         offset: u64,
-    ) -> Result<Option<StoredBatch>, EngineError> {
+    ) -> Result<Option<Arc<StoredBatch>>, EngineError> {
+        if let Some(batch) = self.caches().recent_records.get(partition, offset) {
+            return Ok(Some(batch));
+        }
         match self.log().read_at(partition, offset).await? {
-            Some(entry) => StoredBatch::decode(&entry.payload),
+            Some(entry) => {
+                let Some(batch) = StoredBatch::decode(&entry.payload)? else {
+                    return Ok(None);
+                };
+                let batch = Arc::new(batch);
+                self.caches()
+                    .recent_records
+                    .put(partition, offset, entry.payload.len(), batch.clone());
+                Ok(Some(batch))
+            }
             None => Err(EngineError::Corrupt(format!(
                 "a stored event points at partition {partition} offset {offset}, which the log does not hold"
             ))),

@@ -27,8 +27,8 @@ use crate::error::EngineError;
 use crate::ids::new_id;
 use crate::keys::{self, Key};
 use crate::outcome::Outcome;
+use crate::overlay::{ApplyError, Overlay};
 use crate::pagination::{paginate, Page, PageRequest};
-use crate::projector::{ApplyError, Overlay};
 use crate::{Decision, Engine, Scope};
 
 pub const EVENT_CREDITS_GRANTED: &str = "credits.granted";

@@ -36,6 +36,7 @@ pub mod ledger;
 pub mod meters;
 pub mod metrics;
 pub mod outcome;
+pub mod overlay;
 pub mod pagination;
 pub mod projector;
 pub mod stores;
@@ -133,6 +134,8 @@ pub struct Caches {
     /// Every stored event of the dedup horizon and where it is in the log
     /// (event_index.rs). The projector updates it after each commit.
     pub events: Arc<event_index::EventIndex>,
+    /// Usage records recently read back from the log (events.rs).
+    pub recent_records: events::RecentRecords,
 }
 
 /// What the projector decided about a record a caller appended.

@@ -17,8 +17,8 @@ use tally_proto::{v1, Message};
 use crate::error::EngineError;
 use crate::ids::{new_id, random_base62};
 use crate::keys::{self, read_int, Key};
+use crate::overlay::Overlay;
 use crate::pagination::collect_prefix;
-use crate::projector::Overlay;
 use crate::{Engine, Scope};
 
 /// 43 base62 characters: more than 32 random bytes (issue 5).

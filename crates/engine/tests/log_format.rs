@@ -107,3 +107,52 @@ async fn an_unknown_stored_mode_byte_stops_start_up() {
         "{error}"
     );
 }
+
+/// A projection of the previous layout (applied records, no format stamp) or of
+/// another version is refused at start-up, naming the fix; one this build wrote
+/// opens again.
+#[tokio::test]
+async fn a_projection_of_another_format_is_refused_at_start_up() {
+    use tally_projection::ProjectionStore;
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(EmbeddedLog::open(dir.path()).unwrap());
+    let end = log
+        .append(b"k", record_of_version(tally_proto::LOG_FORMAT_VERSION))
+        .await
+        .unwrap();
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1));
+    let open = |store: Arc<MemoryStore>| Engine::open(log.clone(), store, clock.clone());
+
+    let old = Arc::new(MemoryStore::new());
+    old.apply(Vec::new(), &[(0, 1)]).unwrap();
+    let message = open(old).await.err().unwrap().to_string();
+    assert!(
+        message.contains("format version 1") && message.contains("delete the projection"),
+        "{message}"
+    );
+
+    let future = Arc::new(MemoryStore::new());
+    future
+        .apply(
+            vec![(b"V".to_vec(), Some(99u32.to_be_bytes().to_vec()))],
+            &[(0, 1)],
+        )
+        .unwrap();
+    let message = open(future).await.err().unwrap().to_string();
+    assert!(message.contains("format version 99"), "{message}");
+
+    // A projection this build applied records to carries the stamp and reopens.
+    let current = Arc::new(MemoryStore::new());
+    let engine = open(current.clone())
+        .await
+        .expect("an empty projection opens");
+    let (_stop, shutdown) = tokio::sync::watch::channel(false);
+    let projector = engine.start_projector(shutdown);
+    engine.wait_caught_up().await.unwrap();
+    for task in projector {
+        task.abort();
+    }
+    drop(engine);
+    assert!(current.position(0).unwrap() > end, "the record was applied");
+    open(current).await.expect("the stamped projection reopens");
+}

@@ -455,3 +455,115 @@ fn the_first_event_wins_whatever_comes_later() {
         assert_eq!(count.total.value, Some(Decimal::from(3)));
     });
 }
+
+/// Stored events older than the retention leave the index and the `F` rows once a
+/// record received past it is applied, whatever the chunking and restarts (the same
+/// cut live and on replay), and stay counted in usage.
+#[test]
+fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
+    use tally_engine::event_index::{PRUNE_STEP_MS, STORED_EVENTS_RETENTION_MS};
+    let old = GenEvent {
+        id: 1,
+        customer: 0,
+        minute: 0,
+        value: Some(1),
+    };
+    let ids: Vec<String> = meters().iter().map(|m| m.id.clone()).collect();
+    let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
+    let batch = |event: &GenEvent, received: i64| Record::UsageBatch {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        events: vec![UsageEvent {
+            received_at_ms: received,
+            ..usage_event(event, &ids)
+        }],
+    };
+    records.push(batch(&old, T0));
+    // Received just inside the retention of the first: nothing is pruned yet.
+    let inside = T0 + STORED_EVENTS_RETENTION_MS;
+    records.push(batch(
+        &GenEvent {
+            id: 2,
+            ..old.clone()
+        },
+        inside,
+    ));
+    // An hour later the first record's receipt is below the cut.
+    records.push(batch(
+        &GenEvent {
+            id: 3,
+            ..old.clone()
+        },
+        inside + 2 * PRUNE_STEP_MS,
+    ));
+    let entries: Vec<LogEntry> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| LogEntry {
+            partition: 0,
+            offset: i as u64,
+            next_offset: i as u64 + 1,
+            payload: tally_proto::encode_record(r, T0),
+        })
+        .collect();
+    let stored_rows = |store: &MemoryStore| {
+        let mut rows = 0;
+        tally_projection::scan_prefix(store, b"F", false, &mut |_, _| {
+            rows += 1;
+            tally_projection::Visit::Continue
+        })
+        .unwrap();
+        rows
+    };
+    let meters_end = meters().len();
+    let mut digests = Vec::new();
+    for cuts in [
+        vec![],
+        vec![meters_end + 1],
+        vec![meters_end + 1, meters_end + 2],
+    ] {
+        let store = apply_in_chunks(&entries, &cuts);
+        let state = ProjectorState::load(store.as_ref(), Arc::new(EventIndex::default())).unwrap();
+        assert_eq!(
+            state.index.len(),
+            2,
+            "the first event is pruned (cuts {cuts:?})"
+        );
+        assert_eq!(stored_rows(&store), 2);
+        digests.push(store.digest().unwrap());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (engine, _dir) = runtime.block_on(engine_over(store));
+        let scope = tally_engine::Scope {
+            store_id: STORE.into(),
+            mode: Mode::Test,
+        };
+        let count = engine
+            .query_usage(
+                &scope,
+                &UsageQuery {
+                    meter_id: "mtr_0".into(),
+                    customer_id: None,
+                    start_ms: T0,
+                    end_ms: T0 + 3_600_000,
+                    window: Window::None,
+                    group_by_customer: false,
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            count.total.value,
+            Some(Decimal::from(3)),
+            "pruned events stay counted"
+        );
+    }
+    assert!(
+        digests.windows(2).all(|w| w[0] == w[1]),
+        "the same cut for every chunking"
+    );
+    // Before the last record, nothing was pruned.
+    let store = apply_in_chunks(&entries[..entries.len() - 1], &[]);
+    assert_eq!(stored_rows(&store), 2);
+}

@@ -1,0 +1,404 @@
+//! The overlay apply reads and writes through: the projection with the pending
+//! writes of the chunk being applied on top, the buckets as last committed, the
+//! stored events (the event index plus this chunk's), and the usage records fetched
+//! for the chunk. Every context's apply functions (usage, ledger, webhooks) take it;
+//! the projector (projector.rs) creates one per chunk and commits what it holds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use tally_domain::aggregate::Aggregate;
+use tally_domain::record::Record;
+use tally_domain::usage::UsageEvent;
+use tally_domain::Mode;
+use tally_projection::{scan_prefix, ProjectionStore, Visit};
+
+use crate::codec;
+use crate::error::EngineError;
+use crate::event_index::{self, EventIndex, EventLocation};
+use crate::keys::{self, StoredEventsKey};
+use crate::outcome::Outcome;
+
+/// A usage record read back from the log for apply or a query.
+#[derive(Debug)]
+pub struct StoredBatch {
+    pub store_id: String,
+    pub mode: Mode,
+    pub events: Vec<UsageEvent>,
+}
+
+impl StoredBatch {
+    /// The usage record in `payload`, or `None` when it holds another record.
+    pub fn decode(payload: &[u8]) -> Result<Option<StoredBatch>, EngineError> {
+        match tally_proto::decode_record(payload) {
+            Ok((
+                Record::UsageBatch {
+                    store_id,
+                    mode,
+                    events,
+                },
+                _,
+            )) => Ok(Some(StoredBatch {
+                store_id,
+                mode,
+                events,
+            })),
+            Ok(_) => Ok(None),
+            Err(error) => Err(EngineError::Corrupt(format!(
+                "a log record the event index points at does not decode: {error}"
+            ))),
+        }
+    }
+
+    /// The event at `index` when it is `event_id` of this scope.
+    pub fn event_if(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+        index: u32,
+    ) -> Option<&UsageEvent> {
+        if self.store_id != store_id || self.mode != mode {
+            return None;
+        }
+        self.events
+            .get(index as usize)
+            .filter(|event| event.event_id == event_id)
+    }
+}
+
+/// Records fetched for a chunk, by position; `None`: the log holds no usage record
+/// there.
+pub type Fetched = HashMap<(u32, u64), Option<Arc<StoredBatch>>>;
+
+/// Reads through to the store, with this chunk's pending writes on top.
+pub struct Overlay<'a> {
+    store: &'a dyn ProjectionStore,
+    changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Decoded buckets of this chunk; encoded once at the end (a hot bucket is
+    /// touched by many events of one chunk).
+    aggregates: HashMap<Vec<u8>, Aggregate>,
+    pub(crate) cache: Option<&'a BucketCache>,
+    /// What the record being applied overwrote, newest last: rolled back when apply
+    /// refuses the record, so a refused record leaves no trace but its outcome.
+    journal: Vec<Undo>,
+    /// Stored events as of the last commit (this chunk's are in `new_events`).
+    pub(crate) index: &'a EventIndex,
+    fetched: &'a Fetched,
+    /// The usage records of this chunk, by position (read by later records' apply).
+    pub(crate) chunk: HashMap<(u32, u64), &'a Record>,
+    /// Events this chunk stored (`inflight_key` -> where).
+    new_events: HashMap<String, EventLocation>,
+    /// `F` rows this chunk deleted, with their events (for the index after commit).
+    pub(crate) pruned: Vec<StoredRow>,
+}
+
+/// One overwritten value of the overlay (`None`: the key was not in the overlay).
+enum Undo {
+    Change(Vec<u8>, Option<Option<Vec<u8>>>),
+    Aggregate(Vec<u8>, Option<Aggregate>),
+    NewEvent(String),
+}
+
+/// Why apply did not apply a record.
+#[derive(Debug)]
+pub enum ApplyError {
+    /// The record is refused (bad data, a decision that no longer holds): its outcome
+    /// is recorded and the projector moves on.
+    Refused(Outcome),
+    /// The projection cannot be read or written (fail-stop), or the chunk must wait
+    /// for another partition (`NotYetProjected`).
+    Engine(EngineError),
+}
+
+impl From<EngineError> for ApplyError {
+    fn from(error: EngineError) -> Self {
+        ApplyError::Engine(error)
+    }
+}
+
+impl From<Outcome> for ApplyError {
+    fn from(outcome: Outcome) -> Self {
+        ApplyError::Refused(outcome)
+    }
+}
+
+/// Usage buckets as last committed, kept by the projector so a bucket touched again
+/// in a later chunk is not read back from the store. The projector is the only writer
+/// of buckets and updates this only after a successful commit, so it never holds a
+/// value the store does not.
+#[derive(Debug, Default)]
+pub struct BucketCache {
+    pub(crate) buckets: HashMap<Vec<u8>, Aggregate>,
+}
+
+/// Buckets kept in the cache before it is emptied (bounds memory: ~150 B each).
+pub const MAX_CACHED_BUCKETS: usize = 200_000;
+
+impl<'a> Overlay<'a> {
+    pub fn new(
+        store: &'a dyn ProjectionStore,
+        index: &'a EventIndex,
+        fetched: &'a Fetched,
+    ) -> Self {
+        Overlay {
+            store,
+            cache: None,
+            changes: BTreeMap::new(),
+            aggregates: HashMap::new(),
+            journal: Vec::new(),
+            index,
+            fetched,
+            chunk: HashMap::new(),
+            new_events: HashMap::new(),
+            pruned: Vec::new(),
+        }
+    }
+
+    /// The usage record at a position: one of this chunk's, or one fetched for it.
+    pub(crate) fn batch_at(
+        &self,
+        partition: u32,
+        offset: u64,
+    ) -> Result<StoredRef<'_>, EngineError> {
+        if let Some(Record::UsageBatch {
+            store_id,
+            mode,
+            events,
+        }) = self.chunk.get(&(partition, offset)).copied()
+        {
+            return Ok(StoredRef {
+                store_id,
+                mode: *mode,
+                events,
+            });
+        }
+        match self.fetched.get(&(partition, offset)) {
+            Some(Some(batch)) => Ok(StoredRef {
+                store_id: &batch.store_id,
+                mode: batch.mode,
+                events: &batch.events,
+            }),
+            Some(None) => Err(EngineError::Corrupt(format!(
+                "the event index points at partition {partition} offset {offset}, where the log holds no usage record"
+            ))),
+            None => Err(EngineError::RecordsNeeded(vec![(partition, offset)])),
+        }
+    }
+
+    /// The stored event `event_id` of a scope, if any: this chunk's, else the first
+    /// committed candidate whose id matches exactly.
+    pub(crate) fn stored_event(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+    ) -> Result<Option<UsageEvent>, EngineError> {
+        let key = inflight_key(store_id, mode, event_id);
+        let print = self.index.fingerprint(store_id, mode, event_id);
+        let chunk = self.new_events.get(&key).copied();
+        let mut missing = Vec::new();
+        for location in chunk.into_iter().chain(self.index.candidates(print)) {
+            if self.pruned.iter().any(|(key, _)| {
+                (key.partition, key.offset) == (location.partition, location.offset)
+            }) {
+                continue;
+            }
+            match self.batch_at(location.partition, location.offset) {
+                Ok(batch) => {
+                    if let Some(event) = batch.event_if(store_id, mode, event_id, location.index) {
+                        return Ok(Some(event.clone()));
+                    }
+                }
+                Err(EngineError::RecordsNeeded(positions)) => missing.extend(positions),
+                Err(error) => return Err(error),
+            }
+        }
+        if missing.is_empty() {
+            Ok(None)
+        } else {
+            Err(EngineError::RecordsNeeded(missing))
+        }
+    }
+
+    /// Whether `event_id` is stored in its scope (this chunk's events included).
+    pub(crate) fn is_stored(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+    ) -> Result<bool, EngineError> {
+        if self
+            .new_events
+            .contains_key(&inflight_key(store_id, mode, event_id))
+        {
+            return Ok(true);
+        }
+        Ok(self.stored_event(store_id, mode, event_id)?.is_some())
+    }
+
+    pub(crate) fn note_stored(&mut self, key: String, location: EventLocation) {
+        self.new_events.insert(key.clone(), location);
+        self.journal.push(Undo::NewEvent(key));
+    }
+
+    /// Forgets the journal: the record applied so far stays.
+    pub(crate) fn keep(&mut self) {
+        self.journal.clear();
+    }
+
+    /// Undoes everything since the last `keep`.
+    pub(crate) fn roll_back(&mut self) {
+        while let Some(undo) = self.journal.pop() {
+            match undo {
+                Undo::Change(key, Some(previous)) => {
+                    self.changes.insert(key, previous);
+                }
+                Undo::Change(key, None) => {
+                    self.changes.remove(&key);
+                }
+                Undo::Aggregate(key, Some(previous)) => {
+                    self.aggregates.insert(key, previous);
+                }
+                Undo::Aggregate(key, None) => {
+                    self.aggregates.remove(&key);
+                }
+                Undo::NewEvent(key) => {
+                    self.new_events.remove(&key);
+                }
+            }
+        }
+    }
+
+    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, EngineError> {
+        match self.changes.get(key) {
+            Some(value) => Ok(value.clone()),
+            None => Ok(self.store.get(key)?),
+        }
+    }
+
+    /// Every entry under `prefix`: the store's, with this chunk's writes on top.
+    pub fn prefix_entries(&self, prefix: &[u8]) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
+        let mut entries = BTreeMap::new();
+        scan_prefix(self.store, prefix, false, &mut |k, v| {
+            entries.insert(k.to_vec(), v.to_vec());
+            Visit::Continue
+        })?;
+        for (key, value) in self.changes.range(prefix.to_vec()..) {
+            if !key.starts_with(prefix) {
+                break;
+            }
+            match value {
+                Some(v) => entries.insert(key.clone(), v.clone()),
+                None => entries.remove(key),
+            };
+        }
+        Ok(entries)
+    }
+
+    pub fn contains(&self, key: &[u8]) -> Result<bool, EngineError> {
+        Ok(self.get(key)?.is_some())
+    }
+
+    pub fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.set(key, Some(value));
+    }
+
+    pub fn delete(&mut self, key: Vec<u8>) {
+        self.set(key, None);
+    }
+
+    fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        let previous = self.changes.insert(key.clone(), value);
+        self.journal.push(Undo::Change(key, previous));
+    }
+
+    pub(crate) fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
+        if !self.aggregates.contains_key(&key) {
+            let cached = self.cache.and_then(|c| c.buckets.get(&key)).cloned();
+            let current = match cached {
+                Some(aggregate) => aggregate,
+                None => match self.store.get(&key)? {
+                    Some(bytes) => codec::decode_aggregate(&bytes)?,
+                    None => Aggregate::default(),
+                },
+            };
+            self.journal.push(Undo::Aggregate(key.clone(), None));
+            self.aggregates.insert(key.clone(), current.clone());
+        } else {
+            let previous = self.aggregates.get(&key).cloned();
+            self.journal.push(Undo::Aggregate(key.clone(), previous));
+        }
+        self.aggregates
+            .get_mut(&key)
+            .ok_or_else(|| EngineError::Corrupt("bucket vanished from the overlay".into()))
+    }
+
+    /// The batch to commit, and what the caches learn from it.
+    pub(crate) fn into_changes(self) -> Result<Committed, EngineError> {
+        let mut changes = self.changes;
+        for (key, aggregate) in &self.aggregates {
+            changes.insert(key.clone(), Some(codec::encode_aggregate(aggregate)));
+        }
+        let mut stored = Vec::new();
+        for (key, value) in changes.range(vec![keys::STORED_EVENTS]..vec![keys::STORED_EVENTS + 1])
+        {
+            if let Some(value) = value {
+                stored.push((
+                    StoredEventsKey::decode(key)?,
+                    event_index::decode_stored(value)?,
+                ));
+            }
+        }
+        Ok(Committed {
+            changes: changes.into_iter().collect(),
+            buckets: self.aggregates,
+            stored,
+            pruned: self.pruned,
+        })
+    }
+}
+
+/// An `F` row: which events the usage record at the key's position stored.
+pub(crate) type StoredRow = (StoredEventsKey, Vec<(u32, u64)>);
+
+/// A usage record as apply reads it back.
+pub(crate) struct StoredRef<'b> {
+    store_id: &'b str,
+    mode: Mode,
+    pub(crate) events: &'b [UsageEvent],
+}
+
+impl StoredRef<'_> {
+    fn event_if(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+        index: u32,
+    ) -> Option<&UsageEvent> {
+        if self.store_id != store_id || self.mode != mode {
+            return None;
+        }
+        self.events
+            .get(index as usize)
+            .filter(|event| event.event_id == event_id)
+    }
+}
+
+pub(crate) struct Committed {
+    pub(crate) changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    pub(crate) buckets: HashMap<Vec<u8>, Aggregate>,
+    pub(crate) stored: Vec<StoredRow>,
+    pub(crate) pruned: Vec<StoredRow>,
+}
+
+/// The cache key of a customer id or external id within a scope.
+pub fn customer_cache_key(store_id: &str, mode: Mode, id: &str) -> String {
+    format!("{store_id}\u{0}{}\u{0}{id}", mode.key_byte() as char)
+}
+
+/// The in-flight key of an event id (see `Caches::inflight_events`).
+pub fn inflight_key(store_id: &str, mode: Mode, event_id: &str) -> String {
+    format!("{store_id}\u{0}{}\u{0}{event_id}", mode.key_byte() as char)
+}
