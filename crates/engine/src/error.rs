@@ -48,6 +48,10 @@ pub enum EngineError {
     /// projector fetches them and applies the chunk again (projector.rs).
     #[error("apply needs {} more log records", .0.len())]
     RecordsNeeded(Vec<(u32, u64)>),
+    /// The projection runtime stopped a replay (a log or store failure, or a record
+    /// that could not be applied).
+    #[error("replay failed: {0}")]
+    Runtime(String),
 }
 
 impl EngineError {
@@ -65,6 +69,16 @@ impl EngineError {
             message: message.into(),
             param: None,
             archived_holder_id: None,
+        }
+    }
+}
+
+impl From<tally_runtime::RuntimeError> for EngineError {
+    fn from(error: tally_runtime::RuntimeError) -> Self {
+        match error {
+            tally_runtime::RuntimeError::Log(error) => EngineError::LogUnavailable(error),
+            tally_runtime::RuntimeError::Store(error) => EngineError::Store(error),
+            tally_runtime::RuntimeError::Projection(why) => EngineError::Runtime(why),
         }
     }
 }

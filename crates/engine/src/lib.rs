@@ -11,7 +11,7 @@
 //! applied to the projections (read-your-writes), except ingest, which answers 202
 //! as soon as the batch is durable (decisions.md).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,11 +46,9 @@ pub mod webhooks;
 pub use error::EngineError;
 pub use metrics::Metrics;
 
-/// Records the projector folds into one atomic store batch: large enough to amortize
-/// the batch commit, small enough that read-your-writes waits stay short (sled also
-/// slows down on very large batches: measured 94k inserts/s at 1k keys per batch,
-/// 41k/s at 100k).
-pub const APPLY_CHUNK_MAX_RECORDS: usize = 32;
+/// Records read at once by the ledger audit (the live projector's chunks are the
+/// runtime's, `tally_runtime::CHUNK_MAX_RECORDS`).
+pub const APPLY_CHUNK_MAX_RECORDS: usize = tally_runtime::CHUNK_MAX_RECORDS;
 /// Accepted events not yet applied by the projector. Beyond this, ingest waits for
 /// the projector (backpressure), so memory and catch-up time stay bounded.
 pub const MAX_UNAPPLIED_EVENTS: usize = 20_000;
@@ -64,12 +62,6 @@ pub const APPLY_WAIT_TIMEOUT_MS: u64 = 30_000;
 pub const MAX_APPLY_LAG_MS: u64 = 10_000;
 /// How often `positions` (metrics) asks the log for its end offsets, at most.
 pub const POSITIONS_REFRESH_MS: u64 = 5_000;
-/// Kafka mode: how often the projection is flushed and the group offsets committed.
-pub const KAFKA_COMMIT_INTERVAL_MS: u64 = 1_000;
-/// Kafka mode: pause before retrying a chunk whose meter is not projected yet.
-pub const NOT_YET_PROJECTED_RETRY_MS: u64 = 20;
-/// Consumer group name the projector commits under (Kafka).
-pub const PROJECTOR_GROUP: &str = "tally-projector";
 
 tokio::task_local! {
     /// How long a write waits for its record to be applied, when not the default
@@ -162,18 +154,12 @@ pub struct Engine {
     store: Arc<dyn ProjectionStore>,
     clock: Arc<dyn Clock>,
     caches: Caches,
-    applied: Vec<watch::Sender<u64>>,
+    /// Tails the log into `projection`: watermarks, readiness, failure.
+    runtime: Arc<tally_runtime::Runtime>,
+    projection: projector::StoreProjection,
     control_locks: WriteLocks,
     /// Serializes each credits account's balance check, append and apply.
     account_locks: WriteLocks,
-    /// One chunk is applied at a time, whatever its partition: chunks of different
-    /// partitions read-modify-write shared keys (all-customers buckets, system
-    /// balances, the dedup entry of an id sent for two customers), so concurrent
-    /// application would lose updates. Also guards the projector's memory state.
-    apply_lock: Arc<std::sync::Mutex<projector::ProjectorState>>,
-    ready: AtomicBool,
-    failed: AtomicBool,
-    startup_end: Vec<u64>,
     unapplied: std::sync::Mutex<Unapplied>,
     /// The log's end offsets as last asked, and when (see `positions`).
     end_offsets: std::sync::Mutex<Option<(Instant, Vec<u64>)>>,
@@ -189,6 +175,49 @@ impl std::fmt::Debug for Engine {
         f.debug_struct("Engine")
             .field("log", &self.log.kind())
             .finish()
+    }
+}
+
+/// The engine is the projection the runtime drives: the store projection's apply,
+/// then the caches and this node's backpressure accounting after each commit.
+impl tally_runtime::Projection for Engine {
+    type Chunk = projector::DecodedChunk;
+    type Fetched = projector::Fetched;
+    type Applied = projector::Applied;
+
+    fn decode(&self, entries: Vec<tally_log::LogEntry>) -> Self::Chunk {
+        self.projection.decode(entries)
+    }
+
+    fn plan(&self, chunk: &Self::Chunk) -> Result<Vec<(u32, u64)>, String> {
+        self.projection.plan(chunk)
+    }
+
+    fn add_fetched(
+        &self,
+        fetched: &mut Self::Fetched,
+        partition: u32,
+        offset: u64,
+        entry: Option<tally_log::LogEntry>,
+    ) -> Result<(), String> {
+        self.projection
+            .add_fetched(fetched, partition, offset, entry)
+    }
+
+    fn apply(
+        &self,
+        chunk: &Self::Chunk,
+        fetched: &Self::Fetched,
+    ) -> Result<Self::Applied, tally_runtime::ApplyFailure> {
+        self.projection.apply(chunk, fetched)
+    }
+
+    fn after_commit(&self, applied: Self::Applied, committed: tally_runtime::Committed) {
+        self.after_apply(applied);
+        self.metrics
+            .records_applied
+            .fetch_add(committed.records as u64, Ordering::Relaxed);
+        self.note_applied(committed.partition, committed.next_offset);
     }
 }
 
@@ -261,41 +290,40 @@ impl Engine {
     ) -> Result<Arc<Engine>, EngineError> {
         let partitions = log.partition_count();
         projector::check_projection_format(store.as_ref(), partitions)?;
-        let mut applied = Vec::new();
-        let mut startup_end = Vec::new();
         for partition in 0..partitions {
             let position = store.position(partition)?;
-            let end = log.end_offset(partition).await?;
             if check_positions && !log.covers(partition, position).await? {
                 // The log lost records the projection has applied (a truncated log, a
                 // restored backup, a recreated topic): new records would land below
                 // the position and be skipped. Refuse rather than serve.
+                let end = log.end_offset(partition).await?;
                 return Err(EngineError::Corrupt(format!(
                     "the projection is ahead of the log on partition {partition} (applied up to {position}, log ends at {end}); rebuild the projection with `tally replay` or restore the log"
                 )));
             }
-            if check_positions && end > 0 {
+            if check_positions && log.end_offset(partition).await? > 0 {
                 check_log_format(log.as_ref(), partition).await?;
             }
-            applied.push(watch::channel(position).0);
-            startup_end.push(end);
         }
-        let state = projector::ProjectorState::load(store.as_ref(), Arc::new(index))?;
+        let index = Arc::new(index);
+        let projection = projector::StoreProjection::load(store.clone(), index.clone())?;
+        let runtime = Arc::new(
+            tally_runtime::Runtime::new(log.clone(), store.clone())
+                .await
+                .map_err(EngineError::from)?,
+        );
         let engine = Engine {
             log,
             store,
             clock,
             caches: Caches {
-                events: state.index.clone(),
+                events: index,
                 ..Caches::default()
             },
-            applied,
+            runtime,
+            projection,
             control_locks: WriteLocks::new(),
             account_locks: WriteLocks::new(),
-            apply_lock: Arc::new(std::sync::Mutex::new(state)),
-            ready: AtomicBool::new(false),
-            failed: AtomicBool::new(false),
-            startup_end,
             unapplied: std::sync::Mutex::new(Unapplied {
                 partitions: vec![Default::default(); partitions as usize],
                 events: 0,
@@ -306,7 +334,6 @@ impl Engine {
             metrics: Metrics::default(),
         };
         engine.load_caches()?;
-        engine.update_readiness();
         Ok(Arc::new(engine))
     }
 
@@ -382,20 +409,7 @@ impl Engine {
     /// start-up (`/readyz`), while the projector has not failed and the log takes
     /// appends (a poisoned log, a fatal producer error).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
-            && !self.failed.load(Ordering::SeqCst)
-            && self.log.health().is_none()
-    }
-
-    fn update_readiness(&self) {
-        let caught_up = self
-            .applied
-            .iter()
-            .zip(&self.startup_end)
-            .all(|(applied, end)| *applied.borrow() >= *end);
-        if caught_up {
-            self.ready.store(true, Ordering::SeqCst);
-        }
+        self.runtime.is_caught_up() && !self.runtime.has_failed() && self.log.health().is_none()
     }
 
     /// Per partition: (applied next offset, durable end offset). The ends are asked
@@ -421,11 +435,10 @@ impl Engine {
                 ends
             }
         };
-        self.applied
-            .iter()
-            .zip(ends)
-            .map(|(applied, end)| {
-                let applied = *applied.borrow();
+        ends.into_iter()
+            .enumerate()
+            .map(|(partition, end)| {
+                let applied = self.runtime.applied(partition as u32);
                 (applied, end.max(applied))
             })
             .collect()
@@ -458,7 +471,7 @@ impl Engine {
     /// projection caught up after start-up, after the projector failed, while the log
     /// is failed, and while this node's writes wait too long to be applied.
     pub fn check_writable(&self) -> Result<(), EngineError> {
-        if self.failed.load(Ordering::SeqCst) {
+        if self.runtime.has_failed() {
             return Err(EngineError::Unavailable {
                 code: "projector_failed",
                 message: "the projector stopped on a storage failure; writes are refused until an operator restarts the node (see its log)",
@@ -472,7 +485,7 @@ impl Engine {
                     "the event log is failed (see the node's log); nothing was written, retry later",
             });
         }
-        if !self.ready.load(Ordering::SeqCst) {
+        if !self.runtime.is_caught_up() {
             return Err(EngineError::Unavailable {
                 code: "not_ready",
                 message: "the node is catching up with the log after a start; nothing was written, retry shortly",
@@ -535,7 +548,7 @@ impl Engine {
             _ => 0,
         };
         let mut unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
-        if *self.applied[partition as usize].borrow() <= offset {
+        if self.runtime.applied(partition) <= offset {
             unapplied.partitions[partition as usize].insert(offset, (Instant::now(), events));
             unapplied.events += events;
         }
@@ -554,30 +567,16 @@ impl Engine {
 
     /// Waits until the projector has applied the record at `offset`.
     pub async fn wait_applied(&self, partition: u32, offset: u64) -> Result<(), EngineError> {
-        let mut applied = self.applied[partition as usize].subscribe();
         let wait = APPLY_WAIT
             .try_with(|wait| *wait)
             .unwrap_or_else(|_| self.apply_wait());
-        let deadline = Instant::now() + wait;
-        // Polls `failed` too: a projector that stopped will never apply the record.
-        loop {
-            if self.failed.load(Ordering::SeqCst) {
-                return Err(EngineError::Unavailable {
-                    code: "projector_failed",
-                    message: "the write is durable, but the projector stopped on a storage failure; retry with the same idempotency key once the node is restarted",
-                });
-            }
-            let slice = deadline
-                .saturating_duration_since(Instant::now())
-                .min(Duration::from_millis(500));
-            if slice.is_zero() {
-                return Err(EngineError::ApplyTimeout);
-            }
-            if let Ok(Ok(_)) =
-                tokio::time::timeout(slice, applied.wait_for(|next| *next > offset)).await
-            {
-                return Ok(());
-            }
+        match self.runtime.wait_applied(partition, offset, wait).await {
+            Ok(()) => Ok(()),
+            Err(tally_runtime::WaitError::Failed) => Err(EngineError::Unavailable {
+                code: "projector_failed",
+                message: "the write is durable, but the projector stopped on a storage failure; retry with the same idempotency key once the node is restarted",
+            }),
+            Err(tally_runtime::WaitError::Timeout) => Err(EngineError::ApplyTimeout),
         }
     }
 
@@ -617,180 +616,21 @@ impl Engine {
     pub async fn wait_caught_up(&self) -> Result<(), EngineError> {
         for partition in 0..self.log.partition_count() {
             let end = self.log.end_offset(partition).await?;
-            if end > 0 {
-                let mut applied = self.applied[partition as usize].subscribe();
-                let outcome = tokio::time::timeout(
-                    Duration::from_millis(APPLY_WAIT_TIMEOUT_MS),
-                    applied.wait_for(|next| *next >= end),
-                )
-                .await;
-                if !matches!(outcome, Ok(Ok(_))) {
-                    return Err(EngineError::ApplyTimeout);
-                }
-            }
+            self.runtime
+                .wait_reached(partition, end, Duration::from_millis(APPLY_WAIT_TIMEOUT_MS))
+                .await
+                .map_err(|_| EngineError::ApplyTimeout)?;
         }
         Ok(())
     }
 
-    /// Starts one projector task per partition; they stop when `shutdown` turns true.
+    /// Starts the projection runtime: one task per partition; they stop when
+    /// `shutdown` turns true.
     pub fn start_projector(
         self: &Arc<Self>,
         shutdown: watch::Receiver<bool>,
     ) -> Vec<tokio::task::JoinHandle<()>> {
-        (0..self.log.partition_count())
-            .map(|partition| {
-                let engine = self.clone();
-                let shutdown = shutdown.clone();
-                tokio::spawn(async move { engine.projector_loop(partition, shutdown).await })
-            })
-            .collect()
-    }
-
-    async fn projector_loop(self: Arc<Self>, partition: u32, mut shutdown: watch::Receiver<bool>) {
-        let kafka = self.log.kind() == "kafka";
-        let mut last_commit = Instant::now();
-        let mut committed = 0u64;
-        let mut reader = None;
-        loop {
-            if *shutdown.borrow() {
-                break;
-            }
-            let next = *self.applied[partition as usize].borrow();
-            if reader.is_none() {
-                match self.log.reader(partition, next).await {
-                    Ok(r) => reader = Some(r),
-                    Err(error) => {
-                        tracing::error!(%error, partition, "cannot open log reader; retrying");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        continue;
-                    }
-                }
-            }
-            let batch = tokio::select! {
-                _ = shutdown.changed() => break,
-                batch = reader.as_mut().expect("opened").next_batch(APPLY_CHUNK_MAX_RECORDS, Duration::from_millis(200)) => batch,
-            };
-            let entries = match batch {
-                Ok(entries) => entries,
-                Err(error) if error.is_corruption() => {
-                    // Acknowledged records are damaged: never skip them (fail-stop).
-                    tracing::error!(%error, partition, "projector stopped: the log is corrupt; restore it from a backup");
-                    self.failed.store(true, Ordering::SeqCst);
-                    return;
-                }
-                Err(error) => {
-                    tracing::error!(%error, partition, "log read failed; reopening the reader");
-                    reader = None;
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    continue;
-                }
-            };
-            if entries.is_empty() {
-                // Idle: write back what a write-back store holds once it is due, so a
-                // quiet projection does not keep a restart's replay long.
-                let store = self.store.clone();
-                let ticked = tokio::task::spawn_blocking(move || store.tick()).await;
-                if !matches!(ticked, Ok(Ok(()))) {
-                    tracing::error!(
-                        partition,
-                        "projector stopped: the projection checkpoint could not be written"
-                    );
-                    self.failed.store(true, Ordering::SeqCst);
-                    return;
-                }
-            }
-            if let Some(last) = entries.last() {
-                let next_offset = last.next_offset;
-                let count = entries.len();
-                let chunk = Arc::new(projector::DecodedChunk::new(entries));
-                let mut fetched = projector::Fetched::new();
-                let mut wanted: Vec<(u32, u64)> = match projector::plan_chunk(
-                    self.store.as_ref(),
-                    &self.caches.events,
-                    &chunk,
-                ) {
-                    Ok(wanted) => wanted.into_iter().collect(),
-                    Err(error) => {
-                        tracing::error!(%error, partition, "projector stopped: a chunk could not be planned");
-                        self.failed.store(true, Ordering::SeqCst);
-                        return;
-                    }
-                };
-                loop {
-                    if let Err(error) =
-                        projector::fetch_records(self.log.as_ref(), wanted.drain(..), &mut fetched)
-                            .await
-                    {
-                        // A log read failed (the record itself is durable): retry.
-                        tracing::error!(%error, partition, "reading records for apply failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        continue;
-                    }
-                    let store = self.store.clone();
-                    let apply_lock = self.apply_lock.clone();
-                    let shared_chunk = chunk.clone();
-                    let shared_fetched = std::mem::take(&mut fetched);
-                    let result = tokio::task::spawn_blocking(move || {
-                        let mut state = apply_lock
-                            .lock()
-                            .unwrap_or_else(|poisoned| poisoned.into_inner());
-                        let outcome = projector::apply_chunk(
-                            store.as_ref(),
-                            &mut state,
-                            &shared_chunk,
-                            &shared_fetched,
-                        );
-                        (shared_fetched, outcome)
-                    })
-                    .await;
-                    let (returned, outcome) = match result {
-                        Ok(pair) => pair,
-                        Err(join_error) => {
-                            tracing::error!(%join_error, "projector task panicked");
-                            self.failed.store(true, Ordering::SeqCst);
-                            return;
-                        }
-                    };
-                    fetched = returned;
-                    match outcome {
-                        Ok(applied) => {
-                            self.after_apply(applied);
-                            break;
-                        }
-                        Err(EngineError::RecordsNeeded(more)) => wanted = more,
-                        Err(EngineError::NotYetProjected) => {
-                            tokio::time::sleep(Duration::from_millis(NOT_YET_PROJECTED_RETRY_MS))
-                                .await;
-                        }
-                        Err(error) => {
-                            tracing::error!(%error, partition, "projector stopped: a record could not be applied");
-                            self.failed.store(true, Ordering::SeqCst);
-                            return;
-                        }
-                    }
-                }
-                self.metrics
-                    .records_applied
-                    .fetch_add(count as u64, Ordering::Relaxed);
-                self.note_applied(partition, next_offset);
-                self.applied[partition as usize].send_replace(next_offset);
-                self.update_readiness();
-            }
-            if kafka && last_commit.elapsed() >= Duration::from_millis(KAFKA_COMMIT_INTERVAL_MS) {
-                let next = *self.applied[partition as usize].borrow();
-                if next > committed {
-                    // Commit only what is durable in the projection.
-                    match self.store.flush() {
-                        Ok(()) => match self.log.commit(PROJECTOR_GROUP, partition, next).await {
-                            Ok(()) => committed = next,
-                            Err(error) => tracing::warn!(%error, "kafka offset commit failed"),
-                        },
-                        Err(error) => tracing::warn!(%error, "projection flush failed"),
-                    }
-                }
-                last_commit = Instant::now();
-            }
-        }
+        self.runtime.start(self.clone(), shutdown)
     }
 
     /// Updates the caches from a committed chunk. Runs before waiters are woken, so

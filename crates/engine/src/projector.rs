@@ -366,44 +366,6 @@ pub fn apply_chunk_in_memory(
     })
 }
 
-/// Fetches the records a chunk needs from the log.
-pub async fn fetch_records(
-    log: &dyn tally_log::Log,
-    wanted: impl IntoIterator<Item = (u32, u64)>,
-    fetched: &mut Fetched,
-) -> Result<(), EngineError> {
-    for (partition, offset) in wanted {
-        if fetched.contains_key(&(partition, offset)) {
-            continue;
-        }
-        let batch = match log.read_at(partition, offset).await? {
-            Some(entry) => StoredBatch::decode(&entry.payload)?.map(Arc::new),
-            None => None,
-        };
-        fetched.insert((partition, offset), batch);
-    }
-    Ok(())
-}
-
-/// Plans, fetches from `log` and applies one chunk; retries while apply names
-/// records it was not given (another partition's chunk committed in between).
-pub async fn apply_chunk_from_log(
-    log: &dyn tally_log::Log,
-    store: &dyn ProjectionStore,
-    state: &mut ProjectorState,
-    chunk: &DecodedChunk,
-) -> Result<Applied, EngineError> {
-    let mut fetched = Fetched::new();
-    let wanted = plan_chunk(store, &state.index, chunk)?;
-    fetch_records(log, wanted, &mut fetched).await?;
-    loop {
-        match apply_chunk(store, state, chunk, &fetched) {
-            Err(EngineError::RecordsNeeded(more)) => fetch_records(log, more, &mut fetched).await?,
-            other => return other,
-        }
-    }
-}
-
 /// Deletes the `F` rows received before the retention cut of `received_ms` (whole
 /// hours; the cut reached is stored, so live, restarted and replayed projections
 /// prune at the same records). Runs between records, never rolled back.
@@ -885,26 +847,98 @@ fn backfill_rescan(
     Ok(())
 }
 
+/// The projection over one store, as the runtime drives it (tally-runtime): decode,
+/// plan, fetch and apply; the engine adds its caches in `after_commit`, a replay
+/// needs nothing more.
+pub struct StoreProjection {
+    store: Arc<dyn ProjectionStore>,
+    state: std::sync::Mutex<ProjectorState>,
+}
+
+impl std::fmt::Debug for StoreProjection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreProjection").finish()
+    }
+}
+
+impl StoreProjection {
+    /// The projection over `store`, its event index loaded into `index`.
+    pub fn load(
+        store: Arc<dyn ProjectionStore>,
+        index: Arc<EventIndex>,
+    ) -> Result<StoreProjection, EngineError> {
+        let state = ProjectorState::load(store.as_ref(), index)?;
+        Ok(StoreProjection {
+            store,
+            state: std::sync::Mutex::new(state),
+        })
+    }
+}
+
+impl tally_runtime::Projection for StoreProjection {
+    type Chunk = DecodedChunk;
+    type Fetched = Fetched;
+    type Applied = Applied;
+
+    fn decode(&self, entries: Vec<LogEntry>) -> DecodedChunk {
+        DecodedChunk::new(entries)
+    }
+
+    fn plan(&self, chunk: &DecodedChunk) -> Result<Vec<(u32, u64)>, String> {
+        let index = self
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .index
+            .clone();
+        plan_chunk(self.store.as_ref(), &index, chunk)
+            .map(|wanted| wanted.into_iter().collect())
+            .map_err(|error| error.to_string())
+    }
+
+    fn add_fetched(
+        &self,
+        fetched: &mut Fetched,
+        partition: u32,
+        offset: u64,
+        entry: Option<LogEntry>,
+    ) -> Result<(), String> {
+        let batch = match entry {
+            Some(entry) => StoredBatch::decode(&entry.payload)
+                .map_err(|error| error.to_string())?
+                .map(Arc::new),
+            None => None,
+        };
+        fetched.insert((partition, offset), batch);
+        Ok(())
+    }
+
+    fn apply(
+        &self,
+        chunk: &DecodedChunk,
+        fetched: &Fetched,
+    ) -> Result<Applied, tally_runtime::ApplyFailure> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        apply_chunk(self.store.as_ref(), &mut state, chunk, fetched).map_err(|error| match error {
+            EngineError::RecordsNeeded(more) => tally_runtime::ApplyFailure::NeedRecords(more),
+            EngineError::NotYetProjected => tally_runtime::ApplyFailure::NotYet,
+            other => tally_runtime::ApplyFailure::Fatal(other.to_string()),
+        })
+    }
+
+    fn after_commit(&self, _: Applied, _: tally_runtime::Committed) {}
+}
+
 /// Applies the whole log of one partition into `store` (replay and tests), from
-/// the position the store holds.
+/// the position the store holds, through the runtime's replay.
 pub async fn replay_partition(
     log: &dyn tally_log::Log,
     store: Arc<dyn ProjectionStore>,
     partition: u32,
-    mut progress: impl FnMut(u64, u64),
+    progress: impl FnMut(u64, u64),
 ) -> Result<u64, EngineError> {
-    let end = log.end_offset(partition).await?;
-    let from = store.position(partition)?;
-    let mut state = ProjectorState::load(store.as_ref(), Arc::new(EventIndex::default()))?;
-    let mut range =
-        tally_log::RangeReader::open(log, partition, from, end, crate::APPLY_CHUNK_MAX_RECORDS)
-            .await?;
-    let mut records = 0u64;
-    while let Some(entries) = range.next_chunk().await? {
-        records += entries.len() as u64;
-        let chunk = DecodedChunk::new(entries);
-        apply_chunk_from_log(log, store.as_ref(), &mut state, &chunk).await?;
-        progress(chunk.entries.last().map_or(end, |e| e.next_offset), end);
-    }
-    Ok(records)
+    let projection = StoreProjection::load(store.clone(), Arc::new(EventIndex::default()))?;
+    tally_runtime::replay_partition(log, store.as_ref(), &projection, partition, progress)
+        .await
+        .map_err(EngineError::from)
 }

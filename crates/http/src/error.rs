@@ -162,7 +162,7 @@ impl From<EngineError> for ApiError {
                 tracing::error!(error = %inner, "projection store failure");
                 ApiError::internal("internal error; it has been logged")
             }
-            EngineError::Corrupt(inner) => {
+            EngineError::Corrupt(inner) | EngineError::Runtime(inner) => {
                 tracing::error!(error = %inner, "corrupt data");
                 ApiError::internal("internal error; it has been logged")
             }

@@ -848,7 +848,10 @@ async fn event_listing_walks_batches_in_both_directions() {
     assert_eq!(walked, newest_first);
     // Backward from the oldest: the newer neighbours, still newest first.
     let before = api
-        .get(&format!("/v1/events?limit=4&ending_before={}", newest_first[7]))
+        .get(&format!(
+            "/v1/events?limit=4&ending_before={}",
+            newest_first[7]
+        ))
         .await;
     assert_eq!(ids(&before.body), newest_first[3..7].to_vec());
     assert_eq!(before.body["has_more"], true);
@@ -869,6 +872,9 @@ async fn event_listing_walks_batches_in_both_directions() {
         "starting_after"
     );
     let one = api.get("/v1/events/b0e0").await;
-    assert_eq!(one.body["customer_id"], a, "the first event with the id is kept");
+    assert_eq!(
+        one.body["customer_id"], a,
+        "the first event with the id is kept"
+    );
     server.stop().await;
 }

@@ -1,0 +1,462 @@
+//! The projection runtime: what every projection needs from the log, and nothing
+//! of what a projection means (ARCHITECTURE.md, "tally-runtime").
+//!
+//! One task per partition tails the log from the position the projection store
+//! holds and hands each chunk of records to the registered [`Projection`] in three
+//! steps, as TigerBeetle's state machine does:
+//! 1. **prefetch**: the projection names the log records its apply will read back
+//!    (`plan`), and the runtime fetches them from the log (`Log::read_at`), without
+//!    holding the apply lock;
+//! 2. **apply**: deterministic, one chunk at a time whatever its partition (chunks of
+//!    different partitions may touch the same state); the projection commits the
+//!    chunk with the positions it reaches. Apply may ask for more records (another
+//!    partition's chunk committed in between) or to wait (a record of another
+//!    partition it depends on is not applied yet); the runtime does both and retries;
+//! 3. **after-commit**: the projection updates what it serves from memory, then the
+//!    runtime moves the partition's watermark, which wakes writers waiting for their
+//!    record (read-your-writes).
+//!
+//! It also keeps readiness (caught up with where the log ended at start-up), stops
+//! on failure (a corrupt log, a failed commit: fail-stop, never skip), lets an idle
+//! write-back store checkpoint, commits Kafka group offsets once the projection is
+//! flushed, and replays a partition into a store (`replay_partition`).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tally_log::{Log, LogEntry, LogError};
+use tally_projection::{ProjectionStore, StoreError};
+use tokio::sync::watch;
+
+/// Records handed to a projection at once: large enough to amortize the commit, small
+/// enough that read-your-writes waits stay short.
+pub const CHUNK_MAX_RECORDS: usize = 32;
+/// How long a tailing read waits for records before the idle work (checkpoint tick).
+pub const TAIL_WAIT_MS: u64 = 200;
+/// Pause before retrying a chunk whose apply waits for another partition.
+pub const WAIT_RETRY_MS: u64 = 20;
+/// Pause before reopening a reader after a passing log failure.
+pub const READ_RETRY_MS: u64 = 500;
+/// Kafka mode: how often the projection is flushed and the group offsets committed.
+pub const KAFKA_COMMIT_INTERVAL_MS: u64 = 1_000;
+/// Consumer group name the runtime commits under (Kafka).
+pub const PROJECTOR_GROUP: &str = "tally-projector";
+
+/// Why a chunk was not applied; the runtime retries the first two.
+#[derive(Debug)]
+pub enum ApplyFailure {
+    /// Apply reads records it was not given: fetch these and retry.
+    NeedRecords(Vec<(u32, u64)>),
+    /// Apply depends on a record of another partition not applied yet: retry shortly.
+    NotYet,
+    /// The projection cannot go on (storage failure, corrupt state): stop.
+    Fatal(String),
+}
+
+/// What the runtime knows about a committed chunk.
+#[derive(Debug, Clone, Copy)]
+pub struct Committed {
+    pub partition: u32,
+    /// Where the partition's next record starts: the new watermark.
+    pub next_offset: u64,
+    pub records: usize,
+}
+
+/// A projection the runtime drives. `apply` is called from a blocking thread, one
+/// chunk at a time; everything else from the partition's task.
+pub trait Projection: Send + Sync + 'static {
+    /// A chunk of entries, decoded once.
+    type Chunk: Send + Sync + 'static;
+    /// Records fetched for a chunk.
+    type Fetched: Default + Send + 'static;
+    /// What a committed chunk changed, for `after_commit`.
+    type Applied: Send + 'static;
+
+    fn decode(&self, entries: Vec<LogEntry>) -> Self::Chunk;
+    /// The positions of the records apply will read back (prefetch).
+    fn plan(&self, chunk: &Self::Chunk) -> Result<Vec<(u32, u64)>, String>;
+    /// Adds a fetched record (`None`: the log holds none there) to `fetched`.
+    fn add_fetched(
+        &self,
+        fetched: &mut Self::Fetched,
+        partition: u32,
+        offset: u64,
+        entry: Option<LogEntry>,
+    ) -> Result<(), String>;
+    /// Applies the chunk and commits it with its positions. Deterministic: a pure
+    /// function of the records, the projection and what was fetched.
+    fn apply(
+        &self,
+        chunk: &Self::Chunk,
+        fetched: &Self::Fetched,
+    ) -> Result<Self::Applied, ApplyFailure>;
+    /// After the commit, before the watermark moves.
+    fn after_commit(&self, applied: Self::Applied, committed: Committed);
+}
+
+/// Why waiting for a record failed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WaitError {
+    #[error("the projector stopped")]
+    Failed,
+    #[error("timed out waiting for the projection")]
+    Timeout,
+}
+
+/// Watermarks, readiness and the failure flag of the projection tasks, over one log
+/// and one projection store.
+pub struct Runtime {
+    log: Arc<dyn Log>,
+    store: Arc<dyn ProjectionStore>,
+    applied: Vec<watch::Sender<u64>>,
+    startup_end: Vec<u64>,
+    ready: AtomicBool,
+    failed: AtomicBool,
+    /// One chunk is applied at a time, whatever its partition.
+    apply_lock: Arc<std::sync::Mutex<()>>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("log", &self.log.kind())
+            .finish()
+    }
+}
+
+impl Runtime {
+    /// A runtime starting from the positions `store` holds; readiness waits for the
+    /// ends the log has now.
+    pub async fn new(
+        log: Arc<dyn Log>,
+        store: Arc<dyn ProjectionStore>,
+    ) -> Result<Runtime, RuntimeError> {
+        let mut applied = Vec::new();
+        let mut startup_end = Vec::new();
+        for partition in 0..log.partition_count() {
+            applied.push(watch::channel(store.position(partition)?).0);
+            startup_end.push(log.end_offset(partition).await?);
+        }
+        let runtime = Runtime {
+            log,
+            store,
+            applied,
+            startup_end,
+            ready: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            apply_lock: Arc::new(std::sync::Mutex::new(())),
+        };
+        runtime.update_readiness();
+        Ok(runtime)
+    }
+
+    /// Where the log ended on `partition` at start-up.
+    pub fn startup_end(&self, partition: u32) -> u64 {
+        self.startup_end[partition as usize]
+    }
+
+    /// The partition's watermark: every record below it is applied and readable.
+    pub fn applied(&self, partition: u32) -> u64 {
+        *self.applied[partition as usize].borrow()
+    }
+
+    /// Caught up with where the log ended at start-up (once true, stays true).
+    pub fn is_caught_up(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    pub fn has_failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    fn fail(&self, partition: u32, why: &str) {
+        tracing::error!(partition, "projector stopped: {why}");
+        self.failed.store(true, Ordering::SeqCst);
+    }
+
+    fn update_readiness(&self) {
+        let caught_up = self
+            .applied
+            .iter()
+            .zip(&self.startup_end)
+            .all(|(applied, end)| *applied.borrow() >= *end);
+        if caught_up {
+            self.ready.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Waits until the record at `offset` of `partition` is applied, at most `wait`;
+    /// gives up at once when the projector has stopped (it never will be applied).
+    pub async fn wait_applied(
+        &self,
+        partition: u32,
+        offset: u64,
+        wait: Duration,
+    ) -> Result<(), WaitError> {
+        let mut applied = self.applied[partition as usize].subscribe();
+        let deadline = Instant::now() + wait;
+        loop {
+            if self.has_failed() {
+                return Err(WaitError::Failed);
+            }
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(500));
+            if slice.is_zero() {
+                return Err(WaitError::Timeout);
+            }
+            if let Ok(Ok(_)) =
+                tokio::time::timeout(slice, applied.wait_for(|next| *next > offset)).await
+            {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Waits until `partition` is applied up to `end` (exclusive), at most `wait`.
+    pub async fn wait_reached(
+        &self,
+        partition: u32,
+        end: u64,
+        wait: Duration,
+    ) -> Result<(), WaitError> {
+        if end == 0 {
+            return Ok(());
+        }
+        self.wait_applied(partition, end - 1, wait).await
+    }
+
+    /// Starts one task per partition driving `projection`; they stop when `shutdown`
+    /// turns true.
+    pub fn start<P: Projection>(
+        self: &Arc<Self>,
+        projection: Arc<P>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..self.log.partition_count())
+            .map(|partition| {
+                let runtime = self.clone();
+                let projection = projection.clone();
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move { runtime.tail(partition, projection, shutdown).await })
+            })
+            .collect()
+    }
+
+    async fn tail<P: Projection>(
+        self: Arc<Self>,
+        partition: u32,
+        projection: Arc<P>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        let kafka = self.log.kind() == "kafka";
+        let mut last_commit = Instant::now();
+        let mut committed = 0u64;
+        let mut reader = None;
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            let next = self.applied(partition);
+            if reader.is_none() {
+                match self.log.reader(partition, next).await {
+                    Ok(r) => reader = Some(r),
+                    Err(error) => {
+                        tracing::error!(%error, partition, "cannot open log reader; retrying");
+                        tokio::time::sleep(Duration::from_millis(READ_RETRY_MS)).await;
+                        continue;
+                    }
+                }
+            }
+            let batch = tokio::select! {
+                _ = shutdown.changed() => break,
+                batch = reader.as_mut().expect("opened").next_batch(CHUNK_MAX_RECORDS, Duration::from_millis(TAIL_WAIT_MS)) => batch,
+            };
+            let entries = match batch {
+                Ok(entries) => entries,
+                Err(error) if error.is_corruption() => {
+                    // Acknowledged records are damaged: never skip them (fail-stop).
+                    self.fail(
+                        partition,
+                        &format!("the log is corrupt ({error}); restore it from a backup"),
+                    );
+                    return;
+                }
+                Err(error) => {
+                    tracing::error!(%error, partition, "log read failed; reopening the reader");
+                    reader = None;
+                    tokio::time::sleep(Duration::from_millis(READ_RETRY_MS)).await;
+                    continue;
+                }
+            };
+            if entries.is_empty() {
+                // Idle: write back what a write-back store holds once it is due, so a
+                // quiet projection does not keep a restart's replay long.
+                let store = self.store.clone();
+                let ticked = tokio::task::spawn_blocking(move || store.tick()).await;
+                if !matches!(ticked, Ok(Ok(()))) {
+                    self.fail(partition, "the projection checkpoint could not be written");
+                    return;
+                }
+            } else if let Err(why) = self.apply(partition, &projection, entries).await {
+                self.fail(partition, &why);
+                return;
+            }
+            if kafka && last_commit.elapsed() >= Duration::from_millis(KAFKA_COMMIT_INTERVAL_MS) {
+                let next = self.applied(partition);
+                if next > committed {
+                    // Commit only what is durable in the projection.
+                    match self.store.flush() {
+                        Ok(()) => match self.log.commit(PROJECTOR_GROUP, partition, next).await {
+                            Ok(()) => committed = next,
+                            Err(error) => tracing::warn!(%error, "kafka offset commit failed"),
+                        },
+                        Err(error) => tracing::warn!(%error, "projection flush failed"),
+                    }
+                }
+                last_commit = Instant::now();
+            }
+        }
+    }
+
+    /// Prefetches, applies and commits one chunk, then moves the watermark.
+    async fn apply<P: Projection>(
+        &self,
+        partition: u32,
+        projection: &Arc<P>,
+        entries: Vec<LogEntry>,
+    ) -> Result<(), String> {
+        let records = entries.len();
+        let next_offset = entries.last().map_or(0, |e| e.next_offset);
+        let chunk = Arc::new(projection.decode(entries));
+        let mut fetched = P::Fetched::default();
+        let mut wanted = projection.plan(&chunk)?;
+        loop {
+            if let Err(error) = fetch(
+                self.log.as_ref(),
+                projection.as_ref(),
+                &mut fetched,
+                &wanted,
+            )
+            .await
+            {
+                // The records are durable; a read that failed is retried.
+                tracing::error!(%error, partition, "reading records for apply failed; retrying");
+                tokio::time::sleep(Duration::from_millis(READ_RETRY_MS)).await;
+                continue;
+            }
+            let (lock, task_projection, task_chunk) =
+                (self.apply_lock.clone(), projection.clone(), chunk.clone());
+            let result = tokio::task::spawn_blocking(move || {
+                let _one_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
+                let outcome = task_projection.apply(&task_chunk, &fetched);
+                (fetched, outcome)
+            })
+            .await;
+            let (returned, outcome) =
+                result.map_err(|join_error| format!("the apply task panicked: {join_error}"))?;
+            fetched = returned;
+            match outcome {
+                Ok(applied) => {
+                    let committed = Committed {
+                        partition,
+                        next_offset,
+                        records,
+                    };
+                    projection.after_commit(applied, committed);
+                    self.applied[partition as usize].send_replace(next_offset);
+                    self.update_readiness();
+                    return Ok(());
+                }
+                Err(ApplyFailure::NeedRecords(more)) => wanted = more,
+                Err(ApplyFailure::NotYet) => {
+                    wanted = Vec::new();
+                    tokio::time::sleep(Duration::from_millis(WAIT_RETRY_MS)).await;
+                }
+                Err(ApplyFailure::Fatal(why)) => {
+                    return Err(format!("a record could not be applied: {why}"))
+                }
+            }
+        }
+    }
+}
+
+/// Fetches the records at `wanted` into `fetched`.
+async fn fetch<P: Projection>(
+    log: &dyn Log,
+    projection: &P,
+    fetched: &mut P::Fetched,
+    wanted: &[(u32, u64)],
+) -> Result<(), RuntimeError> {
+    for (partition, offset) in wanted {
+        let entry = log.read_at(*partition, *offset).await?;
+        projection
+            .add_fetched(fetched, *partition, *offset, entry)
+            .map_err(RuntimeError::Projection)?;
+    }
+    Ok(())
+}
+
+/// What stops a replay or the runtime's set-up.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Projection(String),
+}
+
+/// Applies `partition` of `log` into `projection` from the position `store` holds up
+/// to the log's end now, chunk by chunk through the same prefetch and apply as the
+/// live runtime (replays, audits' catch-up, tests); `progress` gets (reached, end).
+pub async fn replay_partition<P: Projection>(
+    log: &dyn Log,
+    store: &dyn ProjectionStore,
+    projection: &P,
+    partition: u32,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<u64, RuntimeError> {
+    let end = log.end_offset(partition).await?;
+    let from = store.position(partition)?;
+    let mut range =
+        tally_log::RangeReader::open(log, partition, from, end, CHUNK_MAX_RECORDS).await?;
+    let mut records = 0u64;
+    while let Some(entries) = range.next_chunk().await? {
+        records += entries.len() as u64;
+        let next_offset = entries.last().map_or(end, |e| e.next_offset);
+        let count = entries.len();
+        let chunk = projection.decode(entries);
+        let mut fetched = P::Fetched::default();
+        let mut wanted = projection.plan(&chunk).map_err(RuntimeError::Projection)?;
+        loop {
+            fetch(log, projection, &mut fetched, &wanted).await?;
+            match projection.apply(&chunk, &fetched) {
+                Ok(applied) => {
+                    projection.after_commit(
+                        applied,
+                        Committed {
+                            partition,
+                            next_offset,
+                            records: count,
+                        },
+                    );
+                    break;
+                }
+                Err(ApplyFailure::NeedRecords(more)) => wanted = more,
+                // A replay runs partition by partition: what another partition holds
+                // is there already or never will be.
+                Err(ApplyFailure::NotYet) => {
+                    return Err(RuntimeError::Projection(format!(
+                        "partition {partition} depends on a record of another partition that is not applied"
+                    )))
+                }
+                Err(ApplyFailure::Fatal(why)) => return Err(RuntimeError::Projection(why)),
+            }
+        }
+        progress(next_offset, end);
+    }
+    Ok(records)
+}
