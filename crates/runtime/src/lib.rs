@@ -147,7 +147,7 @@ impl Runtime {
             failed: AtomicBool::new(false),
             apply_lock: Arc::new(std::sync::Mutex::new(())),
         };
-        runtime.update_readiness();
+        runtime.update_readiness(None);
         Ok(runtime)
     }
 
@@ -175,12 +175,19 @@ impl Runtime {
         self.failed.store(true, Ordering::SeqCst);
     }
 
-    fn update_readiness(&self) {
-        let caught_up = self
-            .applied
-            .iter()
-            .zip(&self.startup_end)
-            .all(|(applied, end)| *applied.borrow() >= *end);
+    /// Notes readiness, with `moving` (partition, new watermark) counted as reached:
+    /// readiness is set before a watermark is published, so whoever the new
+    /// watermark wakes sees it.
+    fn update_readiness(&self, moving: Option<(u32, u64)>) {
+        let caught_up = self.applied.iter().zip(&self.startup_end).enumerate().all(
+            |(partition, (applied, end))| {
+                let reached = match moving {
+                    Some((p, next)) if p as usize == partition => next,
+                    _ => *applied.borrow(),
+                };
+                reached >= *end
+            },
+        );
         if caught_up {
             self.ready.store(true, Ordering::SeqCst);
         }
@@ -365,8 +372,8 @@ impl Runtime {
                         records,
                     };
                     projection.after_commit(applied, committed);
+                    self.update_readiness(Some((partition, next_offset)));
                     self.applied[partition as usize].send_replace(next_offset);
-                    self.update_readiness();
                     return Ok(());
                 }
                 Err(ApplyFailure::NeedRecords(more)) => wanted = more,
