@@ -1,5 +1,5 @@
 //! The ledger audit: replays every credits record from the log, independently of the
-//! projector, and checks the ledger's invariants (issue 4, `tally ledger verify`):
+//! projector, and checks the ledger's invariants (`tally ledger verify`):
 //! every transaction's entries sum to zero, no customer account's balance is ever
 //! negative, and the projected balances equal the replayed ones. It also feeds
 //! `tally ledger export`.

@@ -21,7 +21,7 @@ use crate::overlay::Overlay;
 use crate::pagination::collect_prefix;
 use crate::{Engine, Scope};
 
-/// 43 base62 characters: more than 32 random bytes (issue 5).
+/// 43 base62 characters: more than 32 random bytes (docs/api.md, webhook secrets).
 pub const SECRET_RANDOM_CHARS: usize = 43;
 /// Endpoints per store and environment (each event is matched against all of them).
 pub const MAX_ENDPOINTS_PER_SCOPE: usize = 100;

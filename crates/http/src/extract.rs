@@ -14,7 +14,7 @@ use tally_domain::FieldError;
 
 use crate::error::ApiError;
 
-/// Largest request body (issue 2: 1 MiB). A full ingest batch of realistic events is
+/// Largest request body (1 MiB, docs/api.md). A full ingest batch of realistic events is
 /// ~100 KiB; this leaves room while bounding per-request memory.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 
