@@ -259,6 +259,10 @@ impl Log for KafkaLog {
         "kafka"
     }
 
+    fn keeps_consumer_offsets(&self) -> bool {
+        true
+    }
+
     fn partition_count(&self) -> u32 {
         self.config.partitions
     }

@@ -130,6 +130,13 @@ pub trait Log: Send + Sync + 'static {
         Ok(entries.into_iter().next().filter(|e| e.offset == offset))
     }
 
+    /// Whether consumers keep their progress in the log (`commit`) for others to read:
+    /// Kafka consumer groups do; the embedded log's single process needs no commit
+    /// cadence (its consumer's position lives in the projection).
+    fn keeps_consumer_offsets(&self) -> bool {
+        false
+    }
+
     /// Why the log cannot take appends now, if it cannot (a poisoned embedded log
     /// after a failed write or fsync, a fatal producer error). Cheap: no I/O, so
     /// readiness probes and the write gate may call it on every request.

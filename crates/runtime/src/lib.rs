@@ -257,7 +257,7 @@ impl Runtime {
         projection: Arc<P>,
         mut shutdown: watch::Receiver<bool>,
     ) {
-        let kafka = self.log.kind() == "kafka";
+        let commits_offsets = self.log.keeps_consumer_offsets();
         let mut last_commit = Instant::now();
         let mut committed = 0u64;
         let mut reader = None;
@@ -310,7 +310,9 @@ impl Runtime {
                 self.fail(partition, &why);
                 return;
             }
-            if kafka && last_commit.elapsed() >= Duration::from_millis(KAFKA_COMMIT_INTERVAL_MS) {
+            if commits_offsets
+                && last_commit.elapsed() >= Duration::from_millis(KAFKA_COMMIT_INTERVAL_MS)
+            {
                 let next = self.applied(partition);
                 if next > committed {
                     // Commit only what is durable in the projection.
