@@ -23,6 +23,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use dashmap::mapref::entry::Entry;
+use dashmap::DashMap;
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::usage::{validate_event, CustomerRef, RawUsageEvent, UsageEvent, ValidatedEvent};
@@ -127,10 +128,68 @@ enum Evaluation {
     Ingest,
 }
 
-struct Evaluated {
+struct Evaluated<'a> {
     reports: Vec<EventReport>,
     accepted: Vec<UsageEvent>,
-    reservations: Vec<String>,
+    reservations: Reservations<'a>,
+}
+
+/// An event that passed validation and customer resolution, before dedup.
+struct Candidate {
+    event: ValidatedEvent,
+    customer_id: String,
+    event_id: String,
+    /// The service assigned the id (such events are never duplicates).
+    assigned: bool,
+}
+
+/// The in-flight reservations one ingest request made. Dropping it releases them
+/// (an error, a failed append, a client that went away mid-request), so an id is
+/// never left reserved with nothing appended; once the batch is appended,
+/// `hand_over` leaves them to the projector, which releases them when it applies the
+/// record.
+struct Reservations<'a> {
+    inflight: &'a DashMap<String, u64>,
+    keys: Vec<String>,
+}
+
+impl<'a> Reservations<'a> {
+    fn new(inflight: &'a DashMap<String, u64>) -> Self {
+        Reservations {
+            inflight,
+            keys: Vec::new(),
+        }
+    }
+
+    /// Reserves `key` unless it is in flight already; returns the fingerprint of the
+    /// reservation holding it, if another does.
+    fn reserve(&mut self, key: &str, print: u64) -> Option<u64> {
+        match self.inflight.entry(key.to_string()) {
+            Entry::Occupied(inflight) => Some(*inflight.get()),
+            Entry::Vacant(slot) => {
+                slot.insert(print);
+                self.keys.push(key.to_string());
+                None
+            }
+        }
+    }
+
+    fn release(&mut self, key: &str) {
+        self.inflight.remove(key);
+        self.keys.retain(|k| k != key);
+    }
+
+    fn hand_over(mut self) {
+        self.keys.clear();
+    }
+}
+
+impl Drop for Reservations<'_> {
+    fn drop(&mut self) {
+        for key in &self.keys {
+            self.inflight.remove(key);
+        }
+    }
 }
 
 /// Filters of `GET /v1/events`.
@@ -389,7 +448,7 @@ impl Engine {
         scope: &Scope,
         raws: &[Result<RawUsageEvent, FieldError>],
         evaluation: Evaluation,
-    ) -> Result<Evaluated, EngineError> {
+    ) -> Result<Evaluated<'_>, EngineError> {
         let now = self.now_ms();
         let meters = self
             .caches()
@@ -407,8 +466,7 @@ impl Engine {
         };
         // Phase 1: validate, resolve and match every event; nothing is reserved yet.
         let mut reports = Vec::with_capacity(raws.len());
-        let mut candidates: Vec<Option<(ValidatedEvent, String, String, bool)>> =
-            Vec::with_capacity(raws.len());
+        let mut candidates: Vec<Option<Candidate>> = Vec::with_capacity(raws.len());
         for (index, raw) in raws.iter().enumerate() {
             let mut report = EventReport {
                 valid: false,
@@ -483,7 +541,12 @@ impl Engine {
             report.customer_id = Some(customer_id.clone());
             report.matched_meters = matched.iter().map(|m| m.id.clone()).collect();
             reports.push(report);
-            candidates.push(Some((validated, customer_id, event_id, assigned)));
+            candidates.push(Some(Candidate {
+                event: validated,
+                customer_id,
+                event_id,
+                assigned,
+            }));
         }
         if evaluation == Evaluation::Ingest {
             if let Some(error) = reports.iter().find_map(|r| r.error.clone()) {
@@ -491,8 +554,9 @@ impl Engine {
             }
         }
         // Phase 2: dedup (and, for ingest, reserve) in batch order: the first wins.
-        let mut reservations = Vec::new();
-        match self
+        // On an error the reservations are dropped, which releases them.
+        let mut reservations = Reservations::new(&self.caches().inflight_events);
+        let accepted = self
             .dedup_batch(
                 scope,
                 &mut reports,
@@ -501,36 +565,33 @@ impl Engine {
                 now,
                 &mut reservations,
             )
-            .await
-        {
-            Ok(accepted) => Ok(Evaluated {
-                reports,
-                accepted,
-                reservations,
-            }),
-            Err(error) => {
-                // A store failure mid-way must not leave ids reserved forever.
-                for key in &reservations {
-                    self.caches().inflight_events.remove(key);
-                }
-                Err(error)
-            }
-        }
+            .await?;
+        Ok(Evaluated {
+            reports,
+            accepted,
+            reservations,
+        })
     }
 
     async fn dedup_batch(
         &self,
         scope: &Scope,
         reports: &mut [EventReport],
-        candidates: Vec<Option<(ValidatedEvent, String, String, bool)>>,
+        candidates: Vec<Option<Candidate>>,
         evaluation: Evaluation,
         now: i64,
-        reservations: &mut Vec<String>,
+        reservations: &mut Reservations<'_>,
     ) -> Result<Vec<UsageEvent>, EngineError> {
         let mut accepted = Vec::new();
         let mut in_batch: HashMap<String, u64> = HashMap::new();
         for (report, candidate) in reports.iter_mut().zip(candidates) {
-            let Some((validated, customer_id, event_id, assigned)) = candidate else {
+            let Some(Candidate {
+                event: validated,
+                customer_id,
+                event_id,
+                assigned,
+            }) = candidate
+            else {
                 continue;
             };
             let print = fingerprint(&validated, &customer_id);
@@ -546,14 +607,7 @@ impl Engine {
                 // index before its reservation is released, so the lookup sees it.
                 let inflight = match evaluation {
                     Evaluation::Preview => self.caches().inflight_events.get(&key).map(|p| *p),
-                    Evaluation::Ingest => match self.caches().inflight_events.entry(key.clone()) {
-                        Entry::Occupied(inflight) => Some(*inflight.get()),
-                        Entry::Vacant(slot) => {
-                            slot.insert(print);
-                            reservations.push(key.clone());
-                            None
-                        }
-                    },
+                    Evaluation::Ingest => reservations.reserve(&key, print),
                 };
                 let duplicate_of = match inflight {
                     Some(inflight) => Some(inflight != print),
@@ -564,8 +618,7 @@ impl Engine {
                 };
                 if let Some(differs) = duplicate_of {
                     if inflight.is_none() && evaluation == Evaluation::Ingest {
-                        self.caches().inflight_events.remove(&key);
-                        reservations.retain(|k| *k != key);
+                        reservations.release(&key);
                     }
                     duplicate_warnings(report, differs);
                     continue;
@@ -629,15 +682,13 @@ impl Engine {
                     mode: scope.mode,
                     events,
                 };
-                if let Err(error) = self.append(&record).await {
-                    // Not durable: release the reservations so a retry is accepted.
-                    for key in &evaluated.reservations {
-                        self.caches().inflight_events.remove(key);
-                    }
-                    return Err(error);
-                }
+                // On an error, returning drops the reservations: nothing durable
+                // holds the ids, so a retry is accepted (and if the outcome was in fact
+                // written, apply keeps the first in log order).
+                self.append(&record).await?;
             }
         }
+        evaluated.reservations.hand_over();
         self.metrics
             .events_accepted
             .fetch_add(accepted as u64, Ordering::Relaxed);

@@ -440,6 +440,8 @@ struct FailingLog {
 const HEALTHY: u8 = 0;
 const NOT_WRITTEN: u8 = 1;
 const UNKNOWN: u8 = 2;
+/// Appends never finish (a hung disk or broker).
+const STALLED: u8 = 3;
 
 #[async_trait::async_trait]
 impl tally_log::Log for FailingLog {
@@ -455,6 +457,7 @@ impl tally_log::Log for FailingLog {
             UNKNOWN => Err(tally_log::LogError::Io(std::io::Error::other(
                 "injected append failure",
             ))),
+            STALLED => std::future::pending().await,
             _ => self.inner.append(key, payload).await,
         }
     }
@@ -587,5 +590,74 @@ async fn failed_appends_answer_503_and_lose_nothing_acknowledged() {
         "exactly the accepted events: {}",
         usage.body
     );
+    server.stop().await;
+}
+
+/// An ingest request dropped while its append hangs (its client went away, a timeout
+/// fired) leaves no event id reserved: the same events sent again are accepted, not
+/// reported as duplicates of events that were never written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_ingest_leaves_no_id_reserved() {
+    let (_guard, dir) = temp_dir();
+    let failing = Arc::new(std::sync::atomic::AtomicU8::new(HEALTHY));
+    let flag = failing.clone();
+    let server = Server::start_with_faults(
+        &dir,
+        default_config(),
+        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
+        move |inner| {
+            Arc::new(FailingLog {
+                inner,
+                failing: flag,
+            })
+        },
+        |sled| Arc::new(CheckpointStore::new(sled)),
+    )
+    .await;
+    let keys = create_store(&server, "s").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let customer_id = customer(&api).await;
+    let scope = server
+        .engine
+        .caches()
+        .api_keys
+        .iter()
+        .map(|entry| entry.value().clone())
+        .find(|scope| scope.mode == tally_domain::Mode::Test)
+        .unwrap();
+    let raw = |id: &str| {
+        Ok(tally_domain::usage::RawUsageEvent {
+            name: Some("call".into()),
+            customer_id: Some(customer_id.clone()),
+            external_customer_id: None,
+            event_id: Some(id.into()),
+            timestamp: None,
+            properties: Vec::new(),
+        })
+    };
+    failing.store(STALLED, Ordering::SeqCst);
+    let raws = vec![raw("gone-1"), raw("gone-2")];
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(300),
+        server.engine.ingest_events(&scope, &raws),
+    )
+    .await;
+    assert!(
+        abandoned.is_err(),
+        "the append hangs, so the request is dropped"
+    );
+    failing.store(HEALTHY, Ordering::SeqCst);
+    let sent = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [
+                {"event_id": "gone-1", "name": "call", "customer_id": customer_id},
+                {"event_id": "gone-2", "name": "call", "customer_id": customer_id},
+            ]}),
+        )
+        .await;
+    assert_eq!(sent.status, 202, "{}", sent.body);
+    assert_eq!(sent.body["accepted"], 2, "{}", sent.body);
+    assert_eq!(sent.body["duplicates"], 0, "{}", sent.body);
     server.stop().await;
 }
