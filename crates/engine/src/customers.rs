@@ -8,7 +8,7 @@ use tally_domain::record::Record;
 use crate::codec;
 use crate::error::EngineError;
 use crate::ids::new_id;
-use crate::keys::{self, Key};
+use crate::keys::{self, Key, ListingKey};
 use crate::outcome::Outcome;
 use crate::pagination::{paginate, Cursor, Page, PageRequest};
 use crate::{Engine, Scope};
@@ -102,7 +102,7 @@ impl Engine {
         scope: &Scope,
         page: &PageRequest,
     ) -> Result<Page<Customer>, EngineError> {
-        let prefix = Key::scoped(keys::CUSTOMER_LIST, &scope.store_id, scope.mode).into_bytes();
+        let prefix = ListingKey::prefix(keys::CUSTOMER_LIST, &scope.store_id, scope.mode, None);
         let cursor_key = |id: &str| -> Result<Vec<u8>, EngineError> {
             let customer = self
                 .get_customer(scope, id)
@@ -111,12 +111,15 @@ impl Engine {
                     id: id.to_string(),
                     param: None,
                 })?;
-            Ok(
-                Key::scoped(keys::CUSTOMER_LIST, &scope.store_id, scope.mode)
-                    .int(customer.created_at_ms)
-                    .text(&customer.id)
-                    .into_bytes(),
-            )
+            Ok(ListingKey {
+                table: keys::CUSTOMER_LIST,
+                store_id: scope.store_id.clone(),
+                mode: scope.mode,
+                owner: None,
+                created_at_ms: customer.created_at_ms,
+                id: customer.id.clone(),
+            }
+            .encode())
         };
         let cursor = cursor_from(page, cursor_key)?;
         paginate(
@@ -125,8 +128,7 @@ impl Engine {
             cursor,
             page.limit,
             |key, _| {
-                let (id, _) = keys::read_text(key, prefix.len() + 8)
-                    .ok_or_else(|| EngineError::Corrupt("customer index".into()))?;
+                let id = ListingKey::id_in(&prefix, key)?;
                 self.get_customer(scope, id).map(Some)
             },
         )

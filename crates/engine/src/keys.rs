@@ -146,6 +146,290 @@ pub fn read_text(bytes: &[u8], start: usize) -> Option<(&str, usize)> {
     Some((text, start + end + 1))
 }
 
+/// Reads a key back component by component, in the order `Key` built it: the one
+/// decoder behind every typed key below. Any mismatch is corrupt storage.
+struct KeyReader<'k> {
+    bytes: &'k [u8],
+    at: usize,
+    what: &'static str,
+}
+
+impl<'k> KeyReader<'k> {
+    fn new(bytes: &'k [u8], table: u8, what: &'static str) -> Result<Self, EngineError> {
+        let reader = KeyReader { bytes, at: 1, what };
+        if bytes.first() != Some(&table) {
+            return Err(reader.corrupt());
+        }
+        Ok(reader)
+    }
+
+    fn corrupt(&self) -> EngineError {
+        EngineError::Corrupt(format!("{} does not decode", self.what))
+    }
+
+    fn text(&mut self) -> Result<&'k str, EngineError> {
+        let (text, next) = read_text(self.bytes, self.at).ok_or_else(|| self.corrupt())?;
+        self.at = next;
+        Ok(text)
+    }
+
+    fn mode(&mut self) -> Result<Mode, EngineError> {
+        let byte = *self.bytes.get(self.at).ok_or_else(|| self.corrupt())?;
+        self.at += 1;
+        read_mode(byte, self.what)
+    }
+
+    fn fixed(&mut self) -> Result<[u8; 8], EngineError> {
+        let raw: [u8; 8] = self
+            .bytes
+            .get(self.at..self.at + 8)
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| self.corrupt())?;
+        self.at += 8;
+        Ok(raw)
+    }
+
+    fn int(&mut self) -> Result<i64, EngineError> {
+        Ok(read_int(&self.fixed()?))
+    }
+
+    fn uint(&mut self) -> Result<u64, EngineError> {
+        Ok(u64::from_be_bytes(self.fixed()?))
+    }
+
+    fn end(self) -> Result<(), EngineError> {
+        if self.at == self.bytes.len() {
+            Ok(())
+        } else {
+            Err(self.corrupt())
+        }
+    }
+}
+
+/// A minute bucket of a meter's usage (`A`) or, for `unique`, one distinct value of
+/// it (`U`, the value's type-tagged text last): scope, meter, customer
+/// (`ALL_CUSTOMERS` for the meter-wide bucket), minute.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketKey {
+    pub store_id: String,
+    pub mode: Mode,
+    pub meter_id: String,
+    pub customer: String,
+    pub minute: i64,
+}
+
+impl BucketKey {
+    /// Where the buckets (`table` `A` or `U`) of one meter and customer from
+    /// `minute` on begin: the bounds of a series scan.
+    pub fn from_minute(
+        table: u8,
+        store_id: &str,
+        mode: Mode,
+        meter_id: &str,
+        customer: &str,
+        minute: i64,
+    ) -> Vec<u8> {
+        Key::scoped(table, store_id, mode)
+            .text(meter_id)
+            .text(customer)
+            .int(minute)
+            .into_bytes()
+    }
+
+    /// The prefix of every bucket of one meter (`A`).
+    pub fn meter_prefix(store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8> {
+        Key::scoped(AGGREGATE, store_id, mode)
+            .text(meter_id)
+            .into_bytes()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        BucketKey::from_minute(
+            AGGREGATE,
+            &self.store_id,
+            self.mode,
+            &self.meter_id,
+            &self.customer,
+            self.minute,
+        )
+    }
+
+    pub fn encode_distinct(&self, value: &str) -> Vec<u8> {
+        let mut key = BucketKey::from_minute(
+            UNIQUE,
+            &self.store_id,
+            self.mode,
+            &self.meter_id,
+            &self.customer,
+            self.minute,
+        );
+        key.extend_from_slice(value.as_bytes());
+        key
+    }
+
+    /// A bucket key (`A`), or a distinct-value key (`U`) with its value.
+    pub fn decode(bytes: &[u8]) -> Result<(BucketKey, Option<&[u8]>), EngineError> {
+        let distinct = bytes.first() == Some(&UNIQUE);
+        let table = if distinct { UNIQUE } else { AGGREGATE };
+        let mut key = KeyReader::new(bytes, table, "a usage bucket key")?;
+        let bucket = BucketKey {
+            store_id: key.text()?.to_string(),
+            mode: key.mode()?,
+            meter_id: key.text()?.to_string(),
+            customer: key.text()?.to_string(),
+            minute: key.int()?,
+        };
+        if distinct {
+            Ok((bucket, Some(&bytes[key.at..])))
+        } else {
+            key.end()?;
+            Ok((bucket, None))
+        }
+    }
+}
+
+/// A webhook delivery due over HTTP (`Q`): due time first, so the dispatcher scans
+/// what is due in due order across every store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueKey {
+    pub due_at_ms: i64,
+    pub store_id: String,
+    pub mode: Mode,
+    pub endpoint_id: String,
+    pub event_id: String,
+}
+
+impl DueKey {
+    pub fn encode(&self) -> Vec<u8> {
+        Key::table(WEBHOOK_DUE)
+            .int(self.due_at_ms)
+            .text(&self.store_id)
+            .mode(self.mode)
+            .text(&self.endpoint_id)
+            .text(&self.event_id)
+            .into_bytes()
+    }
+
+    /// Where entries due after `due_at_ms` begin (the end of a "due now" scan).
+    pub fn after(due_at_ms: i64) -> Vec<u8> {
+        Key::table(WEBHOOK_DUE)
+            .int(due_at_ms.saturating_add(1))
+            .into_bytes()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<DueKey, EngineError> {
+        let mut key = KeyReader::new(bytes, WEBHOOK_DUE, "a due-delivery key")?;
+        let due = DueKey {
+            due_at_ms: key.int()?,
+            store_id: key.text()?.to_string(),
+            mode: key.mode()?,
+            endpoint_id: key.text()?.to_string(),
+            event_id: key.text()?.to_string(),
+        };
+        key.end()?;
+        Ok(due)
+    }
+}
+
+/// A webhook delivery waiting for a cli listener (`P`): oldest first by event time,
+/// then log offset, then place within the record, so two events of one ledger step
+/// keep their order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingKey {
+    pub store_id: String,
+    pub mode: Mode,
+    pub endpoint_id: String,
+    pub created_at_ms: i64,
+    pub offset: u64,
+    pub place: u64,
+    pub event_id: String,
+}
+
+impl PendingKey {
+    /// The prefix of one endpoint's pending deliveries.
+    pub fn prefix(store_id: &str, mode: Mode, endpoint_id: &str) -> Vec<u8> {
+        Key::scoped(WEBHOOK_PENDING, store_id, mode)
+            .text(endpoint_id)
+            .into_bytes()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        Key::scoped(WEBHOOK_PENDING, &self.store_id, self.mode)
+            .text(&self.endpoint_id)
+            .int(self.created_at_ms)
+            .uint(self.offset)
+            .uint(self.place)
+            .text(&self.event_id)
+            .into_bytes()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<PendingKey, EngineError> {
+        let mut key = KeyReader::new(bytes, WEBHOOK_PENDING, "a pending-delivery key")?;
+        let pending = PendingKey {
+            store_id: key.text()?.to_string(),
+            mode: key.mode()?,
+            endpoint_id: key.text()?.to_string(),
+            created_at_ms: key.int()?,
+            offset: key.uint()?,
+            place: key.uint()?,
+            event_id: key.text()?.to_string(),
+        };
+        key.end()?;
+        Ok(pending)
+    }
+}
+
+/// An entry of a newest-first listing (`c` customers, `m` meters, `l` credit
+/// accounts, `k` credit accounts per customer): scope, the owner for a per-owner
+/// listing (the customer of `k`), creation time, id. The entry's value is empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListingKey {
+    pub table: u8,
+    pub store_id: String,
+    pub mode: Mode,
+    pub owner: Option<String>,
+    pub created_at_ms: i64,
+    pub id: String,
+}
+
+impl ListingKey {
+    /// The prefix every entry of one listing shares.
+    pub fn prefix(table: u8, store_id: &str, mode: Mode, owner: Option<&str>) -> Vec<u8> {
+        let key = Key::scoped(table, store_id, mode);
+        match owner {
+            Some(owner) => key.text(owner),
+            None => key,
+        }
+        .into_bytes()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut key =
+            ListingKey::prefix(self.table, &self.store_id, self.mode, self.owner.as_deref());
+        key.extend_from_slice(
+            Key::table(0)
+                .int(self.created_at_ms)
+                .text(&self.id)
+                .as_bytes()[1..]
+                .as_ref(),
+        );
+        key
+    }
+
+    /// The id of the entry `key` of the listing whose prefix is `prefix`.
+    pub fn id_in<'k>(prefix: &[u8], key: &'k [u8]) -> Result<&'k str, EngineError> {
+        let corrupt = || EngineError::Corrupt("a listing entry does not decode".into());
+        if !key.starts_with(prefix) || key.len() < prefix.len() + 8 {
+            return Err(corrupt());
+        }
+        let (id, end) = read_text(key, prefix.len() + 8).ok_or_else(corrupt)?;
+        if end != key.len() {
+            return Err(corrupt());
+        }
+        Ok(id)
+    }
+}
+
 /// Where a usage record's stored events are listed (table `F`): by scope, then
 /// receipt time, then log position, so a scope's events list in receipt order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,6 +499,112 @@ mod tests {
         assert!(a < b && b < c);
         assert_eq!(read_int(&b[1..]), 3);
         assert_eq!(read_int(&a[1..]), -5);
+    }
+
+    #[test]
+    fn bucket_keys_round_trip_and_sort_by_minute() {
+        let bucket = BucketKey {
+            store_id: "st_1".into(),
+            mode: Mode::Test,
+            meter_id: "mtr_1".into(),
+            customer: ALL_CUSTOMERS.into(),
+            minute: -2,
+        };
+        assert_eq!(
+            BucketKey::decode(&bucket.encode()).unwrap(),
+            (bucket.clone(), None)
+        );
+        let distinct = bucket.encode_distinct("s:user 1");
+        assert_eq!(
+            BucketKey::decode(&distinct).unwrap(),
+            (bucket.clone(), Some("s:user 1".as_bytes()))
+        );
+        let later = BucketKey {
+            minute: 3,
+            ..bucket.clone()
+        };
+        assert!(bucket.encode() < later.encode());
+        assert!(later
+            .encode()
+            .starts_with(&BucketKey::meter_prefix("st_1", Mode::Test, "mtr_1")));
+        let mut trailing = bucket.encode();
+        trailing.push(0);
+        assert!(BucketKey::decode(&trailing).is_err());
+    }
+
+    #[test]
+    fn delivery_keys_round_trip_and_refuse_garbage() {
+        let due = DueKey {
+            due_at_ms: -7,
+            store_id: "st_1".into(),
+            mode: Mode::Test,
+            endpoint_id: "we_1".into(),
+            event_id: "evt_1".into(),
+        };
+        assert_eq!(DueKey::decode(&due.encode()).unwrap(), due);
+        assert!(due.encode() < DueKey::after(-7));
+        let pending = PendingKey {
+            store_id: "st_1".into(),
+            mode: Mode::Prod,
+            endpoint_id: "we_1".into(),
+            created_at_ms: 42,
+            offset: 9,
+            place: 1,
+            event_id: "evt_2".into(),
+        };
+        assert_eq!(PendingKey::decode(&pending.encode()).unwrap(), pending);
+        assert!(pending
+            .encode()
+            .starts_with(&PendingKey::prefix("st_1", Mode::Prod, "we_1")));
+        let mut bad_mode = due.encode();
+        bad_mode[9 + "st_1".len() + 1] = b'?';
+        assert!(DueKey::decode(&bad_mode).is_err());
+        assert!(DueKey::decode(&pending.encode()).is_err(), "another table");
+        assert!(PendingKey::decode(&pending.encode()[..20]).is_err());
+    }
+
+    #[test]
+    fn listing_keys_round_trip_and_sort_by_creation() {
+        let entry = |created_at_ms, id: &str, owner: Option<&str>| ListingKey {
+            table: CREDIT_ACCOUNT_BY_CUSTOMER,
+            store_id: "st_1".into(),
+            mode: Mode::Prod,
+            owner: owner.map(str::to_string),
+            created_at_ms,
+            id: id.into(),
+        };
+        let older = entry(5, "acct_b", Some("cus_1"));
+        let newer = entry(6, "acct_a", Some("cus_1"));
+        assert!(older.encode() < newer.encode());
+        let prefix = ListingKey::prefix(
+            CREDIT_ACCOUNT_BY_CUSTOMER,
+            "st_1",
+            Mode::Prod,
+            Some("cus_1"),
+        );
+        assert_eq!(
+            ListingKey::id_in(&prefix, &newer.encode()).unwrap(),
+            "acct_a"
+        );
+        let other = ListingKey::prefix(
+            CREDIT_ACCOUNT_BY_CUSTOMER,
+            "st_1",
+            Mode::Prod,
+            Some("cus_2"),
+        );
+        assert!(
+            ListingKey::id_in(&other, &newer.encode()).is_err(),
+            "another owner's entry"
+        );
+        let mut trailing = newer.encode();
+        trailing.push(b'x');
+        assert!(ListingKey::id_in(&prefix, &trailing).is_err());
+        let unowned = entry(6, "cus_9", None);
+        let prefix = ListingKey::prefix(CREDIT_ACCOUNT_BY_CUSTOMER, "st_1", Mode::Prod, None);
+        assert_eq!(
+            ListingKey::id_in(&prefix, &unowned.encode()).unwrap(),
+            "cus_9"
+        );
     }
 
     #[test]

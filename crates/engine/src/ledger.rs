@@ -25,7 +25,7 @@ use crate::codec::{self, StoredEntry};
 use crate::customers::cursor_from;
 use crate::error::EngineError;
 use crate::ids::new_id;
-use crate::keys::{self, Key};
+use crate::keys::{self, Key, ListingKey};
 use crate::outcome::Outcome;
 use crate::overlay::{ApplyError, Overlay};
 use crate::pagination::{paginate, Page, PageRequest};
@@ -124,21 +124,23 @@ pub fn apply_ledger_step(
                     return Err(account_name_taken(&account.customer_id, &account.name).into());
                 }
                 status_before = Some(AccountStatus::Active);
-                overlay.put(
-                    Key::scoped(keys::CREDIT_ACCOUNT_LIST, store, mode)
-                        .int(account.created_at_ms)
-                        .text(&account.id)
-                        .into_bytes(),
-                    Vec::new(),
-                );
-                overlay.put(
-                    Key::scoped(keys::CREDIT_ACCOUNT_BY_CUSTOMER, store, mode)
-                        .text(&account.customer_id)
-                        .int(account.created_at_ms)
-                        .text(&account.id)
-                        .into_bytes(),
-                    Vec::new(),
-                );
+                for (table, owner) in [
+                    (keys::CREDIT_ACCOUNT_LIST, None),
+                    (
+                        keys::CREDIT_ACCOUNT_BY_CUSTOMER,
+                        Some(account.customer_id.clone()),
+                    ),
+                ] {
+                    let entry = ListingKey {
+                        table,
+                        store_id: store.to_string(),
+                        mode,
+                        owner,
+                        created_at_ms: account.created_at_ms,
+                        id: account.id.clone(),
+                    };
+                    overlay.put(entry.encode(), Vec::new());
+                }
                 overlay.put(name_key, account.id.as_bytes().to_vec());
                 overlay.put(
                     balance_key(store, mode, &account.id),
@@ -600,32 +602,25 @@ impl Engine {
         customer_id: Option<&str>,
         page: &PageRequest,
     ) -> Result<Page<(Account, Decimal)>, EngineError> {
-        let prefix = match customer_id {
-            Some(c) => Key::scoped(
-                keys::CREDIT_ACCOUNT_BY_CUSTOMER,
-                &scope.store_id,
-                scope.mode,
-            )
-            .text(c)
-            .into_bytes(),
-            None => {
-                Key::scoped(keys::CREDIT_ACCOUNT_LIST, &scope.store_id, scope.mode).into_bytes()
-            }
+        let table = match customer_id {
+            Some(_) => keys::CREDIT_ACCOUNT_BY_CUSTOMER,
+            None => keys::CREDIT_ACCOUNT_LIST,
         };
+        let prefix = ListingKey::prefix(table, &scope.store_id, scope.mode, customer_id);
         let cursor = cursor_from(page, |id| {
             let account = self.get_account(scope, id)?;
             if customer_id.is_some_and(|c| c != account.customer_id) {
                 return Err(EngineError::not_found("customer credits account", id));
             }
-            let mut key = prefix.clone();
-            key.extend_from_slice(
-                Key::table(0)
-                    .int(account.created_at_ms)
-                    .text(&account.id)
-                    .as_bytes()[1..]
-                    .as_ref(),
-            );
-            Ok(key)
+            Ok(ListingKey {
+                table,
+                store_id: scope.store_id.clone(),
+                mode: scope.mode,
+                owner: customer_id.map(str::to_string),
+                created_at_ms: account.created_at_ms,
+                id: account.id.clone(),
+            }
+            .encode())
         })?;
         paginate(
             self.store().as_ref(),
@@ -633,8 +628,7 @@ impl Engine {
             cursor,
             page.limit,
             |key, _| {
-                let (id, _) = keys::read_text(key, prefix.len() + 8)
-                    .ok_or_else(|| EngineError::Corrupt("account index".into()))?;
+                let id = ListingKey::id_in(&prefix, key)?;
                 let account = self.get_account(scope, id)?;
                 let balance = self.balance(scope, id)?;
                 Ok(Some((account, balance)))

@@ -10,7 +10,7 @@ use crate::codec;
 use crate::customers::cursor_from;
 use crate::error::EngineError;
 use crate::ids::new_id;
-use crate::keys::{self, Key};
+use crate::keys::{self, Key, ListingKey};
 use crate::outcome::Outcome;
 use crate::pagination::{paginate, Page, PageRequest};
 use crate::{Engine, Scope};
@@ -348,13 +348,18 @@ impl Engine {
         status: MeterStatusFilter,
         page: &PageRequest,
     ) -> Result<Page<Meter>, EngineError> {
-        let prefix = Key::scoped(keys::METER_LIST, &scope.store_id, scope.mode).into_bytes();
+        let prefix = ListingKey::prefix(keys::METER_LIST, &scope.store_id, scope.mode, None);
         let cursor = cursor_from(page, |id| {
             let meter = self.get_meter(scope, id)?;
-            Ok(Key::scoped(keys::METER_LIST, &scope.store_id, scope.mode)
-                .int(meter.created_at_ms)
-                .text(&meter.id)
-                .into_bytes())
+            Ok(ListingKey {
+                table: keys::METER_LIST,
+                store_id: scope.store_id.clone(),
+                mode: scope.mode,
+                owner: None,
+                created_at_ms: meter.created_at_ms,
+                id: meter.id.clone(),
+            }
+            .encode())
         })?;
         paginate(
             self.store().as_ref(),
@@ -362,8 +367,7 @@ impl Engine {
             cursor,
             page.limit,
             |key, _| {
-                let (id, _) = keys::read_text(key, prefix.len() + 8)
-                    .ok_or_else(|| EngineError::Corrupt("meter index".into()))?;
+                let id = ListingKey::id_in(&prefix, key)?;
                 let meter = self.get_meter(scope, id)?;
                 let keep = match status {
                     MeterStatusFilter::All => true,

@@ -30,7 +30,7 @@ use crate::error::EngineError;
 use crate::event_index::{
     self, EventIndex, EventLocation, PRUNE_STEP_MS, STORED_EVENTS_RETENTION_MS,
 };
-use crate::keys::{self, Key, StoredEventsKey, ALL_CUSTOMERS};
+use crate::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CUSTOMERS};
 use crate::outcome::{outcome_key, Outcome};
 use crate::overlay::StoredRow;
 pub use crate::overlay::{
@@ -623,10 +623,15 @@ fn apply_customer(
     }
     match &previous {
         None => overlay.put(
-            Key::scoped(keys::CUSTOMER_LIST, store_id, mode)
-                .int(customer.created_at_ms)
-                .text(&customer.id)
-                .into_bytes(),
+            ListingKey {
+                table: keys::CUSTOMER_LIST,
+                store_id: store_id.clone(),
+                mode,
+                owner: None,
+                created_at_ms: customer.created_at_ms,
+                id: customer.id.clone(),
+            }
+            .encode(),
             Vec::new(),
         ),
         Some(old) => {
@@ -689,10 +694,15 @@ fn apply_meter(
             }
             crate::meters::check_meter_limits(existing.len(), same_event)?;
             overlay.put(
-                Key::scoped(keys::METER_LIST, store_id, mode)
-                    .int(meter.created_at_ms)
-                    .text(&meter.id)
-                    .into_bytes(),
+                ListingKey {
+                    table: keys::METER_LIST,
+                    store_id: store_id.clone(),
+                    mode,
+                    owner: None,
+                    created_at_ms: meter.created_at_ms,
+                    id: meter.id.clone(),
+                }
+                .encode(),
                 Vec::new(),
             );
         }
@@ -735,23 +745,19 @@ pub fn fold_event(
     let minute = minute_bucket(event.timestamp_ms);
     let contribution = contribution(meter.aggregation, value);
     for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
-        let bucket = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode)
-            .text(&meter.id)
-            .text(customer)
-            .int(minute)
-            .into_bytes();
+        let bucket = BucketKey {
+            store_id: meter.store_id.clone(),
+            mode: meter.mode,
+            meter_id: meter.id.clone(),
+            customer: customer.to_string(),
+            minute,
+        };
         match &contribution {
             Contribution::Skipped => {}
-            Contribution::Event { number } => overlay.aggregate_mut(bucket)?.add(*number),
+            Contribution::Event { number } => overlay.aggregate_mut(bucket.encode())?.add(*number),
             Contribution::Distinct(distinct) => {
-                overlay.aggregate_mut(bucket)?.add(None);
-                let unique = Key::scoped(keys::UNIQUE, &meter.store_id, meter.mode)
-                    .text(&meter.id)
-                    .text(customer)
-                    .int(minute)
-                    .tail(distinct.as_bytes())
-                    .into_bytes();
-                overlay.put(unique, Vec::new());
+                overlay.aggregate_mut(bucket.encode())?.add(None);
+                overlay.put(bucket.encode_distinct(distinct), Vec::new());
             }
         }
     }

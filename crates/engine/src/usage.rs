@@ -15,7 +15,7 @@ use tally_projection::{scan_prefix, Visit};
 
 use crate::codec;
 use crate::error::EngineError;
-use crate::keys::{self, read_int, Key, ALL_CUSTOMERS};
+use crate::keys::{self, BucketKey, ALL_CUSTOMERS};
 use crate::{Engine, Scope};
 
 /// Windows one query may return: bounds response size and work.
@@ -181,66 +181,54 @@ impl Engine {
         window: Window,
     ) -> Result<UsageSeries, EngineError> {
         let mut fold = WindowFold::new(meter.aggregation, start_ms, end_ms, window)?;
-        let table = if meter.aggregation == Aggregation::Unique {
-            keys::UNIQUE
-        } else {
-            keys::AGGREGATE
+        let (first, last) = (start_ms.div_euclid(MINUTE_MS), end_ms.div_euclid(MINUTE_MS));
+        let bounds = |table| {
+            let at = |minute| {
+                BucketKey::from_minute(
+                    table,
+                    &meter.store_id,
+                    meter.mode,
+                    &meter.id,
+                    customer,
+                    minute,
+                )
+            };
+            (at(first), at(last))
         };
-        let base = Key::scoped(table, &meter.store_id, meter.mode)
-            .text(&meter.id)
-            .text(customer);
-        let prefix_len = base.as_bytes().len();
-        let from = base
-            .clone()
-            .int(start_ms.div_euclid(MINUTE_MS))
-            .into_bytes();
-        let to = base.int(end_ms.div_euclid(MINUTE_MS)).into_bytes();
-        let mut failure = None;
-        self.store().scan(
-            Bound::Included(&from),
-            Bound::Excluded(&to),
-            false,
-            &mut |key, value| {
-                let minute_ms = read_int(&key[prefix_len..]) * MINUTE_MS;
-                if table == keys::UNIQUE {
-                    fold.add_distinct(minute_ms, &key[prefix_len + 8..]);
-                } else {
-                    match codec::decode_aggregate(value) {
-                        Ok(aggregate) => fold.add_bucket(minute_ms, &aggregate),
-                        Err(e) => {
-                            failure = Some(e);
-                            return Visit::Stop;
-                        }
-                    }
-                }
-                Visit::Continue
-            },
-        )?;
-        if let Some(e) = failure {
-            return Err(e);
+        // Buckets carry counts and numbers; for `unique`, the distinct values are keys
+        // of their own beside them.
+        let mut tables = vec![keys::AGGREGATE];
+        if meter.aggregation == Aggregation::Unique {
+            tables.push(keys::UNIQUE);
         }
-        // For `unique`, event counts come from the aggregate table as well.
-        if table == keys::UNIQUE {
-            let counted = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode)
-                .text(&meter.id)
-                .text(customer);
-            let counted_len = counted.as_bytes().len();
-            let from = counted
-                .clone()
-                .int(start_ms.div_euclid(MINUTE_MS))
-                .into_bytes();
-            let to = counted.int(end_ms.div_euclid(MINUTE_MS)).into_bytes();
+        for table in tables {
+            let (from, to) = bounds(table);
+            let mut failure = None;
             self.store().scan(
                 Bound::Included(&from),
                 Bound::Excluded(&to),
                 false,
                 &mut |key, value| {
-                    if let Ok(aggregate) = codec::decode_aggregate(value) {
-                        fold.add_bucket(read_int(&key[counted_len..]) * MINUTE_MS, &aggregate);
+                    let folded = BucketKey::decode(key).and_then(|(bucket, distinct)| {
+                        let minute_ms = bucket.minute * MINUTE_MS;
+                        match distinct {
+                            Some(distinct) => fold.add_distinct(minute_ms, distinct),
+                            None => fold.add_bucket(minute_ms, &codec::decode_aggregate(value)?),
+                        }
+                        Ok(())
+                    });
+                    match folded {
+                        Ok(()) => Visit::Continue,
+                        Err(error) => {
+                            failure = Some(error);
+                            Visit::Stop
+                        }
                     }
-                    Visit::Continue
                 },
             )?;
+            if let Some(error) = failure {
+                return Err(error);
+            }
         }
         let customer_id = (customer != ALL_CUSTOMERS).then(|| customer.to_string());
         Ok(fold.finish(customer_id))
@@ -253,20 +241,33 @@ impl Engine {
         start_ms: i64,
         end_ms: i64,
     ) -> Result<BTreeSet<String>, EngineError> {
-        let prefix = Key::scoped(keys::AGGREGATE, &meter.store_id, meter.mode)
-            .text(&meter.id)
-            .into_bytes();
+        let prefix = BucketKey::meter_prefix(&meter.store_id, meter.mode, &meter.id);
         let (first, last) = (start_ms.div_euclid(MINUTE_MS), end_ms.div_euclid(MINUTE_MS));
         let mut customers = BTreeSet::new();
-        scan_prefix(self.store().as_ref(), &prefix, false, &mut |key, _| {
-            if let Some((customer, next)) = keys::read_text(key, prefix.len()) {
-                let minute = read_int(&key[next..]);
-                if customer != ALL_CUSTOMERS && minute >= first && minute < last {
-                    customers.insert(customer.to_string());
+        let mut failure = None;
+        scan_prefix(
+            self.store().as_ref(),
+            &prefix,
+            false,
+            &mut |key, _| match BucketKey::decode(key) {
+                Ok((bucket, _)) => {
+                    if bucket.customer != ALL_CUSTOMERS
+                        && bucket.minute >= first
+                        && bucket.minute < last
+                    {
+                        customers.insert(bucket.customer);
+                    }
+                    Visit::Continue
                 }
-            }
-            Visit::Continue
-        })?;
+                Err(error) => {
+                    failure = Some(error);
+                    Visit::Stop
+                }
+            },
+        )?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
         Ok(customers)
     }
 

@@ -16,7 +16,7 @@ use tally_proto::{v1, Message};
 
 use crate::error::EngineError;
 use crate::ids::{new_id, random_base62};
-use crate::keys::{self, read_int, Key};
+use crate::keys::{self, DueKey, Key, PendingKey};
 use crate::overlay::Overlay;
 use crate::pagination::collect_prefix;
 use crate::{Engine, Scope};
@@ -107,13 +107,14 @@ fn delivery_key(store: &str, mode: Mode, endpoint: &str, event: &str) -> Vec<u8>
 }
 
 fn due_key(at_ms: i64, store: &str, mode: Mode, endpoint: &str, event: &str) -> Vec<u8> {
-    Key::table(keys::WEBHOOK_DUE)
-        .int(at_ms)
-        .text(store)
-        .mode(mode)
-        .text(endpoint)
-        .text(event)
-        .into_bytes()
+    DueKey {
+        due_at_ms: at_ms,
+        store_id: store.to_string(),
+        mode,
+        endpoint_id: endpoint.to_string(),
+        event_id: event.to_string(),
+    }
+    .encode()
 }
 
 /// Oldest first: by event time, then log position, then place within the record, so
@@ -126,13 +127,16 @@ fn pending_key(
     position: (u64, usize),
     event: &str,
 ) -> Vec<u8> {
-    Key::scoped(keys::WEBHOOK_PENDING, store, mode)
-        .text(endpoint)
-        .int(created_at_ms)
-        .uint(position.0)
-        .uint(position.1 as u64)
-        .text(event)
-        .into_bytes()
+    PendingKey {
+        store_id: store.to_string(),
+        mode,
+        endpoint_id: endpoint.to_string(),
+        created_at_ms,
+        offset: position.0,
+        place: position.1 as u64,
+        event_id: event.to_string(),
+    }
+    .encode()
 }
 
 /// Projector: the endpoint's new state.
@@ -282,14 +286,6 @@ fn new_secret() -> String {
 /// Due-index entries one dispatcher poll looks at, at most: bounds the poll's cost
 /// when many deliveries wait on endpoints at their concurrency cap.
 pub const MAX_DUE_SCAN: usize = 20_000;
-
-/// The endpoint and event ids of a due-index key.
-fn due_key_ids(key: &[u8]) -> Option<(&str, &str)> {
-    let (_store_id, after_store) = keys::read_text(key, 9)?;
-    let (endpoint_id, after_endpoint) = keys::read_text(key, after_store + 1)?;
-    let (event_id, _) = keys::read_text(key, after_endpoint)?;
-    Some((endpoint_id, event_id))
-}
 
 impl Engine {
     pub fn get_endpoint(&self, scope: &Scope, id: &str) -> Result<WebhookEndpoint, EngineError> {
@@ -508,13 +504,9 @@ impl Engine {
         endpoint_id: &str,
         limit: usize,
     ) -> Result<Vec<Delivery>, EngineError> {
-        let prefix = Key::scoped(keys::WEBHOOK_PENDING, &scope.store_id, scope.mode)
-            .text(endpoint_id)
-            .into_bytes();
+        let prefix = PendingKey::prefix(&scope.store_id, scope.mode, endpoint_id);
         let event_ids = collect_prefix(self.store().as_ref(), &prefix, false, limit, |k, _| {
-            keys::read_text(k, prefix.len() + 8 + 8 + 8)
-                .map(|(event_id, _)| Some(event_id.to_string()))
-                .ok_or_else(|| EngineError::Corrupt("pending key".into()))
+            Ok(Some(PendingKey::decode(k)?.event_id))
         })?;
         event_ids
             .iter()
@@ -558,20 +550,27 @@ impl Engine {
         skip: &dyn Fn(&str, &str) -> bool,
     ) -> Result<Vec<(Scope, Delivery)>, EngineError> {
         let start = Key::table(keys::WEBHOOK_DUE).into_bytes();
-        let end = Key::table(keys::WEBHOOK_DUE)
-            .int(now_ms.saturating_add(1))
-            .into_bytes();
+        let end = DueKey::after(now_ms);
         let mut found = Vec::new();
         let mut scanned = 0usize;
+        let mut corrupt = None;
         self.store().scan(
             Bound::Included(&start),
             Bound::Excluded(&end),
             false,
             &mut |k, _| {
                 scanned += 1;
-                let skipped = due_key_ids(k).is_some_and(|(endpoint, event)| skip(endpoint, event));
-                if !skipped {
-                    found.push(k.to_vec());
+                match DueKey::decode(k) {
+                    Ok(key) => {
+                        if !skip(&key.endpoint_id, &key.event_id) {
+                            found.push(key);
+                        }
+                    }
+                    // Corrupt storage: stop with the error, never skip or default.
+                    Err(error) => {
+                        corrupt = Some(error);
+                        return Visit::Stop;
+                    }
                 }
                 if found.len() >= limit || scanned >= MAX_DUE_SCAN {
                     Visit::Stop
@@ -580,24 +579,16 @@ impl Engine {
                 }
             },
         )?;
+        if let Some(error) = corrupt {
+            return Err(error);
+        }
         let mut due = Vec::new();
         for key in found {
-            let _due_at = read_int(&key[1..]);
-            let Some((store_id, after_store)) = keys::read_text(&key, 9) else {
-                continue;
-            };
-            let mode = keys::read_mode(key[after_store], "a due-delivery key")?;
-            let Some((endpoint_id, after_endpoint)) = keys::read_text(&key, after_store + 1) else {
-                continue;
-            };
-            let Some((event_id, _)) = keys::read_text(&key, after_endpoint) else {
-                continue;
-            };
             let scope = Scope {
-                store_id: store_id.to_string(),
-                mode,
+                store_id: key.store_id,
+                mode: key.mode,
             };
-            let delivery = self.get_delivery(&scope, endpoint_id, event_id)?;
+            let delivery = self.get_delivery(&scope, &key.endpoint_id, &key.event_id)?;
             due.push((scope, delivery));
         }
         Ok(due)
