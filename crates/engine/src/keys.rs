@@ -254,15 +254,29 @@ impl BucketKey {
         )
     }
 
+    /// The key of one distinct value of this bucket (`U`): the bucket's components,
+    /// then the value's text with no separator.
     pub fn encode_distinct(&self, value: &str) -> Vec<u8> {
-        let mut key = BucketKey::from_minute(
-            UNIQUE,
+        BucketKey::distinct(
             &self.store_id,
             self.mode,
             &self.meter_id,
             &self.customer,
             self.minute,
-        );
+            value,
+        )
+    }
+
+    /// `encode_distinct` from borrowed parts (the projector's hot path).
+    pub fn distinct(
+        store_id: &str,
+        mode: Mode,
+        meter_id: &str,
+        customer: &str,
+        minute: i64,
+        value: &str,
+    ) -> Vec<u8> {
+        let mut key = BucketKey::from_minute(UNIQUE, store_id, mode, meter_id, customer, minute);
         key.extend_from_slice(value.as_bytes());
         key
     }

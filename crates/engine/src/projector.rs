@@ -745,19 +745,19 @@ pub fn fold_event(
     let minute = minute_bucket(event.timestamp_ms);
     let contribution = contribution(meter.aggregation, value);
     for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
-        let bucket = BucketKey {
-            store_id: meter.store_id.clone(),
-            mode: meter.mode,
-            meter_id: meter.id.clone(),
-            customer: customer.to_string(),
-            minute,
-        };
+        // Built from borrowed parts (no owned `BucketKey`): this runs per event, per
+        // matched meter, twice.
+        let (store_id, mode, meter_id) = (&meter.store_id, meter.mode, &meter.id);
+        let bucket =
+            || BucketKey::from_minute(keys::AGGREGATE, store_id, mode, meter_id, customer, minute);
         match &contribution {
             Contribution::Skipped => {}
-            Contribution::Event { number } => overlay.aggregate_mut(bucket.encode())?.add(*number),
+            Contribution::Event { number } => overlay.aggregate_mut(bucket())?.add(*number),
             Contribution::Distinct(distinct) => {
-                overlay.aggregate_mut(bucket.encode())?.add(None);
-                overlay.put(bucket.encode_distinct(distinct), Vec::new());
+                overlay.aggregate_mut(bucket())?.add(None);
+                let value =
+                    BucketKey::distinct(store_id, mode, meter_id, customer, minute, distinct);
+                overlay.put(value, Vec::new());
             }
         }
     }
