@@ -94,100 +94,13 @@ pub(crate) async fn blocking<T: Send + 'static>(
 
 /// The router of one listener.
 pub fn router(state: AppState) -> Router {
-    use routes::webhooks as webhook_routes;
-    use routes::{credits, customers, events, meters};
+    // One router per resource module, merged (each module owns its paths).
     let v1 = Router::new()
-        .route(
-            "/v1/customers",
-            get(customers::list).post(customers::create),
-        )
-        .route(
-            "/v1/customers/{id}",
-            get(customers::get).post(customers::update),
-        )
-        .route("/v1/meters", get(meters::list).post(meters::create))
-        .route("/v1/meters/preview", post(meters::preview_definition))
-        .route("/v1/meters/{id}", get(meters::get).post(meters::update))
-        .route("/v1/meters/{id}/archive", post(meters::archive))
-        .route("/v1/meters/{id}/unarchive", post(meters::unarchive))
-        .route("/v1/meters/{id}/backfill", post(meters::backfill))
-        .route("/v1/meters/{id}/preview", post(meters::preview_existing))
-        .route("/v1/meters/{id}/usage", get(meters::usage))
-        .route("/v1/events", get(events::list))
-        .route("/v1/events/ingest", post(events::ingest))
-        .route("/v1/events/preview", post(events::preview))
-        .route("/v1/events/{event_id}", get(events::get))
-        .route(
-            "/v1/customer-credits/accounts",
-            get(credits::list_accounts).post(credits::create_account),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}",
-            get(credits::get_account),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/freeze",
-            post(credits::freeze),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/unfreeze",
-            post(credits::unfreeze),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/close",
-            post(credits::close),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/credit",
-            post(credits::credit),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/debit",
-            post(credits::debit),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/entries",
-            get(credits::entries),
-        )
-        .route(
-            "/v1/customer-credits/transactions/{id}",
-            get(credits::get_transaction),
-        )
-        .route(
-            "/v1/customer-credits/transactions/{id}/reverse",
-            post(credits::reverse),
-        )
-        .route(
-            "/v1/webhooks",
-            get(webhook_routes::list).post(webhook_routes::create),
-        )
-        .route(
-            "/v1/webhooks/{id}",
-            get(webhook_routes::get)
-                .post(webhook_routes::update)
-                .delete(webhook_routes::delete),
-        )
-        .route("/v1/webhooks/{id}/secret", get(webhook_routes::secret))
-        .route(
-            "/v1/webhooks/{id}/secret/rotate",
-            post(webhook_routes::rotate),
-        )
-        .route(
-            "/v1/webhooks/{id}/deliveries",
-            get(webhook_routes::deliveries),
-        )
-        .route(
-            "/v1/webhooks/{id}/events/pending",
-            get(webhook_routes::pending),
-        )
-        .route(
-            "/v1/webhooks/{id}/events/{event_id}/resend",
-            post(webhook_routes::resend),
-        )
-        .route(
-            "/v1/webhooks/{id}/events/{event_id}/ack",
-            post(webhook_routes::ack),
-        )
+        .merge(routes::customers::router())
+        .merge(routes::meters::router())
+        .merge(routes::events::router())
+        .merge(routes::credits::router())
+        .merge(routes::webhooks::router())
         .method_not_allowed_fallback(method_not_allowed)
         // Layers run bottom-up: authenticate, then rate limit, then idempotency,
         // then the write gate.

@@ -16,6 +16,52 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{page_request, parse_instant, Fields, JsonObject, PathId, QueryParams};
 use crate::{wire, AppState};
 
+/// The routes of this resource (merged into the API by `crate::router`).
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route(
+            "/v1/customer-credits/accounts",
+            routing::get(list_accounts).post(create_account),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}",
+            routing::get(get_account),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/freeze",
+            routing::post(freeze),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/unfreeze",
+            routing::post(unfreeze),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/close",
+            routing::post(close),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/credit",
+            routing::post(credit),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/debit",
+            routing::post(debit),
+        )
+        .route(
+            "/v1/customer-credits/accounts/{id}/entries",
+            routing::get(entries),
+        )
+        .route(
+            "/v1/customer-credits/transactions/{id}",
+            routing::get(get_transaction),
+        )
+        .route(
+            "/v1/customer-credits/transactions/{id}/reverse",
+            routing::post(reverse),
+        )
+}
+
 pub fn account_json(account: &Account, balance: Decimal) -> Value {
     json!({
         "id": account.id,

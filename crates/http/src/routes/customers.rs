@@ -10,6 +10,14 @@ use crate::error::ApiResult;
 use crate::extract::{page_request, Fields, JsonObject, PathId, QueryParams};
 use crate::{wire, AppState};
 
+/// The routes of this resource (merged into the API by `crate::router`).
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route("/v1/customers", routing::get(list).post(create))
+        .route("/v1/customers/{id}", routing::get(get).post(update))
+}
+
 fn customer_input(
     body: &serde_json::Map<String, Value>,
 ) -> Result<CustomerInput, tally_domain::FieldError> {

@@ -14,6 +14,16 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{number_text, page_request, parse_instant, JsonObject, PathId, QueryParams};
 use crate::{wire, AppState};
 
+/// The routes of this resource (merged into the API by `crate::router`).
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route("/v1/events", routing::get(list))
+        .route("/v1/events/ingest", routing::post(ingest))
+        .route("/v1/events/preview", routing::post(preview))
+        .route("/v1/events/{event_id}", routing::get(get))
+}
+
 /// One JSON event into its raw shape; type errors name the field (relative to the
 /// event; the engine prefixes `events[N]`).
 fn raw_event(value: &Value) -> Result<RawUsageEvent, FieldError> {

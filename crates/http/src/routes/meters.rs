@@ -20,6 +20,20 @@ use crate::extract::{
 };
 use crate::{wire, AppState};
 
+/// The routes of this resource (merged into the API by `crate::router`).
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route("/v1/meters", routing::get(list).post(create))
+        .route("/v1/meters/preview", routing::post(preview_definition))
+        .route("/v1/meters/{id}", routing::get(get).post(update))
+        .route("/v1/meters/{id}/archive", routing::post(archive))
+        .route("/v1/meters/{id}/unarchive", routing::post(unarchive))
+        .route("/v1/meters/{id}/backfill", routing::post(backfill))
+        .route("/v1/meters/{id}/preview", routing::post(preview_existing))
+        .route("/v1/meters/{id}/usage", routing::get(usage))
+}
+
 fn filter_value(param: &str, value: &Value, in_list: bool) -> Result<FilterValue, FieldError> {
     match value {
         Value::String(s) => Ok(FilterValue::String(s.clone())),

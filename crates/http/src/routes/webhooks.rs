@@ -14,6 +14,29 @@ use crate::extract::{Fields, JsonObject, PathId, PathIds, QueryParams};
 use crate::webhooks::{delivery_headers, event_body};
 use crate::AppState;
 
+/// The routes of this resource (merged into the API by `crate::router`).
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route("/v1/webhooks", routing::get(list).post(create))
+        .route(
+            "/v1/webhooks/{id}",
+            routing::get(get).post(update).delete(delete),
+        )
+        .route("/v1/webhooks/{id}/secret", routing::get(secret))
+        .route("/v1/webhooks/{id}/secret/rotate", routing::post(rotate))
+        .route("/v1/webhooks/{id}/deliveries", routing::get(deliveries))
+        .route("/v1/webhooks/{id}/events/pending", routing::get(pending))
+        .route(
+            "/v1/webhooks/{id}/events/{event_id}/resend",
+            routing::post(resend),
+        )
+        .route(
+            "/v1/webhooks/{id}/events/{event_id}/ack",
+            routing::post(ack),
+        )
+}
+
 /// Pending events returned at once (spec 4.9: 1..100, default 10).
 pub const MAX_PENDING_LIMIT: usize = 100;
 pub const DEFAULT_PENDING_LIMIT: usize = 10;
