@@ -16,7 +16,8 @@
 //! | `G` | (none) | received_at below which `F` rows are pruned (8-byte int) |
 //! | `V` | (none) | the projection's format version (u32; `projector::PROJECTION_FORMAT_VERSION`) |
 //! | `A` | store, mode, meter, customer ("" = all), minute | Aggregate |
-//! | `U` | store, mode, meter, customer ("" = all), minute, distinct value | (empty) |
+//! | `u` | store, mode, meter, customer, minute | the bucket's distinct values, up to `INLINE_DISTINCT_MAX` (codec.rs) |
+//! | `U` | store, mode, meter, customer ("" = all), minute, distinct value | (empty): the all-customers bucket's values, and a customer bucket's past `INLINE_DISTINCT_MAX` |
 //! | `a` | store, mode, account_id | CreditAccount (proto) |
 //! | `b` | store, mode, account_id (or `system:*`) | balance (16-byte decimal) |
 //! | `n` | store, mode, customer_id, account name | account_id |
@@ -55,6 +56,7 @@ pub const STORED_EVENTS_PRUNED: u8 = b'G';
 pub const PROJECTION_FORMAT: u8 = b'V';
 pub const AGGREGATE: u8 = b'A';
 pub const UNIQUE: u8 = b'U';
+pub const DISTINCT_SET: u8 = b'u';
 
 pub const CREDIT_ACCOUNT: u8 = b'a';
 pub const CREDIT_BALANCE: u8 = b'b';
@@ -281,10 +283,13 @@ impl BucketKey {
         key
     }
 
-    /// A bucket key (`A`), or a distinct-value key (`U`) with its value.
-    pub fn decode(bytes: &[u8]) -> Result<(BucketKey, Option<&[u8]>), EngineError> {
-        let distinct = bytes.first() == Some(&UNIQUE);
-        let table = if distinct { UNIQUE } else { AGGREGATE };
+    /// A bucket key (`A`), a distinct-set key (`u`), or a distinct-value key (`U`)
+    /// with its value.
+    pub fn decode(bytes: &[u8]) -> Result<(BucketKey, BucketPart<'_>), EngineError> {
+        let table = match bytes.first() {
+            Some(&table @ (AGGREGATE | DISTINCT_SET | UNIQUE)) => table,
+            _ => AGGREGATE,
+        };
         let mut key = KeyReader::new(bytes, table, "a usage bucket key")?;
         let bucket = BucketKey {
             store_id: key.text()?.to_string(),
@@ -293,13 +298,28 @@ impl BucketKey {
             customer: key.text()?.to_string(),
             minute: key.int()?,
         };
-        if distinct {
-            Ok((bucket, Some(&bytes[key.at..])))
-        } else {
-            key.end()?;
-            Ok((bucket, None))
+        if table == UNIQUE {
+            return Ok((bucket, BucketPart::Distinct(&bytes[key.at..])));
         }
+        key.end()?;
+        let part = if table == DISTINCT_SET {
+            BucketPart::DistinctSet
+        } else {
+            BucketPart::Aggregate
+        };
+        Ok((bucket, part))
     }
+}
+
+/// Which part of a bucket a bucket key holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BucketPart<'k> {
+    /// `A`: counts, sum, min, max.
+    Aggregate,
+    /// `u`: a set of distinct values (the value holds them).
+    DistinctSet,
+    /// `U`: one distinct value (the key's tail).
+    Distinct(&'k [u8]),
 }
 
 /// A webhook delivery due over HTTP (`Q`): due time first, so the dispatcher scans
@@ -526,12 +546,18 @@ mod tests {
         };
         assert_eq!(
             BucketKey::decode(&bucket.encode()).unwrap(),
-            (bucket.clone(), None)
+            (bucket.clone(), BucketPart::Aggregate)
         );
         let distinct = bucket.encode_distinct("s:user 1");
         assert_eq!(
             BucketKey::decode(&distinct).unwrap(),
-            (bucket.clone(), Some("s:user 1".as_bytes()))
+            (bucket.clone(), BucketPart::Distinct("s:user 1".as_bytes()))
+        );
+        let set =
+            BucketKey::from_minute(DISTINCT_SET, "st_1", Mode::Test, "mtr_1", ALL_CUSTOMERS, -2);
+        assert_eq!(
+            BucketKey::decode(&set).unwrap(),
+            (bucket.clone(), BucketPart::DistinctSet)
         );
         let later = BucketKey {
             minute: 3,

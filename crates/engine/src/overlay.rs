@@ -89,6 +89,8 @@ pub struct Overlay<'a> {
     pub(crate) chunk: HashMap<(u32, u64), &'a Record>,
     /// Events this chunk stored (`inflight_key` -> where).
     new_events: HashMap<String, EventLocation>,
+    /// Decoded distinct-value sets of this chunk (`u`), encoded once at the end.
+    distinct_sets: HashMap<Vec<u8>, std::collections::BTreeSet<Vec<u8>>>,
     /// `F` rows this chunk deleted, with their events (for the index after commit).
     pub(crate) pruned: Vec<StoredRow>,
 }
@@ -98,6 +100,19 @@ enum Undo {
     Change(Vec<u8>, Option<Option<Vec<u8>>>),
     Aggregate(Vec<u8>, Option<Aggregate>),
     NewEvent(String),
+    /// A value added to a distinct set (the set is removed from the overlay when the
+    /// undo leaves it as the store has it: simply re-read).
+    DistinctAdded(Vec<u8>, Vec<u8>),
+}
+
+/// What adding a value to a bucket's inline distinct set did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DistinctAdd {
+    /// The value was there already.
+    Present,
+    Added,
+    /// The set holds `INLINE_DISTINCT_MAX` values: the value goes to its own key.
+    Full,
 }
 
 /// Why apply did not apply a record.
@@ -151,6 +166,7 @@ impl<'a> Overlay<'a> {
             fetched,
             chunk: HashMap::new(),
             new_events: HashMap::new(),
+            distinct_sets: HashMap::new(),
             pruned: Vec::new(),
         }
     }
@@ -266,6 +282,11 @@ impl<'a> Overlay<'a> {
                 Undo::NewEvent(key) => {
                     self.new_events.remove(&key);
                 }
+                Undo::DistinctAdded(key, value) => {
+                    if let Some(set) = self.distinct_sets.get_mut(&key) {
+                        set.remove(&value);
+                    }
+                }
             }
         }
     }
@@ -334,11 +355,45 @@ impl<'a> Overlay<'a> {
             .ok_or_else(|| EngineError::Corrupt("bucket vanished from the overlay".into()))
     }
 
+    /// Adds `value` to the inline distinct set at `key` (a `u` key), unless it is
+    /// there or the set is full.
+    pub(crate) fn add_distinct(
+        &mut self,
+        key: Vec<u8>,
+        value: &[u8],
+    ) -> Result<DistinctAdd, EngineError> {
+        if !self.distinct_sets.contains_key(&key) {
+            let current = match self.get(&key)? {
+                Some(bytes) => codec::decode_distinct_set(&bytes)?,
+                None => Default::default(),
+            };
+            self.distinct_sets.insert(key.clone(), current);
+        }
+        let set = self
+            .distinct_sets
+            .get_mut(&key)
+            .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
+        if set.contains(value) {
+            return Ok(DistinctAdd::Present);
+        }
+        if set.len() >= codec::INLINE_DISTINCT_MAX {
+            return Ok(DistinctAdd::Full);
+        }
+        set.insert(value.to_vec());
+        self.journal.push(Undo::DistinctAdded(key, value.to_vec()));
+        Ok(DistinctAdd::Added)
+    }
+
     /// The batch to commit, and what the caches learn from it.
     pub(crate) fn into_changes(self) -> Result<Committed, EngineError> {
         let mut changes = self.changes;
         for (key, aggregate) in &self.aggregates {
             changes.insert(key.clone(), Some(codec::encode_aggregate(aggregate)));
+        }
+        for (key, set) in &self.distinct_sets {
+            if !set.is_empty() {
+                changes.insert(key.clone(), Some(codec::encode_distinct_set(set)));
+            }
         }
         let mut stored = Vec::new();
         for (key, value) in changes.range(vec![keys::STORED_EVENTS]..vec![keys::STORED_EVENTS + 1])

@@ -32,6 +32,7 @@ use crate::event_index::{
 };
 use crate::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CUSTOMERS};
 use crate::outcome::{outcome_key, Outcome};
+use crate::overlay::DistinctAdd;
 use crate::overlay::StoredRow;
 pub use crate::overlay::{
     customer_cache_key, inflight_key, ApplyError, BucketCache, Fetched, Overlay, StoredBatch,
@@ -40,9 +41,10 @@ pub use crate::overlay::{
 
 /// The layout of the projection this build writes. Version 2 keeps stored events in
 /// the log only (the `F` rows and the event index), where version 1 kept a copy of
-/// each in the projection; a projection of another version is refused at start-up
+/// each in the projection; version 3 keeps a customer's distinct values per minute
+/// in one set (`u`) instead of a key each; a projection of another version is refused at start-up
 /// (it is rebuilt from the log by deleting it).
-pub const PROJECTION_FORMAT_VERSION: u32 = 2;
+pub const PROJECTION_FORMAT_VERSION: u32 = 3;
 
 /// Refuses a projection of another layout: one that holds applied records but no
 /// (or another) format version.
@@ -755,9 +757,26 @@ pub fn fold_event(
             Contribution::Event { number } => overlay.aggregate_mut(bucket())?.add(*number),
             Contribution::Distinct(distinct) => {
                 overlay.aggregate_mut(bucket())?.add(None);
-                let value =
-                    BucketKey::distinct(store_id, mode, meter_id, customer, minute, distinct);
-                overlay.put(value, Vec::new());
+                // A customer's minute keeps its values in one set; the meter-wide bucket
+                // (values of every customer) and a full set keep one key per value.
+                let inline = if customer == ALL_CUSTOMERS {
+                    DistinctAdd::Full
+                } else {
+                    let set = BucketKey::from_minute(
+                        keys::DISTINCT_SET,
+                        store_id,
+                        mode,
+                        meter_id,
+                        customer,
+                        minute,
+                    );
+                    overlay.add_distinct(set, distinct.as_bytes())?
+                };
+                if inline == DistinctAdd::Full {
+                    let value =
+                        BucketKey::distinct(store_id, mode, meter_id, customer, minute, distinct);
+                    overlay.put(value, Vec::new());
+                }
             }
         }
     }

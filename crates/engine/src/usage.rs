@@ -15,7 +15,7 @@ use tally_projection::{scan_prefix, Visit};
 
 use crate::codec;
 use crate::error::EngineError;
-use crate::keys::{self, BucketKey, ALL_CUSTOMERS};
+use crate::keys::{self, BucketKey, BucketPart, ALL_CUSTOMERS};
 use crate::{Engine, Scope};
 
 /// Windows one query may return: bounds response size and work.
@@ -199,7 +199,7 @@ impl Engine {
         // of their own beside them.
         let mut tables = vec![keys::AGGREGATE];
         if meter.aggregation == Aggregation::Unique {
-            tables.push(keys::UNIQUE);
+            tables.extend([keys::DISTINCT_SET, keys::UNIQUE]);
         }
         for table in tables {
             let (from, to) = bounds(table);
@@ -209,11 +209,20 @@ impl Engine {
                 Bound::Excluded(&to),
                 false,
                 &mut |key, value| {
-                    let folded = BucketKey::decode(key).and_then(|(bucket, distinct)| {
+                    let folded = BucketKey::decode(key).and_then(|(bucket, part)| {
                         let minute_ms = bucket.minute * MINUTE_MS;
-                        match distinct {
-                            Some(distinct) => fold.add_distinct(minute_ms, distinct),
-                            None => fold.add_bucket(minute_ms, &codec::decode_aggregate(value)?),
+                        match part {
+                            BucketPart::Distinct(distinct) => {
+                                fold.add_distinct(minute_ms, distinct)
+                            }
+                            BucketPart::DistinctSet => {
+                                for distinct in codec::decode_distinct_set(value)? {
+                                    fold.add_distinct(minute_ms, &distinct);
+                                }
+                            }
+                            BucketPart::Aggregate => {
+                                fold.add_bucket(minute_ms, &codec::decode_aggregate(value)?)
+                            }
                         }
                         Ok(())
                     });

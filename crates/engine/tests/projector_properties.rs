@@ -567,3 +567,78 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
     let store = apply_in_chunks(&entries[..entries.len() - 1], &[]);
     assert_eq!(stored_rows(&store), 2);
 }
+
+/// `unique` keeps a customer's distinct values of a minute in one set, up to
+/// `INLINE_DISTINCT_MAX`, and one key per value past it: the count stays exact on
+/// both sides of the limit, for the customer and meter-wide, in any chunking.
+#[test]
+fn distinct_values_past_the_inline_set_stay_exact() {
+    use tally_engine::codec::INLINE_DISTINCT_MAX;
+    let ids: Vec<String> = meters().iter().map(|m| m.id.clone()).collect();
+    let distinct = INLINE_DISTINCT_MAX + 150;
+    let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
+    let events: Vec<UsageEvent> = (0..distinct + 40)
+        .map(|i| {
+            let base = GenEvent {
+                id: 0,
+                customer: 0,
+                minute: 0,
+                // Each value once, then 40 repeats of values already seen.
+                value: Some((i % distinct) as i64),
+            };
+            UsageEvent {
+                event_id: format!("ev{i}"),
+                ..usage_event(&base, &ids)
+            }
+        })
+        .collect();
+    for batch in events.chunks(100) {
+        records.push(Record::UsageBatch {
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            events: batch.to_vec(),
+        });
+    }
+    let entries: Vec<LogEntry> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| LogEntry {
+            partition: 0,
+            offset: i as u64,
+            next_offset: i as u64 + 1,
+            payload: tally_proto::encode_record(r, T0),
+        })
+        .collect();
+    let whole = apply_in_chunks(&entries, &[]);
+    let chunked = apply_in_chunks(&entries, &[8, 10, 15, 17]);
+    assert_eq!(whole.digest().unwrap(), chunked.digest().unwrap());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (engine, _dir) = runtime.block_on(engine_over(chunked));
+    let scope = tally_engine::Scope {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+    };
+    for customer in [None, Some("cus_0".to_string())] {
+        let result = engine
+            .query_usage(
+                &scope,
+                &UsageQuery {
+                    meter_id: "mtr_4".into(),
+                    customer_id: customer.clone(),
+                    start_ms: T0,
+                    end_ms: T0 + 3_600_000,
+                    window: Window::None,
+                    group_by_customer: false,
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            result.total.value,
+            Some(Decimal::from(distinct)),
+            "customer {customer:?}"
+        );
+    }
+}
