@@ -79,11 +79,13 @@ pub struct UsageEvent {
 
 impl UsageEvent {
     /// Whether another event carrying the same id has the same payload; a duplicate
-    /// with a different payload earns the `duplicate_payload_differs` warning.
+    /// with a different payload earns the `duplicate_payload_differs` warning. An
+    /// event sent without a timestamp means "now", so a retry of it is the same
+    /// payload whenever it arrives: its timestamp is compared only when given.
     pub fn same_payload(&self, other: &ValidatedEvent, other_customer_id: &str) -> bool {
         self.name == other.name
             && self.customer_id == other_customer_id
-            && self.timestamp_ms == other.timestamp_ms
+            && (!other.timestamp_given || self.timestamp_ms == other.timestamp_ms)
             && self.properties == other.properties
     }
 }
@@ -132,6 +134,8 @@ pub struct ValidatedEvent {
     pub customer: CustomerRef,
     pub event_id: Option<String>,
     pub timestamp_ms: i64,
+    /// The sender gave the timestamp (otherwise it is the receipt time).
+    pub timestamp_given: bool,
     pub properties: BTreeMap<String, PropertyValue>,
 }
 
@@ -266,6 +270,7 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
         customer,
         event_id,
         timestamp_ms,
+        timestamp_given: raw.timestamp.is_some(),
         properties,
     })
 }

@@ -202,11 +202,16 @@ pub struct EventFilter {
     pub end_ms: Option<i64>,
 }
 
+/// A hash of what the sender sent (for "payload differs" between requests in
+/// flight): the timestamp counts only when given (see `UsageEvent::same_payload`).
 fn fingerprint(event: &ValidatedEvent, customer_id: &str) -> u64 {
     let mut hasher = std::hash::DefaultHasher::new();
     event.name.hash(&mut hasher);
     customer_id.hash(&mut hasher);
-    event.timestamp_ms.hash(&mut hasher);
+    event
+        .timestamp_given
+        .then_some(event.timestamp_ms)
+        .hash(&mut hasher);
     event.properties.hash(&mut hasher);
     hasher.finish()
 }

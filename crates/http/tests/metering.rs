@@ -385,6 +385,50 @@ async fn dedup_is_exact_across_batches_within_batches_and_concurrent_requests() 
         codes,
         vec!["duplicate_event_id", "duplicate_payload_differs"]
     );
+    // A retry of the same JSON a minute later (no timestamp: "now" both times) is the
+    // same payload; a different explicit timestamp is not.
+    server.engine.wait_caught_up().await.unwrap();
+    server.clock.advance_ms(60_000);
+    let warnings = |answer: &Answer| -> Vec<String> {
+        answer.body["events"][0]["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["code"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let retry = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [
+                {"name": "api_call", "customer_id": cus, "event_id": "e1"}
+            ]}),
+        )
+        .await;
+    assert_eq!(
+        warnings(&retry),
+        vec!["duplicate_event_id"],
+        "{}",
+        retry.body
+    );
+    let back = format_iso8601_ms(server.clock.now_ms() - 3_600_000);
+    let dated = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [
+                {"name": "api_call", "customer_id": cus, "event_id": "e1", "timestamp": back}
+            ]}),
+        )
+        .await;
+    // (An hour back is before the meter counts: `no_matching_meter` comes too.)
+    let dated: Vec<String> = warnings(&dated)
+        .into_iter()
+        .filter(|code| code.starts_with("duplicate"))
+        .collect();
+    assert_eq!(
+        dated,
+        vec!["duplicate_event_id", "duplicate_payload_differs"]
+    );
 
     // 20 concurrent requests carrying the same id: exactly one is accepted.
     let mut tasks = Vec::new();
