@@ -300,9 +300,21 @@ impl<'a> Overlay<'a> {
 
     /// Every entry under `prefix`: the store's, with this chunk's writes on top.
     pub fn prefix_entries(&self, prefix: &[u8]) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
+        self.prefix_entries_where(prefix, |_| true)
+    }
+
+    /// `prefix_entries` keeping only the entries whose key passes `keep`: a sweep
+    /// over a large table holds only what it selects.
+    pub fn prefix_entries_where(
+        &self,
+        prefix: &[u8],
+        keep: impl Fn(&[u8]) -> bool,
+    ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
         let mut entries = BTreeMap::new();
         scan_prefix(self.store, prefix, false, &mut |k, v| {
-            entries.insert(k.to_vec(), v.to_vec());
+            if keep(k) {
+                entries.insert(k.to_vec(), v.to_vec());
+            }
             Visit::Continue
         })?;
         for (key, value) in self.changes.range(prefix.to_vec()..) {
@@ -310,7 +322,8 @@ impl<'a> Overlay<'a> {
                 break;
             }
             match value {
-                Some(v) => entries.insert(key.clone(), v.clone()),
+                Some(v) if keep(key) => entries.insert(key.clone(), v.clone()),
+                Some(_) => None,
                 None => entries.remove(key),
             };
         }

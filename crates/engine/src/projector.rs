@@ -390,11 +390,12 @@ fn prune_stored_events(overlay: &mut Overlay<'_>, received_ms: i64) -> Result<()
         return Ok(());
     }
     let mut old = Vec::new();
-    for (key, value) in overlay.prefix_entries(&[keys::STORED_EVENTS])? {
+    // Holds only the rows it prunes (an undecodable key is kept, then refused below).
+    let is_old =
+        |key: &[u8]| StoredEventsKey::decode(key).map_or(true, |key| key.received_at_ms < cut);
+    for (key, value) in overlay.prefix_entries_where(&[keys::STORED_EVENTS], is_old)? {
         let key = StoredEventsKey::decode(&key)?;
-        if key.received_at_ms < cut {
-            old.push((key, event_index::decode_stored(&value)?));
-        }
+        old.push((key, event_index::decode_stored(&value)?));
     }
     for (key, stored) in old {
         overlay.delete(key.encode());
