@@ -39,6 +39,7 @@ pub mod outcome;
 pub mod overlay;
 pub mod pagination;
 pub mod projector;
+pub mod recent;
 pub mod stores;
 pub mod usage;
 pub mod webhooks;
@@ -127,7 +128,7 @@ pub struct Caches {
     /// (event_index.rs). The projector updates it after each commit.
     pub events: Arc<event_index::EventIndex>,
     /// Usage records recently read back from the log (events.rs).
-    pub recent_records: events::RecentRecords,
+    pub recent_records: recent::RecentRecords,
 }
 
 /// What the projector decided about a record a caller appended.
