@@ -295,32 +295,56 @@ impl Engine {
         Ok(None)
     }
 
-    /// The usage record at a position the index or an `F` row names, through the
-    /// cache of recently read records (a retried batch points at one record a
-    /// hundred times; a listing page reads its records again on the next page).
+    /// The usage record at a position the index or an `F` row names (see
+    /// `read_batches`).
     async fn read_batch(
         &self,
         partition: u32,
         offset: u64,
     ) -> Result<Option<Arc<StoredBatch>>, EngineError> {
-        if let Some(batch) = self.caches().recent_records.get(partition, offset) {
-            return Ok(Some(batch));
-        }
-        match self.log().read_at(partition, offset).await? {
-            Some(entry) => {
-                let Some(batch) = StoredBatch::decode(&entry.payload)? else {
-                    return Ok(None);
-                };
-                let batch = Arc::new(batch);
-                self.caches()
-                    .recent_records
-                    .put(partition, offset, entry.payload.len(), batch.clone());
-                Ok(Some(batch))
+        Ok(self
+            .read_batches(&[(partition, offset)])
+            .await?
+            .remove(&(partition, offset))
+            .flatten())
+    }
+
+    /// The usage records at positions the index or `F` rows name (`None`: another
+    /// kind of record), through the cache of recently read records (a retried batch
+    /// points at one record a hundred times; a listing page reads its records again
+    /// on the next page), reading what is missing one partition at a time
+    /// (`Log::read_many`: one pass over the span on Kafka).
+    async fn read_batches(
+        &self,
+        positions: &[(u32, u64)],
+    ) -> Result<HashMap<(u32, u64), Option<Arc<StoredBatch>>>, EngineError> {
+        let cache = &self.caches().recent_records;
+        let mut batches = HashMap::new();
+        let mut missing: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
+        for &(partition, offset) in positions {
+            match cache.get(partition, offset) {
+                Some(batch) => {
+                    batches.insert((partition, offset), Some(batch));
+                }
+                None => missing.entry(partition).or_default().push(offset),
             }
-            None => Err(EngineError::Corrupt(format!(
-                "a stored event points at partition {partition} offset {offset}, which the log does not hold"
-            ))),
         }
+        for (partition, offsets) in missing {
+            let entries = self.log().read_many(partition, &offsets).await?;
+            for (offset, entry) in offsets.into_iter().zip(entries) {
+                let Some(entry) = entry else {
+                    return Err(EngineError::Corrupt(format!(
+                        "a stored event points at partition {partition} offset {offset}, which the log does not hold"
+                    )));
+                };
+                let batch = StoredBatch::decode(&entry.payload)?.map(Arc::new);
+                if let Some(batch) = &batch {
+                    cache.put(partition, offset, entry.payload.len(), batch.clone());
+                }
+                batches.insert((partition, offset), batch);
+            }
+        }
+        Ok(batches)
     }
 
     /// Visits the scope's stored events whose `F` rows fall in `(lower, upper)`, row by
@@ -366,11 +390,16 @@ impl Engine {
                 return Ok(());
             };
             let last_key = last_key.clone();
+            let positions: Vec<(u32, u64)> = rows
+                .iter()
+                .map(|(_, (row, _))| (row.partition, row.offset))
+                .collect();
+            let batches = self.read_batches(&positions).await?;
             for (_, (row, stored)) in rows {
                 if row.store_id != scope.store_id || row.mode != scope.mode {
                     continue;
                 }
-                let Some(batch) = self.read_batch(row.partition, row.offset).await? else {
+                let Some(Some(batch)) = batches.get(&(row.partition, row.offset)) else {
                     return Err(EngineError::Corrupt(format!(
                         "a stored-events row points at partition {} offset {}, which holds no usage record",
                         row.partition, row.offset

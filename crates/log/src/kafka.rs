@@ -333,8 +333,23 @@ impl Log for KafkaLog {
     /// further back: brokers that serve only whole batches (tansu) skip a record in
     /// the middle of a batch when asked for exactly its offset.
     async fn read_at(&self, partition: u32, offset: u64) -> Result<Option<LogEntry>, LogError> {
+        Ok(self.read_many(partition, &[offset]).await?.pop().flatten())
+    }
+
+    /// One forward read over the span of the offsets (a consumer per read would cost
+    /// a connection each), repeated from further back for what it did not find.
+    async fn read_many(
+        &self,
+        partition: u32,
+        offsets: &[u64],
+    ) -> Result<Vec<Option<LogEntry>>, LogError> {
+        let mut found: std::collections::HashMap<u64, LogEntry> = Default::default();
+        let mut missing: std::collections::BTreeSet<u64> = offsets.iter().copied().collect();
         for back in READ_AT_BACKOFFS {
-            let from = offset.saturating_sub(back);
+            let (Some(&first), Some(&last)) = (missing.first(), missing.last()) else {
+                break;
+            };
+            let from = first.saturating_sub(back);
             let mut reader = self.reader(partition, from).await?;
             loop {
                 let entries = match reader
@@ -352,10 +367,13 @@ impl Log for KafkaLog {
                 if entries.is_empty() {
                     break;
                 }
-                if let Some(found) = entries.iter().find(|e| e.offset == offset) {
-                    return Ok(Some(found.clone()));
+                let past = entries.iter().any(|e| e.offset >= last);
+                for entry in entries {
+                    if missing.remove(&entry.offset) {
+                        found.insert(entry.offset, entry);
+                    }
                 }
-                if entries.iter().any(|e| e.offset > offset) {
+                if missing.is_empty() || past {
                     break;
                 }
             }
@@ -363,7 +381,7 @@ impl Log for KafkaLog {
                 break;
             }
         }
-        Ok(None)
+        Ok(offsets.iter().map(|o| found.get(o).cloned()).collect())
     }
 
     /// The broker's end offset first. When it says no, the records from just below

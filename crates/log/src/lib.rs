@@ -130,6 +130,21 @@ pub trait Log: Send + Sync + 'static {
         Ok(entries.into_iter().next().filter(|e| e.offset == offset))
     }
 
+    /// `read_at` for several offsets of one partition, answered in the order asked. A
+    /// log whose every read is costly (Kafka: a consumer per read) reads the span
+    /// once instead.
+    async fn read_many(
+        &self,
+        partition: u32,
+        offsets: &[u64],
+    ) -> Result<Vec<Option<LogEntry>>, LogError> {
+        let mut entries = Vec::with_capacity(offsets.len());
+        for offset in offsets {
+            entries.push(self.read_at(partition, *offset).await?);
+        }
+        Ok(entries)
+    }
+
     /// Whether consumers keep their progress in the log (`commit`) for others to read:
     /// Kafka consumer groups do; the embedded log's single process needs no commit
     /// cadence (its consumer's position lives in the projection).

@@ -332,6 +332,24 @@ pub async fn read_at_finds_every_appended_record(factory: &dyn LogFactory) {
     let end = appended.iter().map(|(_, o)| *o).max().unwrap() + 1;
     let past = log.read_at(partition, end + 1_000_000).await.unwrap();
     assert!(past.is_none(), "nothing is stored past the end");
+    // Several at once, in the order asked (newest first, as a listing asks), with one
+    // offset past the end.
+    let mut asked: Vec<(usize, u64)> = appended.iter().step_by(3).copied().collect();
+    asked.reverse();
+    let mut offsets: Vec<u64> = asked.iter().map(|(_, o)| *o).collect();
+    offsets.push(end + 1_000_000);
+    let many = log.read_many(partition, &offsets).await.unwrap();
+    assert_eq!(many.len(), offsets.len());
+    for ((i, offset), entry) in asked.iter().zip(&many) {
+        let entry = entry
+            .as_ref()
+            .unwrap_or_else(|| panic!("record {i} read with the others"));
+        assert_eq!(
+            (entry.offset, &entry.payload),
+            (*offset, &payload("at", *i))
+        );
+    }
+    assert!(many.last().unwrap().is_none());
 }
 
 /// Runs every case of the suite against one implementation.

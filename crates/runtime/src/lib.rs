@@ -391,18 +391,25 @@ impl Runtime {
     }
 }
 
-/// Fetches the records at `wanted` into `fetched`.
+/// Fetches the records at `wanted` into `fetched`, one partition at a time
+/// (`Log::read_many`: one pass over the span where single reads are costly).
 async fn fetch<P: Projection>(
     log: &dyn Log,
     projection: &P,
     fetched: &mut P::Fetched,
     wanted: &[(u32, u64)],
 ) -> Result<(), RuntimeError> {
+    let mut by_partition: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
     for (partition, offset) in wanted {
-        let entry = log.read_at(*partition, *offset).await?;
-        projection
-            .add_fetched(fetched, *partition, *offset, entry)
-            .map_err(RuntimeError::Projection)?;
+        by_partition.entry(*partition).or_default().push(*offset);
+    }
+    for (partition, offsets) in by_partition {
+        let entries = log.read_many(partition, &offsets).await?;
+        for (offset, entry) in offsets.into_iter().zip(entries) {
+            projection
+                .add_fetched(fetched, partition, offset, entry)
+                .map_err(RuntimeError::Projection)?;
+        }
     }
     Ok(())
 }
