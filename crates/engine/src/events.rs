@@ -188,6 +188,40 @@ fn bound_ref(bound: &Bound<Vec<u8>>) -> Bound<&[u8]> {
     }
 }
 
+fn bound_key(bound: &Bound<Vec<u8>>) -> Option<&[u8]> {
+    match bound {
+        Bound::Included(key) | Bound::Excluded(key) => Some(key),
+        Bound::Unbounded => None,
+    }
+}
+
+/// The bounds of the `F` rows of a scope that can hold events with timestamps in
+/// `[start_ms, end_ms)`: an event's timestamp is at most the future skew after its
+/// receipt and at most the oldest ingestible age before it.
+pub fn received_between(
+    scope: &Scope,
+    start_ms: Option<i64>,
+    end_ms: Option<i64>,
+) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
+    use tally_domain::limits::{MAX_EVENT_AGE_MS, MAX_EVENT_FUTURE_SKEW_MS};
+    let (mut lower, mut upper) = scope_rows(scope);
+    let at = |received_ms: i64| {
+        crate::keys::Key::scoped(crate::keys::STORED_EVENTS, &scope.store_id, scope.mode)
+            .int(received_ms)
+            .into_bytes()
+    };
+    if let Some(start) = start_ms {
+        lower = Bound::Included(at(start.saturating_sub(MAX_EVENT_FUTURE_SKEW_MS)));
+    }
+    if let Some(end) = end_ms {
+        let end = at(end.saturating_add(MAX_EVENT_AGE_MS));
+        if bound_key(&upper).is_none_or(|scope_end| end.as_slice() < scope_end) {
+            upper = Bound::Excluded(end);
+        }
+    }
+    (lower, upper)
+}
+
 /// The bounds of every `F` row of a scope.
 pub fn scope_rows(scope: &Scope) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
     let prefix = StoredEventsKey::scope_prefix(&scope.store_id, scope.mode);
@@ -718,11 +752,23 @@ impl Engine {
             (None, Some(id)) => Some((false, self.cursor_event(scope, id, "ending_before").await?)),
             (None, None) => None,
         };
-        let (mut lower, mut upper) = scope_rows(scope);
+        let (mut lower, mut upper) = received_between(scope, filter.start_ms, filter.end_ms);
         let towards_newer = matches!(cursor, Some((false, _)));
+        // The cursor's row bounds the scan too, when it is the tighter bound (keys of
+        // one scope compare by receipt time, then position).
         match &cursor {
-            Some((true, (row, _))) => upper = Bound::Included(row.encode()),
-            Some((false, (row, _))) => lower = Bound::Included(row.encode()),
+            Some((true, (row, _))) => {
+                let at = row.encode();
+                if bound_key(&upper).is_none_or(|end| at.as_slice() < end) {
+                    upper = Bound::Included(at);
+                }
+            }
+            Some((false, (row, _))) => {
+                let at = row.encode();
+                if bound_key(&lower).is_none_or(|start| at.as_slice() > start) {
+                    lower = Bound::Included(at);
+                }
+            }
             None => {}
         }
         let limit = page.limit;

@@ -333,64 +333,42 @@ impl Engine {
             return Err(FieldError::invalid("end", "`end` must be after `start`").into());
         }
         let mut fold = WindowFold::new(definition.aggregation, start_ms, end_ms, window)?;
-        // Only rows received when an event of the range could be: an event's
-        // timestamp is at most its skew after its receipt and at most the oldest
-        // ingestible age before it.
-        let (_, upper) = crate::events::scope_rows(scope);
-        let lower =
-            crate::keys::Key::scoped(crate::keys::STORED_EVENTS, &scope.store_id, scope.mode)
-                .int(start_ms.saturating_sub(tally_domain::limits::MAX_EVENT_FUTURE_SKEW_MS))
-                .into_bytes();
-        let upper_in_range =
-            crate::keys::Key::scoped(crate::keys::STORED_EVENTS, &scope.store_id, scope.mode)
-                .int(end_ms.saturating_add(tally_domain::limits::MAX_EVENT_AGE_MS))
-                .into_bytes();
-        let upper = match upper {
-            std::ops::Bound::Excluded(end) if end < upper_in_range => {
-                std::ops::Bound::Excluded(end)
-            }
-            _ => std::ops::Bound::Excluded(upper_in_range),
-        };
+        // Only rows received when an event of the range could be.
+        let (lower, upper) = crate::events::received_between(scope, Some(start_ms), Some(end_ms));
         let (mut scanned, mut matched, mut truncated) = (0usize, 0usize, false);
-        self.scan_stored_events(
-            scope,
-            std::ops::Bound::Included(lower),
-            upper,
-            false,
-            |_, events| {
-                for (_, event) in events {
-                    scanned += 1;
-                    if scanned > MAX_PREVIEW_SCAN_EVENTS {
-                        truncated = true;
-                        return Visit::Stop;
-                    }
-                    if event.timestamp_ms < start_ms
-                        || event.timestamp_ms >= end_ms
-                        || customer_id.is_some_and(|c| c != event.customer_id)
-                        || event.name != definition.event_name
-                    {
-                        continue;
-                    }
-                    let view = EventView {
-                        name: &event.name,
-                        timestamp_ms: event.timestamp_ms,
-                        properties: &event.properties,
-                    };
-                    if definition.filter.matches(&view) {
-                        matched += 1;
-                        let value = definition
-                            .aggregation_property
-                            .as_ref()
-                            .and_then(|p| event.properties.get(p));
-                        fold.add_event(
-                            event.timestamp_ms,
-                            &contribution(definition.aggregation, value),
-                        );
-                    }
+        self.scan_stored_events(scope, lower, upper, false, |_, events| {
+            for (_, event) in events {
+                scanned += 1;
+                if scanned > MAX_PREVIEW_SCAN_EVENTS {
+                    truncated = true;
+                    return Visit::Stop;
                 }
-                Visit::Continue
-            },
-        )
+                if event.timestamp_ms < start_ms
+                    || event.timestamp_ms >= end_ms
+                    || customer_id.is_some_and(|c| c != event.customer_id)
+                    || event.name != definition.event_name
+                {
+                    continue;
+                }
+                let view = EventView {
+                    name: &event.name,
+                    timestamp_ms: event.timestamp_ms,
+                    properties: &event.properties,
+                };
+                if definition.filter.matches(&view) {
+                    matched += 1;
+                    let value = definition
+                        .aggregation_property
+                        .as_ref()
+                        .and_then(|p| event.properties.get(p));
+                    fold.add_event(
+                        event.timestamp_ms,
+                        &contribution(definition.aggregation, value),
+                    );
+                }
+            }
+            Visit::Continue
+        })
         .await?;
         Ok((
             fold.finish(customer_id.map(str::to_string)),

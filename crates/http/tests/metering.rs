@@ -842,6 +842,7 @@ async fn event_listing_walks_batches_in_both_directions() {
     let a = customer(&api, "la").await;
     let b = customer(&api, "lb").await;
     let mut sent = Vec::new(); // oldest first
+    let t0 = server.clock.now_ms();
     for batch in 0..4 {
         let events: Vec<Value> = (0..3)
             .map(|i| {
@@ -910,6 +911,20 @@ async fn event_listing_walks_batches_in_both_directions() {
         .map(|(id, _)| id.clone())
         .collect();
     assert_eq!(ids(&only_b.body), expected);
+    // Time filters (on the event timestamp: here the receipt time, a second apart).
+    let between = api
+        .get(&format!(
+            "/v1/events?limit=100&start={}&end={}",
+            format_iso8601_ms(t0 + 1_000),
+            format_iso8601_ms(t0 + 3_000)
+        ))
+        .await;
+    assert_eq!(between.status, 200, "{}", between.body);
+    assert_eq!(
+        ids(&between.body),
+        newest_first[3..9].to_vec(),
+        "batches 1 and 2"
+    );
     let unknown = api.get("/v1/events?starting_after=nope").await;
     assert_eq!(
         assert_error(&unknown, 404, "invalid_request_error")["param"],
