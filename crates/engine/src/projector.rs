@@ -67,7 +67,7 @@ pub fn check_projection_format(
         Some(PROJECTION_FORMAT_VERSION) => Ok(()),
         None if !applied => Ok(()),
         other => Err(EngineError::Corrupt(format!(
-            "the projection has format version {} and this Tally writes version {PROJECTION_FORMAT_VERSION}; stop Tally, delete the projection directory (<data-dir>/projection; the log keeps everything) and start again: the projection is rebuilt from the log",
+            "the projection has format version {} and this Tally writes version {PROJECTION_FORMAT_VERSION}; stop Tally, delete the projection directory (<data-dir>/projections; the log keeps everything) and start again: the projection is rebuilt from the log",
             other.map_or("1".to_string(), |v| v.to_string())
         ))),
     }
