@@ -309,7 +309,9 @@ impl Engine {
                 continue;
             };
             if let Some(event) =
-                batch.event_if(&scope.store_id, scope.mode, event_id, location.index)
+                batch
+                    .view()
+                    .event_if(&scope.store_id, scope.mode, event_id, location.index)
             {
                 let row = StoredEventsKey {
                     store_id: scope.store_id.clone(),
@@ -804,15 +806,7 @@ impl Engine {
             Visit::Continue
         })
         .await?;
-        let has_more = items.len() > limit;
-        items.truncate(limit);
-        if towards_newer {
-            items.reverse();
-        }
-        Ok(Page {
-            data: items,
-            has_more,
-        })
+        Ok(Page::from_scan(items, limit, towards_newer))
     }
 
     /// Where a listing cursor's event is: its `F` row and index.

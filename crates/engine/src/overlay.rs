@@ -50,20 +50,13 @@ impl StoredBatch {
         }
     }
 
-    /// The event at `index` when it is `event_id` of this scope.
-    pub fn event_if(
-        &self,
-        store_id: &str,
-        mode: Mode,
-        event_id: &str,
-        index: u32,
-    ) -> Option<&UsageEvent> {
-        if self.store_id != store_id || self.mode != mode {
-            return None;
+    /// The record borrowed, as apply reads records of its own chunk.
+    pub fn view(&self) -> StoredRef<'_> {
+        StoredRef {
+            store_id: &self.store_id,
+            mode: self.mode,
+            events: &self.events,
         }
-        self.events
-            .get(index as usize)
-            .filter(|event| event.event_id == event_id)
     }
 }
 
@@ -190,11 +183,7 @@ impl<'a> Overlay<'a> {
             });
         }
         match self.fetched.get(&(partition, offset)) {
-            Some(Some(batch)) => Ok(StoredRef {
-                store_id: &batch.store_id,
-                mode: batch.mode,
-                events: &batch.events,
-            }),
+            Some(Some(batch)) => Ok(batch.view()),
             Some(None) => Err(EngineError::Corrupt(format!(
                 "the event index points at partition {partition} offset {offset}, where the log holds no usage record"
             ))),
@@ -212,7 +201,22 @@ impl<'a> Overlay<'a> {
     ) -> Result<Option<UsageEvent>, EngineError> {
         let key = inflight_key(store_id, mode, event_id);
         let print = self.index.fingerprint(store_id, mode, event_id);
-        let chunk = self.new_events.get(&key).copied();
+        Ok(self
+            .find_stored(&key, print, store_id, mode, event_id)?
+            .cloned())
+    }
+
+    /// `stored_event` given the id's in-flight key and fingerprint (apply computes
+    /// them once per event and keeps them for the event it stores), borrowed.
+    pub(crate) fn find_stored(
+        &self,
+        key: &str,
+        print: u64,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+    ) -> Result<Option<&UsageEvent>, EngineError> {
+        let chunk = self.new_events.get(key).copied();
         let mut missing = Vec::new();
         for location in chunk.into_iter().chain(self.index.candidates(print)) {
             if self.pruned.iter().any(|(key, _)| {
@@ -223,7 +227,7 @@ impl<'a> Overlay<'a> {
             match self.batch_at(location.partition, location.offset) {
                 Ok(batch) => {
                     if let Some(event) = batch.event_if(store_id, mode, event_id, location.index) {
-                        return Ok(Some(event.clone()));
+                        return Ok(Some(event));
                     }
                 }
                 Err(EngineError::RecordsNeeded(positions)) => missing.extend(positions),
@@ -235,22 +239,6 @@ impl<'a> Overlay<'a> {
         } else {
             Err(EngineError::RecordsNeeded(missing))
         }
-    }
-
-    /// Whether `event_id` is stored in its scope (this chunk's events included).
-    pub(crate) fn is_stored(
-        &self,
-        store_id: &str,
-        mode: Mode,
-        event_id: &str,
-    ) -> Result<bool, EngineError> {
-        if self
-            .new_events
-            .contains_key(&inflight_key(store_id, mode, event_id))
-        {
-            return Ok(true);
-        }
-        Ok(self.stored_event(store_id, mode, event_id)?.is_some())
     }
 
     pub(crate) fn note_stored(&mut self, key: String, location: EventLocation) {
@@ -430,21 +418,23 @@ impl<'a> Overlay<'a> {
 /// An `F` row: which events the usage record at the key's position stored.
 pub(crate) type StoredRow = (StoredEventsKey, Vec<(u32, u64)>);
 
-/// A usage record as apply reads it back.
-pub(crate) struct StoredRef<'b> {
+/// A usage record as apply and queries read it back (borrowed from the chunk or
+/// from a fetched `StoredBatch`).
+pub struct StoredRef<'b> {
     store_id: &'b str,
     mode: Mode,
-    pub(crate) events: &'b [UsageEvent],
+    pub events: &'b [UsageEvent],
 }
 
-impl StoredRef<'_> {
-    fn event_if(
+impl<'b> StoredRef<'b> {
+    /// The event at `index` when it is `event_id` of this scope.
+    pub fn event_if(
         &self,
         store_id: &str,
         mode: Mode,
         event_id: &str,
         index: u32,
-    ) -> Option<&UsageEvent> {
+    ) -> Option<&'b UsageEvent> {
         if self.store_id != store_id || self.mode != mode {
             return None;
         }

@@ -79,15 +79,24 @@ pub fn paginate<T>(
     if let Some(e) = failure {
         return Err(e);
     }
-    let has_more = items.len() > limit;
-    items.truncate(limit);
-    if towards_newer {
-        items.reverse();
+    Ok(Page::from_scan(items, limit, towards_newer))
+}
+
+impl<T> Page<T> {
+    /// A page from a scan that read up to `limit + 1` items in scan order: the extra
+    /// one says there is more (exact `has_more`), and a scan towards newer items
+    /// (`ending_before`) is turned back to newest first.
+    pub fn from_scan(mut items: Vec<T>, limit: usize, towards_newer: bool) -> Page<T> {
+        let has_more = items.len() > limit;
+        items.truncate(limit);
+        if towards_newer {
+            items.reverse();
+        }
+        Page {
+            data: items,
+            has_more,
+        }
     }
-    Ok(Page {
-        data: items,
-        has_more,
-    })
 }
 
 /// Decodes the entries under `prefix` in key order (or reversed), keeping those

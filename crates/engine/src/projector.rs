@@ -500,7 +500,12 @@ fn apply_record(
             for (index, event) in events.iter().enumerate() {
                 // Exact dedup: the first record carrying an id wins, whatever came later
                 // (an earlier event of this same record included).
-                if overlay.is_stored(store_id, *mode, &event.event_id)? {
+                let key = inflight_key(store_id, *mode, &event.event_id);
+                let print = overlay.index.fingerprint(store_id, *mode, &event.event_id);
+                if overlay
+                    .find_stored(&key, print, store_id, *mode, &event.event_id)?
+                    .is_some()
+                {
                     continue;
                 }
                 let location = EventLocation {
@@ -508,11 +513,8 @@ fn apply_record(
                     offset: entry.offset,
                     index: index as u32,
                 };
-                overlay.note_stored(inflight_key(store_id, *mode, &event.event_id), location);
-                stored.push((
-                    index as u32,
-                    overlay.index.fingerprint(store_id, *mode, &event.event_id),
-                ));
+                overlay.note_stored(key, location);
+                stored.push((index as u32, print));
                 for meter_id in &event.matched_meter_ids {
                     if !meters.contains_key(meter_id) {
                         let meter = load_meter(overlay, store_id, *mode, meter_id)?;

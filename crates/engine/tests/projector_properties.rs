@@ -102,6 +102,11 @@ fn log_entries(batches: &[Vec<GenEvent>]) -> Vec<LogEntry> {
             events: batch.iter().map(|e| usage_event(e, &ids)).collect(),
         });
     }
+    entries_of(&records)
+}
+
+/// The records as the entries of one partition, offsets 0, 1, 2...
+fn entries_of(records: &[Record]) -> Vec<LogEntry> {
     records
         .iter()
         .enumerate()
@@ -496,16 +501,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
         },
         inside + 2 * PRUNE_STEP_MS,
     ));
-    let entries: Vec<LogEntry> = records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| LogEntry {
-            partition: 0,
-            offset: i as u64,
-            next_offset: i as u64 + 1,
-            payload: tally_proto::encode_record(r, T0),
-        })
-        .collect();
+    let entries = entries_of(&records);
     let stored_rows = |store: &MemoryStore| {
         let mut rows = 0;
         tally_projection::scan_prefix(store, b"F", false, &mut |_, _| {
@@ -599,16 +595,7 @@ fn distinct_values_past_the_inline_set_stay_exact() {
             events: batch.to_vec(),
         });
     }
-    let entries: Vec<LogEntry> = records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| LogEntry {
-            partition: 0,
-            offset: i as u64,
-            next_offset: i as u64 + 1,
-            payload: tally_proto::encode_record(r, T0),
-        })
-        .collect();
+    let entries = entries_of(&records);
     let whole = apply_in_chunks(&entries, &[]);
     let chunked = apply_in_chunks(&entries, &[8, 10, 15, 17]);
     assert_eq!(whole.digest().unwrap(), chunked.digest().unwrap());

@@ -437,6 +437,28 @@ struct FailingLog {
     failing: Arc<std::sync::atomic::AtomicU8>,
 }
 
+/// A server over `dir` whose log fails as the returned flag says (`HEALTHY` at first).
+async fn start_with_failing_log(
+    dir: &std::path::Path,
+) -> (Server, Arc<std::sync::atomic::AtomicU8>) {
+    let failing = Arc::new(std::sync::atomic::AtomicU8::new(HEALTHY));
+    let flag = failing.clone();
+    let server = Server::start_with_faults(
+        dir,
+        default_config(),
+        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
+        move |inner| {
+            Arc::new(FailingLog {
+                inner,
+                failing: flag,
+            })
+        },
+        |sled| Arc::new(CheckpointStore::new(sled)),
+    )
+    .await;
+    (server, failing)
+}
+
 const HEALTHY: u8 = 0;
 const NOT_WRITTEN: u8 = 1;
 const UNKNOWN: u8 = 2;
@@ -495,21 +517,7 @@ impl tally_log::Log for FailingLog {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_appends_answer_503_and_lose_nothing_acknowledged() {
     let (_guard, dir) = temp_dir();
-    let failing = Arc::new(std::sync::atomic::AtomicU8::new(HEALTHY));
-    let flag = failing.clone();
-    let server = Server::start_with_faults(
-        &dir,
-        default_config(),
-        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
-        move |inner| {
-            Arc::new(FailingLog {
-                inner,
-                failing: flag,
-            })
-        },
-        |sled| Arc::new(CheckpointStore::new(sled)),
-    )
-    .await;
+    let (server, failing) = start_with_failing_log(&dir).await;
     let keys = create_store(&server, "s").await;
     let api = Api::new(&server.test_url, &keys.test);
     let customer_id = customer(&api).await;
@@ -599,21 +607,7 @@ async fn failed_appends_answer_503_and_lose_nothing_acknowledged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_ingest_leaves_no_id_reserved() {
     let (_guard, dir) = temp_dir();
-    let failing = Arc::new(std::sync::atomic::AtomicU8::new(HEALTHY));
-    let flag = failing.clone();
-    let server = Server::start_with_faults(
-        &dir,
-        default_config(),
-        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
-        move |inner| {
-            Arc::new(FailingLog {
-                inner,
-                failing: flag,
-            })
-        },
-        |sled| Arc::new(CheckpointStore::new(sled)),
-    )
-    .await;
+    let (server, failing) = start_with_failing_log(&dir).await;
     let keys = create_store(&server, "s").await;
     let api = Api::new(&server.test_url, &keys.test);
     let customer_id = customer(&api).await;
