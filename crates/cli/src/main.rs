@@ -408,7 +408,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let bootstrapped = if args.no_default_store {
         None
     } else {
-        engine.bootstrap_default_store().await?
+        engine.directory().bootstrap_default_store().await?
     };
     match bootstrapped {
         Some(created) => {
@@ -427,7 +427,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         }
         None => println!(
             "  stores:         {} (keys were printed when each was created)",
-            engine.store_count()?
+            engine.directory().store_count()?
         ),
     }
     let _ = std::io::stdout().flush();
@@ -551,7 +551,7 @@ async fn ledger_verify(args: ReplayArgs) -> Result<()> {
     if std::io::stderr().is_terminal() {
         eprintln!();
     }
-    engine.check_projected_balances(&mut replay)?;
+    engine.ledger().check_projected_balances(&mut replay)?;
     println!("accounts:        {}", replay.customer_account_count());
     println!("transactions:    {}", replay.transactions);
     println!("total issued:    {}", replay.total_issued().normalize());

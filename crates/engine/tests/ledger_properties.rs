@@ -118,13 +118,19 @@ async fn started_with_customer(
         engine: None,
     };
     h.start().await;
-    let store = h.engine().create_store(store_name).await.unwrap();
+    let store = h
+        .engine()
+        .directory()
+        .create_store(store_name)
+        .await
+        .unwrap();
     let scope = Scope {
         store_id: store.store_id,
         mode: Mode::Test,
     };
     let customer = h
         .engine()
+        .directory()
         .create_customer(
             &scope,
             &tally_domain::customer::CustomerInput {
@@ -144,6 +150,7 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
     for (i, seed) in seeds.iter().enumerate() {
         let (account, _) = h
             .engine()
+            .ledger()
             .create_account(
                 &scope,
                 &AccountInput {
@@ -169,6 +176,7 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                 let amount = Decimal::new(n, 1);
                 let result = h
                     .engine()
+                    .ledger()
                     .move_credits(
                         &scope,
                         &accounts[a],
@@ -207,7 +215,7 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                 }
                 let index = pick % model.transactions.len();
                 let (id, a, delta, reversible, reversed) = model.transactions[index].clone();
-                let result = h.engine().reverse_transaction(&scope, &id).await;
+                let result = h.engine().ledger().reverse_transaction(&scope, &id).await;
                 let expected = if reversed {
                     Some("transaction_already_reversed")
                 } else if !reversible {
@@ -235,6 +243,7 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                 let freeze = matches!(op, Op::Freeze(_));
                 let result = h
                     .engine()
+                    .ledger()
                     .set_account_frozen(&scope, &accounts[a], freeze)
                     .await;
                 if model.statuses[a] == AccountStatus::Closed {
@@ -250,6 +259,7 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
             }
             Op::Close(a) => {
                 h.engine()
+                    .ledger()
                     .close_account(&scope, &accounts[a])
                     .await
                     .unwrap();
@@ -264,13 +274,13 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
     }
     for (i, id) in accounts.iter().enumerate() {
         prop_assert_eq!(
-            h.engine().balance(&scope, id).unwrap(),
+            h.engine().ledger().balance(&scope, id).unwrap(),
             model.balances[i],
             "balance of account {}",
             i
         );
         prop_assert_eq!(
-            h.engine().get_account(&scope, id).unwrap().status,
+            h.engine().ledger().get_account(&scope, id).unwrap().status,
             model.statuses[i]
         );
     }
@@ -283,7 +293,10 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
     )
     .await
     .unwrap();
-    h.engine().check_projected_balances(&mut audit).unwrap();
+    h.engine()
+        .ledger()
+        .check_projected_balances(&mut audit)
+        .unwrap();
     prop_assert!(audit.violations.is_empty(), "{:?}", audit.violations);
     let issued_minus_out = audit.total_issued() - audit.total_consumed() - audit.total_forfeited();
     prop_assert_eq!(
@@ -326,6 +339,7 @@ async fn the_audit_skips_what_apply_refused() {
     let (mut h, scope, customer) = started_with_customer("audit").await;
     let (account, _) = h
         .engine()
+        .ledger()
         .create_account(
             &scope,
             &AccountInput {
@@ -344,6 +358,7 @@ async fn the_audit_skips_what_apply_refused() {
         let account = account.id.clone();
         tasks.push(tokio::spawn(async move {
             engine
+                .ledger()
                 .move_credits(
                     &scope,
                     &account,
@@ -364,7 +379,7 @@ async fn the_audit_skips_what_apply_refused() {
     }
     h.engine().wait_caught_up().await.unwrap();
     assert_eq!(
-        h.engine().balance(&scope, &account.id).unwrap(),
+        h.engine().ledger().balance(&scope, &account.id).unwrap(),
         Decimal::ZERO,
         "ten distinct debits of 1 succeed"
     );
@@ -378,7 +393,10 @@ async fn the_audit_skips_what_apply_refused() {
     )
     .await
     .unwrap();
-    h.engine().check_projected_balances(&mut audit).unwrap();
+    h.engine()
+        .ledger()
+        .check_projected_balances(&mut audit)
+        .unwrap();
     assert!(audit.violations.is_empty(), "{:?}", audit.violations);
     assert_eq!(exported, 11, "the seed and ten debits");
     assert_eq!(audit.transactions, 11);

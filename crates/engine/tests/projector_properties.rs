@@ -274,7 +274,7 @@ proptest! {
         let scope = tally_engine::Scope { store_id: STORE.into(), mode: Mode::Test };
         for meter in meters() {
             for customer in [None, Some(0u8), Some(1), Some(2)] {
-                let result = engine.query_usage(&scope, &UsageQuery {
+                let result = engine.metering().query_usage(&scope, &UsageQuery {
                     meter_id: meter.id.clone(),
                     customer_id: customer.map(|c| format!("cus_{c}")),
                     start_ms: T0,
@@ -287,7 +287,7 @@ proptest! {
             }
         }
         // Minute windows add up to the total for additive aggregations.
-        let result = engine.query_usage(&scope, &UsageQuery {
+        let result = engine.metering().query_usage(&scope, &UsageQuery {
             meter_id: "mtr_1".into(), customer_id: None, start_ms: T0, end_ms: T0 + 3_600_000,
             window: Window::Minute, group_by_customer: false,
         }).unwrap();
@@ -343,7 +343,7 @@ proptest! {
         let scope = tally_engine::Scope { store_id: STORE.into(), mode: Mode::Test };
         for (meter, aggregation) in [("mtr_0", Aggregation::Count), ("mtr_1", Aggregation::Sum)] {
             for customer in [None, Some(0u8), Some(1), Some(2)] {
-                let result = engine.query_usage(&scope, &UsageQuery {
+                let result = engine.metering().query_usage(&scope, &UsageQuery {
                     meter_id: meter.into(),
                     customer_id: customer.map(|c| format!("cus_{c}")),
                     start_ms: T0,
@@ -418,16 +418,25 @@ fn the_first_event_wins_whatever_comes_later() {
             store_id: STORE.into(),
             mode: Mode::Test,
         };
-        let event = engine.get_event(&scope, "ev1").await.unwrap();
+        let event = engine.metering().get_event(&scope, "ev1").await.unwrap();
         assert_eq!(event.customer_id, "cus_0");
         for id in ["ev2", "ev12"] {
-            assert_eq!(engine.get_event(&scope, id).await.unwrap().event_id, id);
+            assert_eq!(
+                engine
+                    .metering()
+                    .get_event(&scope, id)
+                    .await
+                    .unwrap()
+                    .event_id,
+                id
+            );
         }
         assert!(
-            engine.get_event(&scope, "ev3").await.is_err(),
+            engine.metering().get_event(&scope, "ev3").await.is_err(),
             "a colliding id that was never sent is not found"
         );
         let page = engine
+            .metering()
             .list_events(
                 &scope,
                 &tally_engine::events::EventFilter::default(),
@@ -445,6 +454,7 @@ fn the_first_event_wins_whatever_comes_later() {
             "newest record first, last event of a record first"
         );
         let count = engine
+            .metering()
             .query_usage(
                 &scope,
                 &UsageQuery {
@@ -537,6 +547,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
             mode: Mode::Test,
         };
         let count = engine
+            .metering()
             .query_usage(
                 &scope,
                 &UsageQuery {
@@ -610,6 +621,7 @@ fn distinct_values_past_the_inline_set_stay_exact() {
     };
     for customer in [None, Some("cus_0".to_string())] {
         let result = engine
+            .metering()
             .query_usage(
                 &scope,
                 &UsageQuery {

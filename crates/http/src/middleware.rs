@@ -77,7 +77,7 @@ pub async fn request_context(
     let elapsed = started.elapsed();
     state
         .engine
-        .metrics
+        .metrics()
         .record_request(method.as_str(), &route, status, elapsed);
     tracing::debug!(request_id, method = %method, route, status, elapsed_us = elapsed.as_micros() as u64, "request");
     response
@@ -94,7 +94,11 @@ pub async fn authenticate(
         .get(API_KEY_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    match state.engine.authenticate(key.as_deref(), state.mode) {
+    match state
+        .engine
+        .directory()
+        .authenticate(key.as_deref(), state.mode)
+    {
         Ok(scope) => {
             request.extensions_mut().insert(scope);
             request

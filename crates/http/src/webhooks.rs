@@ -38,10 +38,10 @@ pub fn event_body(
     scope: &Scope,
     delivery: &Delivery,
 ) -> Result<String, EngineError> {
-    let event = engine.delivery_event(delivery)?;
+    let event = engine.notifications().delivery_event(delivery)?;
     let object = match &event.transaction_id {
         Some(id) if event.event_type != EVENT_CREDITS_EXHAUSTED => {
-            let view = engine.get_transaction(scope, id)?;
+            let view = engine.ledger().get_transaction(scope, id)?;
             transaction_json(&TransactionView {
                 transaction: view.transaction,
                 reversed_by: None,
@@ -163,17 +163,17 @@ impl Dispatcher {
                 self.in_flight.contains_key(&format!("{endpoint}/{event}"))
                     || self.endpoint_load(endpoint) >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
             };
-            let due =
-                match self
-                    .engine
-                    .due_deliveries(self.engine.now_ms(), DISPATCH_BATCH, &at_capacity)
-                {
-                    Ok(due) => due,
-                    Err(error) => {
-                        tracing::error!(%error, "reading due webhook deliveries failed");
-                        continue;
-                    }
-                };
+            let due = match self.engine.notifications().due_deliveries(
+                self.engine.now_ms(),
+                DISPATCH_BATCH,
+                &at_capacity,
+            ) {
+                Ok(due) => due,
+                Err(error) => {
+                    tracing::error!(%error, "reading due webhook deliveries failed");
+                    continue;
+                }
+            };
             for (scope, delivery) in due {
                 let key = format!("{}/{}", delivery.endpoint_id, delivery.event_id);
                 // Fair across endpoints: one endpoint never has more deliveries in
@@ -250,7 +250,11 @@ impl Dispatcher {
         } else {
             delivery.first_attempt_at_ms
         };
-        let endpoint = match self.engine.get_endpoint(scope, &delivery.endpoint_id) {
+        let endpoint = match self
+            .engine
+            .notifications()
+            .get_endpoint(scope, &delivery.endpoint_id)
+        {
             Ok(e) if e.enabled && e.delivery_mode == DeliveryMode::Http => Some(e),
             Ok(_) | Err(EngineError::NotFound { .. }) => None,
             Err(e) => return Err(e),
@@ -287,7 +291,10 @@ impl Dispatcher {
             next_attempt_at_ms,
             manual,
         };
-        self.engine.record_attempt(attempt.clone()).await?;
+        self.engine
+            .notifications()
+            .record_attempt(attempt.clone())
+            .await?;
         Ok(attempt)
     }
 

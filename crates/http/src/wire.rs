@@ -8,7 +8,7 @@ use tally_domain::customer::Customer;
 use tally_domain::meter::{FilterValue, Meter};
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::{canonical_decimal, PropertyValue, UsageEvent};
-use tally_engine::events::{EventReport, Warning};
+use tally_engine::ingest::{EventReport, Warning};
 use tally_engine::pagination::Page;
 use tally_engine::usage::{UsageResult, UsageSeries};
 use tally_engine::Scope;

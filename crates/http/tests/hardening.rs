@@ -613,6 +613,7 @@ async fn an_abandoned_ingest_leaves_no_id_reserved() {
     let customer_id = customer(&api).await;
     let scope = server
         .engine
+        .directory()
         .caches()
         .api_keys
         .iter()
@@ -633,7 +634,7 @@ async fn an_abandoned_ingest_leaves_no_id_reserved() {
     let raws = vec![raw("gone-1"), raw("gone-2")];
     let abandoned = tokio::time::timeout(
         Duration::from_millis(300),
-        server.engine.ingest_events(&scope, &raws),
+        server.engine.gateway().ingest_events(&scope, &raws),
     )
     .await;
     assert!(

@@ -40,7 +40,7 @@ pub async fn create_store(
         ));
     }
     let name = Fields::new(&body).required_string("name")?;
-    let store = state.engine.create_store(&name).await?;
+    let store = state.engine.directory().create_store(&name).await?;
     Ok(Json(json!({
         "id": store.store_id,
         "object": "store",

@@ -141,7 +141,7 @@ pub async fn create_account(
         unit_label: fields.string("unit_label")?,
         initial_balance: decimal_string(&fields, "initial_balance")?,
     };
-    let (account, balance) = state.engine.create_account(&scope, &input).await?;
+    let (account, balance) = state.engine.ledger().create_account(&scope, &input).await?;
     Ok(Json(account_json(&account, balance)))
 }
 
@@ -153,6 +153,7 @@ pub async fn list_accounts(
     let page = page_request(&query)?;
     let page = state
         .engine
+        .ledger()
         .list_accounts(&scope, query.get("customer_id"), &page)?;
     Ok(Json(wire::list(&page, |(a, b)| account_json(a, *b))))
 }
@@ -163,12 +164,13 @@ pub async fn get_account(
     PathId(id): PathId,
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
-    let account = state.engine.get_account(&scope, &id)?;
+    let account = state.engine.ledger().get_account(&scope, &id)?;
     let balance = match query.get("at") {
         Some(at) => state
             .engine
+            .ledger()
             .balance_at(&scope, &id, parse_instant("at", at)?)?,
-        None => state.engine.balance(&scope, &id)?,
+        None => state.engine.ledger().balance(&scope, &id)?,
     };
     Ok(Json(account_json(&account, balance)))
 }
@@ -178,7 +180,11 @@ pub async fn freeze(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let (account, balance) = state.engine.set_account_frozen(&scope, &id, true).await?;
+    let (account, balance) = state
+        .engine
+        .ledger()
+        .set_account_frozen(&scope, &id, true)
+        .await?;
     Ok(Json(account_json(&account, balance)))
 }
 
@@ -187,7 +193,11 @@ pub async fn unfreeze(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let (account, balance) = state.engine.set_account_frozen(&scope, &id, false).await?;
+    let (account, balance) = state
+        .engine
+        .ledger()
+        .set_account_frozen(&scope, &id, false)
+        .await?;
     Ok(Json(account_json(&account, balance)))
 }
 
@@ -196,7 +206,7 @@ pub async fn close(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let (account, balance) = state.engine.close_account(&scope, &id).await?;
+    let (account, balance) = state.engine.ledger().close_account(&scope, &id).await?;
     Ok(Json(account_json(&account, balance)))
 }
 
@@ -221,6 +231,7 @@ pub async fn credit(
 ) -> ApiResult<Json<Value>> {
     let view = state
         .engine
+        .ledger()
         .move_credits(&scope, &id, TransactionKind::Credit, &movement(&body)?)
         .await?;
     Ok(Json(transaction_json(&view)))
@@ -234,6 +245,7 @@ pub async fn debit(
 ) -> ApiResult<Json<Value>> {
     let view = state
         .engine
+        .ledger()
         .move_credits(&scope, &id, TransactionKind::Debit, &movement(&body)?)
         .await?;
     Ok(Json(transaction_json(&view)))
@@ -246,7 +258,7 @@ pub async fn entries(
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
     let page = page_request(&query)?;
-    let page = state.engine.list_entries(&scope, &id, &page)?;
+    let page = state.engine.ledger().list_entries(&scope, &id, &page)?;
     Ok(Json(wire::list(&page, entry_json)))
 }
 
@@ -256,7 +268,7 @@ pub async fn get_transaction(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(transaction_json(
-        &state.engine.get_transaction(&scope, &id)?,
+        &state.engine.ledger().get_transaction(&scope, &id)?,
     )))
 }
 
@@ -266,6 +278,10 @@ pub async fn reverse(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(transaction_json(
-        &state.engine.reverse_transaction(&scope, &id).await?,
+        &state
+            .engine
+            .ledger()
+            .reverse_transaction(&scope, &id)
+            .await?,
     )))
 }

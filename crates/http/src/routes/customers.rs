@@ -46,7 +46,11 @@ pub async fn create(
     if input.metadata == Patch::Clear {
         input.metadata = Patch::Keep;
     }
-    let customer = state.engine.create_customer(&scope, &input).await?;
+    let customer = state
+        .engine
+        .directory()
+        .create_customer(&scope, &input)
+        .await?;
     Ok(Json(wire::customer(&customer)))
 }
 
@@ -57,7 +61,11 @@ pub async fn update(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let input = customer_input(&body)?;
-    let customer = state.engine.update_customer(&scope, &id, &input).await?;
+    let customer = state
+        .engine
+        .directory()
+        .update_customer(&scope, &id, &input)
+        .await?;
     Ok(Json(wire::customer(&customer)))
 }
 
@@ -67,7 +75,7 @@ pub async fn get(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(wire::customer(
-        &state.engine.get_customer(&scope, &id)?,
+        &state.engine.directory().get_customer(&scope, &id)?,
     )))
 }
 
@@ -80,8 +88,12 @@ pub async fn list(
     let page = page_request(&query)?;
     if let Some(external) = query.get("external_id") {
         let normalized = tally_domain::customer::normalize_external_id(external)?;
-        let found = match state.engine.customer_id_by_external(&scope, &normalized)? {
-            Some(id) => vec![state.engine.get_customer(&scope, &id)?],
+        let found = match state
+            .engine
+            .directory()
+            .customer_id_by_external(&scope, &normalized)?
+        {
+            Some(id) => vec![state.engine.directory().get_customer(&scope, &id)?],
             None => Vec::new(),
         };
         let page = tally_engine::pagination::Page {
@@ -90,6 +102,6 @@ pub async fn list(
         };
         return Ok(Json(wire::list(&page, wire::customer)));
     }
-    let page = state.engine.list_customers(&scope, &page)?;
+    let page = state.engine.directory().list_customers(&scope, &page)?;
     Ok(Json(wire::list(&page, wire::customer)))
 }

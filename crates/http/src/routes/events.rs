@@ -97,7 +97,7 @@ pub async fn ingest(
     JsonObject(body): JsonObject,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let raws = batch(&body)?;
-    let outcome = state.engine.ingest_events(&scope, &raws).await?;
+    let outcome = state.engine.gateway().ingest_events(&scope, &raws).await?;
     Ok((
         StatusCode::ACCEPTED,
         Json(json!({
@@ -115,7 +115,7 @@ pub async fn preview(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let raws = batch(&body)?;
-    let reports = state.engine.preview_events(&scope, &raws).await?;
+    let reports = state.engine.gateway().preview_events(&scope, &raws).await?;
     Ok(Json(json!({
         "object": "ingest_preview",
         "valid": reports.iter().all(|r| r.valid),
@@ -128,7 +128,7 @@ pub async fn get(
     Extension(scope): Extension<Scope>,
     PathId(event_id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let event = state.engine.get_event(&scope, &event_id).await?;
+    let event = state.engine.metering().get_event(&scope, &event_id).await?;
     Ok(Json(wire::usage_event(&event, &scope)))
 }
 
@@ -146,13 +146,16 @@ pub async fn list(
             ))
         }
         (Some(id), None) => Some(id.to_string()),
-        (None, Some(external)) => state.engine.customer_id_by_external(&scope, external)?,
+        (None, Some(external)) => state
+            .engine
+            .directory()
+            .customer_id_by_external(&scope, external)?,
         (None, None) => None,
     };
     // No such customer: no events, answered without scanning the store's events.
     let unknown = match (&customer_id, query.get("external_customer_id")) {
         (None, Some(_)) => true,
-        (Some(id), _) => !state.engine.customer_exists(&scope, id)?,
+        (Some(id), _) => !state.engine.directory().customer_exists(&scope, id)?,
         (None, None) => false,
     };
     if unknown {
@@ -177,6 +180,10 @@ pub async fn list(
             .map(|s| parse_instant("end", s))
             .transpose()?,
     };
-    let page = state.engine.list_events(&scope, &filter, &page).await?;
+    let page = state
+        .engine
+        .metering()
+        .list_events(&scope, &filter, &page)
+        .await?;
     Ok(Json(wire::list(&page, |e| wire::usage_event(e, &scope))))
 }

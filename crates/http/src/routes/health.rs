@@ -39,7 +39,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     let positions = state.engine.positions().await;
     let body = state
         .engine
-        .metrics
+        .metrics()
         .render(&positions, state.engine.log().kind());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

@@ -140,6 +140,7 @@ pub async fn create(
 ) -> ApiResult<Json<Value>> {
     let meter = state
         .engine
+        .metering()
         .create_meter(&scope, &meter_input(&body)?)
         .await?;
     Ok(Json(wire::meter(&meter)))
@@ -150,7 +151,9 @@ pub async fn get(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    Ok(Json(wire::meter(&state.engine.get_meter(&scope, &id)?)))
+    Ok(Json(wire::meter(
+        &state.engine.metering().get_meter(&scope, &id)?,
+    )))
 }
 
 pub async fn list(
@@ -171,6 +174,7 @@ pub async fn list(
     };
     let page = state
         .engine
+        .metering()
         .list_meters(&scope, status, &page_request(&query)?)?;
     Ok(Json(wire::list(&page, wire::meter)))
 }
@@ -192,7 +196,11 @@ pub async fn update(
             .collect(),
     };
     Ok(Json(wire::meter(
-        &state.engine.update_meter(&scope, &id, &update).await?,
+        &state
+            .engine
+            .metering()
+            .update_meter(&scope, &id, &update)
+            .await?,
     )))
 }
 
@@ -202,7 +210,7 @@ pub async fn archive(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(wire::meter(
-        &state.engine.archive_meter(&scope, &id).await?,
+        &state.engine.metering().archive_meter(&scope, &id).await?,
     )))
 }
 
@@ -212,7 +220,7 @@ pub async fn unarchive(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(wire::meter(
-        &state.engine.unarchive_meter(&scope, &id).await?,
+        &state.engine.metering().unarchive_meter(&scope, &id).await?,
     )))
 }
 
@@ -225,7 +233,11 @@ pub async fn backfill(
     let start = Fields::new(&body).required_string("start")?;
     let start_ms = parse_instant("start", &start)?;
     Ok(Json(wire::meter(
-        &state.engine.backfill_meter(&scope, &id, start_ms).await?,
+        &state
+            .engine
+            .metering()
+            .backfill_meter(&scope, &id, start_ms)
+            .await?,
     )))
 }
 
@@ -256,11 +268,16 @@ fn customer_param(
         (Some(id), None) => {
             state
                 .engine
+                .directory()
                 .get_customer(scope, id)
                 .map_err(|e| ApiError::from(e).with_param("customer_id"))?;
             Ok(Some(id.to_string()))
         }
-        (None, Some(external)) => match state.engine.customer_id_by_external(scope, external)? {
+        (None, Some(external)) => match state
+            .engine
+            .directory()
+            .customer_id_by_external(scope, external)?
+        {
             Some(id) => Ok(Some(id)),
             None => Err(
                 ApiError::from(tally_engine::EngineError::not_found("customer", external))
@@ -313,7 +330,7 @@ pub async fn usage(
         }
     };
     // Resolve the meter first, so an unknown meter is a 404 whatever else is wrong.
-    state.engine.get_meter(&scope, &id)?;
+    state.engine.metering().get_meter(&scope, &id)?;
     let customer_id = customer_param(
         &state,
         &scope,
@@ -322,7 +339,7 @@ pub async fn usage(
     )?;
     let engine = state.engine.clone();
     let result = crate::blocking(move || {
-        engine.query_usage(
+        engine.metering().query_usage(
             &scope,
             &UsageQuery {
                 meter_id: id,
@@ -360,6 +377,7 @@ async fn run_preview(
     )?;
     let (series, scanned, matched, truncated) = state
         .engine
+        .metering()
         .preview_meter(
             scope,
             definition,
@@ -397,7 +415,7 @@ pub async fn preview_existing(
     PathId(id): PathId,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    let meter = state.engine.get_meter(&scope, &id)?;
+    let meter = state.engine.metering().get_meter(&scope, &id)?;
     let definition = tally_domain::meter::MeterDefinition {
         name: meter.name.clone(),
         event_name: meter.event_name.clone(),

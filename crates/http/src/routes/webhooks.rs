@@ -115,6 +115,7 @@ pub async fn create(
 ) -> ApiResult<Json<Value>> {
     let endpoint = state
         .engine
+        .notifications()
         .create_endpoint(
             &scope,
             &endpoint_input(&body)?,
@@ -128,7 +129,7 @@ pub async fn list(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
 ) -> ApiResult<Json<Value>> {
-    let endpoints = state.engine.list_endpoints(&scope)?;
+    let endpoints = state.engine.notifications().list_endpoints(&scope)?;
     Ok(Json(json!({
         "object": "list",
         "data": endpoints.iter().map(|e| endpoint_json(e, false)).collect::<Vec<_>>(),
@@ -142,7 +143,7 @@ pub async fn get(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(endpoint_json(
-        &state.engine.get_endpoint(&scope, &id)?,
+        &state.engine.notifications().get_endpoint(&scope, &id)?,
         false,
     )))
 }
@@ -155,6 +156,7 @@ pub async fn update(
 ) -> ApiResult<Json<Value>> {
     let endpoint = state
         .engine
+        .notifications()
         .update_endpoint(
             &scope,
             &id,
@@ -170,7 +172,11 @@ pub async fn delete(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let endpoint = state.engine.delete_endpoint(&scope, &id).await?;
+    let endpoint = state
+        .engine
+        .notifications()
+        .delete_endpoint(&scope, &id)
+        .await?;
     Ok(Json(
         json!({"id": endpoint.id, "object": "webhook", "deleted": true}),
     ))
@@ -181,7 +187,7 @@ pub async fn secret(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    let endpoint = state.engine.notifications().get_endpoint(&scope, &id)?;
     Ok(Json(
         json!({"object": "webhook_secret", "secret": endpoint.secret}),
     ))
@@ -192,7 +198,11 @@ pub async fn rotate(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let endpoint = state.engine.rotate_secret(&scope, &id).await?;
+    let endpoint = state
+        .engine
+        .notifications()
+        .rotate_secret(&scope, &id)
+        .await?;
     Ok(Json(endpoint_json(&endpoint, true)))
 }
 
@@ -215,8 +225,11 @@ pub async fn deliveries(
     PathId(id): PathId,
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
-    state.engine.get_endpoint(&scope, &id)?;
-    let attempts = state.engine.list_attempts(&scope, &id, limit(&query)?)?;
+    state.engine.notifications().get_endpoint(&scope, &id)?;
+    let attempts = state
+        .engine
+        .notifications()
+        .list_attempts(&scope, &id, limit(&query)?)?;
     Ok(Json(json!({
         "object": "list",
         "data": attempts.iter().map(attempt_json).collect::<Vec<_>>(),
@@ -229,14 +242,17 @@ pub async fn resend(
     Extension(scope): Extension<Scope>,
     PathIds(id, event_id): PathIds,
 ) -> ApiResult<Json<Value>> {
-    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    let endpoint = state.engine.notifications().get_endpoint(&scope, &id)?;
     if endpoint.delivery_mode == DeliveryMode::Cli {
         return Err(ApiError::bad_request(
             "webhook_is_cli",
             "cli endpoints keep events in their pending feed until acknowledged; nothing to resend",
         ));
     }
-    let delivery = state.engine.get_delivery(&scope, &id, &event_id)?;
+    let delivery = state
+        .engine
+        .notifications()
+        .get_delivery(&scope, &id, &event_id)?;
     let attempt = state.dispatcher.resend(&scope, &delivery).await?;
     Ok(Json(attempt_json(&attempt)))
 }
@@ -259,11 +275,15 @@ pub async fn pending(
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
     let limit = limit(&query)?;
-    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    let endpoint = state.engine.notifications().get_endpoint(&scope, &id)?;
     require_cli(&endpoint)?;
     let now = state.engine.now_ms();
     let mut items = Vec::new();
-    for delivery in state.engine.pending_deliveries(&scope, &id, limit)? {
+    for delivery in state
+        .engine
+        .notifications()
+        .pending_deliveries(&scope, &id, limit)?
+    {
         let body = event_body(&state.engine, &scope, &delivery)?;
         let headers: Map<String, Value> = delivery_headers(&endpoint, &delivery, &body, now)
             .into_iter()
@@ -311,9 +331,12 @@ pub async fn ack(
             ))
         }
     } as u16;
-    let endpoint = state.engine.get_endpoint(&scope, &id)?;
+    let endpoint = state.engine.notifications().get_endpoint(&scope, &id)?;
     require_cli(&endpoint)?;
-    let delivery = state.engine.get_delivery(&scope, &id, &event_id)?;
+    let delivery = state
+        .engine
+        .notifications()
+        .get_delivery(&scope, &id, &event_id)?;
     if delivery.delivered {
         return Err(ApiError::new(
             axum::http::StatusCode::CONFLICT,
@@ -340,6 +363,10 @@ pub async fn ack(
         next_attempt_at_ms: None,
         manual: false,
     };
-    state.engine.record_attempt(attempt.clone()).await?;
+    state
+        .engine
+        .notifications()
+        .record_attempt(attempt.clone())
+        .await?;
     Ok(Json(attempt_json(&attempt)))
 }

@@ -130,3 +130,30 @@ pub fn collect_prefix<T>(
         None => Ok(items),
     }
 }
+
+/// Resolves the cursor ids of a page request to index keys (404 for an unknown id).
+pub fn cursor_from(
+    page: &PageRequest,
+    key_of: impl Fn(&str) -> Result<Vec<u8>, EngineError>,
+) -> Result<Cursor, EngineError> {
+    let with_param = |param: &str, e: EngineError| match e {
+        EngineError::NotFound { resource, id, .. } => EngineError::NotFound {
+            resource,
+            id,
+            param: Some(param.to_string()),
+        },
+        other => other,
+    };
+    Ok(match (&page.starting_after, &page.ending_before) {
+        (Some(_), Some(_)) => {
+            return Err(tally_domain::FieldError::invalid(
+                "ending_before",
+                "give at most one of `starting_after` and `ending_before`",
+            )
+            .into())
+        }
+        (Some(id), None) => Cursor::After(key_of(id).map_err(|e| with_param("starting_after", e))?),
+        (None, Some(id)) => Cursor::Before(key_of(id).map_err(|e| with_param("ending_before", e))?),
+        (None, None) => Cursor::None,
+    })
+}

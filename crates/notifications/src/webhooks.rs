@@ -14,12 +14,14 @@ use tally_domain::{FieldError, Mode};
 use tally_projection::Visit;
 use tally_proto::{v1, Message};
 
-use crate::error::EngineError;
-use crate::ids::{new_id, random_base62};
-use crate::keys::{self, DueKey, Key, PendingKey};
-use crate::overlay::Overlay;
-use crate::pagination::collect_prefix;
-use crate::{Engine, Scope};
+use tally_core::error::EngineError;
+use tally_core::ids::{new_id, random_base62};
+use tally_core::keys::{self, DueKey, Key, PendingKey};
+use tally_core::overlay::Overlay;
+use tally_core::pagination::collect_prefix;
+use tally_core::Scope;
+
+use crate::Notifications;
 
 /// 43 base62 characters: more than 32 random bytes (docs/api.md, webhook secrets).
 pub const SECRET_RANDOM_CHARS: usize = 43;
@@ -287,10 +289,24 @@ fn new_secret() -> String {
 /// when many deliveries wait on endpoints at their concurrency cap.
 pub const MAX_DUE_SCAN: usize = 20_000;
 
-impl Engine {
+/// An endpoint deleted: its deliveries stay (their attempts are history).
+pub fn apply_endpoint_deleted(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    endpoint_id: &str,
+) {
+    overlay.delete(
+        Key::scoped(keys::WEBHOOK_ENDPOINT, store_id, mode)
+            .text(endpoint_id)
+            .into_bytes(),
+    );
+}
+
+impl Notifications {
     pub fn get_endpoint(&self, scope: &Scope, id: &str) -> Result<WebhookEndpoint, EngineError> {
         let key = Key::scoped(keys::WEBHOOK_ENDPOINT, &scope.store_id, scope.mode).text(id);
-        match self.store().get(key.as_bytes())? {
+        match self.journal.store().get(key.as_bytes())? {
             Some(bytes) => decode_endpoint(&bytes),
             None => Err(EngineError::not_found("webhook", id)),
         }
@@ -299,10 +315,13 @@ impl Engine {
     /// Endpoints of the scope, newest first.
     pub fn list_endpoints(&self, scope: &Scope) -> Result<Vec<WebhookEndpoint>, EngineError> {
         let prefix = Key::scoped(keys::WEBHOOK_ENDPOINT, &scope.store_id, scope.mode).into_bytes();
-        let mut endpoints =
-            collect_prefix(self.store().as_ref(), &prefix, false, usize::MAX, |_, v| {
-                decode_endpoint(v).map(Some)
-            })?;
+        let mut endpoints = collect_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
+            false,
+            usize::MAX,
+            |_, v| decode_endpoint(v).map(Some),
+        )?;
         endpoints.sort_by(|a, b| b.created_at_ms.cmp(&a.created_at_ms).then(b.id.cmp(&a.id)));
         Ok(endpoints)
     }
@@ -350,15 +369,15 @@ impl Engine {
                 )
             }
         };
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         if self.list_endpoints(scope)?.len() >= MAX_ENDPOINTS_PER_SCOPE {
             return Err(EngineError::conflict(
                 "too_many_webhooks",
                 "at most 100 webhook endpoints per store and environment",
             ));
         }
-        let now = self.now_ms();
+        let now = self.journal.now_ms();
         let endpoint = WebhookEndpoint {
             id: new_id("wh"),
             store_id: scope.store_id.clone(),
@@ -374,7 +393,8 @@ impl Engine {
             created_at_ms: now,
             updated_at_ms: now,
         };
-        self.append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
+        self.journal
+            .append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
             .await?;
         Ok(endpoint)
     }
@@ -394,8 +414,8 @@ impl Engine {
             )
             .into());
         }
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         let mut endpoint = self.get_endpoint(scope, id)?;
         if let Some(name) = &input.name {
             endpoint.name = text("name", name, MAX_ENDPOINT_NAME_CHARS)?;
@@ -421,8 +441,9 @@ impl Engine {
                 )
             }
         }
-        endpoint.updated_at_ms = self.now_ms();
-        self.append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
+        endpoint.updated_at_ms = self.journal.now_ms();
+        self.journal
+            .append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
             .await?;
         Ok(endpoint)
     }
@@ -432,15 +453,16 @@ impl Engine {
         scope: &Scope,
         id: &str,
     ) -> Result<WebhookEndpoint, EngineError> {
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         let endpoint = self.get_endpoint(scope, id)?;
-        self.append_and_apply(&Record::WebhookEndpointDeleted {
-            store_id: scope.store_id.clone(),
-            mode: scope.mode,
-            endpoint_id: id.to_string(),
-        })
-        .await?;
+        self.journal
+            .append_and_apply(&Record::WebhookEndpointDeleted {
+                store_id: scope.store_id.clone(),
+                mode: scope.mode,
+                endpoint_id: id.to_string(),
+            })
+            .await?;
         Ok(endpoint)
     }
 
@@ -450,14 +472,15 @@ impl Engine {
         scope: &Scope,
         id: &str,
     ) -> Result<WebhookEndpoint, EngineError> {
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         let mut endpoint = self.get_endpoint(scope, id)?;
-        let now = self.now_ms();
+        let now = self.journal.now_ms();
         endpoint.previous_secret = Some(std::mem::replace(&mut endpoint.secret, new_secret()));
         endpoint.previous_secret_expires_at_ms = now + ROTATED_SECRET_GRACE_MS;
         endpoint.updated_at_ms = now;
-        self.append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
+        self.journal
+            .append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
             .await?;
         Ok(endpoint)
     }
@@ -468,7 +491,7 @@ impl Engine {
         endpoint_id: &str,
         event_id: &str,
     ) -> Result<Delivery, EngineError> {
-        match self.store().get(&delivery_key(
+        match self.journal.store().get(&delivery_key(
             &scope.store_id,
             scope.mode,
             endpoint_id,
@@ -485,12 +508,16 @@ impl Engine {
 
     /// The event a delivery carries.
     pub fn delivery_event(&self, delivery: &Delivery) -> Result<LedgerEvent, EngineError> {
-        let bytes = self.store().get(&delivery.event_key)?.ok_or_else(|| {
-            EngineError::Corrupt(format!(
-                "event {} of a delivery is missing",
-                delivery.event_id
-            ))
-        })?;
+        let bytes = self
+            .journal
+            .store()
+            .get(&delivery.event_key)?
+            .ok_or_else(|| {
+                EngineError::Corrupt(format!(
+                    "event {} of a delivery is missing",
+                    delivery.event_id
+                ))
+            })?;
         tally_proto::ledger_event_from_proto(
             v1::LedgerEvent::decode(bytes.as_slice()).map_err(corrupt)?,
         )
@@ -505,9 +532,13 @@ impl Engine {
         limit: usize,
     ) -> Result<Vec<Delivery>, EngineError> {
         let prefix = PendingKey::prefix(&scope.store_id, scope.mode, endpoint_id);
-        let event_ids = collect_prefix(self.store().as_ref(), &prefix, false, limit, |k, _| {
-            Ok(Some(PendingKey::decode(k)?.event_id))
-        })?;
+        let event_ids = collect_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
+            false,
+            limit,
+            |k, _| Ok(Some(PendingKey::decode(k)?.event_id)),
+        )?;
         event_ids
             .iter()
             .map(|event_id| self.get_delivery(scope, endpoint_id, event_id))
@@ -516,7 +547,8 @@ impl Engine {
 
     /// Records an attempt and waits until it is applied.
     pub async fn record_attempt(&self, attempt: WebhookAttempt) -> Result<(), EngineError> {
-        self.append_and_apply(&Record::WebhookAttempt(attempt))
+        self.journal
+            .append_and_apply(&Record::WebhookAttempt(attempt))
             .await
     }
 
@@ -530,12 +562,18 @@ impl Engine {
         let prefix = Key::scoped(keys::WEBHOOK_ATTEMPT, &scope.store_id, scope.mode)
             .text(endpoint_id)
             .into_bytes();
-        collect_prefix(self.store().as_ref(), &prefix, true, limit, |_, v| {
-            let attempt = v1::WebhookAttempt::decode(v).map_err(corrupt)?;
-            tally_proto::attempt_from_proto(attempt)
-                .map(Some)
-                .map_err(corrupt)
-        })
+        collect_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
+            true,
+            limit,
+            |_, v| {
+                let attempt = v1::WebhookAttempt::decode(v).map_err(corrupt)?;
+                tally_proto::attempt_from_proto(attempt)
+                    .map(Some)
+                    .map_err(corrupt)
+            },
+        )
     }
 
     /// HTTP deliveries due at or before `now_ms`, oldest due first.
@@ -554,7 +592,7 @@ impl Engine {
         let mut found = Vec::new();
         let mut scanned = 0usize;
         let mut corrupt = None;
-        self.store().scan(
+        self.journal.store().scan(
             Bound::Included(&start),
             Bound::Excluded(&end),
             false,

@@ -13,10 +13,12 @@ use tally_domain::time::{Window, MINUTE_MS};
 use tally_domain::FieldError;
 use tally_projection::{scan_prefix, Visit};
 
-use crate::codec;
-use crate::error::EngineError;
-use crate::keys::{self, BucketKey, BucketPart, ALL_CUSTOMERS};
-use crate::{Engine, Scope};
+use tally_core::codec;
+use tally_core::error::EngineError;
+use tally_core::keys::{self, BucketKey, BucketPart, ALL_CUSTOMERS};
+use tally_core::Scope;
+
+use crate::Metering;
 
 /// Windows one query may return: bounds response size and work.
 pub const MAX_USAGE_WINDOWS: usize = 100_000;
@@ -171,7 +173,7 @@ pub fn minute_range(start_ms: i64, end_ms: i64) -> Result<(i64, i64), FieldError
     Ok((start, end))
 }
 
-impl Engine {
+impl Metering {
     fn usage_series(
         &self,
         meter: &Meter,
@@ -204,7 +206,7 @@ impl Engine {
         for table in tables {
             let (from, to) = bounds(table);
             let mut failure = None;
-            self.store().scan(
+            self.journal.store().scan(
                 Bound::Included(&from),
                 Bound::Excluded(&to),
                 false,
@@ -255,7 +257,7 @@ impl Engine {
         let mut customers = BTreeSet::new();
         let mut failure = None;
         scan_prefix(
-            self.store().as_ref(),
+            self.journal.store().as_ref(),
             &prefix,
             false,
             &mut |key, _| match BucketKey::decode(key) {

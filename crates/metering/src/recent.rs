@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::overlay::StoredBatch;
+use tally_core::overlay::StoredBatch;
 
 /// Bytes of usage records (as stored in the log) the read cache keeps: a few hundred
 /// full ingest batches; bounds the memory of listings and dedup confirmations.

@@ -14,9 +14,11 @@ use tally_domain::usage::canonical_decimal;
 use tally_log::Log;
 use tally_projection::ProjectionStore;
 
-use crate::error::EngineError;
-use crate::outcome::outcome_key;
-use crate::{Engine, Scope};
+use tally_core::error::EngineError;
+use tally_core::outcome::outcome_key;
+use tally_core::Scope;
+
+use crate::Ledger;
 
 #[derive(Debug, Default)]
 pub struct LedgerReplay {
@@ -119,7 +121,7 @@ pub async fn replay_ledger(
             partition,
             0,
             end,
-            crate::APPLY_CHUNK_MAX_RECORDS,
+            tally_runtime::CHUNK_MAX_RECORDS,
             |entries| {
                 for entry in entries {
                     records += 1;
@@ -166,14 +168,14 @@ pub async fn replay_ledger(
     Ok(replay)
 }
 
-impl Engine {
+impl Ledger {
     /// Compares replayed balances with the projection; adds violations.
     pub fn check_projected_balances(&self, replay: &mut LedgerReplay) -> Result<(), EngineError> {
         let mut mismatches = Vec::new();
         for ((store, mode, account), replayed) in &replay.balances {
             let scope = Scope {
                 store_id: store.clone(),
-                mode: crate::keys::read_mode(*mode as u8, "a replayed ledger account")?,
+                mode: tally_core::keys::read_mode(*mode as u8, "a replayed ledger account")?,
             };
             let projected = self.balance(&scope, account)?;
             if projected != *replayed {

@@ -5,18 +5,20 @@
 use tally_domain::customer::{validate_customer_input, Customer, CustomerInput, Patch};
 use tally_domain::record::Record;
 
-use crate::codec;
-use crate::error::EngineError;
-use crate::ids::new_id;
-use crate::keys::{self, Key, ListingKey};
-use crate::outcome::Outcome;
-use crate::pagination::{paginate, Cursor, Page, PageRequest};
-use crate::{Engine, Scope};
+use tally_core::codec;
+use tally_core::error::EngineError;
+use tally_core::ids::new_id;
+use tally_core::keys::{self, Key, ListingKey};
+use tally_core::outcome::Outcome;
+use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
+use tally_core::Scope;
 
-impl Engine {
+use crate::Directory;
+
+impl Directory {
     pub fn get_customer(&self, scope: &Scope, id: &str) -> Result<Customer, EngineError> {
         let key = Key::scoped(keys::CUSTOMER, &scope.store_id, scope.mode).text(id);
-        match self.store().get(key.as_bytes())? {
+        match self.journal.store().get(key.as_bytes())? {
             Some(bytes) => codec::decode_customer(&bytes),
             None => Err(EngineError::not_found("customer", id)),
         }
@@ -31,6 +33,7 @@ impl Engine {
         let key =
             Key::scoped(keys::CUSTOMER_EXTERNAL, &scope.store_id, scope.mode).text(external_id);
         Ok(self
+            .journal
             .store()
             .get(key.as_bytes())?
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
@@ -38,7 +41,7 @@ impl Engine {
 
     pub fn customer_exists(&self, scope: &Scope, id: &str) -> Result<bool, EngineError> {
         let key = Key::scoped(keys::CUSTOMER, &scope.store_id, scope.mode).text(id);
-        Ok(self.store().get(key.as_bytes())?.is_some())
+        Ok(self.journal.store().get(key.as_bytes())?.is_some())
     }
 
     pub async fn create_customer(
@@ -47,14 +50,14 @@ impl Engine {
         input: &CustomerInput,
     ) -> Result<Customer, EngineError> {
         let changes = validate_customer_input(input, true)?;
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         if let Patch::Set(external) = &changes.external_id {
             if self.customer_id_by_external(scope, external)?.is_some() {
                 return Err(external_id_taken(external).into());
             }
         }
-        let now = self.now_ms();
+        let now = self.journal.now_ms();
         let mut customer = Customer {
             id: new_id("cus"),
             store_id: scope.store_id.clone(),
@@ -68,7 +71,8 @@ impl Engine {
             updated_at_ms: now,
         };
         customer.apply(changes, now);
-        self.append_and_apply(&Record::CustomerUpserted(customer.clone()))
+        self.journal
+            .append_and_apply(&Record::CustomerUpserted(customer.clone()))
             .await?;
         Ok(customer)
     }
@@ -80,8 +84,8 @@ impl Engine {
         input: &CustomerInput,
     ) -> Result<Customer, EngineError> {
         let changes = validate_customer_input(input, false)?;
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         let mut customer = self.get_customer(scope, id)?;
         if let Patch::Set(external) = &changes.external_id {
             match self.customer_id_by_external(scope, external)? {
@@ -91,8 +95,9 @@ impl Engine {
                 _ => {}
             }
         }
-        customer.apply(changes, self.now_ms());
-        self.append_and_apply(&Record::CustomerUpserted(customer.clone()))
+        customer.apply(changes, self.journal.now_ms());
+        self.journal
+            .append_and_apply(&Record::CustomerUpserted(customer.clone()))
             .await?;
         Ok(customer)
     }
@@ -123,7 +128,7 @@ impl Engine {
         };
         let cursor = cursor_from(page, cursor_key)?;
         paginate(
-            self.store().as_ref(),
+            self.journal.store().as_ref(),
             &prefix,
             cursor,
             page.limit,
@@ -135,36 +140,9 @@ impl Engine {
     }
 }
 
-/// Resolves the cursor ids of a page request to index keys (404 for an unknown id).
-pub fn cursor_from(
-    page: &PageRequest,
-    key_of: impl Fn(&str) -> Result<Vec<u8>, EngineError>,
-) -> Result<Cursor, EngineError> {
-    let with_param = |param: &str, e: EngineError| match e {
-        EngineError::NotFound { resource, id, .. } => EngineError::NotFound {
-            resource,
-            id,
-            param: Some(param.to_string()),
-        },
-        other => other,
-    };
-    Ok(match (&page.starting_after, &page.ending_before) {
-        (Some(_), Some(_)) => {
-            return Err(tally_domain::FieldError::invalid(
-                "ending_before",
-                "give at most one of `starting_after` and `ending_before`",
-            )
-            .into())
-        }
-        (Some(id), None) => Cursor::After(key_of(id).map_err(|e| with_param("starting_after", e))?),
-        (None, Some(id)) => Cursor::Before(key_of(id).map_err(|e| with_param("ending_before", e))?),
-        (None, None) => Cursor::None,
-    })
-}
-
 /// 409 `external_id_taken`: decided by the service before appending and again by
 /// the projector in log order.
-pub(crate) fn external_id_taken(external: &str) -> Outcome {
+pub fn external_id_taken(external: &str) -> Outcome {
     Outcome::rejected(
         "external_id_taken",
         format!("a customer with external_id '{external}' already exists"),

@@ -71,21 +71,21 @@ pub struct Overlay<'a> {
     /// Decoded buckets of this chunk; encoded once at the end (a hot bucket is
     /// touched by many events of one chunk).
     aggregates: HashMap<Vec<u8>, Aggregate>,
-    pub(crate) cache: Option<&'a BucketCache>,
+    pub cache: Option<&'a BucketCache>,
     /// What the record being applied overwrote, newest last: rolled back when apply
     /// refuses the record, so a refused record leaves no trace but its outcome.
     journal: Vec<Undo>,
     /// Stored events as of the last commit (this chunk's are in `new_events`).
-    pub(crate) index: &'a EventIndex,
+    pub index: &'a EventIndex,
     fetched: &'a Fetched,
     /// The usage records of this chunk, by position (read by later records' apply).
-    pub(crate) chunk: HashMap<(u32, u64), &'a Record>,
+    pub chunk: HashMap<(u32, u64), &'a Record>,
     /// Events this chunk stored (`inflight_key` -> where).
     new_events: HashMap<String, EventLocation>,
     /// Decoded distinct-value sets of this chunk (`u`), encoded once at the end.
     distinct_sets: HashMap<Vec<u8>, std::collections::BTreeSet<Vec<u8>>>,
     /// `F` rows this chunk deleted, with their events (for the index after commit).
-    pub(crate) pruned: Vec<StoredRow>,
+    pub pruned: Vec<StoredRow>,
 }
 
 /// One overwritten value of the overlay (`None`: the key was not in the overlay).
@@ -137,7 +137,7 @@ impl From<Outcome> for ApplyError {
 /// value the store does not.
 #[derive(Debug, Default)]
 pub struct BucketCache {
-    pub(crate) buckets: HashMap<Vec<u8>, Aggregate>,
+    pub buckets: HashMap<Vec<u8>, Aggregate>,
 }
 
 /// Buckets kept in the cache before it is emptied (bounds memory: ~150 B each).
@@ -165,11 +165,7 @@ impl<'a> Overlay<'a> {
     }
 
     /// The usage record at a position: one of this chunk's, or one fetched for it.
-    pub(crate) fn batch_at(
-        &self,
-        partition: u32,
-        offset: u64,
-    ) -> Result<StoredRef<'_>, EngineError> {
+    pub fn batch_at(&self, partition: u32, offset: u64) -> Result<StoredRef<'_>, EngineError> {
         if let Some(Record::UsageBatch {
             store_id,
             mode,
@@ -193,7 +189,7 @@ impl<'a> Overlay<'a> {
 
     /// The stored event `event_id` of a scope, if any: this chunk's, else the first
     /// committed candidate whose id matches exactly.
-    pub(crate) fn stored_event(
+    pub fn stored_event(
         &self,
         store_id: &str,
         mode: Mode,
@@ -208,7 +204,7 @@ impl<'a> Overlay<'a> {
 
     /// `stored_event` given the id's in-flight key and fingerprint (apply computes
     /// them once per event and keeps them for the event it stores), borrowed.
-    pub(crate) fn find_stored(
+    pub fn find_stored(
         &self,
         key: &str,
         print: u64,
@@ -241,18 +237,18 @@ impl<'a> Overlay<'a> {
         }
     }
 
-    pub(crate) fn note_stored(&mut self, key: String, location: EventLocation) {
+    pub fn note_stored(&mut self, key: String, location: EventLocation) {
         self.new_events.insert(key.clone(), location);
         self.journal.push(Undo::NewEvent(key));
     }
 
     /// Forgets the journal: the record applied so far stays.
-    pub(crate) fn keep(&mut self) {
+    pub fn keep(&mut self) {
         self.journal.clear();
     }
 
     /// Undoes everything since the last `keep`.
-    pub(crate) fn roll_back(&mut self) {
+    pub fn roll_back(&mut self) {
         while let Some(undo) = self.journal.pop() {
             match undo {
                 Undo::Change(key, Some(previous)) => {
@@ -335,7 +331,7 @@ impl<'a> Overlay<'a> {
         self.journal.push(Undo::Change(key, previous));
     }
 
-    pub(crate) fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
+    pub fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
         if !self.aggregates.contains_key(&key) {
             let cached = self.cache.and_then(|c| c.buckets.get(&key)).cloned();
             let current = match cached {
@@ -358,11 +354,7 @@ impl<'a> Overlay<'a> {
 
     /// Adds `value` to the inline distinct set at `key` (a `u` key), unless it is
     /// there or the set is full.
-    pub(crate) fn add_distinct(
-        &mut self,
-        key: Vec<u8>,
-        value: &[u8],
-    ) -> Result<DistinctAdd, EngineError> {
+    pub fn add_distinct(&mut self, key: Vec<u8>, value: &[u8]) -> Result<DistinctAdd, EngineError> {
         if !self.distinct_sets.contains_key(&key) {
             let current = match self.get(&key)? {
                 Some(bytes) => codec::decode_distinct_set(&bytes)?,
@@ -386,7 +378,7 @@ impl<'a> Overlay<'a> {
     }
 
     /// The batch to commit, and what the caches learn from it.
-    pub(crate) fn into_changes(self) -> Result<Committed, EngineError> {
+    pub fn into_changes(self) -> Result<Committed, EngineError> {
         let mut changes = self.changes;
         for (key, aggregate) in &self.aggregates {
             changes.insert(key.clone(), Some(codec::encode_aggregate(aggregate)));
@@ -416,7 +408,7 @@ impl<'a> Overlay<'a> {
 }
 
 /// An `F` row: which events the usage record at the key's position stored.
-pub(crate) type StoredRow = (StoredEventsKey, Vec<(u32, u64)>);
+pub type StoredRow = (StoredEventsKey, Vec<(u32, u64)>);
 
 /// A usage record as apply and queries read it back (borrowed from the chunk or
 /// from a fetched `StoredBatch`).
@@ -444,11 +436,11 @@ impl<'b> StoredRef<'b> {
     }
 }
 
-pub(crate) struct Committed {
-    pub(crate) changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
-    pub(crate) buckets: HashMap<Vec<u8>, Aggregate>,
-    pub(crate) stored: Vec<StoredRow>,
-    pub(crate) pruned: Vec<StoredRow>,
+pub struct Committed {
+    pub changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    pub buckets: HashMap<Vec<u8>, Aggregate>,
+    pub stored: Vec<StoredRow>,
+    pub pruned: Vec<StoredRow>,
 }
 
 /// The cache key of a customer id or external id within a scope.
@@ -456,7 +448,7 @@ pub fn customer_cache_key(store_id: &str, mode: Mode, id: &str) -> String {
     format!("{store_id}\u{0}{}\u{0}{id}", mode.key_byte() as char)
 }
 
-/// The in-flight key of an event id (see `Caches::inflight_events`).
+/// The in-flight key of an event id (see metering's `MeteringCaches::inflight_events`).
 pub fn inflight_key(store_id: &str, mode: Mode, event_id: &str) -> String {
     format!("{store_id}\u{0}{}\u{0}{event_id}", mode.key_byte() as char)
 }

@@ -6,14 +6,15 @@ use tally_domain::meter::{validate_meter, validate_meter_name, Meter, MeterInput
 use tally_domain::record::Record;
 use tally_domain::FieldError;
 
-use crate::codec;
-use crate::customers::cursor_from;
-use crate::error::EngineError;
-use crate::ids::new_id;
-use crate::keys::{self, Key, ListingKey};
-use crate::outcome::Outcome;
-use crate::pagination::{paginate, Page, PageRequest};
-use crate::{Engine, Scope};
+use tally_core::codec;
+use tally_core::error::EngineError;
+use tally_core::ids::new_id;
+use tally_core::keys::{self, Key, ListingKey};
+use tally_core::outcome::Outcome;
+use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
+use tally_core::Scope;
+
+use crate::Metering;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MeterStatusFilter {
@@ -41,7 +42,7 @@ pub const IMMUTABLE_METER_FIELDS: [&str; 4] = [
 
 /// 409 `meter_name_taken`, naming the archived holder when it is archived. Decided
 /// by the service before appending and again by the projector in log order.
-pub(crate) fn meter_name_taken(name: &str, holder: &Meter) -> Outcome {
+pub fn meter_name_taken(name: &str, holder: &Meter) -> Outcome {
     let holder_id = &holder.id;
     let archived = holder.status == MeterStatus::Archived;
     Outcome::Rejected {
@@ -60,7 +61,7 @@ pub(crate) fn meter_name_taken(name: &str, holder: &Meter) -> Outcome {
 
 /// Refuses a new meter beyond the per-scope and per-event-name limits, given how
 /// many meters the scope has and how many of them are on the new meter's event name.
-pub(crate) fn check_meter_limits(in_scope: usize, on_event_name: usize) -> Result<(), Outcome> {
+pub fn check_meter_limits(in_scope: usize, on_event_name: usize) -> Result<(), Outcome> {
     if in_scope >= MAX_METERS_PER_SCOPE {
         return Err(Outcome::rejected(
             "meter_limit_reached",
@@ -87,7 +88,7 @@ pub const BACKFILL_SCAN_EVENTS: usize = 50_000;
 /// margin: covers the time between an event's receipt and its append.
 pub const BACKFILL_RESCAN_MARGIN_MS: i64 = 60_000;
 
-impl Engine {
+impl Metering {
     /// One pass of a backfill scan over the scope's stored events (in receipt order),
     /// after the row `after`: ids of events the meter skipped (matched, timestamp in
     /// `[start_ms, counts_from)`), whole rows until at least `BACKFILL_CHUNK_EVENTS`
@@ -133,10 +134,10 @@ impl Engine {
     }
 }
 
-impl Engine {
+impl Metering {
     pub fn get_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
         let key = Key::scoped(keys::METER, &scope.store_id, scope.mode).text(id);
-        match self.store().get(key.as_bytes())? {
+        match self.journal.store().get(key.as_bytes())? {
             Some(bytes) => codec::decode_meter(&bytes),
             None => Err(EngineError::not_found("meter", id)),
         }
@@ -145,6 +146,7 @@ impl Engine {
     fn meter_id_by_name(&self, scope: &Scope, name: &str) -> Result<Option<String>, EngineError> {
         let key = Key::scoped(keys::METER_NAME, &scope.store_id, scope.mode).text(name);
         Ok(self
+            .journal
             .store()
             .get(key.as_bytes())?
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
@@ -173,17 +175,17 @@ impl Engine {
         input: &MeterInput,
     ) -> Result<Meter, EngineError> {
         let definition = validate_meter(input)?;
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         self.check_name_free(scope, &definition.name, None)?;
-        if let Some(meters) = self.caches().meters.get(scope) {
+        if let Some(meters) = self.caches.meters.get(scope) {
             let on_event_name = meters
                 .iter()
                 .filter(|m| m.event_name == definition.event_name)
                 .count();
             check_meter_limits(meters.len(), on_event_name)?;
         }
-        let now = self.now_ms();
+        let now = self.journal.now_ms();
         let meter = Meter {
             id: new_id("mtr"),
             store_id: scope.store_id.clone(),
@@ -199,7 +201,8 @@ impl Engine {
             updated_at_ms: now,
             counts_from_ms: now,
         };
-        self.append_and_apply(&Record::MeterUpserted(meter.clone()))
+        self.journal
+            .append_and_apply(&Record::MeterUpserted(meter.clone()))
             .await?;
         Ok(meter)
     }
@@ -228,8 +231,8 @@ impl Engine {
             .as_deref()
             .map(|u| validate_meter_name(Some(u), "unit_label"))
             .transpose()?;
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         let mut meter = self.get_meter(scope, id)?;
         if let Some(name) = name {
             if name != meter.name {
@@ -240,21 +243,11 @@ impl Engine {
         if let Some(unit_label) = unit_label {
             meter.unit_label = unit_label;
         }
-        meter.updated_at_ms = self.now_ms();
-        self.append_and_apply(&Record::MeterUpserted(meter.clone()))
+        meter.updated_at_ms = self.journal.now_ms();
+        self.journal
+            .append_and_apply(&Record::MeterUpserted(meter.clone()))
             .await?;
         Ok(meter)
-    }
-
-    /// Whether the meter is priced on a product still being sold. Products arrive with
-    /// the billing issue; until then no meter is priced, and this is the one place
-    /// that will answer from the product projection.
-    pub fn meter_priced_on_active_product(
-        &self,
-        _scope: &Scope,
-        _meter_id: &str,
-    ) -> Result<bool, EngineError> {
-        Ok(false)
     }
 
     pub async fn archive_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
@@ -272,22 +265,25 @@ impl Engine {
         id: &str,
         status: MeterStatus,
     ) -> Result<Meter, EngineError> {
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         let mut meter = self.get_meter(scope, id)?;
         if meter.status == status {
             // Archive of an archived meter and unarchive of an active one are idempotent.
             return Ok(meter);
         }
-        if status == MeterStatus::Archived && self.meter_priced_on_active_product(scope, id)? {
+        if status == MeterStatus::Archived
+            && self.pricing.meter_priced_on_active_product(scope, id)?
+        {
             return Err(EngineError::conflict(
                 "meter_in_use",
                 "the meter is priced on a product that is still being sold; remove the usage charge or archive the product first",
             ));
         }
         meter.status = status;
-        meter.updated_at_ms = self.now_ms();
-        self.append_and_apply(&Record::MeterUpserted(meter.clone()))
+        meter.updated_at_ms = self.journal.now_ms();
+        self.journal
+            .append_and_apply(&Record::MeterUpserted(meter.clone()))
             .await?;
         Ok(meter)
     }
@@ -300,7 +296,7 @@ impl Engine {
         id: &str,
         start_ms: i64,
     ) -> Result<Meter, EngineError> {
-        let oldest = self.now_ms() - tally_domain::limits::MAX_EVENT_AGE_MS;
+        let oldest = self.journal.now_ms() - tally_domain::limits::MAX_EVENT_AGE_MS;
         if start_ms < oldest {
             return Err(FieldError::invalid(
                 "start",
@@ -314,8 +310,8 @@ impl Engine {
         }
         // The scan runs off the apply path, in chunks of bounded records; the
         // projector only folds the ids each step names.
-        let rescan_from_ms = self.now_ms() - BACKFILL_RESCAN_MARGIN_MS;
-        self.wait_caught_up().await?;
+        let rescan_from_ms = self.journal.now_ms() - BACKFILL_RESCAN_MARGIN_MS;
+        self.journal.wait_caught_up().await?;
         let step = |event_ids: Vec<String>, finish: bool| Record::MeterBackfill {
             store_id: scope.store_id.clone(),
             mode: scope.mode,
@@ -331,14 +327,16 @@ impl Engine {
                 .backfill_candidates(scope, &meter, start_ms, after.take())
                 .await?;
             if !ids.is_empty() {
-                self.append_and_apply(&step(ids, false)).await?;
+                self.journal.append_and_apply(&step(ids, false)).await?;
             }
             match next {
                 Some(key) => after = Some(key),
                 None => break,
             }
         }
-        self.append_and_apply(&step(Vec::new(), true)).await?;
+        self.journal
+            .append_and_apply(&step(Vec::new(), true))
+            .await?;
         self.get_meter(scope, id)
     }
 
@@ -362,7 +360,7 @@ impl Engine {
             .encode())
         })?;
         paginate(
-            self.store().as_ref(),
+            self.journal.store().as_ref(),
             &prefix,
             cursor,
             page.limit,

@@ -6,9 +6,11 @@ use tally_domain::record::{Record, StoreRecord};
 use tally_domain::Mode;
 use tally_projection::{scan_prefix, Visit};
 
-use crate::error::EngineError;
-use crate::ids::{new_id, random_base62, API_KEY_RANDOM_CHARS};
-use crate::{keys, Engine, Scope};
+use tally_core::error::EngineError;
+use tally_core::ids::{new_id, random_base62, API_KEY_RANDOM_CHARS};
+use tally_core::{keys, Scope};
+
+use crate::Directory;
 
 /// Key prefixes tell the environment at a glance (and in secret scanners).
 pub const PROD_KEY_PREFIX: &str = "tally_prod_";
@@ -39,14 +41,14 @@ pub fn key_digest(key: &str) -> Vec<u8> {
     Sha256::digest(key.as_bytes()).to_vec()
 }
 
-impl Engine {
+impl Directory {
     pub fn authenticate(&self, key: Option<&str>, listener: Mode) -> Result<Scope, AuthError> {
         let key = key
             .map(str::trim)
             .filter(|k| !k.is_empty())
             .ok_or(AuthError::Missing)?;
         let scope = self
-            .caches()
+            .caches
             .api_keys
             .get(&key_digest(key))
             .map(|s| s.clone())
@@ -77,9 +79,10 @@ impl Engine {
             name: name.to_string(),
             prod_key_sha256: key_digest(&prod_key),
             test_key_sha256: key_digest(&test_key),
-            created_at_ms: self.now_ms(),
+            created_at_ms: self.journal.now_ms(),
         };
-        self.append_and_apply(&Record::StoreCreated(record.clone()))
+        self.journal
+            .append_and_apply(&Record::StoreCreated(record.clone()))
             .await?;
         Ok(CreatedStore {
             store_id: record.store_id,
@@ -92,10 +95,15 @@ impl Engine {
 
     pub fn store_count(&self) -> Result<usize, EngineError> {
         let mut count = 0;
-        scan_prefix(self.store().as_ref(), &[keys::STORE], false, &mut |_, _| {
-            count += 1;
-            Visit::Continue
-        })?;
+        scan_prefix(
+            self.journal.store().as_ref(),
+            &[keys::STORE],
+            false,
+            &mut |_, _| {
+                count += 1;
+                Visit::Continue
+            },
+        )?;
         Ok(count)
     }
 

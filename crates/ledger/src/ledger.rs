@@ -21,15 +21,16 @@ use tally_domain::ledger::{
 use tally_domain::record::{LedgerEvent, Record};
 use tally_domain::{FieldError, Mode};
 
-use crate::codec::{self, StoredEntry};
-use crate::customers::cursor_from;
-use crate::error::EngineError;
-use crate::ids::new_id;
-use crate::keys::{self, Key, ListingKey};
-use crate::outcome::Outcome;
-use crate::overlay::{ApplyError, Overlay};
-use crate::pagination::{paginate, Page, PageRequest};
-use crate::{Decision, Engine, Scope};
+use tally_core::codec::{self, StoredEntry};
+use tally_core::error::EngineError;
+use tally_core::ids::new_id;
+use tally_core::keys::{self, Key, ListingKey};
+use tally_core::outcome::Outcome;
+use tally_core::overlay::{ApplyError, Overlay};
+use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
+use tally_core::{Decision, Scope};
+
+use crate::Ledger;
 
 pub const EVENT_CREDITS_GRANTED: &str = "credits.granted";
 pub const EVENT_CREDITS_CONSUMED: &str = "credits.consumed";
@@ -419,14 +420,14 @@ fn account_name_taken(customer_id: &str, name: &str) -> Outcome {
     .with_param("name")
 }
 
-impl Engine {
+impl Ledger {
     fn account_lock(&self, account_id: &str) -> &tokio::sync::Mutex<()> {
         self.account_locks.get(account_id.as_bytes())
     }
 
     pub fn get_account(&self, scope: &Scope, id: &str) -> Result<Account, EngineError> {
         let key = Key::scoped(keys::CREDIT_ACCOUNT, &scope.store_id, scope.mode).text(id);
-        match self.store().get(key.as_bytes())? {
+        match self.journal.store().get(key.as_bytes())? {
             Some(bytes) => codec::decode_account(&bytes),
             None => Err(EngineError::not_found("customer credits account", id)),
         }
@@ -435,7 +436,7 @@ impl Engine {
     /// The balance of an account (customer or `system:*`) now.
     pub fn balance(&self, scope: &Scope, account_id: &str) -> Result<Decimal, EngineError> {
         let key = Key::scoped(keys::CREDIT_BALANCE, &scope.store_id, scope.mode).text(account_id);
-        match self.store().get(key.as_bytes())? {
+        match self.journal.store().get(key.as_bytes())? {
             Some(bytes) => codec::decode_decimal(&bytes),
             None => Ok(Decimal::ZERO),
         }
@@ -454,7 +455,7 @@ impl Engine {
         let start = base.clone().into_bytes();
         let end = base.int(at_ms.saturating_add(1)).into_bytes();
         let mut found = None;
-        self.store().scan(
+        self.journal.store().scan(
             Bound::Included(&start),
             Bound::Excluded(&end),
             true,
@@ -490,7 +491,7 @@ impl Engine {
             description: None,
             metadata: Default::default(),
             reverses: None,
-            created_at_ms: self.now_ms(),
+            created_at_ms: self.journal.now_ms(),
         }
     }
 
@@ -505,6 +506,7 @@ impl Engine {
         tx: Transaction,
     ) -> Result<TransactionView, EngineError> {
         let decision = self
+            .journal
             .append_and_decide(&Record::CreditLedger {
                 account: None,
                 transaction: Some(tx.clone()),
@@ -537,22 +539,22 @@ impl Engine {
             None => Decimal::ZERO,
             Some(text) => parse_amount("initial_balance", text, true)?,
         };
-        if !self.customer_exists(scope, customer_id)? {
+        if !self.holders.customer_exists(scope, customer_id)? {
             return Err(EngineError::NotFound {
                 resource: "customer",
                 id: customer_id.to_string(),
                 param: Some("customer_id".into()),
             });
         }
-        let lock = self.control_lock(scope);
-        let _guard = self.acquire(lock).await?;
+        let lock = self.journal.control_lock(scope);
+        let _guard = self.journal.acquire(lock).await?;
         let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, &scope.store_id, scope.mode)
             .text(customer_id)
             .text(&name);
-        if self.store().get(name_key.as_bytes())?.is_some() {
+        if self.journal.store().get(name_key.as_bytes())?.is_some() {
             return Err(account_name_taken(customer_id, &name).into());
         }
-        let now = self.now_ms();
+        let now = self.journal.now_ms();
         let account = Account {
             id: new_id("ca"),
             store_id: scope.store_id.clone(),
@@ -587,12 +589,13 @@ impl Engine {
             None
         };
         // One record: the account and its seed exist together or not at all.
-        self.append_and_apply(&Record::CreditLedger {
-            account: Some(account.clone()),
-            transaction,
-            events: Vec::new(),
-        })
-        .await?;
+        self.journal
+            .append_and_apply(&Record::CreditLedger {
+                account: Some(account.clone()),
+                transaction,
+                events: Vec::new(),
+            })
+            .await?;
         Ok((account, initial))
     }
 
@@ -623,7 +626,7 @@ impl Engine {
             .encode())
         })?;
         paginate(
-            self.store().as_ref(),
+            self.journal.store().as_ref(),
             &prefix,
             cursor,
             page.limit,
@@ -645,7 +648,7 @@ impl Engine {
         frozen: bool,
     ) -> Result<(Account, Decimal), EngineError> {
         let lock = self.account_lock(id);
-        let _guard = self.acquire(lock).await?;
+        let _guard = self.journal.acquire(lock).await?;
         let mut account = self.get_account(scope, id)?;
         let target = if frozen {
             AccountStatus::Frozen
@@ -657,13 +660,14 @@ impl Engine {
         }
         if account.status != target {
             account.status = target;
-            account.updated_at_ms = self.now_ms();
-            self.append_and_apply(&Record::CreditLedger {
-                account: Some(account.clone()),
-                transaction: None,
-                events: Vec::new(),
-            })
-            .await?;
+            account.updated_at_ms = self.journal.now_ms();
+            self.journal
+                .append_and_apply(&Record::CreditLedger {
+                    account: Some(account.clone()),
+                    transaction: None,
+                    events: Vec::new(),
+                })
+                .await?;
         }
         let balance = self.balance(scope, id)?;
         Ok((account, balance))
@@ -676,13 +680,13 @@ impl Engine {
         id: &str,
     ) -> Result<(Account, Decimal), EngineError> {
         let lock = self.account_lock(id);
-        let _guard = self.acquire(lock).await?;
+        let _guard = self.journal.acquire(lock).await?;
         let mut account = self.get_account(scope, id)?;
         if account.status == AccountStatus::Closed {
             return Ok((account, Decimal::ZERO));
         }
         let balance = self.balance(scope, id)?;
-        let now = self.now_ms();
+        let now = self.journal.now_ms();
         let transaction = if balance > Decimal::ZERO {
             // The close posts against the account as it is (frozen accounts close too).
             let entries = post(
@@ -702,23 +706,25 @@ impl Engine {
         };
         account.status = AccountStatus::Closed;
         account.updated_at_ms = now;
-        self.append_and_apply(&Record::CreditLedger {
-            account: Some(account.clone()),
-            transaction,
-            events: Vec::new(),
-        })
-        .await?;
+        self.journal
+            .append_and_apply(&Record::CreditLedger {
+                account: Some(account.clone()),
+                transaction,
+                events: Vec::new(),
+            })
+            .await?;
         Ok((account, Decimal::ZERO))
     }
 
     pub fn get_transaction(&self, scope: &Scope, id: &str) -> Result<TransactionView, EngineError> {
         let key = Key::scoped(keys::CREDIT_TRANSACTION, &scope.store_id, scope.mode).text(id);
-        let transaction = match self.store().get(key.as_bytes())? {
+        let transaction = match self.journal.store().get(key.as_bytes())? {
             Some(bytes) => codec::decode_transaction(&bytes)?,
             None => return Err(EngineError::not_found("customer credits transaction", id)),
         };
         let reversed_key = Key::scoped(keys::CREDIT_REVERSED, &scope.store_id, scope.mode).text(id);
         let reversed_by = self
+            .journal
             .store()
             .get(reversed_key.as_bytes())?
             .map(|v| String::from_utf8_lossy(&v).into_owned());
@@ -772,7 +778,7 @@ impl Engine {
         let account = self.get_account(scope, account_id)?;
         let idempotency = Key::scoped(keys::CREDIT_IDEMPOTENCY, &scope.store_id, scope.mode)
             .tail(idempotency_key.as_bytes());
-        if let Some(existing) = self.store().get(idempotency.as_bytes())? {
+        if let Some(existing) = self.journal.store().get(idempotency.as_bytes())? {
             let view = self.get_transaction(scope, &String::from_utf8_lossy(&existing))?;
             let same = view.transaction.account_id == account_id
                 && view.transaction.amount == amount
@@ -843,6 +849,7 @@ impl Engine {
             let pointer_key =
                 Key::scoped(keys::CREDIT_ENTRY_ID, &scope.store_id, scope.mode).text(entry_id);
             let pointer = self
+                .journal
                 .store()
                 .get(pointer_key.as_bytes())?
                 .ok_or_else(|| EngineError::not_found("customer credits entry", entry_id))?;
@@ -856,7 +863,7 @@ impl Engine {
             Ok(key)
         })?;
         paginate(
-            self.store().as_ref(),
+            self.journal.store().as_ref(),
             &prefix,
             cursor,
             page.limit,

@@ -1,0 +1,376 @@
+//! The journal: how a request becomes a decision. A service appends its request as
+//! a record, waits until the runtime has applied it, and reads the outcome apply
+//! recorded under its position (applied, refused, or "same as" an earlier request).
+//! The journal also keeps the node's write gate (writes refused before anything is
+//! appended while the node cannot decide them) and its backpressure account (events
+//! appended but not applied yet).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tally_domain::clock::Clock;
+use tally_domain::record::Record;
+use tally_log::Log;
+use tally_projection::ProjectionStore;
+use tally_runtime::Runtime;
+
+use crate::error::EngineError;
+use crate::metrics::Metrics;
+use crate::outcome;
+use crate::Scope;
+
+/// Accepted events not yet applied by the projector. Beyond this, ingest waits for
+/// the projector (backpressure), so memory and catch-up time stay bounded.
+pub const MAX_UNAPPLIED_EVENTS: usize = 20_000;
+/// How long ingest waits for projector headroom before answering 503.
+pub const BACKPRESSURE_WAIT_MS: u64 = 30_000;
+/// How long a write waits for its record to be applied before answering 503.
+pub const APPLY_WAIT_TIMEOUT_MS: u64 = 30_000;
+/// Writes are refused (503, nothing appended) while a record this node appended has
+/// waited longer than this to be applied: decisions would be taken on stale state,
+/// and callers would only wait into a timeout.
+pub const MAX_APPLY_LAG_MS: u64 = 10_000;
+/// How often `positions` (metrics) asks the log for its end offsets, at most.
+pub const POSITIONS_REFRESH_MS: u64 = 5_000;
+/// Stripes per lock set: collisions are rare at this size (1 in 1,024 pairs of keys)
+/// and cost only a short wait.
+pub const WRITE_LOCK_STRIPES: usize = 1_024;
+
+tokio::task_local! {
+    /// How long a write waits for its record to be applied, when not the default
+    /// `APPLY_WAIT_TIMEOUT_MS`: the HTTP idempotency layer lets a keyed request go on
+    /// in the background after its client stopped waiting, so its outcome is saved.
+    pub static APPLY_WAIT: Duration;
+}
+
+/// Write locks striped by hash: a fixed set, so memory never grows with the ids
+/// callers send (a lock for an unchecked path id costs nothing). Two keys may share
+/// a stripe; no write path takes two locks of one set.
+#[derive(Debug)]
+pub struct WriteLocks(Vec<tokio::sync::Mutex<()>>);
+
+impl Default for WriteLocks {
+    fn default() -> WriteLocks {
+        WriteLocks(
+            (0..WRITE_LOCK_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+        )
+    }
+}
+
+impl WriteLocks {
+    pub fn get(&self, key: &[u8]) -> &tokio::sync::Mutex<()> {
+        &self.0[crc32fast::hash(key) as usize % WRITE_LOCK_STRIPES]
+    }
+}
+
+/// What the projector decided about a record a caller appended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Applied as written.
+    Applied,
+    /// A repeat of an earlier write (same idempotency key): nothing new was applied;
+    /// the id of what the earlier write created.
+    SameAs(String),
+}
+
+/// Records this node appended and the projector has not applied yet, per partition:
+/// offset -> (when appended, events it carries). Backpressure counts every event in
+/// it (with or without event_id), and the write gate measures lag by its oldest entry.
+#[derive(Debug, Default)]
+struct Unapplied {
+    partitions: Vec<std::collections::BTreeMap<u64, (Instant, usize)>>,
+    events: usize,
+}
+
+pub struct Journal {
+    log: Arc<dyn Log>,
+    store: Arc<dyn ProjectionStore>,
+    clock: Arc<dyn Clock>,
+    /// Tails the log into the projections: watermarks, readiness, failure.
+    runtime: Arc<Runtime>,
+    control_locks: WriteLocks,
+    unapplied: std::sync::Mutex<Unapplied>,
+    /// The log's end offsets as last asked, and when (see `positions`).
+    end_offsets: std::sync::Mutex<Option<(Instant, Vec<u64>)>>,
+    /// `APPLY_WAIT_TIMEOUT_MS` and `MAX_APPLY_LAG_MS` unless tuned (tests shorten
+    /// them to exercise the paths they guard without waiting half a minute).
+    apply_wait_ms: AtomicU64,
+    max_apply_lag_ms: AtomicU64,
+    pub metrics: Metrics,
+}
+
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("log", &self.log.kind())
+            .finish()
+    }
+}
+
+impl Journal {
+    pub fn new(
+        log: Arc<dyn Log>,
+        store: Arc<dyn ProjectionStore>,
+        clock: Arc<dyn Clock>,
+        runtime: Arc<Runtime>,
+    ) -> Journal {
+        let partitions = log.partition_count() as usize;
+        Journal {
+            log,
+            store,
+            clock,
+            runtime,
+            control_locks: WriteLocks::default(),
+            unapplied: std::sync::Mutex::new(Unapplied {
+                partitions: vec![Default::default(); partitions],
+                events: 0,
+            }),
+            end_offsets: std::sync::Mutex::new(None),
+            apply_wait_ms: APPLY_WAIT_TIMEOUT_MS.into(),
+            max_apply_lag_ms: MAX_APPLY_LAG_MS.into(),
+            metrics: Metrics::default(),
+        }
+    }
+
+    pub fn log(&self) -> &Arc<dyn Log> {
+        &self.log
+    }
+
+    pub fn store(&self) -> &Arc<dyn ProjectionStore> {
+        &self.store
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    /// Ready once every partition has been applied up to where the log ended at
+    /// start-up (`/readyz`), while the projector has not failed and the log takes
+    /// appends (a poisoned log, a fatal producer error).
+    pub fn is_ready(&self) -> bool {
+        self.runtime.is_caught_up() && !self.runtime.has_failed() && self.log.health().is_none()
+    }
+
+    /// Per partition: (applied next offset, durable end offset). The ends are asked
+    /// of the log at most once per `POSITIONS_REFRESH_MS`, however often this is
+    /// called (`/metrics` is unauthenticated: scrapes must not each reach Kafka).
+    pub async fn positions(&self) -> Vec<(u64, u64)> {
+        let cached = {
+            let cache = self.end_offsets.lock().unwrap_or_else(|p| p.into_inner());
+            cache
+                .as_ref()
+                .filter(|(at, _)| at.elapsed() < Duration::from_millis(POSITIONS_REFRESH_MS))
+                .map(|(_, ends)| ends.clone())
+        };
+        let ends = match cached {
+            Some(ends) => ends,
+            None => {
+                let mut ends = Vec::new();
+                for partition in 0..self.log.partition_count() {
+                    ends.push(self.log.end_offset(partition).await.unwrap_or(0));
+                }
+                *self.end_offsets.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((Instant::now(), ends.clone()));
+                ends
+            }
+        };
+        ends.into_iter()
+            .enumerate()
+            .map(|(partition, end)| {
+                let applied = self.runtime.applied(partition as u32);
+                (applied, end.max(applied))
+            })
+            .collect()
+    }
+
+    /// The lock serializing control-plane writes of one scope (uniqueness checks of
+    /// meter names and external ids happen under it; apply re-checks them).
+    pub fn control_lock(&self, scope: &Scope) -> &tokio::sync::Mutex<()> {
+        let mut key = scope.store_id.as_bytes().to_vec();
+        key.push(scope.mode.key_byte());
+        self.control_locks.get(&key)
+    }
+
+    /// Takes a write lock, waiting at most the apply wait: a write that waits longer
+    /// would only queue behind one the projector has not applied (503, nothing
+    /// written).
+    pub async fn acquire<'a>(
+        &self,
+        lock: &'a tokio::sync::Mutex<()>,
+    ) -> Result<tokio::sync::MutexGuard<'a, ()>, EngineError> {
+        tokio::time::timeout(self.apply_wait(), lock.lock())
+            .await
+            .map_err(|_| EngineError::Unavailable {
+                code: "write_busy",
+                message: "another write of this store or account is still waiting for the projection; nothing was written, retry shortly",
+            })
+    }
+
+    /// Whether writes may be taken now: refused (503, nothing appended) before the
+    /// projection caught up after start-up, after the projector failed, while the log
+    /// is failed, and while this node's writes wait too long to be applied.
+    pub fn check_writable(&self) -> Result<(), EngineError> {
+        if self.runtime.has_failed() {
+            return Err(EngineError::Unavailable {
+                code: "projector_failed",
+                message: "the projector stopped on a storage failure; writes are refused until an operator restarts the node (see its log)",
+            });
+        }
+        if let Some(problem) = self.log.health() {
+            tracing::warn!(%problem, "write refused: the log is failed");
+            return Err(EngineError::Unavailable {
+                code: "log_unavailable",
+                message:
+                    "the event log is failed (see the node's log); nothing was written, retry later",
+            });
+        }
+        if !self.runtime.is_caught_up() {
+            return Err(EngineError::Unavailable {
+                code: "not_ready",
+                message: "the node is catching up with the log after a start; nothing was written, retry shortly",
+            });
+        }
+        if self.apply_lag() > Duration::from_millis(self.max_apply_lag_ms.load(Ordering::Relaxed)) {
+            return Err(EngineError::Unavailable {
+                code: "projection_lagging",
+                message: "the projection is behind the log; nothing was written, retry shortly",
+            });
+        }
+        Ok(())
+    }
+
+    /// How long a write waits for its record to be applied before answering
+    /// `outcome_pending` (default `APPLY_WAIT_TIMEOUT_MS`).
+    pub fn apply_wait(&self) -> Duration {
+        Duration::from_millis(self.apply_wait_ms.load(Ordering::Relaxed))
+    }
+
+    /// Overrides the apply wait and the write gate's lag bound.
+    pub fn tune_waits(&self, apply_wait: Duration, max_apply_lag: Duration) {
+        self.apply_wait_ms
+            .store(apply_wait.as_millis() as u64, Ordering::Relaxed);
+        self.max_apply_lag_ms
+            .store(max_apply_lag.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long the oldest record this node appended has waited to be applied.
+    pub fn apply_lag(&self) -> Duration {
+        let unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
+        // Offsets grow in append order, so each partition's first entry is its oldest.
+        unapplied
+            .partitions
+            .iter()
+            .filter_map(|p| p.first_key_value().map(|(_, (at, _))| at.elapsed()))
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Accepted events this node appended that are not applied yet.
+    pub fn unapplied_events(&self) -> usize {
+        self.unapplied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .events
+    }
+
+    /// Appends a record; returns (partition, offset) once it is durable.
+    pub async fn append(&self, record: &Record) -> Result<(u32, u64), EngineError> {
+        self.check_writable()?;
+        let key = record.partition_key();
+        let payload = tally_proto::encode_record(record, self.clock.now_ms());
+        let partition = self.log.partition_for(&key);
+        let started = Instant::now();
+        let offset = self.log.append(&key, payload).await?;
+        self.metrics.log_append.observe(started.elapsed());
+        let events = match record {
+            Record::UsageBatch { events, .. } => events.len(),
+            _ => 0,
+        };
+        let mut unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
+        if self.runtime.applied(partition) <= offset {
+            unapplied.partitions[partition as usize].insert(offset, (Instant::now(), events));
+            unapplied.events += events;
+        }
+        Ok((partition, offset))
+    }
+
+    /// Forgets this node's appends below `next_offset` of `partition` (applied).
+    pub fn note_applied(&self, partition: u32, next_offset: u64) {
+        let mut unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
+        let pending = &mut unapplied.partitions[partition as usize];
+        let still = pending.split_off(&next_offset);
+        let done: usize = pending.values().map(|(_, events)| events).sum();
+        *pending = still;
+        unapplied.events = unapplied.events.saturating_sub(done);
+    }
+
+    /// Waits until the projector has applied the record at `offset`.
+    pub async fn wait_applied(&self, partition: u32, offset: u64) -> Result<(), EngineError> {
+        let wait = APPLY_WAIT
+            .try_with(|wait| *wait)
+            .unwrap_or_else(|_| self.apply_wait());
+        match self.runtime.wait_applied(partition, offset, wait).await {
+            Ok(()) => Ok(()),
+            Err(tally_runtime::WaitError::Failed) => Err(EngineError::Unavailable {
+                code: "projector_failed",
+                message: "the write is durable, but the projector stopped on a storage failure; retry with the same idempotency key once the node is restarted",
+            }),
+            Err(tally_runtime::WaitError::Timeout) => Err(EngineError::ApplyTimeout),
+        }
+    }
+
+    /// Waits while too many accepted events are unapplied (see MAX_UNAPPLIED_EVENTS).
+    pub async fn wait_for_projector_headroom(&self) -> Result<(), EngineError> {
+        let started = Instant::now();
+        while self.unapplied_events() > MAX_UNAPPLIED_EVENTS {
+            if started.elapsed() > Duration::from_millis(BACKPRESSURE_WAIT_MS) {
+                return Err(EngineError::ApplyTimeout);
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        Ok(())
+    }
+
+    /// Appends a record and waits until it is visible in the projections; a record
+    /// the projector refused answers with its recorded rejection.
+    pub async fn append_and_apply(&self, record: &Record) -> Result<(), EngineError> {
+        self.append_and_decide(record).await.map(|_| ())
+    }
+
+    /// Appends a record, waits for the projector, and returns what it decided: the
+    /// decision is taken in apply, in log order (see `outcome`), and read back here.
+    pub async fn append_and_decide(&self, record: &Record) -> Result<Decision, EngineError> {
+        let (partition, offset) = self.append(record).await?;
+        self.wait_applied(partition, offset).await?;
+        match self.store.get(&outcome::outcome_key(partition, offset))? {
+            None => Ok(Decision::Applied),
+            Some(bytes) => match outcome::Outcome::decode(&bytes)? {
+                outcome::Outcome::SameAs { id } => Ok(Decision::SameAs(id)),
+                rejected => Err(rejected.into()),
+            },
+        }
+    }
+
+    /// Waits until everything durable in the log at this moment is applied.
+    pub async fn wait_caught_up(&self) -> Result<(), EngineError> {
+        for partition in 0..self.log.partition_count() {
+            let end = self.log.end_offset(partition).await?;
+            self.runtime
+                .wait_reached(partition, end, Duration::from_millis(APPLY_WAIT_TIMEOUT_MS))
+                .await
+                .map_err(|_| EngineError::ApplyTimeout)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,92 @@
+//! The directory's apply: stores and customers folded into the projection, in log
+//! order. Uniqueness of external ids is decided here (the service's check is only a
+//! fast path; ARCHITECTURE.md, "Decisions in apply").
+
+use tally_core::codec;
+use tally_core::keys::{self, Key, ListingKey};
+use tally_core::overlay::{customer_cache_key, ApplyError, Overlay};
+use tally_domain::customer::Customer;
+use tally_domain::record::StoreRecord;
+use tally_domain::Mode;
+
+use crate::customers::external_id_taken;
+use crate::DirectoryApplied;
+
+/// A store and its two API keys' digests.
+pub fn apply_store(overlay: &mut Overlay<'_>, store: &StoreRecord, applied: &mut DirectoryApplied) {
+    overlay.put(
+        Key::table(keys::STORE).text(&store.store_id).into_bytes(),
+        codec::encode_store(store),
+    );
+    for (hash, mode) in [
+        (&store.prod_key_sha256, Mode::Prod),
+        (&store.test_key_sha256, Mode::Test),
+    ] {
+        let mut value = store.store_id.as_bytes().to_vec();
+        value.push(mode.key_byte());
+        overlay.put(Key::table(keys::API_KEY).tail(hash).into_bytes(), value);
+    }
+    applied.stores.push(store.clone());
+}
+
+/// A customer, created or updated. Re-checks in log order that its external id is
+/// not held by another customer (the service checked before appending, but another
+/// node, or a retry of a write whose outcome was unknown, may have taken it since).
+pub fn apply_customer(
+    overlay: &mut Overlay<'_>,
+    customer: &Customer,
+    applied: &mut DirectoryApplied,
+) -> Result<(), ApplyError> {
+    let (store_id, mode) = (&customer.store_id, customer.mode);
+    let key = Key::scoped(keys::CUSTOMER, store_id, mode)
+        .text(&customer.id)
+        .into_bytes();
+    let previous = overlay
+        .get(&key)?
+        .map(|b| codec::decode_customer(&b))
+        .transpose()?;
+    let external_key = |external: &str| {
+        Key::scoped(keys::CUSTOMER_EXTERNAL, store_id, mode)
+            .text(external)
+            .into_bytes()
+    };
+    if let Some(external) = &customer.external_id {
+        if let Some(holder) = overlay.get(&external_key(external))? {
+            if holder != customer.id.as_bytes() {
+                return Err(external_id_taken(external).into());
+            }
+        }
+    }
+    match &previous {
+        None => overlay.put(
+            ListingKey {
+                table: keys::CUSTOMER_LIST,
+                store_id: store_id.clone(),
+                mode,
+                owner: None,
+                created_at_ms: customer.created_at_ms,
+                id: customer.id.clone(),
+            }
+            .encode(),
+            Vec::new(),
+        ),
+        Some(old) => {
+            if let Some(old_external) = &old.external_id {
+                if customer.external_id.as_ref() != Some(old_external) {
+                    overlay.delete(external_key(old_external));
+                    applied.stale_external_ids.push(customer_cache_key(
+                        store_id,
+                        mode,
+                        old_external,
+                    ));
+                }
+            }
+        }
+    }
+    applied.customers_changed = true;
+    if let Some(external) = &customer.external_id {
+        overlay.put(external_key(external), customer.id.as_bytes().to_vec());
+    }
+    overlay.put(key, codec::encode_customer(customer));
+    Ok(())
+}

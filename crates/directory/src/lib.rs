@@ -1,0 +1,188 @@
+//! The directory context: stores and their API keys, and customers.
+//!
+//! Same inner shape as every context: the records it owns (`StoreCreated`,
+//! `CustomerUpserted`), its keys (tables `S`, `K`, `C`, `X`, `c` of the core key
+//! space), its apply ([`apply`]), its services ([`stores`], [`customers`]) and
+//! queries, and the caches the hot paths read (API keys, customer ids), kept
+//! current by [`Directory::after_commit`]. Other contexts reach customers only
+//! through ports they own (metering's `Customers`, the ledger's `AccountHolders`).
+
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use tally_core::keys;
+use tally_core::overlay::customer_cache_key;
+use tally_core::{EngineError, Journal, Scope};
+use tally_domain::record::StoreRecord;
+use tally_domain::usage::CustomerRef;
+use tally_domain::Mode;
+use tally_projection::{scan_prefix, Visit};
+
+pub mod apply;
+pub mod customers;
+pub mod stores;
+
+/// Customer ids and external ids cached for ingest before the cache is emptied
+/// (bounds memory; a miss costs one projection read).
+pub const MAX_CACHED_CUSTOMERS: usize = 1_000_000;
+
+/// In-memory views the hot paths need, kept current after each commit.
+#[derive(Debug, Default)]
+pub struct DirectoryCaches {
+    /// sha256(api key) -> scope.
+    pub api_keys: DashMap<Vec<u8>, Scope>,
+    /// Customer ids known to exist (`scope key + id`). Customers are never deleted,
+    /// so an entry never goes stale.
+    pub known_customers: DashMap<String, ()>,
+    /// `scope key + external id` -> customer id. Filled by `resolve_customer` only
+    /// when no customer changed while it looked the id up (see `customer_generation`).
+    pub external_ids: DashMap<String, String>,
+    /// Bumped (under its write lock) after a commit removed the mappings a customer
+    /// update made stale; `resolve_customer` checks and inserts under the read lock,
+    /// so a lookup that raced an update is never cached.
+    pub customer_generation: std::sync::RwLock<u64>,
+}
+
+/// What a committed chunk changed in the directory.
+#[derive(Debug, Default)]
+pub struct DirectoryApplied {
+    pub stores: Vec<StoreRecord>,
+    /// A customer was created or updated.
+    pub customers_changed: bool,
+    /// Cache keys (`customer_cache_key`) of external ids a customer update released.
+    pub stale_external_ids: Vec<String>,
+}
+
+impl DirectoryApplied {
+    pub fn absorb(&mut self, other: DirectoryApplied) {
+        self.stores.extend(other.stores);
+        self.customers_changed |= other.customers_changed;
+        self.stale_external_ids.extend(other.stale_external_ids);
+    }
+}
+
+#[derive(Debug)]
+pub struct Directory {
+    journal: Arc<Journal>,
+    caches: DirectoryCaches,
+}
+
+impl Directory {
+    /// The directory over the journal's projection, its API keys loaded.
+    pub fn load(journal: Arc<Journal>) -> Result<Directory, EngineError> {
+        let directory = Directory {
+            journal,
+            caches: DirectoryCaches::default(),
+        };
+        let mut corrupt = None;
+        let store = directory.journal.store().clone();
+        scan_prefix(store.as_ref(), &[keys::API_KEY], false, &mut |k, v| {
+            let read = v
+                .split_last()
+                .ok_or_else(|| EngineError::Corrupt("an API key entry is empty".into()))
+                .and_then(|(mode_byte, store_id)| {
+                    Ok((keys::read_mode(*mode_byte, "an API key entry")?, store_id))
+                });
+            match read {
+                Ok((mode, store_id)) => {
+                    let scope = Scope {
+                        store_id: String::from_utf8_lossy(store_id).into_owned(),
+                        mode,
+                    };
+                    directory.caches.api_keys.insert(k[1..].to_vec(), scope);
+                    Visit::Continue
+                }
+                Err(error) => {
+                    corrupt = Some(error);
+                    Visit::Stop
+                }
+            }
+        })?;
+        match corrupt {
+            Some(error) => Err(error),
+            None => Ok(directory),
+        }
+    }
+
+    pub fn caches(&self) -> &DirectoryCaches {
+        &self.caches
+    }
+
+    /// Updates the caches from a committed chunk. Runs before waiters are woken, so
+    /// a write that returns is visible to every later request.
+    pub fn after_commit(&self, applied: DirectoryApplied) {
+        for store in applied.stores {
+            for (hash, mode) in [
+                (store.prod_key_sha256, Mode::Prod),
+                (store.test_key_sha256, Mode::Test),
+            ] {
+                self.caches.api_keys.insert(
+                    hash,
+                    Scope {
+                        store_id: store.store_id.clone(),
+                        mode,
+                    },
+                );
+            }
+        }
+        if applied.customers_changed {
+            let mut generation = self
+                .caches
+                .customer_generation
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            for key in &applied.stale_external_ids {
+                self.caches.external_ids.remove(key);
+            }
+            *generation += 1;
+        }
+    }
+
+    /// Resolves a customer reference (an id or an external id) to a customer id
+    /// through the caches, falling back to the projection.
+    pub fn resolve_customer(
+        &self,
+        scope: &Scope,
+        customer: &CustomerRef,
+    ) -> Result<Option<String>, EngineError> {
+        let caches = &self.caches;
+        if caches.known_customers.len() + caches.external_ids.len() > MAX_CACHED_CUSTOMERS {
+            caches.known_customers.clear();
+            caches.external_ids.clear();
+        }
+        match customer {
+            CustomerRef::Id(id) => {
+                let key = customer_cache_key(&scope.store_id, scope.mode, id);
+                if caches.known_customers.contains_key(&key) {
+                    return Ok(Some(id.clone()));
+                }
+                let exists = self.customer_exists(scope, id)?;
+                if exists {
+                    caches.known_customers.insert(key, ());
+                }
+                Ok(exists.then(|| id.clone()))
+            }
+            CustomerRef::External(external) => {
+                let key = customer_cache_key(&scope.store_id, scope.mode, external);
+                if let Some(id) = caches.external_ids.get(&key) {
+                    return Ok(Some(id.clone()));
+                }
+                let before = *caches
+                    .customer_generation
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner());
+                let found = self.customer_id_by_external(scope, external)?;
+                if let Some(id) = &found {
+                    let generation = caches
+                        .customer_generation
+                        .read()
+                        .unwrap_or_else(|p| p.into_inner());
+                    if *generation == before {
+                        caches.external_ids.insert(key, id.clone());
+                    }
+                }
+                Ok(found)
+            }
+        }
+    }
+}

@@ -1,0 +1,481 @@
+//! The ingest gateway: validates batches, resolves customers, matches meters and
+//! deduplicates event ids, then appends the accepted events to the log.
+//!
+//! Ingest and preview run the same [`Gateway::evaluate_batch`]; preview stops before
+//! reserving or writing anything.
+//!
+//! Dedup is exact: an event id is a duplicate when it is stored (the event index,
+//! confirmed by reading the original from the log), in flight (appended, not yet
+//! applied: metering's `inflight_events`), or earlier in the same batch. Ingest
+//! reserves an id in the in-flight map before it looks the id up, so two concurrent
+//! requests carrying the same id cannot both be accepted, and an id the projector
+//! stores meanwhile is in the index before its reservation goes. The projector
+//! deduplicates once more in log order, so a replay, or two nodes racing on Kafka,
+//! still keep exactly the first event.
+//!
+//! The gateway owns no state of its own: it reads metering (meters, the event index,
+//! stored events) and asks the directory for customers through its own port,
+//! [`Customers`].
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use dashmap::mapref::entry::Entry;
+use dashmap::DashMap;
+use tally_core::ids::new_id;
+use tally_core::overlay::inflight_key;
+use tally_core::{EngineError, Journal, Scope};
+use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
+use tally_domain::record::Record;
+use tally_domain::usage::{validate_event, CustomerRef, RawUsageEvent, UsageEvent, ValidatedEvent};
+use tally_domain::FieldError;
+use tally_metering::Metering;
+
+/// What the gateway asks of the directory: it owns this port, the composition root
+/// implements it.
+pub trait Customers: Send + Sync {
+    /// The id of the customer a reference names (an id or an external id), if the
+    /// scope has one.
+    fn resolve_customer(
+        &self,
+        scope: &Scope,
+        customer: &CustomerRef,
+    ) -> Result<Option<String>, EngineError>;
+}
+
+pub struct Gateway {
+    journal: Arc<Journal>,
+    metering: Arc<Metering>,
+    customers: Arc<dyn Customers>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").finish()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    pub code: &'static str,
+    pub message: String,
+}
+
+/// What ingest or preview says about one event.
+#[derive(Debug, Clone)]
+pub struct EventReport {
+    pub valid: bool,
+    /// For an invalid event; `param` is the full path (`events[3].timestamp`).
+    pub error: Option<FieldError>,
+    pub event_id: Option<String>,
+    pub customer_id: Option<String>,
+    pub duplicate: bool,
+    pub matched_meters: Vec<String>,
+    pub warnings: Vec<Warning>,
+}
+
+#[derive(Debug, Clone)]
+pub struct IngestOutcome {
+    pub accepted: usize,
+    pub duplicates: usize,
+    pub events: Vec<EventReport>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Evaluation {
+    Preview,
+    Ingest,
+}
+
+struct Evaluated<'a> {
+    reports: Vec<EventReport>,
+    accepted: Vec<UsageEvent>,
+    reservations: Reservations<'a>,
+}
+
+/// An event that passed validation and customer resolution, before dedup.
+struct Candidate {
+    event: ValidatedEvent,
+    customer_id: String,
+    event_id: String,
+    /// The service assigned the id (such events are never duplicates).
+    assigned: bool,
+}
+
+/// The in-flight reservations one ingest request made. Dropping it releases them
+/// (an error, a failed append, a client that went away mid-request), so an id is
+/// never left reserved with nothing appended; once the batch is appended,
+/// `hand_over` leaves them to the projector, which releases them when it applies the
+/// record.
+struct Reservations<'a> {
+    inflight: &'a DashMap<String, u64>,
+    keys: Vec<String>,
+}
+
+impl<'a> Reservations<'a> {
+    fn new(inflight: &'a DashMap<String, u64>) -> Self {
+        Reservations {
+            inflight,
+            keys: Vec::new(),
+        }
+    }
+
+    /// Reserves `key` unless it is in flight already; returns the fingerprint of the
+    /// reservation holding it, if another does.
+    fn reserve(&mut self, key: &str, print: u64) -> Option<u64> {
+        match self.inflight.entry(key.to_string()) {
+            Entry::Occupied(inflight) => Some(*inflight.get()),
+            Entry::Vacant(slot) => {
+                slot.insert(print);
+                self.keys.push(key.to_string());
+                None
+            }
+        }
+    }
+
+    fn release(&mut self, key: &str) {
+        self.inflight.remove(key);
+        self.keys.retain(|k| k != key);
+    }
+
+    fn hand_over(mut self) {
+        self.keys.clear();
+    }
+}
+
+impl Drop for Reservations<'_> {
+    fn drop(&mut self) {
+        for key in &self.keys {
+            self.inflight.remove(key);
+        }
+    }
+}
+
+/// A hash of what the sender sent (for "payload differs" between requests in
+/// flight): the timestamp counts only when given (see `UsageEvent::same_payload`).
+fn fingerprint(event: &ValidatedEvent, customer_id: &str) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    event.name.hash(&mut hasher);
+    customer_id.hash(&mut hasher);
+    event
+        .timestamp_given
+        .then_some(event.timestamp_ms)
+        .hash(&mut hasher);
+    event.properties.hash(&mut hasher);
+    hasher.finish()
+}
+
+fn duplicate_warnings(report: &mut EventReport, payload_differs: bool) {
+    report.duplicate = true;
+    report.warnings.push(Warning {
+        code: "duplicate_event_id",
+        message: "an event with this event_id was already ingested; this one is ignored".into(),
+    });
+    if payload_differs {
+        report.warnings.push(Warning {
+            code: "duplicate_payload_differs",
+            message: "the ignored duplicate's payload differs from the event that was kept".into(),
+        });
+    }
+}
+
+impl Gateway {
+    pub fn new(
+        journal: Arc<Journal>,
+        metering: Arc<Metering>,
+        customers: Arc<dyn Customers>,
+    ) -> Gateway {
+        Gateway {
+            journal,
+            metering,
+            customers,
+        }
+    }
+
+    /// The active meters of the scope that consume this event now.
+    fn matching_meters<'m>(meters: &'m [Meter], event: &ValidatedEvent) -> Vec<&'m Meter> {
+        let view = EventView {
+            name: &event.name,
+            timestamp_ms: event.timestamp_ms,
+            properties: &event.properties,
+        };
+        meters
+            .iter()
+            .filter(|m| {
+                m.status == MeterStatus::Active
+                    && event.timestamp_ms >= m.counts_from_ms
+                    && m.matches(&view)
+            })
+            .collect()
+    }
+
+    async fn evaluate_batch(
+        &self,
+        scope: &Scope,
+        raws: &[Result<RawUsageEvent, FieldError>],
+        evaluation: Evaluation,
+    ) -> Result<Evaluated<'_>, EngineError> {
+        let now = self.journal.now_ms();
+        let meters = self
+            .metering
+            .caches()
+            .meters
+            .get(scope)
+            .map(|m| m.clone())
+            .unwrap_or_default();
+        let invalid = |index: usize, e: FieldError| {
+            let param = if e.param.is_empty() {
+                format!("events[{index}]")
+            } else {
+                format!("events[{index}].{}", e.param)
+            };
+            FieldError::new("invalid_usage_event", param, e.message)
+        };
+        // Phase 1: validate, resolve and match every event; nothing is reserved yet.
+        let mut reports = Vec::with_capacity(raws.len());
+        let mut candidates: Vec<Option<Candidate>> = Vec::with_capacity(raws.len());
+        for (index, raw) in raws.iter().enumerate() {
+            let mut report = EventReport {
+                valid: false,
+                error: None,
+                event_id: None,
+                customer_id: None,
+                duplicate: false,
+                matched_meters: Vec::new(),
+                warnings: Vec::new(),
+            };
+            let validated = raw
+                .as_ref()
+                .map_err(|e| e.clone())
+                .and_then(|raw| validate_event(raw, now));
+            let validated = match validated {
+                Ok(v) => v,
+                Err(e) => {
+                    report.error = Some(invalid(index, e));
+                    reports.push(report);
+                    candidates.push(None);
+                    continue;
+                }
+            };
+            let Some(customer_id) = self
+                .customers
+                .resolve_customer(scope, &validated.customer)?
+            else {
+                let (param, what) = match &validated.customer {
+                    CustomerRef::Id(id) => ("customer_id", format!("no customer with id '{id}'")),
+                    CustomerRef::External(e) => (
+                        "external_customer_id",
+                        format!("no customer with external_id '{e}'"),
+                    ),
+                };
+                report.error = Some(invalid(
+                    index,
+                    FieldError::new("invalid_usage_event", param, what),
+                ));
+                reports.push(report);
+                candidates.push(None);
+                continue;
+            };
+            let assigned = validated.event_id.is_none();
+            let event_id = validated.event_id.clone().unwrap_or_else(|| new_id("evt"));
+            let matched = Self::matching_meters(&meters, &validated);
+            if matched.is_empty() {
+                report.warnings.push(Warning {
+                    code: "no_matching_meter",
+                    message: format!(
+                        "no active meter consumes events named '{}' with these properties",
+                        validated.name
+                    ),
+                });
+            }
+            for meter in &matched {
+                let Some(property) = &meter.aggregation_property else {
+                    continue;
+                };
+                let usable = match validated.properties.get(property) {
+                    None => false,
+                    Some(v) => meter.aggregation == Aggregation::Unique || v.as_number().is_some(),
+                };
+                if !usable {
+                    report.warnings.push(Warning {
+                        code: "aggregation_property_missing",
+                        message: format!(
+                            "meter {} aggregates property '{property}', which this event lacks or holds no number in; the meter skips it",
+                            meter.id
+                        ),
+                    });
+                }
+            }
+            report.valid = true;
+            report.event_id = Some(event_id.clone());
+            report.customer_id = Some(customer_id.clone());
+            report.matched_meters = matched.iter().map(|m| m.id.clone()).collect();
+            reports.push(report);
+            candidates.push(Some(Candidate {
+                event: validated,
+                customer_id,
+                event_id,
+                assigned,
+            }));
+        }
+        if evaluation == Evaluation::Ingest {
+            if let Some(error) = reports.iter().find_map(|r| r.error.clone()) {
+                return Err(error.into());
+            }
+        }
+        // Phase 2: dedup (and, for ingest, reserve) in batch order: the first wins.
+        // On an error the reservations are dropped, which releases them.
+        let mut reservations = Reservations::new(&self.metering.caches().inflight_events);
+        let accepted = self
+            .dedup_batch(
+                scope,
+                &mut reports,
+                candidates,
+                evaluation,
+                now,
+                &mut reservations,
+            )
+            .await?;
+        Ok(Evaluated {
+            reports,
+            accepted,
+            reservations,
+        })
+    }
+
+    async fn dedup_batch(
+        &self,
+        scope: &Scope,
+        reports: &mut [EventReport],
+        candidates: Vec<Option<Candidate>>,
+        evaluation: Evaluation,
+        now: i64,
+        reservations: &mut Reservations<'_>,
+    ) -> Result<Vec<UsageEvent>, EngineError> {
+        let mut accepted = Vec::new();
+        let mut in_batch: HashMap<String, u64> = HashMap::new();
+        for (report, candidate) in reports.iter_mut().zip(candidates) {
+            let Some(Candidate {
+                event: validated,
+                customer_id,
+                event_id,
+                assigned,
+            }) = candidate
+            else {
+                continue;
+            };
+            let print = fingerprint(&validated, &customer_id);
+            if !assigned {
+                if let Some(earlier) = in_batch.get(&event_id) {
+                    duplicate_warnings(report, *earlier != print);
+                    continue;
+                }
+                in_batch.insert(event_id.clone(), print);
+                let key = inflight_key(&scope.store_id, scope.mode, &event_id);
+                // In flight elsewhere? For ingest, reserve first (no lock is held across
+                // the log read below): an id the projector stores meanwhile is in the
+                // index before its reservation is released, so the lookup sees it.
+                let inflight = match evaluation {
+                    Evaluation::Preview => {
+                        self.metering.caches().inflight_events.get(&key).map(|p| *p)
+                    }
+                    Evaluation::Ingest => reservations.reserve(&key, print),
+                };
+                let duplicate_of = match inflight {
+                    Some(inflight) => Some(inflight != print),
+                    None => self
+                        .metering
+                        .find_stored_event(scope, &event_id)
+                        .await?
+                        .map(|(_, _, stored)| !stored.same_payload(&validated, &customer_id)),
+                };
+                if let Some(differs) = duplicate_of {
+                    if inflight.is_none() && evaluation == Evaluation::Ingest {
+                        reservations.release(&key);
+                    }
+                    duplicate_warnings(report, differs);
+                    continue;
+                }
+            }
+            let matched_meter_ids = report.matched_meters.clone();
+            accepted.push(UsageEvent {
+                event_id,
+                name: validated.name,
+                customer_id,
+                external_customer_id: match validated.customer {
+                    CustomerRef::External(e) => Some(e),
+                    CustomerRef::Id(_) => None,
+                },
+                timestamp_ms: validated.timestamp_ms,
+                properties: validated.properties,
+                received_at_ms: now,
+                matched_meter_ids,
+                event_id_assigned: assigned,
+            });
+        }
+        Ok(accepted)
+    }
+
+    /// `POST /v1/events/preview`: the ingest evaluation, writing nothing.
+    pub async fn preview_events(
+        &self,
+        scope: &Scope,
+        raws: &[Result<RawUsageEvent, FieldError>],
+    ) -> Result<Vec<EventReport>, EngineError> {
+        Ok(self
+            .evaluate_batch(scope, raws, Evaluation::Preview)
+            .await?
+            .reports)
+    }
+
+    /// `POST /v1/events/ingest`: all or nothing; returns once the batch is durable.
+    pub async fn ingest_events(
+        &self,
+        scope: &Scope,
+        raws: &[Result<RawUsageEvent, FieldError>],
+    ) -> Result<IngestOutcome, EngineError> {
+        self.journal.wait_for_projector_headroom().await?;
+        let evaluated = self.evaluate_batch(scope, raws, Evaluation::Ingest).await?;
+        let accepted = evaluated.accepted.len();
+        let duplicates = evaluated.reports.iter().filter(|r| r.duplicate).count();
+        if accepted > 0 {
+            // One record per partition, so one customer's events keep their order on
+            // Kafka. On the embedded log that is always a single record.
+            let mut by_partition: HashMap<u32, Vec<UsageEvent>> = HashMap::new();
+            for event in evaluated.accepted {
+                let key = format!("{}/{}", scope.store_id, event.customer_id);
+                by_partition
+                    .entry(self.journal.log().partition_for(key.as_bytes()))
+                    .or_default()
+                    .push(event);
+            }
+            for (_, events) in by_partition {
+                let record = Record::UsageBatch {
+                    store_id: scope.store_id.clone(),
+                    mode: scope.mode,
+                    events,
+                };
+                // On an error, returning drops the reservations: nothing durable
+                // holds the ids, so a retry is accepted (and if the outcome was in fact
+                // written, apply keeps the first in log order).
+                self.journal.append(&record).await?;
+            }
+        }
+        evaluated.reservations.hand_over();
+        self.journal
+            .metrics
+            .events_accepted
+            .fetch_add(accepted as u64, Ordering::Relaxed);
+        self.journal
+            .metrics
+            .events_duplicate
+            .fetch_add(duplicates as u64, Ordering::Relaxed);
+        Ok(IngestOutcome {
+            accepted,
+            duplicates,
+            events: evaluated.reports,
+        })
+    }
+}

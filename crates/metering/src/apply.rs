@@ -1,0 +1,479 @@
+//! Metering's apply: meters, usage batches and backfill steps folded into the
+//! projection in log order. Exact dedup is decided here (the first record carrying
+//! an event id wins), and so are meter names and limits (ARCHITECTURE.md,
+//! "Decisions in apply").
+
+use std::collections::{BTreeSet, HashMap};
+
+use tally_core::codec;
+use tally_core::error::EngineError;
+use tally_core::event_index::{
+    self, EventIndex, EventLocation, PRUNE_STEP_MS, STORED_EVENTS_RETENTION_MS,
+};
+use tally_core::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CUSTOMERS};
+use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, Overlay, StoredRow};
+use tally_domain::aggregate::{contribution, Contribution};
+use tally_domain::meter::{EventView, Meter};
+use tally_domain::record::Record;
+use tally_domain::time::minute_bucket;
+use tally_domain::usage::UsageEvent;
+use tally_domain::Mode;
+use tally_projection::{ProjectionStore, Visit};
+
+/// What a committed chunk changed in metering.
+#[derive(Debug, Default)]
+pub struct MeteringApplied {
+    pub meters: Vec<Meter>,
+    /// In-flight dedup reservations that this chunk made durable (or refused).
+    pub event_keys: Vec<String>,
+}
+
+impl MeteringApplied {
+    pub fn absorb(&mut self, other: MeteringApplied) {
+        self.meters.extend(other.meters);
+        self.event_keys.extend(other.event_keys);
+    }
+}
+
+/// The log records applying `record` will read back (the committed events its event
+/// ids' fingerprints point at, what its backfill step folds), added to `wanted`.
+pub fn plan_record(
+    store: &dyn ProjectionStore,
+    index: &EventIndex,
+    record: &Record,
+    wanted: &mut BTreeSet<(u32, u64)>,
+) -> Result<(), EngineError> {
+    let locate = |wanted: &mut BTreeSet<(u32, u64)>, store_id: &str, mode: Mode, event_id: &str| {
+        for location in index.candidates(index.fingerprint(store_id, mode, event_id)) {
+            wanted.insert((location.partition, location.offset));
+        }
+    };
+    match record {
+        Record::UsageBatch {
+            store_id,
+            mode,
+            events,
+        } => {
+            for event in events {
+                locate(wanted, store_id, *mode, &event.event_id);
+            }
+        }
+        Record::MeterBackfill {
+            store_id,
+            mode,
+            event_ids,
+            finish,
+            rescan_from_ms,
+            ..
+        } => {
+            for event_id in event_ids {
+                locate(wanted, store_id, *mode, event_id);
+            }
+            if *finish || event_ids.is_empty() {
+                let from = if *finish { *rescan_from_ms } else { i64::MIN };
+                for (key, _) in stored_rows_from(store, store_id, *mode, from)? {
+                    wanted.insert((key.partition, key.offset));
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A usage record: each event not stored before (exact dedup, first in log order
+/// wins) is folded into the buckets of the meters it matched, and the record's `F`
+/// row names the events it stored.
+pub fn apply_usage_batch(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    events: &[UsageEvent],
+    partition: u32,
+    offset: u64,
+) -> Result<(), ApplyError> {
+    let mut meters: HashMap<String, Meter> = HashMap::new();
+    let mut stored = Vec::new();
+    for (index, event) in events.iter().enumerate() {
+        // Exact dedup: the first record carrying an id wins, whatever came later
+        // (an earlier event of this same record included).
+        let key = inflight_key(store_id, mode, &event.event_id);
+        let print = overlay.index.fingerprint(store_id, mode, &event.event_id);
+        if overlay
+            .find_stored(&key, print, store_id, mode, &event.event_id)?
+            .is_some()
+        {
+            continue;
+        }
+        let location = EventLocation {
+            partition,
+            offset,
+            index: index as u32,
+        };
+        overlay.note_stored(key, location);
+        stored.push((index as u32, print));
+        for meter_id in &event.matched_meter_ids {
+            if !meters.contains_key(meter_id) {
+                let meter = load_meter(overlay, store_id, mode, meter_id)?;
+                meters.insert(meter_id.clone(), meter);
+            }
+            let meter = &meters[meter_id];
+            if meter.accrues(event.timestamp_ms) {
+                fold_event(overlay, meter, event)?;
+            }
+        }
+    }
+    if !stored.is_empty() {
+        let key = StoredEventsKey {
+            store_id: store_id.to_string(),
+            mode,
+            received_at_ms: events.iter().map(|e| e.received_at_ms).min().unwrap_or(0),
+            partition,
+            offset,
+        };
+        overlay.put(key.encode(), event_index::encode_stored(&stored));
+    }
+    Ok(())
+}
+
+/// A backfill step, as its record holds it.
+#[derive(Debug, Clone, Copy)]
+pub struct BackfillStep<'a> {
+    pub store_id: &'a str,
+    pub mode: Mode,
+    pub meter_id: &'a str,
+    pub start_ms: i64,
+    pub event_ids: &'a [String],
+    pub finish: bool,
+    pub rescan_from_ms: i64,
+}
+
+/// A backfill step: folds the events it names (and, finishing, the events received
+/// since its scan began) into the meter, then moves the meter's counting start.
+pub fn apply_backfill(
+    overlay: &mut Overlay<'_>,
+    step: BackfillStep<'_>,
+    applied: &mut MeteringApplied,
+) -> Result<(), ApplyError> {
+    let BackfillStep {
+        store_id,
+        mode,
+        meter_id,
+        start_ms,
+        event_ids,
+        finish,
+        rescan_from_ms,
+    } = step;
+    let mut meter = load_meter(overlay, store_id, mode, meter_id)?;
+    if start_ms < meter.counts_from_ms {
+        for event_id in event_ids {
+            backfill_event_id(overlay, &meter, start_ms, event_id)?;
+        }
+        // A record without ids that does not finish predates chunked
+        // backfills: it meant "all stored events" (a rescan from the start).
+        let legacy = event_ids.is_empty() && !finish;
+        if finish || legacy {
+            let from = if legacy { i64::MIN } else { rescan_from_ms };
+            backfill_rescan(overlay, &meter, start_ms, from)?;
+            meter.counts_from_ms = start_ms;
+            overlay.put(
+                Key::scoped(keys::METER, store_id, mode)
+                    .text(meter_id)
+                    .into_bytes(),
+                codec::encode_meter(&meter),
+            );
+            applied.meters.push(meter);
+        }
+    }
+    Ok(())
+}
+
+/// A meter, created or updated. Re-checks in log order that its name is free and,
+/// for a new meter, the per-store and per-event-name limits.
+pub fn apply_meter(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    applied: &mut MeteringApplied,
+) -> Result<(), ApplyError> {
+    let (store_id, mode) = (&meter.store_id, meter.mode);
+    let key = Key::scoped(keys::METER, store_id, mode)
+        .text(&meter.id)
+        .into_bytes();
+    let previous = overlay
+        .get(&key)?
+        .map(|b| codec::decode_meter(&b))
+        .transpose()?;
+    let name_key = |name: &str| {
+        Key::scoped(keys::METER_NAME, store_id, mode)
+            .text(name)
+            .into_bytes()
+    };
+    if let Some(holder_id) = overlay.get(&name_key(&meter.name))? {
+        if holder_id != meter.id.as_bytes() {
+            let holder_id = String::from_utf8_lossy(&holder_id).into_owned();
+            let holder = load_meter(overlay, store_id, mode, &holder_id)?;
+            return Err(crate::meters::meter_name_taken(&meter.name, &holder).into());
+        }
+    }
+    match &previous {
+        None => {
+            let existing =
+                overlay.prefix_entries(&Key::scoped(keys::METER, store_id, mode).into_bytes())?;
+            let mut same_event = 0;
+            for value in existing.values() {
+                if codec::decode_meter(value)?.event_name == meter.event_name {
+                    same_event += 1;
+                }
+            }
+            crate::meters::check_meter_limits(existing.len(), same_event)?;
+            overlay.put(
+                ListingKey {
+                    table: keys::METER_LIST,
+                    store_id: store_id.clone(),
+                    mode,
+                    owner: None,
+                    created_at_ms: meter.created_at_ms,
+                    id: meter.id.clone(),
+                }
+                .encode(),
+                Vec::new(),
+            );
+        }
+        Some(old) if old.name != meter.name => overlay.delete(name_key(&old.name)),
+        Some(_) => {}
+    }
+    overlay.put(name_key(&meter.name), meter.id.as_bytes().to_vec());
+    overlay.put(key, codec::encode_meter(meter));
+    applied.meters.push(meter.clone());
+    Ok(())
+}
+
+pub fn load_meter(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    meter_id: &str,
+) -> Result<Meter, EngineError> {
+    let key = Key::scoped(keys::METER, store_id, mode)
+        .text(meter_id)
+        .into_bytes();
+    match overlay.get(&key)? {
+        Some(bytes) => codec::decode_meter(&bytes),
+        // With one partition the meter record always precedes; in Kafka mode the
+        // control partition may lag, and the runtime retries the chunk (`ApplyFailure::NotYet`).
+        None => Err(EngineError::NotYetProjected),
+    }
+}
+
+/// Folds one event into the meter's per-customer and all-customers minute buckets.
+pub fn fold_event(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+) -> Result<(), EngineError> {
+    let value = meter
+        .aggregation_property
+        .as_ref()
+        .and_then(|p| event.properties.get(p));
+    let minute = minute_bucket(event.timestamp_ms);
+    let contribution = contribution(meter.aggregation, value);
+    for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+        // Built from borrowed parts (no owned `BucketKey`): this runs per event, per
+        // matched meter, twice.
+        let (store_id, mode, meter_id) = (&meter.store_id, meter.mode, &meter.id);
+        let bucket =
+            || BucketKey::from_minute(keys::AGGREGATE, store_id, mode, meter_id, customer, minute);
+        match &contribution {
+            Contribution::Skipped => {}
+            Contribution::Event { number } => overlay.aggregate_mut(bucket())?.add(*number),
+            Contribution::Distinct(distinct) => {
+                overlay.aggregate_mut(bucket())?.add(None);
+                // A customer's minute keeps its values in one set; the meter-wide bucket
+                // (values of every customer) and a full set keep one key per value.
+                let inline = if customer == ALL_CUSTOMERS {
+                    DistinctAdd::Full
+                } else {
+                    let set = BucketKey::from_minute(
+                        keys::DISTINCT_SET,
+                        store_id,
+                        mode,
+                        meter_id,
+                        customer,
+                        minute,
+                    );
+                    overlay.add_distinct(set, distinct.as_bytes())?
+                };
+                if inline == DistinctAdd::Full {
+                    let value =
+                        BucketKey::distinct(store_id, mode, meter_id, customer, minute, distinct);
+                    overlay.put(value, Vec::new());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Folds the stored event `event_id` into a meter being backfilled from `start_ms`
+/// (see [`backfill_event`]); an id the scope never stored is skipped.
+fn backfill_event_id(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    start_ms: i64,
+    event_id: &str,
+) -> Result<(), EngineError> {
+    match overlay.stored_event(&meter.store_id, meter.mode, event_id)? {
+        Some(event) => backfill_event(overlay, meter, start_ms, &event),
+        None => Ok(()),
+    }
+}
+
+/// Folds one stored event into a meter being backfilled from `start_ms`, when it
+/// is one the meter skipped (matched, timestamp in `[start_ms, counts_from)`) and
+/// not folded by an earlier step (a marker per meter and event makes every step
+/// safe to repeat).
+fn backfill_event(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    start_ms: i64,
+    event: &UsageEvent,
+) -> Result<(), EngineError> {
+    let view = EventView {
+        name: &event.name,
+        timestamp_ms: event.timestamp_ms,
+        properties: &event.properties,
+    };
+    let in_range = event.timestamp_ms >= start_ms && event.timestamp_ms < meter.counts_from_ms;
+    if !in_range || !meter.matches(&view) {
+        return Ok(());
+    }
+    let marker = Key::scoped(keys::BACKFILLED, &meter.store_id, meter.mode)
+        .text(&meter.id)
+        .tail(event.event_id.as_bytes())
+        .into_bytes();
+    if overlay.contains(&marker)? {
+        return Ok(());
+    }
+    overlay.put(marker, Vec::new());
+    fold_event(overlay, meter, event)
+}
+
+/// The finishing step's sweep: stored events received at or after `from_ms` (what
+/// arrived while the service scanned), in receipt order. Bounded by what was
+/// received during the backfill, not by the store's history.
+fn backfill_rescan(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    start_ms: i64,
+    from_ms: i64,
+) -> Result<(), EngineError> {
+    let prefix = StoredEventsKey::scope_prefix(&meter.store_id, meter.mode);
+    let from = Key::scoped(keys::STORED_EVENTS, &meter.store_id, meter.mode)
+        .int(from_ms)
+        .into_bytes();
+    // Rows stored earlier in this same chunk are in the overlay, not the store yet.
+    let mut rows = Vec::new();
+    for (key, value) in overlay.prefix_entries(&prefix)? {
+        if key >= from {
+            rows.push((
+                StoredEventsKey::decode(&key)?,
+                event_index::decode_stored(&value)?,
+            ));
+        }
+    }
+    let mut events = Vec::new();
+    let mut missing = Vec::new();
+    for (key, stored) in rows {
+        match overlay.batch_at(key.partition, key.offset) {
+            Ok(batch) => events.extend(
+                stored
+                    .iter()
+                    .filter_map(|(index, _)| batch.events.get(*index as usize).cloned()),
+            ),
+            Err(EngineError::RecordsNeeded(more)) => missing.extend(more),
+            Err(error) => return Err(error),
+        }
+    }
+    if !missing.is_empty() {
+        return Err(EngineError::RecordsNeeded(missing));
+    }
+    for event in &events {
+        backfill_event(overlay, meter, start_ms, event)?;
+    }
+    Ok(())
+}
+
+/// Deletes the `F` rows received before the retention cut of `received_ms` (whole
+/// hours; the cut reached is stored, so live, restarted and replayed projections
+/// prune at the same records). Runs between records, never rolled back.
+pub fn prune_stored_events(overlay: &mut Overlay<'_>, received_ms: i64) -> Result<(), EngineError> {
+    let cut = received_ms
+        .saturating_sub(STORED_EVENTS_RETENTION_MS)
+        .div_euclid(PRUNE_STEP_MS)
+        .saturating_mul(PRUNE_STEP_MS);
+    let mark = Key::table(keys::STORED_EVENTS_PRUNED).into_bytes();
+    let done = match overlay.get(&mark)? {
+        Some(bytes) if bytes.len() == 8 => keys::read_int(&bytes),
+        Some(_) => {
+            return Err(EngineError::Corrupt(
+                "the pruning mark is not 8 bytes".into(),
+            ))
+        }
+        None => i64::MIN,
+    };
+    if cut <= done {
+        return Ok(());
+    }
+    let mut old = Vec::new();
+    // Holds only the rows it prunes (an undecodable key is kept, then refused below).
+    let is_old =
+        |key: &[u8]| StoredEventsKey::decode(key).map_or(true, |key| key.received_at_ms < cut);
+    for (key, value) in overlay.prefix_entries_where(&[keys::STORED_EVENTS], is_old)? {
+        let key = StoredEventsKey::decode(&key)?;
+        old.push((key, event_index::decode_stored(&value)?));
+    }
+    for (key, stored) in old {
+        overlay.delete(key.encode());
+        overlay.pruned.push((key, stored));
+    }
+    overlay.put(mark, Key::table(0).int(cut).into_bytes()[1..].to_vec());
+    overlay.keep();
+    Ok(())
+}
+
+/// The `F` rows of a scope received at or after `from_ms`, in receipt order.
+fn stored_rows_from(
+    store: &dyn ProjectionStore,
+    store_id: &str,
+    mode: Mode,
+    from_ms: i64,
+) -> Result<Vec<StoredRow>, EngineError> {
+    let prefix = StoredEventsKey::scope_prefix(store_id, mode);
+    let from = Key::scoped(keys::STORED_EVENTS, store_id, mode)
+        .int(from_ms)
+        .into_bytes();
+    let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
+    let mut rows = Vec::new();
+    let mut failure = None;
+    store.scan(
+        std::ops::Bound::Included(&from),
+        std::ops::Bound::Excluded(&end),
+        false,
+        &mut |key, value| match StoredEventsKey::decode(key)
+            .and_then(|k| Ok((k, event_index::decode_stored(value)?)))
+        {
+            Ok(row) => {
+                rows.push(row);
+                Visit::Continue
+            }
+            Err(error) => {
+                failure = Some(error);
+                Visit::Stop
+            }
+        },
+    )?;
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(rows),
+    }
+}

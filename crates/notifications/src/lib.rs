@@ -1,0 +1,27 @@
+//! The notifications context: webhook endpoints, the deliveries apply schedules for
+//! the events other contexts emit (as data: a ledger step's `LedgerEvent`s), and
+//! the attempts the dispatcher records. Same inner shape as every context: its
+//! records (`WebhookEndpointUpserted`, `WebhookEndpointDeleted`, `WebhookAttempt`),
+//! keys (tables `W`, `w`, `D`, `Q`, `P`, `Y` of the core key space), apply, services and
+//! queries ([`webhooks`]). The dispatcher that POSTs due deliveries lives at the
+//! HTTP edge (it renders bodies with the API's wire types) and records each attempt
+//! through this context.
+
+use std::sync::Arc;
+
+use tally_core::Journal;
+
+pub mod webhooks;
+
+pub use webhooks::*;
+
+#[derive(Debug)]
+pub struct Notifications {
+    journal: Arc<Journal>,
+}
+
+impl Notifications {
+    pub fn new(journal: Arc<Journal>) -> Notifications {
+        Notifications { journal }
+    }
+}
