@@ -1,8 +1,8 @@
 //! The overlay apply reads and writes through: the projection with the pending
 //! writes of the chunk being applied on top, the buckets as last committed, the
 //! stored events (the event index plus this chunk's), and the usage records fetched
-//! for the chunk. Every context's apply functions (usage, ledger, webhooks) take it;
-//! the projector (projector.rs) creates one per chunk and commits what it holds.
+//! for the chunk. Every context's apply functions take it; the projector
+//! (`tally-engine`) creates one per chunk and commits what it holds.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

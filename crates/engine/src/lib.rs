@@ -43,7 +43,7 @@ pub use tally_directory::{customers, stores};
 pub use tally_ingest as ingest;
 pub use tally_ledger::audit;
 pub use tally_metering::{events, meters, usage};
-pub use tally_notifications::webhooks;
+pub use tally_notifications::{dispatcher, webhooks};
 pub mod ledger {
     //! The ledger context's service types (see `tally_ledger`).
     pub use tally_ledger::*;
@@ -89,7 +89,7 @@ pub struct Engine {
     metering: Arc<Metering>,
     gateway: Gateway,
     ledger: Ledger,
-    notifications: Notifications,
+    notifications: Arc<Notifications>,
     projection: projector::StoreProjection,
 }
 
@@ -246,7 +246,7 @@ impl Engine {
         Ok(Arc::new(Engine {
             gateway: Gateway::new(journal.clone(), metering.clone(), port.clone()),
             ledger: Ledger::new(journal.clone(), port),
-            notifications: Notifications::new(journal.clone()),
+            notifications: Arc::new(Notifications::new(journal.clone())),
             journal,
             directory,
             metering,
@@ -279,8 +279,8 @@ impl Engine {
         &self.ledger
     }
 
-    /// Webhook endpoints and deliveries.
-    pub fn notifications(&self) -> &Notifications {
+    /// Webhook endpoints and deliveries (shared with the dispatcher).
+    pub fn notifications(&self) -> &Arc<Notifications> {
         &self.notifications
     }
 

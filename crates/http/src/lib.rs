@@ -133,7 +133,11 @@ pub fn states(engine: Arc<Engine>, config: HttpConfig) -> (AppState, AppState) {
         config.rate_limit_burst,
     ));
     let inflight: InflightIdempotency = Arc::new(DashMap::new());
-    let dispatcher = webhooks::Dispatcher::new(engine.clone(), config.allow_private_webhooks);
+    let dispatcher = webhooks::Dispatcher::new(
+        engine.notifications().clone(),
+        Arc::new(webhooks::WireBodies(engine.clone())),
+        config.allow_private_webhooks,
+    );
     let make = |mode| AppState {
         dispatcher: dispatcher.clone(),
         engine: engine.clone(),

@@ -3,14 +3,15 @@
 //! the attempts the dispatcher records. Same inner shape as every context: its
 //! records (`WebhookEndpointUpserted`, `WebhookEndpointDeleted`, `WebhookAttempt`),
 //! keys (tables `W`, `w`, `D`, `Q`, `P`, `Y` of the core key space), apply, services and
-//! queries ([`webhooks`]). The dispatcher that POSTs due deliveries lives at the
-//! HTTP edge (it renders bodies with the API's wire types) and records each attempt
-//! through this context.
+//! queries ([`webhooks`]), and the [`dispatcher`] that POSTs due deliveries and
+//! records each attempt; event bodies come from the HTTP edge (the API's wire
+//! types) through the dispatcher's `EventBodies` port.
 
 use std::sync::Arc;
 
 use tally_core::Journal;
 
+pub mod dispatcher;
 pub mod webhooks;
 
 pub use webhooks::*;

@@ -1,0 +1,350 @@
+//! The webhook dispatcher: POSTs due deliveries, signed, to the endpoints that may be
+//! reached, and records every attempt in the log through the notifications context
+//! (so restarts resume the schedule and replays never re-deliver). Event bodies come
+//! through the [`EventBodies`] port: the HTTP edge renders them with the API's wire
+//! types, so the cli feed and every attempt carry the same bytes.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use tally_core::{EngineError, Scope};
+use tally_domain::record::WebhookAttempt;
+use tally_domain::webhook::{
+    endpoint_target, may_reach, next_attempt_at, signature_header, DeliveryMode, WebhookEndpoint,
+};
+use tally_domain::Mode;
+use tokio::sync::Semaphore;
+
+use crate::webhooks::Delivery;
+use crate::Notifications;
+
+/// Only HTTP 200 succeeds; anything slower than this is a failed attempt.
+pub const DELIVERY_TIMEOUT_MS: u64 = 10_000;
+/// How often the dispatcher looks for due deliveries.
+pub const DISPATCH_POLL_MS: u64 = 100;
+/// Due deliveries taken per poll.
+pub const DISPATCH_BATCH: usize = 256;
+/// Concurrent deliveries to one endpoint: a slow endpoint holds at most these.
+pub const MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT: usize = 4;
+/// Concurrent deliveries in all.
+pub const MAX_CONCURRENT_DELIVERIES: usize = 64;
+
+/// What the dispatcher asks of the edge that renders the API: it owns this port.
+pub trait EventBodies: Send + Sync {
+    /// The exact JSON body of a delivery's event (spec part 6's envelope).
+    fn body(&self, scope: &Scope, delivery: &Delivery) -> Result<String, EngineError>;
+}
+
+/// The headers of a delivery made at `now_ms`.
+pub fn delivery_headers(
+    endpoint: &WebhookEndpoint,
+    delivery: &Delivery,
+    body: &str,
+    now_ms: i64,
+) -> Vec<(String, String)> {
+    vec![
+        ("Content-Type".into(), "application/json".into()),
+        (
+            "tally-signature".into(),
+            signature_header(
+                &endpoint.signing_secrets(now_ms),
+                now_ms.div_euclid(1000),
+                body.as_bytes(),
+            ),
+        ),
+        ("tally-event-id".into(), delivery.event_id.clone()),
+        ("tally-event-type".into(), delivery.event_type.clone()),
+    ]
+}
+
+/// Resolves endpoint host names and keeps only the addresses a webhook of `mode` may
+/// reach (`may_reach`); a name with none left fails to resolve. The connector dials
+/// only what this returns.
+#[derive(Debug)]
+struct FilteringResolver {
+    mode: Mode,
+    allow_private: bool,
+}
+
+impl reqwest::dns::Resolve for FilteringResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let (mode, allow_private) = (self.mode, self.allow_private);
+        Box::pin(async move {
+            let host = name.as_str().to_string();
+            let resolved: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
+                .await?
+                .filter(|address| may_reach(address.ip(), mode, allow_private))
+                .collect();
+            if resolved.is_empty() {
+                let refused: Box<dyn std::error::Error + Send + Sync> =
+                    format!("{host} resolves to no address a webhook may reach").into();
+                return Err(refused);
+            }
+            let addresses: reqwest::dns::Addrs = Box::new(resolved.into_iter());
+            Ok(addresses)
+        })
+    }
+}
+
+pub struct Dispatcher {
+    notifications: Arc<Notifications>,
+    bodies: Arc<dyn EventBodies>,
+    allow_private: bool,
+    /// One client per environment: their resolvers allow different addresses.
+    prod_client: reqwest::Client,
+    test_client: reqwest::Client,
+    in_flight: DashMap<String, ()>,
+    /// Deliveries in flight per endpoint (entries removed at zero).
+    load: DashMap<String, usize>,
+    overall: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for Dispatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Dispatcher")
+    }
+}
+
+impl Dispatcher {
+    pub fn new(
+        notifications: Arc<Notifications>,
+        bodies: Arc<dyn EventBodies>,
+        allow_private: bool,
+    ) -> Arc<Dispatcher> {
+        let client = |mode: Mode| {
+            reqwest::Client::builder()
+                .timeout(Duration::from_millis(DELIVERY_TIMEOUT_MS))
+                .redirect(reqwest::redirect::Policy::none())
+                .no_proxy()
+                .dns_resolver(Arc::new(FilteringResolver {
+                    mode,
+                    allow_private,
+                }))
+                .build()
+                .expect("build the webhook HTTP client")
+        };
+        Arc::new(Dispatcher {
+            notifications,
+            bodies,
+            allow_private,
+            prod_client: client(Mode::Prod),
+            test_client: client(Mode::Test),
+            in_flight: DashMap::new(),
+            load: DashMap::new(),
+            overall: Arc::new(Semaphore::new(MAX_CONCURRENT_DELIVERIES)),
+        })
+    }
+
+    /// Delivers what is due until `shutdown` turns true.
+    pub async fn run(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                _ = tokio::time::sleep(Duration::from_millis(DISPATCH_POLL_MS)) => {}
+            }
+            let at_capacity = |endpoint: &str, event: &str| {
+                self.in_flight.contains_key(&format!("{endpoint}/{event}"))
+                    || self.endpoint_load(endpoint) >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
+            };
+            let due = match self.notifications.due_deliveries(
+                self.notifications.journal.now_ms(),
+                DISPATCH_BATCH,
+                &at_capacity,
+            ) {
+                Ok(due) => due,
+                Err(error) => {
+                    tracing::error!(%error, "reading due webhook deliveries failed");
+                    continue;
+                }
+            };
+            for (scope, delivery) in due {
+                let key = format!("{}/{}", delivery.endpoint_id, delivery.event_id);
+                // Fair across endpoints: one endpoint never has more deliveries in
+                // flight than its cap, so a black-holed endpoint holds at most that
+                // many slots while the scan moves on to the others.
+                {
+                    let mut load = self.load.entry(delivery.endpoint_id.clone()).or_insert(0);
+                    if *load >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
+                        || self.in_flight.insert(key.clone(), ()).is_some()
+                    {
+                        continue;
+                    }
+                    *load += 1;
+                }
+                let dispatcher = self.clone();
+                tokio::spawn(async move {
+                    let _slot = dispatcher.overall.acquire().await;
+                    if let Err(error) = dispatcher.deliver(&scope, &delivery, false).await {
+                        tracing::warn!(%error, event = %delivery.event_id, "webhook attempt could not be recorded");
+                    }
+                    dispatcher.in_flight.remove(&key);
+                    dispatcher.release_load(&delivery.endpoint_id);
+                });
+            }
+        }
+    }
+
+    /// Deliveries in flight to `endpoint_id`.
+    fn endpoint_load(&self, endpoint_id: &str) -> usize {
+        self.load.get(endpoint_id).map_or(0, |load| *load)
+    }
+
+    fn release_load(&self, endpoint_id: &str) {
+        self.load.remove_if_mut(endpoint_id, |_, load| {
+            *load = load.saturating_sub(1);
+            *load == 0
+        });
+    }
+
+    /// A manual resend: the same cap per endpoint and overall as scheduled delivery,
+    /// so resends cannot be used to flood an endpoint or scan for open ports.
+    pub async fn resend(
+        &self,
+        scope: &Scope,
+        delivery: &Delivery,
+    ) -> Result<WebhookAttempt, EngineError> {
+        {
+            let mut load = self.load.entry(delivery.endpoint_id.clone()).or_insert(0);
+            if *load >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT {
+                return Err(EngineError::Unavailable {
+                    code: "endpoint_busy",
+                    message: "this endpoint already has the most deliveries in flight; retry the resend shortly",
+                });
+            }
+            *load += 1;
+        }
+        let _slot = self.overall.acquire().await;
+        let result = self.deliver(scope, delivery, true).await;
+        self.release_load(&delivery.endpoint_id);
+        result
+    }
+
+    /// Makes one attempt and records it; returns the recorded attempt.
+    pub async fn deliver(
+        &self,
+        scope: &Scope,
+        delivery: &Delivery,
+        manual: bool,
+    ) -> Result<WebhookAttempt, EngineError> {
+        let now = self.notifications.journal.now_ms();
+        let number = delivery.attempts + 1;
+        let first = if delivery.first_attempt_at_ms == 0 {
+            now
+        } else {
+            delivery.first_attempt_at_ms
+        };
+        let endpoint = match self
+            .notifications
+            .get_endpoint(scope, &delivery.endpoint_id)
+        {
+            Ok(e) if e.enabled && e.delivery_mode == DeliveryMode::Http => Some(e),
+            Ok(_) | Err(EngineError::NotFound { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let started = Instant::now();
+        let (status_code, error) = match &endpoint {
+            None => (0, "endpoint disabled or deleted: not delivered".to_string()),
+            Some(endpoint) => {
+                let body = self.bodies.body(scope, delivery)?;
+                match self.refuse_target(endpoint) {
+                    Some(reason) => (0, reason),
+                    None => self.post(endpoint, delivery, &body, now).await,
+                }
+            }
+        };
+        let delivered = status_code == 200;
+        let next_attempt_at_ms = match (&endpoint, delivered, manual) {
+            (None, _, _) | (_, true, _) => None,
+            // A manual resend leaves the schedule where it was.
+            (_, false, true) => delivery.next_attempt_at_ms,
+            (_, false, false) => next_attempt_at(first, number),
+        };
+        let attempt = WebhookAttempt {
+            store_id: scope.store_id.clone(),
+            mode: scope.mode,
+            endpoint_id: delivery.endpoint_id.clone(),
+            event_id: delivery.event_id.clone(),
+            attempt: number,
+            at_ms: now,
+            status_code,
+            latency_ms: started.elapsed().as_millis() as u64,
+            error,
+            delivered,
+            next_attempt_at_ms,
+            manual,
+        };
+        self.notifications.record_attempt(attempt.clone()).await?;
+        Ok(attempt)
+    }
+
+    /// Why an endpoint may not be reached now, if it may not: its URL is checked
+    /// again (the rules may have changed since it was saved); names are checked
+    /// after resolution by the client's resolver (`FilteringResolver`), which hands
+    /// the connector only the addresses it checked, so DNS rebinding cannot slip an
+    /// internal address in between.
+    fn refuse_target(&self, endpoint: &WebhookEndpoint) -> Option<String> {
+        endpoint_target(&endpoint.url, endpoint.mode, self.allow_private)
+            .err()
+            .map(|error| format!("refused: {}", error.message))
+    }
+
+    async fn post(
+        &self,
+        endpoint: &WebhookEndpoint,
+        delivery: &Delivery,
+        body: &str,
+        now_ms: i64,
+    ) -> (u16, String) {
+        let client = match endpoint.mode {
+            Mode::Prod => &self.prod_client,
+            Mode::Test => &self.test_client,
+        };
+        let mut request = client.post(&endpoint.url).body(body.to_string());
+        for (name, value) in delivery_headers(endpoint, delivery, body, now_ms) {
+            request = request.header(name, value);
+        }
+        match request.send().await {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                let error = if status == 200 {
+                    String::new()
+                } else {
+                    format!("the endpoint answered {status}")
+                };
+                (status, error)
+            }
+            Err(e) if e.is_timeout() => (0, "timed out after 10 s".into()),
+            // No transport detail: the attempt log must not work as a port scanner.
+            Err(e) if e.is_connect() => (0, "could not connect to the endpoint".into()),
+            Err(_) => (0, "the request failed".into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::dns::Resolve;
+    use std::str::FromStr;
+
+    async fn resolves(mode: Mode, allow_private: bool, name: &str) -> bool {
+        let resolver = FilteringResolver {
+            mode,
+            allow_private,
+        };
+        resolver
+            .resolve(reqwest::dns::Name::from_str(name).unwrap())
+            .await
+            .is_ok()
+    }
+
+    /// What the connector may dial is decided after resolution: a name that resolves
+    /// to loopback is refused for production endpoints, allowed for test ones.
+    #[tokio::test]
+    async fn the_resolver_hands_out_only_reachable_addresses() {
+        assert!(!resolves(Mode::Prod, false, "localhost").await);
+        assert!(resolves(Mode::Test, false, "localhost").await);
+        assert!(resolves(Mode::Prod, true, "localhost").await);
+    }
+}
