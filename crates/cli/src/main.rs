@@ -15,6 +15,14 @@ use tally_log::kafka::{create_topic, verify_topic, KafkaConfig, KafkaLog};
 use tally_log::Log;
 use tally_projection::{CheckpointStore, ProjectionStore, SledStore};
 
+/// mimalloc instead of the system allocator: the hot paths allocate many small,
+/// short-lived buffers (keys, decoded events, batches) across threads, where glibc's
+/// malloc took about a quarter of the server's CPU in a profile of the ingest
+/// benchmark (`_int_malloc`, `malloc_consolidate`, `unlink_chunk`); with mimalloc
+/// ingest and debits ran 30-45% faster (README, "Benchmarks").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod clock;
 
 #[derive(Parser, Debug)]

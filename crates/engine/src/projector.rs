@@ -138,7 +138,7 @@ impl ProjectorState {
             return Err(error);
         }
         Ok(ProjectorState {
-            buckets: BucketCache::default(),
+            buckets: BucketCache::over(store)?,
             index,
         })
     }
@@ -146,7 +146,10 @@ impl ProjectorState {
     /// A fresh state over an empty projection.
     pub fn empty() -> ProjectorState {
         ProjectorState {
-            buckets: BucketCache::default(),
+            buckets: BucketCache {
+                complete: true,
+                ..BucketCache::default()
+            },
             index: Arc::new(EventIndex::default()),
         }
     }
@@ -220,19 +223,15 @@ pub fn apply_chunk(
         positions.insert(entry.partition, entry.next_offset);
     }
     let positions: Vec<(u32, u64)> = positions.into_iter().collect();
-    let committed = overlay.into_changes()?;
-    store.apply(committed.changes, &positions)?;
+    let mut committed = overlay.into_changes()?;
+    store.apply(std::mem::take(&mut committed.changes), &positions)?;
     for (key, stored) in &committed.pruned {
         index.remove_record(key.partition, key.offset, stored);
     }
     for (key, stored) in &committed.stored {
         index.add_record(key.partition, key.offset, stored);
     }
-    let cache = &mut state.buckets;
-    if cache.buckets.len() + committed.buckets.len() > MAX_CACHED_BUCKETS {
-        cache.buckets.clear();
-    }
-    cache.buckets.extend(committed.buckets);
+    state.buckets.absorb(&mut committed);
     Ok(applied)
 }
 
