@@ -14,6 +14,7 @@ use async_trait::async_trait;
 
 pub mod embedded;
 pub mod kafka;
+#[cfg(any(test, feature = "test-util"))]
 pub mod testsuite;
 
 /// Largest payload one record may carry: a full ingest batch (100 events of 50

@@ -17,6 +17,7 @@ use std::ops::Bound;
 pub mod checkpoint;
 pub mod memory;
 pub mod sled_store;
+#[cfg(any(test, feature = "test-util"))]
 pub mod testsuite;
 
 pub use checkpoint::CheckpointStore;
