@@ -1,4 +1,4 @@
-//! Identifiers: a type prefix (decisions.md) and 24 random base62 characters
+//! Identifiers: a type prefix (docs/api.md) and 24 random base62 characters
 //! (~143 bits), so ids never collide and reveal nothing about volume.
 
 use rand::Rng;

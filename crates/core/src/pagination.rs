@@ -1,5 +1,5 @@
 //! Cursor pagination over an index whose keys sort oldest first; lists come back
-//! newest first (decisions.md). `starting_after` pages towards older items,
+//! newest first (docs/api.md). `starting_after` pages towards older items,
 //! `ending_before` towards newer ones; `has_more` is exact (one extra item is read).
 
 use std::ops::Bound;

@@ -1,4 +1,4 @@
-//! Customers: create, read, list, update (spec 4.6, decisions.md "Customers").
+//! Customers: create, read, list, update (docs/api.md, "Customers").
 //! `external_id` uniqueness per store and environment is checked under the scope's
 //! control lock, and the write returns once projected.
 

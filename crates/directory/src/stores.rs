@@ -1,5 +1,5 @@
 //! Stores and API keys: creation (admin API, first start), and authentication of a
-//! key against the listener's environment (decisions.md "Binary ... keys").
+//! key against the listener's environment (docs/api.md, "Servers, environments, keys").
 
 use sha2::{Digest, Sha256};
 use tally_domain::record::{Record, StoreRecord};

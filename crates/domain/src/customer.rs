@@ -1,5 +1,5 @@
 //! Customers: the stored shape and the validation of create and update input
-//! (spec 2.6 and 4.6, decisions.md "Customers").
+//! (docs/api.md, "Customers").
 
 use std::collections::BTreeMap;
 
@@ -68,7 +68,7 @@ pub fn is_valid_email(email: &str) -> bool {
         && email.chars().count() <= MAX_EMAIL_CHARS
 }
 
-/// `external_id`: trimmed, letters/digits/`_`/`-`, 1..255 characters (spec 4.6).
+/// `external_id`: trimmed, letters/digits/`_`/`-`, 1..255 characters (docs/api.md).
 pub fn normalize_external_id(raw: &str) -> Result<String, FieldError> {
     let trimmed = raw.trim();
     if trimmed.is_empty() || trimmed.chars().count() > MAX_EXTERNAL_ID_CHARS {

@@ -1,5 +1,5 @@
 //! The credits ledger's pure rules: accounts, double-entry transactions, posting
-//! rules and rejections (decisions.md "Customer credits").
+//! rules and rejections (docs/api.md, "Customer credits").
 //!
 //! Every transaction moves value between a customer account and one of the store's
 //! system accounts (`issuance`, `consumption`, `forfeit`); its entries sum to exactly

@@ -1,5 +1,5 @@
 //! Tally's pure domain: the types every other crate speaks, the validation rules of
-//! decisions.md, meter filter evaluation and the aggregation folds.
+//! docs/api.md, meter filter evaluation and the aggregation folds.
 //!
 //! Nothing here does I/O, spawns tasks or reads the wall clock: time comes in through
 //! [`clock::Clock`], so renewals, retries and horizons are testable without sleeping.

@@ -1,11 +1,11 @@
 //! Every limit of the service, named, with the reason it exists.
 
-/// Events per ingest or preview batch (spec part 8): bounds request memory and the
+/// Events per ingest or preview batch (docs/api.md): bounds request memory and the
 /// size of one log record.
 pub const MAX_EVENTS_PER_BATCH: usize = 100;
 /// Event name length: names are matched exactly against meters, long names are abuse.
 pub const MAX_EVENT_NAME_CHARS: usize = 128;
-/// Caller-supplied event id length (decisions.md).
+/// Caller-supplied event id length (docs/api.md).
 pub const MAX_EVENT_ID_CHARS: usize = 255;
 /// Properties per event: bounds per-event storage and filter evaluation cost.
 pub const MAX_PROPERTIES_PER_EVENT: usize = 50;
@@ -21,7 +21,7 @@ pub const MAX_EVENT_FUTURE_SKEW_MS: i64 = 5 * 60 * 1000;
 /// How old an event may be; also the dedup horizon: an id is remembered at least as
 /// long as an event carrying it can still be ingested.
 pub const MAX_EVENT_AGE_MS: i64 = 35 * 24 * 60 * 60 * 1000;
-/// Dedup horizon (decisions.md): equal to the oldest ingestible event age.
+/// Dedup horizon (docs/api.md): equal to the oldest ingestible event age.
 pub const DEDUP_HORIZON_MS: i64 = MAX_EVENT_AGE_MS;
 /// Filter clauses per meter: evaluation runs for every event, keep it bounded.
 pub const MAX_FILTER_CLAUSES: usize = 20;
@@ -29,7 +29,7 @@ pub const MAX_FILTER_CLAUSES: usize = 20;
 pub const MAX_FILTER_IN_VALUES: usize = 100;
 /// Meter name and unit label length.
 pub const MAX_METER_NAME_CHARS: usize = 255;
-/// External customer id (spec 4.6).
+/// External customer id (docs/api.md).
 pub const MAX_EXTERNAL_ID_CHARS: usize = 255;
 /// Email, customer name lengths.
 pub const MAX_EMAIL_CHARS: usize = 320;
@@ -38,7 +38,7 @@ pub const MAX_NAME_CHARS: usize = 255;
 pub const MAX_METADATA_KEYS: usize = 50;
 pub const MAX_METADATA_KEY_CHARS: usize = 40;
 pub const MAX_METADATA_VALUE_CHARS: usize = 500;
-/// Cursor list page size (spec part 8).
+/// Cursor list page size (docs/api.md).
 pub const MAX_PAGE_LIMIT: usize = 100;
 pub const DEFAULT_PAGE_LIMIT: usize = 10;
 /// Meters per store and environment (archived ones included: they keep their names).

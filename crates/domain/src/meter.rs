@@ -1,5 +1,5 @@
 //! Meters: definition, validation, and the filter that decides which events a meter
-//! consumes. Operators and comparison rules are those of decisions.md ("Meters").
+//! consumes. Operators and comparison rules are those of docs/api.md, "Meters".
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -143,7 +143,7 @@ impl Operator {
     }
 }
 
-/// A clause value "as stored after parsing" (spec 2.1).
+/// A clause value "as stored after parsing" (docs/api.md).
 #[derive(Debug, Clone, PartialEq)]
 pub enum FilterValue {
     String(String),
@@ -183,7 +183,7 @@ pub struct EventView<'a> {
 }
 
 impl MeterFilter {
-    /// An empty filter matches every event (spec 2.1).
+    /// An empty filter matches every event (docs/api.md).
     pub fn matches(&self, event: &EventView<'_>) -> bool {
         if self.clauses.is_empty() {
             return true;

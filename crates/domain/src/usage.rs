@@ -1,5 +1,5 @@
 //! Usage events: the validated shape, the raw shape the edge hands in, and the
-//! validation rules of decisions.md ("Usage events").
+//! validation rules of docs/api.md, "Usage events".
 
 use std::collections::BTreeMap;
 use std::str::FromStr;

@@ -1,5 +1,5 @@
 //! Webhooks: endpoint rules, event types, the signature scheme and the retry
-//! schedule (spec parts 2.8 and 6, decisions.md "Webhooks"). Pure: DNS resolution and
+//! schedule (docs/api.md, "Webhooks"). Pure: DNS resolution and
 //! HTTP happen at the edge; they call [`is_forbidden_ip`] on what they resolve.
 
 use std::net::IpAddr;
@@ -10,7 +10,7 @@ use sha2::Sha256;
 use crate::error::FieldError;
 use crate::mode::Mode;
 
-/// Every event type an endpoint may subscribe to (spec part 6).
+/// Every event type an endpoint may subscribe to (docs/api.md).
 pub const EVENT_TYPES: [&str; 17] = [
     "checkout.completed",
     "refund.created",
@@ -31,13 +31,13 @@ pub const EVENT_TYPES: [&str; 17] = [
     "credits.auto_recharged",
 ];
 
-/// Retries after the first attempt (spec part 6): 5 attempts in all.
+/// Retries after the first attempt (docs/api.md): 5 attempts in all.
 pub const RETRY_OFFSETS_MS: [i64; 4] = [30_000, 5 * 60_000, 30 * 60_000, 6 * 3_600_000];
 /// No attempt is made later than this after the first one.
 pub const GIVE_UP_AFTER_MS: i64 = 24 * 3_600_000;
 /// An old secret keeps signing deliveries this long after a rotation.
 pub const ROTATED_SECRET_GRACE_MS: i64 = 24 * 3_600_000;
-/// Receivers should reject signatures older than this (decisions.md).
+/// Receivers should reject signatures older than this (docs/api.md).
 pub const SIGNATURE_TOLERANCE_S: i64 = 5 * 60;
 pub const MAX_URL_CHARS: usize = 2048;
 pub const MAX_ENDPOINT_NAME_CHARS: usize = 255;

@@ -41,7 +41,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The reference: balances, statuses and transactions, by the rules of decisions.md.
+/// The reference: balances, statuses and transactions, by the rules of docs/api.md.
 #[derive(Debug, Default)]
 struct Model {
     balances: Vec<Decimal>,

@@ -1,5 +1,5 @@
 //! The one place errors become HTTP: every failure, from any crate, is rendered as
-//! the body of decisions.md:
+//! the body of docs/api.md ("Errors, request ids, limits"):
 //! `{"error": {"type", "code", "message", "param", "details"?, "request_id"}, "trace_id"}`.
 //!
 //! Handlers return [`ApiError`]; its `IntoResponse` stashes it in the response

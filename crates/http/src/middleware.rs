@@ -27,7 +27,7 @@ use crate::AppState;
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const API_KEY_HEADER: &str = "x-api-key";
 pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
-/// How long an idempotency key is remembered (decisions.md: 24 h).
+/// How long an idempotency key is remembered (docs/api.md: 24 h).
 pub const IDEMPOTENCY_TTL_MS: i64 = 24 * 60 * 60 * 1000;
 /// Longest accepted idempotency key.
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;

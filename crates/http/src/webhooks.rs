@@ -1,4 +1,4 @@
-//! Webhook event bodies at the edge: the envelope of spec part 6, rendered with the
+//! Webhook event bodies at the edge: the envelope of docs/api.md ("Webhooks"), rendered with the
 //! API's wire types, for the dispatcher (the notifications context's, through its
 //! `EventBodies` port) and the cli feed alike.
 

@@ -1,5 +1,5 @@
 //! JSON wire shapes of API objects, built explicitly from domain types. Decimal
-//! values are strings in usage and credits (decisions.md); event properties keep
+//! values are strings in usage and credits (docs/api.md); event properties keep
 //! their JSON type (numbers stay numbers, exact).
 
 use rust_decimal::Decimal;
@@ -121,7 +121,7 @@ pub fn ingest_report(r: &EventReport) -> Value {
     })
 }
 
-/// One entry of a preview answer (spec 2.3).
+/// One entry of a preview answer (docs/api.md).
 pub fn preview_report(r: &EventReport) -> Value {
     let mut value = json!({
         "valid": r.valid,

@@ -1,4 +1,4 @@
-//! The credits ledger service and its projection (decisions.md "Customer credits").
+//! The credits ledger service and its projection (docs/api.md, "Customer credits").
 //!
 //! Consistency: the service checks a request against the projection (fast 409s) and
 //! appends it; the projector decides it in log order (balance, status, idempotency

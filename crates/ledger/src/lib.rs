@@ -1,5 +1,5 @@
 //! The credits ledger context: credits accounts, double-entry transactions and their
-//! entries (decisions.md "Customer credits"), with the same inner shape as every
+//! entries (docs/api.md, "Customer credits"), with the same inner shape as every
 //! context: its record (`CreditLedger`), keys (tables `a`, `b`, `n`, `l`, `k`, `T`, `r`, `i`, `L`, `j`,
 //! `h`, `q` of the core key space), apply ([`ledger::apply_ledger_step`]: every posting rule
 //! decided in log order), services and queries ([`Ledger`]), and the independent

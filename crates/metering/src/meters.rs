@@ -1,5 +1,5 @@
 //! Meters: create, read, list, update (name and unit label only), archive and
-//! unarchive with the state table of spec part 3, and backfill.
+//! unarchive with the meter states of docs/api.md ("Meters"), and backfill.
 
 use tally_domain::limits::{MAX_METERS_PER_EVENT_NAME, MAX_METERS_PER_SCOPE};
 use tally_domain::meter::{validate_meter, validate_meter_name, Meter, MeterInput, MeterStatus};
@@ -32,7 +32,7 @@ pub struct MeterUpdate {
     pub immutable_fields: Vec<String>,
 }
 
-/// Fields of a meter that an update may not touch (decisions.md).
+/// Fields of a meter that an update may not touch (docs/api.md).
 pub const IMMUTABLE_METER_FIELDS: [&str; 4] = [
     "event_name",
     "aggregation",
@@ -288,7 +288,7 @@ impl Metering {
         Ok(meter)
     }
 
-    /// Opts the meter in to stored events from `start_ms` (decisions.md). A start at
+    /// Opts the meter in to stored events from `start_ms` (docs/api.md). A start at
     /// or after the current counting start changes nothing.
     pub async fn backfill_meter(
         &self,

@@ -32,7 +32,7 @@ pub const MAX_CONCURRENT_DELIVERIES: usize = 64;
 
 /// What the dispatcher asks of the edge that renders the API: it owns this port.
 pub trait EventBodies: Send + Sync {
-    /// The exact JSON body of a delivery's event (spec part 6's envelope).
+    /// The exact JSON body of a delivery's event (the envelope of docs/api.md, "Webhooks").
     fn body(&self, scope: &Scope, delivery: &Delivery) -> Result<String, EngineError>;
 }
 

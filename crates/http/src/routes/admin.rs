@@ -1,4 +1,4 @@
-//! The admin API (decisions.md): `POST /admin/v1/stores` with
+//! The admin API (docs/api.md): `POST /admin/v1/stores` with
 //! `Authorization: Bearer $TALLY_ADMIN_TOKEN`. Without the token configured it does
 //! not exist (404).
 

@@ -37,7 +37,7 @@ pub fn router() -> axum::Router<AppState> {
         )
 }
 
-/// Pending events returned at once (spec 4.9: 1..100, default 10).
+/// Pending events returned at once (docs/api.md: 1..100, default 10).
 pub const MAX_PENDING_LIMIT: usize = 100;
 pub const DEFAULT_PENDING_LIMIT: usize = 10;
 

@@ -258,7 +258,7 @@ impl Api {
     }
 }
 
-/// Asserts the decisions.md error body and returns its `error` object.
+/// Asserts the error body of docs/api.md and returns its `error` object.
 pub fn assert_error(answer: &Answer, status: u16, error_type: &str) -> Value {
     assert_eq!(answer.status, status, "body: {}", answer.body);
     let error = &answer.body["error"];
