@@ -143,10 +143,6 @@ impl Journal {
         &self.store
     }
 
-    pub fn clock(&self) -> &Arc<dyn Clock> {
-        &self.clock
-    }
-
     pub fn runtime(&self) -> &Arc<Runtime> {
         &self.runtime
     }

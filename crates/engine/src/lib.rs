@@ -31,27 +31,17 @@ use tokio::sync::watch;
 
 pub mod projector;
 
-pub use tally_core::journal::{
-    APPLY_WAIT_TIMEOUT_MS, BACKPRESSURE_WAIT_MS, MAX_APPLY_LAG_MS, MAX_UNAPPLIED_EVENTS,
-    WRITE_LOCK_STRIPES,
-};
+pub use tally_core::journal::APPLY_WAIT_TIMEOUT_MS;
 pub use tally_core::{
     codec, error, event_index, ids, keys, metrics, outcome, overlay, pagination, Decision,
     EngineError, Journal, Metrics, Scope, APPLY_WAIT,
 };
 pub use tally_directory::{customers, stores};
 pub use tally_ingest as ingest;
+pub use tally_ledger as ledger;
 pub use tally_ledger::audit;
 pub use tally_metering::{events, meters, usage};
 pub use tally_notifications::{dispatcher, webhooks};
-pub mod ledger {
-    //! The ledger context's service types (see `tally_ledger`).
-    pub use tally_ledger::*;
-}
-
-/// Records read at once by the ledger audit (the live projector's chunks are the
-/// runtime's, `tally_runtime::CHUNK_MAX_RECORDS`).
-pub const APPLY_CHUNK_MAX_RECORDS: usize = tally_runtime::CHUNK_MAX_RECORDS;
 
 /// The directory, as the ports of the contexts that need customers see it.
 struct DirectoryPort(Arc<Directory>);
@@ -296,10 +286,6 @@ impl Engine {
         self.journal.store()
     }
 
-    pub fn clock(&self) -> &Arc<dyn Clock> {
-        self.journal.clock()
-    }
-
     pub fn now_ms(&self) -> i64 {
         self.journal.now_ms()
     }
@@ -329,10 +315,6 @@ impl Engine {
 
     pub fn tune_waits(&self, apply_wait: Duration, max_apply_lag: Duration) {
         self.journal.tune_waits(apply_wait, max_apply_lag)
-    }
-
-    pub fn unapplied_events(&self) -> usize {
-        self.journal.unapplied_events()
     }
 
     /// Waits until everything durable in the log at this moment is applied.

@@ -143,7 +143,8 @@ impl ProjectorState {
         })
     }
 
-    /// A fresh state over an empty projection.
+    /// A fresh state over an empty projection (only: it takes the store to hold no
+    /// bucket, see `BucketCache::complete`; `load` checks).
     pub fn empty() -> ProjectorState {
         ProjectorState {
             buckets: BucketCache {
