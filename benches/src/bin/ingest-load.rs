@@ -1,4 +1,4 @@
-//! End-to-end ingest load generator (issue 3's benchmark).
+//! End-to-end ingest load generator (the README's ingest benchmark).
 //!
 //! Starts a real `tally serve` (embedded log, fresh data dir), creates 10k customers
 //! and 20 meters with filters, then drives `POST /v1/events/ingest` with batches of
@@ -6,10 +6,11 @@
 //! queries. Reports in one run:
 //!   (a) sustained ingest events/s, (b) the raw embedded-log append rate for records
 //!   of the same shape, (c) a/b, (d) time from the last 202 until projections caught
-//!   up, (e) p50/p99 of a usage query under load, (f) the server's peak RSS.
+//!   up, (e) p50/p99 of a usage query under load, (f) the server's peak RSS, (g) the
+//!   time a server SIGKILLed at the end takes to be ready again on its data dir.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -92,6 +93,47 @@ fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: usiz
     body
 }
 
+/// Starts `tally serve` on `data_dir`: the child, the test API's base URL, and the
+/// test key (printed only when the data dir was empty).
+fn start_server(tally_bin: &str, data_dir: &str) -> anyhow::Result<(Child, String, String)> {
+    let mut child = Command::new(tally_bin)
+        .args([
+            "serve",
+            "--data-dir",
+            data_dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--test-listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--rate-limit-per-second",
+            "100000000",
+            "--rate-limit-burst",
+            "100000000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut base, mut key) = (String::new(), String::new());
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(rest) = line.trim().strip_prefix("test API:") {
+            base = rest.split_whitespace().next().unwrap_or("").to_string();
+        }
+        if let Some(rest) = line.trim().strip_prefix("test key:") {
+            key = rest.trim().to_string();
+        }
+        // The last line of the banner: "Try: ..." after a first start, "stores:"
+        // on a data dir that has them.
+        if line.starts_with("Try:") || line.trim().starts_with("stores:") {
+            break;
+        }
+    }
+    Ok((child, base, key))
+}
+
 async fn raw_log_rate(seconds: f64) -> anyhow::Result<f64> {
     let dir = tempfile::tempdir()?;
     let log: Arc<dyn Log> = Arc::new(tally_log::embedded::EmbeddedLog::open(dir.path())?);
@@ -129,40 +171,8 @@ async fn main() -> anyhow::Result<()> {
         .data_dir
         .clone()
         .unwrap_or_else(|| temp.path().display().to_string());
-    let mut child = Command::new(&args.tally_bin)
-        .args([
-            "serve",
-            "--data-dir",
-            &data_dir,
-            "--listen",
-            "127.0.0.1:0",
-            "--test-listen",
-            "127.0.0.1:0",
-        ])
-        .args([
-            "--rate-limit-per-second",
-            "100000000",
-            "--rate-limit-burst",
-            "100000000",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
+    let (mut child, base, key) = start_server(&args.tally_bin, &data_dir)?;
     let pid = child.id();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut base, mut key) = (String::new(), String::new());
-    for line in lines.by_ref() {
-        let line = line?;
-        if let Some(rest) = line.trim().strip_prefix("test API:") {
-            base = rest.split_whitespace().next().unwrap_or("").to_string();
-        }
-        if let Some(rest) = line.trim().strip_prefix("test key:") {
-            key = rest.trim().to_string();
-        }
-        if line.starts_with("Try:") {
-            break;
-        }
-    }
     anyhow::ensure!(
         !key.is_empty(),
         "the server printed no test key (use an empty data dir)"
@@ -331,8 +341,25 @@ async fn main() -> anyhow::Result<()> {
     let mut latencies = querier.await?;
     latencies.sort();
     peak_rss = peak_rss.max(rss_kib(pid, "VmHWM:"));
+    // (g) restart: SIGKILL (the checkpoint layer is lost), then the time until
+    // the restarted server is ready (it re-applies the log past sled's positions).
+    let _ = child.kill();
+    let _ = child.wait();
+    let restarted = Instant::now();
+    let (mut child, base, _) = start_server(&args.tally_bin, &data_dir)?;
+    let restart = loop {
+        let ready = http.get(format!("{base}/readyz")).send().await;
+        if ready.is_ok_and(|r| r.status().is_success()) {
+            break restarted.elapsed();
+        }
+        anyhow::ensure!(
+            restarted.elapsed() < Duration::from_secs(600),
+            "the restarted server was not ready within 10 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let _ = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
+        .args(["-TERM", &child.id().to_string()])
         .status();
     let _ = child.wait();
 
@@ -359,5 +386,6 @@ async fn main() -> anyhow::Result<()> {
         "(f) server peak RSS:              {:.0} MiB",
         peak_rss as f64 / 1024.0
     );
+    println!("(g) ready after SIGKILL + restart: {restart:.2?}");
     Ok(())
 }

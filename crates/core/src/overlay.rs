@@ -4,7 +4,7 @@
 //! for the chunk. Every context's apply functions take it; the projector
 //! (`tally-engine`) creates one per chunk and commits what it holds.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use tally_domain::aggregate::Aggregate;
@@ -83,7 +83,7 @@ pub struct Overlay<'a> {
     /// Events this chunk stored (`inflight_key` -> where).
     new_events: HashMap<String, EventLocation>,
     /// Decoded distinct-value sets of this chunk (`u`), encoded once at the end.
-    distinct_sets: HashMap<Vec<u8>, std::collections::BTreeSet<Vec<u8>>>,
+    distinct_sets: HashMap<Vec<u8>, BTreeSet<Vec<u8>>>,
     /// The newest stored minute of series this chunk looked up (see `BucketCache`).
     learned: HashMap<Vec<u8>, i64>,
     /// `F` rows this chunk deleted, with their events (for the index after commit).
@@ -150,6 +150,13 @@ impl From<Outcome> for ApplyError {
 #[derive(Debug, Default)]
 pub struct BucketCache {
     pub buckets: HashMap<Vec<u8>, Aggregate>,
+    /// Distinct sets (`u`) as last committed, for the same reason as `buckets`:
+    /// a set touched again by a later chunk is not read back (in a profile those
+    /// reads, and the page reclamation sled does inside them, were a tenth of the
+    /// server's CPU).
+    pub distinct: HashMap<Vec<u8>, BTreeSet<Vec<u8>>>,
+    /// Values held in `distinct`, all sets together.
+    distinct_values: usize,
     pub newest: HashMap<Vec<u8>, i64>,
     /// `newest` names every series the store holds buckets of.
     pub complete: bool,
@@ -157,6 +164,9 @@ pub struct BucketCache {
 
 /// Buckets kept in the cache before it is emptied (bounds memory: ~150 B each).
 pub const MAX_CACHED_BUCKETS: usize = 200_000;
+/// Distinct values kept in the cache's sets before they are emptied (bounds memory:
+/// a value is a short string, ~100 B with the set's overhead).
+pub const MAX_CACHED_DISTINCT_VALUES: usize = 500_000;
 /// Series whose newest minute is kept before the map is emptied (bounds memory:
 /// ~150 B each; an emptied map costs one store scan per series touched again).
 pub const MAX_KNOWN_SERIES: usize = 400_000;
@@ -173,6 +183,14 @@ impl BucketCache {
             complete: !any,
             ..BucketCache::default()
         })
+    }
+
+    /// A cache over a projection known to hold no bucket (`complete`).
+    pub fn for_empty_store() -> BucketCache {
+        BucketCache {
+            complete: true,
+            ..BucketCache::default()
+        }
     }
 
     /// Brings the cache up to a commit: its buckets, and the newest minute of each
@@ -202,6 +220,17 @@ impl BucketCache {
             }
         }
         self.buckets.extend(committed.buckets.drain());
+        let incoming: usize = committed.distinct_sets.values().map(BTreeSet::len).sum();
+        if self.distinct_values + incoming > MAX_CACHED_DISTINCT_VALUES {
+            self.distinct.clear();
+            self.distinct_values = 0;
+        }
+        for (key, set) in committed.distinct_sets.drain() {
+            self.distinct_values += set.len();
+            if let Some(old) = self.distinct.insert(key, set) {
+                self.distinct_values -= old.len();
+            }
+        }
     }
 }
 
@@ -464,14 +493,23 @@ impl<'a> Overlay<'a> {
     /// there or the set is full.
     pub fn add_distinct(&mut self, key: Vec<u8>, value: &[u8]) -> Result<DistinctAdd, EngineError> {
         if !self.distinct_sets.contains_key(&key) {
-            let stored = match self.changes.get(&key).cloned() {
-                Some(value) => value,
-                None if self.absent_from_store(&key)? => None,
-                None => self.store.get(&key)?,
+            let cached = match self.changes.contains_key(&key) {
+                false => self.cache.and_then(|c| c.distinct.get(&key)).cloned(),
+                true => None,
             };
-            let current = match stored {
-                Some(bytes) => codec::decode_distinct_set(&bytes)?,
-                None => Default::default(),
+            let current = match cached {
+                Some(set) => set,
+                None => {
+                    let stored = match self.changes.get(&key).cloned() {
+                        Some(value) => value,
+                        None if self.absent_from_store(&key)? => None,
+                        None => self.store.get(&key)?,
+                    };
+                    match stored {
+                        Some(bytes) => codec::decode_distinct_set(&bytes)?,
+                        None => Default::default(),
+                    }
+                }
             };
             self.distinct_sets.insert(key.clone(), current);
         }
@@ -511,9 +549,12 @@ impl<'a> Overlay<'a> {
                 ));
             }
         }
+        let mut distinct_sets = self.distinct_sets;
+        distinct_sets.retain(|_, set| !set.is_empty());
         Ok(Committed {
             changes: changes.into_iter().collect(),
             buckets: self.aggregates,
+            distinct_sets,
             learned: self.learned,
             stored,
             pruned: self.pruned,
@@ -553,6 +594,7 @@ impl<'b> StoredRef<'b> {
 pub struct Committed {
     pub changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     pub buckets: HashMap<Vec<u8>, Aggregate>,
+    pub distinct_sets: HashMap<Vec<u8>, BTreeSet<Vec<u8>>>,
     pub learned: HashMap<Vec<u8>, i64>,
     pub stored: Vec<StoredRow>,
     pub pruned: Vec<StoredRow>,

@@ -147,10 +147,7 @@ impl ProjectorState {
     /// bucket, see `BucketCache::complete`; `load` checks).
     pub fn empty() -> ProjectorState {
         ProjectorState {
-            buckets: BucketCache {
-                complete: true,
-                ..BucketCache::default()
-            },
+            buckets: BucketCache::for_empty_store(),
             index: Arc::new(EventIndex::default()),
         }
     }

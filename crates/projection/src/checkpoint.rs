@@ -32,20 +32,23 @@ use std::time::{Duration, Instant};
 
 use crate::{Change, ProjectionStore, StoreError, Visit};
 
-/// Keys the layer holds before a checkpoint is started. Bounds memory (a stored event
-/// is ~300 bytes; the layer being written and the one filling can both be full) and
-/// the size of one inner batch.
-pub const CHECKPOINT_MAX_DIRTY_KEYS: usize = 2_000;
+/// Keys the layer holds before a checkpoint is started. Bounds memory (an entry is
+/// ~200 bytes; the layer being written and the one filling both count) and the
+/// work of one checkpoint.
+pub const CHECKPOINT_MAX_DIRTY_KEYS: usize = 200_000;
 
-/// Age of the oldest unwritten change that starts a checkpoint. Bounds how much of
-/// the log a restart re-applies (about one second of records).
-pub const CHECKPOINT_EVERY_MS: u64 = 1_000;
+/// Age of the oldest unwritten change that starts a checkpoint. Long enough that a
+/// usage bucket's rewrites coalesce: with 10,000 customers a customer's minute
+/// bucket is touched every few seconds, so a one-second checkpoint wrote ~4 sled
+/// keys per ingested event (a third of the server's CPU), a 15-second one writes a
+/// fraction of one. It also bounds how much of the log a restart re-applies.
+pub const CHECKPOINT_EVERY_MS: u64 = 15_000;
 
 /// How far past `max_dirty_keys` the active layer may grow while the previous
 /// checkpoint is still being written, before applies wait for it: absorbs a slow
-/// sled batch without a latency spike, and still bounds memory (to 5x the limit in
+/// sled write without a latency spike, and still bounds memory (to 3x the limit in
 /// all, with the layer being written).
-pub const CHECKPOINT_BACKLOG_FACTOR: usize = 4;
+pub const CHECKPOINT_BACKLOG_FACTOR: usize = 2;
 
 /// Unwritten changes and the positions they reach.
 #[derive(Debug, Default)]

@@ -98,7 +98,38 @@ pub fn aux_is_separate(store: &dyn ProjectionStore) {
     assert_eq!(store.aux_get(b"idem/1").unwrap(), None);
 }
 
+/// A batch far larger than any one write of the backend (sled stages it): every
+/// put and delete lands, with its positions, and nothing else shows in scans.
+pub fn large_batches(store: &dyn ProjectionStore) {
+    const KEYS: usize = 7_000;
+    let key = |i: usize| format!("big/{i:06}").into_bytes();
+    let puts = (0..KEYS).map(|i| (key(i), Some(i.to_string().into_bytes())));
+    store.apply(puts.collect(), &[(3, 1_000)]).unwrap();
+    assert_eq!(store.position(3).unwrap(), 1_000);
+    assert_eq!(collect(store, b"big/", false).len(), KEYS);
+    let deletes = (0..KEYS).step_by(2).map(|i| (key(i), None));
+    let rewrites = (1..KEYS).step_by(2).map(|i| (key(i), Some(b"x".to_vec())));
+    store
+        .apply(deletes.chain(rewrites).collect(), &[(3, 2_000)])
+        .unwrap();
+    assert_eq!(store.position(3).unwrap(), 2_000);
+    assert_eq!(store.get(&key(2)).unwrap(), None);
+    assert_eq!(store.get(&key(3)).unwrap().as_deref(), Some(&b"x"[..]));
+    let mut all = 0;
+    store
+        .scan(Bound::Unbounded, Bound::Unbounded, false, &mut |k, _| {
+            all += usize::from(k.starts_with(b"big/"));
+            Visit::Continue
+        })
+        .unwrap();
+    assert_eq!(all, KEYS / 2);
+    let everything = (0..KEYS).map(|i| (key(i), None)).collect();
+    store.apply(everything, &[(3, 3_000)]).unwrap();
+    assert!(collect(store, b"big/", false).is_empty());
+}
+
 pub fn run_all(store: &dyn ProjectionStore) {
     basic_semantics(store);
     aux_is_separate(store);
+    large_batches(store);
 }
