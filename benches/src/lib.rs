@@ -55,7 +55,7 @@ pub fn usage_record_bytes(events: usize, batch: u64) -> Vec<u8> {
         .map(|i| UsageEvent {
             event_id: format!("bench-{batch}-{i}"),
             name: EVENT_NAMES[rng.random_range(0..5)].into(),
-            customer_id: format!("cus_{:024}", rng.random_range(0..10_000)),
+            customer_id: format!("cus_{:024}", rng.random_range(0..10_000)).into(),
             external_customer_id: Some(format!("customer-{}", rng.random_range(0..10_000))),
             timestamp_ms: 1_800_000_000_000,
             properties: random_properties(&mut rng),

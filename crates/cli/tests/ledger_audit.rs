@@ -197,7 +197,7 @@ fn transaction(
             .enumerate()
             .map(|(i, (account, amount))| Entry {
                 id: format!("{id}-{i}"),
-                account_id: account.to_string(),
+                account_id: (*account).into(),
                 amount: Decimal::from(*amount),
             })
             .collect(),

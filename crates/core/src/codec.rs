@@ -28,7 +28,7 @@ pub fn decode_meter(bytes: &[u8]) -> Result<Meter, EngineError> {
 
 pub fn encode_store(s: &StoreRecord) -> Vec<u8> {
     v1::StoreCreated {
-        store_id: s.store_id.clone(),
+        store_id: s.store_id.to_string(),
         name: s.name.clone(),
         prod_key_sha256: s.prod_key_sha256.clone(),
         test_key_sha256: s.test_key_sha256.clone(),

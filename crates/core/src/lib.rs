@@ -35,6 +35,6 @@ use tally_domain::Mode;
 /// A store and environment: the scope every API request acts in.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Scope {
-    pub store_id: String,
+    pub store_id: tally_domain::ids::StoreId,
     pub mode: Mode,
 }

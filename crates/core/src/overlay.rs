@@ -39,7 +39,7 @@ impl StoredBatch {
                 },
                 _,
             )) => Ok(Some(StoredBatch {
-                store_id,
+                store_id: store_id.to_string(),
                 mode,
                 events,
             })),

@@ -61,11 +61,11 @@ pub fn apply_customer(
         None => overlay.put(
             ListingKey {
                 table: keys::CUSTOMER_LIST,
-                store_id: store_id.clone(),
+                store_id: store_id.to_string(),
                 mode,
                 owner: None,
                 created_at_ms: customer.created_at_ms,
-                id: customer.id.clone(),
+                id: customer.id.to_string(),
             }
             .encode(),
             Vec::new(),

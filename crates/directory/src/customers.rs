@@ -59,7 +59,7 @@ impl Directory {
         }
         let now = self.journal.now_ms();
         let mut customer = Customer {
-            id: new_id("cus"),
+            id: new_id("cus").into(),
             store_id: scope.store_id.clone(),
             mode: scope.mode,
             email: String::new(),
@@ -89,7 +89,7 @@ impl Directory {
         let mut customer = self.get_customer(scope, id)?;
         if let Patch::Set(external) = &changes.external_id {
             match self.customer_id_by_external(scope, external)? {
-                Some(holder) if holder != customer.id => {
+                Some(holder) if customer.id != *holder => {
                     return Err(external_id_taken(external).into())
                 }
                 _ => {}
@@ -118,11 +118,11 @@ impl Directory {
                 })?;
             Ok(ListingKey {
                 table: keys::CUSTOMER_LIST,
-                store_id: scope.store_id.clone(),
+                store_id: scope.store_id.to_string(),
                 mode: scope.mode,
                 owner: None,
                 created_at_ms: customer.created_at_ms,
-                id: customer.id.clone(),
+                id: customer.id.to_string(),
             }
             .encode())
         };

@@ -86,7 +86,7 @@ impl Directory {
             match read {
                 Ok((mode, store_id)) => {
                     let scope = Scope {
-                        store_id: String::from_utf8_lossy(store_id).into_owned(),
+                        store_id: String::from_utf8_lossy(store_id).into_owned().into(),
                         mode,
                     };
                     directory.caches.api_keys.insert(k[1..].to_vec(), scope);

@@ -75,7 +75,7 @@ impl Directory {
         let prod_key = format!("{PROD_KEY_PREFIX}{}", random_base62(API_KEY_RANDOM_CHARS));
         let test_key = format!("{TEST_KEY_PREFIX}{}", random_base62(API_KEY_RANDOM_CHARS));
         let record = StoreRecord {
-            store_id: new_id("st"),
+            store_id: new_id("st").into(),
             name: name.to_string(),
             prod_key_sha256: key_digest(&prod_key),
             test_key_sha256: key_digest(&test_key),
@@ -85,7 +85,7 @@ impl Directory {
             .append_and_apply(&Record::StoreCreated(record.clone()))
             .await?;
         Ok(CreatedStore {
-            store_id: record.store_id,
+            store_id: record.store_id.to_string(),
             name: record.name,
             prod_key,
             test_key,

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::FieldError;
+use crate::ids::{CustomerId, StoreId};
 use crate::limits::{
     MAX_EMAIL_CHARS, MAX_EXTERNAL_ID_CHARS, MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS,
     MAX_METADATA_VALUE_CHARS, MAX_NAME_CHARS,
@@ -12,8 +13,8 @@ use crate::mode::Mode;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Customer {
-    pub id: String,
-    pub store_id: String,
+    pub id: CustomerId,
+    pub store_id: StoreId,
     pub mode: Mode,
     pub email: String,
     pub name: Option<String>,

@@ -11,6 +11,7 @@ use rust_decimal::Decimal;
 
 use crate::error::FieldError;
 use crate::exact::{exact_add, exact_sum};
+use crate::ids::{AccountId, CustomerId, StoreId, TransactionId};
 use crate::mode::Mode;
 use crate::usage::parse_decimal;
 
@@ -89,10 +90,10 @@ impl SystemAccount {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Account {
-    pub id: String,
-    pub store_id: String,
+    pub id: AccountId,
+    pub store_id: StoreId,
     pub mode: Mode,
-    pub customer_id: String,
+    pub customer_id: CustomerId,
     pub name: String,
     pub unit_label: String,
     pub status: AccountStatus,
@@ -139,19 +140,19 @@ impl TransactionKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entry {
     pub id: String,
-    pub account_id: String,
+    pub account_id: AccountId,
     /// Signed: + credits the account, - debits it.
     pub amount: Decimal,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transaction {
-    pub id: String,
-    pub store_id: String,
+    pub id: TransactionId,
+    pub store_id: StoreId,
     pub mode: Mode,
     pub kind: TransactionKind,
     /// The customer account the transaction is about.
-    pub account_id: String,
+    pub account_id: AccountId,
     /// Positive size of the movement.
     pub amount: Decimal,
     pub entries: Vec<Entry>,
@@ -159,7 +160,7 @@ pub struct Transaction {
     pub description: Option<String>,
     pub metadata: std::collections::BTreeMap<String, String>,
     /// For a reversal: the transaction it reverses.
-    pub reverses: Option<String>,
+    pub reverses: Option<TransactionId>,
     pub created_at_ms: i64,
 }
 
@@ -272,11 +273,11 @@ pub fn parse_amount(param: &str, text: &str, allow_zero: bool) -> Result<Decimal
 pub fn balances_after(
     transaction: &Transaction,
     balance_before: &dyn Fn(&str) -> Decimal,
-) -> Result<BTreeMap<String, Decimal>, Rejection> {
+) -> Result<BTreeMap<AccountId, Decimal>, Rejection> {
     if !transaction.entries_sum_to_zero() {
         return Err(Rejection::Unbalanced);
     }
-    let mut after: BTreeMap<String, Decimal> = BTreeMap::new();
+    let mut after: BTreeMap<AccountId, Decimal> = BTreeMap::new();
     for entry in &transaction.entries {
         if entry.amount.abs() > MAX_BALANCE {
             return Err(Rejection::AmountOutOfRange);
@@ -310,7 +311,7 @@ pub fn check_open(status: AccountStatus) -> Result<(), Rejection> {
 
 /// The entries of a movement of `amount` into (`+`) or out of (`-`) the account.
 fn pair(
-    account_id: &str,
+    account_id: &AccountId,
     signed: Decimal,
     other: SystemAccount,
     new_entry_id: &mut dyn FnMut() -> String,
@@ -318,12 +319,12 @@ fn pair(
     vec![
         Entry {
             id: new_entry_id(),
-            account_id: account_id.to_string(),
+            account_id: account_id.clone(),
             amount: signed,
         },
         Entry {
             id: new_entry_id(),
-            account_id: other.account_id().to_string(),
+            account_id: other.account_id().into(),
             amount: -signed,
         },
     ]
@@ -333,7 +334,7 @@ fn pair(
 /// Returns the entries or why not.
 pub fn post(
     kind: TransactionKind,
-    account_id: &str,
+    account_id: &AccountId,
     status: AccountStatus,
     balance: Decimal,
     amount: Decimal,
@@ -477,7 +478,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, (account, amount))| Entry {
                     id: format!("ce_{i}"),
-                    account_id: account.to_string(),
+                    account_id: (*account).into(),
                     amount: amount.parse().unwrap(),
                 })
                 .collect(),
@@ -536,7 +537,7 @@ mod tests {
         let mut new_id = ids();
         let credit = post(
             TransactionKind::Credit,
-            "ca_1",
+            &"ca_1".into(),
             AccountStatus::Active,
             Decimal::ZERO,
             Decimal::TEN,
@@ -551,7 +552,7 @@ mod tests {
         assert_eq!(
             post(
                 TransactionKind::Debit,
-                "ca_1",
+                &"ca_1".into(),
                 AccountStatus::Active,
                 Decimal::ONE,
                 Decimal::TEN,
@@ -562,7 +563,7 @@ mod tests {
         assert_eq!(
             post(
                 TransactionKind::Credit,
-                "ca_1",
+                &"ca_1".into(),
                 AccountStatus::Frozen,
                 Decimal::ONE,
                 Decimal::TEN,
@@ -573,7 +574,7 @@ mod tests {
         assert_eq!(
             post(
                 TransactionKind::Debit,
-                "ca_1",
+                &"ca_1".into(),
                 AccountStatus::Closed,
                 Decimal::TEN,
                 Decimal::ONE,

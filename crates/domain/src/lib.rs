@@ -9,6 +9,7 @@ pub mod clock;
 pub mod customer;
 pub mod error;
 pub mod exact;
+pub mod ids;
 pub mod ledger;
 pub mod limits;
 pub mod meter;

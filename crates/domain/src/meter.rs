@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use rust_decimal::Decimal;
 
 use crate::error::FieldError;
+use crate::ids::{MeterId, StoreId};
 use crate::limits::{
     MAX_FILTER_CLAUSES, MAX_FILTER_IN_VALUES, MAX_METER_NAME_CHARS, MAX_PROPERTY_KEY_CHARS,
 };
@@ -378,8 +379,8 @@ pub fn validate_filter(raw: &RawMeterFilter) -> Result<MeterFilter, FieldError> 
 /// A meter as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Meter {
-    pub id: String,
-    pub store_id: String,
+    pub id: MeterId,
+    pub store_id: StoreId,
     pub mode: Mode,
     pub name: String,
     pub event_name: String,

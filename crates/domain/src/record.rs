@@ -3,6 +3,7 @@
 //! meter after an update), so applying one never depends on reading the clock.
 
 use crate::customer::Customer;
+use crate::ids::{EndpointId, MeterId, StoreId, TransactionId};
 use crate::ledger::{Account, Transaction};
 use crate::meter::Meter;
 use crate::mode::Mode;
@@ -10,7 +11,7 @@ use crate::usage::UsageEvent;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreRecord {
-    pub store_id: String,
+    pub store_id: StoreId,
     pub name: String,
     pub prod_key_sha256: Vec<u8>,
     pub test_key_sha256: Vec<u8>,
@@ -23,7 +24,7 @@ pub enum Record {
     CustomerUpserted(Customer),
     MeterUpserted(Meter),
     UsageBatch {
-        store_id: String,
+        store_id: StoreId,
         mode: Mode,
         events: Vec<UsageEvent>,
     },
@@ -32,9 +33,9 @@ pub enum Record {
     /// service's scan (received at or after `rescan_from_ms`) and moves the meter's
     /// counting start to `start_ms`.
     MeterBackfill {
-        store_id: String,
+        store_id: StoreId,
         mode: Mode,
-        meter_id: String,
+        meter_id: MeterId,
         start_ms: i64,
         event_ids: Vec<String>,
         finish: bool,
@@ -42,9 +43,9 @@ pub enum Record {
     },
     WebhookEndpointUpserted(crate::webhook::WebhookEndpoint),
     WebhookEndpointDeleted {
-        store_id: String,
+        store_id: StoreId,
         mode: Mode,
-        endpoint_id: String,
+        endpoint_id: EndpointId,
     },
     WebhookAttempt(WebhookAttempt),
     /// One atomic ledger step (see `tally.v1.CreditLedger`).
@@ -58,9 +59,9 @@ pub enum Record {
 /// The outcome of one delivery attempt (see `tally.v1.WebhookAttempt`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct WebhookAttempt {
-    pub store_id: String,
+    pub store_id: StoreId,
     pub mode: Mode,
-    pub endpoint_id: String,
+    pub endpoint_id: EndpointId,
     pub event_id: String,
     pub attempt: u32,
     pub at_ms: i64,
@@ -78,7 +79,7 @@ pub struct LedgerEvent {
     pub id: String,
     pub event_type: String,
     pub created_at_ms: i64,
-    pub transaction_id: Option<String>,
+    pub transaction_id: Option<TransactionId>,
     pub account: Account,
     pub balance: rust_decimal::Decimal,
 }

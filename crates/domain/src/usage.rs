@@ -7,6 +7,7 @@ use std::str::FromStr;
 use rust_decimal::Decimal;
 
 use crate::error::FieldError;
+use crate::ids::{CustomerId, MeterId};
 use crate::limits::{
     MAX_EVENT_AGE_MS, MAX_EVENT_FUTURE_SKEW_MS, MAX_EVENT_ID_CHARS, MAX_EVENT_NAME_CHARS,
     MAX_PROPERTIES_PER_EVENT, MAX_PROPERTY_KEY_CHARS, MAX_PROPERTY_NUMBER_ABS,
@@ -68,12 +69,12 @@ pub fn canonical_decimal(value: Decimal) -> String {
 pub struct UsageEvent {
     pub event_id: String,
     pub name: String,
-    pub customer_id: String,
+    pub customer_id: CustomerId,
     pub external_customer_id: Option<String>,
     pub timestamp_ms: i64,
     pub properties: BTreeMap<String, PropertyValue>,
     pub received_at_ms: i64,
-    pub matched_meter_ids: Vec<String>,
+    pub matched_meter_ids: Vec<MeterId>,
     pub event_id_assigned: bool,
 }
 

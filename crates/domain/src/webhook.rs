@@ -8,6 +8,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::FieldError;
+use crate::ids::{EndpointId, StoreId};
 use crate::mode::Mode;
 
 /// Every event type an endpoint may subscribe to (docs/api.md).
@@ -68,8 +69,8 @@ impl DeliveryMode {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct WebhookEndpoint {
-    pub id: String,
-    pub store_id: String,
+    pub id: EndpointId,
+    pub store_id: StoreId,
     pub mode: Mode,
     pub name: String,
     pub url: String,

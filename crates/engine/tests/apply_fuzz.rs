@@ -116,10 +116,10 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn account(n: u8, name: u8, status: AccountStatus) -> Account {
     Account {
-        id: format!("ca_{n}"),
+        id: format!("ca_{n}").into(),
         store_id: STORE.into(),
         mode: Mode::Test,
-        customer_id: format!("cus_{}", n % 2),
+        customer_id: format!("cus_{}", n % 2).into(),
         name: format!("a{name}"),
         unit_label: "credits".into(),
         status,
@@ -136,11 +136,11 @@ fn transaction(
     entries: Vec<Entry>,
 ) -> Transaction {
     Transaction {
-        id,
+        id: id.into(),
         store_id: STORE.into(),
         mode: Mode::Test,
         kind,
-        account_id: format!("ca_{account}"),
+        account_id: format!("ca_{account}").into(),
         amount,
         entries,
         idempotency_key: None,
@@ -154,7 +154,7 @@ fn transaction(
 fn entry(i: usize, account: &str, amount: Decimal) -> Entry {
     Entry {
         id: format!("ce_{i}_{account}"),
-        account_id: account.to_string(),
+        account_id: account.into(),
         amount,
     }
 }
@@ -169,7 +169,7 @@ fn meter(id: u8, name: u8, aggregation: u8) -> Meter {
         Aggregation::Average,
     ][aggregation as usize % 6];
     Meter {
-        id: format!("mtr_{id}"),
+        id: format!("mtr_{id}").into(),
         store_id: STORE.into(),
         mode: Mode::Test,
         name: format!("m{name}"),
@@ -195,7 +195,7 @@ fn payloads(ops: &[Op]) -> Vec<Vec<u8>> {
     for (i, op) in ops.iter().enumerate() {
         let record = match op {
             Op::Customer { id, external } => Record::CustomerUpserted(Customer {
-                id: format!("cus_{id}"),
+                id: format!("cus_{id}").into(),
                 store_id: STORE.into(),
                 mode: Mode::Test,
                 email: "f@x.io".into(),
@@ -228,12 +228,12 @@ fn payloads(ops: &[Op]) -> Vec<Vec<u8>> {
                     events: vec![UsageEvent {
                         event_id: format!("ev{event}"),
                         name: "e".into(),
-                        customer_id: format!("cus_{customer}"),
+                        customer_id: format!("cus_{customer}").into(),
                         external_customer_id: None,
                         timestamp_ms: T0 + 1_000,
                         properties: [("v".to_string(), value)].into_iter().collect(),
                         received_at_ms: T0,
-                        matched_meter_ids: (0..4).map(|m| format!("mtr_{m}")).collect(),
+                        matched_meter_ids: (0..4).map(|m| format!("mtr_{m}").into()).collect(),
                         event_id_assigned: false,
                     }],
                 }
@@ -299,7 +299,7 @@ fn payloads(ops: &[Op]) -> Vec<Vec<u8>> {
                         entry(i, SystemAccount::Issuance.account_id(), Decimal::ONE),
                     ],
                 );
-                reversal.reverses = Some(format!("ctx_{tx}"));
+                reversal.reverses = Some(format!("ctx_{tx}").into());
                 Record::CreditLedger {
                     account: None,
                     transaction: Some(reversal),
@@ -354,7 +354,7 @@ fn payloads(ops: &[Op]) -> Vec<Vec<u8>> {
             } => Record::MeterBackfill {
                 store_id: STORE.into(),
                 mode: Mode::Test,
-                meter_id: format!("mtr_{meter}"),
+                meter_id: format!("mtr_{meter}").into(),
                 start_ms: T0 - 3_600_000,
                 event_ids: events.iter().map(|e| format!("ev{e}")).collect(),
                 finish: *finish,

@@ -125,7 +125,7 @@ async fn started_with_customer(
         .await
         .unwrap();
     let scope = Scope {
-        store_id: store.store_id,
+        store_id: store.store_id.into(),
         mode: Mode::Test,
     };
     let customer = h
@@ -154,7 +154,7 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
             .create_account(
                 &scope,
                 &AccountInput {
-                    customer_id: Some(customer.id.clone()),
+                    customer_id: Some(customer.id.to_string()),
                     name: Some(format!("a{i}")),
                     unit_label: None,
                     initial_balance: Some(seed.to_string()),
@@ -204,9 +204,13 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                 if let Ok(view) = result {
                     let delta = if debit { -amount } else { amount };
                     model.balances[a] += delta;
-                    model
-                        .transactions
-                        .push((view.transaction.id, a, delta, true, false));
+                    model.transactions.push((
+                        view.transaction.id.to_string(),
+                        a,
+                        delta,
+                        true,
+                        false,
+                    ));
                 }
             }
             Op::Reverse(pick) => {
@@ -234,9 +238,13 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                 if let Ok(view) = result {
                     model.balances[a] -= delta;
                     model.transactions[index].4 = true;
-                    model
-                        .transactions
-                        .push((view.transaction.id, a, -delta, false, false));
+                    model.transactions.push((
+                        view.transaction.id.to_string(),
+                        a,
+                        -delta,
+                        false,
+                        false,
+                    ));
                 }
             }
             Op::Freeze(a) | Op::Unfreeze(a) => {
@@ -343,7 +351,7 @@ async fn the_audit_skips_what_apply_refused() {
         .create_account(
             &scope,
             &AccountInput {
-                customer_id: Some(customer.id.clone()),
+                customer_id: Some(customer.id.to_string()),
                 name: Some("main".into()),
                 unit_label: None,
                 initial_balance: Some("10".into()),

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use rust_decimal::Decimal;
+use tally_domain::ids::MeterId;
 use tally_domain::meter::{Aggregation, Meter, MeterFilter, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::time::Window;
@@ -36,7 +37,7 @@ fn meters() -> Vec<Meter> {
     .into_iter()
     .enumerate()
     .map(|(i, aggregation)| Meter {
-        id: format!("mtr_{i}"),
+        id: format!("mtr_{i}").into(),
         store_id: STORE.into(),
         mode: Mode::Test,
         name: format!("m{i}"),
@@ -72,7 +73,7 @@ fn gen_event() -> impl Strategy<Value = GenEvent> {
     )
 }
 
-fn usage_event(e: &GenEvent, meter_ids: &[String]) -> UsageEvent {
+fn usage_event(e: &GenEvent, meter_ids: &[MeterId]) -> UsageEvent {
     let mut properties = BTreeMap::new();
     if let Some(v) = e.value {
         properties.insert("v".to_string(), PropertyValue::Number(Decimal::new(v, 1)));
@@ -80,7 +81,7 @@ fn usage_event(e: &GenEvent, meter_ids: &[String]) -> UsageEvent {
     UsageEvent {
         event_id: format!("ev{}", e.id),
         name: "e".into(),
-        customer_id: format!("cus_{}", e.customer),
+        customer_id: format!("cus_{}", e.customer).into(),
         external_customer_id: None,
         timestamp_ms: T0 + e.minute * 60_000 + 1_000,
         properties,
@@ -93,7 +94,7 @@ fn usage_event(e: &GenEvent, meter_ids: &[String]) -> UsageEvent {
 /// Builds the log: meter records, then batches of events (duplicates included).
 fn log_entries(batches: &[Vec<GenEvent>]) -> Vec<LogEntry> {
     let meters = meters();
-    let ids: Vec<String> = meters.iter().map(|m| m.id.clone()).collect();
+    let ids: Vec<MeterId> = meters.iter().map(|m| m.id.clone()).collect();
     let mut records: Vec<Record> = meters.into_iter().map(Record::MeterUpserted).collect();
     for batch in batches {
         records.push(Record::UsageBatch {
@@ -275,7 +276,7 @@ proptest! {
         for meter in meters() {
             for customer in [None, Some(0u8), Some(1), Some(2)] {
                 let result = engine.metering().query_usage(&scope, &UsageQuery {
-                    meter_id: meter.id.clone(),
+                    meter_id: meter.id.to_string(),
                     customer_id: customer.map(|c| format!("cus_{c}")),
                     start_ms: T0,
                     end_ms: T0 + 3_600_000,
@@ -387,13 +388,13 @@ fn the_first_event_wins_whatever_comes_later() {
                 store_id: STORE.into(),
                 mode: Mode::Test,
                 events: vec![
-                    usage_event(&event, &["mtr_0".to_string()]),
+                    usage_event(&event, &["mtr_0".into()]),
                     usage_event(
                         &GenEvent {
                             id: 2 + customer * 10,
                             ..event
                         },
-                        &["mtr_0".to_string()],
+                        &["mtr_0".into()],
                     ),
                 ],
             });
@@ -483,7 +484,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
         minute: 0,
         value: Some(1),
     };
-    let ids: Vec<String> = meters().iter().map(|m| m.id.clone()).collect();
+    let ids: Vec<MeterId> = meters().iter().map(|m| m.id.clone()).collect();
     let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
     let batch = |event: &GenEvent, received: i64| Record::UsageBatch {
         store_id: STORE.into(),
@@ -581,7 +582,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
 #[test]
 fn distinct_values_past_the_inline_set_stay_exact() {
     use tally_engine::codec::INLINE_DISTINCT_MAX;
-    let ids: Vec<String> = meters().iter().map(|m| m.id.clone()).collect();
+    let ids: Vec<MeterId> = meters().iter().map(|m| m.id.clone()).collect();
     let distinct = INLINE_DISTINCT_MAX + 150;
     let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
     let events: Vec<UsageEvent> = (0..distinct + 40)

@@ -161,7 +161,7 @@ pub fn usage_series(series: &UsageSeries) -> Value {
 pub fn usage(result: &UsageResult, window: &str) -> Value {
     let mut value = json!({
         "object": "meter_usage",
-        "meter_id": result.meter.id,
+        "meter_id": *result.meter.id,
         "customer_id": result.total.customer_id,
         "aggregation": result.meter.aggregation.as_str(),
         "unit_label": result.meter.unit_label,

@@ -311,7 +311,7 @@ impl Gateway {
             report.valid = true;
             report.event_id = Some(event_id.clone());
             report.customer_id = Some(customer_id.clone());
-            report.matched_meters = matched.iter().map(|m| m.id.clone()).collect();
+            report.matched_meters = matched.iter().map(|m| m.id.to_string()).collect();
             reports.push(report);
             candidates.push(Some(Candidate {
                 event: validated,
@@ -399,11 +399,11 @@ impl Gateway {
                     continue;
                 }
             }
-            let matched_meter_ids = report.matched_meters.clone();
+            let matched_meter_ids = report.matched_meters.iter().map(Into::into).collect();
             accepted.push(UsageEvent {
                 event_id,
                 name: validated.name,
-                customer_id,
+                customer_id: customer_id.into(),
                 external_customer_id: match validated.customer {
                     CustomerRef::External(e) => Some(e),
                     CustomerRef::Id(_) => None,

@@ -24,7 +24,7 @@ use crate::Ledger;
 pub struct LedgerReplay {
     /// (store, mode byte, account id) -> balance, customer and system accounts.
     pub balances: BTreeMap<(String, char, String), Decimal>,
-    pub accounts: BTreeMap<String, Account>,
+    pub accounts: BTreeMap<tally_domain::ids::AccountId, Account>,
     pub transactions: u64,
     pub violations: Vec<String>,
 }
@@ -81,7 +81,11 @@ impl LedgerReplay {
         for entry in &transaction.entries {
             let balance = self
                 .balances
-                .entry((transaction.store_id.clone(), mode, entry.account_id.clone()))
+                .entry((
+                    transaction.store_id.to_string(),
+                    mode,
+                    entry.account_id.to_string(),
+                ))
                 .or_default();
             *balance += entry.amount;
             if SystemAccount::from_account_id(&entry.account_id).is_none()
@@ -148,7 +152,7 @@ pub async fn replay_ledger(
                             let mode = account.mode.key_byte() as char;
                             replay
                                 .balances
-                                .entry((account.store_id.clone(), mode, account.id.clone()))
+                                .entry((account.store_id.to_string(), mode, account.id.to_string()))
                                 .or_default();
                             replay.accounts.insert(account.id.clone(), account);
                         }
@@ -174,7 +178,7 @@ impl Ledger {
         let mut mismatches = Vec::new();
         for ((store, mode, account), replayed) in &replay.balances {
             let scope = Scope {
-                store_id: store.clone(),
+                store_id: store.clone().into(),
                 mode: tally_core::keys::read_mode(*mode as u8, "a replayed ledger account")?,
             };
             let projected = self.balance(&scope, account)?;

@@ -129,7 +129,7 @@ pub fn apply_ledger_step(
                     (keys::CREDIT_ACCOUNT_LIST, None),
                     (
                         keys::CREDIT_ACCOUNT_BY_CUSTOMER,
-                        Some(account.customer_id.clone()),
+                        Some(account.customer_id.to_string()),
                     ),
                 ] {
                     let entry = ListingKey {
@@ -138,7 +138,7 @@ pub fn apply_ledger_step(
                         mode,
                         owner,
                         created_at_ms: account.created_at_ms,
-                        id: account.id.clone(),
+                        id: account.id.to_string(),
                     };
                     overlay.put(entry.encode(), Vec::new());
                 }
@@ -351,8 +351,8 @@ fn post_entry(
     overlay.put(seq_key, (seq + 1).to_be_bytes().to_vec());
     let stored = StoredEntry {
         id: entry.id.clone(),
-        transaction_id: tx.id.clone(),
-        account_id: entry.account_id.clone(),
+        transaction_id: tx.id.to_string(),
+        account_id: entry.account_id.to_string(),
         amount: entry.amount,
         created_at_ms: tx.created_at_ms,
         balance_after: balance,
@@ -480,11 +480,11 @@ impl Ledger {
         entries: Vec<tally_domain::ledger::Entry>,
     ) -> Transaction {
         Transaction {
-            id: new_id("ctx"),
+            id: new_id("ctx").into(),
             store_id: scope.store_id.clone(),
             mode: scope.mode,
             kind,
-            account_id: account_id.to_string(),
+            account_id: account_id.into(),
             amount,
             entries,
             idempotency_key: None,
@@ -556,10 +556,10 @@ impl Ledger {
         }
         let now = self.journal.now_ms();
         let account = Account {
-            id: new_id("ca"),
+            id: new_id("ca").into(),
             store_id: scope.store_id.clone(),
             mode: scope.mode,
-            customer_id: customer_id.to_string(),
+            customer_id: customer_id.into(),
             name,
             unit_label,
             status: AccountStatus::Active,
@@ -612,16 +612,16 @@ impl Ledger {
         let prefix = ListingKey::prefix(table, &scope.store_id, scope.mode, customer_id);
         let cursor = cursor_from(page, |id| {
             let account = self.get_account(scope, id)?;
-            if customer_id.is_some_and(|c| c != account.customer_id) {
+            if customer_id.is_some_and(|c| account.customer_id != *c) {
                 return Err(EngineError::not_found("customer credits account", id));
             }
             Ok(ListingKey {
                 table,
-                store_id: scope.store_id.clone(),
+                store_id: scope.store_id.to_string(),
                 mode: scope.mode,
                 owner: customer_id.map(str::to_string),
                 created_at_ms: account.created_at_ms,
-                id: account.id.clone(),
+                id: account.id.to_string(),
             }
             .encode())
         })?;
@@ -691,7 +691,7 @@ impl Ledger {
             // The close posts against the account as it is (frozen accounts close too).
             let entries = post(
                 TransactionKind::Close,
-                id,
+                &account.id,
                 AccountStatus::Active,
                 balance,
                 balance,
@@ -791,7 +791,7 @@ impl Ledger {
         let balance = self.balance(scope, account_id)?;
         let entries = post(
             kind,
-            account_id,
+            &account.id,
             account.status,
             balance,
             amount,
@@ -831,7 +831,7 @@ impl Ledger {
             entries,
         );
         tx.description = Some(format!("reversal of {id}"));
-        tx.reverses = Some(id.to_string());
+        tx.reverses = Some(id.into());
         self.commit_movement(scope, tx).await
     }
 

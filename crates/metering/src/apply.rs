@@ -13,6 +13,7 @@ use tally_core::event_index::{
 use tally_core::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CUSTOMERS};
 use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, Overlay, StoredRow};
 use tally_domain::aggregate::{contribution, Contribution};
+use tally_domain::ids::MeterId;
 use tally_domain::meter::{EventView, Meter};
 use tally_domain::record::Record;
 use tally_domain::time::minute_bucket;
@@ -92,7 +93,7 @@ pub fn apply_usage_batch(
     partition: u32,
     offset: u64,
 ) -> Result<(), ApplyError> {
-    let mut meters: HashMap<String, Meter> = HashMap::new();
+    let mut meters: HashMap<MeterId, Meter> = HashMap::new();
     let mut stored = Vec::new();
     for (index, event) in events.iter().enumerate() {
         // Exact dedup: the first record carrying an id wins, whatever came later
@@ -229,11 +230,11 @@ pub fn apply_meter(
             overlay.put(
                 ListingKey {
                     table: keys::METER_LIST,
-                    store_id: store_id.clone(),
+                    store_id: store_id.to_string(),
                     mode,
                     owner: None,
                     created_at_ms: meter.created_at_ms,
-                    id: meter.id.clone(),
+                    id: meter.id.to_string(),
                 }
                 .encode(),
                 Vec::new(),

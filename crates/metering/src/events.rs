@@ -105,7 +105,7 @@ impl Metering {
                     .event_if(&scope.store_id, scope.mode, event_id, location.index)
             {
                 let row = StoredEventsKey {
-                    store_id: scope.store_id.clone(),
+                    store_id: scope.store_id.to_string(),
                     mode: scope.mode,
                     received_at_ms: batch
                         .events
@@ -223,7 +223,7 @@ impl Metering {
                 .collect();
             let batches = self.read_batches(&positions).await?;
             for (_, (row, stored)) in rows {
-                if row.store_id != scope.store_id || row.mode != scope.mode {
+                if *row.store_id != *scope.store_id || row.mode != scope.mode {
                     continue;
                 }
                 let Some(Some(batch)) = batches.get(&(row.partition, row.offset)) else {
@@ -320,12 +320,12 @@ impl Metering {
                 let keep = filter
                     .customer_id
                     .as_ref()
-                    .is_none_or(|c| *c == event.customer_id)
+                    .is_none_or(|c| event.customer_id == **c)
                     && filter.name.as_ref().is_none_or(|n| *n == event.name)
                     && filter
                         .meter_id
                         .as_ref()
-                        .is_none_or(|m| event.matched_meter_ids.contains(m))
+                        .is_none_or(|m| event.matched_meter_ids.iter().any(|id| id == m))
                     && filter.start_ms.is_none_or(|s| event.timestamp_ms >= s)
                     && filter.end_ms.is_none_or(|e| event.timestamp_ms < e);
                 if keep {

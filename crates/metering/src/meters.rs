@@ -55,7 +55,7 @@ pub fn meter_name_taken(name: &str, holder: &Meter) -> Outcome {
             format!("a meter named '{name}' already exists ({holder_id})")
         },
         param: Some("name".into()),
-        archived_holder_id: archived.then(|| holder_id.clone()),
+        archived_holder_id: archived.then(|| holder_id.to_string()),
     }
 }
 
@@ -187,7 +187,7 @@ impl Metering {
         }
         let now = self.journal.now_ms();
         let meter = Meter {
-            id: new_id("mtr"),
+            id: new_id("mtr").into(),
             store_id: scope.store_id.clone(),
             mode: scope.mode,
             name: definition.name,
@@ -315,7 +315,7 @@ impl Metering {
         let step = |event_ids: Vec<String>, finish: bool| Record::MeterBackfill {
             store_id: scope.store_id.clone(),
             mode: scope.mode,
-            meter_id: id.to_string(),
+            meter_id: id.into(),
             start_ms,
             event_ids,
             finish,
@@ -351,11 +351,11 @@ impl Metering {
             let meter = self.get_meter(scope, id)?;
             Ok(ListingKey {
                 table: keys::METER_LIST,
-                store_id: scope.store_id.clone(),
+                store_id: scope.store_id.to_string(),
                 mode: scope.mode,
                 owner: None,
                 created_at_ms: meter.created_at_ms,
-                id: meter.id.clone(),
+                id: meter.id.to_string(),
             }
             .encode())
         })?;

@@ -347,7 +347,7 @@ impl Metering {
                 }
                 if event.timestamp_ms < start_ms
                     || event.timestamp_ms >= end_ms
-                    || customer_id.is_some_and(|c| c != event.customer_id)
+                    || customer_id.is_some_and(|c| event.customer_id != *c)
                     || event.name != definition.event_name
                 {
                     continue;

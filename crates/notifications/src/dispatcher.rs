@@ -263,7 +263,7 @@ impl Dispatcher {
         let attempt = WebhookAttempt {
             store_id: scope.store_id.clone(),
             mode: scope.mode,
-            endpoint_id: delivery.endpoint_id.clone(),
+            endpoint_id: delivery.endpoint_id.clone().into(),
             event_id: delivery.event_id.clone(),
             attempt: number,
             at_ms: now,

@@ -5,6 +5,7 @@
 
 use std::ops::Bound;
 
+use tally_domain::ids::{EndpointId, StoreId};
 use tally_domain::record::{LedgerEvent, Record, WebhookAttempt};
 use tally_domain::webhook::{
     validate_event_types, validate_url, DeliveryMode, WebhookEndpoint, CLI_PLACEHOLDER_URL,
@@ -101,14 +102,14 @@ fn decode_endpoint(bytes: &[u8]) -> Result<WebhookEndpoint, EngineError> {
         .map_err(corrupt)
 }
 
-fn delivery_key(store: &str, mode: Mode, endpoint: &str, event: &str) -> Vec<u8> {
+fn delivery_key(store: &StoreId, mode: Mode, endpoint: &EndpointId, event: &str) -> Vec<u8> {
     Key::scoped(keys::WEBHOOK_DELIVERY, store, mode)
         .text(endpoint)
         .text(event)
         .into_bytes()
 }
 
-fn due_key(at_ms: i64, store: &str, mode: Mode, endpoint: &str, event: &str) -> Vec<u8> {
+fn due_key(at_ms: i64, store: &StoreId, mode: Mode, endpoint: &EndpointId, event: &str) -> Vec<u8> {
     DueKey {
         due_at_ms: at_ms,
         store_id: store.to_string(),
@@ -122,9 +123,9 @@ fn due_key(at_ms: i64, store: &str, mode: Mode, endpoint: &str, event: &str) -> 
 /// Oldest first: by event time, then log position, then place within the record, so
 /// two events of one step (consumed, then exhausted) keep their order.
 fn pending_key(
-    store: &str,
+    store: &StoreId,
     mode: Mode,
-    endpoint: &str,
+    endpoint: &EndpointId,
     created_at_ms: i64,
     position: (u64, usize),
     event: &str,
@@ -186,7 +187,7 @@ pub fn schedule_deliveries(
                 ),
             };
             let delivery = Delivery {
-                endpoint_id: endpoint.id.clone(),
+                endpoint_id: endpoint.id.to_string(),
                 event_id: event.id.clone(),
                 event_type: event.event_type.clone(),
                 created_at_ms: event.created_at_ms,
@@ -379,7 +380,7 @@ impl Notifications {
         }
         let now = self.journal.now_ms();
         let endpoint = WebhookEndpoint {
-            id: new_id("wh"),
+            id: new_id("wh").into(),
             store_id: scope.store_id.clone(),
             mode: scope.mode,
             name,
@@ -460,7 +461,7 @@ impl Notifications {
             .append_and_apply(&Record::WebhookEndpointDeleted {
                 store_id: scope.store_id.clone(),
                 mode: scope.mode,
-                endpoint_id: id.to_string(),
+                endpoint_id: id.into(),
             })
             .await?;
         Ok(endpoint)
@@ -488,7 +489,7 @@ impl Notifications {
     pub fn get_delivery(
         &self,
         scope: &Scope,
-        endpoint_id: &str,
+        endpoint_id: &EndpointId,
         event_id: &str,
     ) -> Result<Delivery, EngineError> {
         match self.journal.store().get(&delivery_key(
@@ -539,9 +540,10 @@ impl Notifications {
             limit,
             |k, _| Ok(Some(PendingKey::decode(k)?.event_id)),
         )?;
+        let endpoint_id = EndpointId::from(endpoint_id);
         event_ids
             .iter()
-            .map(|event_id| self.get_delivery(scope, endpoint_id, event_id))
+            .map(|event_id| self.get_delivery(scope, &endpoint_id, event_id))
             .collect()
     }
 
@@ -623,10 +625,11 @@ impl Notifications {
         let mut due = Vec::new();
         for key in found {
             let scope = Scope {
-                store_id: key.store_id,
+                store_id: key.store_id.into(),
                 mode: key.mode,
             };
-            let delivery = self.get_delivery(&scope, &key.endpoint_id, &key.event_id)?;
+            let endpoint_id = EndpointId::from(key.endpoint_id.as_str());
+            let delivery = self.get_delivery(&scope, &endpoint_id, &key.event_id)?;
             due.push((scope, delivery));
         }
         Ok(due)

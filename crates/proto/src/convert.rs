@@ -53,8 +53,8 @@ fn decimal_from_text(text: &str, field: &'static str) -> Result<Decimal, DecodeE
 
 pub fn customer_to_proto(c: &Customer) -> v1::Customer {
     v1::Customer {
-        id: c.id.clone(),
-        store_id: c.store_id.clone(),
+        id: c.id.to_string(),
+        store_id: c.store_id.to_string(),
         mode: mode_to_proto(c.mode),
         email: c.email.clone(),
         name: c.name.clone(),
@@ -69,8 +69,8 @@ pub fn customer_to_proto(c: &Customer) -> v1::Customer {
 pub fn customer_from_proto(c: v1::Customer) -> Result<Customer, DecodeError> {
     Ok(Customer {
         mode: mode_from_proto(c.mode)?,
-        id: c.id,
-        store_id: c.store_id,
+        id: c.id.into(),
+        store_id: c.store_id.into(),
         email: c.email,
         name: c.name,
         country: c.country,
@@ -135,8 +135,8 @@ fn filter_value_from_proto(value: v1::FilterValue) -> Result<FilterValue, Decode
 
 pub fn meter_to_proto(m: &Meter) -> v1::Meter {
     v1::Meter {
-        id: m.id.clone(),
-        store_id: m.store_id.clone(),
+        id: m.id.to_string(),
+        store_id: m.store_id.to_string(),
         mode: mode_to_proto(m.mode),
         name: m.name.clone(),
         event_name: m.event_name.clone(),
@@ -198,8 +198,8 @@ pub fn meter_from_proto(m: v1::Meter) -> Result<Meter, DecodeError> {
             Ok(v1::MeterStatus::Archived) => MeterStatus::Archived,
             _ => return Err(DecodeError::BadField("status")),
         },
-        id: m.id,
-        store_id: m.store_id,
+        id: m.id.into(),
+        store_id: m.store_id.into(),
         name: m.name,
         event_name: m.event_name,
         aggregation_property: m.aggregation_property,
@@ -239,7 +239,7 @@ pub fn usage_event_to_proto(e: &UsageEvent) -> v1::UsageEvent {
     v1::UsageEvent {
         event_id: e.event_id.clone(),
         name: e.name.clone(),
-        customer_id: e.customer_id.clone(),
+        customer_id: e.customer_id.to_string(),
         timestamp_ms: e.timestamp_ms,
         properties: e
             .properties
@@ -247,7 +247,7 @@ pub fn usage_event_to_proto(e: &UsageEvent) -> v1::UsageEvent {
             .map(|(k, v)| (k.clone(), property_to_proto(v)))
             .collect(),
         received_at_ms: e.received_at_ms,
-        matched_meter_ids: e.matched_meter_ids.clone(),
+        matched_meter_ids: e.matched_meter_ids.iter().map(|m| m.to_string()).collect(),
         event_id_assigned: e.event_id_assigned,
         external_customer_id: e.external_customer_id.clone(),
     }
@@ -262,22 +262,22 @@ pub fn usage_event_from_proto(e: v1::UsageEvent) -> Result<UsageEvent, DecodeErr
     Ok(UsageEvent {
         event_id: e.event_id,
         name: e.name,
-        customer_id: e.customer_id,
+        customer_id: e.customer_id.into(),
         external_customer_id: e.external_customer_id,
         timestamp_ms: e.timestamp_ms,
         properties,
         received_at_ms: e.received_at_ms,
-        matched_meter_ids: e.matched_meter_ids,
+        matched_meter_ids: e.matched_meter_ids.into_iter().map(Into::into).collect(),
         event_id_assigned: e.event_id_assigned,
     })
 }
 
 pub fn account_to_proto(a: &Account) -> v1::CreditAccount {
     v1::CreditAccount {
-        id: a.id.clone(),
-        store_id: a.store_id.clone(),
+        id: a.id.to_string(),
+        store_id: a.store_id.to_string(),
         mode: mode_to_proto(a.mode),
-        customer_id: a.customer_id.clone(),
+        customer_id: a.customer_id.to_string(),
         name: a.name.clone(),
         unit_label: a.unit_label.clone(),
         status: a.status.as_str().to_string(),
@@ -295,9 +295,9 @@ pub fn account_from_proto(a: v1::CreditAccount) -> Result<Account, DecodeError> 
             "closed" => AccountStatus::Closed,
             _ => return Err(DecodeError::BadField("account.status")),
         },
-        id: a.id,
-        store_id: a.store_id,
-        customer_id: a.customer_id,
+        id: a.id.into(),
+        store_id: a.store_id.into(),
+        customer_id: a.customer_id.into(),
         name: a.name,
         unit_label: a.unit_label,
         created_at_ms: a.created_at_ms,
@@ -307,25 +307,25 @@ pub fn account_from_proto(a: v1::CreditAccount) -> Result<Account, DecodeError> 
 
 pub fn transaction_to_proto(t: &Transaction) -> v1::CreditTransaction {
     v1::CreditTransaction {
-        id: t.id.clone(),
-        store_id: t.store_id.clone(),
+        id: t.id.to_string(),
+        store_id: t.store_id.to_string(),
         mode: mode_to_proto(t.mode),
         kind: t.kind.as_str().to_string(),
-        account_id: t.account_id.clone(),
+        account_id: t.account_id.to_string(),
         amount: canonical_decimal(t.amount),
         entries: t
             .entries
             .iter()
             .map(|e| v1::CreditEntry {
                 id: e.id.clone(),
-                account_id: e.account_id.clone(),
+                account_id: e.account_id.to_string(),
                 amount: canonical_decimal(e.amount),
             })
             .collect(),
         idempotency_key: t.idempotency_key.clone(),
         description: t.description.clone(),
         metadata: t.metadata.clone(),
-        reverses: t.reverses.clone(),
+        reverses: t.reverses.as_ref().map(|r| r.to_string()),
         created_at_ms: t.created_at_ms,
     }
 }
@@ -342,17 +342,17 @@ pub fn transaction_from_proto(t: v1::CreditTransaction) -> Result<Transaction, D
                 Ok(Entry {
                     amount: decimal_from_text(&e.amount, "entry.amount")?,
                     id: e.id,
-                    account_id: e.account_id,
+                    account_id: e.account_id.into(),
                 })
             })
             .collect::<Result<_, DecodeError>>()?,
-        id: t.id,
-        store_id: t.store_id,
-        account_id: t.account_id,
+        id: t.id.into(),
+        store_id: t.store_id.into(),
+        account_id: t.account_id.into(),
         idempotency_key: t.idempotency_key,
         description: t.description,
         metadata: t.metadata,
-        reverses: t.reverses,
+        reverses: t.reverses.map(Into::into),
         created_at_ms: t.created_at_ms,
     })
 }
@@ -362,7 +362,7 @@ pub fn ledger_event_to_proto(e: &LedgerEvent) -> v1::LedgerEvent {
         id: e.id.clone(),
         event_type: e.event_type.clone(),
         created_at_ms: e.created_at_ms,
-        transaction_id: e.transaction_id.clone(),
+        transaction_id: e.transaction_id.as_ref().map(|t| t.to_string()),
         account: Some(account_to_proto(&e.account)),
         balance: canonical_decimal(e.balance),
     }
@@ -375,14 +375,14 @@ pub fn ledger_event_from_proto(e: v1::LedgerEvent) -> Result<LedgerEvent, Decode
         id: e.id,
         event_type: e.event_type,
         created_at_ms: e.created_at_ms,
-        transaction_id: e.transaction_id,
+        transaction_id: e.transaction_id.map(Into::into),
     })
 }
 
 pub fn endpoint_to_proto(e: &WebhookEndpoint) -> v1::WebhookEndpoint {
     v1::WebhookEndpoint {
-        id: e.id.clone(),
-        store_id: e.store_id.clone(),
+        id: e.id.to_string(),
+        store_id: e.store_id.to_string(),
         mode: mode_to_proto(e.mode),
         name: e.name.clone(),
         url: e.url.clone(),
@@ -402,8 +402,8 @@ pub fn endpoint_from_proto(e: v1::WebhookEndpoint) -> Result<WebhookEndpoint, De
         mode: mode_from_proto(e.mode)?,
         delivery_mode: DeliveryMode::parse(&e.delivery_mode)
             .ok_or(DecodeError::BadField("delivery_mode"))?,
-        id: e.id,
-        store_id: e.store_id,
+        id: e.id.into(),
+        store_id: e.store_id.into(),
         name: e.name,
         url: e.url,
         enabled: e.enabled,
@@ -418,9 +418,9 @@ pub fn endpoint_from_proto(e: v1::WebhookEndpoint) -> Result<WebhookEndpoint, De
 
 pub fn attempt_to_proto(a: &WebhookAttempt) -> v1::WebhookAttempt {
     v1::WebhookAttempt {
-        store_id: a.store_id.clone(),
+        store_id: a.store_id.to_string(),
         mode: mode_to_proto(a.mode),
-        endpoint_id: a.endpoint_id.clone(),
+        endpoint_id: a.endpoint_id.to_string(),
         event_id: a.event_id.clone(),
         attempt: a.attempt,
         at_ms: a.at_ms,
@@ -436,8 +436,8 @@ pub fn attempt_to_proto(a: &WebhookAttempt) -> v1::WebhookAttempt {
 pub fn attempt_from_proto(a: v1::WebhookAttempt) -> Result<WebhookAttempt, DecodeError> {
     Ok(WebhookAttempt {
         mode: mode_from_proto(a.mode)?,
-        store_id: a.store_id,
-        endpoint_id: a.endpoint_id,
+        store_id: a.store_id.into(),
+        endpoint_id: a.endpoint_id.into(),
         event_id: a.event_id,
         attempt: a.attempt,
         at_ms: a.at_ms,
@@ -458,7 +458,7 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
     use v1::log_record::Kind;
     let kind = match record {
         Record::StoreCreated(s) => Kind::StoreCreated(v1::StoreCreated {
-            store_id: s.store_id.clone(),
+            store_id: s.store_id.to_string(),
             name: s.name.clone(),
             prod_key_sha256: s.prod_key_sha256.clone(),
             test_key_sha256: s.test_key_sha256.clone(),
@@ -475,7 +475,7 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
             mode,
             events,
         } => Kind::UsageBatch(v1::UsageBatch {
-            store_id: store_id.clone(),
+            store_id: store_id.to_string(),
             mode: mode_to_proto(*mode),
             events: events.iter().map(usage_event_to_proto).collect(),
         }),
@@ -488,9 +488,9 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
             finish,
             rescan_from_ms,
         } => Kind::MeterBackfill(v1::MeterBackfill {
-            store_id: store_id.clone(),
+            store_id: store_id.to_string(),
             mode: mode_to_proto(*mode),
-            meter_id: meter_id.clone(),
+            meter_id: meter_id.to_string(),
             start_ms: *start_ms,
             event_ids: event_ids.clone(),
             finish: *finish,
@@ -506,9 +506,9 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
             mode,
             endpoint_id,
         } => Kind::WebhookEndpointDeleted(v1::WebhookEndpointDeleted {
-            store_id: store_id.clone(),
+            store_id: store_id.to_string(),
             mode: mode_to_proto(*mode),
-            endpoint_id: endpoint_id.clone(),
+            endpoint_id: endpoint_id.to_string(),
         }),
         Record::WebhookAttempt(a) => Kind::WebhookAttempt(attempt_to_proto(a)),
         Record::CreditLedger {
@@ -542,7 +542,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
     }
     let decoded = match record.kind.ok_or(DecodeError::BadField("kind"))? {
         Kind::StoreCreated(s) => Record::StoreCreated(StoreRecord {
-            store_id: s.store_id,
+            store_id: s.store_id.into(),
             name: s.name,
             prod_key_sha256: s.prod_key_sha256,
             test_key_sha256: s.test_key_sha256,
@@ -555,7 +555,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
             m.meter.ok_or(DecodeError::BadField("meter"))?,
         )?),
         Kind::UsageBatch(b) => Record::UsageBatch {
-            store_id: b.store_id,
+            store_id: b.store_id.into(),
             mode: mode_from_proto(b.mode)?,
             events: b
                 .events
@@ -564,9 +564,9 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
                 .collect::<Result<_, _>>()?,
         },
         Kind::MeterBackfill(b) => Record::MeterBackfill {
-            store_id: b.store_id,
+            store_id: b.store_id.into(),
             mode: mode_from_proto(b.mode)?,
-            meter_id: b.meter_id,
+            meter_id: b.meter_id.into(),
             start_ms: b.start_ms,
             event_ids: b.event_ids,
             finish: b.finish,
@@ -576,9 +576,9 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
             e.endpoint.ok_or(DecodeError::BadField("endpoint"))?,
         )?),
         Kind::WebhookEndpointDeleted(d) => Record::WebhookEndpointDeleted {
-            store_id: d.store_id,
+            store_id: d.store_id.into(),
             mode: mode_from_proto(d.mode)?,
-            endpoint_id: d.endpoint_id,
+            endpoint_id: d.endpoint_id.into(),
         },
         Kind::WebhookAttempt(a) => Record::WebhookAttempt(attempt_from_proto(a)?),
         Kind::CreditLedger(l) => Record::CreditLedger {

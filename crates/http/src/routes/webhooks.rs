@@ -64,7 +64,7 @@ fn endpoint_json(e: &WebhookEndpoint, with_secret: bool) -> Value {
 fn attempt_json(a: &WebhookAttempt) -> Value {
     json!({
         "object": "webhook_attempt",
-        "endpoint_id": a.endpoint_id,
+        "endpoint_id": *a.endpoint_id,
         "event_id": a.event_id,
         "attempt": a.attempt,
         "status_code": if a.status_code == 0 { Value::Null } else { json!(a.status_code) },
@@ -249,10 +249,11 @@ pub async fn resend(
             "cli endpoints keep events in their pending feed until acknowledged; nothing to resend",
         ));
     }
-    let delivery = state
-        .engine
-        .notifications()
-        .get_delivery(&scope, &id, &event_id)?;
+    let delivery =
+        state
+            .engine
+            .notifications()
+            .get_delivery(&scope, &id.as_str().into(), &event_id)?;
     let attempt = state.dispatcher.resend(&scope, &delivery).await?;
     Ok(Json(attempt_json(&attempt)))
 }
@@ -333,10 +334,11 @@ pub async fn ack(
     } as u16;
     let endpoint = state.engine.notifications().get_endpoint(&scope, &id)?;
     require_cli(&endpoint)?;
-    let delivery = state
-        .engine
-        .notifications()
-        .get_delivery(&scope, &id, &event_id)?;
+    let delivery =
+        state
+            .engine
+            .notifications()
+            .get_delivery(&scope, &id.as_str().into(), &event_id)?;
     if delivery.delivered {
         return Err(ApiError::new(
             axum::http::StatusCode::CONFLICT,
@@ -348,7 +350,7 @@ pub async fn ack(
     let attempt = WebhookAttempt {
         store_id: scope.store_id.clone(),
         mode: scope.mode,
-        endpoint_id: id.clone(),
+        endpoint_id: id.clone().into(),
         event_id: event_id.clone(),
         attempt: delivery.attempts + 1,
         at_ms: state.engine.now_ms(),
