@@ -3,6 +3,8 @@
 //! against a baseline measured in the same run, because the machines are shared.
 
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use rand::Rng;
@@ -84,4 +86,45 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     }
     let index = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
     sorted[index]
+}
+
+/// Starts `tally serve` on `data_dir`: the child, the test API's base URL, and the
+/// test key (printed only when the data dir was empty).
+pub fn start_server(tally_bin: &str, data_dir: &str) -> anyhow::Result<(Child, String, String)> {
+    let mut child = Command::new(tally_bin)
+        .args([
+            "serve",
+            "--data-dir",
+            data_dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--test-listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--rate-limit-per-second",
+            "100000000",
+            "--rate-limit-burst",
+            "100000000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut base, mut key) = (String::new(), String::new());
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(rest) = line.trim().strip_prefix("test API:") {
+            base = rest.split_whitespace().next().unwrap_or("").to_string();
+        }
+        if let Some(rest) = line.trim().strip_prefix("test key:") {
+            key = rest.trim().to_string();
+        }
+        // The last line of the banner: "Try: ..." after a first start, "stores:"
+        // on a data dir that has them.
+        if line.starts_with("Try:") || line.trim().starts_with("stores:") {
+            break;
+        }
+    }
+    Ok((child, base, key))
 }

@@ -9,8 +9,7 @@
 //!   up, (e) p50/p99 of a usage query under load, (f) the server's peak RSS, (g) the
 //!   time a server SIGKILLed at the end takes to be ready again on its data dir.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +17,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rand::Rng;
 use serde_json::{json, Value};
-use tally_benches::{percentile, usage_record_bytes, EVENT_NAMES, MODELS, REGIONS};
+use tally_benches::{percentile, start_server, usage_record_bytes, EVENT_NAMES, MODELS, REGIONS};
 use tally_log::Log;
 
 #[derive(Parser, Debug)]
@@ -91,47 +90,6 @@ fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: usiz
     }
     body.push_str("]}");
     body
-}
-
-/// Starts `tally serve` on `data_dir`: the child, the test API's base URL, and the
-/// test key (printed only when the data dir was empty).
-fn start_server(tally_bin: &str, data_dir: &str) -> anyhow::Result<(Child, String, String)> {
-    let mut child = Command::new(tally_bin)
-        .args([
-            "serve",
-            "--data-dir",
-            data_dir,
-            "--listen",
-            "127.0.0.1:0",
-            "--test-listen",
-            "127.0.0.1:0",
-        ])
-        .args([
-            "--rate-limit-per-second",
-            "100000000",
-            "--rate-limit-burst",
-            "100000000",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (mut base, mut key) = (String::new(), String::new());
-    for line in lines.by_ref() {
-        let line = line?;
-        if let Some(rest) = line.trim().strip_prefix("test API:") {
-            base = rest.split_whitespace().next().unwrap_or("").to_string();
-        }
-        if let Some(rest) = line.trim().strip_prefix("test key:") {
-            key = rest.trim().to_string();
-        }
-        // The last line of the banner: "Try: ..." after a first start, "stores:"
-        // on a data dir that has them.
-        if line.starts_with("Try:") || line.trim().starts_with("stores:") {
-            break;
-        }
-    }
-    Ok((child, base, key))
 }
 
 async fn raw_log_rate(seconds: f64) -> anyhow::Result<f64> {

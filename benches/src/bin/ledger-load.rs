@@ -2,8 +2,7 @@
 //! against a running `tally serve` it starts itself, (a) spread over many accounts and
 //! (b) all on one hot account, with latency percentiles.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rand::Rng;
 use serde_json::{json, Value};
-use tally_benches::percentile;
+use tally_benches::{percentile, start_server};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -95,35 +94,7 @@ async fn scenario(
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let temp = tempfile::tempdir()?;
-    let mut child = Command::new(&args.tally_bin)
-        .args(["serve", "--data-dir"])
-        .arg(temp.path())
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--test-listen",
-            "127.0.0.1:0",
-            "--rate-limit-per-second",
-            "100000000",
-            "--rate-limit-burst",
-            "100000000",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let (mut base, mut key) = (String::new(), String::new());
-    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line?;
-        if let Some(rest) = line.trim().strip_prefix("test API:") {
-            base = rest.split_whitespace().next().unwrap_or("").to_string();
-        }
-        if let Some(rest) = line.trim().strip_prefix("test key:") {
-            key = rest.trim().to_string();
-        }
-        if line.starts_with("Try:") {
-            break;
-        }
-    }
+    let (mut child, base, key) = start_server(&args.tally_bin, &temp.path().display().to_string())?;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(args.connections + 8)
         .build()?;

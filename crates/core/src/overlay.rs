@@ -493,10 +493,11 @@ impl<'a> Overlay<'a> {
     /// there or the set is full.
     pub fn add_distinct(&mut self, key: Vec<u8>, value: &[u8]) -> Result<DistinctAdd, EngineError> {
         if !self.distinct_sets.contains_key(&key) {
-            let cached = match self.changes.contains_key(&key) {
-                false => self.cache.and_then(|c| c.distinct.get(&key)).cloned(),
-                true => None,
-            };
+            // The chunk's own write, if any, is newer than the committed cache.
+            let cached = self
+                .cache
+                .filter(|_| !self.changes.contains_key(&key))
+                .and_then(|c| c.distinct.get(&key).cloned());
             let current = match cached {
                 Some(set) => set,
                 None => {
