@@ -10,15 +10,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tally_domain::clock::Clock;
-use tally_domain::record::Record;
+use tally_domain::record::{Record, RecordMeta};
 use tally_log::Log;
 use tally_projection::ProjectionStore;
 use tally_runtime::Runtime;
 
 use crate::error::EngineError;
+use crate::idempotency;
 use crate::metrics::Metrics;
 use crate::outcome;
-use crate::Scope;
 
 /// Accepted events not yet applied by the projector. Beyond this, ingest waits for
 /// the projector (backpressure), so memory and catch-up time stay bounded.
@@ -33,10 +33,6 @@ pub const APPLY_WAIT_TIMEOUT_MS: u64 = 30_000;
 pub const MAX_APPLY_LAG_MS: u64 = 10_000;
 /// How often `positions` (metrics) asks the log for its end offsets, at most.
 pub const POSITIONS_REFRESH_MS: u64 = 5_000;
-/// Stripes per lock set: collisions are rare at this size (1 in 1,024 pairs of keys)
-/// and cost only a short wait.
-pub const WRITE_LOCK_STRIPES: usize = 1_024;
-
 tokio::task_local! {
     /// How long a write waits for its record to be applied, when not the default
     /// `APPLY_WAIT_TIMEOUT_MS`: the HTTP idempotency layer lets a keyed request go on
@@ -44,26 +40,30 @@ tokio::task_local! {
     pub static APPLY_WAIT: Duration;
 }
 
-/// Write locks striped by hash: a fixed set, so memory never grows with the ids
-/// callers send (a lock for an unchecked path id costs nothing). Two keys may share
-/// a stripe; no write path takes two locks of one set.
-#[derive(Debug)]
-pub struct WriteLocks(Vec<tokio::sync::Mutex<()>>);
+/// How many times an update is derived again after apply refused it because the
+/// resource changed meanwhile (`RETRIED_OUTCOMES`): a resource updated that hotly
+/// answers the 409 rather than keep a request spinning.
+pub const MAX_UPDATE_ATTEMPTS: usize = 5;
 
-impl Default for WriteLocks {
-    fn default() -> WriteLocks {
-        WriteLocks(
-            (0..WRITE_LOCK_STRIPES)
-                .map(|_| tokio::sync::Mutex::new(()))
-                .collect(),
-        )
-    }
-}
+/// Refusals that mean "derived from a version that is gone": the update is derived
+/// again from the current one.
+const RETRIED_OUTCOMES: &[&str] = &[
+    "resource_changed",
+    "resource_missing",
+    "account_balance_changed",
+];
 
-impl WriteLocks {
-    pub fn get(&self, key: &[u8]) -> &tokio::sync::Mutex<()> {
-        &self.0[crc32fast::hash(key) as usize % WRITE_LOCK_STRIPES]
-    }
+/// What an update derived from the current version of a resource.
+pub enum Update<T> {
+    /// Nothing to write (e.g. freezing a frozen account): answer with this.
+    Unchanged(T),
+    /// Append `record`, derived from the version stamped `base_updated_at_ms`;
+    /// answer with `result` once applied.
+    Write {
+        record: Record,
+        base_updated_at_ms: i64,
+        result: T,
+    },
 }
 
 /// What the projector decided about a record a caller appended.
@@ -91,7 +91,6 @@ pub struct Journal {
     clock: Arc<dyn Clock>,
     /// Tails the log into the projections: watermarks, readiness, failure.
     runtime: Arc<Runtime>,
-    control_locks: WriteLocks,
     unapplied: std::sync::Mutex<Unapplied>,
     /// The log's end offsets as last asked, and when (see `positions`).
     end_offsets: std::sync::Mutex<Option<(Instant, Vec<u64>)>>,
@@ -123,7 +122,6 @@ impl Journal {
             store,
             clock,
             runtime,
-            control_locks: WriteLocks::default(),
             unapplied: std::sync::Mutex::new(Unapplied {
                 partitions: vec![Default::default(); partitions],
                 events: 0,
@@ -188,29 +186,6 @@ impl Journal {
                 (applied, end.max(applied))
             })
             .collect()
-    }
-
-    /// The lock serializing control-plane writes of one scope (uniqueness checks of
-    /// meter names and external ids happen under it; apply re-checks them).
-    pub fn control_lock(&self, scope: &Scope) -> &tokio::sync::Mutex<()> {
-        let mut key = scope.store_id.as_bytes().to_vec();
-        key.push(scope.mode.key_byte());
-        self.control_locks.get(&key)
-    }
-
-    /// Takes a write lock, waiting at most the apply wait: a write that waits longer
-    /// would only queue behind one the projector has not applied (503, nothing
-    /// written).
-    pub async fn acquire<'a>(
-        &self,
-        lock: &'a tokio::sync::Mutex<()>,
-    ) -> Result<tokio::sync::MutexGuard<'a, ()>, EngineError> {
-        tokio::time::timeout(self.apply_wait(), lock.lock())
-            .await
-            .map_err(|_| EngineError::Unavailable {
-                code: "write_busy",
-                message: "another write of this store or account is still waiting for the projection; nothing was written, retry shortly",
-            })
     }
 
     /// Whether writes may be taken now: refused (503, nothing appended) before the
@@ -282,9 +257,26 @@ impl Journal {
 
     /// Appends a record; returns (partition, offset) once it is durable.
     pub async fn append(&self, record: &Record) -> Result<(u32, u64), EngineError> {
+        self.append_with(record, None).await
+    }
+
+    /// Appends a record with its envelope: for an update, the `updated_at_ms` of the
+    /// version it was derived from (apply refuses it if that changed meanwhile); and,
+    /// when it is the first record of a request sent with an `idempotency-key`, that
+    /// key (see `idempotency`).
+    pub async fn append_with(
+        &self,
+        record: &Record,
+        base_updated_at_ms: Option<i64>,
+    ) -> Result<(u32, u64), EngineError> {
         self.check_writable()?;
         let key = record.partition_key();
-        let payload = tally_proto::encode_record(record, self.clock.now_ms());
+        let meta = RecordMeta {
+            recorded_at_ms: self.clock.now_ms(),
+            base_updated_at_ms,
+            request: idempotency::request_key_for(&key),
+        };
+        let payload = tally_proto::encode_record_with(record, &meta);
         let partition = self.log.partition_for(&key);
         let started = Instant::now();
         let offset = self.log.append(&key, payload).await?;
@@ -347,7 +339,17 @@ impl Journal {
     /// Appends a record, waits for the projector, and returns what it decided: the
     /// decision is taken in apply, in log order (see `outcome`), and read back here.
     pub async fn append_and_decide(&self, record: &Record) -> Result<Decision, EngineError> {
-        let (partition, offset) = self.append(record).await?;
+        self.append_and_decide_with(record, None).await
+    }
+
+    /// `append_and_decide` for an update derived from the version stamped
+    /// `base_updated_at_ms` (see `append_with`).
+    pub async fn append_and_decide_with(
+        &self,
+        record: &Record,
+        base_updated_at_ms: Option<i64>,
+    ) -> Result<Decision, EngineError> {
+        let (partition, offset) = self.append_with(record, base_updated_at_ms).await?;
         self.wait_applied(partition, offset).await?;
         match self.store.get(&outcome::outcome_key(partition, offset))? {
             None => Ok(Decision::Applied),
@@ -356,6 +358,45 @@ impl Journal {
                 rejected => Err(rejected.into()),
             },
         }
+    }
+
+    /// Runs an update without any lock (ARCHITECTURE.md "Decisions in apply"):
+    /// `derive` reads the current version and says what to write; apply writes it
+    /// only on top of that version. If another write got there first, the update is
+    /// derived again, at most `MAX_UPDATE_ATTEMPTS` times.
+    pub async fn update<T>(
+        &self,
+        mut derive: impl FnMut() -> Result<Update<T>, EngineError>,
+    ) -> Result<T, EngineError> {
+        let mut attempt = 1;
+        loop {
+            let (record, base, result) = match derive()? {
+                Update::Unchanged(result) => return Ok(result),
+                Update::Write {
+                    record,
+                    base_updated_at_ms,
+                    result,
+                } => (record, base_updated_at_ms, result),
+            };
+            match self.append_and_decide_with(&record, Some(base)).await {
+                Ok(_) => return Ok(result),
+                Err(EngineError::Conflict { code, .. })
+                    if RETRIED_OUTCOMES.contains(&code) && attempt < MAX_UPDATE_ATTEMPTS =>
+                {
+                    attempt += 1;
+                    // The refused record claimed no idempotency key: the next one may.
+                    idempotency::give_back();
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    /// The `updated_at_ms` of an update derived from the version stamped `base`:
+    /// now, and always later than the base, so versions stay distinct even within
+    /// one millisecond.
+    pub fn update_time(&self, base: i64) -> i64 {
+        self.now_ms().max(base.saturating_add(1))
     }
 
     /// Waits until everything durable in the log at this moment is applied.

@@ -38,6 +38,8 @@
 //! | `Y` | store, mode, endpoint_id, at, event_id, attempt | WebhookAttempt (proto) |
 //! | `O` | partition, offset | Outcome (JSON) of a record apply refused (outcome.rs) |
 //! | `B` | store, mode, meter_id, event_id | (empty) event folded by a backfill step |
+//! | `I` | hex(api key sha256), idempotency key | claim: fingerprint, record time, response |
+//! | `J` | claimed at (record time), `I` key | (empty) claims oldest first, for pruning |
 
 use tally_domain::Mode;
 
@@ -78,6 +80,8 @@ pub const WEBHOOK_PENDING: u8 = b'P';
 pub const WEBHOOK_ATTEMPT: u8 = b'Y';
 pub const OUTCOME: u8 = b'O';
 pub const BACKFILLED: u8 = b'B';
+pub const IDEMPOTENCY: u8 = b'I';
+pub const IDEMPOTENCY_EXPIRY: u8 = b'J';
 
 /// The customer component of meter-wide (all customers) usage rows.
 pub const ALL_CUSTOMERS: &str = "";

@@ -18,6 +18,7 @@
 pub mod codec;
 pub mod error;
 pub mod event_index;
+pub mod idempotency;
 pub mod ids;
 pub mod journal;
 pub mod keys;
@@ -27,7 +28,7 @@ pub mod overlay;
 pub mod pagination;
 
 pub use error::EngineError;
-pub use journal::{Decision, Journal, WriteLocks, APPLY_WAIT};
+pub use journal::{Decision, Journal, Update, APPLY_WAIT};
 pub use metrics::Metrics;
 
 use tally_domain::Mode;

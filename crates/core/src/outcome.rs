@@ -23,16 +23,19 @@ pub const OUTCOME_CODES: &[&str] = &[
     "amount_out_of_range",
     "apply_failed",
     "external_id_taken",
+    "idempotency_key_in_use",
     "idempotency_key_reused",
     "insufficient_balance",
     "meter_limit_reached",
     "meter_name_taken",
     "record_format_unsupported",
     "record_undecodable",
+    "resource_changed",
     "resource_missing",
     "transaction_already_reversed",
     "transaction_not_reversible",
     "transaction_unbalanced",
+    "too_many_webhooks",
 ];
 
 /// What became of a record the projector did not apply as written.
@@ -129,6 +132,27 @@ pub fn outcome_key(partition: u32, offset: u64) -> Vec<u8> {
         .tail(&partition.to_be_bytes())
         .uint(offset)
         .into_bytes()
+}
+
+/// The precondition of an update (`RecordMeta::base_updated_at_ms`): it applies only
+/// on top of the version it was derived from, so two concurrent updates of one
+/// resource never lose one another's changes; the service re-reads and retries.
+pub fn check_base(
+    base_updated_at_ms: Option<i64>,
+    stored_updated_at_ms: Option<i64>,
+) -> Result<(), Outcome> {
+    match (base_updated_at_ms, stored_updated_at_ms) {
+        (None, _) => Ok(()),
+        (Some(base), Some(stored)) if base == stored => Ok(()),
+        (Some(_), None) => Err(Outcome::rejected(
+            "resource_missing",
+            "the resource this update was derived from does not exist",
+        )),
+        (Some(_), Some(_)) => Err(Outcome::rejected(
+            "resource_changed",
+            "the resource changed while this update was being made; retry it",
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -413,6 +413,40 @@ impl<'a> Overlay<'a> {
         Ok(entries)
     }
 
+    /// The first `limit` entries under `prefix`, in key order, this chunk's writes
+    /// included: reads no more of the store than it may need.
+    pub fn first_entries(
+        &self,
+        prefix: &[u8],
+        limit: usize,
+    ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
+        let pending: Vec<(&Vec<u8>, &Option<Vec<u8>>)> = self
+            .changes
+            .range(prefix.to_vec()..)
+            .take_while(|(key, _)| key.starts_with(prefix))
+            .collect();
+        // Enough store entries that `limit` survive this chunk's deletions.
+        let wanted = limit + pending.iter().filter(|(_, v)| v.is_none()).count();
+        let mut entries = BTreeMap::new();
+        let mut seen = 0;
+        scan_prefix(self.store, prefix, false, &mut |k, v| {
+            entries.insert(k.to_vec(), v.to_vec());
+            seen += 1;
+            if seen >= wanted {
+                Visit::Stop
+            } else {
+                Visit::Continue
+            }
+        })?;
+        for (key, value) in pending {
+            match value {
+                Some(v) => entries.insert(key.clone(), v.clone()),
+                None => entries.remove(key),
+            };
+        }
+        Ok(entries.into_iter().take(limit).collect())
+    }
+
     pub fn contains(&self, key: &[u8]) -> Result<bool, EngineError> {
         Ok(self.get(key)?.is_some())
     }

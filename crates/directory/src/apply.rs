@@ -4,6 +4,7 @@
 
 use tally_core::codec;
 use tally_core::keys::{self, Key, ListingKey};
+use tally_core::outcome::check_base;
 use tally_core::overlay::{customer_cache_key, ApplyError, Overlay};
 use tally_domain::customer::Customer;
 use tally_domain::record::StoreRecord;
@@ -35,6 +36,7 @@ pub fn apply_store(overlay: &mut Overlay<'_>, store: &StoreRecord, applied: &mut
 pub fn apply_customer(
     overlay: &mut Overlay<'_>,
     customer: &Customer,
+    base_updated_at_ms: Option<i64>,
     applied: &mut DirectoryApplied,
 ) -> Result<(), ApplyError> {
     let (store_id, mode) = (&customer.store_id, customer.mode);
@@ -45,6 +47,10 @@ pub fn apply_customer(
         .get(&key)?
         .map(|b| codec::decode_customer(&b))
         .transpose()?;
+    check_base(
+        base_updated_at_ms,
+        previous.as_ref().map(|c| c.updated_at_ms),
+    )?;
     let external_key = |external: &str| {
         Key::scoped(keys::CUSTOMER_EXTERNAL, store_id, mode)
             .text(external)

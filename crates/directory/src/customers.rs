@@ -1,6 +1,6 @@
 //! Customers: create, read, list, update (docs/api.md, "Customers").
-//! `external_id` uniqueness per store and environment is checked under the scope's
-//! control lock, and the write returns once projected.
+//! `external_id` uniqueness per store and environment is decided in apply (the
+//! service only answers early from the projection); writes return once projected.
 
 use tally_domain::customer::{validate_customer_input, Customer, CustomerInput, Patch};
 use tally_domain::record::Record;
@@ -8,6 +8,7 @@ use tally_domain::record::Record;
 use tally_core::codec;
 use tally_core::error::EngineError;
 use tally_core::ids::new_id;
+use tally_core::journal::Update;
 use tally_core::keys::{self, Key, ListingKey};
 use tally_core::outcome::Outcome;
 use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
@@ -50,8 +51,7 @@ impl Directory {
         input: &CustomerInput,
     ) -> Result<Customer, EngineError> {
         let changes = validate_customer_input(input, true)?;
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
+        // A fast answer from the projection; apply decides again in log order.
         if let Patch::Set(external) = &changes.external_id {
             if self.customer_id_by_external(scope, external)?.is_some() {
                 return Err(external_id_taken(external).into());
@@ -84,22 +84,26 @@ impl Directory {
         input: &CustomerInput,
     ) -> Result<Customer, EngineError> {
         let changes = validate_customer_input(input, false)?;
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
-        let mut customer = self.get_customer(scope, id)?;
-        if let Patch::Set(external) = &changes.external_id {
-            match self.customer_id_by_external(scope, external)? {
-                Some(holder) if customer.id != *holder => {
-                    return Err(external_id_taken(external).into())
-                }
-                _ => {}
-            }
-        }
-        customer.apply(changes, self.journal.now_ms());
         self.journal
-            .append_and_apply(&Record::CustomerUpserted(customer.clone()))
-            .await?;
-        Ok(customer)
+            .update(|| {
+                let mut customer = self.get_customer(scope, id)?;
+                if let Patch::Set(external) = &changes.external_id {
+                    match self.customer_id_by_external(scope, external)? {
+                        Some(holder) if customer.id != *holder => {
+                            return Err(external_id_taken(external).into())
+                        }
+                        _ => {}
+                    }
+                }
+                let base = customer.updated_at_ms;
+                customer.apply(changes.clone(), self.journal.update_time(base));
+                Ok(Update::Write {
+                    record: Record::CustomerUpserted(customer.clone()),
+                    base_updated_at_ms: base,
+                    result: customer,
+                })
+            })
+            .await
     }
 
     pub fn list_customers(

@@ -48,12 +48,52 @@ pub enum Record {
         endpoint_id: EndpointId,
     },
     WebhookAttempt(WebhookAttempt),
+    /// The final response of a request sent with an `idempotency-key`, so any node
+    /// replays it (ARCHITECTURE.md "Idempotency keys").
+    IdempotentResponse(IdempotentResponse),
     /// One atomic ledger step (see `tally.v1.CreditLedger`).
     CreditLedger {
         account: Option<Account>,
         transaction: Option<Transaction>,
         events: Vec<LedgerEvent>,
     },
+}
+
+/// What travels beside a record in its log envelope.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RecordMeta {
+    /// When the service appended the record (epoch ms, from the injected clock);
+    /// expiries are decided from it, never from the clock at apply time.
+    pub recorded_at_ms: i64,
+    /// On an update: the `updated_at_ms` of the version it was derived from. Apply
+    /// refuses the record (`resource_changed`) when the stored version differs, so
+    /// two concurrent updates never lose one another's changes.
+    pub base_updated_at_ms: Option<i64>,
+    /// On the first record a request sent with an `idempotency-key` appends: apply
+    /// claims the key for it, or refuses it as a repeat.
+    pub request: Option<RequestKey>,
+}
+
+/// An `idempotency-key` as apply decides on it: scoped by the API key that sent it,
+/// with the fingerprint of the request (path and body) it was first used with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestKey {
+    /// SHA-256 of the API key: one store and environment.
+    pub api_key_sha256: Vec<u8>,
+    pub key: String,
+    /// SHA-256 of the request's path and body.
+    pub fingerprint: Vec<u8>,
+}
+
+/// The response a keyed request was answered with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IdempotentResponse {
+    pub request: RequestKey,
+    /// The partition key of the record the request appended first (or of its API
+    /// key): the response follows that record in one partition's order.
+    pub partition_key: Vec<u8>,
+    pub status: u16,
+    pub body: String,
 }
 
 /// The outcome of one delivery attempt (see `tally.v1.WebhookAttempt`).
@@ -109,6 +149,7 @@ impl Record {
             Record::WebhookEndpointUpserted(e) => e.store_id.as_bytes().to_vec(),
             Record::WebhookEndpointDeleted { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::WebhookAttempt(a) => a.store_id.as_bytes().to_vec(),
+            Record::IdempotentResponse(r) => r.partition_key.clone(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

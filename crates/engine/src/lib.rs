@@ -33,8 +33,8 @@ pub mod projector;
 
 pub use tally_core::journal::APPLY_WAIT_TIMEOUT_MS;
 pub use tally_core::{
-    codec, error, event_index, ids, keys, metrics, outcome, overlay, pagination, Decision,
-    EngineError, Journal, Metrics, Scope, APPLY_WAIT,
+    codec, error, event_index, idempotency, ids, keys, metrics, outcome, overlay, pagination,
+    Decision, EngineError, Journal, Metrics, Scope, APPLY_WAIT,
 };
 pub use tally_directory::{customers, stores};
 pub use tally_ingest as ingest;

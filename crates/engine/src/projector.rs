@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use tally_core::error::EngineError;
 use tally_core::event_index::{self, EventIndex};
+use tally_core::idempotency;
 use tally_core::keys::{self, StoredEventsKey};
 use tally_core::outcome::{outcome_key, Outcome};
 pub use tally_core::overlay::{
@@ -25,7 +26,7 @@ pub use tally_core::overlay::{
     MAX_CACHED_BUCKETS,
 };
 use tally_directory::DirectoryApplied;
-use tally_domain::record::Record;
+use tally_domain::record::{Record, RecordMeta};
 use tally_log::LogEntry;
 use tally_metering::apply::BackfillStep;
 use tally_metering::MeteringApplied;
@@ -36,7 +37,7 @@ use tally_projection::{scan_prefix, ProjectionStore, Visit};
 /// each in the projection; version 3 keeps a customer's distinct values per minute
 /// in one set (`u`) instead of a key each; a projection of another version is refused at start-up
 /// (it is rebuilt from the log by deleting it).
-pub const PROJECTION_FORMAT_VERSION: u32 = 3;
+pub const PROJECTION_FORMAT_VERSION: u32 = 4;
 
 /// Refuses a projection of another layout: one that holds applied records but no
 /// (or another) format version.
@@ -68,7 +69,7 @@ pub fn check_projection_format(
 /// A chunk of log entries, each decoded once (planning and apply both read them).
 pub struct DecodedChunk {
     pub entries: Vec<LogEntry>,
-    records: Vec<Result<Record, Outcome>>,
+    records: Vec<Result<(Record, RecordMeta), Outcome>>,
 }
 
 impl DecodedChunk {
@@ -82,7 +83,7 @@ impl DecodedChunk {
     }
 }
 
-fn decode_entry(entry: &LogEntry) -> Result<Record, Outcome> {
+fn decode_entry(entry: &LogEntry) -> Result<(Record, RecordMeta), Outcome> {
     match tally_proto::decode_record(&entry.payload) {
         Err(error @ tally_proto::DecodeError::Version { .. }) => {
             // Start-up refuses a log of another format, so this is one foreign record
@@ -101,7 +102,7 @@ fn decode_entry(entry: &LogEntry) -> Result<Record, Outcome> {
             "record_undecodable",
             format!("the log record does not decode: {error}"),
         )),
-        Ok((record, _recorded_at_ms)) => Ok(record),
+        Ok(decoded) => Ok(decoded),
     }
 }
 
@@ -176,7 +177,7 @@ pub fn plan_chunk(
     chunk: &DecodedChunk,
 ) -> Result<BTreeSet<(u32, u64)>, EngineError> {
     let mut wanted = BTreeSet::new();
-    for record in chunk.records.iter().flatten() {
+    for (record, _) in chunk.records.iter().flatten() {
         tally_metering::apply::plan_record(store, index, record, &mut wanted)?;
     }
     // This chunk's own records are read from the chunk.
@@ -198,7 +199,7 @@ pub fn apply_chunk(
     let mut overlay = Overlay::new(store, &index, fetched);
     overlay.cache = Some(&state.buckets);
     for (entry, record) in chunk.entries.iter().zip(&chunk.records) {
-        if let Ok(record @ Record::UsageBatch { .. }) = record {
+        if let Ok((record @ Record::UsageBatch { .. }, _)) = record {
             overlay
                 .chunk
                 .insert((entry.partition, entry.offset), record);
@@ -212,7 +213,7 @@ pub fn apply_chunk(
         overlay.keep();
     }
     for (entry, record) in chunk.entries.iter().zip(&chunk.records) {
-        if let Ok(Record::UsageBatch { events, .. }) = record {
+        if let Ok((Record::UsageBatch { events, .. }, _)) = record {
             if let Some(received) = events.iter().map(|e| e.received_at_ms).min() {
                 tally_metering::apply::prune_stored_events(&mut overlay, received)?;
             }
@@ -284,12 +285,12 @@ pub fn apply_chunk_in_memory(
 fn apply_entry<'a>(
     overlay: &mut Overlay<'a>,
     entry: &LogEntry,
-    record: &'a Result<Record, Outcome>,
+    record: &'a Result<(Record, RecordMeta), Outcome>,
     applied: &mut Applied,
 ) -> Result<(), EngineError> {
     let refused = match record {
         Err(outcome) => outcome.clone(),
-        Ok(record) => {
+        Ok((record, meta)) => {
             if let Record::UsageBatch {
                 store_id,
                 mode,
@@ -305,7 +306,7 @@ fn apply_entry<'a>(
             }
             let mut effects = Applied::default();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                apply_record(overlay, record, entry, &mut effects)
+                apply_keyed(overlay, record, meta, entry, &mut effects)
             }));
             match result {
                 Ok(Ok(())) => {
@@ -337,21 +338,43 @@ fn apply_entry<'a>(
     Ok(())
 }
 
-fn apply_record(
+/// Applies a record under its request's idempotency key, if it carries one: the
+/// key is claimed for the record, or the record is refused as a repeat
+/// (ARCHITECTURE.md "Idempotency keys").
+fn apply_keyed(
     overlay: &mut Overlay<'_>,
     record: &Record,
+    meta: &RecordMeta,
     entry: &LogEntry,
     applied: &mut Applied,
 ) -> Result<(), ApplyError> {
+    if let Some(request) = &meta.request {
+        idempotency::check(overlay, request, meta.recorded_at_ms)?;
+    }
+    apply_record(overlay, record, meta, entry, applied)?;
+    if let Some(request) = &meta.request {
+        idempotency::claim(overlay, request, meta.recorded_at_ms)?;
+    }
+    Ok(())
+}
+
+fn apply_record(
+    overlay: &mut Overlay<'_>,
+    record: &Record,
+    meta: &RecordMeta,
+    entry: &LogEntry,
+    applied: &mut Applied,
+) -> Result<(), ApplyError> {
+    let base = meta.base_updated_at_ms;
     match record {
         Record::StoreCreated(store) => {
             tally_directory::apply::apply_store(overlay, store, &mut applied.directory)
         }
         Record::CustomerUpserted(customer) => {
-            tally_directory::apply::apply_customer(overlay, customer, &mut applied.directory)?
+            tally_directory::apply::apply_customer(overlay, customer, base, &mut applied.directory)?
         }
         Record::MeterUpserted(meter) => {
-            tally_metering::apply::apply_meter(overlay, meter, &mut applied.metering)?
+            tally_metering::apply::apply_meter(overlay, meter, base, &mut applied.metering)?
         }
         Record::UsageBatch {
             store_id,
@@ -398,11 +421,12 @@ fn apply_record(
                 account.as_ref(),
                 transaction.as_ref(),
                 events,
+                base,
             )?;
             tally_notifications::schedule_deliveries(overlay, &events, entry.offset)?;
         }
         Record::WebhookEndpointUpserted(endpoint) => {
-            tally_notifications::apply_endpoint(overlay, endpoint)
+            tally_notifications::apply_endpoint(overlay, endpoint, base)?
         }
         Record::WebhookEndpointDeleted {
             store_id,
@@ -410,6 +434,9 @@ fn apply_record(
             endpoint_id,
         } => tally_notifications::apply_endpoint_deleted(overlay, store_id, *mode, endpoint_id),
         Record::WebhookAttempt(attempt) => tally_notifications::apply_attempt(overlay, attempt)?,
+        Record::IdempotentResponse(response) => {
+            idempotency::apply_response(overlay, response, meta.recorded_at_ms)?
+        }
     }
     Ok(())
 }

@@ -16,6 +16,8 @@ fn record_of_version(format_version: u32) -> Vec<u8> {
     v1::LogRecord {
         recorded_at_ms: 1,
         format_version,
+        base_updated_at_ms: None,
+        request: None,
         kind: Some(v1::log_record::Kind::StoreCreated(v1::StoreCreated {
             store_id: "st_old".into(),
             name: "old".into(),

@@ -27,9 +27,6 @@ pub mod wire;
 use error::ApiError;
 use middleware::{InflightIdempotency, RateLimiter};
 
-/// How often expired idempotency entries are deleted.
-pub const IDEMPOTENCY_SWEEP_INTERVAL_MS: u64 = 10 * 60 * 1000;
-
 #[derive(Debug, Clone)]
 pub struct HttpConfig {
     /// `TALLY_ADMIN_TOKEN`: enables the admin API on the production listener.
@@ -155,29 +152,6 @@ pub async fn serve(
     test: (tokio::net::TcpListener, AppState),
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let sweeper_state = prod.1.clone();
-    let mut sweeper_shutdown = shutdown.clone();
-    let sweeper = tokio::spawn(async move {
-        let mut interval = tokio::time::interval(std::time::Duration::from_millis(
-            IDEMPOTENCY_SWEEP_INTERVAL_MS,
-        ));
-        loop {
-            tokio::select! {
-                _ = interval.tick() => {
-                    let state = sweeper_state.clone();
-                    let removed = tokio::task::spawn_blocking(move || {
-                        middleware::sweep_idempotency(&state)
-                    })
-                    .await
-                    .unwrap_or(0);
-                    if removed > 0 {
-                        tracing::info!(removed, "expired idempotency keys deleted");
-                    }
-                }
-                _ = sweeper_shutdown.changed() => break,
-            }
-        }
-    });
     let (prod_listener, prod_state) = prod;
     let dispatcher = prod_state
         .config
@@ -187,7 +161,6 @@ pub async fn serve(
     let prod_server = serve_listener(prod_listener, router(prod_state), shutdown.clone());
     let test_server = serve_listener(test_listener, router(test_state), shutdown.clone());
     let (a, b) = tokio::join!(prod_server, test_server);
-    sweeper.abort();
     if let Some(dispatcher) = dispatcher {
         let _ = dispatcher.await;
     }

@@ -15,8 +15,9 @@ use axum::http::{HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use dashmap::DashMap;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use tally_domain::record::{IdempotentResponse, Record, RequestKey};
+use tally_engine::idempotency::{self, RequestSlot};
 use tally_engine::stores::{key_digest, AuthError};
 use tokio::sync::watch;
 
@@ -27,8 +28,6 @@ use crate::AppState;
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const API_KEY_HEADER: &str = "x-api-key";
 pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
-/// How long an idempotency key is remembered (docs/api.md: 24 h).
-pub const IDEMPOTENCY_TTL_MS: i64 = 24 * 60 * 60 * 1000;
 /// Longest accepted idempotency key.
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
 /// Token buckets kept before idle ones are evicted (bounds memory under key churn).
@@ -241,32 +240,18 @@ pub async fn write_gate(State(state): State<AppState>, request: Request, next: N
     }
 }
 
-/// Keys being processed right now, each with a signal that turns true when its
-/// request has finished (and its response, if final, is saved). A concurrent retry
-/// waits for it instead of running twice.
+/// Keys being processed on this node right now, each with a signal that turns true
+/// when its request has finished. A concurrent retry on this node waits for it
+/// instead of running twice; across nodes, apply decides (see below).
 pub type InflightIdempotency = Arc<DashMap<Vec<u8>, watch::Receiver<bool>>>;
 
 /// How long a request with an `idempotency-key` may run in the background after its
 /// client stopped waiting (`outcome_pending`): the write is durable, and its final
-/// response is saved for the retry when the projector gets to it.
+/// response is recorded for the retry when the projector gets to it.
 pub const IDEMPOTENT_BACKGROUND_WAIT_MS: u64 = 10 * 60 * 1000;
-
-/// A saved response (`aux` space, key `idem\0<api key digest>\0<idempotency key>`).
-#[derive(Debug, Serialize, Deserialize)]
-struct SavedResponse {
-    fingerprint: String,
-    status: u16,
-    body: String,
-    created_at_ms: i64,
-}
-
-fn idempotency_storage_key(digest: &[u8], key: &str) -> Vec<u8> {
-    let mut storage = b"idem\x00".to_vec();
-    storage.extend_from_slice(digest);
-    storage.push(0);
-    storage.extend_from_slice(key.as_bytes());
-    storage
-}
+/// How often a retry polls the projection for the response of the request that
+/// holds its key (on another node, or still in flight).
+const RESPONSE_POLL_MS: u64 = 20;
 
 /// Whether a response is remembered: final answers are, failures the caller should
 /// retry (auth, rate limit, server errors, lag) are not.
@@ -275,7 +260,7 @@ fn remembered(status: StatusCode) -> bool {
 }
 
 /// Removes its in-flight entry and signals waiters when dropped: also when the
-/// handler panicked, so a key is never left "in use".
+/// handler panicked, so a key is never left "in use" on this node.
 struct InflightGuard {
     inflight: InflightIdempotency,
     key: Vec<u8>,
@@ -289,32 +274,29 @@ impl Drop for InflightGuard {
     }
 }
 
-/// What the saved entry says about this request.
-enum Saved {
-    None,
-    Replay(Response),
-    Conflict(Response),
+/// What the projection says about a key.
+enum Claimed {
+    /// Nobody holds it: this request may run.
+    Free,
+    /// Held by a request whose response is not recorded yet.
+    Pending,
+    /// Answered (a replay or a 409 `idempotency_key_reused`).
+    Answer(Response),
 }
 
-fn saved_response(
-    state: &AppState,
-    storage_key: &[u8],
-    fingerprint: &str,
-    now: i64,
-) -> Result<Saved, Response> {
-    let saved = match state.engine.store().aux_get(storage_key) {
-        Ok(Some(bytes)) => bytes,
-        Ok(None) => return Ok(Saved::None),
-        Err(e) => return Err(ApiError::internal(format!("idempotency store: {e}")).into_response()),
+fn claimed(state: &AppState, request: &RequestKey) -> Result<Claimed, Response> {
+    let claim = idempotency::lookup(
+        state.engine.store().as_ref(),
+        &request.api_key_sha256,
+        &request.key,
+        state.engine.now_ms(),
+    )
+    .map_err(|e| ApiError::internal(format!("idempotency store: {e}")).into_response())?;
+    let Some(claim) = claim else {
+        return Ok(Claimed::Free);
     };
-    let Ok(saved) = serde_json::from_slice::<SavedResponse>(&saved) else {
-        return Ok(Saved::None);
-    };
-    if now - saved.created_at_ms >= IDEMPOTENCY_TTL_MS {
-        return Ok(Saved::None);
-    }
-    if saved.fingerprint != fingerprint {
-        return Ok(Saved::Conflict(
+    if claim.fingerprint != request.fingerprint {
+        return Ok(Claimed::Answer(
             ApiError::new(
                 StatusCode::CONFLICT,
                 "idempotency_key_reused",
@@ -324,6 +306,9 @@ fn saved_response(
             .into_response(),
         ));
     }
+    let Some(saved) = claim.response else {
+        return Ok(Claimed::Pending);
+    };
     let mut response = Response::new(Body::from(saved.body));
     *response.status_mut() = StatusCode::from_u16(saved.status).unwrap_or(StatusCode::OK);
     response.headers_mut().insert(
@@ -334,7 +319,22 @@ fn saved_response(
         HeaderName::from_static("idempotent-replayed"),
         HeaderValue::from_static("true"),
     );
-    Ok(Saved::Replay(response))
+    Ok(Claimed::Answer(response))
+}
+
+/// Waits (at most `wait`) for the response of the request holding the key; 409
+/// `idempotency_key_in_use` if it is not recorded by then.
+async fn wait_for_response(state: &AppState, request: &RequestKey, wait: Duration) -> Response {
+    let deadline = Instant::now() + wait;
+    loop {
+        match claimed(state, request) {
+            Err(response) | Ok(Claimed::Answer(response)) => return response,
+            Ok(Claimed::Free | Claimed::Pending) if Instant::now() >= deadline => {
+                return key_in_use()
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(RESPONSE_POLL_MS)).await,
+        }
+    }
 }
 
 fn key_in_use() -> Response {
@@ -346,6 +346,10 @@ fn key_in_use() -> Response {
     .into_response()
 }
 
+/// `idempotency-key` on a POST (ARCHITECTURE.md "Idempotency keys"): the first
+/// record the request appends carries the key and apply claims it, in log order, so
+/// one key creates one thing whichever nodes its retries reach. The final response
+/// is recorded in the log too, and every node replays it byte for byte.
 pub async fn idempotency(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if request.method() != Method::POST {
         return next.run(request).await;
@@ -383,19 +387,26 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
     hasher.update(path.as_bytes());
     hasher.update([0]);
     hasher.update(&body);
-    let fingerprint = hex::encode(hasher.finalize());
-    let storage_key = idempotency_storage_key(&digest, &key);
-    let now = state.engine.now_ms();
+    let request_key = RequestKey {
+        api_key_sha256: digest,
+        key,
+        fingerprint: hasher.finalize().to_vec(),
+    };
+    let mut inflight_key = request_key.api_key_sha256.clone();
+    inflight_key.push(0);
+    inflight_key.extend_from_slice(request_key.key.as_bytes());
     let client_wait = state.engine.apply_wait();
-    // Claim the key, or wait for the request that holds it and answer with its saved
-    // response; a holder that saved nothing (it failed) lets this one run.
+    // Answer from the projection, or claim the key on this node, or wait for the
+    // request of this node that holds it.
     let done = loop {
-        match saved_response(&state, &storage_key, &fingerprint, now) {
-            Err(response) => return response,
-            Ok(Saved::Replay(response) | Saved::Conflict(response)) => return response,
-            Ok(Saved::None) => {}
+        match claimed(&state, &request_key) {
+            Err(response) | Ok(Claimed::Answer(response)) => return response,
+            Ok(Claimed::Pending) => {
+                return wait_for_response(&state, &request_key, client_wait).await
+            }
+            Ok(Claimed::Free) => {}
         }
-        let holder = match state.idempotency_inflight.entry(storage_key.clone()) {
+        let holder = match state.idempotency_inflight.entry(inflight_key.clone()) {
             dashmap::Entry::Occupied(entry) => entry.get().clone(),
             dashmap::Entry::Vacant(entry) => {
                 let (done, waiting) = watch::channel(false);
@@ -413,7 +424,7 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
     };
     let guard = InflightGuard {
         inflight: state.idempotency_inflight.clone(),
-        key: storage_key.clone(),
+        key: inflight_key,
         done,
     };
     let request_id = parts
@@ -423,21 +434,33 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
         .unwrap_or_default();
     // The handler runs as its own task: a client that disconnects, or stops waiting,
     // does not cancel a write that may already be durable; its final response is
-    // saved for the retry.
+    // recorded for the retry.
     let task_state = state.clone();
     let task = tokio::spawn(async move {
         let _guard = guard;
-        let response = tally_engine::APPLY_WAIT
+        let background = Duration::from_millis(IDEMPOTENT_BACKGROUND_WAIT_MS);
+        let (response, partition_key) = idempotency::REQUEST
             .scope(
-                Duration::from_millis(IDEMPOTENT_BACKGROUND_WAIT_MS),
-                next.run(Request::from_parts(parts, Body::from(body))),
+                RequestSlot::new(request_key.clone()),
+                tally_engine::APPLY_WAIT.scope(background, async {
+                    let response = next.run(Request::from_parts(parts, Body::from(body))).await;
+                    let partition_key = idempotency::REQUEST.with(|slot| slot.partition_key());
+                    (response, partition_key)
+                }),
             )
             .await;
+        let repeated = response
+            .extensions()
+            .get::<ApiError>()
+            .is_some_and(|e| e.code.as_deref() == Some("idempotency_key_in_use"));
+        if repeated {
+            // Apply found the key claimed by another node's request: its response.
+            return wait_for_response(&task_state, &request_key, background).await;
+        }
         remember(
             &task_state,
-            &storage_key,
-            &fingerprint,
-            now,
+            request_key,
+            partition_key,
             response,
             &request_id,
         )
@@ -453,13 +476,13 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
     }
 }
 
-/// Saves the final response (rendering a pending error body first, so the replay is
-/// byte-identical) durably, and returns it.
+/// Records the final response (rendering a pending error body first, so the replay
+/// is byte-identical) in the log, waits until it is applied (so a retry on any node
+/// finds it), and returns it.
 async fn remember(
     state: &AppState,
-    storage_key: &[u8],
-    fingerprint: &str,
-    now: i64,
+    request: RequestKey,
+    partition_key: Option<Vec<u8>>,
     mut response: Response,
     request_id: &str,
 ) -> Response {
@@ -474,45 +497,23 @@ async fn remember(
     let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
         return ApiError::internal("response body could not be read").into_response();
     };
-    let saved = SavedResponse {
-        fingerprint: fingerprint.to_string(),
+    // A request that appended nothing goes with its API key's other responses.
+    let partition_key = partition_key.unwrap_or_else(|| request.api_key_sha256.clone());
+    let record = Record::IdempotentResponse(IdempotentResponse {
+        request,
+        partition_key,
         status: status.as_u16(),
         body: String::from_utf8_lossy(&bytes).into_owned(),
-        created_at_ms: now,
+    });
+    let journal = state.engine.journal();
+    let recorded = match journal.append(&record).await {
+        Ok((partition, offset)) => journal.wait_applied(partition, offset).await,
+        Err(error) => Err(error),
     };
-    let store = state.engine.store().clone();
-    let key = storage_key.to_vec();
-    let value = serde_json::to_vec(&saved).unwrap_or_default();
-    // Durable before the client sees the answer: a retry after a crash replays it.
-    let saved = tokio::task::spawn_blocking(move || {
-        store.aux_put(&key, Some(&value))?;
-        store.flush_aux()
-    })
-    .await;
-    if !matches!(saved, Ok(Ok(()))) {
-        tracing::warn!("could not save idempotent response");
+    if let Err(error) = recorded {
+        // The answer stands; a retry finds the key claimed without a response and
+        // answers 409 `idempotency_key_in_use` until it is recorded.
+        tracing::warn!(%error, "could not record an idempotent response");
     }
     Response::from_parts(parts, Body::from(bytes))
-}
-
-/// Deletes idempotency entries older than the TTL (run periodically).
-pub fn sweep_idempotency(state: &AppState) -> usize {
-    let now = state.engine.now_ms();
-    let store = state.engine.store();
-    let mut expired = Vec::new();
-    let _ = store.aux_scan(&mut |key, value| {
-        if key.starts_with(b"idem\x00") {
-            let created = serde_json::from_slice::<SavedResponse>(value)
-                .map(|saved| saved.created_at_ms)
-                .unwrap_or(0);
-            if now - created >= IDEMPOTENCY_TTL_MS {
-                expired.push(key.to_vec());
-            }
-        }
-        tally_projection::Visit::Continue
-    });
-    for key in &expired {
-        let _ = store.aux_put(key, None);
-    }
-    expired.len()
 }

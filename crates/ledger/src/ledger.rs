@@ -24,6 +24,7 @@ use tally_domain::{FieldError, Mode};
 use tally_core::codec::{self, StoredEntry};
 use tally_core::error::EngineError;
 use tally_core::ids::new_id;
+use tally_core::journal::Update;
 use tally_core::keys::{self, Key, ListingKey};
 use tally_core::outcome::Outcome;
 use tally_core::overlay::{ApplyError, Overlay};
@@ -107,6 +108,7 @@ pub fn apply_ledger_step(
     account: Option<&Account>,
     transaction: Option<&Transaction>,
     events: &[LedgerEvent],
+    base_updated_at_ms: Option<i64>,
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
     // The status the transaction is checked against: the account's before this step.
     let mut status_before = None;
@@ -115,7 +117,16 @@ pub fn apply_ledger_step(
         let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
             .text(&account.id)
             .into_bytes();
-        match overlay.get(&key)? {
+        let stored = overlay.get(&key)?;
+        if base_updated_at_ms.is_some() {
+            let stored_at = stored
+                .as_deref()
+                .map(codec::decode_account)
+                .transpose()?
+                .map(|a| a.updated_at_ms);
+            tally_core::outcome::check_base(base_updated_at_ms, stored_at)?;
+        }
+        match stored {
             None => {
                 let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, store, mode)
                     .text(&account.customer_id)
@@ -421,10 +432,6 @@ fn account_name_taken(customer_id: &str, name: &str) -> Outcome {
 }
 
 impl Ledger {
-    fn account_lock(&self, account_id: &str) -> &tokio::sync::Mutex<()> {
-        self.account_locks.get(account_id.as_bytes())
-    }
-
     pub fn get_account(&self, scope: &Scope, id: &str) -> Result<Account, EngineError> {
         let key = Key::scoped(keys::CREDIT_ACCOUNT, &scope.store_id, scope.mode).text(id);
         match self.journal.store().get(key.as_bytes())? {
@@ -546,8 +553,7 @@ impl Ledger {
                 param: Some("customer_id".into()),
             });
         }
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
+        // A fast answer from the projection; apply decides again in log order.
         let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, &scope.store_id, scope.mode)
             .text(customer_id)
             .text(&name);
@@ -647,28 +653,35 @@ impl Ledger {
         id: &str,
         frozen: bool,
     ) -> Result<(Account, Decimal), EngineError> {
-        let lock = self.account_lock(id);
-        let _guard = self.journal.acquire(lock).await?;
-        let mut account = self.get_account(scope, id)?;
         let target = if frozen {
             AccountStatus::Frozen
         } else {
             AccountStatus::Active
         };
-        if account.status == AccountStatus::Closed {
-            return Err(rejected(Rejection::AccountClosed));
-        }
-        if account.status != target {
-            account.status = target;
-            account.updated_at_ms = self.journal.now_ms();
-            self.journal
-                .append_and_apply(&Record::CreditLedger {
-                    account: Some(account.clone()),
-                    transaction: None,
-                    events: Vec::new(),
+        let account = self
+            .journal
+            .update(|| {
+                let mut account = self.get_account(scope, id)?;
+                if account.status == AccountStatus::Closed {
+                    return Err(rejected(Rejection::AccountClosed));
+                }
+                if account.status == target {
+                    return Ok(Update::Unchanged(account));
+                }
+                let base = account.updated_at_ms;
+                account.status = target;
+                account.updated_at_ms = self.journal.update_time(base);
+                Ok(Update::Write {
+                    record: Record::CreditLedger {
+                        account: Some(account.clone()),
+                        transaction: None,
+                        events: Vec::new(),
+                    },
+                    base_updated_at_ms: base,
+                    result: account,
                 })
-                .await?;
-        }
+            })
+            .await?;
         let balance = self.balance(scope, id)?;
         Ok((account, balance))
     }
@@ -679,38 +692,45 @@ impl Ledger {
         scope: &Scope,
         id: &str,
     ) -> Result<(Account, Decimal), EngineError> {
-        let lock = self.account_lock(id);
-        let _guard = self.journal.acquire(lock).await?;
-        let mut account = self.get_account(scope, id)?;
-        if account.status == AccountStatus::Closed {
-            return Ok((account, Decimal::ZERO));
-        }
-        let balance = self.balance(scope, id)?;
-        let now = self.journal.now_ms();
-        let transaction = if balance > Decimal::ZERO {
-            // The close posts against the account as it is (frozen accounts close too).
-            let entries = post(
-                TransactionKind::Close,
-                &account.id,
-                AccountStatus::Active,
-                balance,
-                balance,
-                &mut || new_id("ce"),
-            )
-            .map_err(rejected)?;
-            let mut tx = self.new_transaction(scope, TransactionKind::Close, id, balance, entries);
-            tx.description = Some("account closed: remaining balance forfeited".into());
-            Some(tx)
-        } else {
-            None
-        };
-        account.status = AccountStatus::Closed;
-        account.updated_at_ms = now;
-        self.journal
-            .append_and_apply(&Record::CreditLedger {
-                account: Some(account.clone()),
-                transaction,
-                events: Vec::new(),
+        let account = self
+            .journal
+            .update(|| {
+                let mut account = self.get_account(scope, id)?;
+                if account.status == AccountStatus::Closed {
+                    return Ok(Update::Unchanged(account));
+                }
+                let balance = self.balance(scope, id)?;
+                let transaction = if balance > Decimal::ZERO {
+                    // The close posts against the account as it is (frozen accounts
+                    // close too).
+                    let entries = post(
+                        TransactionKind::Close,
+                        &account.id,
+                        AccountStatus::Active,
+                        balance,
+                        balance,
+                        &mut || new_id("ce"),
+                    )
+                    .map_err(rejected)?;
+                    let mut tx =
+                        self.new_transaction(scope, TransactionKind::Close, id, balance, entries);
+                    tx.description = Some("account closed: remaining balance forfeited".into());
+                    Some(tx)
+                } else {
+                    None
+                };
+                let base = account.updated_at_ms;
+                account.status = AccountStatus::Closed;
+                account.updated_at_ms = self.journal.update_time(base);
+                Ok(Update::Write {
+                    record: Record::CreditLedger {
+                        account: Some(account.clone()),
+                        transaction,
+                        events: Vec::new(),
+                    },
+                    base_updated_at_ms: base,
+                    result: account,
+                })
             })
             .await?;
         Ok((account, Decimal::ZERO))

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use tally_core::{EngineError, Journal, Scope, WriteLocks};
+use tally_core::{EngineError, Journal, Scope};
 
 pub mod audit;
 pub mod ledger;
@@ -27,9 +27,6 @@ pub trait AccountHolders: Send + Sync {
 pub struct Ledger {
     journal: Arc<Journal>,
     holders: Arc<dyn AccountHolders>,
-    /// Serializes freeze, unfreeze and close of one account (credits, debits and
-    /// reversals take no lock: apply decides them).
-    account_locks: WriteLocks,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -40,10 +37,6 @@ impl std::fmt::Debug for Ledger {
 
 impl Ledger {
     pub fn new(journal: Arc<Journal>, holders: Arc<dyn AccountHolders>) -> Ledger {
-        Ledger {
-            journal,
-            holders,
-            account_locks: WriteLocks::default(),
-        }
+        Ledger { journal, holders }
     }
 }

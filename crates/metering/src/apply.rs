@@ -194,6 +194,7 @@ pub fn apply_backfill(
 pub fn apply_meter(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
+    base_updated_at_ms: Option<i64>,
     applied: &mut MeteringApplied,
 ) -> Result<(), ApplyError> {
     let (store_id, mode) = (&meter.store_id, meter.mode);
@@ -204,6 +205,10 @@ pub fn apply_meter(
         .get(&key)?
         .map(|b| codec::decode_meter(&b))
         .transpose()?;
+    tally_core::outcome::check_base(
+        base_updated_at_ms,
+        previous.as_ref().map(|m| m.updated_at_ms),
+    )?;
     let name_key = |name: &str| {
         Key::scoped(keys::METER_NAME, store_id, mode)
             .text(name)
@@ -243,9 +248,15 @@ pub fn apply_meter(
         Some(old) if old.name != meter.name => overlay.delete(name_key(&old.name)),
         Some(_) => {}
     }
+    // The counting start belongs to backfills (applied in log order): an update
+    // derived before one finished must not move it back.
+    let mut meter = meter.clone();
+    if let Some(old) = &previous {
+        meter.counts_from_ms = old.counts_from_ms;
+    }
     overlay.put(name_key(&meter.name), meter.id.as_bytes().to_vec());
-    overlay.put(key, codec::encode_meter(meter));
-    applied.meters.push(meter.clone());
+    overlay.put(key, codec::encode_meter(&meter));
+    applied.meters.push(meter);
     Ok(())
 }
 

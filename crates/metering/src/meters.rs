@@ -9,6 +9,7 @@ use tally_domain::FieldError;
 use tally_core::codec;
 use tally_core::error::EngineError;
 use tally_core::ids::new_id;
+use tally_core::journal::Update;
 use tally_core::keys::{self, Key, ListingKey};
 use tally_core::outcome::Outcome;
 use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
@@ -175,8 +176,7 @@ impl Metering {
         input: &MeterInput,
     ) -> Result<Meter, EngineError> {
         let definition = validate_meter(input)?;
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
+        // Fast answers from the projection; apply decides again in log order.
         self.check_name_free(scope, &definition.name, None)?;
         if let Some(meters) = self.caches.meters.get(scope) {
             let on_event_name = meters
@@ -231,23 +231,27 @@ impl Metering {
             .as_deref()
             .map(|u| validate_meter_name(Some(u), "unit_label"))
             .transpose()?;
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
-        let mut meter = self.get_meter(scope, id)?;
-        if let Some(name) = name {
-            if name != meter.name {
-                self.check_name_free(scope, &name, Some(id))?;
-            }
-            meter.name = name;
-        }
-        if let Some(unit_label) = unit_label {
-            meter.unit_label = unit_label;
-        }
-        meter.updated_at_ms = self.journal.now_ms();
         self.journal
-            .append_and_apply(&Record::MeterUpserted(meter.clone()))
-            .await?;
-        Ok(meter)
+            .update(|| {
+                let mut meter = self.get_meter(scope, id)?;
+                if let Some(name) = &name {
+                    if *name != meter.name {
+                        self.check_name_free(scope, name, Some(id))?;
+                    }
+                    meter.name.clone_from(name);
+                }
+                if let Some(unit_label) = &unit_label {
+                    meter.unit_label.clone_from(unit_label);
+                }
+                let base = meter.updated_at_ms;
+                meter.updated_at_ms = self.journal.update_time(base);
+                Ok(Update::Write {
+                    record: Record::MeterUpserted(meter.clone()),
+                    base_updated_at_ms: base,
+                    result: meter,
+                })
+            })
+            .await
     }
 
     pub async fn archive_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
@@ -265,27 +269,32 @@ impl Metering {
         id: &str,
         status: MeterStatus,
     ) -> Result<Meter, EngineError> {
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
-        let mut meter = self.get_meter(scope, id)?;
-        if meter.status == status {
-            // Archive of an archived meter and unarchive of an active one are idempotent.
-            return Ok(meter);
-        }
-        if status == MeterStatus::Archived
-            && self.pricing.meter_priced_on_active_product(scope, id)?
-        {
-            return Err(EngineError::conflict(
-                "meter_in_use",
-                "the meter is priced on a product that is still being sold; remove the usage charge or archive the product first",
-            ));
-        }
-        meter.status = status;
-        meter.updated_at_ms = self.journal.now_ms();
         self.journal
-            .append_and_apply(&Record::MeterUpserted(meter.clone()))
-            .await?;
-        Ok(meter)
+            .update(|| {
+                let mut meter = self.get_meter(scope, id)?;
+                if meter.status == status {
+                    // Archive of an archived meter and unarchive of an active one are
+                    // idempotent.
+                    return Ok(Update::Unchanged(meter));
+                }
+                if status == MeterStatus::Archived
+                    && self.pricing.meter_priced_on_active_product(scope, id)?
+                {
+                    return Err(EngineError::conflict(
+                        "meter_in_use",
+                        "the meter is priced on a product that is still being sold; remove the usage charge or archive the product first",
+                    ));
+                }
+                let base = meter.updated_at_ms;
+                meter.status = status;
+                meter.updated_at_ms = self.journal.update_time(base);
+                Ok(Update::Write {
+                    record: Record::MeterUpserted(meter.clone()),
+                    base_updated_at_ms: base,
+                    result: meter,
+                })
+            })
+            .await
     }
 
     /// Opts the meter in to stored events from `start_ms` (docs/api.md). A start at

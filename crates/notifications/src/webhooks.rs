@@ -17,8 +17,10 @@ use tally_proto::{v1, Message};
 
 use tally_core::error::EngineError;
 use tally_core::ids::{new_id, random_base62};
+use tally_core::journal::Update;
 use tally_core::keys::{self, DueKey, Key, PendingKey};
-use tally_core::overlay::Overlay;
+use tally_core::outcome::Outcome;
+use tally_core::overlay::{ApplyError, Overlay};
 use tally_core::pagination::collect_prefix;
 use tally_core::Scope;
 
@@ -143,13 +145,42 @@ fn pending_key(
 }
 
 /// Projector: the endpoint's new state.
-pub fn apply_endpoint(overlay: &mut Overlay<'_>, endpoint: &WebhookEndpoint) {
+/// 409 `too_many_webhooks`: decided by the service before appending and again by
+/// apply, in log order.
+fn too_many_webhooks() -> Outcome {
+    Outcome::rejected(
+        "too_many_webhooks",
+        format!("at most {MAX_ENDPOINTS_PER_SCOPE} webhook endpoints per store and environment"),
+    )
+}
+
+pub fn apply_endpoint(
+    overlay: &mut Overlay<'_>,
+    endpoint: &WebhookEndpoint,
+    base_updated_at_ms: Option<i64>,
+) -> Result<(), ApplyError> {
+    let key = Key::scoped(keys::WEBHOOK_ENDPOINT, &endpoint.store_id, endpoint.mode)
+        .text(&endpoint.id)
+        .into_bytes();
+    if base_updated_at_ms.is_some() {
+        // An update: of the version it was derived from, and never of a deleted
+        // endpoint (which it would bring back).
+        let stored = overlay
+            .get(&key)?
+            .map(|bytes| decode_endpoint(&bytes))
+            .transpose()?;
+        tally_core::outcome::check_base(base_updated_at_ms, stored.map(|e| e.updated_at_ms))?;
+    } else if !overlay.contains(&key)? {
+        let scope = Key::scoped(keys::WEBHOOK_ENDPOINT, &endpoint.store_id, endpoint.mode);
+        if overlay.prefix_entries(scope.as_bytes())?.len() >= MAX_ENDPOINTS_PER_SCOPE {
+            return Err(too_many_webhooks().into());
+        }
+    }
     overlay.put(
-        Key::scoped(keys::WEBHOOK_ENDPOINT, &endpoint.store_id, endpoint.mode)
-            .text(&endpoint.id)
-            .into_bytes(),
+        key,
         tally_proto::endpoint_to_proto(endpoint).encode_to_vec(),
     );
+    Ok(())
 }
 
 /// Projector: one delivery per enabled endpoint subscribed to each event. HTTP
@@ -370,13 +401,9 @@ impl Notifications {
                 )
             }
         };
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
+        // A fast answer from the projection; apply decides again in log order.
         if self.list_endpoints(scope)?.len() >= MAX_ENDPOINTS_PER_SCOPE {
-            return Err(EngineError::conflict(
-                "too_many_webhooks",
-                "at most 100 webhook endpoints per store and environment",
-            ));
+            return Err(too_many_webhooks().into());
         }
         let now = self.journal.now_ms();
         let endpoint = WebhookEndpoint {
@@ -415,38 +442,44 @@ impl Notifications {
             )
             .into());
         }
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
-        let mut endpoint = self.get_endpoint(scope, id)?;
-        if let Some(name) = &input.name {
-            endpoint.name = text("name", name, MAX_ENDPOINT_NAME_CHARS)?;
-        }
-        if let Some(url) = &input.url {
-            let url = url.trim().to_string();
-            if endpoint.delivery_mode == DeliveryMode::Http {
-                validate_url(&url, scope.mode, allow_private)?;
-            }
-            endpoint.url = url;
-        }
-        if let Some(events) = &input.events {
-            validate_event_types(events)?;
-            endpoint.events = events.clone();
-        }
-        match input.status.as_deref() {
-            None => {}
-            Some("enabled") => endpoint.enabled = true,
-            Some("disabled") => endpoint.enabled = false,
-            Some(_) => {
-                return Err(
-                    FieldError::invalid("status", "`status` must be enabled or disabled").into(),
-                )
-            }
-        }
-        endpoint.updated_at_ms = self.journal.now_ms();
         self.journal
-            .append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
-            .await?;
-        Ok(endpoint)
+            .update(|| {
+                let mut endpoint = self.get_endpoint(scope, id)?;
+                if let Some(name) = &input.name {
+                    endpoint.name = text("name", name, MAX_ENDPOINT_NAME_CHARS)?;
+                }
+                if let Some(url) = &input.url {
+                    let url = url.trim().to_string();
+                    if endpoint.delivery_mode == DeliveryMode::Http {
+                        validate_url(&url, scope.mode, allow_private)?;
+                    }
+                    endpoint.url = url;
+                }
+                if let Some(events) = &input.events {
+                    validate_event_types(events)?;
+                    endpoint.events.clone_from(events);
+                }
+                match input.status.as_deref() {
+                    None => {}
+                    Some("enabled") => endpoint.enabled = true,
+                    Some("disabled") => endpoint.enabled = false,
+                    Some(_) => {
+                        return Err(FieldError::invalid(
+                            "status",
+                            "`status` must be enabled or disabled",
+                        )
+                        .into())
+                    }
+                }
+                let base = endpoint.updated_at_ms;
+                endpoint.updated_at_ms = self.journal.update_time(base);
+                Ok(Update::Write {
+                    record: Record::WebhookEndpointUpserted(endpoint.clone()),
+                    base_updated_at_ms: base,
+                    result: endpoint,
+                })
+            })
+            .await
     }
 
     pub async fn delete_endpoint(
@@ -454,8 +487,6 @@ impl Notifications {
         scope: &Scope,
         id: &str,
     ) -> Result<WebhookEndpoint, EngineError> {
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
         let endpoint = self.get_endpoint(scope, id)?;
         self.journal
             .append_and_apply(&Record::WebhookEndpointDeleted {
@@ -473,17 +504,22 @@ impl Notifications {
         scope: &Scope,
         id: &str,
     ) -> Result<WebhookEndpoint, EngineError> {
-        let lock = self.journal.control_lock(scope);
-        let _guard = self.journal.acquire(lock).await?;
-        let mut endpoint = self.get_endpoint(scope, id)?;
-        let now = self.journal.now_ms();
-        endpoint.previous_secret = Some(std::mem::replace(&mut endpoint.secret, new_secret()));
-        endpoint.previous_secret_expires_at_ms = now + ROTATED_SECRET_GRACE_MS;
-        endpoint.updated_at_ms = now;
         self.journal
-            .append_and_apply(&Record::WebhookEndpointUpserted(endpoint.clone()))
-            .await?;
-        Ok(endpoint)
+            .update(|| {
+                let mut endpoint = self.get_endpoint(scope, id)?;
+                let base = endpoint.updated_at_ms;
+                let now = self.journal.update_time(base);
+                endpoint.previous_secret =
+                    Some(std::mem::replace(&mut endpoint.secret, new_secret()));
+                endpoint.previous_secret_expires_at_ms = now + ROTATED_SECRET_GRACE_MS;
+                endpoint.updated_at_ms = now;
+                Ok(Update::Write {
+                    record: Record::WebhookEndpointUpserted(endpoint.clone()),
+                    base_updated_at_ms: base,
+                    result: endpoint,
+                })
+            })
+            .await
     }
 
     pub fn get_delivery(

@@ -30,7 +30,7 @@ pub enum DecodeError {
 
 /// The log record format this build writes and reads. Bump it when a record's
 /// meaning changes in a way older readers would misapply.
-pub const LOG_FORMAT_VERSION: u32 = 2;
+pub const LOG_FORMAT_VERSION: u32 = 3;
 
 pub fn mode_to_proto(mode: Mode) -> i32 {
     match mode {
@@ -451,8 +451,38 @@ pub fn attempt_from_proto(a: v1::WebhookAttempt) -> Result<WebhookAttempt, Decod
     })
 }
 
-/// Encodes a record for the log.
+fn request_key_to_proto(r: &tally_domain::record::RequestKey) -> v1::RequestKey {
+    v1::RequestKey {
+        api_key_sha256: r.api_key_sha256.clone(),
+        key: r.key.clone(),
+        fingerprint: r.fingerprint.clone(),
+    }
+}
+
+fn request_key_from_proto(r: v1::RequestKey) -> tally_domain::record::RequestKey {
+    tally_domain::record::RequestKey {
+        api_key_sha256: r.api_key_sha256,
+        key: r.key,
+        fingerprint: r.fingerprint,
+    }
+}
+
+/// Encodes a record for the log, with nothing beside it but its time.
 pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64) -> Vec<u8> {
+    encode_record_with(
+        record,
+        &tally_domain::record::RecordMeta {
+            recorded_at_ms,
+            ..Default::default()
+        },
+    )
+}
+
+/// Encodes a record and its envelope for the log.
+pub fn encode_record_with(
+    record: &tally_domain::record::Record,
+    meta: &tally_domain::record::RecordMeta,
+) -> Vec<u8> {
     use prost::Message;
     use tally_domain::record::Record;
     use v1::log_record::Kind;
@@ -511,6 +541,12 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
             endpoint_id: endpoint_id.to_string(),
         }),
         Record::WebhookAttempt(a) => Kind::WebhookAttempt(attempt_to_proto(a)),
+        Record::IdempotentResponse(r) => Kind::IdempotentResponse(v1::IdempotentResponse {
+            request: Some(request_key_to_proto(&r.request)),
+            partition_key: r.partition_key.clone(),
+            status: r.status.into(),
+            body: r.body.clone(),
+        }),
         Record::CreditLedger {
             account,
             transaction,
@@ -522,17 +558,27 @@ pub fn encode_record(record: &tally_domain::record::Record, recorded_at_ms: i64)
         }),
     };
     v1::LogRecord {
-        recorded_at_ms,
+        recorded_at_ms: meta.recorded_at_ms,
         format_version: LOG_FORMAT_VERSION,
+        base_updated_at_ms: meta.base_updated_at_ms,
+        request: meta.request.as_ref().map(request_key_to_proto),
         kind: Some(kind),
     }
     .encode_to_vec()
 }
 
-/// Decodes a log record; returns it with its `recorded_at_ms`.
-pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64), DecodeError> {
+/// Decodes a log record; returns it with its envelope.
+pub fn decode_record(
+    bytes: &[u8],
+) -> Result<
+    (
+        tally_domain::record::Record,
+        tally_domain::record::RecordMeta,
+    ),
+    DecodeError,
+> {
     use prost::Message;
-    use tally_domain::record::{Record, StoreRecord};
+    use tally_domain::record::{IdempotentResponse, Record, RecordMeta, StoreRecord};
     use v1::log_record::Kind;
     let record = v1::LogRecord::decode(bytes)?;
     if record.format_version != LOG_FORMAT_VERSION {
@@ -581,6 +627,12 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
             endpoint_id: d.endpoint_id.into(),
         },
         Kind::WebhookAttempt(a) => Record::WebhookAttempt(attempt_from_proto(a)?),
+        Kind::IdempotentResponse(r) => Record::IdempotentResponse(IdempotentResponse {
+            request: request_key_from_proto(r.request.ok_or(DecodeError::BadField("request"))?),
+            partition_key: r.partition_key,
+            status: u16::try_from(r.status).map_err(|_| DecodeError::BadField("status"))?,
+            body: r.body,
+        }),
         Kind::CreditLedger(l) => Record::CreditLedger {
             account: l.account.map(account_from_proto).transpose()?,
             transaction: l.transaction.map(transaction_from_proto).transpose()?,
@@ -591,7 +643,12 @@ pub fn decode_record(bytes: &[u8]) -> Result<(tally_domain::record::Record, i64)
                 .collect::<Result<_, _>>()?,
         },
     };
-    Ok((decoded, record.recorded_at_ms))
+    let meta = RecordMeta {
+        recorded_at_ms: record.recorded_at_ms,
+        base_updated_at_ms: record.base_updated_at_ms,
+        request: record.request.map(request_key_from_proto),
+    };
+    Ok((decoded, meta))
 }
 
 #[cfg(test)]
