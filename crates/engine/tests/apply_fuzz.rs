@@ -20,7 +20,7 @@ use tally_domain::ledger::{
     MAX_BALANCE,
 };
 use tally_domain::meter::{Aggregation, Meter, MeterFilter, MeterStatus};
-use tally_domain::record::Record;
+use tally_domain::record::{IdempotentResponse, Record, RecordMeta, RequestKey};
 use tally_domain::usage::{PropertyValue, UsageEvent};
 use tally_domain::Mode;
 use tally_engine::codec;
@@ -92,7 +92,44 @@ enum Op {
         events: Vec<u8>,
         finish: bool,
     },
+    /// A keyed request's recorded response.
+    Response {
+        key: u8,
+        fingerprint: u8,
+        status: u16,
+    },
     Garbage(Vec<u8>),
+}
+
+/// What a record's envelope carries besides it: a base version (right or stale), an
+/// idempotency key (a few keys and fingerprints, so repeats and reuses happen), and
+/// its time, in half days (so claims expire within a run).
+#[derive(Debug, Clone)]
+struct Envelope {
+    base: Option<i64>,
+    request: Option<(u8, u8)>,
+    half_days: u8,
+}
+
+fn envelope() -> impl Strategy<Value = Envelope> {
+    (
+        proptest::option::weighted(0.2, prop_oneof![Just(T0), 0i64..3]),
+        proptest::option::weighted(0.3, (0u8..3, 0u8..2)),
+        0u8..4,
+    )
+        .prop_map(|(base, request, half_days)| Envelope {
+            base,
+            request,
+            half_days,
+        })
+}
+
+fn request_key(key: u8, fingerprint: u8) -> RequestKey {
+    RequestKey {
+        api_key_sha256: vec![1; 32],
+        key: format!("key{key}"),
+        fingerprint: vec![fingerprint],
+    }
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -110,6 +147,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(account, amounts)| Op::Forged { account, amounts }),
         1 => (0u8..4, proptest::collection::vec(0u8..8, 0..4), any::<bool>())
             .prop_map(|(meter, events, finish)| Op::Backfill { meter, events, finish }),
+        1 => (0u8..3, 0u8..2, prop_oneof![Just(200u16), Just(400u16)])
+            .prop_map(|(key, fingerprint, status)| Op::Response { key, fingerprint, status }),
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
     ]
 }
@@ -187,12 +226,18 @@ fn meter(id: u8, name: u8, aggregation: u8) -> Meter {
 
 /// The records of `ops`, as payloads (garbage stays garbage). Every meter id a usage
 /// event names is created first, so no chunk waits for another partition.
-fn payloads(ops: &[Op]) -> Vec<Vec<u8>> {
-    let mut records: Vec<Option<Record>> = (0..4)
-        .map(|i| Some(Record::MeterUpserted(meter(i, i, i))))
+fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
+    let mut records: Vec<Option<(Record, RecordMeta)>> = (0..4)
+        .map(|i| {
+            let meta = RecordMeta {
+                recorded_at_ms: T0,
+                ..Default::default()
+            };
+            Some((Record::MeterUpserted(meter(i, i, i)), meta))
+        })
         .collect();
     let mut garbage = BTreeMap::new();
-    for (i, op) in ops.iter().enumerate() {
+    for (i, (op, envelope)) in ops.iter().enumerate() {
         let record = match op {
             Op::Customer { id, external } => Record::CustomerUpserted(Customer {
                 id: format!("cus_{id}").into(),
@@ -360,19 +405,34 @@ fn payloads(ops: &[Op]) -> Vec<Vec<u8>> {
                 finish: *finish,
                 rescan_from_ms: T0 - 60_000,
             },
+            Op::Response {
+                key,
+                fingerprint,
+                status,
+            } => Record::IdempotentResponse(IdempotentResponse {
+                request: request_key(*key, *fingerprint),
+                partition_key: Vec::new(),
+                status: *status,
+                body: format!("{{\"answer\":{i}}}"),
+            }),
             Op::Garbage(bytes) => {
                 garbage.insert(records.len(), bytes.clone());
                 records.push(None);
                 continue;
             }
         };
-        records.push(Some(record));
+        let meta = RecordMeta {
+            recorded_at_ms: T0 + i64::from(envelope.half_days) * 12 * 3_600_000,
+            base_updated_at_ms: envelope.base,
+            request: envelope.request.map(|(k, f)| request_key(k, f)),
+        };
+        records.push(Some((record, meta)));
     }
     records
         .iter()
         .enumerate()
         .map(|(i, r)| match r {
-            Some(record) => tally_proto::encode_record(record, T0),
+            Some((record, meta)) => tally_proto::encode_record_with(record, meta),
             None => garbage[&i].clone(),
         })
         .collect()
@@ -471,7 +531,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
     #[test]
     fn apply_never_fails_and_replays_exactly(
-        ops in proptest::collection::vec(op(), 1..60),
+        ops in proptest::collection::vec((op(), envelope()), 1..60),
         cuts in proptest::collection::vec(0usize..80, 0..6),
     ) {
         let entries = entries(&payloads(&ops));
