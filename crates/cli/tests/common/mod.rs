@@ -88,6 +88,16 @@ pub fn serve_with(data_dir: &Path, extra: &[&str]) -> Served {
     }
 }
 
+/// A test that fails mid-way must not leave its server running.
+impl Drop for Served {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 impl Served {
     /// SIGTERM, then the exit status.
     pub fn terminate(mut self) -> std::process::ExitStatus {
