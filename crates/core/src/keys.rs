@@ -442,15 +442,28 @@ impl ListingKey {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut key =
-            ListingKey::prefix(self.table, &self.store_id, self.mode, self.owner.as_deref());
-        key.extend_from_slice(
-            Key::table(0)
-                .int(self.created_at_ms)
-                .text(&self.id)
-                .as_bytes()[1..]
-                .as_ref(),
-        );
+        ListingKey::entry(
+            self.table,
+            &self.store_id,
+            self.mode,
+            self.owner.as_deref(),
+            self.created_at_ms,
+            &self.id,
+        )
+    }
+
+    /// The encoded entry of one listed resource (what `encode` gives, without
+    /// building the struct first).
+    pub fn entry(
+        table: u8,
+        store_id: &str,
+        mode: Mode,
+        owner: Option<&str>,
+        created_at_ms: i64,
+        id: &str,
+    ) -> Vec<u8> {
+        let mut key = ListingKey::prefix(table, store_id, mode, owner);
+        key.extend_from_slice(Key::table(0).int(created_at_ms).text(id).as_bytes()[1..].as_ref());
         key
     }
 

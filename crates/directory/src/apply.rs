@@ -65,15 +65,14 @@ pub fn apply_customer(
     }
     match &previous {
         None => overlay.put(
-            ListingKey {
-                table: keys::CUSTOMER_LIST,
-                store_id: store_id.to_string(),
+            ListingKey::entry(
+                keys::CUSTOMER_LIST,
+                store_id,
                 mode,
-                owner: None,
-                created_at_ms: customer.created_at_ms,
-                id: customer.id.to_string(),
-            }
-            .encode(),
+                None,
+                customer.created_at_ms,
+                &customer.id,
+            ),
             Vec::new(),
         ),
         Some(old) => {

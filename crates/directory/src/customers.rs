@@ -120,15 +120,14 @@ impl Directory {
                     id: id.to_string(),
                     param: None,
                 })?;
-            Ok(ListingKey {
-                table: keys::CUSTOMER_LIST,
-                store_id: scope.store_id.to_string(),
-                mode: scope.mode,
-                owner: None,
-                created_at_ms: customer.created_at_ms,
-                id: customer.id.to_string(),
-            }
-            .encode())
+            Ok(ListingKey::entry(
+                keys::CUSTOMER_LIST,
+                &scope.store_id,
+                scope.mode,
+                None,
+                customer.created_at_ms,
+                &customer.id,
+            ))
         };
         let cursor = cursor_from(page, cursor_key)?;
         paginate(

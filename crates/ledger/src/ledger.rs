@@ -140,18 +140,18 @@ pub fn apply_ledger_step(
                     (keys::CREDIT_ACCOUNT_LIST, None),
                     (
                         keys::CREDIT_ACCOUNT_BY_CUSTOMER,
-                        Some(account.customer_id.to_string()),
+                        Some(account.customer_id.as_str()),
                     ),
                 ] {
-                    let entry = ListingKey {
+                    let entry = ListingKey::entry(
                         table,
-                        store_id: store.to_string(),
+                        store,
                         mode,
                         owner,
-                        created_at_ms: account.created_at_ms,
-                        id: account.id.to_string(),
-                    };
-                    overlay.put(entry.encode(), Vec::new());
+                        account.created_at_ms,
+                        &account.id,
+                    );
+                    overlay.put(entry, Vec::new());
                 }
                 overlay.put(name_key, account.id.as_bytes().to_vec());
                 overlay.put(
@@ -621,15 +621,14 @@ impl Ledger {
             if customer_id.is_some_and(|c| account.customer_id != *c) {
                 return Err(EngineError::not_found("customer credits account", id));
             }
-            Ok(ListingKey {
+            Ok(ListingKey::entry(
                 table,
-                store_id: scope.store_id.to_string(),
-                mode: scope.mode,
-                owner: customer_id.map(str::to_string),
-                created_at_ms: account.created_at_ms,
-                id: account.id.to_string(),
-            }
-            .encode())
+                &scope.store_id,
+                scope.mode,
+                customer_id,
+                account.created_at_ms,
+                &account.id,
+            ))
         })?;
         paginate(
             self.journal.store().as_ref(),

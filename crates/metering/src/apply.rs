@@ -233,15 +233,14 @@ pub fn apply_meter(
             }
             crate::meters::check_meter_limits(existing.len(), same_event)?;
             overlay.put(
-                ListingKey {
-                    table: keys::METER_LIST,
-                    store_id: store_id.to_string(),
+                ListingKey::entry(
+                    keys::METER_LIST,
+                    store_id,
                     mode,
-                    owner: None,
-                    created_at_ms: meter.created_at_ms,
-                    id: meter.id.to_string(),
-                }
-                .encode(),
+                    None,
+                    meter.created_at_ms,
+                    &meter.id,
+                ),
                 Vec::new(),
             );
         }

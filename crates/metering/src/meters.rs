@@ -358,15 +358,14 @@ impl Metering {
         let prefix = ListingKey::prefix(keys::METER_LIST, &scope.store_id, scope.mode, None);
         let cursor = cursor_from(page, |id| {
             let meter = self.get_meter(scope, id)?;
-            Ok(ListingKey {
-                table: keys::METER_LIST,
-                store_id: scope.store_id.to_string(),
-                mode: scope.mode,
-                owner: None,
-                created_at_ms: meter.created_at_ms,
-                id: meter.id.to_string(),
-            }
-            .encode())
+            Ok(ListingKey::entry(
+                keys::METER_LIST,
+                &scope.store_id,
+                scope.mode,
+                None,
+                meter.created_at_ms,
+                &meter.id,
+            ))
         })?;
         paginate(
             self.journal.store().as_ref(),
