@@ -476,6 +476,35 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
     }
 }
 
+/// Longest pause between attempts to record a response while writes are refused.
+const RECORD_RETRY_MAX_PAUSE_MS: u64 = 1_000;
+
+/// Appends a response record and waits until it is applied. While the node refuses
+/// writes for a while (lag, a log outage), it tries again, for as long as the
+/// request may run in the background (`IDEMPOTENT_BACKGROUND_WAIT_MS`): the write
+/// it answers for is durable, so its response should be too.
+async fn record_response(
+    state: &AppState,
+    record: &Record,
+) -> Result<(), tally_engine::EngineError> {
+    use tally_engine::EngineError;
+    let journal = state.engine.journal();
+    let deadline = Instant::now() + Duration::from_millis(IDEMPOTENT_BACKGROUND_WAIT_MS);
+    let mut pause = Duration::from_millis(RESPONSE_POLL_MS);
+    loop {
+        match journal.append(record).await {
+            Ok((partition, offset)) => return journal.wait_applied(partition, offset).await,
+            Err(EngineError::Unavailable { .. } | EngineError::LogUnavailable(_))
+                if Instant::now() + pause < deadline =>
+            {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(RECORD_RETRY_MAX_PAUSE_MS));
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
 /// Records the final response (rendering a pending error body first, so the replay
 /// is byte-identical) in the log, waits until it is applied (so a retry on any node
 /// finds it), and returns it.
@@ -505,14 +534,9 @@ async fn remember(
         status: status.as_u16(),
         body: String::from_utf8_lossy(&bytes).into_owned(),
     });
-    let journal = state.engine.journal();
-    let recorded = match journal.append(&record).await {
-        Ok((partition, offset)) => journal.wait_applied(partition, offset).await,
-        Err(error) => Err(error),
-    };
-    if let Err(error) = recorded {
+    if let Err(error) = record_response(state, &record).await {
         // The answer stands; a retry finds the key claimed without a response and
-        // answers 409 `idempotency_key_in_use` until it is recorded.
+        // answers 409 `idempotency_key_in_use` until the claim expires.
         tracing::warn!(%error, "could not record an idempotent response");
     }
     Response::from_parts(parts, Body::from(bytes))

@@ -471,6 +471,15 @@ const NOT_WRITTEN: u8 = 1;
 const UNKNOWN: u8 = 2;
 /// Appends never finish (a hung disk or broker).
 const STALLED: u8 = 3;
+/// Only the records of idempotent responses fail, with nothing written.
+const RESPONSES_NOT_WRITTEN: u8 = 4;
+
+fn is_response_record(payload: &[u8]) -> bool {
+    matches!(
+        tally_proto::decode_record(payload),
+        Ok((tally_domain::record::Record::IdempotentResponse(_), _))
+    )
+}
 
 #[async_trait::async_trait]
 impl tally_log::Log for FailingLog {
@@ -487,6 +496,9 @@ impl tally_log::Log for FailingLog {
                 "injected append failure",
             ))),
             STALLED => std::future::pending().await,
+            RESPONSES_NOT_WRITTEN if is_response_record(&payload) => {
+                Err(tally_log::LogError::Poisoned)
+            }
             _ => self.inner.append(key, payload).await,
         }
     }
@@ -521,6 +533,37 @@ impl tally_log::Log for FailingLog {
 /// `outcome_unknown` when the log cannot say whether it wrote) and leave nothing
 /// behind; once the log recovers, writes go on, and after a restart exactly
 /// the acknowledged writes are there (usage counts only the accepted events).
+/// A keyed request whose response cannot be recorded at first (the log refuses
+/// appends for a while) records it once the log is back: the retry replays it,
+/// instead of finding the key taken without an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_refused_by_the_log_is_recorded_when_it_is_back() {
+    let (_guard, dir) = temp_dir();
+    let (server, failing) = start_with_failing_log(&dir).await;
+    // A retry that found no response would answer 409 after this wait.
+    server
+        .engine
+        .tune_waits(Duration::from_millis(3_000), Duration::from_millis(10_000));
+    let api = Api::new(&server.test_url, &create_store(&server, "s").await.test);
+    failing.store(RESPONSES_NOT_WRITTEN, Ordering::SeqCst);
+    let healer = failing.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        healer.store(HEALTHY, Ordering::SeqCst);
+    });
+    let first = api
+        .post_idempotent("/v1/customers", "k", json!({"email": "k@x.io"}))
+        .await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let retry = api
+        .post_idempotent("/v1/customers", "k", json!({"email": "k@x.io"}))
+        .await;
+    assert_eq!(retry.status, 200, "{}", retry.body);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(retry.body, first.body);
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_appends_answer_503_and_lose_nothing_acknowledged() {
     let (_guard, dir) = temp_dir();
