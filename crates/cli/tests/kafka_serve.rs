@@ -15,6 +15,20 @@ async fn usage_value(http: &reqwest::Client, base: &str, key: &str, meter: &str)
     usage["value"].as_str().unwrap_or_default().to_string()
 }
 
+/// `serve` flags for a 3-partition topic on the test broker.
+fn kafka_flags<'a>(brokers: &'a str, topic: &'a str) -> [&'a str; 8] {
+    [
+        "--log",
+        "kafka",
+        "--kafka-brokers",
+        brokers,
+        "--kafka-topic",
+        topic,
+        "--kafka-partitions",
+        "3",
+    ]
+}
+
 /// Polls until the asynchronous projection shows `expected`.
 async fn wait_for_usage(
     http: &reqwest::Client,
@@ -41,16 +55,7 @@ async fn serving_on_kafka_is_exact_and_survives_restarts() {
         return;
     };
     let topic = tally_log::testsuite::unique_topic("tally-serve");
-    let flags = [
-        "--log",
-        "kafka",
-        "--kafka-brokers",
-        &brokers,
-        "--kafka-topic",
-        &topic,
-        "--kafka-partitions",
-        "3",
-    ];
+    let flags = kafka_flags(&brokers, &topic);
     let dir = tempfile::tempdir().unwrap();
     let served = serve_with(dir.path(), &flags);
     let key = served.test_key.clone().expect("keys on first start");
@@ -209,16 +214,7 @@ async fn two_nodes_decide_keys_uniqueness_and_updates_once() {
         return;
     };
     let topic = tally_log::testsuite::unique_topic("tally-nodes");
-    let flags = [
-        "--log",
-        "kafka",
-        "--kafka-brokers",
-        &brokers,
-        "--kafka-topic",
-        &topic,
-        "--kafka-partitions",
-        "3",
-    ];
+    let flags = kafka_flags(&brokers, &topic);
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let node_a = serve_with(dir_a.path(), &flags);
     let key = node_a.test_key.clone().expect("keys on first start");

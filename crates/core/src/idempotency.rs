@@ -15,7 +15,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 use tally_domain::record::{IdempotentResponse, RequestKey};
-use tally_projection::{scan_prefix, ProjectionStore, Visit};
+use tally_projection::ProjectionStore;
 
 use crate::error::EngineError;
 use crate::keys::{self, Key};
@@ -274,22 +274,22 @@ pub fn lookup(
     }
 }
 
-/// How many claims are stored (tests and metrics).
-pub fn stored_claims(store: &dyn ProjectionStore) -> Result<usize, EngineError> {
-    let mut count = 0;
-    scan_prefix(store, &[keys::IDEMPOTENCY], false, &mut |_, _| {
-        count += 1;
-        Visit::Continue
-    })?;
-    Ok(count)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::event_index::EventIndex;
     use crate::overlay::Fetched;
-    use tally_projection::MemoryStore;
+    use tally_projection::{scan_prefix, MemoryStore, Visit};
+
+    /// How many claims are stored.
+    fn stored_claims(store: &dyn ProjectionStore) -> Result<usize, EngineError> {
+        let mut count = 0;
+        scan_prefix(store, &[keys::IDEMPOTENCY], false, &mut |_, _| {
+            count += 1;
+            Visit::Continue
+        })?;
+        Ok(count)
+    }
 
     fn request(key: &str, body: &str) -> RequestKey {
         RequestKey {

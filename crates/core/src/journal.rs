@@ -392,6 +392,14 @@ impl Journal {
         }
     }
 
+    /// Stamps an update of the version stamped `*updated_at_ms` (see `update_time`)
+    /// and returns that base stamp, which the update's record carries.
+    pub fn restamp(&self, updated_at_ms: &mut i64) -> i64 {
+        let base = *updated_at_ms;
+        *updated_at_ms = self.update_time(base);
+        base
+    }
+
     /// The `updated_at_ms` of an update derived from the version stamped `base`:
     /// now, and always later than the base, so versions stay distinct even within
     /// one millisecond.

@@ -667,9 +667,8 @@ impl Ledger {
                 if account.status == target {
                     return Ok(Update::Unchanged(account));
                 }
-                let base = account.updated_at_ms;
                 account.status = target;
-                account.updated_at_ms = self.journal.update_time(base);
+                let base = self.journal.restamp(&mut account.updated_at_ms);
                 Ok(Update::Write {
                     record: Record::CreditLedger {
                         account: Some(account.clone()),
@@ -718,9 +717,8 @@ impl Ledger {
                 } else {
                     None
                 };
-                let base = account.updated_at_ms;
                 account.status = AccountStatus::Closed;
-                account.updated_at_ms = self.journal.update_time(base);
+                let base = self.journal.restamp(&mut account.updated_at_ms);
                 Ok(Update::Write {
                     record: Record::CreditLedger {
                         account: Some(account.clone()),

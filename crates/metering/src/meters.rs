@@ -243,8 +243,7 @@ impl Metering {
                 if let Some(unit_label) = &unit_label {
                     meter.unit_label.clone_from(unit_label);
                 }
-                let base = meter.updated_at_ms;
-                meter.updated_at_ms = self.journal.update_time(base);
+                let base = self.journal.restamp(&mut meter.updated_at_ms);
                 Ok(Update::Write {
                     record: Record::MeterUpserted(meter.clone()),
                     base_updated_at_ms: base,
@@ -285,9 +284,8 @@ impl Metering {
                         "the meter is priced on a product that is still being sold; remove the usage charge or archive the product first",
                     ));
                 }
-                let base = meter.updated_at_ms;
                 meter.status = status;
-                meter.updated_at_ms = self.journal.update_time(base);
+                let base = self.journal.restamp(&mut meter.updated_at_ms);
                 Ok(Update::Write {
                     record: Record::MeterUpserted(meter.clone()),
                     base_updated_at_ms: base,

@@ -471,8 +471,7 @@ impl Notifications {
                         .into())
                     }
                 }
-                let base = endpoint.updated_at_ms;
-                endpoint.updated_at_ms = self.journal.update_time(base);
+                let base = self.journal.restamp(&mut endpoint.updated_at_ms);
                 Ok(Update::Write {
                     record: Record::WebhookEndpointUpserted(endpoint.clone()),
                     base_updated_at_ms: base,
@@ -507,12 +506,11 @@ impl Notifications {
         self.journal
             .update(|| {
                 let mut endpoint = self.get_endpoint(scope, id)?;
-                let base = endpoint.updated_at_ms;
-                let now = self.journal.update_time(base);
+                let base = self.journal.restamp(&mut endpoint.updated_at_ms);
                 endpoint.previous_secret =
                     Some(std::mem::replace(&mut endpoint.secret, new_secret()));
-                endpoint.previous_secret_expires_at_ms = now + ROTATED_SECRET_GRACE_MS;
-                endpoint.updated_at_ms = now;
+                endpoint.previous_secret_expires_at_ms =
+                    endpoint.updated_at_ms + ROTATED_SECRET_GRACE_MS;
                 Ok(Update::Write {
                     record: Record::WebhookEndpointUpserted(endpoint.clone()),
                     base_updated_at_ms: base,
