@@ -66,19 +66,10 @@ struct Harness {
 impl Harness {
     async fn start(&mut self) {
         let log = Arc::new(EmbeddedLog::open(self.dir.path().join("log")).unwrap());
-        // sled releases its file lock when its background flusher notices the drop;
-        // a restart right after a stop may have to wait for it.
-        let mut attempts = 0;
-        let store = loop {
-            match SledStore::open(self.dir.path().join("projections")) {
-                Ok(store) => break Arc::new(tally_projection::CheckpointStore::new(store)),
-                Err(_) if attempts < 100 => {
-                    attempts += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                }
-                Err(error) => panic!("{error}"),
-            }
-        };
+        // `open` waits for the lock a stop just released (sled frees it late).
+        let store = Arc::new(tally_projection::CheckpointStore::new(
+            SledStore::open(self.dir.path().join("projections")).unwrap(),
+        ));
         let engine = Engine::open(log, store, self.clock.clone()).await.unwrap();
         let (tx, rx) = tokio::sync::watch::channel(false);
         let tasks = engine.start_projector(rx);

@@ -42,6 +42,13 @@ pub const SLED_ATOMIC_BATCH_MAX_KEYS: usize = 2_000;
 const STAGE_PIECE_BYTES: usize = 1 << 20;
 /// Stage pieces live under this prefix: below the positions' end, so scans skip them.
 const STAGE_PREFIX: &[u8] = b"\x00\x00stage\x00";
+/// How long `open` waits for the directory's file lock. A process that exits frees
+/// it at once, but a handle dropped inside this process frees it only when sled's
+/// background flusher thread notices, up to a flush interval later; reopening a
+/// store in the same process (tests, rebuilds) would otherwise fail at random.
+pub const SLED_LOCK_WAIT_MS: u64 = 5_000;
+/// Pause between attempts to take the file lock.
+const SLED_LOCK_RETRY_MS: u64 = 20;
 
 pub struct SledStore {
     db: sled::Db,
@@ -57,11 +64,25 @@ impl std::fmt::Debug for SledStore {
 
 impl SledStore {
     pub fn open(dir: impl AsRef<Path>) -> Result<SledStore, StoreError> {
-        let db = sled::Config::new()
+        let config = sled::Config::new()
             .path(dir.as_ref())
             .cache_capacity(SLED_CACHE_BYTES)
-            .flush_every_ms(Some(SLED_FLUSH_EVERY_MS))
-            .open()?;
+            .flush_every_ms(Some(SLED_FLUSH_EVERY_MS));
+        let deadline =
+            std::time::Instant::now() + std::time::Duration::from_millis(SLED_LOCK_WAIT_MS);
+        let db = loop {
+            match config.open() {
+                // sled reports a held lock as a plain I/O error ("Other"), so the
+                // message is the only thing that tells it apart.
+                Err(sled::Error::Io(e))
+                    if e.to_string().contains("could not acquire lock")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(SLED_LOCK_RETRY_MS));
+                }
+                other => break other?,
+            }
+        };
         let projections = db.open_tree("projections")?;
         let aux = db.open_tree("aux")?;
         let store = SledStore {
@@ -380,6 +401,22 @@ mod tests {
         assert_eq!(store.position(1).unwrap(), 5);
         assert_eq!(store.digest().unwrap(), expected);
         assert_eq!(store.projections.scan_prefix(STAGE_PREFIX).count(), 0);
+    }
+
+    #[test]
+    fn open_waits_for_a_lock_another_handle_is_about_to_free() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = SledStore::open(dir.path()).unwrap();
+        first.apply(changes(3, "v"), &[(0, 3)]).unwrap();
+        let dropper = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            first.db.flush().unwrap();
+            drop(first);
+        });
+        // Held for 300 ms yet: without the wait this fails at once.
+        let second = SledStore::open(dir.path()).unwrap();
+        assert_eq!(second.position(0).unwrap(), 3);
+        dropper.join().unwrap();
     }
 
     #[test]

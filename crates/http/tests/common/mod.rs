@@ -87,19 +87,9 @@ impl Server {
                 Err(e) => panic!("{e}"),
             }
         };
-        // sled releases its file lock when its background flusher notices the drop;
-        // a restart right after a stop may have to wait for it.
-        let mut attempts = 0;
-        let store: Arc<dyn ProjectionStore> = loop {
-            match SledStore::open(dir.join("projections")) {
-                Ok(store) => break Arc::new(store),
-                Err(_) if attempts < 100 => {
-                    attempts += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                }
-                Err(error) => panic!("{error}"),
-            }
-        };
+        // `open` waits for the lock a stop just released (sled frees it late).
+        let store: Arc<dyn ProjectionStore> =
+            Arc::new(SledStore::open(dir.join("projections")).unwrap());
         let engine = Engine::open(
             wrap_log(Arc::new(log)),
             wrap(store),
