@@ -14,6 +14,14 @@ pub fn encode_customer(c: &Customer) -> Vec<u8> {
     tally_proto::customer_to_proto(c).encode_to_vec()
 }
 
+pub fn encode_product(p: &tally_domain::product::Product) -> Vec<u8> {
+    tally_proto::product_to_proto(p).encode_to_vec()
+}
+
+pub fn decode_product(bytes: &[u8]) -> Result<tally_domain::product::Product, EngineError> {
+    tally_proto::product_from_proto(v1::Product::decode(bytes).map_err(corrupt)?).map_err(corrupt)
+}
+
 pub fn decode_customer(bytes: &[u8]) -> Result<Customer, EngineError> {
     tally_proto::customer_from_proto(v1::Customer::decode(bytes).map_err(corrupt)?).map_err(corrupt)
 }

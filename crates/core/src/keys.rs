@@ -40,6 +40,9 @@
 //! | `B` | store, mode, meter_id, event_id | (empty) event folded by a backfill step |
 //! | `I` | hex(api key sha256), idempotency key | claim: fingerprint, record time, response |
 //! | `J` | claimed at (record time), `I` key | (empty) claims oldest first, for pruning |
+//! | `R` | store, mode, product_id | product (protobuf) |
+//! | `p` | store, mode, created_at, product_id | (empty) product listing, newest first |
+//! | `Z` | store, mode, meter_id, product_id | (empty) the meter is priced on this active product |
 
 use tally_domain::Mode;
 
@@ -82,6 +85,17 @@ pub const OUTCOME: u8 = b'O';
 pub const BACKFILLED: u8 = b'B';
 pub const IDEMPOTENCY: u8 = b'I';
 pub const IDEMPOTENCY_EXPIRY: u8 = b'J';
+pub const PRODUCT: u8 = b'R';
+pub const PRODUCT_LIST: u8 = b'p';
+pub const METER_PRICED: u8 = b'Z';
+
+/// The `Z` rows of one meter: one per active product pricing it. Billing's apply
+/// writes them; metering's apply reads them to refuse archiving a priced meter.
+pub fn meter_priced_prefix(store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8> {
+    Key::scoped(METER_PRICED, store_id, mode)
+        .text(meter_id)
+        .into_bytes()
+}
 
 /// The customer component of meter-wide (all customers) usage rows.
 pub const ALL_CUSTOMERS: &str = "";

@@ -136,6 +136,10 @@ id_type!(
     /// A webhook endpoint: `wh_...`.
     EndpointId
 );
+id_type!(
+    /// A product: `prod_...`.
+    ProductId
+);
 
 #[cfg(test)]
 mod tests {

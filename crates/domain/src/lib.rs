@@ -14,6 +14,7 @@ pub mod ledger;
 pub mod limits;
 pub mod meter;
 pub mod mode;
+pub mod product;
 pub mod record;
 pub mod time;
 pub mod usage;

@@ -47,3 +47,24 @@ pub const MAX_METERS_PER_SCOPE: usize = 500;
 /// Meters on one event name: each event is folded into every meter on its name (two
 /// buckets each), so this bounds the apply cost of one event.
 pub const MAX_METERS_PER_EVENT_NAME: usize = 50;
+/// Money on products and transactions is an integer in minor units; this bounds a
+/// price (a hundred million in major units of a two-decimal currency), so sums of
+/// prices, discounts and taxes stay far inside `i64`.
+pub const MAX_PRICE_MINOR: i64 = 10_000_000_000;
+/// Product description length.
+pub const MAX_DESCRIPTION_CHARS: usize = 5_000;
+/// URLs on products (images, product page, success page).
+pub const MAX_URL_CHARS: usize = 2_048;
+/// Images per product.
+pub const MAX_PRODUCT_IMAGES: usize = 8;
+/// Features per product: each is rendered on every embedded product.
+pub const MAX_PRODUCT_FEATURES: usize = 50;
+/// Usage prices per product: settlement folds every event of a priced meter into
+/// each of them, so this bounds the work per event.
+pub const MAX_USAGE_PRICES: usize = 20;
+/// Custom checkout fields per product.
+pub const MAX_CUSTOM_FIELDS: usize = 10;
+/// Custom field key length (keys are identifiers: letters, digits, `_`).
+pub const MAX_CUSTOM_FIELD_KEY_CHARS: usize = 64;
+/// Longest free trial: two years.
+pub const MAX_TRIAL_DAYS: u32 = 730;

@@ -7,6 +7,7 @@ use crate::ids::{EndpointId, MeterId, StoreId, TransactionId};
 use crate::ledger::{Account, Transaction};
 use crate::meter::Meter;
 use crate::mode::Mode;
+use crate::product::Product;
 use crate::usage::UsageEvent;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -51,6 +52,8 @@ pub enum Record {
     /// The final response of a request sent with an `idempotency-key`, so any node
     /// replays it (ARCHITECTURE.md "Idempotency keys").
     IdempotentResponse(IdempotentResponse),
+    /// A product's full state after a create, update, archive or unarchive.
+    ProductUpserted(Product),
     /// One atomic ledger step (see `tally.v1.CreditLedger`).
     CreditLedger {
         account: Option<Account>,
@@ -132,6 +135,9 @@ impl Record {
             Record::StoreCreated(s) => s.store_id.as_bytes().to_vec(),
             Record::CustomerUpserted(c) => c.store_id.as_bytes().to_vec(),
             Record::MeterUpserted(m) => m.store_id.as_bytes().to_vec(),
+            // With the store's meters, so "is this meter priced?" is decided in one
+            // log order with the meter's archive.
+            Record::ProductUpserted(p) => p.store_id.as_bytes().to_vec(),
             Record::MeterBackfill { store_id, .. } => store_id.as_bytes().to_vec(),
             // Ledger steps go with their store's control records, so the endpoints
             // subscribed when an event happens are decided in one log order.

@@ -8,16 +8,18 @@
 //! - [`tally_metering`]: meters, usage, stored events, backfills;
 //! - [`tally_ingest`]: the ingest gateway;
 //! - [`tally_ledger`]: credits accounts and transactions, the audit;
-//! - [`tally_notifications`]: webhook endpoints and deliveries.
+//! - [`tally_notifications`]: webhook endpoints and deliveries;
+//! - [`tally_billing`]: products (and, as they are built, checkouts, transactions,
+//!   subscriptions).
 //!
-//! A billing context joins the same way: its crate, its records dispatched in
-//! [`projector`], and its implementation of the ports other contexts own
-//! (metering's `Pricing`, answered by [`NoBilling`] until then).
+//! Metering and billing ask each other through ports (metering's `Pricing`,
+//! billing's `Meters`); the billing half is bound once both exist ([`BillingPort`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tally_billing::Billing;
 use tally_directory::Directory;
 use tally_domain::clock::Clock;
 use tally_domain::usage::CustomerRef;
@@ -31,6 +33,7 @@ use tokio::sync::watch;
 
 pub mod projector;
 
+pub use tally_billing::products;
 pub use tally_core::journal::APPLY_WAIT_TIMEOUT_MS;
 pub use tally_core::{
     codec, error, event_index, idempotency, ids, keys, metrics, outcome, overlay, pagination,
@@ -62,14 +65,44 @@ impl tally_ledger::AccountHolders for DirectoryPort {
     }
 }
 
-/// Metering's `Pricing` port until a billing context answers it: no product exists,
-/// so no meter is priced.
-#[derive(Debug)]
-pub struct NoBilling;
+/// Metering's `Pricing` port, answered by billing. Bound after both contexts are
+/// built (each needs the other's port); nothing asks before the engine is returned.
+/// It holds billing weakly: billing holds metering through its own port, and a
+/// strong link back would be a cycle that keeps the log and store open after the
+/// engine is dropped.
+#[derive(Debug, Default)]
+pub struct BillingPort(std::sync::OnceLock<std::sync::Weak<Billing>>);
 
-impl tally_metering::Pricing for NoBilling {
-    fn meter_priced_on_active_product(&self, _: &Scope, _: &str) -> Result<bool, EngineError> {
-        Ok(false)
+impl tally_metering::Pricing for BillingPort {
+    fn meter_priced_on_active_product(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+    ) -> Result<bool, EngineError> {
+        match self.0.get().and_then(std::sync::Weak::upgrade) {
+            Some(billing) => billing.meter_priced_on_active_product(scope, meter_id),
+            None => Err(EngineError::Unavailable {
+                code: "not_ready",
+                message: "billing is not running (the engine is shutting down)",
+            }),
+        }
+    }
+}
+
+/// Billing's `Meters` port, answered by metering.
+struct MeteringPort(Arc<Metering>);
+
+impl tally_billing::Meters for MeteringPort {
+    fn meter_status(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+    ) -> Result<Option<tally_domain::meter::MeterStatus>, EngineError> {
+        match self.0.get_meter(scope, meter_id) {
+            Ok(meter) => Ok(Some(meter.status)),
+            Err(EngineError::NotFound { .. }) => Ok(None),
+            Err(error) => Err(error),
+        }
     }
 }
 
@@ -80,6 +113,7 @@ pub struct Engine {
     gateway: Gateway,
     ledger: Ledger,
     notifications: Arc<Notifications>,
+    billing: Arc<Billing>,
     projection: projector::StoreProjection,
 }
 
@@ -231,9 +265,17 @@ impl Engine {
         );
         let journal = Arc::new(Journal::new(log, store, clock, runtime));
         let directory = Arc::new(Directory::load(journal.clone())?);
-        let metering = Arc::new(Metering::load(journal.clone(), index, Arc::new(NoBilling))?);
+        let pricing = Arc::new(BillingPort::default());
+        let metering = Arc::new(Metering::load(journal.clone(), index, pricing.clone())?);
+        let billing = Arc::new(Billing::new(
+            journal.clone(),
+            Arc::new(MeteringPort(metering.clone())),
+        ));
+        // Bound once, here, before anything can ask.
+        let _ = pricing.0.set(Arc::downgrade(&billing));
         let port = Arc::new(DirectoryPort(directory.clone()));
         Ok(Arc::new(Engine {
+            billing,
             gateway: Gateway::new(journal.clone(), metering.clone(), port.clone()),
             ledger: Ledger::new(journal.clone(), port),
             notifications: Arc::new(Notifications::new(journal.clone())),
@@ -267,6 +309,11 @@ impl Engine {
     /// Credits accounts and transactions.
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+
+    /// Products.
+    pub fn billing(&self) -> &Billing {
+        &self.billing
     }
 
     /// Webhook endpoints and deliveries (shared with the dispatcher).

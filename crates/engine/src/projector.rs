@@ -376,6 +376,9 @@ fn apply_record(
         Record::MeterUpserted(meter) => {
             tally_metering::apply::apply_meter(overlay, meter, base, &mut applied.metering)?
         }
+        Record::ProductUpserted(product) => {
+            tally_billing::apply::apply_product(overlay, product, base)?
+        }
         Record::UsageBatch {
             store_id,
             mode,

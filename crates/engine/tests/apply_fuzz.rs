@@ -20,6 +20,10 @@ use tally_domain::ledger::{
     MAX_BALANCE,
 };
 use tally_domain::meter::{Aggregation, Meter, MeterFilter, MeterStatus};
+use tally_domain::product::{
+    BillingPeriod, BillingType, Product, ProductStatus, SettlementMode, TargetAccount, TaxCategory,
+    TaxMode, TrialUsageMode, UsagePrice,
+};
 use tally_domain::record::{IdempotentResponse, Record, RecordMeta, RequestKey};
 use tally_domain::usage::{PropertyValue, UsageEvent};
 use tally_domain::Mode;
@@ -57,6 +61,13 @@ enum Op {
         id: u8,
         name: u8,
         aggregation: u8,
+        archived: bool,
+    },
+    /// A product pricing some meters (ids up to 5: some never exist).
+    Product {
+        id: u8,
+        meters: Vec<u8>,
+        archived: bool,
     },
     Usage {
         customer: u8,
@@ -135,7 +146,10 @@ fn request_key(key: u8, fingerprint: u8) -> RequestKey {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         1 => (0u8..4, proptest::option::of(0u8..3)).prop_map(|(id, external)| Op::Customer { id, external }),
-        1 => (0u8..4, 0u8..3, 0u8..6).prop_map(|(id, name, aggregation)| Op::Meter { id, name, aggregation }),
+        1 => (0u8..4, 0u8..3, 0u8..6, proptest::bool::weighted(0.3))
+            .prop_map(|(id, name, aggregation, archived)| Op::Meter { id, name, aggregation, archived }),
+        1 => (0u8..3, proptest::collection::vec(0u8..6, 0..3), proptest::bool::weighted(0.3))
+            .prop_map(|(id, meters, archived)| Op::Product { id, meters, archived }),
         3 => (0u8..4, 0u8..8, decimal(), any::<bool>())
             .prop_map(|(customer, event, value, as_text)| Op::Usage { customer, event, value, as_text }),
         1 => (0u8..4, 0u8..2, decimal()).prop_map(|(account, name, initial)| Op::OpenAccount { account, name, initial }),
@@ -151,6 +165,53 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(key, fingerprint, status)| Op::Response { key, fingerprint, status }),
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
     ]
+}
+
+fn product(id: u8, meters: &[u8], archived: bool) -> Product {
+    let mut seen = std::collections::BTreeSet::new();
+    Product {
+        id: format!("prod_{id}").into(),
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        name: "p".into(),
+        description: None,
+        price: 100,
+        currency: "USD".into(),
+        billing_type: BillingType::Recurring,
+        billing_period: BillingPeriod::EveryMonth,
+        status: if archived {
+            ProductStatus::Archived
+        } else {
+            ProductStatus::Active
+        },
+        tax_mode: TaxMode::Exclusive,
+        tax_category: TaxCategory::Saas,
+        image_urls: Vec::new(),
+        features: Vec::new(),
+        usage_prices: meters
+            .iter()
+            .filter(|m| seen.insert(**m))
+            .map(|m| UsagePrice {
+                id: format!("uprc_{m}"),
+                meter_id: format!("mtr_{m}").into(),
+                unit_price: Decimal::ONE,
+                free_allowance: Decimal::ZERO,
+                cap: None,
+                settlement_mode: SettlementMode::Invoice,
+                target_account: TargetAccount::Customer,
+                target_account_name: "default".into(),
+                trial_usage_mode: TrialUsageMode::Free,
+            })
+            .collect(),
+        trial_period_days: None,
+        trial_price: None,
+        business_net_pricing: false,
+        product_url: None,
+        default_success_url: None,
+        custom_fields: Vec::new(),
+        created_at_ms: T0,
+        updated_at_ms: T0,
+    }
 }
 
 fn account(n: u8, name: u8, status: AccountStatus) -> Account {
@@ -255,7 +316,19 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 id,
                 name,
                 aggregation,
-            } => Record::MeterUpserted(meter(*id, *name, *aggregation)),
+                archived,
+            } => {
+                let mut meter = meter(*id, *name, *aggregation);
+                if *archived {
+                    meter.status = MeterStatus::Archived;
+                }
+                Record::MeterUpserted(meter)
+            }
+            Op::Product {
+                id,
+                meters,
+                archived,
+            } => Record::ProductUpserted(product(*id, meters, *archived)),
             Op::Usage {
                 customer,
                 event,
@@ -509,6 +582,35 @@ fn check_invariants(store: &MemoryStore) -> Result<(), TestCaseError> {
         "balances do not sum to zero: {:?}",
         balances
     );
+    // Spec part 3, decided in apply whatever the order: no active product prices a
+    // meter that is archived or does not exist.
+    let mut products = Vec::new();
+    scan_prefix(store, &[keys::PRODUCT], false, &mut |_, value| {
+        products.push(codec::decode_product(value).unwrap());
+        Visit::Continue
+    })
+    .unwrap();
+    for product in products
+        .iter()
+        .filter(|p| p.status == ProductStatus::Active)
+    {
+        for price in &product.usage_prices {
+            let key = keys::Key::scoped(keys::METER, STORE, Mode::Test).text(&price.meter_id);
+            let meter = store
+                .get(key.as_bytes())
+                .unwrap()
+                .map(|v| codec::decode_meter(&v).unwrap());
+            prop_assert!(
+                meter
+                    .as_ref()
+                    .is_some_and(|m| m.status == MeterStatus::Active),
+                "{} prices {} which is {:?}",
+                product.id,
+                price.meter_id,
+                meter.map(|m| m.status)
+            );
+        }
+    }
     Ok(())
 }
 

@@ -149,7 +149,7 @@ fn type_name(value: &Value) -> &'static str {
     }
 }
 
-fn wrong_type(param: &str, wanted: &str, value: &Value) -> FieldError {
+pub fn wrong_type(param: &str, wanted: &str, value: &Value) -> FieldError {
     FieldError::invalid(
         param,
         format!("`{param}` must be {wanted}, not {}", type_name(value)),

@@ -95,6 +95,7 @@ pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .merge(routes::customers::router())
         .merge(routes::meters::router())
+        .merge(routes::products::router())
         .merge(routes::events::router())
         .merge(routes::credits::router())
         .merge(routes::webhooks::router())

@@ -6,6 +6,7 @@ use rust_decimal::Decimal;
 use serde_json::{json, Map, Value};
 use tally_domain::customer::Customer;
 use tally_domain::meter::{FilterValue, Meter};
+use tally_domain::product::{CustomFieldType, Product};
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::{canonical_decimal, PropertyValue, UsageEvent};
 use tally_engine::ingest::{EventReport, Warning};
@@ -136,6 +137,75 @@ pub fn preview_report(r: &EventReport) -> Value {
             json!({"code": error.code, "message": error.message, "param": error.param});
     }
     value
+}
+
+/// A product (spec 2.5): money as integer minor units, quantities as JSON numbers.
+pub fn product(p: &Product) -> Value {
+    let (interval, interval_count) = match p.billing_period.interval() {
+        Some((interval, count)) => (Value::from(interval), Value::from(count)),
+        None => (Value::Null, Value::Null),
+    };
+    json!({
+        "id": p.id,
+        "object": "product",
+        "mode": p.mode.as_str(),
+        "name": p.name,
+        "description": p.description,
+        "price": p.price,
+        "currency": p.currency,
+        "billing_type": p.billing_type.as_str(),
+        "billing_period": p.billing_period.as_str(),
+        "status": p.status.as_str(),
+        "tax_mode": p.tax_mode.as_str(),
+        "tax_category": p.tax_category.as_str(),
+        "created_at": format_iso8601_ms(p.created_at_ms),
+        "updated_at": format_iso8601_ms(p.updated_at_ms),
+        "image_url": p.image_urls.first(),
+        "image_urls": p.image_urls,
+        "features": p.features.iter().map(|f| json!({
+            "id": f.id,
+            "type": f.feature_type.as_str(),
+            "description": f.description,
+            "customer_credits": f.customer_credits.as_ref().map(|c| json!({
+                "amount": canonical_decimal(c.amount),
+                "unit_label": c.unit_label,
+                "bucket_name": c.bucket_name,
+            })),
+        })).collect::<Vec<_>>(),
+        "usage_prices": p.usage_prices.iter().map(|u| json!({
+            "id": u.id,
+            "meter_id": u.meter_id,
+            "unit_price": decimal_number(u.unit_price),
+            "free_allowance": decimal_number(u.free_allowance),
+            "cap": u.cap.map(decimal_number),
+            "settlement_mode": u.settlement_mode.as_str(),
+            "target_account": u.target_account.as_str(),
+            "target_account_name": u.target_account_name,
+            "trial_usage_mode": u.trial_usage_mode.as_str(),
+        })).collect::<Vec<_>>(),
+        "recurring_interval": interval,
+        "recurring_interval_count": interval_count,
+        "trial_period_days": p.trial_period_days,
+        "trial_price": p.trial_price,
+        "business_net_pricing": p.business_net_pricing,
+        "product_url": p.product_url,
+        "default_success_url": p.default_success_url,
+        "custom_fields": p.custom_fields.iter().map(|c| json!({
+            "type": c.field_type.as_str(),
+            "key": c.key,
+            "label": c.label,
+            "optional": c.optional,
+            "text": (c.field_type == CustomFieldType::Text).then(|| json!({
+                "minimum_length": c.min_length,
+                "max_length": c.max_length,
+                "value": null,
+            })),
+            "checkbox": (c.field_type == CustomFieldType::Checkbox).then(|| json!({
+                "label": c.checkbox_label,
+                "value": null,
+            })),
+        })).collect::<Vec<_>>(),
+    })
 }
 
 pub fn list<T>(page: &Page<T>, render: impl Fn(&T) -> Value) -> Value {

@@ -14,7 +14,7 @@ use tally_core::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CU
 use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, Overlay, StoredRow};
 use tally_domain::aggregate::{contribution, Contribution};
 use tally_domain::ids::MeterId;
-use tally_domain::meter::{EventView, Meter};
+use tally_domain::meter::{EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
@@ -246,6 +246,18 @@ pub fn apply_meter(
         }
         Some(old) if old.name != meter.name => overlay.delete(name_key(&old.name)),
         Some(_) => {}
+    }
+    if meter.status == MeterStatus::Archived
+        && previous
+            .as_ref()
+            .is_some_and(|old| old.status != MeterStatus::Archived)
+    {
+        // Decided again in log order: a product may have priced the meter after the
+        // service looked (the `Z` index, which billing's apply keeps).
+        let priced = keys::meter_priced_prefix(store_id, mode, &meter.id);
+        if !overlay.first_entries(&priced, 1)?.is_empty() {
+            return Err(crate::meters::meter_in_use().into());
+        }
     }
     // The counting start belongs to backfills (applied in log order): an update
     // derived before one finished must not move it back.

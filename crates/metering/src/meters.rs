@@ -279,10 +279,7 @@ impl Metering {
                 if status == MeterStatus::Archived
                     && self.pricing.meter_priced_on_active_product(scope, id)?
                 {
-                    return Err(EngineError::conflict(
-                        "meter_in_use",
-                        "the meter is priced on a product that is still being sold; remove the usage charge or archive the product first",
-                    ));
+                    return Err(meter_in_use().into());
                 }
                 meter.status = status;
                 let base = self.journal.restamp(&mut meter.updated_at_ms);
@@ -382,4 +379,13 @@ impl Metering {
             },
         )
     }
+}
+
+/// 409 `meter_in_use` (spec part 3): decided by the service through the `Pricing`
+/// port and again by apply in log order.
+pub fn meter_in_use() -> tally_core::outcome::Outcome {
+    tally_core::outcome::Outcome::rejected(
+        "meter_in_use",
+        "the meter is priced on a product that is still being sold; remove the usage charge or archive the product first",
+    )
 }

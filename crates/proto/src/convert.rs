@@ -500,6 +500,9 @@ pub fn encode_record_with(
         Record::MeterUpserted(m) => Kind::MeterUpserted(v1::MeterUpserted {
             meter: Some(meter_to_proto(m)),
         }),
+        Record::ProductUpserted(p) => Kind::ProductUpserted(v1::ProductUpserted {
+            product: Some(crate::product_to_proto(p)),
+        }),
         Record::UsageBatch {
             store_id,
             mode,
@@ -599,6 +602,9 @@ pub fn decode_record(
         )?),
         Kind::MeterUpserted(m) => Record::MeterUpserted(meter_from_proto(
             m.meter.ok_or(DecodeError::BadField("meter"))?,
+        )?),
+        Kind::ProductUpserted(p) => Record::ProductUpserted(crate::product_from_proto(
+            p.product.ok_or(DecodeError::BadField("product"))?,
         )?),
         Kind::UsageBatch(b) => Record::UsageBatch {
             store_id: b.store_id.into(),

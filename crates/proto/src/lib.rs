@@ -8,6 +8,8 @@ pub mod v1 {
 }
 
 mod convert;
+mod product;
 
 pub use convert::*;
+pub use product::{product_from_proto, product_to_proto};
 pub use prost::Message;

@@ -6,4 +6,5 @@ pub mod customers;
 pub mod events;
 pub mod health;
 pub mod meters;
+pub mod products;
 pub mod webhooks;
