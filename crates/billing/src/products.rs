@@ -8,7 +8,7 @@ use tally_core::ids::new_id;
 use tally_core::journal::Update;
 use tally_core::keys::{self, ListingKey};
 use tally_core::outcome::Outcome;
-use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
+use tally_core::pagination::{cursor_from, paginate, Page, PageRequest, StatusFilter};
 use tally_core::Scope;
 use tally_domain::meter::MeterStatus;
 use tally_domain::product::{
@@ -20,14 +20,6 @@ use tally_projection::Visit;
 
 use crate::apply::product_key;
 use crate::Billing;
-
-/// Which products a list returns (`status=`), like meters: active by default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProductStatusFilter {
-    Active,
-    Archived,
-    All,
-}
 
 /// Fresh random ids for features and usage prices.
 struct RandomIds;
@@ -133,10 +125,12 @@ impl Billing {
         product: &Product,
         old: Option<&Product>,
     ) -> Result<(), EngineError> {
+        if product.status != ProductStatus::Active {
+            return Ok(());
+        }
         let already = old.map(Product::priced_meters).unwrap_or_default();
         for (i, price) in product.usage_prices.iter().enumerate() {
-            if product.status != ProductStatus::Active || already.contains(price.meter_id.as_str())
-            {
+            if already.contains(price.meter_id.as_str()) {
                 continue;
             }
             let param = format!("usage_prices[{i}].meter_id");
@@ -164,7 +158,7 @@ impl Billing {
     pub fn list_products(
         &self,
         scope: &Scope,
-        status: ProductStatusFilter,
+        status: StatusFilter,
         page: &PageRequest,
     ) -> Result<Page<Product>, EngineError> {
         let prefix = ListingKey::prefix(keys::PRODUCT_LIST, &scope.store_id, scope.mode, None);
@@ -187,12 +181,9 @@ impl Billing {
             |key, _| {
                 let id = ListingKey::id_in(&prefix, key)?;
                 let product = self.get_product(scope, id)?;
-                let keep = match status {
-                    ProductStatusFilter::All => true,
-                    ProductStatusFilter::Active => product.status == ProductStatus::Active,
-                    ProductStatusFilter::Archived => product.status == ProductStatus::Archived,
-                };
-                Ok(keep.then_some(product))
+                Ok(status
+                    .keeps(product.status == ProductStatus::Active)
+                    .then_some(product))
             },
         )
     }

@@ -15,6 +15,37 @@ pub struct PageRequest {
     pub ending_before: Option<String>,
 }
 
+/// Which items of a resource that can be archived a list returns (`status=`):
+/// active ones by default (docs/api.md, "Lists").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StatusFilter {
+    #[default]
+    Active,
+    Archived,
+    All,
+}
+
+impl StatusFilter {
+    /// The `status` query value; `None` when it names no filter.
+    pub fn parse(text: &str) -> Option<StatusFilter> {
+        match text {
+            "active" => Some(StatusFilter::Active),
+            "archived" => Some(StatusFilter::Archived),
+            "all" => Some(StatusFilter::All),
+            _ => None,
+        }
+    }
+
+    /// Whether an item, active or not, is listed.
+    pub fn keeps(self, active: bool) -> bool {
+        match self {
+            StatusFilter::All => true,
+            StatusFilter::Active => active,
+            StatusFilter::Archived => !active,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Page<T> {
     pub data: Vec<T>,

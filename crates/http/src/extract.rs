@@ -149,7 +149,7 @@ fn type_name(value: &Value) -> &'static str {
     }
 }
 
-pub fn wrong_type(param: &str, wanted: &str, value: &Value) -> FieldError {
+fn wrong_type(param: &str, wanted: &str, value: &Value) -> FieldError {
     FieldError::invalid(
         param,
         format!("`{param}` must be {wanted}, not {}", type_name(value)),
@@ -191,6 +191,108 @@ impl<'a> Fields<'a> {
             Some(Value::Null) => Ok(Patch::Clear),
             Some(Value::String(s)) => Ok(Patch::Set(s.clone())),
             Some(other) => Err(wrong_type(name, "a string", other)),
+        }
+    }
+
+    /// A boolean; absent or null reads as `None`.
+    pub fn boolean(&self, name: &str) -> Result<Option<bool>, FieldError> {
+        match self.map.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => Err(wrong_type(name, "a boolean", other)),
+        }
+    }
+
+    /// For updates: a boolean, null clears, absent keeps.
+    pub fn patch_boolean(&self, name: &str) -> Result<Patch<bool>, FieldError> {
+        match self.map.get(name) {
+            None => Ok(Patch::Keep),
+            Some(Value::Null) => Ok(Patch::Clear),
+            Some(Value::Bool(b)) => Ok(Patch::Set(*b)),
+            Some(other) => Err(wrong_type(name, "a boolean", other)),
+        }
+    }
+
+    /// For updates: a number as its exact text (money and quantities never pass
+    /// through a float); `strings` also takes decimal strings, as credits are sent.
+    pub fn patch_number(&self, name: &str, strings: bool) -> Result<Patch<String>, FieldError> {
+        match self.map.get(name) {
+            None => Ok(Patch::Keep),
+            Some(Value::Null) => Ok(Patch::Clear),
+            Some(Value::Number(n)) => Ok(Patch::Set(number_text(n))),
+            Some(Value::String(s)) if strings => Ok(Patch::Set(s.clone())),
+            Some(other) => Err(wrong_type(name, "a number", other)),
+        }
+    }
+
+    /// A decimal quantity (a number or a decimal string) as its exact text.
+    pub fn quantity(&self, name: &str) -> Result<Option<String>, FieldError> {
+        Ok(match self.patch_number(name, true)? {
+            Patch::Set(text) => Some(text),
+            Patch::Keep | Patch::Clear => None,
+        })
+    }
+
+    /// A non-negative integer that fits `u32`.
+    pub fn small_uint(&self, name: &str) -> Result<Option<u32>, FieldError> {
+        match self.patch_number(name, false)? {
+            Patch::Set(text) => text.parse::<u32>().map(Some).map_err(|_| {
+                FieldError::invalid(name, format!("`{name}` must be a non-negative integer"))
+            }),
+            Patch::Keep | Patch::Clear => Ok(None),
+        }
+    }
+
+    /// An object field, for reading nested fields; absent or null reads as `None`.
+    pub fn object(&self, name: &str) -> Result<Option<Fields<'a>>, FieldError> {
+        match self.map.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(map)) => Ok(Some(Fields::new(map))),
+            Some(other) => Err(wrong_type(name, "an object", other)),
+        }
+    }
+
+    /// For updates: an array of objects, each read by `read` (whose errors are
+    /// named under `name[i]`).
+    pub fn patch_objects<T>(
+        &self,
+        name: &str,
+        read: impl Fn(Fields<'a>) -> Result<T, FieldError>,
+    ) -> Result<Patch<Vec<T>>, FieldError> {
+        match self.map.get(name) {
+            None => Ok(Patch::Keep),
+            Some(Value::Null) => Ok(Patch::Clear),
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    let path = format!("{name}[{i}]");
+                    match item {
+                        Value::Object(map) => read(Fields::new(map)).map_err(|e| e.under(&path)),
+                        other => Err(wrong_type(&path, "an object", other)),
+                    }
+                })
+                .collect::<Result<Vec<T>, _>>()
+                .map(Patch::Set),
+            Some(other) => Err(wrong_type(name, "an array", other)),
+        }
+    }
+
+    /// For updates: an array of strings.
+    pub fn patch_strings(&self, name: &str) -> Result<Patch<Vec<String>>, FieldError> {
+        match self.map.get(name) {
+            None => Ok(Patch::Keep),
+            Some(Value::Null) => Ok(Patch::Clear),
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(wrong_type(&format!("{name}[{i}]"), "a string", other)),
+                })
+                .collect::<Result<_, _>>()
+                .map(Patch::Set),
+            Some(other) => Err(wrong_type(name, "an array", other)),
         }
     }
 
@@ -266,6 +368,18 @@ pub fn page_request(
         starting_after: cursor("starting_after")?,
         ending_before: cursor("ending_before")?,
     })
+}
+
+/// The `status` filter of lists of archivable resources (default `active`).
+pub fn status_filter(
+    query: &QueryParams,
+) -> Result<tally_engine::pagination::StatusFilter, FieldError> {
+    match query.get("status") {
+        None => Ok(Default::default()),
+        Some(text) => tally_engine::pagination::StatusFilter::parse(text).ok_or_else(|| {
+            FieldError::invalid("status", "`status` must be active, archived or all")
+        }),
+    }
 }
 
 /// Converts a JSON number to its exact text (serde_json keeps it with

@@ -12,17 +12,10 @@ use tally_core::ids::new_id;
 use tally_core::journal::Update;
 use tally_core::keys::{self, Key, ListingKey};
 use tally_core::outcome::Outcome;
-use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
+use tally_core::pagination::{cursor_from, paginate, Page, PageRequest, StatusFilter};
 use tally_core::Scope;
 
 use crate::Metering;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MeterStatusFilter {
-    Active,
-    Archived,
-    All,
-}
 
 /// An update as the edge parsed it: only `name` and `unit_label` may change.
 #[derive(Debug, Clone, Default)]
@@ -347,7 +340,7 @@ impl Metering {
     pub fn list_meters(
         &self,
         scope: &Scope,
-        status: MeterStatusFilter,
+        status: StatusFilter,
         page: &PageRequest,
     ) -> Result<Page<Meter>, EngineError> {
         let prefix = ListingKey::prefix(keys::METER_LIST, &scope.store_id, scope.mode, None);
@@ -370,12 +363,9 @@ impl Metering {
             |key, _| {
                 let id = ListingKey::id_in(&prefix, key)?;
                 let meter = self.get_meter(scope, id)?;
-                let keep = match status {
-                    MeterStatusFilter::All => true,
-                    MeterStatusFilter::Active => meter.status == MeterStatus::Active,
-                    MeterStatusFilter::Archived => meter.status == MeterStatus::Archived,
-                };
-                Ok(keep.then_some(meter))
+                Ok(status
+                    .keeps(meter.status == MeterStatus::Active)
+                    .then_some(meter))
             },
         )
     }

@@ -10,13 +10,14 @@ use tally_domain::meter::{
 use tally_domain::time::Window;
 use tally_domain::usage::parse_decimal;
 use tally_domain::FieldError;
-use tally_engine::meters::{MeterStatusFilter, MeterUpdate, IMMUTABLE_METER_FIELDS};
+use tally_engine::meters::{MeterUpdate, IMMUTABLE_METER_FIELDS};
 use tally_engine::usage::UsageQuery;
 use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{
-    number_text, page_request, parse_instant, Fields, JsonObject, PathId, QueryParams,
+    number_text, page_request, parse_instant, status_filter, Fields, JsonObject, PathId,
+    QueryParams,
 };
 use crate::{wire, AppState};
 
@@ -161,21 +162,11 @@ pub async fn list(
     Extension(scope): Extension<Scope>,
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
-    let status = match query.get("status") {
-        None | Some("active") => MeterStatusFilter::Active,
-        Some("archived") => MeterStatusFilter::Archived,
-        Some("all") => MeterStatusFilter::All,
-        Some(_) => {
-            return Err(ApiError::invalid_param(
-                "status",
-                "`status` must be active, archived or all",
-            ))
-        }
-    };
-    let page = state
-        .engine
-        .metering()
-        .list_meters(&scope, status, &page_request(&query)?)?;
+    let page = state.engine.metering().list_meters(
+        &scope,
+        status_filter(&query)?,
+        &page_request(&query)?,
+    )?;
     Ok(Json(wire::list(&page, wire::meter)))
 }
 
