@@ -1,14 +1,24 @@
-//! Billing's apply: products folded into the projection in log order. Whether a
-//! priced meter exists and is active is decided here (the service's check is a fast
-//! path; ARCHITECTURE.md, "Decisions in apply"), and so is the `Z` index metering's
-//! apply reads to refuse archiving a priced meter.
+//! Billing's apply: products, discounts, checkouts, payments, refunds and disputes
+//! folded into the projection in log order. Every rule that guards money is decided
+//! here (the services' checks are fast paths; ARCHITECTURE.md, "Decisions in
+//! apply"): a priced meter exists and is active, a discount code is unique and not
+//! redeemed past its limit, a checkout is paid once, a refund fits what is left. The
+//! `Z` index metering's apply reads to refuse archiving a priced meter is kept here.
 
+use rust_decimal::Decimal;
 use tally_core::codec;
 use tally_core::keys::{self, Key, ListingKey};
-use tally_core::outcome::check_base;
+use tally_core::outcome::{check_base, Outcome};
 use tally_core::overlay::{ApplyError, Overlay};
+use tally_domain::billing::{
+    check_sold, Checkout, CheckoutStatus, Discount, Dispute, Payment, PaymentType,
+    SubscriptionStatus,
+};
 use tally_domain::meter::MeterStatus;
 use tally_domain::product::Product;
+use tally_domain::record::{BillingEvent, BillingObject, CheckoutCompletion};
+use tally_domain::usage::canonical_decimal;
+use tally_domain::{FieldError, Mode};
 
 use crate::products::{meter_missing, meter_not_active};
 
@@ -100,4 +110,359 @@ pub fn priced_key(
     key.extend_from_slice(product_id.as_bytes());
     key.push(0);
     key
+}
+
+/// A rule of the domain broken in log order: refused with its code and field.
+fn refused(error: FieldError) -> ApplyError {
+    let param = error.param.clone();
+    Outcome::rejected(error.code, error.message)
+        .with_param(&param)
+        .into()
+}
+
+fn missing(resource: &str, id: &str, param: &str) -> ApplyError {
+    Outcome::rejected("resource_missing", format!("no {resource} '{id}'"))
+        .with_param(param)
+        .into()
+}
+
+pub fn discount_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
+    Key::scoped(keys::DISCOUNT, store_id, mode)
+        .text(id)
+        .into_bytes()
+}
+
+pub fn discount_code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
+    Key::scoped(keys::DISCOUNT_CODE, store_id, mode)
+        .text(code)
+        .into_bytes()
+}
+
+pub fn checkout_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
+    Key::scoped(keys::CHECKOUT, store_id, mode)
+        .text(id)
+        .into_bytes()
+}
+
+pub fn payment_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
+    Key::scoped(keys::PAYMENT, store_id, mode)
+        .text(id)
+        .into_bytes()
+}
+
+pub fn subscription_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
+    Key::scoped(keys::SUBSCRIPTION, store_id, mode)
+        .text(id)
+        .into_bytes()
+}
+
+pub fn dispute_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
+    Key::scoped(keys::DISPUTE, store_id, mode)
+        .text(id)
+        .into_bytes()
+}
+
+pub fn tax_rate_key(store_id: &str, mode: Mode, country: &str) -> Vec<u8> {
+    Key::scoped(keys::TAX_RATE, store_id, mode)
+        .text(country)
+        .into_bytes()
+}
+
+/// 409 `discount_code_taken`: a code names one discount of a store and environment,
+/// for good (a deleted discount keeps its code, so old receipts stay unambiguous).
+pub fn discount_code_taken(code: &str) -> Outcome {
+    Outcome::rejected(
+        "discount_code_taken",
+        format!("the discount code '{code}' is already used in this store and environment"),
+    )
+    .with_param("code")
+}
+
+/// A discount, created, updated or deleted; its code is decided unique here.
+pub fn apply_discount(
+    overlay: &mut Overlay<'_>,
+    discount: &Discount,
+    base_updated_at_ms: Option<i64>,
+) -> Result<(), ApplyError> {
+    let (store_id, mode) = (&discount.store_id, discount.mode);
+    let key = discount_key(store_id, mode, &discount.id);
+    let previous = overlay
+        .get(&key)?
+        .map(|b| codec::decode_discount(&b))
+        .transpose()?;
+    check_base(
+        base_updated_at_ms,
+        previous.as_ref().map(|d| d.updated_at_ms),
+    )?;
+    match &previous {
+        Some(old) if old.code != discount.code => {
+            return Err(
+                Outcome::rejected("parameter_invalid", "a discount's code cannot change")
+                    .with_param("code")
+                    .into(),
+            )
+        }
+        Some(_) => {}
+        None => {
+            let code_key = discount_code_key(store_id, mode, &discount.code);
+            if overlay.get(&code_key)?.is_some() {
+                return Err(discount_code_taken(&discount.code).into());
+            }
+            overlay.put(code_key, discount.id.as_bytes().to_vec());
+            overlay.put(
+                ListingKey::entry(
+                    keys::DISCOUNT_LIST,
+                    store_id,
+                    mode,
+                    None,
+                    discount.created_at_ms,
+                    &discount.id,
+                ),
+                Vec::new(),
+            );
+        }
+    }
+    overlay.put(key, codec::encode_discount(discount));
+    Ok(())
+}
+
+/// A new checkout: nothing to decide (completion decides).
+pub fn apply_checkout_created(
+    overlay: &mut Overlay<'_>,
+    checkout: &Checkout,
+) -> Result<(), ApplyError> {
+    let key = checkout_key(&checkout.store_id, checkout.mode, &checkout.id);
+    if overlay.get(&key)?.is_some() {
+        return Err(Outcome::rejected("resource_changed", "the checkout exists already").into());
+    }
+    overlay.put(key, codec::encode_checkout(checkout));
+    Ok(())
+}
+
+fn put_payment(overlay: &mut Overlay<'_>, payment: &Payment, new: bool) {
+    let (store_id, mode) = (&payment.store_id, payment.mode);
+    if new {
+        let at = payment.created_at_ms;
+        overlay.put(
+            ListingKey::entry(keys::PAYMENT_LIST, store_id, mode, None, at, &payment.id),
+            Vec::new(),
+        );
+        overlay.put(
+            ListingKey::entry(
+                keys::PAYMENT_BY_CUSTOMER,
+                store_id,
+                mode,
+                Some(&payment.customer_id),
+                at,
+                &payment.id,
+            ),
+            Vec::new(),
+        );
+        if let Some(subscription) = &payment.subscription_id {
+            overlay.put(
+                ListingKey::entry(
+                    keys::PAYMENT_BY_SUBSCRIPTION,
+                    store_id,
+                    mode,
+                    Some(subscription),
+                    at,
+                    &payment.id,
+                ),
+                Vec::new(),
+            );
+        }
+    }
+    overlay.put(
+        payment_key(store_id, mode, &payment.id),
+        codec::encode_payment(payment),
+    );
+}
+
+/// The ids of the events of one object: derived, so a replay emits the same ones.
+fn event(event_type: &str, at_ms: i64, object: BillingObject, object_id: &str) -> BillingEvent {
+    BillingEvent {
+        id: format!("evt_{object_id}_{}", event_type.replace('.', "_")),
+        event_type: event_type.to_string(),
+        created_at_ms: at_ms,
+        object,
+    }
+}
+
+fn put_events(overlay: &mut Overlay<'_>, store_id: &str, mode: Mode, events: &[BillingEvent]) {
+    for e in events {
+        overlay.put(event_key(store_id, mode, e), codec::encode_billing_event(e));
+    }
+}
+
+/// Where a billing event's snapshot is stored (table `E`).
+pub fn event_key(store_id: &str, mode: Mode, event: &BillingEvent) -> Vec<u8> {
+    Key::scoped(keys::BILLING_EVENT, store_id, mode)
+        .int(event.created_at_ms)
+        .text(&event.id)
+        .into_bytes()
+}
+
+/// A checkout paid: decided here, in log order, that it is still open (a second
+/// completion is a repeat: `SameAs` the checkout, nothing charged twice), that its
+/// product is still sold, and that its discount is still redeemable at the record's
+/// time (so `redeem_count` never passes `max_redemptions`, whatever the concurrency).
+/// Returns the events to deliver.
+pub fn apply_checkout_completed(
+    overlay: &mut Overlay<'_>,
+    completion: &CheckoutCompletion,
+    recorded_at_ms: i64,
+) -> Result<Vec<BillingEvent>, ApplyError> {
+    let done = &completion.checkout;
+    let (store_id, mode) = (&done.store_id, done.mode);
+    let key = checkout_key(store_id, mode, &done.id);
+    let Some(bytes) = overlay.get(&key)? else {
+        return Err(missing("checkout", &done.id, "id"));
+    };
+    let open = codec::decode_checkout(&bytes)?;
+    if open.status == CheckoutStatus::Completed {
+        return Err(Outcome::SameAs {
+            id: open.id.to_string(),
+        }
+        .into());
+    }
+    let Some(bytes) = overlay.get(&product_key(store_id, mode, &open.product_id))? else {
+        return Err(missing("product", &open.product_id, "product_id"));
+    };
+    let product = codec::decode_product(&bytes)?;
+    check_sold(&product).map_err(refused)?;
+    if let Some(discount_id) = &open.discount_id {
+        let key = discount_key(store_id, mode, discount_id);
+        let Some(bytes) = overlay.get(&key)? else {
+            return Err(missing("discount", discount_id, "discount_code"));
+        };
+        let mut discount = codec::decode_discount(&bytes)?;
+        discount
+            .check_redeemable(recorded_at_ms, &product)
+            .map_err(refused)?;
+        discount.redeem_count = discount.redeem_count.saturating_add(1);
+        discount.updated_at_ms = discount.updated_at_ms.max(recorded_at_ms);
+        overlay.put(key, codec::encode_discount(&discount));
+    }
+    overlay.put(key, codec::encode_checkout(done));
+    put_payment(overlay, &completion.payment, true);
+    let at = done.completed_at_ms.unwrap_or(recorded_at_ms);
+    let mut events = vec![event(
+        "checkout.completed",
+        at,
+        BillingObject::Checkout(done.clone()),
+        &done.id,
+    )];
+    if let Some(subscription) = &completion.subscription {
+        overlay.put(
+            subscription_key(store_id, mode, &subscription.id),
+            codec::encode_subscription(subscription),
+        );
+        let object = || BillingObject::Subscription(subscription.clone());
+        if subscription.status == SubscriptionStatus::Trialing {
+            events.push(event(
+                "subscription.trialing",
+                at,
+                object(),
+                &subscription.id,
+            ));
+        } else {
+            events.push(event("subscription.active", at, object(), &subscription.id));
+            events.push(event("subscription.paid", at, object(), &subscription.id));
+        }
+    }
+    put_events(overlay, store_id, mode, &events);
+    Ok(events)
+}
+
+/// A refund: decided here that what it takes is still left on its payment.
+pub fn apply_refund(
+    overlay: &mut Overlay<'_>,
+    refund: &Payment,
+) -> Result<Vec<BillingEvent>, ApplyError> {
+    let (store_id, mode) = (&refund.store_id, refund.mode);
+    let Some(original_id) = &refund.refund_of else {
+        return Err(missing("transaction", "", "transaction_id"));
+    };
+    let key = payment_key(store_id, mode, original_id);
+    let Some(bytes) = overlay.get(&key)? else {
+        return Err(missing("transaction", original_id, "transaction_id"));
+    };
+    let mut original = codec::decode_payment(&bytes)?;
+    original.check_refund(refund.amount).map_err(refused)?;
+    original.take_refund(refund.amount, refund.created_at_ms);
+    put_payment(overlay, &original, false);
+    put_payment(overlay, refund, true);
+    let events = vec![event(
+        "refund.created",
+        refund.created_at_ms,
+        BillingObject::Payment(refund.clone()),
+        &refund.id,
+    )];
+    put_events(overlay, store_id, mode, &events);
+    Ok(events)
+}
+
+/// A dispute: one per payment, on a payment (not a refund).
+pub fn apply_dispute(
+    overlay: &mut Overlay<'_>,
+    dispute: &Dispute,
+) -> Result<Vec<BillingEvent>, ApplyError> {
+    let (store_id, mode) = (&dispute.store_id, dispute.mode);
+    let key = payment_key(store_id, mode, &dispute.transaction_id);
+    let Some(bytes) = overlay.get(&key)? else {
+        return Err(missing(
+            "transaction",
+            &dispute.transaction_id,
+            "transaction_id",
+        ));
+    };
+    let mut payment = codec::decode_payment(&bytes)?;
+    if payment.disputed {
+        return Err(Outcome::rejected(
+            "dispute_exists",
+            format!("transaction '{}' is already disputed", payment.id),
+        )
+        .with_param("transaction_id")
+        .into());
+    }
+    if payment.payment_type != PaymentType::Payment {
+        return Err(Outcome::rejected(
+            "transaction_not_disputable",
+            format!(
+                "transaction '{}' is a refund; only payments are disputed",
+                payment.id
+            ),
+        )
+        .with_param("transaction_id")
+        .into());
+    }
+    payment.disputed = true;
+    payment.updated_at_ms = payment.updated_at_ms.max(dispute.created_at_ms);
+    put_payment(overlay, &payment, false);
+    overlay.put(
+        dispute_key(store_id, mode, &dispute.id),
+        codec::encode_dispute(dispute),
+    );
+    let events = vec![event(
+        "dispute.created",
+        dispute.created_at_ms,
+        BillingObject::Dispute(dispute.clone()),
+        &dispute.id,
+    )];
+    put_events(overlay, store_id, mode, &events);
+    Ok(events)
+}
+
+/// A store's tax rate for a country.
+pub fn apply_tax_rate(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    country: &str,
+    rate: Decimal,
+) {
+    overlay.put(
+        tax_rate_key(store_id, mode, country),
+        canonical_decimal(rate).into_bytes(),
+    );
 }

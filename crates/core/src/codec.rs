@@ -22,6 +22,68 @@ pub fn decode_product(bytes: &[u8]) -> Result<tally_domain::product::Product, En
     tally_proto::product_from_proto(v1::Product::decode(bytes).map_err(corrupt)?).map_err(corrupt)
 }
 
+/// One encode/decode pair per billing resource (all protobuf, via tally-proto).
+macro_rules! proto_codec {
+    ($encode:ident, $decode:ident, $ty:ty, $to:path, $from:path, $msg:ty) => {
+        pub fn $encode(value: &$ty) -> Vec<u8> {
+            $to(value).encode_to_vec()
+        }
+
+        pub fn $decode(bytes: &[u8]) -> Result<$ty, EngineError> {
+            $from(<$msg>::decode(bytes).map_err(corrupt)?).map_err(corrupt)
+        }
+    };
+}
+
+proto_codec!(
+    encode_discount,
+    decode_discount,
+    tally_domain::billing::Discount,
+    tally_proto::discount_to_proto,
+    tally_proto::discount_from_proto,
+    v1::Discount
+);
+proto_codec!(
+    encode_checkout,
+    decode_checkout,
+    tally_domain::billing::Checkout,
+    tally_proto::checkout_to_proto,
+    tally_proto::checkout_from_proto,
+    v1::Checkout
+);
+proto_codec!(
+    encode_payment,
+    decode_payment,
+    tally_domain::billing::Payment,
+    tally_proto::payment_to_proto,
+    tally_proto::payment_from_proto,
+    v1::Payment
+);
+proto_codec!(
+    encode_subscription,
+    decode_subscription,
+    tally_domain::billing::Subscription,
+    tally_proto::subscription_to_proto,
+    tally_proto::subscription_from_proto,
+    v1::Subscription
+);
+proto_codec!(
+    encode_dispute,
+    decode_dispute,
+    tally_domain::billing::Dispute,
+    tally_proto::dispute_to_proto,
+    tally_proto::dispute_from_proto,
+    v1::Dispute
+);
+proto_codec!(
+    encode_billing_event,
+    decode_billing_event,
+    tally_domain::record::BillingEvent,
+    tally_proto::billing_event_to_proto,
+    tally_proto::billing_event_from_proto,
+    v1::BillingEvent
+);
+
 pub fn decode_customer(bytes: &[u8]) -> Result<Customer, EngineError> {
     tally_proto::customer_from_proto(v1::Customer::decode(bytes).map_err(corrupt)?).map_err(corrupt)
 }

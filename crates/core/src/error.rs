@@ -23,6 +23,9 @@ pub enum EngineError {
         param: Option<String>,
         archived_holder_id: Option<String>,
     },
+    /// The card was declined (402, type `card_error`): nothing was charged or written.
+    #[error("{message}")]
+    CardDeclined { code: &'static str, message: String },
     /// The log refused or failed the append: nothing was written (503).
     #[error("the log is unavailable: {0}")]
     LogUnavailable(#[from] tally_log::LogError),

@@ -43,6 +43,18 @@
 //! | `R` | store, mode, product_id | product (protobuf) |
 //! | `p` | store, mode, created_at, product_id | (empty) product listing, newest first |
 //! | `Z` | store, mode, meter_id, product_id | (empty) the meter is priced on this active product |
+//! | `d` | store, mode, discount_id | Discount (proto) |
+//! | `e` | store, mode, code | discount_id (a code names one discount, deleted ones included) |
+//! | `f` | store, mode, created_at, discount_id | (empty) discount listing |
+//! | `o` | store, mode, checkout_id | Checkout (proto) |
+//! | `t` | store, mode, transaction_id | Payment (proto): payments and refunds |
+//! | `v` | store, mode, created_at, transaction_id | (empty) every payment and refund |
+//! | `x` | store, mode, customer_id, created_at, transaction_id | (empty) per customer |
+//! | `y` | store, mode, subscription_id, created_at, transaction_id | (empty) per subscription |
+//! | `s` | store, mode, subscription_id | Subscription (proto) |
+//! | `H` | store, mode, dispute_id | Dispute (proto) |
+//! | `E` | store, mode, created_at, event_id | BillingEvent (proto), for webhooks |
+//! | `g` | store, mode, country | tax rate in percent (decimal text) |
 
 use tally_domain::Mode;
 
@@ -88,6 +100,18 @@ pub const IDEMPOTENCY_EXPIRY: u8 = b'J';
 pub const PRODUCT: u8 = b'R';
 pub const PRODUCT_LIST: u8 = b'p';
 pub const METER_PRICED: u8 = b'Z';
+pub const DISCOUNT: u8 = b'd';
+pub const DISCOUNT_CODE: u8 = b'e';
+pub const DISCOUNT_LIST: u8 = b'f';
+pub const CHECKOUT: u8 = b'o';
+pub const PAYMENT: u8 = b't';
+pub const PAYMENT_LIST: u8 = b'v';
+pub const PAYMENT_BY_CUSTOMER: u8 = b'x';
+pub const PAYMENT_BY_SUBSCRIPTION: u8 = b'y';
+pub const SUBSCRIPTION: u8 = b's';
+pub const DISPUTE: u8 = b'H';
+pub const BILLING_EVENT: u8 = b'E';
+pub const TAX_RATE: u8 = b'g';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

@@ -22,6 +22,13 @@ pub const OUTCOME_CODES: &[&str] = &[
     "account_balance_changed",
     "amount_out_of_range",
     "apply_failed",
+    "discount_code_taken",
+    "discount_currency_mismatch",
+    "discount_exhausted",
+    "discount_expired",
+    "discount_not_active",
+    "discount_not_applicable",
+    "dispute_exists",
     "external_id_taken",
     "idempotency_key_in_use",
     "idempotency_key_reused",
@@ -30,14 +37,35 @@ pub const OUTCOME_CODES: &[&str] = &[
     "meter_limit_reached",
     "meter_name_taken",
     "meter_not_active",
+    "parameter_invalid",
+    "product_not_active",
     "record_format_unsupported",
     "record_undecodable",
+    "refund_exceeds_remaining",
     "resource_changed",
     "resource_missing",
     "transaction_already_reversed",
+    "transaction_not_disputable",
+    "transaction_not_refundable",
     "transaction_not_reversible",
     "transaction_unbalanced",
     "too_many_webhooks",
+];
+
+/// Outcome codes that are the caller's input no longer fitting (a discount redeemed
+/// to its limit meanwhile, a refund larger than what is left): answered 400, as the
+/// service's fast check would have; every other rejection is a 409 conflict.
+pub const INVALID_REQUEST_OUTCOMES: &[&str] = &[
+    "discount_currency_mismatch",
+    "discount_exhausted",
+    "discount_expired",
+    "discount_not_active",
+    "discount_not_applicable",
+    "parameter_invalid",
+    "product_not_active",
+    "refund_exceeds_remaining",
+    "transaction_not_disputable",
+    "transaction_not_refundable",
 ];
 
 /// What became of a record the projector did not apply as written.

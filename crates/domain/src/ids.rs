@@ -141,6 +141,27 @@ id_type!(
     ProductId
 );
 
+id_type!(
+    /// A discount: `disc_...`.
+    DiscountId
+);
+id_type!(
+    /// A checkout session: `chk_...`.
+    CheckoutId
+);
+id_type!(
+    /// A subscription: `sub_...`.
+    SubscriptionId
+);
+id_type!(
+    /// A payment or refund transaction of the billing context: `txn_...`.
+    PaymentId
+);
+id_type!(
+    /// A dispute: `dp_...`.
+    DisputeId
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

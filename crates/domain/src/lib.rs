@@ -4,7 +4,11 @@
 //! Nothing here does I/O, spawns tasks or reads the wall clock: time comes in through
 //! [`clock::Clock`], so renewals, retries and horizons are testable without sleeping.
 
+#[macro_use]
+mod macros;
+
 pub mod aggregate;
+pub mod billing;
 pub mod clock;
 pub mod customer;
 pub mod error;

@@ -68,3 +68,17 @@ pub const MAX_CUSTOM_FIELDS: usize = 10;
 pub const MAX_CUSTOM_FIELD_KEY_CHARS: usize = 64;
 /// Longest free trial: two years.
 pub const MAX_TRIAL_DAYS: u32 = 730;
+/// Discount code length: codes are typed by customers at checkout.
+pub const MAX_DISCOUNT_CODE_CHARS: usize = 64;
+/// Products a discount may be restricted to: each is checked at creation.
+pub const MAX_DISCOUNT_PRODUCTS: usize = 100;
+/// The most redemptions a discount may allow (counted exactly, as a u32).
+pub const MAX_DISCOUNT_REDEMPTIONS: u32 = 1_000_000_000;
+/// Longest `repeating` discount: ten years of monthly renewals.
+pub const MAX_DISCOUNT_MONTHS: u32 = 120;
+/// Units (seats) on one checkout: with `MAX_PRICE_MINOR` the total stays inside `i64`.
+pub const MAX_CHECKOUT_UNITS: i64 = 10_000;
+/// Refund and dispute reason length.
+pub const MAX_REASON_CHARS: usize = 500;
+/// A tax rate, in percent.
+pub const MAX_TAX_RATE_PERCENT: u32 = 100;

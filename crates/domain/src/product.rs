@@ -22,39 +22,6 @@ use crate::limits::{
 };
 use crate::mode::Mode;
 
-/// An enum of the wire with its names: `as_str`, `parse`, `ALL` and the message
-/// that lists the allowed values.
-macro_rules! wire_enum {
-    ($(#[$doc:meta])* $name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum $name { $($variant),+ }
-
-        impl $name {
-            pub const ALL: &'static [$name] = &[$($name::$variant),+];
-
-            pub fn as_str(self) -> &'static str {
-                match self { $($name::$variant => $text),+ }
-            }
-
-            pub fn parse(text: &str) -> Option<$name> {
-                $name::ALL.iter().copied().find(|v| v.as_str() == text)
-            }
-
-            /// Parses the value of field `param`, naming the allowed values on error.
-            pub fn parse_field(param: &str, text: &str) -> Result<$name, FieldError> {
-                $name::parse(text).ok_or_else(|| {
-                    let allowed: Vec<&str> = $name::ALL.iter().map(|v| v.as_str()).collect();
-                    FieldError::invalid(
-                        param,
-                        format!("`{param}` must be one of {}", allowed.join(", ")),
-                    )
-                })
-            }
-        }
-    };
-}
-
 wire_enum!(
     /// Whether a product renews.
     BillingType { Recurring => "recurring", Onetime => "onetime" }
@@ -564,7 +531,7 @@ pub fn parse_currency(text: &str) -> Result<String, FieldError> {
     }
 }
 
-fn check_url(param: &str, url: &str) -> Result<(), FieldError> {
+pub fn check_url(param: &str, url: &str) -> Result<(), FieldError> {
     let lower = url.to_ascii_lowercase();
     let ok = url.chars().count() <= MAX_URL_CHARS
         && (lower.starts_with("https://") || lower.starts_with("http://"))

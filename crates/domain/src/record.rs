@@ -2,6 +2,7 @@
 //! projections are folds over these. Records carry full resulting state (the whole
 //! meter after an update), so applying one never depends on reading the clock.
 
+use crate::billing::{Checkout, Discount, Dispute, Payment, Subscription};
 use crate::customer::Customer;
 use crate::ids::{EndpointId, MeterId, StoreId, TransactionId};
 use crate::ledger::{Account, Transaction};
@@ -60,6 +61,64 @@ pub enum Record {
         transaction: Option<Transaction>,
         events: Vec<LedgerEvent>,
     },
+    /// A discount's full state after a create, update or delete.
+    DiscountUpserted(Discount),
+    /// A new, open checkout.
+    CheckoutCreated(Checkout),
+    /// A paid checkout: apply decides whether it is still open and its discount still
+    /// redeemable, then writes all of it or none (docs/api.md, "Checkouts").
+    CheckoutCompleted(CheckoutCompletion),
+    /// A refund (a payment of type `refund`); apply decides it fits what is left.
+    RefundCreated(Payment),
+    /// A dispute opened on a payment (test mode).
+    DisputeOpened(Dispute),
+    /// A store's tax rate for one country (percent).
+    TaxRateSet {
+        store_id: StoreId,
+        mode: Mode,
+        country: String,
+        rate_percent: rust_decimal::Decimal,
+    },
+}
+
+/// What a checkout's completion writes: the checkout as completed, its payment and,
+/// for a recurring product, its subscription.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckoutCompletion {
+    pub checkout: Checkout,
+    pub payment: Payment,
+    pub subscription: Option<Subscription>,
+}
+
+/// The resource a billing event carries, as it was when the event happened.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BillingObject {
+    Checkout(Checkout),
+    Subscription(Subscription),
+    Payment(Payment),
+    Dispute(Dispute),
+}
+
+impl BillingObject {
+    /// The store and environment the object belongs to.
+    pub fn scope(&self) -> (&StoreId, Mode) {
+        match self {
+            BillingObject::Checkout(c) => (&c.store_id, c.mode),
+            BillingObject::Subscription(s) => (&s.store_id, s.mode),
+            BillingObject::Payment(p) => (&p.store_id, p.mode),
+            BillingObject::Dispute(d) => (&d.store_id, d.mode),
+        }
+    }
+}
+
+/// A webhook event of the billing context (ids derive from the record's, so a
+/// replay produces the same ones).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BillingEvent {
+    pub id: String,
+    pub event_type: String,
+    pub created_at_ms: i64,
+    pub object: BillingObject,
 }
 
 /// What travels beside a record in its log envelope.
@@ -156,6 +215,14 @@ impl Record {
             Record::WebhookEndpointDeleted { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::WebhookAttempt(a) => a.store_id.as_bytes().to_vec(),
             Record::IdempotentResponse(r) => r.partition_key.clone(),
+            // Billing goes with its store's products and endpoints: a discount's
+            // redemptions and a payment's refunds are decided in one order.
+            Record::DiscountUpserted(d) => d.store_id.as_bytes().to_vec(),
+            Record::CheckoutCreated(c) => c.store_id.as_bytes().to_vec(),
+            Record::CheckoutCompleted(c) => c.checkout.store_id.as_bytes().to_vec(),
+            Record::RefundCreated(p) => p.store_id.as_bytes().to_vec(),
+            Record::DisputeOpened(d) => d.store_id.as_bytes().to_vec(),
+            Record::TaxRateSet { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

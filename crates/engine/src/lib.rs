@@ -33,6 +33,7 @@ use tokio::sync::watch;
 
 pub mod projector;
 
+pub use tally_billing as billing;
 pub use tally_billing::products;
 pub use tally_core::journal::APPLY_WAIT_TIMEOUT_MS;
 pub use tally_core::{
@@ -86,6 +87,84 @@ impl tally_metering::Pricing for BillingPort {
                 message: "billing is not running (the engine is shutting down)",
             }),
         }
+    }
+}
+
+#[async_trait::async_trait]
+impl tally_billing::Customers for DirectoryPort {
+    fn customer_country(
+        &self,
+        scope: &Scope,
+        customer_id: &str,
+    ) -> Result<Option<Option<String>>, EngineError> {
+        match self.0.get_customer(scope, customer_id) {
+            Ok(customer) => Ok(Some(customer.country)),
+            Err(EngineError::NotFound { .. }) => Ok(None),
+            Err(error) => Err(error),
+        }
+    }
+
+    async fn create_customer(&self, scope: &Scope, email: &str) -> Result<String, EngineError> {
+        let input = tally_domain::customer::CustomerInput {
+            email: tally_domain::customer::Patch::Set(email.to_string()),
+            ..Default::default()
+        };
+        Ok(self.0.create_customer(scope, &input).await?.id.to_string())
+    }
+}
+
+/// Billing's `Credits` port, answered by the ledger: the customer's account of the
+/// grant's name (created when missing), credited once per grant key.
+struct LedgerPort(Ledger);
+
+#[async_trait::async_trait]
+impl tally_billing::Credits for LedgerPort {
+    async fn grant(
+        &self,
+        scope: &Scope,
+        grant: tally_billing::Grant<'_>,
+    ) -> Result<(), EngineError> {
+        let ledger = &self.0;
+        let account_id =
+            match ledger.account_id_by_name(scope, grant.customer_id, grant.account_name)? {
+                Some(id) => id,
+                None => {
+                    let input = tally_ledger::ledger::AccountInput {
+                        customer_id: Some(grant.customer_id.to_string()),
+                        name: Some(grant.account_name.to_string()),
+                        unit_label: Some(grant.unit_label.to_string()),
+                        initial_balance: None,
+                    };
+                    match ledger.create_account(scope, &input).await {
+                        Ok((account, _)) => account.id.to_string(),
+                        // Another grant created it meanwhile.
+                        Err(EngineError::Conflict {
+                            code: "account_name_taken",
+                            ..
+                        }) => ledger
+                            .account_id_by_name(scope, grant.customer_id, grant.account_name)?
+                            .ok_or_else(|| {
+                                EngineError::Corrupt("an account taken by name is missing".into())
+                            })?,
+                        Err(error) => return Err(error),
+                    }
+                }
+            };
+        let movement = tally_ledger::ledger::MovementInput {
+            amount: Some(tally_domain::usage::canonical_decimal(grant.amount)),
+            idempotency_key: Some(grant.key),
+            description: Some("granted by a checkout".into()),
+            metadata: Default::default(),
+        };
+        ledger
+            .move_credits(
+                scope,
+                &account_id,
+                tally_domain::ledger::TransactionKind::Credit,
+                &movement,
+            )
+            .await?;
+        Ok(())
     }
 }
 
@@ -267,13 +346,17 @@ impl Engine {
         let directory = Arc::new(Directory::load(journal.clone())?);
         let pricing = Arc::new(BillingPort::default());
         let metering = Arc::new(Metering::load(journal.clone(), index, pricing.clone())?);
+        let port = Arc::new(DirectoryPort(directory.clone()));
         let billing = Arc::new(Billing::new(
             journal.clone(),
-            Arc::new(MeteringPort(metering.clone())),
+            tally_billing::Ports {
+                meters: Arc::new(MeteringPort(metering.clone())),
+                customers: port.clone(),
+                credits: Arc::new(LedgerPort(Ledger::new(journal.clone(), port.clone()))),
+            },
         ));
         // Bound once, here, before anything can ask.
         let _ = pricing.0.set(Arc::downgrade(&billing));
-        let port = Arc::new(DirectoryPort(directory.clone()));
         Ok(Arc::new(Engine {
             billing,
             gateway: Gateway::new(journal.clone(), metering.clone(), port.clone()),

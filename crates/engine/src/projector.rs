@@ -379,6 +379,34 @@ fn apply_record(
         Record::ProductUpserted(product) => {
             tally_billing::apply::apply_product(overlay, product, base)?
         }
+        Record::DiscountUpserted(discount) => {
+            tally_billing::apply::apply_discount(overlay, discount, base)?
+        }
+        Record::CheckoutCreated(checkout) => {
+            tally_billing::apply::apply_checkout_created(overlay, checkout)?
+        }
+        Record::CheckoutCompleted(completion) => {
+            let events = tally_billing::apply::apply_checkout_completed(
+                overlay,
+                completion,
+                meta.recorded_at_ms,
+            )?;
+            schedule_billing_events(overlay, &events, entry.offset)?;
+        }
+        Record::RefundCreated(refund) => {
+            let events = tally_billing::apply::apply_refund(overlay, refund)?;
+            schedule_billing_events(overlay, &events, entry.offset)?;
+        }
+        Record::DisputeOpened(dispute) => {
+            let events = tally_billing::apply::apply_dispute(overlay, dispute)?;
+            schedule_billing_events(overlay, &events, entry.offset)?;
+        }
+        Record::TaxRateSet {
+            store_id,
+            mode,
+            country,
+            rate_percent,
+        } => tally_billing::apply::apply_tax_rate(overlay, store_id, *mode, country, *rate_percent),
         Record::UsageBatch {
             store_id,
             mode,
@@ -426,7 +454,11 @@ fn apply_record(
                 events,
                 base,
             )?;
-            tally_notifications::schedule_deliveries(overlay, &events, entry.offset)?;
+            let heads: Vec<_> = events
+                .iter()
+                .map(tally_notifications::EventHead::ledger)
+                .collect();
+            tally_notifications::schedule_deliveries(overlay, &heads, entry.offset)?;
         }
         Record::WebhookEndpointUpserted(endpoint) => {
             tally_notifications::apply_endpoint(overlay, endpoint, base)?
@@ -442,6 +474,29 @@ fn apply_record(
         }
     }
     Ok(())
+}
+
+/// Billing's events leave as data; the notifications context schedules them.
+fn schedule_billing_events(
+    overlay: &mut Overlay<'_>,
+    events: &[tally_domain::record::BillingEvent],
+    offset: u64,
+) -> Result<(), EngineError> {
+    let heads: Vec<_> = events
+        .iter()
+        .map(|event| {
+            let (store_id, mode) = event.object.scope();
+            tally_notifications::EventHead {
+                id: &event.id,
+                event_type: &event.event_type,
+                created_at_ms: event.created_at_ms,
+                store_id,
+                mode,
+                event_key: tally_billing::apply::event_key(store_id, mode, event),
+            }
+        })
+        .collect();
+    tally_notifications::schedule_deliveries(overlay, &heads, offset)
 }
 
 /// The projection over one store, as the runtime drives it (tally-runtime): decode,

@@ -25,6 +25,7 @@ impl ApiError {
     pub fn new(status: StatusCode, code: &str, message: impl Into<String>) -> ApiError {
         let error_type = match status.as_u16() {
             401 => "authentication_error",
+            402 => "card_error",
             403 => "permission_error",
             429 => "rate_limit_error",
             500..=599 => "api_error",
@@ -112,7 +113,12 @@ impl From<EngineError> for ApiError {
                 param,
                 archived_holder_id,
             } => {
-                let mut error = ApiError::new(StatusCode::CONFLICT, code, message);
+                let status = if tally_engine::outcome::INVALID_REQUEST_OUTCOMES.contains(&code) {
+                    StatusCode::BAD_REQUEST
+                } else {
+                    StatusCode::CONFLICT
+                };
+                let mut error = ApiError::new(status, code, message);
                 error.param = param;
                 if let Some(holder) = archived_holder_id {
                     let mut details = Map::new();
@@ -121,6 +127,10 @@ impl From<EngineError> for ApiError {
                     error.details = Some(details);
                 }
                 error
+            }
+            EngineError::CardDeclined { code, message } => {
+                ApiError::new(StatusCode::PAYMENT_REQUIRED, code, message)
+                    .with_param("card_number")
             }
             EngineError::LogUnavailable(tally_log::LogError::RecordTooLarge(bytes)) => {
                 ApiError::new(

@@ -227,9 +227,31 @@ impl<'a> Fields<'a> {
 
     /// A decimal quantity (a number or a decimal string) as its exact text.
     pub fn quantity(&self, name: &str) -> Result<Option<String>, FieldError> {
-        Ok(match self.patch_number(name, true)? {
+        self.number(name, true)
+    }
+
+    /// A number as its exact text (`strings`: a numeric string too); absent or
+    /// null reads as `None`.
+    pub fn number(&self, name: &str, strings: bool) -> Result<Option<String>, FieldError> {
+        Ok(match self.patch_number(name, strings)? {
             Patch::Set(text) => Some(text),
             Patch::Keep | Patch::Clear => None,
+        })
+    }
+
+    /// An array of strings; absent or null reads as `None`.
+    pub fn strings(&self, name: &str) -> Result<Option<Vec<String>>, FieldError> {
+        Ok(match self.patch_strings(name)? {
+            Patch::Set(list) => Some(list),
+            Patch::Keep | Patch::Clear => None,
+        })
+    }
+
+    /// Metadata; absent or null reads as empty.
+    pub fn metadata(&self, name: &str) -> Result<BTreeMap<String, String>, FieldError> {
+        Ok(match self.patch_metadata(name)? {
+            Patch::Set(map) => map,
+            Patch::Keep | Patch::Clear => BTreeMap::new(),
         })
     }
 

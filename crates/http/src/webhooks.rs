@@ -5,15 +5,17 @@
 use std::sync::Arc;
 
 use serde_json::json;
+use tally_domain::record::BillingObject;
 pub use tally_engine::dispatcher::{
     delivery_headers, Dispatcher, EventBodies, DELIVERY_TIMEOUT_MS, DISPATCH_BATCH,
     DISPATCH_POLL_MS, MAX_CONCURRENT_DELIVERIES, MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT,
 };
 use tally_engine::ledger::{TransactionView, EVENT_CREDITS_EXHAUSTED};
-use tally_engine::webhooks::Delivery;
+use tally_engine::webhooks::{Delivery, StoredEvent};
 use tally_engine::{Engine, EngineError, Scope};
 
 use crate::routes::credits::{account_json, transaction_json};
+use crate::wire;
 
 /// The exact JSON body of an event: `{id, eventType, created_at (ms), object}`. Built
 /// from immutable data (the event's snapshot and its transaction as created), so every
@@ -23,21 +25,37 @@ pub fn event_body(
     scope: &Scope,
     delivery: &Delivery,
 ) -> Result<String, EngineError> {
-    let event = engine.notifications().delivery_event(delivery)?;
-    let object = match &event.transaction_id {
-        Some(id) if event.event_type != EVENT_CREDITS_EXHAUSTED => {
-            let view = engine.ledger().get_transaction(scope, id)?;
-            transaction_json(&TransactionView {
-                transaction: view.transaction,
-                reversed_by: None,
-            })
-        }
-        _ => account_json(&event.account, event.balance),
-    };
+    let (id, event_type, created_at_ms, object) =
+        match engine.notifications().delivery_event(delivery)? {
+            StoredEvent::Ledger(event) => {
+                let object = match &event.transaction_id {
+                    Some(id) if event.event_type != EVENT_CREDITS_EXHAUSTED => {
+                        let view = engine.ledger().get_transaction(scope, id)?;
+                        transaction_json(&TransactionView {
+                            transaction: view.transaction,
+                            reversed_by: None,
+                        })
+                    }
+                    _ => account_json(&event.account, event.balance),
+                };
+                (event.id, event.event_type, event.created_at_ms, object)
+            }
+            // The resource as it was when the event happened (the customer of a
+            // subscription by id: it may change later, the body may not).
+            StoredEvent::Billing(event) => {
+                let object = match &event.object {
+                    BillingObject::Checkout(c) => wire::checkout(c),
+                    BillingObject::Subscription(s) => wire::subscription(s, None, None),
+                    BillingObject::Payment(p) => wire::transaction(p),
+                    BillingObject::Dispute(d) => wire::dispute(d),
+                };
+                (event.id, event.event_type, event.created_at_ms, object)
+            }
+        };
     Ok(json!({
-        "id": event.id,
-        "eventType": event.event_type,
-        "created_at": event.created_at_ms,
+        "id": id,
+        "eventType": event_type,
+        "created_at": created_at_ms,
         "object": object,
     })
     .to_string())

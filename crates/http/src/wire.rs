@@ -4,6 +4,7 @@
 
 use rust_decimal::Decimal;
 use serde_json::{json, Map, Value};
+use tally_domain::billing::{Checkout, Discount, DiscountType, Dispute, Payment, Subscription};
 use tally_domain::customer::Customer;
 use tally_domain::meter::{FilterValue, Meter};
 use tally_domain::product::{CustomFieldType, Product};
@@ -263,5 +264,156 @@ pub fn meter_preview(
         "events_scanned": scanned,
         "events_matched": matched,
         "truncated": truncated,
+    })
+}
+
+fn iso(ms: Option<i64>) -> Value {
+    ms.map_or(Value::Null, |ms| Value::from(format_iso8601_ms(ms)))
+}
+
+/// A discount: `amount` is the percent or the minor units; `percentage` repeats the
+/// percent for a `percentage` discount (docs/api.md, "Discounts").
+pub fn discount(d: &Discount, now_ms: i64) -> Value {
+    let percentage =
+        (d.discount_type == DiscountType::Percentage).then(|| decimal_number(d.amount));
+    json!({
+        "id": d.id,
+        "object": "discount",
+        "mode": d.mode.as_str(),
+        "status": d.status_at(now_ms).as_str(),
+        "name": d.name,
+        "code": d.code,
+        "type": d.discount_type.as_str(),
+        "amount": decimal_number(d.amount),
+        "currency": d.currency,
+        "percentage": percentage,
+        "starts_at": iso(d.starts_at_ms),
+        "expiry_date": iso(d.expires_at_ms),
+        "max_redemptions": d.max_redemptions,
+        "duration": d.duration.as_str(),
+        "duration_in_months": d.duration_in_months,
+        "applies_to_products": d.applies_to_products,
+        "redeem_count": d.redeem_count,
+        "created_at": format_iso8601_ms(d.created_at_ms),
+        "updated_at": format_iso8601_ms(d.updated_at_ms),
+    })
+}
+
+pub fn checkout(c: &Checkout) -> Value {
+    json!({
+        "id": c.id,
+        "object": "checkout",
+        "mode": c.mode.as_str(),
+        "status": c.status.as_str(),
+        "product_id": c.product_id,
+        "customer_id": c.customer_id,
+        "units": c.units,
+        "amount": c.amount,
+        "currency": c.currency,
+        "discount_id": c.discount_id,
+        "discount_code": c.discount_code,
+        "affiliate_code": c.affiliate_code,
+        "success_url": c.success_url,
+        "metadata": c.metadata,
+        "transaction_id": c.transaction_id,
+        "subscription_id": c.subscription_id,
+        "completed_at": iso(c.completed_at_ms),
+        "created_at": format_iso8601_ms(c.created_at_ms),
+        "updated_at": format_iso8601_ms(c.updated_at_ms),
+    })
+}
+
+/// A transaction: amounts in minor units, times in epoch milliseconds (as the
+/// webhook envelope's `created_at`).
+pub fn transaction(p: &Payment) -> Value {
+    json!({
+        "id": p.id,
+        "object": "transaction",
+        "mode": p.mode.as_str(),
+        "type": p.payment_type.as_str(),
+        "status": p.status.as_str(),
+        "amount": p.amount,
+        "currency": p.currency,
+        "amount_paid": p.amount_paid,
+        "discount_amount": p.discount_amount,
+        "tax_amount": p.tax_amount,
+        "refunded_amount": p.refunded_amount,
+        "tax_country": p.tax_country,
+        "order": p.checkout_id,
+        "subscription": p.subscription_id,
+        "customer": p.customer_id,
+        "description": p.description,
+        "period_start": p.period_start_ms,
+        "period_end": p.period_end_ms,
+        "refunded_transaction": p.refund_of,
+        "reason": p.reason,
+        "disputed": p.disputed,
+        "card_last4": p.card_last4,
+        "created_at": p.created_at_ms,
+    })
+}
+
+pub fn dispute(d: &Dispute) -> Value {
+    json!({
+        "id": d.id,
+        "object": "dispute",
+        "mode": d.mode.as_str(),
+        "status": "needs_response",
+        "transaction_id": d.transaction_id,
+        "customer_id": d.customer_id,
+        "amount": d.amount,
+        "currency": d.currency,
+        "reason": d.reason,
+        "created_at": format_iso8601_ms(d.created_at_ms),
+    })
+}
+
+/// A subscription with its product (as bought), its customer (as now, when known)
+/// and its last paid transaction.
+pub fn subscription(
+    s: &Subscription,
+    customer_now: Option<&Customer>,
+    last: Option<&Payment>,
+) -> Value {
+    let customer_json = match customer_now {
+        Some(c) => customer(c),
+        None => json!({ "id": s.customer_id, "object": "customer" }),
+    };
+    json!({
+        "id": s.id,
+        "object": "subscription",
+        "mode": s.mode.as_str(),
+        "status": s.status.as_str(),
+        "product": product(&s.product),
+        "customer": customer_json,
+        "collection_method": "charge_automatically",
+        "items": [{
+            "id": s.item_id,
+            "object": "subscription_item",
+            "mode": s.mode.as_str(),
+            "product_id": s.product.id,
+            "price_id": s.product.id,
+            "units": s.units,
+        }],
+        "last_transaction_id": s.last_transaction_id,
+        "last_transaction": last.map(transaction),
+        "last_transaction_date": iso(s.last_transaction_at_ms),
+        "next_transaction_date": iso(Some(s.current_period_end_ms)),
+        "current_period_start_date": iso(Some(s.current_period_start_ms)),
+        "current_period_end_date": iso(Some(s.current_period_end_ms)),
+        "trial_end_date": iso(s.trial_end_ms),
+        "canceled_at": iso(s.canceled_at_ms),
+        "discount": s.discount.as_ref().map(|d| json!({
+            "id": d.id,
+            "discountCode": d.code,
+            "name": d.name,
+            "type": d.discount_type.as_str(),
+            "amount": decimal_number(d.amount),
+            "duration": d.duration.as_str(),
+            "durationInMonths": d.duration_in_months,
+        })),
+        "metadata": s.metadata,
+        "created_at": format_iso8601_ms(s.created_at_ms),
+        "updated_at": format_iso8601_ms(s.updated_at_ms),
     })
 }

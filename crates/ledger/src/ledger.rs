@@ -432,6 +432,23 @@ fn account_name_taken(customer_id: &str, name: &str) -> Outcome {
 }
 
 impl Ledger {
+    /// The id of the customer's account named `name`, if there is one.
+    pub fn account_id_by_name(
+        &self,
+        scope: &Scope,
+        customer_id: &str,
+        name: &str,
+    ) -> Result<Option<String>, EngineError> {
+        let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, &scope.store_id, scope.mode)
+            .text(customer_id)
+            .text(name);
+        Ok(self
+            .journal
+            .store()
+            .get(name_key.as_bytes())?
+            .map(|id| String::from_utf8_lossy(&id).into_owned()))
+    }
+
     pub fn get_account(&self, scope: &Scope, id: &str) -> Result<Account, EngineError> {
         let key = Key::scoped(keys::CREDIT_ACCOUNT, &scope.store_id, scope.mode).text(id);
         match self.journal.store().get(key.as_bytes())? {

@@ -6,7 +6,7 @@
 use std::ops::Bound;
 
 use tally_domain::ids::{EndpointId, StoreId};
-use tally_domain::record::{LedgerEvent, Record, WebhookAttempt};
+use tally_domain::record::{BillingEvent, LedgerEvent, Record, WebhookAttempt};
 use tally_domain::webhook::{
     validate_event_types, validate_url, DeliveryMode, WebhookEndpoint, CLI_PLACEHOLDER_URL,
     MAX_ENDPOINT_NAME_CHARS, ROTATED_SECRET_GRACE_MS,
@@ -15,6 +15,7 @@ use tally_domain::{FieldError, Mode};
 use tally_projection::Visit;
 use tally_proto::{v1, Message};
 
+use tally_core::codec;
 use tally_core::error::EngineError;
 use tally_core::ids::{new_id, random_base62};
 use tally_core::journal::Update;
@@ -183,28 +184,61 @@ pub fn apply_endpoint(
     Ok(())
 }
 
+/// An event another context emitted, as scheduling needs it: where its snapshot is
+/// stored (`event_key`: a `W` row for ledger events, an `E` row for billing ones).
+#[derive(Debug, Clone)]
+pub struct EventHead<'a> {
+    pub id: &'a str,
+    pub event_type: &'a str,
+    pub created_at_ms: i64,
+    pub store_id: &'a StoreId,
+    pub mode: Mode,
+    pub event_key: Vec<u8>,
+}
+
+impl<'a> EventHead<'a> {
+    pub fn ledger(event: &'a LedgerEvent) -> EventHead<'a> {
+        let (store, mode) = (&event.account.store_id, event.account.mode);
+        EventHead {
+            id: &event.id,
+            event_type: &event.event_type,
+            created_at_ms: event.created_at_ms,
+            store_id: store,
+            mode,
+            event_key: Key::scoped(keys::WEBHOOK_EVENT, store, mode)
+                .int(event.created_at_ms)
+                .text(&event.id)
+                .into_bytes(),
+        }
+    }
+}
+
+/// An event as a delivery reads it back.
+#[derive(Debug, Clone)]
+pub enum StoredEvent {
+    Ledger(LedgerEvent),
+    Billing(BillingEvent),
+}
+
 /// Projector: one delivery per enabled endpoint subscribed to each event. HTTP
 /// deliveries are due at once; cli ones join the endpoint's pending feed.
 pub fn schedule_deliveries(
     overlay: &mut Overlay<'_>,
-    events: &[LedgerEvent],
+    events: &[EventHead<'_>],
     log_offset: u64,
 ) -> Result<(), EngineError> {
     for (index, event) in events.iter().enumerate() {
-        let (store, mode) = (&event.account.store_id, event.account.mode);
+        let (store, mode) = (event.store_id, event.mode);
         let prefix = Key::scoped(keys::WEBHOOK_ENDPOINT, store, mode).into_bytes();
         let endpoints = overlay
             .prefix_entries(&prefix)?
             .values()
             .map(|v| decode_endpoint(v))
             .collect::<Result<Vec<_>, _>>()?;
-        let event_key = Key::scoped(keys::WEBHOOK_EVENT, store, mode)
-            .int(event.created_at_ms)
-            .text(&event.id)
-            .into_bytes();
+        let event_key = event.event_key.clone();
         for endpoint in endpoints
             .iter()
-            .filter(|e| e.subscribes_to(&event.event_type))
+            .filter(|e| e.subscribes_to(event.event_type))
         {
             let pending = match endpoint.delivery_mode {
                 DeliveryMode::Http => Vec::new(),
@@ -214,13 +248,13 @@ pub fn schedule_deliveries(
                     &endpoint.id,
                     event.created_at_ms,
                     (log_offset, index),
-                    &event.id,
+                    event.id,
                 ),
             };
             let delivery = Delivery {
                 endpoint_id: endpoint.id.to_string(),
-                event_id: event.id.clone(),
-                event_type: event.event_type.clone(),
+                event_id: event.id.to_string(),
+                event_type: event.event_type.to_string(),
                 created_at_ms: event.created_at_ms,
                 attempts: 0,
                 delivered: false,
@@ -234,13 +268,13 @@ pub fn schedule_deliveries(
             };
             match endpoint.delivery_mode {
                 DeliveryMode::Http => overlay.put(
-                    due_key(event.created_at_ms, store, mode, &endpoint.id, &event.id),
+                    due_key(event.created_at_ms, store, mode, &endpoint.id, event.id),
                     Vec::new(),
                 ),
                 DeliveryMode::Cli => overlay.put(pending, Vec::new()),
             }
             overlay.put(
-                delivery_key(store, mode, &endpoint.id, &event.id),
+                delivery_key(store, mode, &endpoint.id, event.id),
                 encode_delivery(&delivery),
             );
         }
@@ -542,7 +576,7 @@ impl Notifications {
     }
 
     /// The event a delivery carries.
-    pub fn delivery_event(&self, delivery: &Delivery) -> Result<LedgerEvent, EngineError> {
+    pub fn delivery_event(&self, delivery: &Delivery) -> Result<StoredEvent, EngineError> {
         let bytes = self
             .journal
             .store()
@@ -553,9 +587,13 @@ impl Notifications {
                     delivery.event_id
                 ))
             })?;
+        if delivery.event_key.first() == Some(&keys::BILLING_EVENT) {
+            return Ok(StoredEvent::Billing(codec::decode_billing_event(&bytes)?));
+        }
         tally_proto::ledger_event_from_proto(
             v1::LedgerEvent::decode(bytes.as_slice()).map_err(corrupt)?,
         )
+        .map(StoredEvent::Ledger)
         .map_err(corrupt)
     }
 

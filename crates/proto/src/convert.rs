@@ -503,6 +503,22 @@ pub fn encode_record_with(
         Record::ProductUpserted(p) => Kind::ProductUpserted(v1::ProductUpserted {
             product: Some(crate::product_to_proto(p)),
         }),
+        Record::DiscountUpserted(d) => Kind::DiscountUpserted(crate::discount_to_proto(d)),
+        Record::CheckoutCreated(c) => Kind::CheckoutCreated(crate::checkout_to_proto(c)),
+        Record::CheckoutCompleted(c) => Kind::CheckoutCompleted(crate::completion_to_proto(c)),
+        Record::RefundCreated(p) => Kind::RefundCreated(crate::payment_to_proto(p)),
+        Record::DisputeOpened(d) => Kind::DisputeOpened(crate::dispute_to_proto(d)),
+        Record::TaxRateSet {
+            store_id,
+            mode,
+            country,
+            rate_percent,
+        } => Kind::TaxRateSet(v1::TaxRateSet {
+            store_id: store_id.to_string(),
+            mode: mode_to_proto(*mode),
+            country: country.clone(),
+            rate_percent: tally_domain::usage::canonical_decimal(*rate_percent),
+        }),
         Record::UsageBatch {
             store_id,
             mode,
@@ -606,6 +622,17 @@ pub fn decode_record(
         Kind::ProductUpserted(p) => Record::ProductUpserted(crate::product_from_proto(
             p.product.ok_or(DecodeError::BadField("product"))?,
         )?),
+        Kind::DiscountUpserted(d) => Record::DiscountUpserted(crate::discount_from_proto(d)?),
+        Kind::CheckoutCreated(c) => Record::CheckoutCreated(crate::checkout_from_proto(c)?),
+        Kind::CheckoutCompleted(c) => Record::CheckoutCompleted(crate::completion_from_proto(c)?),
+        Kind::RefundCreated(p) => Record::RefundCreated(crate::payment_from_proto(p)?),
+        Kind::DisputeOpened(d) => Record::DisputeOpened(crate::dispute_from_proto(d)?),
+        Kind::TaxRateSet(t) => Record::TaxRateSet {
+            store_id: t.store_id.into(),
+            mode: mode_from_proto(t.mode)?,
+            country: t.country,
+            rate_percent: decimal_from_text(&t.rate_percent, "rate_percent")?,
+        },
         Kind::UsageBatch(b) => Record::UsageBatch {
             store_id: b.store_id.into(),
             mode: mode_from_proto(b.mode)?,

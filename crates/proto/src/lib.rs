@@ -7,9 +7,11 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/tally.v1.rs"));
 }
 
+mod billing;
 mod convert;
 mod product;
 
+pub use billing::*;
 pub use convert::*;
 pub use product::{product_from_proto, product_to_proto};
 pub use prost::Message;

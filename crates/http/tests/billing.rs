@@ -1,0 +1,649 @@
+//! Billing over real sockets: discounts (statuses, codes, lookups), checkouts with
+//! every test card, transactions with tax and discounts, refunds, disputes, credit
+//! grants, the webhook bodies of billing events, concurrent redemptions of a
+//! limited discount, and all of it surviving a restart.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use tally_domain::clock::Clock;
+
+async fn setup() -> (tempfile::TempDir, std::path::PathBuf, Server, Api, Keys) {
+    let (guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    (guard, dir, server, api, keys)
+}
+
+fn id(answer: &Answer) -> String {
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body["id"].as_str().unwrap().to_string()
+}
+
+async fn product(api: &Api, extra: Value) -> String {
+    let mut body = json!({
+        "name": "Pro",
+        "price": 1900,
+        "currency": "usd",
+        "billing_type": "recurring",
+        "billing_period": "every-month",
+        "tax_mode": "exclusive",
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    id(&api.post("/v1/products", body).await)
+}
+
+async fn customer(api: &Api, country: &str) -> String {
+    id(&api
+        .post(
+            "/v1/customers",
+            json!({"email": "ada@example.com", "country": country}),
+        )
+        .await)
+}
+
+const CARD: &str = "4242424242424242";
+
+async fn pay(api: &Api, checkout: &str, card: &str) -> Answer {
+    api.post(
+        &format!("/v1/checkouts/{checkout}/complete"),
+        json!({"card_number": card, "cvc": "123", "exp": "12/34"}),
+    )
+    .await
+}
+
+async fn delete(api: &Api, path: &str) -> Answer {
+    Api::finish_raw(
+        api.http
+            .delete(format!("{}{path}", api.base))
+            .header("x-api-key", &api.key),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discounts_are_created_found_by_id_or_code_updated_and_deleted() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let prod = product(&api, json!({})).await;
+    let created = api
+        .post(
+            "/v1/discounts",
+            json!({"name": "Launch", "code": "LAUNCH", "type": "percentage", "amount": 15,
+                   "duration": "repeating", "duration_in_months": 3,
+                   "applies_to_products": [prod], "max_redemptions": 10}),
+        )
+        .await;
+    let disc = id(&created);
+    let d = &created.body;
+    assert!(disc.starts_with("disc_"));
+    assert_eq!(d["object"], "discount");
+    assert_eq!(d["status"], "active");
+    assert_eq!(d["percentage"], 15);
+    assert_eq!(d["redeem_count"], 0);
+    assert_eq!(d["duration_in_months"], 3);
+
+    let by_code = api.get("/v1/discounts?discount_code=LAUNCH").await;
+    assert_eq!(by_code.body["id"], disc.as_str());
+    let by_id = api.get(&format!("/v1/discounts?discount_id={disc}")).await;
+    assert_eq!(by_id.body["code"], "LAUNCH");
+    assert_error(
+        &api.get("/v1/discounts").await,
+        400,
+        "invalid_request_error",
+    );
+    assert_error(
+        &api.get(&format!(
+            "/v1/discounts?discount_id={disc}&discount_code=LAUNCH"
+        ))
+        .await,
+        400,
+        "invalid_request_error",
+    );
+    let missing = assert_error(
+        &api.get("/v1/discounts?discount_code=NOPE").await,
+        404,
+        "invalid_request_error",
+    );
+    assert_eq!(missing["param"], "discount_code");
+
+    // Every rule names its field.
+    let bad = [
+        (
+            json!({"code": "A", "type": "fixed", "amount": 5, "currency": "usd"}),
+            "name",
+        ),
+        (
+            json!({"name": "x", "code": "A B", "type": "fixed", "amount": 5, "currency": "usd"}),
+            "code",
+        ),
+        (
+            json!({"name": "x", "code": "A", "type": "half", "amount": 5}),
+            "type",
+        ),
+        (
+            json!({"name": "x", "code": "A", "type": "fixed", "amount": 5}),
+            "currency",
+        ),
+        (
+            json!({"name": "x", "code": "A", "type": "percentage", "amount": 101}),
+            "amount",
+        ),
+        (
+            json!({"name": "x", "code": "A", "type": "percentage", "amount": 5, "duration": "repeating"}),
+            "duration_in_months",
+        ),
+        (
+            json!({"name": "x", "code": "A", "type": "percentage", "amount": 5, "max_redemptions": 0}),
+            "max_redemptions",
+        ),
+        (
+            json!({"name": "x", "code": "A", "type": "percentage", "amount": 5, "expiry_date": "soon"}),
+            "expiry_date",
+        ),
+    ];
+    for (body, param) in bad {
+        let error = assert_error(
+            &api.post("/v1/discounts", body.clone()).await,
+            400,
+            "invalid_request_error",
+        );
+        assert_eq!(error["param"], param, "{body}");
+    }
+    let unknown = assert_error(
+        &api.post(
+            "/v1/discounts",
+            json!({"name": "x", "code": "B", "type": "percentage", "amount": 5, "applies_to_products": ["prod_nope"]}),
+        )
+        .await,
+        404,
+        "invalid_request_error",
+    );
+    assert_eq!(unknown["param"], "applies_to_products[0]");
+    let taken = assert_error(
+        &api.post(
+            "/v1/discounts",
+            json!({"name": "again", "code": "LAUNCH", "type": "percentage", "amount": 5}),
+        )
+        .await,
+        409,
+        "invalid_request_error",
+    );
+    assert_eq!(taken["code"], "discount_code_taken");
+
+    // draft -> active; scheduled until its start; expired at its expiry date.
+    let now = server.clock.now_ms();
+    let start = tally_domain::time::format_iso8601_ms(now + 60_000);
+    let end = tally_domain::time::format_iso8601_ms(now + 120_000);
+    let later = api
+        .post(
+            "/v1/discounts",
+            json!({"name": "Later", "code": "LATER", "type": "fixed", "amount": 500, "currency": "usd",
+                   "starts_at": start, "expiry_date": end}),
+        )
+        .await;
+    assert_eq!(later.body["status"], "scheduled", "{}", later.body);
+    let later_id = id(&later);
+    server.clock.advance_ms(61_000);
+    let path = format!("/v1/discounts/{later_id}");
+    assert_eq!(api.get(&path).await.body["status"], "active");
+    server.clock.advance_ms(60_000);
+    assert_eq!(api.get(&path).await.body["status"], "expired");
+
+    let draft = api
+        .post(
+            "/v1/discounts",
+            json!({"name": "Draft", "code": "DRAFT", "type": "percentage", "amount": 5, "status": "draft"}),
+        )
+        .await;
+    assert_eq!(draft.body["status"], "draft");
+    let draft_id = id(&draft);
+    let path = format!("/v1/discounts/{draft_id}");
+    let immutable = assert_error(
+        &api.post(&path, json!({"amount": 50})).await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(immutable["code"], "discount_field_immutable");
+    let activated = api.post(&path, json!({"status": "active"})).await;
+    assert_eq!(activated.body["status"], "active", "{}", activated.body);
+    let deleted = delete(&api, &path).await;
+    assert_eq!(deleted.status, 200, "{}", deleted.body);
+    assert_eq!(deleted.body["status"], "deleted");
+    assert_eq!(api.get(&path).await.body["status"], "deleted");
+    // A deleted code is not free again.
+    let reused = api
+        .post(
+            "/v1/discounts",
+            json!({"name": "x", "code": "DRAFT", "type": "percentage", "amount": 5}),
+        )
+        .await;
+    assert_eq!(reused.status, 409, "{}", reused.body);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let prod = product(
+        &api,
+        json!({"features": [{"type": "customer_credits",
+            "customer_credits": {"amount": "250.5", "unit_label": "tokens", "bucket_name": "main"}}]}),
+    )
+    .await;
+    let rate = api
+        .post("/v1/tax-rates", json!({"country": "DE", "rate": "19"}))
+        .await;
+    assert_eq!(rate.status, 200, "{}", rate.body);
+    let cus = customer(&api, "DE").await;
+    api.post(
+        "/v1/discounts",
+        json!({"name": "Ten", "code": "TEN", "type": "percentage", "amount": 10,
+               "duration": "repeating", "duration_in_months": 3, "max_redemptions": 1}),
+    )
+    .await;
+    let hook = api
+        .post(
+            "/v1/webhooks",
+            json!({"delivery_mode": "cli", "events": ["checkout.completed", "subscription.active",
+                "subscription.paid", "subscription.trialing", "refund.created", "dispute.created"]}),
+        )
+        .await;
+    let hook = id(&hook);
+
+    let created = api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": prod, "customer_id": cus, "units": 2, "discount_code": "TEN",
+                   "metadata": {"order": 7}}),
+        )
+        .await;
+    let chk = id(&created);
+    assert_eq!(created.body["status"], "open");
+    // 2 x 1900 = 3800, less 10% = 3420, plus 19% tax (649.8 -> 650) = 4070.
+    assert_eq!(created.body["amount"], 4070);
+
+    // Declined cards answer 402 with their code; nothing is charged, the checkout stays open.
+    for (card, code) in [
+        ("4000000000000002", "card_declined"),
+        ("4000000000009995", "insufficient_funds"),
+        ("4000000000000127", "incorrect_cvc"),
+    ] {
+        let error = assert_error(&pay(&api, &chk, card).await, 402, "card_error");
+        assert_eq!(error["code"], code);
+    }
+    let bad_cvc = assert_error(
+        &api.post(
+            &format!("/v1/checkouts/{chk}/complete"),
+            json!({"card_number": CARD, "cvc": "1", "exp": "12/34"}),
+        )
+        .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(bad_cvc["param"], "cvc");
+    assert_eq!(
+        api.get(&format!("/v1/checkouts/{chk}")).await.body["status"],
+        "open"
+    );
+    assert_eq!(
+        api.get("/v1/transactions").await.body["data"],
+        json!([]),
+        "nothing charged"
+    );
+
+    let paid = pay(&api, &chk, CARD).await;
+    assert_eq!(paid.status, 200, "{}", paid.body);
+    assert_eq!(paid.body["status"], "completed");
+    let txn = paid.body["transaction_id"].as_str().unwrap().to_string();
+    let sub = paid.body["subscription_id"].as_str().unwrap().to_string();
+    assert_eq!(paid.body["customer_id"], cus.as_str());
+    // Paying again answers the same completion, never a second charge.
+    let again = pay(&api, &chk, CARD).await;
+    assert_eq!(again.body["transaction_id"], txn.as_str());
+
+    let t = api.get(&format!("/v1/transactions/{txn}")).await.body;
+    assert_eq!(t["object"], "transaction");
+    assert_eq!(t["type"], "payment");
+    assert_eq!(t["status"], "paid");
+    assert_eq!(t["amount"], 3800);
+    assert_eq!(t["discount_amount"], 380);
+    assert_eq!(t["tax_amount"], 650);
+    assert_eq!(t["amount_paid"], 4070);
+    assert_eq!(t["tax_country"], "DE");
+    assert_eq!(t["currency"], "USD");
+    assert_eq!(t["subscription"], sub.as_str());
+    assert_eq!(t["order"], chk.as_str());
+
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    assert_eq!(s["status"], "active");
+    assert_eq!(s["product"]["id"], prod.as_str());
+    assert_eq!(s["customer"]["id"], cus.as_str());
+    assert_eq!(s["items"][0]["units"], 2);
+    assert_eq!(s["last_transaction_id"], txn.as_str());
+    assert_eq!(s["last_transaction"]["amount_paid"], 4070);
+    assert_eq!(s["discount"]["discountCode"], "TEN");
+    assert_eq!(s["discount"]["durationInMonths"], 3);
+    assert!(s["next_transaction_date"].as_str().is_some());
+
+    // The one redemption the code allowed is used: the code is exhausted.
+    let disc = api.get("/v1/discounts?discount_code=TEN").await.body;
+    assert_eq!(disc["redeem_count"], 1);
+    assert_eq!(disc["status"], "expired");
+    let exhausted = assert_error(
+        &api.post(
+            "/v1/checkouts",
+            json!({"product_id": prod, "customer_id": cus, "discount_code": "TEN"}),
+        )
+        .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(exhausted["code"], "discount_exhausted");
+    assert_eq!(exhausted["param"], "discount_code");
+
+    // The feature's credits, times the units, once however often completed.
+    let accounts = api
+        .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
+        .await
+        .body;
+    let main = accounts["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "main")
+        .expect("the account the feature names")
+        .clone();
+    assert_eq!(main["balance"], "501");
+
+    // Refunds: part, too much, the rest, a refund of a refund.
+    let part = api
+        .post(
+            "/v1/refunds",
+            json!({"transaction_id": txn, "amount": 1000, "reason": "goodwill"}),
+        )
+        .await;
+    assert_eq!(part.status, 200, "{}", part.body);
+    assert_eq!(part.body["type"], "refund");
+    assert_eq!(part.body["amount"], 1000);
+    let t = api.get(&format!("/v1/transactions/{txn}")).await.body;
+    assert_eq!(
+        (t["refunded_amount"].clone(), t["status"].clone()),
+        (json!(1000), json!("partially_refunded"))
+    );
+    let too_much = assert_error(
+        &api.post(
+            "/v1/refunds",
+            json!({"transaction_id": txn, "amount": 3071}),
+        )
+        .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(too_much["code"], "refund_exceeds_remaining");
+    assert_eq!(too_much["param"], "amount");
+    let rest = api
+        .post("/v1/refunds", json!({"transaction_id": txn}))
+        .await;
+    assert_eq!(rest.body["amount"], 3070, "{}", rest.body);
+    let t = api.get(&format!("/v1/transactions/{txn}")).await.body;
+    assert_eq!(t["status"], "refunded");
+    let refund_id = rest.body["id"].as_str().unwrap();
+    let of_refund = assert_error(
+        &api.post("/v1/refunds", json!({"transaction_id": refund_id}))
+            .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(of_refund["code"], "transaction_not_refundable");
+    assert_error(
+        &api.post("/v1/refunds", json!({"transaction_id": "txn_nope"}))
+            .await,
+        404,
+        "invalid_request_error",
+    );
+
+    // Disputes, once per payment.
+    let dispute = api
+        .post("/v1/disputes", json!({"transaction_id": txn}))
+        .await;
+    assert_eq!(dispute.status, 200, "{}", dispute.body);
+    assert_eq!(dispute.body["object"], "dispute");
+    let twice = assert_error(
+        &api.post("/v1/disputes", json!({"transaction_id": txn}))
+            .await,
+        409,
+        "invalid_request_error",
+    );
+    assert_eq!(twice["code"], "dispute_exists");
+
+    // Lists by customer and by subscription.
+    let by_customer = api
+        .get(&format!("/v1/transactions?customer_id={cus}"))
+        .await
+        .body;
+    assert_eq!(by_customer["data"].as_array().unwrap().len(), 3);
+    let by_sub = api
+        .get(&format!("/v1/transactions?subscription_id={sub}&limit=1"))
+        .await
+        .body;
+    assert_eq!(by_sub["data"].as_array().unwrap().len(), 1);
+    assert_eq!(by_sub["has_more"], true);
+
+    // The events, with the resource as `object`.
+    let feed = api
+        .get(&format!("/v1/webhooks/{hook}/events/pending"))
+        .await
+        .body;
+    let bodies: Vec<Value> = feed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| serde_json::from_str(i["body"].as_str().unwrap()).unwrap())
+        .collect();
+    let types: Vec<&str> = bodies
+        .iter()
+        .map(|b| b["eventType"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        types,
+        vec![
+            "checkout.completed",
+            "subscription.active",
+            "subscription.paid",
+            "refund.created",
+            "refund.created",
+            "dispute.created"
+        ]
+    );
+    assert_eq!(bodies[0]["object"]["id"], chk.as_str());
+    assert_eq!(bodies[1]["object"]["object"], "subscription");
+    assert_eq!(bodies[3]["object"]["amount"], 1000);
+    assert_eq!(bodies[5]["object"]["transaction_id"], txn.as_str());
+
+    // Everything survives a restart.
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let t = api.get(&format!("/v1/transactions/{txn}")).await.body;
+    assert_eq!(
+        (t["refunded_amount"].clone(), t["disputed"].clone()),
+        (json!(4070), json!(true))
+    );
+    assert_eq!(
+        api.get("/v1/discounts?discount_code=TEN").await.body["redeem_count"],
+        1
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkouts_refuse_bad_input_and_live_payments_and_start_trials() {
+    let (_g, _dir, server, api, keys) = setup().await;
+    let trial = product(&api, json!({"trial_period_days": 14})).await;
+    let cus = customer(&api, "US").await;
+    for (body, status, param) in [
+        (json!({"customer_id": cus}), 400, "product_id"),
+        (
+            json!({"product_id": "prod_nope", "customer_id": cus}),
+            404,
+            "product_id",
+        ),
+        (json!({"product_id": trial}), 400, "customer_id"),
+        (
+            json!({"product_id": trial, "customer_id": "cus_nope"}),
+            404,
+            "customer_id",
+        ),
+        (
+            json!({"product_id": trial, "customer_id": cus, "units": 0}),
+            400,
+            "units",
+        ),
+        (
+            json!({"product_id": trial, "customer_id": cus, "discount_code": "NOPE"}),
+            404,
+            "discount_code",
+        ),
+        (
+            json!({"product_id": trial, "customer": {"email": "not-an-email"}}),
+            400,
+            "customer.email",
+        ),
+        (
+            json!({"product_id": trial, "customer_id": cus, "success_url": "ftp://x"}),
+            400,
+            "success_url",
+        ),
+    ] {
+        let error = assert_error(
+            &api.post("/v1/checkouts", body.clone()).await,
+            status,
+            "invalid_request_error",
+        );
+        assert_eq!(error["param"], param, "{body}");
+    }
+    // A fixed discount of another currency, a discount for another product.
+    let other = product(&api, json!({"name": "Other"})).await;
+    api.post(
+        "/v1/discounts",
+        json!({"name": "Eur", "code": "EUR5", "type": "fixed", "amount": 500, "currency": "eur"}),
+    )
+    .await;
+    api.post("/v1/discounts", json!({"name": "Only", "code": "ONLY", "type": "percentage", "amount": 5, "applies_to_products": [other]})).await;
+    for (code, expected) in [
+        ("EUR5", "discount_currency_mismatch"),
+        ("ONLY", "discount_not_applicable"),
+    ] {
+        let error = assert_error(
+            &api.post(
+                "/v1/checkouts",
+                json!({"product_id": trial, "customer_id": cus, "discount_code": code}),
+            )
+            .await,
+            400,
+            "invalid_request_error",
+        );
+        assert_eq!(error["code"], expected);
+    }
+
+    // A new customer from an email; a trial: trialing, nothing charged, no paid event.
+    let created = api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": trial, "customer": {"email": "new@example.com"}}),
+        )
+        .await;
+    let chk = id(&created);
+    let new_customer = created.body["customer_id"].as_str().unwrap().to_string();
+    assert_eq!(
+        api.get(&format!("/v1/customers/{new_customer}")).await.body["email"],
+        "new@example.com"
+    );
+    let paid = pay(&api, &chk, "4000000000000341").await;
+    assert_eq!(paid.status, 200, "{}", paid.body);
+    let sub = paid.body["subscription_id"].as_str().unwrap();
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    assert_eq!(s["status"], "trialing");
+    assert!(s["trial_end_date"].as_str().is_some());
+    let txn = paid.body["transaction_id"].as_str().unwrap();
+    assert_eq!(
+        api.get(&format!("/v1/transactions/{txn}")).await.body["amount_paid"],
+        0
+    );
+
+    // Live mode has no payment provider; disputes are simulated in test mode only.
+    let live = Api::new(&server.prod_url, &keys.prod);
+    let live_product = product(&live, json!({})).await;
+    let live_customer = customer(&live, "US").await;
+    let live_checkout = id(&live
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": live_product, "customer_id": live_customer}),
+        )
+        .await);
+    let error = assert_error(
+        &pay(&live, &live_checkout, CARD).await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(error["code"], "payment_provider_not_configured");
+    let error = assert_error(
+        &live
+            .post("/v1/disputes", json!({"transaction_id": "txn_x"}))
+            .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(error["code"], "test_mode_only");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_completions_never_redeem_a_discount_past_its_limit() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let prod = product(
+        &api,
+        json!({"billing_type": "onetime", "billing_period": "once"}),
+    )
+    .await;
+    let cus = customer(&api, "US").await;
+    api.post(
+        "/v1/discounts",
+        json!({"name": "Three", "code": "THREE", "type": "fixed", "amount": 100, "currency": "usd", "max_redemptions": 3}),
+    )
+    .await;
+    let mut checkouts = Vec::new();
+    for _ in 0..8 {
+        checkouts.push(id(&api
+            .post(
+                "/v1/checkouts",
+                json!({"product_id": prod, "customer_id": cus, "discount_code": "THREE"}),
+            )
+            .await));
+    }
+    let answers = futures::future::join_all(checkouts.iter().map(|chk| pay(&api, chk, CARD))).await;
+    let ok = answers.iter().filter(|a| a.status == 200).count();
+    for refused in answers.iter().filter(|a| a.status != 200) {
+        let error = assert_error(refused, 400, "invalid_request_error");
+        assert!(
+            ["discount_exhausted"].contains(&error["code"].as_str().unwrap()),
+            "{}",
+            refused.body
+        );
+    }
+    assert_eq!(ok, 3);
+    let disc = api.get("/v1/discounts?discount_code=THREE").await.body;
+    assert_eq!(disc["redeem_count"], 3);
+    assert_eq!(disc["status"], "expired");
+    let payments = api.get("/v1/transactions").await.body;
+    assert_eq!(payments["data"].as_array().unwrap().len(), 3);
+    for p in payments["data"].as_array().unwrap() {
+        assert_eq!(p["amount_paid"], 1800);
+        assert_eq!(p["subscription"], Value::Null);
+    }
+    server.stop().await;
+}

@@ -1,0 +1,331 @@
+//! Billing resources between the domain and `tally.v1` (discounts, checkouts,
+//! payments, subscriptions, disputes, billing events). Enums travel as their wire
+//! names; an unknown name or an unparsable decimal is a [`DecodeError`].
+
+use tally_domain::billing::{
+    Checkout, CheckoutStatus, Discount, DiscountDuration, DiscountStatus, DiscountType, Dispute,
+    EmbeddedDiscount, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
+};
+use tally_domain::record::{BillingEvent, BillingObject, CheckoutCompletion};
+use tally_domain::usage::{canonical_decimal, parse_decimal};
+
+use crate::convert::{mode_from_proto, mode_to_proto, DecodeError};
+use crate::product::{product_from_proto, product_to_proto};
+use crate::v1;
+
+fn decimal(text: &str, field: &'static str) -> Result<rust_decimal::Decimal, DecodeError> {
+    parse_decimal(text).ok_or(DecodeError::BadField(field))
+}
+
+fn named<T>(
+    parse: fn(&str) -> Option<T>,
+    text: &str,
+    field: &'static str,
+) -> Result<T, DecodeError> {
+    parse(text).ok_or(DecodeError::BadField(field))
+}
+
+pub fn discount_to_proto(d: &Discount) -> v1::Discount {
+    v1::Discount {
+        id: d.id.to_string(),
+        store_id: d.store_id.to_string(),
+        mode: mode_to_proto(d.mode),
+        name: d.name.clone(),
+        code: d.code.clone(),
+        r#type: d.discount_type.as_str().into(),
+        amount: canonical_decimal(d.amount),
+        currency: d.currency.clone(),
+        stored_status: d.stored_status.as_str().into(),
+        starts_at_ms: d.starts_at_ms,
+        expires_at_ms: d.expires_at_ms,
+        max_redemptions: d.max_redemptions,
+        duration: d.duration.as_str().into(),
+        duration_in_months: d.duration_in_months,
+        applies_to_products: d
+            .applies_to_products
+            .iter()
+            .map(|p| p.to_string())
+            .collect(),
+        redeem_count: d.redeem_count,
+        created_at_ms: d.created_at_ms,
+        updated_at_ms: d.updated_at_ms,
+    }
+}
+
+pub fn discount_from_proto(d: v1::Discount) -> Result<Discount, DecodeError> {
+    Ok(Discount {
+        id: d.id.into(),
+        store_id: d.store_id.into(),
+        mode: mode_from_proto(d.mode)?,
+        name: d.name,
+        code: d.code,
+        discount_type: named(DiscountType::parse, &d.r#type, "discount type")?,
+        amount: decimal(&d.amount, "discount amount")?,
+        currency: d.currency,
+        stored_status: named(DiscountStatus::parse, &d.stored_status, "discount status")?,
+        starts_at_ms: d.starts_at_ms,
+        expires_at_ms: d.expires_at_ms,
+        max_redemptions: d.max_redemptions,
+        duration: named(DiscountDuration::parse, &d.duration, "duration")?,
+        duration_in_months: d.duration_in_months,
+        applies_to_products: d.applies_to_products.into_iter().map(Into::into).collect(),
+        redeem_count: d.redeem_count,
+        created_at_ms: d.created_at_ms,
+        updated_at_ms: d.updated_at_ms,
+    })
+}
+
+pub fn checkout_to_proto(c: &Checkout) -> v1::Checkout {
+    v1::Checkout {
+        id: c.id.to_string(),
+        store_id: c.store_id.to_string(),
+        mode: mode_to_proto(c.mode),
+        status: c.status.as_str().into(),
+        product_id: c.product_id.to_string(),
+        customer_id: c.customer_id.to_string(),
+        units: c.units,
+        discount_id: c.discount_id.as_ref().map(|d| d.to_string()),
+        discount_code: c.discount_code.clone(),
+        affiliate_code: c.affiliate_code.clone(),
+        success_url: c.success_url.clone(),
+        metadata: c.metadata.clone(),
+        amount: c.amount,
+        currency: c.currency.clone(),
+        transaction_id: c.transaction_id.as_ref().map(|t| t.to_string()),
+        subscription_id: c.subscription_id.as_ref().map(|s| s.to_string()),
+        completed_at_ms: c.completed_at_ms,
+        created_at_ms: c.created_at_ms,
+        updated_at_ms: c.updated_at_ms,
+    }
+}
+
+pub fn checkout_from_proto(c: v1::Checkout) -> Result<Checkout, DecodeError> {
+    Ok(Checkout {
+        id: c.id.into(),
+        store_id: c.store_id.into(),
+        mode: mode_from_proto(c.mode)?,
+        status: named(CheckoutStatus::parse, &c.status, "checkout status")?,
+        product_id: c.product_id.into(),
+        customer_id: c.customer_id.into(),
+        units: c.units,
+        discount_id: c.discount_id.map(Into::into),
+        discount_code: c.discount_code,
+        affiliate_code: c.affiliate_code,
+        success_url: c.success_url,
+        metadata: c.metadata,
+        amount: c.amount,
+        currency: c.currency,
+        transaction_id: c.transaction_id.map(Into::into),
+        subscription_id: c.subscription_id.map(Into::into),
+        completed_at_ms: c.completed_at_ms,
+        created_at_ms: c.created_at_ms,
+        updated_at_ms: c.updated_at_ms,
+    })
+}
+
+pub fn payment_to_proto(p: &Payment) -> v1::Payment {
+    v1::Payment {
+        id: p.id.to_string(),
+        store_id: p.store_id.to_string(),
+        mode: mode_to_proto(p.mode),
+        r#type: p.payment_type.as_str().into(),
+        status: p.status.as_str().into(),
+        amount: p.amount,
+        currency: p.currency.clone(),
+        discount_amount: p.discount_amount,
+        tax_amount: p.tax_amount,
+        amount_paid: p.amount_paid,
+        refunded_amount: p.refunded_amount,
+        tax_country: p.tax_country.clone(),
+        checkout_id: p.checkout_id.as_ref().map(|c| c.to_string()),
+        subscription_id: p.subscription_id.as_ref().map(|s| s.to_string()),
+        customer_id: p.customer_id.to_string(),
+        description: p.description.clone(),
+        period_start_ms: p.period_start_ms,
+        period_end_ms: p.period_end_ms,
+        refund_of: p.refund_of.as_ref().map(|r| r.to_string()),
+        reason: p.reason.clone(),
+        disputed: p.disputed,
+        card_last4: p.card_last4.clone(),
+        created_at_ms: p.created_at_ms,
+        updated_at_ms: p.updated_at_ms,
+    }
+}
+
+pub fn payment_from_proto(p: v1::Payment) -> Result<Payment, DecodeError> {
+    Ok(Payment {
+        id: p.id.into(),
+        store_id: p.store_id.into(),
+        mode: mode_from_proto(p.mode)?,
+        payment_type: named(PaymentType::parse, &p.r#type, "transaction type")?,
+        status: named(PaymentStatus::parse, &p.status, "transaction status")?,
+        amount: p.amount,
+        currency: p.currency,
+        discount_amount: p.discount_amount,
+        tax_amount: p.tax_amount,
+        amount_paid: p.amount_paid,
+        refunded_amount: p.refunded_amount,
+        tax_country: p.tax_country,
+        checkout_id: p.checkout_id.map(Into::into),
+        subscription_id: p.subscription_id.map(Into::into),
+        customer_id: p.customer_id.into(),
+        description: p.description,
+        period_start_ms: p.period_start_ms,
+        period_end_ms: p.period_end_ms,
+        refund_of: p.refund_of.map(Into::into),
+        reason: p.reason,
+        disputed: p.disputed,
+        card_last4: p.card_last4,
+        created_at_ms: p.created_at_ms,
+        updated_at_ms: p.updated_at_ms,
+    })
+}
+
+pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
+    v1::Subscription {
+        id: s.id.to_string(),
+        store_id: s.store_id.to_string(),
+        mode: mode_to_proto(s.mode),
+        status: s.status.as_str().into(),
+        product: Some(product_to_proto(&s.product)),
+        customer_id: s.customer_id.to_string(),
+        item_id: s.item_id.clone(),
+        units: s.units,
+        last_transaction_id: s.last_transaction_id.as_ref().map(|t| t.to_string()),
+        last_transaction_at_ms: s.last_transaction_at_ms,
+        current_period_start_ms: s.current_period_start_ms,
+        current_period_end_ms: s.current_period_end_ms,
+        trial_end_ms: s.trial_end_ms,
+        canceled_at_ms: s.canceled_at_ms,
+        discount: s.discount.as_ref().map(|d| v1::EmbeddedDiscount {
+            id: d.id.to_string(),
+            code: d.code.clone(),
+            name: d.name.clone(),
+            r#type: d.discount_type.as_str().into(),
+            amount: canonical_decimal(d.amount),
+            duration: d.duration.as_str().into(),
+            duration_in_months: d.duration_in_months,
+        }),
+        discount_charges_left: s.discount_charges_left,
+        metadata: s.metadata.clone(),
+        card_last4: s.card_last4.clone(),
+        card_declines_renewals: s.card_declines_renewals,
+        created_at_ms: s.created_at_ms,
+        updated_at_ms: s.updated_at_ms,
+    }
+}
+
+pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, DecodeError> {
+    let discount = s
+        .discount
+        .map(|d| {
+            Ok::<_, DecodeError>(EmbeddedDiscount {
+                id: d.id.into(),
+                code: d.code,
+                name: d.name,
+                discount_type: named(DiscountType::parse, &d.r#type, "discount type")?,
+                amount: decimal(&d.amount, "discount amount")?,
+                duration: named(DiscountDuration::parse, &d.duration, "duration")?,
+                duration_in_months: d.duration_in_months,
+            })
+        })
+        .transpose()?;
+    Ok(Subscription {
+        id: s.id.into(),
+        store_id: s.store_id.into(),
+        mode: mode_from_proto(s.mode)?,
+        status: named(SubscriptionStatus::parse, &s.status, "subscription status")?,
+        product: product_from_proto(s.product.ok_or(DecodeError::BadField("product"))?)?,
+        customer_id: s.customer_id.into(),
+        item_id: s.item_id,
+        units: s.units,
+        last_transaction_id: s.last_transaction_id.map(Into::into),
+        last_transaction_at_ms: s.last_transaction_at_ms,
+        current_period_start_ms: s.current_period_start_ms,
+        current_period_end_ms: s.current_period_end_ms,
+        trial_end_ms: s.trial_end_ms,
+        canceled_at_ms: s.canceled_at_ms,
+        discount,
+        discount_charges_left: s.discount_charges_left,
+        metadata: s.metadata,
+        card_last4: s.card_last4,
+        card_declines_renewals: s.card_declines_renewals,
+        created_at_ms: s.created_at_ms,
+        updated_at_ms: s.updated_at_ms,
+    })
+}
+
+pub fn dispute_to_proto(d: &Dispute) -> v1::Dispute {
+    v1::Dispute {
+        id: d.id.to_string(),
+        store_id: d.store_id.to_string(),
+        mode: mode_to_proto(d.mode),
+        transaction_id: d.transaction_id.to_string(),
+        customer_id: d.customer_id.to_string(),
+        amount: d.amount,
+        currency: d.currency.clone(),
+        reason: d.reason.clone(),
+        created_at_ms: d.created_at_ms,
+    }
+}
+
+pub fn dispute_from_proto(d: v1::Dispute) -> Result<Dispute, DecodeError> {
+    Ok(Dispute {
+        id: d.id.into(),
+        store_id: d.store_id.into(),
+        mode: mode_from_proto(d.mode)?,
+        transaction_id: d.transaction_id.into(),
+        customer_id: d.customer_id.into(),
+        amount: d.amount,
+        currency: d.currency,
+        reason: d.reason,
+        created_at_ms: d.created_at_ms,
+    })
+}
+
+pub fn completion_to_proto(c: &CheckoutCompletion) -> v1::CheckoutCompleted {
+    v1::CheckoutCompleted {
+        checkout: Some(checkout_to_proto(&c.checkout)),
+        payment: Some(payment_to_proto(&c.payment)),
+        subscription: c.subscription.as_ref().map(subscription_to_proto),
+    }
+}
+
+pub fn completion_from_proto(c: v1::CheckoutCompleted) -> Result<CheckoutCompletion, DecodeError> {
+    Ok(CheckoutCompletion {
+        checkout: checkout_from_proto(c.checkout.ok_or(DecodeError::BadField("checkout"))?)?,
+        payment: payment_from_proto(c.payment.ok_or(DecodeError::BadField("payment"))?)?,
+        subscription: c.subscription.map(subscription_from_proto).transpose()?,
+    })
+}
+
+pub fn billing_event_to_proto(e: &BillingEvent) -> v1::BillingEvent {
+    use v1::billing_event::Object;
+    v1::BillingEvent {
+        id: e.id.clone(),
+        event_type: e.event_type.clone(),
+        created_at_ms: e.created_at_ms,
+        object: Some(match &e.object {
+            BillingObject::Checkout(c) => Object::Checkout(checkout_to_proto(c)),
+            BillingObject::Subscription(s) => Object::Subscription(subscription_to_proto(s)),
+            BillingObject::Payment(p) => Object::Payment(payment_to_proto(p)),
+            BillingObject::Dispute(d) => Object::Dispute(dispute_to_proto(d)),
+        }),
+    }
+}
+
+pub fn billing_event_from_proto(e: v1::BillingEvent) -> Result<BillingEvent, DecodeError> {
+    use v1::billing_event::Object;
+    let object = match e.object.ok_or(DecodeError::BadField("object"))? {
+        Object::Checkout(c) => BillingObject::Checkout(checkout_from_proto(c)?),
+        Object::Subscription(s) => BillingObject::Subscription(subscription_from_proto(s)?),
+        Object::Payment(p) => BillingObject::Payment(payment_from_proto(p)?),
+        Object::Dispute(d) => BillingObject::Dispute(dispute_from_proto(d)?),
+    };
+    Ok(BillingEvent {
+        id: e.id,
+        event_type: e.event_type,
+        created_at_ms: e.created_at_ms,
+        object,
+    })
+}
