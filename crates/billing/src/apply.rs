@@ -194,6 +194,12 @@ pub fn apply_discount(
         base_updated_at_ms,
         previous.as_ref().map(|d| d.updated_at_ms),
     )?;
+    // Redemptions are counted here only: an update carries the count it read,
+    // the stored one stands.
+    let mut discount = discount.clone();
+    if let Some(old) = &previous {
+        discount.redeem_count = old.redeem_count;
+    }
     match &previous {
         Some(old) if old.code != discount.code => {
             return Err(
@@ -222,7 +228,7 @@ pub fn apply_discount(
             );
         }
     }
-    overlay.put(key, codec::encode_discount(discount));
+    overlay.put(key, codec::encode_discount(&discount));
     Ok(())
 }
 
@@ -325,6 +331,11 @@ pub fn apply_checkout_completed(
         }
         .into());
     }
+    check_completion(&open, completion)?;
+    fresh(overlay, payment_key(store_id, mode, &completion.payment.id))?;
+    if let Some(subscription) = &completion.subscription {
+        fresh(overlay, subscription_key(store_id, mode, &subscription.id))?;
+    }
     let Some(bytes) = overlay.get(&product_key(store_id, mode, &open.product_id))? else {
         return Err(missing("product", &open.product_id, "product_id"));
     };
@@ -340,7 +351,8 @@ pub fn apply_checkout_completed(
             .check_redeemable(recorded_at_ms, &product)
             .map_err(refused)?;
         discount.redeem_count = discount.redeem_count.saturating_add(1);
-        discount.updated_at_ms = discount.updated_at_ms.max(recorded_at_ms);
+        // A new version: an update derived from the one before is refused (base).
+        discount.updated_at_ms = discount.updated_at_ms.saturating_add(1).max(recorded_at_ms);
         overlay.put(key, codec::encode_discount(&discount));
     }
     overlay.put(key, codec::encode_checkout(done));
@@ -374,6 +386,60 @@ pub fn apply_checkout_completed(
     Ok(events)
 }
 
+/// A record creating a resource under an id already taken is refused (ids are
+/// random; only a forged or repeated record collides).
+fn fresh(overlay: &mut Overlay<'_>, key: Vec<u8>) -> Result<(), ApplyError> {
+    match overlay.get(&key)? {
+        Some(_) => Err(Outcome::rejected("resource_changed", "the id is taken already").into()),
+        None => Ok(()),
+    }
+}
+
+/// What a completion record must be to be applied at all: it completes the open
+/// checkout it names, for its customer and product, with a fresh payment whose
+/// amounts add up (a record no service would write is refused, never half-applied).
+fn check_completion(open: &Checkout, completion: &CheckoutCompletion) -> Result<(), ApplyError> {
+    let done = &completion.checkout;
+    let payment = &completion.payment;
+    let charge_adds_up = [payment.amount, payment.discount_amount, payment.tax_amount]
+        .iter()
+        .all(|a| *a >= 0)
+        && payment
+            .amount
+            .checked_sub(payment.discount_amount)
+            .and_then(|a| a.checked_add(payment.tax_amount))
+            == Some(payment.amount_paid)
+        && payment.amount_paid >= 0;
+    let consistent = done.status == CheckoutStatus::Completed
+        && done.product_id == open.product_id
+        && done.customer_id == open.customer_id
+        && done.discount_id == open.discount_id
+        && done.transaction_id.as_ref() == Some(&payment.id)
+        && payment.payment_type == PaymentType::Payment
+        && payment.status == tally_domain::billing::PaymentStatus::Paid
+        && payment.refunded_amount == 0
+        && !payment.disputed
+        && payment.customer_id == open.customer_id
+        && payment.store_id == open.store_id
+        && payment.mode == open.mode
+        && charge_adds_up
+        && completion.subscription.as_ref().is_none_or(|s| {
+            s.store_id == open.store_id
+                && s.mode == open.mode
+                && done.subscription_id.as_ref() == Some(&s.id)
+                && payment.subscription_id.as_ref() == Some(&s.id)
+        });
+    if consistent {
+        Ok(())
+    } else {
+        Err(Outcome::rejected(
+            "record_undecodable",
+            "the completion does not match its checkout, or its amounts do not add up",
+        )
+        .into())
+    }
+}
+
 /// A refund: decided here that what it takes is still left on its payment.
 pub fn apply_refund(
     overlay: &mut Overlay<'_>,
@@ -388,6 +454,18 @@ pub fn apply_refund(
         return Err(missing("transaction", original_id, "transaction_id"));
     };
     let mut original = codec::decode_payment(&bytes)?;
+    if refund.amount < 1
+        || refund.payment_type != PaymentType::Refund
+        || refund.amount_paid != refund.amount
+        || refund.customer_id != original.customer_id
+    {
+        return Err(Outcome::rejected(
+            "record_undecodable",
+            "a refund takes at least 1 minor unit of its own customer's payment",
+        )
+        .into());
+    }
+    fresh(overlay, payment_key(store_id, mode, &refund.id))?;
     original.check_refund(refund.amount).map_err(refused)?;
     original.take_refund(refund.amount, refund.created_at_ms);
     put_payment(overlay, &original, false);
@@ -436,6 +514,7 @@ pub fn apply_dispute(
         .with_param("transaction_id")
         .into());
     }
+    fresh(overlay, dispute_key(store_id, mode, &dispute.id))?;
     payment.disputed = true;
     payment.updated_at_ms = payment.updated_at_ms.max(dispute.created_at_ms);
     put_payment(overlay, &payment, false);

@@ -151,9 +151,7 @@ impl Discount {
                 )
             }
         }
-        if !self.applies_to_products.is_empty()
-            && !self.applies_to_products.contains(&product.id)
-        {
+        if !self.applies_to_products.is_empty() && !self.applies_to_products.contains(&product.id) {
             return refuse(
                 "discount_not_applicable",
                 format!(

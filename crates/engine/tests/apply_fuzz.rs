@@ -109,6 +109,33 @@ enum Op {
         fingerprint: u8,
         status: u16,
     },
+    /// A discount limited to `max` redemptions, perhaps deleted or expiring.
+    Discount {
+        id: u8,
+        max: u32,
+        deleted: bool,
+        expires_half_days: Option<u8>,
+    },
+    Checkout {
+        id: u8,
+        product: u8,
+        discount: Option<u8>,
+    },
+    /// A completion; `forged` makes its amounts not add up.
+    Complete {
+        checkout: u8,
+        amount: i64,
+        discount_amount: i64,
+        tax: i64,
+        forged: bool,
+    },
+    Refund {
+        payment: u8,
+        amount: i64,
+    },
+    Dispute {
+        payment: u8,
+    },
     Garbage(Vec<u8>),
 }
 
@@ -164,6 +191,21 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..3, 0u8..2, prop_oneof![Just(200u16), Just(400u16)])
             .prop_map(|(key, fingerprint, status)| Op::Response { key, fingerprint, status }),
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
+        3 => billing_op(),
+    ]
+}
+
+/// Discounts, checkouts, completions, refunds and disputes.
+fn billing_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => (0u8..2, 1u32..4, proptest::bool::weighted(0.2), proptest::option::of(0u8..4))
+            .prop_map(|(id, max, deleted, expires_half_days)| Op::Discount { id, max, deleted, expires_half_days }),
+        2 => (0u8..6, 0u8..3, proptest::option::of(0u8..3))
+            .prop_map(|(id, product, discount)| Op::Checkout { id, product, discount }),
+        3 => (0u8..6, 0i64..5_000, 0i64..500, 0i64..300, proptest::bool::weighted(0.1))
+            .prop_map(|(checkout, amount, discount_amount, tax, forged)| Op::Complete { checkout, amount, discount_amount, tax, forged }),
+        3 => (0u8..7, -5i64..3_000).prop_map(|(payment, amount)| Op::Refund { payment, amount }),
+        1 => (0u8..7).prop_map(|payment| Op::Dispute { payment }),
     ]
 }
 
@@ -211,6 +253,157 @@ fn product(id: u8, meters: &[u8], archived: bool) -> Product {
         custom_fields: Vec::new(),
         created_at_ms: T0,
         updated_at_ms: T0,
+    }
+}
+
+/// Billing records as a hostile writer could append them: ids collide on purpose
+/// (six checkouts, their payments `txn_0..5`), amounts are random.
+mod billing {
+    use super::*;
+    use tally_domain::billing::{
+        Checkout, CheckoutStatus, Discount, DiscountDuration, DiscountStatus, DiscountType,
+        Dispute, Payment, PaymentStatus, PaymentType,
+    };
+    use tally_domain::record::CheckoutCompletion;
+
+    pub fn discount(id: u8, max: u32, deleted: bool, expires: Option<u8>) -> Discount {
+        Discount {
+            id: format!("disc_{id}").into(),
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            name: "d".into(),
+            code: format!("CODE{id}"),
+            discount_type: DiscountType::Percentage,
+            amount: Decimal::TEN,
+            currency: None,
+            stored_status: if deleted {
+                DiscountStatus::Deleted
+            } else {
+                DiscountStatus::Active
+            },
+            starts_at_ms: None,
+            expires_at_ms: expires.map(|h| T0 + i64::from(h) * 12 * 3_600_000),
+            max_redemptions: Some(max),
+            duration: DiscountDuration::Once,
+            duration_in_months: None,
+            applies_to_products: Vec::new(),
+            redeem_count: 0,
+            created_at_ms: T0,
+            updated_at_ms: T0,
+        }
+    }
+
+    pub fn checkout(id: u8, product: u8, discount: Option<u8>) -> Checkout {
+        Checkout {
+            id: format!("chk_{id}").into(),
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            status: CheckoutStatus::Open,
+            product_id: format!("prod_{product}").into(),
+            customer_id: format!("cus_{}", id % 2).into(),
+            units: 1,
+            discount_id: discount.map(|d| format!("disc_{d}").into()),
+            discount_code: discount.map(|d| format!("CODE{d}")),
+            affiliate_code: None,
+            success_url: None,
+            metadata: Default::default(),
+            amount: 0,
+            currency: "USD".into(),
+            transaction_id: None,
+            subscription_id: None,
+            completed_at_ms: None,
+            created_at_ms: T0,
+            updated_at_ms: T0,
+        }
+    }
+
+    fn payment(id: String, customer: String, amount: i64) -> Payment {
+        Payment {
+            id: id.into(),
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            payment_type: PaymentType::Payment,
+            status: PaymentStatus::Paid,
+            amount,
+            currency: "USD".into(),
+            discount_amount: 0,
+            tax_amount: 0,
+            amount_paid: amount,
+            refunded_amount: 0,
+            tax_country: None,
+            checkout_id: None,
+            subscription_id: None,
+            customer_id: customer.into(),
+            description: String::new(),
+            period_start_ms: None,
+            period_end_ms: None,
+            refund_of: None,
+            reason: None,
+            disputed: false,
+            card_last4: None,
+            created_at_ms: T0,
+            updated_at_ms: T0,
+        }
+    }
+
+    /// Completes checkout `id` as last created before this op (or a fresh one).
+    pub fn completion(
+        earlier: &[(Op, Envelope)],
+        id: u8,
+        (amount, discount_amount, tax): (i64, i64, i64),
+        forged: bool,
+    ) -> CheckoutCompletion {
+        let (product, discount) = earlier
+            .iter()
+            .rev()
+            .find_map(|(op, _)| match op {
+                Op::Checkout {
+                    id: c,
+                    product,
+                    discount,
+                } if *c == id => Some((*product, *discount)),
+                _ => None,
+            })
+            .unwrap_or((0, None));
+        let mut done = checkout(id, product, discount);
+        done.status = CheckoutStatus::Completed;
+        let mut paid = payment(format!("txn_{id}"), done.customer_id.to_string(), amount);
+        paid.discount_amount = discount_amount.min(amount);
+        paid.tax_amount = tax;
+        paid.amount_paid = amount - paid.discount_amount + tax + i64::from(forged);
+        paid.checkout_id = Some(done.id.clone());
+        done.transaction_id = Some(paid.id.clone());
+        CheckoutCompletion {
+            checkout: done,
+            payment: paid,
+            subscription: None,
+        }
+    }
+
+    pub fn refund(i: usize, payment_n: u8, amount: i64) -> Payment {
+        let mut refund = payment(
+            format!("txn_r{i}"),
+            format!("cus_{}", payment_n % 2),
+            amount,
+        );
+        refund.payment_type = PaymentType::Refund;
+        refund.status = PaymentStatus::Refunded;
+        refund.refund_of = Some(format!("txn_{payment_n}").into());
+        refund
+    }
+
+    pub fn dispute(i: usize, payment_n: u8) -> Dispute {
+        Dispute {
+            id: format!("dp_{i}").into(),
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            transaction_id: format!("txn_{payment_n}").into(),
+            customer_id: format!("cus_{}", payment_n % 2).into(),
+            amount: 0,
+            currency: "USD".into(),
+            reason: None,
+            created_at_ms: T0,
+        }
     }
 }
 
@@ -488,6 +681,35 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 status: *status,
                 body: format!("{{\"answer\":{i}}}"),
             }),
+            Op::Discount {
+                id,
+                max,
+                deleted,
+                expires_half_days,
+            } => {
+                Record::DiscountUpserted(billing::discount(*id, *max, *deleted, *expires_half_days))
+            }
+            Op::Checkout {
+                id,
+                product,
+                discount,
+            } => Record::CheckoutCreated(billing::checkout(*id, *product, *discount)),
+            Op::Complete {
+                checkout,
+                amount,
+                discount_amount,
+                tax,
+                forged,
+            } => Record::CheckoutCompleted(billing::completion(
+                &ops[..i],
+                *checkout,
+                (*amount, *discount_amount, *tax),
+                *forged,
+            )),
+            Op::Refund { payment, amount } => {
+                Record::RefundCreated(billing::refund(i, *payment, *amount))
+            }
+            Op::Dispute { payment } => Record::DisputeOpened(billing::dispute(i, *payment)),
             Op::Garbage(bytes) => {
                 garbage.insert(records.len(), bytes.clone());
                 records.push(None);
@@ -611,6 +833,105 @@ fn check_invariants(store: &MemoryStore) -> Result<(), TestCaseError> {
             );
         }
     }
+    check_billing(store)
+}
+
+/// Billing, decided in apply whatever was written: no discount redeemed past its
+/// limit, each redemption a completed checkout, no payment refunded past what was
+/// paid, every refund counted on its payment, so sum(amount_paid) - sum(refunds)
+/// of the transactions list is what the payments keep.
+fn check_billing(store: &MemoryStore) -> Result<(), TestCaseError> {
+    let mut discounts = Vec::new();
+    scan_prefix(store, &[keys::DISCOUNT], false, &mut |_, value| {
+        discounts.push(codec::decode_discount(value).unwrap());
+        Visit::Continue
+    })
+    .unwrap();
+    let mut checkouts = Vec::new();
+    scan_prefix(store, &[keys::CHECKOUT], false, &mut |_, value| {
+        checkouts.push(codec::decode_checkout(value).unwrap());
+        Visit::Continue
+    })
+    .unwrap();
+    let mut listed = Vec::new();
+    scan_prefix(store, &[keys::PAYMENT_LIST], false, &mut |key, _| {
+        listed.push(key.to_vec());
+        Visit::Continue
+    })
+    .unwrap();
+    let prefix = keys::ListingKey::prefix(keys::PAYMENT_LIST, STORE, Mode::Test, None);
+    let payments: Vec<_> = listed
+        .iter()
+        .map(|key| {
+            let id = keys::ListingKey::id_in(&prefix, key).unwrap();
+            let bytes = store
+                .get(&tally_billing::apply::payment_key(STORE, Mode::Test, id))
+                .unwrap()
+                .expect("a listed transaction exists");
+            codec::decode_payment(&bytes).unwrap()
+        })
+        .collect();
+    for discount in &discounts {
+        let max = discount.max_redemptions.unwrap_or(u32::MAX);
+        prop_assert!(
+            discount.redeem_count <= max,
+            "{} redeemed {} > {}",
+            discount.id,
+            discount.redeem_count,
+            max
+        );
+        let completed = checkouts
+            .iter()
+            .filter(|c| {
+                c.status == tally_domain::billing::CheckoutStatus::Completed
+                    && c.discount_id.as_ref() == Some(&discount.id)
+            })
+            .count();
+        // A discount re-created by a later upsert starts from its record's count.
+        prop_assert!(discount.redeem_count as usize <= completed);
+    }
+    use tally_domain::billing::PaymentType;
+    let (mut paid, mut refunded, mut kept) = (0i64, 0i64, 0i64);
+    for payment in &payments {
+        match payment.payment_type {
+            PaymentType::Payment => {
+                prop_assert!(
+                    payment.refunded_amount >= 0 && payment.refunded_amount <= payment.amount_paid
+                );
+                let refunds: i64 = payments
+                    .iter()
+                    .filter(|r| r.refund_of.as_ref() == Some(&payment.id))
+                    .map(|r| r.amount)
+                    .sum();
+                prop_assert_eq!(
+                    refunds,
+                    payment.refunded_amount,
+                    "refunds of {}",
+                    payment.id
+                );
+                paid += payment.amount_paid;
+                kept += payment.amount_paid - payment.refunded_amount;
+            }
+            PaymentType::Refund => {
+                prop_assert!(payment.amount >= 1);
+                refunded += payment.amount;
+            }
+        }
+    }
+    prop_assert_eq!(paid - refunded, kept);
+    let completed = checkouts
+        .iter()
+        .filter(|c| c.status == tally_domain::billing::CheckoutStatus::Completed)
+        .count();
+    let payment_count = payments
+        .iter()
+        .filter(|p| p.payment_type == PaymentType::Payment)
+        .count();
+    prop_assert_eq!(
+        completed,
+        payment_count,
+        "one payment per completed checkout"
+    );
     Ok(())
 }
 
@@ -637,6 +958,28 @@ proptest! {
         cuts in proptest::collection::vec(0usize..80, 0..6),
     ) {
         let entries = entries(&payloads(&ops));
+        let whole = apply_in_chunks(&entries, &[])?;
+        let chunked = apply_in_chunks(&entries, &cuts)?;
+        prop_assert_eq!(whole.digest().unwrap(), chunked.digest().unwrap());
+        check_invariants(&whole)?;
+    }
+
+    /// Billing alone, where every kind of record often meets the others: any
+    /// sequence of discounts, checkouts, completions (concurrent ones are repeats
+    /// here), refunds and disputes, in any chunking, keeps the billing invariants.
+    #[test]
+    fn billing_never_redeems_or_refunds_past_its_limits(
+        ops in proptest::collection::vec((billing_op(), envelope()), 1..80),
+        cuts in proptest::collection::vec(0usize..90, 0..6),
+    ) {
+        let mut all: Vec<(Op, Envelope)> = (0..3)
+            .map(|id| {
+                let op = Op::Product { id, meters: Vec::new(), archived: false };
+                (op, Envelope { base: None, request: None, half_days: 0 })
+            })
+            .collect();
+        all.extend(ops);
+        let entries = entries(&payloads(&all));
         let whole = apply_in_chunks(&entries, &[])?;
         let chunked = apply_in_chunks(&entries, &cuts)?;
         prop_assert_eq!(whole.digest().unwrap(), chunked.digest().unwrap());
