@@ -14,9 +14,9 @@ use tally_core::ids::new_id;
 use tally_core::journal::Decision;
 use tally_core::Scope;
 use tally_domain::billing::{
-    check_sold, checkout_gross, parse_units, period_end, price_charge, test_card, trial_end,
-    CardBehavior, CardInput, Checkout, CheckoutStatus, Discount, Payment, PaymentStatus,
-    PaymentType, Subscription, SubscriptionStatus,
+    check_sold, checkout_gross, parse_units, period_end, price_charge, trial_end, CardInput,
+    Checkout, CheckoutStatus, Discount, Payment, PaymentStatus, PaymentType, Subscription,
+    SubscriptionStatus,
 };
 use tally_domain::customer::{is_valid_email, validate_metadata};
 use tally_domain::product::{check_url, BillingType, Product};
@@ -189,8 +189,9 @@ impl Billing {
         Ok(checkout)
     }
 
-    /// Pays a checkout with a test card. A declined card answers 402 and writes
-    /// nothing; a completed checkout answers as it is (never a second charge).
+    /// Pays a checkout through the scope's payment provider (the test cards in test
+    /// mode; none in live mode yet). A declined card answers 402 and writes nothing;
+    /// a completed checkout answers as it is (never a second charge).
     pub async fn complete_checkout(
         &self,
         scope: &Scope,
@@ -201,24 +202,6 @@ impl Billing {
         if open.status == CheckoutStatus::Completed {
             self.grant_credits(scope, &open).await?;
             return Ok(open);
-        }
-        if scope.mode == Mode::Prod {
-            return Err(FieldError::new(
-                "payment_provider_not_configured",
-                "card_number",
-                "no payment provider is configured for live payments; test cards work with a test key only",
-            )
-            .into());
-        }
-        let card = test_card(card)?;
-        if let CardBehavior::Declines(code) = card.behavior {
-            return Err(EngineError::CardDeclined {
-                code,
-                message: format!(
-                    "the card ending {} was declined ({code}); nothing was charged",
-                    card.last4
-                ),
-            });
         }
         let product = self.product_for(scope, &open.product_id)?;
         check_sold(&product)?;
@@ -241,6 +224,17 @@ impl Billing {
             product.tax_mode,
             self.tax_rate(scope, country.as_deref())?,
         )?;
+        let provider = match scope.mode {
+            Mode::Test => self.test_payments.as_ref(),
+            Mode::Prod => self.live_payments.as_deref().ok_or_else(|| {
+                FieldError::new(
+                    "payment_provider_not_configured",
+                    "card_number",
+                    "no payment provider is configured for live payments; test cards work with a test key only",
+                )
+            })?,
+        };
+        let card = provider.charge(card, charge.amount_paid, &product.currency)?;
         let now = self.journal.now_ms();
         let subscription = (product.billing_type == BillingType::Recurring).then(|| {
             let trial = product.trial_period_days.filter(|d| *d > 0);
@@ -280,8 +274,8 @@ impl Billing {
                     }
                 }),
                 metadata: open.metadata.clone(),
-                card_last4: card.last4.clone(),
-                card_declines_renewals: card.behavior == CardBehavior::PaysThenDeclines,
+                card_last4: card.card_last4.clone(),
+                card_declines_renewals: card.declines_later,
                 created_at_ms: now,
                 updated_at_ms: now,
             }
@@ -308,7 +302,7 @@ impl Billing {
             refund_of: None,
             reason: None,
             disputed: false,
-            card_last4: Some(card.last4.clone()),
+            card_last4: Some(card.card_last4.clone()),
             created_at_ms: now,
             updated_at_ms: now,
         };

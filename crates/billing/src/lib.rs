@@ -68,11 +68,67 @@ pub trait Credits: Send + Sync {
     async fn grant(&self, scope: &Scope, grant: Grant<'_>) -> Result<(), EngineError>;
 }
 
+/// A charge a payment provider accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charged {
+    pub card_last4: String,
+    /// The card pays now and declines every later charge (a test card).
+    pub declines_later: bool,
+}
+
+/// What billing asks of a payment provider: charge a card. A decline is
+/// `EngineError::CardDeclined` (402) and charges nothing. The charge is asked for
+/// before apply decides the completion (the discount may run out meanwhile), so a
+/// provider that moves real money must authorize here and capture only once the
+/// completion is applied; the test cards move none.
+pub trait PaymentProvider: Send + Sync {
+    fn charge(
+        &self,
+        card: &tally_domain::billing::CardInput,
+        amount_minor: i64,
+        currency: &str,
+    ) -> Result<Charged, EngineError>;
+}
+
+/// The test-mode provider: the test cards of docs/api.md ("Checkouts").
+#[derive(Debug, Default)]
+pub struct TestCards;
+
+impl PaymentProvider for TestCards {
+    fn charge(
+        &self,
+        card: &tally_domain::billing::CardInput,
+        _amount_minor: i64,
+        _currency: &str,
+    ) -> Result<Charged, EngineError> {
+        use tally_domain::billing::{test_card, CardBehavior};
+        let card = test_card(card)?;
+        match card.behavior {
+            CardBehavior::Declines(code) => Err(EngineError::CardDeclined {
+                code,
+                message: format!(
+                    "the card ending {} was declined ({code}); nothing was charged",
+                    card.last4
+                ),
+            }),
+            behavior => Ok(Charged {
+                card_last4: card.last4,
+                declines_later: behavior == CardBehavior::PaysThenDeclines,
+            }),
+        }
+    }
+}
+
 /// The other contexts billing reaches, through its ports.
 pub struct Ports {
     pub meters: Arc<dyn Meters>,
     pub customers: Arc<dyn Customers>,
     pub credits: Arc<dyn Credits>,
+    /// Charges cards of test mode (the test cards).
+    pub test_payments: Arc<dyn PaymentProvider>,
+    /// Charges cards of live mode: none is implemented yet, so live checkouts
+    /// answer 400 `payment_provider_not_configured`.
+    pub live_payments: Option<Arc<dyn PaymentProvider>>,
 }
 
 pub struct Billing {
@@ -80,6 +136,8 @@ pub struct Billing {
     meters: Arc<dyn Meters>,
     customers: Arc<dyn Customers>,
     credits: Arc<dyn Credits>,
+    test_payments: Arc<dyn PaymentProvider>,
+    live_payments: Option<Arc<dyn PaymentProvider>>,
 }
 
 impl std::fmt::Debug for Billing {
@@ -95,6 +153,8 @@ impl Billing {
             meters: ports.meters,
             customers: ports.customers,
             credits: ports.credits,
+            test_payments: ports.test_payments,
+            live_payments: ports.live_payments,
         }
     }
 }

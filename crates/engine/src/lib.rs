@@ -353,6 +353,8 @@ impl Engine {
                 meters: Arc::new(MeteringPort(metering.clone())),
                 customers: port.clone(),
                 credits: Arc::new(LedgerPort(Ledger::new(journal.clone(), port.clone()))),
+                test_payments: Arc::new(tally_billing::TestCards),
+                live_payments: None,
             },
         ));
         // Bound once, here, before anything can ask.
