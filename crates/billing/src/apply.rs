@@ -178,6 +178,14 @@ pub fn discount_code_taken(code: &str) -> Outcome {
     .with_param("code")
 }
 
+/// 400: a limit below the redemptions already made.
+pub fn max_below_redeemed(redeemed: u32) -> FieldError {
+    FieldError::invalid(
+        "max_redemptions",
+        format!("`max_redemptions` cannot go below the {redeemed} redemptions already made"),
+    )
+}
+
 /// A discount, created, updated or deleted; its code is decided unique here.
 pub fn apply_discount(
     overlay: &mut Overlay<'_>,
@@ -199,6 +207,12 @@ pub fn apply_discount(
     let mut discount = discount.clone();
     if let Some(old) = &previous {
         discount.redeem_count = old.redeem_count;
+        if discount
+            .max_redemptions
+            .is_some_and(|max| max < old.redeem_count)
+        {
+            return Err(refused(max_below_redeemed(old.redeem_count)));
+        }
     }
     match &previous {
         Some(old) if old.code != discount.code => {
@@ -420,6 +434,7 @@ fn check_completion(open: &Checkout, completion: &CheckoutCompletion) -> Result<
         && payment.refunded_amount == 0
         && !payment.disputed
         && payment.customer_id == open.customer_id
+        && payment.checkout_id.as_ref() == Some(&open.id)
         && payment.store_id == open.store_id
         && payment.mode == open.mode
         && charge_adds_up

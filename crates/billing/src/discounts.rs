@@ -15,7 +15,7 @@ use tally_domain::billing::{
 use tally_domain::record::Record;
 use tally_domain::FieldError;
 
-use crate::apply::{discount_code_key, discount_code_taken, discount_key};
+use crate::apply::{discount_code_key, discount_code_taken, discount_key, max_below_redeemed};
 use crate::Billing;
 
 impl Billing {
@@ -96,7 +96,12 @@ impl Billing {
     ) -> Result<Discount, EngineError> {
         self.write_discount(scope, id, |discount| {
             update_discount(discount, update)?;
-            Ok(())
+            match discount.max_redemptions {
+                Some(max) if max < discount.redeem_count => {
+                    Err(max_below_redeemed(discount.redeem_count))
+                }
+                _ => Ok(()),
+            }
         })
         .await
     }

@@ -645,5 +645,16 @@ async fn concurrent_completions_never_redeem_a_discount_past_its_limit() {
         assert_eq!(p["amount_paid"], 1800);
         assert_eq!(p["subscription"], Value::Null);
     }
+    // The limit cannot go below what was redeemed; raising it revives the code.
+    let path = format!("/v1/discounts/{}", disc["id"].as_str().unwrap());
+    let below = assert_error(
+        &api.post(&path, json!({"max_redemptions": 2})).await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(below["param"], "max_redemptions");
+    let raised = api.post(&path, json!({"max_redemptions": 4})).await;
+    assert_eq!(raised.body["status"], "active", "{}", raised.body);
+    assert_eq!(raised.body["redeem_count"], 3);
     server.stop().await;
 }
