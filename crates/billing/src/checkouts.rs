@@ -71,14 +71,8 @@ impl Billing {
 
     /// The product a checkout buys, answering 404 on `product_id`.
     fn product_for(&self, scope: &Scope, id: &str) -> Result<Product, EngineError> {
-        self.get_product(scope, id).map_err(|e| match e {
-            EngineError::NotFound { resource, id, .. } => EngineError::NotFound {
-                resource,
-                id,
-                param: Some("product_id".into()),
-            },
-            other => other,
-        })
+        self.get_product(scope, id)
+            .map_err(|e| e.for_param("product_id"))
     }
 
     /// The discount a code names, redeemable on `product` now (the fast answer;

@@ -103,14 +103,8 @@ impl Billing {
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or_else(|| FieldError::missing("transaction_id"))?;
-        self.get_payment(scope, id).map_err(|e| match e {
-            EngineError::NotFound { resource, id, .. } => EngineError::NotFound {
-                resource,
-                id,
-                param: Some("transaction_id".into()),
-            },
-            other => other,
-        })
+        self.get_payment(scope, id)
+            .map_err(|e| e.for_param("transaction_id"))
     }
 
     /// Refunds part or (by default) all of what is left of a payment; returns the
@@ -142,31 +136,23 @@ impl Billing {
             .into());
         }
         let now = self.journal.now_ms();
+        // The payment's customer, checkout, subscription, period and card.
         let refund = Payment {
             id: new_id("txn").into(),
-            store_id: scope.store_id.clone(),
-            mode: scope.mode,
             payment_type: PaymentType::Refund,
             status: PaymentStatus::Refunded,
             amount,
-            currency: original.currency.clone(),
             discount_amount: 0,
             tax_amount: 0,
             amount_paid: amount,
             refunded_amount: 0,
-            tax_country: original.tax_country.clone(),
-            checkout_id: original.checkout_id.clone(),
-            subscription_id: original.subscription_id.clone(),
-            customer_id: original.customer_id.clone(),
             description: format!("refund of {}", original.id),
-            period_start_ms: original.period_start_ms,
-            period_end_ms: original.period_end_ms,
             refund_of: Some(original.id.clone()),
             reason,
             disputed: false,
-            card_last4: original.card_last4.clone(),
             created_at_ms: now,
             updated_at_ms: now,
+            ..original
         };
         self.journal
             .append_and_apply(&Record::RefundCreated(refund.clone()))

@@ -66,6 +66,19 @@ impl EngineError {
         }
     }
 
+    /// A not-found naming the request parameter that held the unknown id (other
+    /// errors pass unchanged).
+    pub fn for_param(self, param: &str) -> Self {
+        match self {
+            EngineError::NotFound { resource, id, .. } => EngineError::NotFound {
+                resource,
+                id,
+                param: Some(param.to_string()),
+            },
+            other => other,
+        }
+    }
+
     pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
         EngineError::Conflict {
             code,

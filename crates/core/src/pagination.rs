@@ -167,14 +167,7 @@ pub fn cursor_from(
     page: &PageRequest,
     key_of: impl Fn(&str) -> Result<Vec<u8>, EngineError>,
 ) -> Result<Cursor, EngineError> {
-    let with_param = |param: &str, e: EngineError| match e {
-        EngineError::NotFound { resource, id, .. } => EngineError::NotFound {
-            resource,
-            id,
-            param: Some(param.to_string()),
-        },
-        other => other,
-    };
+    let with_param = |param: &str, e: EngineError| e.for_param(param);
     Ok(match (&page.starting_after, &page.ending_before) {
         (Some(_), Some(_)) => {
             return Err(tally_domain::FieldError::invalid(

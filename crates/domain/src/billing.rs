@@ -22,7 +22,7 @@ use crate::limits::{
     MAX_TAX_RATE_PERCENT,
 };
 use crate::mode::Mode;
-use crate::product::{BillingPeriod, BillingType, Product, ProductStatus, TaxMode};
+use crate::product::{parse_integer, BillingPeriod, BillingType, Product, ProductStatus, TaxMode};
 use crate::time::{parse_iso8601_ms, DAY_MS};
 
 wire_enum!(
@@ -262,16 +262,9 @@ fn instant(param: &str, text: &str) -> Result<i64, FieldError> {
 }
 
 fn whole(param: &str, text: &str, min: u32, max: u32) -> Result<u32, FieldError> {
-    text.trim()
-        .parse::<u32>()
-        .ok()
-        .filter(|n| (min..=max).contains(n))
-        .ok_or_else(|| {
-            FieldError::invalid(
-                param,
-                format!("`{param}` must be an integer from {min} to {max}"),
-            )
-        })
+    let n = parse_integer(param, text, min.into(), max.into())?;
+    // In range, so it fits.
+    Ok(u32::try_from(n).unwrap_or(max))
 }
 
 /// A discount code: letters, digits, `_` and `-`, kept as typed (codes compare exactly).
@@ -748,18 +741,11 @@ pub fn check_sold(product: &Product) -> Result<(), FieldError> {
 pub fn parse_units(text: Option<&str>) -> Result<u32, FieldError> {
     match text {
         None => Ok(1),
-        Some(text) => text
-            .trim()
-            .parse::<i64>()
-            .ok()
-            .filter(|n| (1..=MAX_CHECKOUT_UNITS).contains(n))
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| {
-                FieldError::invalid(
-                    "units",
-                    format!("`units` must be an integer from 1 to {MAX_CHECKOUT_UNITS}"),
-                )
-            }),
+        Some(text) => {
+            let units = parse_integer("units", text, 1, MAX_CHECKOUT_UNITS)?;
+            // In range, so it fits.
+            Ok(u32::try_from(units).unwrap_or(1))
+        }
     }
 }
 

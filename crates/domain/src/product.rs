@@ -505,7 +505,12 @@ pub fn parse_minor(param: &str, text: &str) -> Result<i64, FieldError> {
     parse_integer(param, text, 0, MAX_PRICE_MINOR)
 }
 
-fn parse_integer(param: &str, text: &str, min: i64, max: i64) -> Result<i64, FieldError> {
+pub(crate) fn parse_integer(
+    param: &str,
+    text: &str,
+    min: i64,
+    max: i64,
+) -> Result<i64, FieldError> {
     text.trim()
         .parse::<i64>()
         .ok()

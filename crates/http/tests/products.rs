@@ -54,7 +54,7 @@ fn pro(meter_id: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn products_are_created_read_listed_and_updated_with_every_part() {
-    let (_g, _dir, _server, api, _keys) = setup().await;
+    let (_g, _dir, server, api, _keys) = setup().await;
     let meter_id = meter(&api, "input tokens").await;
     let created = api.post("/v1/products", pro(&meter_id)).await;
     assert_eq!(created.status, 200, "{}", created.body);
@@ -115,7 +115,10 @@ async fn products_are_created_read_listed_and_updated_with_every_part() {
         (Some("product_field_immutable"), Some("currency"))
     );
 
-    // Lists: newest first, active by default, archived on request.
+    // Lists: newest first, active by default, archived on request. The test clock
+    // stands still: move it, so the second product is newer (within one
+    // millisecond the order is the ids').
+    server.clock.advance_ms(1);
     let second = api
         .post(
             "/v1/products",

@@ -7,23 +7,11 @@ use tally_domain::billing::{
     EmbeddedDiscount, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
 };
 use tally_domain::record::{BillingEvent, BillingObject, CheckoutCompletion};
-use tally_domain::usage::{canonical_decimal, parse_decimal};
+use tally_domain::usage::canonical_decimal;
 
 use crate::convert::{mode_from_proto, mode_to_proto, DecodeError};
-use crate::product::{product_from_proto, product_to_proto};
+use crate::product::{decimal, named, product_from_proto, product_to_proto};
 use crate::v1;
-
-fn decimal(text: &str, field: &'static str) -> Result<rust_decimal::Decimal, DecodeError> {
-    parse_decimal(text).ok_or(DecodeError::BadField(field))
-}
-
-fn named<T>(
-    parse: fn(&str) -> Option<T>,
-    text: &str,
-    field: &'static str,
-) -> Result<T, DecodeError> {
-    parse(text).ok_or(DecodeError::BadField(field))
-}
 
 pub fn discount_to_proto(d: &Discount) -> v1::Discount {
     v1::Discount {

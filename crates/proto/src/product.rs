@@ -12,11 +12,11 @@ use tally_domain::usage::{canonical_decimal, parse_decimal};
 use crate::convert::{mode_from_proto, mode_to_proto, DecodeError};
 use crate::v1;
 
-fn decimal(text: &str, field: &'static str) -> Result<Decimal, DecodeError> {
+pub(crate) fn decimal(text: &str, field: &'static str) -> Result<Decimal, DecodeError> {
     parse_decimal(text).ok_or(DecodeError::BadField(field))
 }
 
-fn named<T>(
+pub(crate) fn named<T>(
     parse: fn(&str) -> Option<T>,
     text: &str,
     field: &'static str,
