@@ -74,6 +74,7 @@ pub fn usage_record_bytes(events: usize, batch: u64) -> Vec<u8> {
             store_id: "st_bench".into(),
             mode: Mode::Test,
             events,
+            settles: false,
         },
         1_800_000_000_000,
     )

@@ -378,6 +378,24 @@ pub fn apply_checkout_completed(
         BillingObject::Checkout(done.clone()),
         &done.id,
     )];
+    match &completion.subscription {
+        Some(subscription) => crate::settlement::bind_purchase(
+            overlay,
+            &done.customer_id,
+            &subscription.id,
+            &subscription.product,
+            at,
+            subscription.trial_end_ms,
+        )?,
+        None => crate::settlement::bind_purchase(
+            overlay,
+            &done.customer_id,
+            &done.id,
+            &product,
+            at,
+            None,
+        )?,
+    }
     if let Some(subscription) = &completion.subscription {
         overlay.put(
             subscription_key(store_id, mode, &subscription.id),

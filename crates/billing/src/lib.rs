@@ -5,9 +5,11 @@
 //!
 //! Same inner shape as every context: the records it owns (`ProductUpserted`,
 //! `DiscountUpserted`, `CheckoutCreated`, `CheckoutCompleted`, `RefundCreated`,
-//! `DisputeOpened`, `TaxRateSet`), its keys (tables `R p Z d e f o t v x y s H E g`
-//! of the core key space), its apply ([`apply`]), its services and queries
-//! ([`products`], [`discounts`], [`checkouts`], [`payments`]). It reaches other
+//! `DisputeOpened`, `TaxRateSet`, `UsageSettled`), its keys (tables
+//! `R p Z d e f o t v x y s H E g 1 2 3 4 5 6` of the core key space), its apply
+//! ([`apply`], [`settlement`]), its services and queries ([`products`],
+//! [`discounts`], [`checkouts`], [`payments`]) and the settler that turns usage
+//! settled in credits into records ([`Billing::run_settler`]). It reaches other
 //! contexts only through the ports it owns ([`Meters`], [`Customers`], [`Credits`]);
 //! metering reaches it through metering's `Pricing` port, which the composition
 //! root answers with [`Billing::meter_priced_on_active_product`].
@@ -23,16 +25,20 @@ pub mod checkouts;
 pub mod discounts;
 pub mod payments;
 pub mod products;
+pub mod settlement;
+
+/// A meter, as billing needs to know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MeterInfo {
+    pub status: MeterStatus,
+    pub aggregation: tally_domain::meter::Aggregation,
+}
 
 /// What billing asks of metering: it owns this port, the composition root
 /// implements it.
 pub trait Meters: Send + Sync {
-    /// The status of a meter of the scope, if it exists.
-    fn meter_status(
-        &self,
-        scope: &Scope,
-        meter_id: &str,
-    ) -> Result<Option<MeterStatus>, EngineError>;
+    /// A meter of the scope, if it exists.
+    fn meter_info(&self, scope: &Scope, meter_id: &str) -> Result<Option<MeterInfo>, EngineError>;
 }
 
 /// What billing asks of the directory.
@@ -133,6 +139,8 @@ pub struct Ports {
 
 pub struct Billing {
     journal: Arc<Journal>,
+    /// Woken when a commit leaves a usage settlement pending.
+    settler_wake: tokio::sync::Notify,
     meters: Arc<dyn Meters>,
     customers: Arc<dyn Customers>,
     credits: Arc<dyn Credits>,
@@ -150,11 +158,111 @@ impl Billing {
     pub fn new(journal: Arc<Journal>, ports: Ports) -> Billing {
         Billing {
             journal,
+            settler_wake: tokio::sync::Notify::new(),
             meters: ports.meters,
             customers: ports.customers,
             credits: ports.credits,
             test_payments: ports.test_payments,
             live_payments: ports.live_payments,
+        }
+    }
+}
+
+/// Pending settlements the settler appends per round: bounds the records it has in
+/// flight (each waits for its apply) and the memory of one scan.
+pub const SETTLE_BATCH: usize = 256;
+
+/// How often the settler looks for pending settlements without being woken: a
+/// pending settlement left by another node, or by a crash before it was appended.
+pub const SETTLE_POLL_MS: u64 = 1_000;
+
+impl Billing {
+    /// The settlement of the `credits` usage prices a subscription (or a one-time
+    /// checkout) bought, by price.
+    pub fn settlement_totals(
+        &self,
+        scope: &Scope,
+        source_id: &str,
+    ) -> Result<Vec<tally_domain::settlement::SettlementTotals>, EngineError> {
+        settlement::settlement_totals(
+            self.journal.store().as_ref(),
+            &scope.store_id,
+            scope.mode,
+            source_id,
+        )
+    }
+
+    /// Whether a purchase settles any of these events in credits (the gateway's
+    /// question, through its `Settlements` port).
+    pub fn settles(
+        &self,
+        scope: &Scope,
+        events: &[tally_domain::usage::UsageEvent],
+    ) -> Result<bool, EngineError> {
+        settlement::is_bound(
+            self.journal.store().as_ref(),
+            &scope.store_id,
+            scope.mode,
+            events,
+        )
+    }
+
+    /// A commit left a usage settlement pending.
+    pub fn wake_settler(&self) {
+        self.settler_wake.notify_one();
+    }
+
+    /// Appends up to `SETTLE_BATCH` pending usage settlements as `UsageSettled`
+    /// records and waits until they are applied; how many it appended. Any number of
+    /// settlers (nodes, restarts) may append one twice: apply settles a usage record
+    /// once and refuses the repeat.
+    pub async fn settle_pending(&self) -> Result<usize, EngineError> {
+        self.journal.check_writable()?;
+        let pending = settlement::pending_settlements(self.journal.store().as_ref(), SETTLE_BATCH)?;
+        let appends = pending.into_iter().map(|settlement| async move {
+            self.journal
+                .append_and_decide(&tally_domain::record::Record::UsageSettled(settlement))
+                .await
+        });
+        let mut appended = 0;
+        for result in futures::future::join_all(appends).await {
+            match result {
+                Ok(_) => appended += 1,
+                // Another settler got there first.
+                Err(EngineError::Conflict {
+                    code: settlement::ALREADY_SETTLED,
+                    ..
+                }) => appended += 1,
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(appended)
+    }
+
+    /// Settles pending usage until `shutdown` turns true: when woken by a commit
+    /// that left one, and every `SETTLE_POLL_MS`.
+    pub async fn run_settler(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                _ = self.settler_wake.notified() => {}
+                _ = tokio::time::sleep(std::time::Duration::from_millis(SETTLE_POLL_MS)) => {}
+            }
+            loop {
+                match self.settle_pending().await {
+                    Ok(n) if n >= SETTLE_BATCH => continue,
+                    Ok(_) => break,
+                    // Not ready or not writable yet (catching up, a full disk): later.
+                    Err(error @ EngineError::Unavailable { .. }) => {
+                        tracing::debug!(%error, "usage settlement deferred");
+                        break;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "usage settlement deferred; it is retried");
+                        break;
+                    }
+                }
+            }
         }
     }
 }

@@ -10,9 +10,9 @@ use tally_core::keys::{self, ListingKey};
 use tally_core::outcome::Outcome;
 use tally_core::pagination::{cursor_from, paginate, Page, PageRequest, StatusFilter};
 use tally_core::Scope;
-use tally_domain::meter::MeterStatus;
+use tally_domain::meter::{Aggregation, MeterStatus};
 use tally_domain::product::{
-    new_product, update_product, IdSource, Product, ProductInput, ProductStatus,
+    new_product, update_product, IdSource, Product, ProductInput, ProductStatus, SettlementMode,
 };
 use tally_domain::record::Record;
 use tally_domain::FieldError;
@@ -130,11 +130,13 @@ impl Billing {
         }
         let already = old.map(Product::priced_meters).unwrap_or_default();
         for (i, price) in product.usage_prices.iter().enumerate() {
-            if already.contains(price.meter_id.as_str()) {
+            let newly_priced = !already.contains(price.meter_id.as_str());
+            let credits = price.settlement_mode == SettlementMode::Credits;
+            if !newly_priced && !credits {
                 continue;
             }
             let param = format!("usage_prices[{i}].meter_id");
-            match self.meters.meter_status(scope, &price.meter_id)? {
+            let meter = match self.meters.meter_info(scope, &price.meter_id)? {
                 None => {
                     return Err(FieldError::new(
                         "resource_missing",
@@ -146,10 +148,23 @@ impl Billing {
                     )
                     .into())
                 }
-                Some(MeterStatus::Archived) => {
-                    return Err(meter_not_active(&price.meter_id, &param).into())
-                }
-                Some(MeterStatus::Active) => {}
+                Some(meter) => meter,
+            };
+            if newly_priced && meter.status == MeterStatus::Archived {
+                return Err(meter_not_active(&price.meter_id, &param).into());
+            }
+            // Credits are debited per event as usage arrives: only a count or a
+            // sum adds up event by event (docs/api.md, "Usage prices").
+            if credits && !matches!(meter.aggregation, Aggregation::Count | Aggregation::Sum) {
+                return Err(FieldError::invalid(
+                    format!("usage_prices[{i}].settlement_mode"),
+                    format!(
+                        "`credits` settles usage event by event, so it needs a `count` or `sum` meter; meter '{}' aggregates by `{}`: use `invoice`",
+                        price.meter_id,
+                        meter.aggregation.as_str()
+                    ),
+                )
+                .into());
             }
         }
         Ok(())

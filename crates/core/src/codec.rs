@@ -84,6 +84,34 @@ proto_codec!(
     v1::BillingEvent
 );
 
+proto_codec!(
+    encode_settlement,
+    decode_settlement,
+    tally_domain::record::UsageSettlement,
+    tally_proto::settlement_to_proto,
+    tally_proto::settlement_from_proto,
+    v1::UsageSettled
+);
+proto_codec!(
+    encode_settlement_totals,
+    decode_settlement_totals,
+    tally_domain::settlement::SettlementTotals,
+    tally_proto::totals_to_proto,
+    tally_proto::totals_from_proto,
+    v1::SettlementTotals
+);
+
+pub fn encode_bindings(bindings: &[tally_domain::settlement::UsageBinding]) -> Vec<u8> {
+    tally_proto::bindings_to_proto(bindings).encode_to_vec()
+}
+
+pub fn decode_bindings(
+    bytes: &[u8],
+) -> Result<Vec<tally_domain::settlement::UsageBinding>, EngineError> {
+    tally_proto::bindings_from_proto(v1::UsageBindings::decode(bytes).map_err(corrupt)?)
+        .map_err(corrupt)
+}
+
 pub fn decode_customer(bytes: &[u8]) -> Result<Customer, EngineError> {
     tally_proto::customer_from_proto(v1::Customer::decode(bytes).map_err(corrupt)?).map_err(corrupt)
 }

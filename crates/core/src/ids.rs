@@ -18,3 +18,16 @@ pub fn random_base62(chars: usize) -> String {
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", random_base62(ID_RANDOM_CHARS))
 }
+
+/// An id apply derives from what it applies (`seed`), so a replay derives the same
+/// one: the prefix and 24 base62 characters of the seed's SHA-256, like a random id.
+pub fn derived_id(prefix: &str, seed: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(seed.as_bytes());
+    let chars: String = digest
+        .iter()
+        .take(ID_RANDOM_CHARS)
+        .map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char)
+        .collect();
+    format!("{prefix}_{chars}")
+}

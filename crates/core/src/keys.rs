@@ -55,6 +55,13 @@
 //! | `H` | store, mode, dispute_id | Dispute (proto) |
 //! | `E` | store, mode, created_at, event_id | BillingEvent (proto), for webhooks |
 //! | `g` | store, mode, country | tax rate in percent (decimal text) |
+//! | `1` | store, mode, customer_id, meter_id | UsageBindings (proto): the customer's usage of the meter settled in credits |
+//! | `2` | store, mode | (empty) the scope has usage bindings (one read per usage record decides whether to look further) |
+//! | `3` | partition, offset | UsageSettled (proto): a usage record's settlement, pending until its record is applied |
+//! | `4` | partition, offset | (empty) the usage record at that position is settled |
+//! | `5` | store, mode, source_id, price_id, period start | meter units the binding used in that period (16-byte decimal) |
+//! | `6` | store, mode, source_id, price_id | SettlementTotals (proto) |
+//! | `7` | store, mode, account_id | (empty) the account's exhaustion was announced and it has not held credits since |
 
 use tally_domain::Mode;
 
@@ -112,6 +119,13 @@ pub const SUBSCRIPTION: u8 = b's';
 pub const DISPUTE: u8 = b'H';
 pub const BILLING_EVENT: u8 = b'E';
 pub const TAX_RATE: u8 = b'g';
+pub const USAGE_BINDING: u8 = b'1';
+pub const USAGE_BINDING_SCOPE: u8 = b'2';
+pub const SETTLEMENT_PENDING: u8 = b'3';
+pub const SETTLEMENT_DONE: u8 = b'4';
+pub const SETTLEMENT_PERIOD_USAGE: u8 = b'5';
+pub const SETTLEMENT_TOTALS: u8 = b'6';
+pub const CREDIT_EXHAUSTED: u8 = b'7';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

@@ -50,6 +50,7 @@ pub const OUTCOME_CODES: &[&str] = &[
     "transaction_not_reversible",
     "transaction_unbalanced",
     "too_many_webhooks",
+    "usage_already_settled",
 ];
 
 /// Outcome codes that are the caller's input no longer fitting (a discount redeemed

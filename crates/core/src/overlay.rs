@@ -36,6 +36,7 @@ impl StoredBatch {
                     store_id,
                     mode,
                     events,
+                    ..
                 },
                 _,
             )) => Ok(Some(StoredBatch {
@@ -307,6 +308,7 @@ impl<'a> Overlay<'a> {
             store_id,
             mode,
             events,
+            ..
         }) = self.chunk.get(&(partition, offset)).copied()
         {
             return Ok(StoredRef {

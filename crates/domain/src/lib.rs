@@ -20,6 +20,7 @@ pub mod meter;
 pub mod mode;
 pub mod product;
 pub mod record;
+pub mod settlement;
 pub mod time;
 pub mod usage;
 pub mod webhook;

@@ -29,6 +29,9 @@ pub enum Record {
         store_id: StoreId,
         mode: Mode,
         events: Vec<UsageEvent>,
+        /// The gateway found a purchase settling some of these events in credits
+        /// (docs/api.md, "Usage prices"): apply leaves their units for settlement.
+        settles: bool,
     },
     /// One step of a backfill (ARCHITECTURE.md "Backfill"): fold the listed stored
     /// events into the meter; the finishing step also folds what arrived since the
@@ -79,6 +82,20 @@ pub enum Record {
         country: String,
         rate_percent: rust_decimal::Decimal,
     },
+    /// Usage of one usage record, settled against credit accounts (written after
+    /// that record is applied; applied once per source record).
+    UsageSettled(UsageSettlement),
+}
+
+/// What a usage record charges the credit accounts its events are bound to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageSettlement {
+    pub store_id: StoreId,
+    pub mode: Mode,
+    /// The usage record's position: the settlement's identity.
+    pub source_partition: u32,
+    pub source_offset: u64,
+    pub units: Vec<crate::settlement::UsageUnits>,
 }
 
 /// What a checkout's completion writes: the checkout as completed, its payment and,
@@ -223,6 +240,8 @@ impl Record {
             Record::RefundCreated(p) => p.store_id.as_bytes().to_vec(),
             Record::DisputeOpened(d) => d.store_id.as_bytes().to_vec(),
             Record::TaxRateSet { store_id, .. } => store_id.as_bytes().to_vec(),
+            // With the store's ledger steps: balances are decided in one order.
+            Record::UsageSettled(s) => s.store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

@@ -168,17 +168,33 @@ impl tally_billing::Credits for LedgerPort {
     }
 }
 
+/// The gateway's `Settlements` port, answered by billing.
+struct SettlementsPort(Arc<Billing>);
+
+impl tally_ingest::Settlements for SettlementsPort {
+    fn settles(
+        &self,
+        scope: &Scope,
+        events: &[tally_domain::usage::UsageEvent],
+    ) -> Result<bool, EngineError> {
+        self.0.settles(scope, events)
+    }
+}
+
 /// Billing's `Meters` port, answered by metering.
 struct MeteringPort(Arc<Metering>);
 
 impl tally_billing::Meters for MeteringPort {
-    fn meter_status(
+    fn meter_info(
         &self,
         scope: &Scope,
         meter_id: &str,
-    ) -> Result<Option<tally_domain::meter::MeterStatus>, EngineError> {
+    ) -> Result<Option<tally_billing::MeterInfo>, EngineError> {
         match self.0.get_meter(scope, meter_id) {
-            Ok(meter) => Ok(Some(meter.status)),
+            Ok(meter) => Ok(Some(tally_billing::MeterInfo {
+                status: meter.status,
+                aggregation: meter.aggregation,
+            })),
             Err(EngineError::NotFound { .. }) => Ok(None),
             Err(error) => Err(error),
         }
@@ -242,6 +258,9 @@ impl tally_runtime::Projection for Engine {
     fn after_commit(&self, applied: Self::Applied, committed: tally_runtime::Committed) {
         self.directory.after_commit(applied.directory);
         self.metering.after_commit(applied.metering);
+        if applied.billing.settlements_pending {
+            self.billing.wake_settler();
+        }
         self.journal
             .metrics
             .records_applied
@@ -360,8 +379,13 @@ impl Engine {
         // Bound once, here, before anything can ask.
         let _ = pricing.0.set(Arc::downgrade(&billing));
         Ok(Arc::new(Engine {
-            billing,
-            gateway: Gateway::new(journal.clone(), metering.clone(), port.clone()),
+            billing: billing.clone(),
+            gateway: Gateway::new(
+                journal.clone(),
+                metering.clone(),
+                port.clone(),
+                Arc::new(SettlementsPort(billing.clone())),
+            ),
             ledger: Ledger::new(journal.clone(), port),
             notifications: Arc::new(Notifications::new(journal.clone())),
             journal,
@@ -460,7 +484,15 @@ impl Engine {
         self: &Arc<Self>,
         shutdown: watch::Receiver<bool>,
     ) -> Vec<tokio::task::JoinHandle<()>> {
-        self.journal.runtime().clone().start(self.clone(), shutdown)
+        let mut tasks = self
+            .journal
+            .runtime()
+            .clone()
+            .start(self.clone(), shutdown.clone());
+        // Usage settled in credits leaves the projector as pending settlements;
+        // the settler turns them into the ledger's records.
+        tasks.push(tokio::spawn(self.billing.clone().run_settler(shutdown)));
+        tasks
     }
 
     /// Flushes the projection (graceful shutdown).

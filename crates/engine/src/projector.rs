@@ -159,12 +159,21 @@ impl ProjectorState {
 pub struct Applied {
     pub directory: DirectoryApplied,
     pub metering: MeteringApplied,
+    pub billing: BillingApplied,
+}
+
+/// What a committed chunk changed in billing.
+#[derive(Debug, Default)]
+pub struct BillingApplied {
+    /// A usage record left a settlement pending: the settler has work.
+    pub settlements_pending: bool,
 }
 
 impl Applied {
     fn absorb(&mut self, other: Applied) {
         self.directory.absorb(other.directory);
         self.metering.absorb(other.metering);
+        self.billing.settlements_pending |= other.billing.settlements_pending;
     }
 }
 
@@ -295,6 +304,7 @@ fn apply_entry<'a>(
                 store_id,
                 mode,
                 events,
+                ..
             } = &record
             {
                 // Reservations end with the record, applied or refused.
@@ -411,14 +421,74 @@ fn apply_record(
             store_id,
             mode,
             events,
-        } => tally_metering::apply::apply_usage_batch(
-            overlay,
-            store_id,
-            *mode,
-            events,
-            entry.partition,
-            entry.offset,
-        )?,
+            settles,
+        } => {
+            // Usage settled in credits: metering says what each new event added to
+            // each meter, billing leaves it for settlement. Only records the
+            // gateway marked pay for the accounting.
+            let mut counted = Vec::new();
+            tally_metering::apply::apply_usage_batch(
+                overlay,
+                store_id,
+                *mode,
+                events,
+                entry.partition,
+                entry.offset,
+                settles.then_some(&mut counted),
+            )?;
+            if !counted.is_empty() {
+                let units = counted.iter().filter_map(|c| {
+                    let event = events.get(c.event as usize)?;
+                    Some(tally_billing::settlement::NewUnits {
+                        customer_id: &event.customer_id,
+                        meter_id: &c.meter_id,
+                        timestamp_ms: event.timestamp_ms,
+                        quantity: c.quantity,
+                    })
+                });
+                applied.billing.settlements_pending |= tally_billing::settlement::leave_units(
+                    overlay,
+                    store_id,
+                    *mode,
+                    units,
+                    entry.partition,
+                    entry.offset,
+                )?;
+            }
+        }
+        Record::UsageSettled(settlement) => {
+            let mut events = Vec::new();
+            tally_billing::settlement::apply_usage_settled(
+                overlay,
+                settlement,
+                meta.recorded_at_ms,
+                &mut |overlay, debit| {
+                    let request = tally_ledger::UsageDebit {
+                        store_id: debit.store_id,
+                        mode: debit.mode,
+                        customer_id: debit.customer_id,
+                        account_name: debit.account_name,
+                        amount: debit.amount,
+                        transaction_id: debit.transaction_id.clone(),
+                        description: format!("usage of meter {}", debit.meter_id),
+                        metadata: [
+                            ("meter_id".to_string(), debit.meter_id.to_string()),
+                            ("source_id".to_string(), debit.source_id.to_string()),
+                        ]
+                        .into(),
+                        created_at_ms: debit.created_at_ms,
+                    };
+                    let (taken, emitted) = tally_ledger::apply_usage_debit(overlay, &request)?;
+                    events.extend(emitted);
+                    Ok(taken)
+                },
+            )?;
+            let heads: Vec<_> = events
+                .iter()
+                .map(tally_notifications::EventHead::ledger)
+                .collect();
+            tally_notifications::schedule_deliveries(overlay, &heads, entry.offset)?;
+        }
         Record::MeterBackfill {
             store_id,
             mode,

@@ -7,7 +7,10 @@
 //! - any chunking gives the digest of applying the whole log at once (replay);
 //! - the ledger's invariants hold whatever was written: every balance within
 //!   `MAX_BALANCE`, no customer balance below zero, every scope's balances sum to
-//!   exactly zero.
+//!   exactly zero;
+//! - billing's and usage settlement's invariants hold (see `check_billing`,
+//!   `check_settlement`), and settlement does not depend on how the usage and store
+//!   partitions interleave (`interleaving`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -74,6 +77,16 @@ enum Op {
         event: u8,
         value: Decimal,
         as_text: bool,
+        /// The gateway found a purchase settling it in credits.
+        settles: bool,
+    },
+    /// A usage settlement as any writer could append it: of a position that holds a
+    /// usage record or not, repeated, before its record, any quantity.
+    Settle {
+        source: u8,
+        customer: u8,
+        meter: u8,
+        quantity: Decimal,
     },
     OpenAccount {
         account: u8,
@@ -177,8 +190,10 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(id, name, aggregation, archived)| Op::Meter { id, name, aggregation, archived }),
         1 => (0u8..3, proptest::collection::vec(0u8..6, 0..3), proptest::bool::weighted(0.3))
             .prop_map(|(id, meters, archived)| Op::Product { id, meters, archived }),
-        3 => (0u8..4, 0u8..8, decimal(), any::<bool>())
-            .prop_map(|(customer, event, value, as_text)| Op::Usage { customer, event, value, as_text }),
+        3 => (0u8..4, 0u8..8, decimal(), any::<bool>(), proptest::bool::weighted(0.7))
+            .prop_map(|(customer, event, value, as_text, settles)| Op::Usage { customer, event, value, as_text, settles }),
+        1 => (0u8..70, 0u8..4, 0u8..4, decimal())
+            .prop_map(|(source, customer, meter, quantity)| Op::Settle { source, customer, meter, quantity }),
         1 => (0u8..4, 0u8..2, decimal()).prop_map(|(account, name, initial)| Op::OpenAccount { account, name, initial }),
         4 => (0u8..4, any::<bool>(), decimal(), 0u8..6)
             .prop_map(|(account, debit, amount, key)| Op::Move { account, debit, amount, key }),
@@ -206,6 +221,15 @@ fn billing_op() -> impl Strategy<Value = Op> {
             .prop_map(|(checkout, amount, discount_amount, tax, forged)| Op::Complete { checkout, amount, discount_amount, tax, forged }),
         3 => (0u8..7, -5i64..3_000).prop_map(|(payment, amount)| Op::Refund { payment, amount }),
         1 => (0u8..7).prop_map(|payment| Op::Dispute { payment }),
+        // Usage settled in credits against the accounts the purchases bound.
+        2 => (0u8..2, 0u8..8, decimal(), proptest::bool::weighted(0.8))
+            .prop_map(|(customer, event, value, settles)| Op::Usage { customer, event, value, as_text: false, settles }),
+        3 => (0u8..90, 0u8..2, prop_oneof![Just(1u8), Just(3), 0u8..4], prop_oneof![3 => (1i64..20).prop_map(Decimal::from), 1 => decimal()])
+            .prop_map(|(source, customer, meter, quantity)| Op::Settle { source, customer, meter, quantity }),
+        2 => (0u8..2, prop_oneof![(1i64..30).prop_map(Decimal::from), decimal()])
+            .prop_map(|(account, initial)| Op::OpenAccount { account, name: 0, initial }),
+        1 => (0u8..2, decimal(), 0u8..6)
+            .prop_map(|(account, amount, key)| Op::Move { account, debit: false, amount, key }),
     ]
 }
 
@@ -236,12 +260,17 @@ fn product(id: u8, meters: &[u8], archived: bool) -> Product {
             .map(|m| UsagePrice {
                 id: format!("uprc_{m}"),
                 meter_id: format!("mtr_{m}").into(),
-                unit_price: Decimal::ONE,
-                free_allowance: Decimal::ZERO,
-                cap: None,
-                settlement_mode: SettlementMode::Invoice,
+                // Odd meters settle in credits, from the accounts named `a0`.
+                unit_price: Decimal::new(5, 1),
+                free_allowance: Decimal::from(*m % 3),
+                cap: (*m == 3).then(|| Decimal::from(4)),
+                settlement_mode: if m % 2 == 1 {
+                    SettlementMode::Credits
+                } else {
+                    SettlementMode::Invoice
+                },
                 target_account: TargetAccount::Customer,
-                target_account_name: "default".into(),
+                target_account_name: "a0".into(),
                 trial_usage_mode: TrialUsageMode::Free,
             })
             .collect(),
@@ -522,11 +551,31 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 meters,
                 archived,
             } => Record::ProductUpserted(product(*id, meters, *archived)),
+            Op::Settle {
+                source,
+                customer,
+                meter,
+                quantity,
+            } => Record::UsageSettled(tally_domain::record::UsageSettlement {
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                source_partition: 0,
+                source_offset: u64::from(*source),
+                units: vec![tally_domain::settlement::UsageUnits {
+                    customer_id: format!("cus_{customer}").into(),
+                    meter_id: format!("mtr_{meter}").into(),
+                    // After every purchase (records are at most 1.5 days after T0).
+                    timestamp_ms: T0 + 2 * 86_400_000,
+                    quantity: *quantity,
+                    events: 1,
+                }],
+            }),
             Op::Usage {
                 customer,
                 event,
                 value,
                 as_text,
+                settles,
             } => {
                 let value = if *as_text {
                     PropertyValue::String(value.to_string())
@@ -547,6 +596,7 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                         matched_meter_ids: (0..4).map(|m| format!("mtr_{m}").into()).collect(),
                         event_id_assigned: false,
                     }],
+                    settles: *settles,
                 }
             }
             Op::OpenAccount {
@@ -833,7 +883,61 @@ fn check_invariants(store: &MemoryStore) -> Result<(), TestCaseError> {
             );
         }
     }
-    check_billing(store)
+    check_billing(store)?;
+    check_settlement(store)
+}
+
+/// Usage settlement, decided in apply whatever was written: a binding's totals add
+/// up (debited within what was billed, the rest the shortfall) and a usage record
+/// settled is not pending any more.
+fn check_settlement(store: &MemoryStore) -> Result<(), TestCaseError> {
+    let mut totals = Vec::new();
+    scan_prefix(store, &[keys::SETTLEMENT_TOTALS], false, &mut |_, value| {
+        totals.push(codec::decode_settlement_totals(value).unwrap());
+        Visit::Continue
+    })
+    .unwrap();
+    for t in &totals {
+        prop_assert!(
+            t.debited >= Decimal::ZERO && t.debited <= t.billed,
+            "{:?}",
+            t
+        );
+        prop_assert_eq!(t.shortfall, t.billed - t.debited, "{:?}", t);
+        prop_assert!(t.quantity >= Decimal::ZERO, "{:?}", t);
+    }
+    // What the totals say was debited is what the ledger's usage debits took.
+    let mut taken = Decimal::ZERO;
+    scan_prefix(
+        store,
+        &[keys::CREDIT_TRANSACTION],
+        false,
+        &mut |_, value| {
+            let tx = codec::decode_transaction(value).unwrap();
+            if tx.metadata.contains_key("source_id") {
+                taken += tx.amount;
+            }
+            Visit::Continue
+        },
+    )
+    .unwrap();
+    let debited: Decimal = totals.iter().map(|t| t.debited).sum();
+    prop_assert_eq!(taken, debited);
+    let mut settled = Vec::new();
+    scan_prefix(store, &[keys::SETTLEMENT_DONE], false, &mut |key, _| {
+        settled.push(key[1..].to_vec());
+        Visit::Continue
+    })
+    .unwrap();
+    for position in settled {
+        let mut pending = vec![keys::SETTLEMENT_PENDING];
+        pending.extend(position);
+        prop_assert!(
+            store.get(&pending).unwrap().is_none(),
+            "settled, still pending"
+        );
+    }
+    Ok(())
 }
 
 /// Billing, decided in apply whatever was written: no discount redeemed past its
@@ -972,9 +1076,11 @@ proptest! {
         ops in proptest::collection::vec((billing_op(), envelope()), 1..80),
         cuts in proptest::collection::vec(0usize..90, 0..6),
     ) {
-        let mut all: Vec<(Op, Envelope)> = (0..3)
-            .map(|id| {
-                let op = Op::Product { id, meters: Vec::new(), archived: false };
+        let mut all: Vec<(Op, Envelope)> = [vec![1, 3], vec![0, 1], vec![]]
+            .into_iter()
+            .zip(0..)
+            .map(|(meters, id)| {
+                let op = Op::Product { id, meters, archived: false };
                 (op, Envelope { base: None, request: None, half_days: 0 })
             })
             .collect();
@@ -984,5 +1090,174 @@ proptest! {
         let chunked = apply_in_chunks(&entries, &cuts)?;
         prop_assert_eq!(whole.digest().unwrap(), chunked.digest().unwrap());
         check_invariants(&whole)?;
+    }
+}
+
+/// Usage is partitioned by customer, settlements (and bindings and the ledger) by
+/// store: whatever order a replay interleaves the two partitions in, even a
+/// settlement before the usage record it settles, the projection is the same, and
+/// the credits billed are the reference's: the period's units above the free
+/// allowance, at the unit price (ARCHITECTURE.md, "Usage settlement").
+mod interleaving {
+    use super::*;
+
+    fn meta() -> RecordMeta {
+        RecordMeta {
+            recorded_at_ms: T0,
+            ..Default::default()
+        }
+    }
+
+    fn usage(k: usize, value: i64) -> Record {
+        Record::UsageBatch {
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            events: vec![UsageEvent {
+                event_id: format!("ev{k}"),
+                name: "e".into(),
+                customer_id: "cus_0".into(),
+                external_customer_id: None,
+                timestamp_ms: T0 + 1_000,
+                properties: [("v".to_string(), PropertyValue::Number(Decimal::from(value)))]
+                    .into_iter()
+                    .collect(),
+                received_at_ms: T0,
+                matched_meter_ids: (0..4).map(|m| format!("mtr_{m}").into()).collect(),
+                event_id_assigned: false,
+            }],
+            settles: true,
+        }
+    }
+
+    /// What the usage record at (1, `k`) leaves pending: its sum meter's units.
+    fn settlement(k: usize, value: i64) -> Record {
+        Record::UsageSettled(tally_domain::record::UsageSettlement {
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            source_partition: 1,
+            source_offset: k as u64,
+            units: vec![tally_domain::settlement::UsageUnits {
+                customer_id: "cus_0".into(),
+                meter_id: "mtr_1".into(),
+                timestamp_ms: T0 + 1_000,
+                quantity: Decimal::from(value),
+                events: 1,
+            }],
+        })
+    }
+
+    fn entry(partition: u32, offset: usize, record: &Record) -> LogEntry {
+        LogEntry {
+            partition,
+            offset: offset as u64,
+            next_offset: offset as u64 + 1,
+            payload: tally_proto::encode_record_with(record, &meta()),
+        }
+    }
+
+    /// Applies partition 0's records and partition 1's, each in its order,
+    /// interleaved as `pattern` says (true: take partition 1's next), one chunk each.
+    fn apply_interleaved(
+        p0: &[LogEntry],
+        p1: &[LogEntry],
+        setup: usize,
+        pattern: &[bool],
+    ) -> Result<Arc<MemoryStore>, TestCaseError> {
+        let log: Vec<LogEntry> = p0.iter().chain(p1).cloned().collect();
+        let store = Arc::new(MemoryStore::new());
+        let mut state = ProjectorState::empty();
+        let (mut i0, mut i1) = (0, 0);
+        let mut turns = pattern.iter().copied().chain(std::iter::repeat(false));
+        while i0 < p0.len() || i1 < p1.len() {
+            // The setup (meters, purchase, account) first: usage waits for its meters.
+            let take_p1 =
+                i0 >= setup && i1 < p1.len() && (i0 >= p0.len() || turns.next() == Some(true));
+            let next = if take_p1 {
+                i1 += 1;
+                &p1[i1 - 1]
+            } else {
+                i0 += 1;
+                &p0[i0 - 1]
+            };
+            apply_chunk_in_memory(store.as_ref(), &mut state, std::slice::from_ref(next), &log)
+                .map_err(|e| TestCaseError::fail(format!("apply failed: {e}")))?;
+        }
+        Ok(store)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+        #[test]
+        fn settlement_does_not_depend_on_how_partitions_interleave(
+            values in proptest::collection::vec(1i64..20, 1..12),
+            initial in 0i64..200,
+            repeats in proptest::collection::vec(0usize..12, 0..4),
+            a in proptest::collection::vec(any::<bool>(), 0..40),
+            b in proptest::collection::vec(any::<bool>(), 0..40),
+        ) {
+            let checkout = Op::Checkout { id: 0, product: 0, discount: None };
+            let envelope = Envelope { base: None, request: None, half_days: 0 };
+            let mut p0_records: Vec<Record> = (0..4)
+                .map(|i| Record::MeterUpserted(meter(i, i, i)))
+                .collect();
+            p0_records.push(Record::ProductUpserted(product(0, &[1], false)));
+            p0_records.push(Record::CheckoutCreated(billing::checkout(0, 0, None)));
+            p0_records.push(Record::CheckoutCompleted(billing::completion(
+                &[(checkout, envelope)], 0, (0, 0, 0), false,
+            )));
+            let seed = transaction(
+                "ctx_seed".into(),
+                TransactionKind::InitialBalance,
+                0,
+                Decimal::from(initial),
+                vec![
+                    super::entry(0, "ca_0", Decimal::from(initial)),
+                    super::entry(0, SystemAccount::Issuance.account_id(), -Decimal::from(initial)),
+                ],
+            );
+            if initial > 0 {
+                p0_records.push(Record::CreditLedger {
+                    account: Some(account(0, 0, AccountStatus::Active)),
+                    transaction: Some(seed),
+                    events: vec![],
+                });
+            }
+            let setup = p0_records.len();
+            // Each usage record settled once, some twice (another settler's repeat).
+            for (k, value) in values.iter().enumerate() {
+                p0_records.push(settlement(k, *value));
+            }
+            for k in repeats.iter().filter(|k| **k < values.len()) {
+                p0_records.push(settlement(*k, values[*k]));
+            }
+            let p0: Vec<LogEntry> = p0_records.iter().enumerate().map(|(i, r)| entry(0, i, r)).collect();
+            let p1: Vec<LogEntry> = values.iter().enumerate().map(|(k, v)| entry(1, k, &usage(k, *v))).collect();
+
+            let first = apply_interleaved(&p0, &p1, setup, &a)?;
+            let second = apply_interleaved(&p0, &p1, setup, &b)?;
+            prop_assert_eq!(first.digest().unwrap(), second.digest().unwrap());
+            check_invariants(&first)?;
+
+            // The reference: one period, free allowance 1 (meter 1), 0.5 a unit.
+            let mut totals = Vec::new();
+            scan_prefix(first.as_ref(), &[keys::SETTLEMENT_TOTALS], false, &mut |_, value| {
+                totals.push(codec::decode_settlement_totals(value).unwrap());
+                Visit::Continue
+            }).unwrap();
+            prop_assert_eq!(totals.len(), 1);
+            let total: i64 = values.iter().sum();
+            let billed = Decimal::from((total - 1).max(0)) * Decimal::new(5, 1);
+            prop_assert_eq!(totals[0].quantity, Decimal::from(total));
+            prop_assert_eq!(totals[0].billed, billed);
+            let expected_debit = if initial > 0 { billed.min(Decimal::from(initial)) } else { Decimal::ZERO };
+            prop_assert_eq!(totals[0].debited, expected_debit);
+            // Nothing is left pending.
+            let mut pending = 0;
+            scan_prefix(first.as_ref(), &[keys::SETTLEMENT_PENDING], false, &mut |_, _| {
+                pending += 1;
+                Visit::Continue
+            }).unwrap();
+            prop_assert_eq!(pending, 0);
+        }
     }
 }

@@ -101,6 +101,7 @@ fn log_entries(batches: &[Vec<GenEvent>]) -> Vec<LogEntry> {
             store_id: STORE.into(),
             mode: Mode::Test,
             events: batch.iter().map(|e| usage_event(e, &ids)).collect(),
+            settles: false,
         });
     }
     entries_of(&records)
@@ -397,6 +398,7 @@ fn the_first_event_wins_whatever_comes_later() {
                         &["mtr_0".into()],
                     ),
                 ],
+                settles: false,
             });
         }
         for record in &records {
@@ -493,6 +495,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
             received_at_ms: received,
             ..usage_event(event, &ids)
         }],
+        settles: false,
     };
     records.push(batch(&old, T0));
     // Received just inside the retention of the first: nothing is pruned yet.
@@ -605,6 +608,7 @@ fn distinct_values_past_the_inline_set_stay_exact() {
             store_id: STORE.into(),
             mode: Mode::Test,
             events: batch.to_vec(),
+            settles: false,
         });
     }
     let entries = entries_of(&records);

@@ -370,6 +370,32 @@ pub fn dispute(d: &Dispute) -> Value {
 
 /// A subscription with its product (as bought), its customer (as now, when known)
 /// and its last paid transaction.
+/// The settlement of a purchase's `credits` usage prices, one entry per price
+/// (docs/api.md, "Usage prices"), added to the subscription (or one-time checkout)
+/// it belongs to.
+pub fn with_usage_settlement(
+    mut object: Value,
+    totals: &[tally_domain::settlement::SettlementTotals],
+) -> Value {
+    if let Value::Object(map) = &mut object {
+        let entries = totals
+            .iter()
+            .map(|t| {
+                json!({
+                    "meter_id": t.meter_id,
+                    "account_name": t.account_name,
+                    "quantity": canonical_decimal(t.quantity),
+                    "billed": canonical_decimal(t.billed),
+                    "debited": canonical_decimal(t.debited),
+                    "shortfall": canonical_decimal(t.shortfall),
+                })
+            })
+            .collect();
+        map.insert("usage_settlement".into(), Value::Array(entries));
+    }
+    object
+}
+
 pub fn subscription(
     s: &Subscription,
     customer_now: Option<&Customer>,

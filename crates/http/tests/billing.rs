@@ -658,3 +658,224 @@ async fn concurrent_completions_never_redeem_a_discount_past_its_limit() {
     assert_eq!(raised.body["redeem_count"], 3);
     server.stop().await;
 }
+
+/// Polls a resource until `done` holds (the settler runs after the usage is
+/// applied), failing with the last body after a generous deadline.
+async fn until(api: &Api, path: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let body = api.get(path).await.body;
+        if done(&body) {
+            return body;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never settled: {body}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+fn settled<'a>(sub: &'a Value, meter: &str) -> &'a Value {
+    sub["usage_settlement"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["meter_id"] == meter)
+        .unwrap_or(&Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let meter = |body: Value| {
+        let api = api.clone();
+        async move { id(&api.post("/v1/meters", body).await) }
+    };
+    let calls =
+        meter(json!({"name": "calls", "event_name": "api_call", "aggregation": "count"})).await;
+    let tokens = meter(
+        json!({"name": "tokens", "event_name": "llm", "aggregation": "sum",
+        "aggregation_property": "n"}),
+    )
+    .await;
+    let prod = product(
+        &api,
+        json!({
+            "features": [{"type": "customer_credits",
+                "customer_credits": {"amount": "10", "unit_label": "credits", "bucket_name": "api"}}],
+            "usage_prices": [
+                {"meter_id": calls, "unit_price": "0.5", "settlement_mode": "credits",
+                 "target_account_name": "api", "free_allowance": 2},
+                {"meter_id": tokens, "unit_price": "0.01", "settlement_mode": "credits",
+                 "target_account_name": "api"},
+            ]
+        }),
+    )
+    .await;
+    // Credits are debited event by event: only count and sum meters settle so.
+    let peak = meter(
+        json!({"name": "peak", "event_name": "llm", "aggregation": "max",
+        "aggregation_property": "n"}),
+    )
+    .await;
+    let refused = assert_error(
+        &api.post(
+            "/v1/products",
+            json!({"name": "Peak", "price": 100, "currency": "usd", "billing_type": "recurring",
+                   "billing_period": "every-month",
+                   "usage_prices": [{"meter_id": peak, "unit_price": 1, "settlement_mode": "credits"}]}),
+        )
+        .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(refused["param"], "usage_prices[0].settlement_mode");
+    let cus = customer(&api, "US").await;
+    let hook = id(&api
+        .post(
+            "/v1/webhooks",
+            json!({"delivery_mode": "cli", "events": ["credits.consumed", "customer_credits.exhausted"]}),
+        )
+        .await);
+    // Usage before the purchase is not charged.
+    api.post(
+        "/v1/events/ingest",
+        json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "early"}]}),
+    )
+    .await;
+    server.clock.advance_ms(1);
+    let chk = id(&api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": prod, "customer_id": cus}),
+        )
+        .await);
+    let paid = pay(&api, &chk, CARD).await;
+    let sub = paid.body["subscription_id"].as_str().unwrap().to_string();
+    let sub_path = format!("/v1/subscriptions/{sub}");
+    server.clock.advance_ms(1);
+
+    // Four calls (one sent twice): 2 free, 2 x 0.5 = 1 credit.
+    let ingest = |events: Value| {
+        let api = api.clone();
+        async move {
+            let answer = api
+                .post("/v1/events/ingest", json!({"events": events}))
+                .await;
+            assert_eq!(answer.status, 202, "{}", answer.body);
+        }
+    };
+    ingest(json!([
+        {"name": "api_call", "customer_id": cus, "event_id": "c1"},
+        {"name": "api_call", "customer_id": cus, "event_id": "c2"},
+        {"name": "api_call", "customer_id": cus, "event_id": "c3"},
+        {"name": "api_call", "customer_id": cus, "event_id": "c1"},
+    ]))
+    .await;
+    ingest(json!([{"name": "api_call", "customer_id": cus, "event_id": "c4"}])).await;
+    ingest(json!([{"name": "api_call", "customer_id": cus, "event_id": "c2"}])).await;
+    let s = until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "4").await;
+    assert_eq!(settled(&s, &calls)["billed"], "1");
+    assert_eq!(settled(&s, &calls)["debited"], "1");
+
+    // 300 tokens at 0.01 = 3 credits.
+    ingest(
+        json!([{"name": "llm", "customer_id": cus, "event_id": "t1", "properties": {"n": 300}}]),
+    )
+    .await;
+    until(&api, &sub_path, |s| settled(s, &tokens)["debited"] == "3").await;
+
+    // 1000 tokens = 10 credits, but 6 are left: 6 are taken, 4 are short.
+    ingest(
+        json!([{"name": "llm", "customer_id": cus, "event_id": "t2", "properties": {"n": 1000}}]),
+    )
+    .await;
+    let s = until(&api, &sub_path, |s| {
+        settled(s, &tokens)["quantity"] == "1300"
+    })
+    .await;
+    assert_eq!(
+        settled(&s, &tokens),
+        &json!({"meter_id": tokens, "account_name": "api", "quantity": "1300",
+                "billed": "13", "debited": "9", "shortfall": "4"})
+    );
+    // Empty already: nothing more is taken, the shortfall grows.
+    ingest(json!([{"name": "api_call", "customer_id": cus, "event_id": "c5"}])).await;
+    let s = until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "5").await;
+    assert_eq!(
+        settled(&s, &calls),
+        &json!({"meter_id": calls, "account_name": "api", "quantity": "5",
+                "billed": "1.5", "debited": "1", "shortfall": "0.5"})
+    );
+
+    let accounts = api
+        .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
+        .await
+        .body;
+    let account = accounts["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "api")
+        .expect("the account the feature granted into")
+        .clone();
+    assert_eq!(account["balance"], "0");
+
+    // One debit per usage record: 0.5 (c1-c3, two of them free), 0.5 (c4), 3, then 6
+    // and the exhaustion; the later shortfall announces nothing.
+    let feed = api
+        .get(&format!("/v1/webhooks/{hook}/events/pending?limit=100"))
+        .await
+        .body;
+    let bodies: Vec<Value> = feed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| serde_json::from_str(i["body"].as_str().unwrap()).unwrap())
+        .collect();
+    let types: Vec<&str> = bodies
+        .iter()
+        .map(|b| b["eventType"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        types,
+        vec![
+            "credits.consumed",
+            "credits.consumed",
+            "credits.consumed",
+            "credits.consumed",
+            "customer_credits.exhausted"
+        ],
+        "{feed}"
+    );
+
+    // A grant refills the account; the next shortfall is announced again.
+    let account_id = account["id"].as_str().unwrap();
+    let credit = api
+        .post(
+            &format!("/v1/customer-credits/accounts/{account_id}/credit"),
+            json!({"amount": "0.25", "idempotency_key": "refill"}),
+        )
+        .await;
+    assert_eq!(credit.status, 200, "{}", credit.body);
+    ingest(json!([{"name": "api_call", "customer_id": cus, "event_id": "c6"}])).await;
+    let s = until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "6").await;
+    assert_eq!(settled(&s, &calls)["debited"], "1.25");
+    assert_eq!(settled(&s, &calls)["shortfall"], "0.75");
+
+    // Everything survives a restart, and nothing is settled twice.
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    server.engine.wait_caught_up().await.unwrap();
+    let s = api.get(&sub_path).await.body;
+    assert_eq!(settled(&s, &calls)["debited"], "1.25");
+    assert_eq!(settled(&s, &tokens)["debited"], "9");
+    let account = api
+        .get(&format!("/v1/customer-credits/accounts/{account_id}"))
+        .await
+        .body;
+    assert_eq!(account["balance"], "0");
+    server.stop().await;
+}

@@ -14,8 +14,8 @@
 //! still keep exactly the first event.
 //!
 //! The gateway owns no state of its own: it reads metering (meters, the event index,
-//! stored events) and asks the directory for customers through its own port,
-//! [`Customers`].
+//! stored events) and asks the directory for customers and billing whether usage is
+//! settled in credits through its own ports, [`Customers`] and [`Settlements`].
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -45,10 +45,19 @@ pub trait Customers: Send + Sync {
     ) -> Result<Option<String>, EngineError>;
 }
 
+/// What the gateway asks of billing: whether a purchase settles any of these
+/// events in credits (binds its customer's usage of a meter it matched). The answer
+/// travels in the usage record (`settles`), so apply and every replay settle the
+/// same events (docs/api.md, "Usage prices").
+pub trait Settlements: Send + Sync {
+    fn settles(&self, scope: &Scope, events: &[UsageEvent]) -> Result<bool, EngineError>;
+}
+
 pub struct Gateway {
     journal: Arc<Journal>,
     metering: Arc<Metering>,
     customers: Arc<dyn Customers>,
+    settlements: Arc<dyn Settlements>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -186,11 +195,13 @@ impl Gateway {
         journal: Arc<Journal>,
         metering: Arc<Metering>,
         customers: Arc<dyn Customers>,
+        settlements: Arc<dyn Settlements>,
     ) -> Gateway {
         Gateway {
             journal,
             metering,
             customers,
+            settlements,
         }
     }
 
@@ -452,10 +463,12 @@ impl Gateway {
                     .push(event);
             }
             for (_, events) in by_partition {
+                let settles = self.settlements.settles(scope, &events)?;
                 let record = Record::UsageBatch {
                     store_id: scope.store_id.clone(),
                     mode: scope.mode,
                     events,
+                    settles,
                 };
                 // On an error, returning drops the reservations: nothing durable
                 // holds the ids, so a retry is accepted (and if the outcome was in fact

@@ -190,7 +190,14 @@ pub fn apply_ledger_step(
             .into());
         }
     }
-    for event in &events {
+    store_events(overlay, &events);
+    Ok(events)
+}
+
+/// Keeps a step's webhook events (table `W`) and notes an announced exhaustion, so
+/// usage settlement announces an empty account once, not on every shortfall.
+fn store_events(overlay: &mut Overlay<'_>, events: &[LedgerEvent]) {
+    for event in events {
         let (store, mode) = (&event.account.store_id, event.account.mode);
         overlay.put(
             Key::scoped(keys::WEBHOOK_EVENT, store, mode)
@@ -199,8 +206,127 @@ pub fn apply_ledger_step(
                 .into_bytes(),
             tally_proto::Message::encode_to_vec(&tally_proto::ledger_event_to_proto(event)),
         );
+        if event.event_type == EVENT_CREDITS_EXHAUSTED {
+            overlay.put(exhausted_key(store, mode, &event.account.id), Vec::new());
+        }
     }
-    Ok(events)
+}
+
+fn exhausted_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
+    Key::scoped(keys::CREDIT_EXHAUSTED, store, mode)
+        .text(account_id)
+        .into_bytes()
+}
+
+/// A debit for usage settled in credits, as billing's settlement asks for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageDebit<'a> {
+    pub store_id: &'a str,
+    pub mode: Mode,
+    pub customer_id: &'a str,
+    pub account_name: &'a str,
+    pub amount: Decimal,
+    pub transaction_id: String,
+    pub description: String,
+    pub metadata: std::collections::BTreeMap<String, String>,
+    pub created_at_ms: i64,
+}
+
+/// Debits usage from the customer's account of that name, never below zero: takes
+/// what the account holds up to `amount` and answers what it took (0 when the
+/// customer has no such account, or it is not active). Emits `credits.consumed`,
+/// and `customer_credits.exhausted` when the account is left empty; an account
+/// already empty announces its exhaustion once (until it holds credits again).
+pub fn apply_usage_debit(
+    overlay: &mut Overlay<'_>,
+    debit: &UsageDebit<'_>,
+) -> Result<(Decimal, Vec<LedgerEvent>), ApplyError> {
+    let (store, mode) = (debit.store_id, debit.mode);
+    let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, store, mode)
+        .text(debit.customer_id)
+        .text(debit.account_name)
+        .into_bytes();
+    let Some(account_id) = overlay.get(&name_key)? else {
+        return Ok((Decimal::ZERO, Vec::new()));
+    };
+    let account_id = String::from_utf8_lossy(&account_id).into_owned();
+    let account_key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
+        .text(&account_id)
+        .into_bytes();
+    let Some(bytes) = overlay.get(&account_key)? else {
+        return Err(EngineError::Corrupt(format!("account {account_id} named but missing")).into());
+    };
+    let account = codec::decode_account(&bytes)?;
+    if account.status != AccountStatus::Active {
+        return Ok((Decimal::ZERO, Vec::new()));
+    }
+    let balance = match overlay.get(&balance_key(store, mode, &account_id))? {
+        Some(bytes) => codec::decode_decimal(&bytes)?,
+        None => Decimal::ZERO,
+    };
+    let take = debit.amount.min(balance);
+    if take <= Decimal::ZERO {
+        let marker = exhausted_key(store, mode, &account_id);
+        if overlay.contains(&marker)? {
+            return Ok((Decimal::ZERO, Vec::new()));
+        }
+        let events = vec![LedgerEvent {
+            id: tally_core::ids::derived_id(
+                "whevt",
+                &format!("{}:exhausted", debit.transaction_id),
+            ),
+            event_type: EVENT_CREDITS_EXHAUSTED.to_string(),
+            created_at_ms: debit.created_at_ms,
+            transaction_id: None,
+            account,
+            balance,
+        }];
+        store_events(overlay, &events);
+        return Ok((Decimal::ZERO, events));
+    }
+    let mut n = 0;
+    let mut entry_id = || {
+        n += 1;
+        format!("{}_{n}", debit.transaction_id.replacen("ctx_", "ce_", 1))
+    };
+    let entries = post(
+        TransactionKind::Debit,
+        &account.id,
+        account.status,
+        balance,
+        take,
+        &mut entry_id,
+    )
+    .map_err(refused)?;
+    let mut metadata = debit.metadata.clone();
+    if take < debit.amount {
+        metadata.insert(
+            "requested".into(),
+            tally_domain::usage::canonical_decimal(debit.amount),
+        );
+        metadata.insert(
+            "shortfall".into(),
+            tally_domain::usage::canonical_decimal(debit.amount - take),
+        );
+    }
+    let tx = Transaction {
+        id: debit.transaction_id.clone().into(),
+        store_id: store.into(),
+        mode,
+        kind: TransactionKind::Debit,
+        account_id: account.id.clone(),
+        amount: take,
+        entries,
+        idempotency_key: None,
+        description: Some(debit.description.clone()),
+        metadata,
+        reverses: None,
+        created_at_ms: debit.created_at_ms,
+    };
+    let (holder, balance_after) = apply_transaction(overlay, &tx, None, None)?;
+    let events = movement_events(&tx, &holder, balance_after);
+    store_events(overlay, &events);
+    Ok((take, events))
 }
 
 /// The webhook events of a transaction that left its account at `balance_after`:
@@ -336,6 +462,10 @@ fn apply_transaction(
         post_entry(overlay, tx, entry, balance)?;
     }
     let balance_after = running.get(&tx.account_id).copied().unwrap_or_default();
+    if balance_after > Decimal::ZERO && tx.delta_for(&tx.account_id) > Decimal::ZERO {
+        // Holding credits again: the next time it runs dry is announced again.
+        overlay.delete(exhausted_key(store, mode, &tx.account_id));
+    }
     Ok((stored, balance_after))
 }
 

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use rust_decimal::Decimal;
 use tally_core::codec;
 use tally_core::error::EngineError;
 use tally_core::event_index::{
@@ -14,7 +15,7 @@ use tally_core::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CU
 use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, Overlay, StoredRow};
 use tally_domain::aggregate::{contribution, Contribution};
 use tally_domain::ids::MeterId;
-use tally_domain::meter::{EventView, Meter, MeterStatus};
+use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
@@ -54,6 +55,7 @@ pub fn plan_record(
             store_id,
             mode,
             events,
+            ..
         } => {
             for event in events {
                 locate(wanted, store_id, *mode, &event.event_id);
@@ -92,6 +94,7 @@ pub fn apply_usage_batch(
     events: &[UsageEvent],
     partition: u32,
     offset: u64,
+    mut counted: Option<&mut Vec<Counted>>,
 ) -> Result<(), ApplyError> {
     let mut meters: HashMap<MeterId, Meter> = HashMap::new();
     let mut stored = Vec::new();
@@ -121,6 +124,15 @@ pub fn apply_usage_batch(
             let meter = &meters[meter_id];
             if meter.accrues(event.timestamp_ms) {
                 fold_event(overlay, meter, event)?;
+                if let Some(counted) = counted.as_deref_mut() {
+                    if let Some(quantity) = settled_quantity(meter, event) {
+                        counted.push(Counted {
+                            event: index as u32,
+                            meter_id: meter_id.clone(),
+                            quantity,
+                        });
+                    }
+                }
             }
         }
     }
@@ -135,6 +147,33 @@ pub fn apply_usage_batch(
         overlay.put(key.encode(), event_index::encode_stored(&stored));
     }
     Ok(())
+}
+
+/// One new event's contribution to one meter, as usage settlement charges it
+/// (docs/api.md, "Usage prices").
+#[derive(Debug, Clone, PartialEq)]
+pub struct Counted {
+    /// The event's index in its record.
+    pub event: u32,
+    pub meter_id: MeterId,
+    /// Meter units: 1 for a `count` meter, the value for a `sum` meter.
+    pub quantity: Decimal,
+}
+
+/// The meter units an event adds that settlement can charge: a count meter's one
+/// event, a sum meter's positive value. Other aggregations (and negative values)
+/// do not add up to a quantity, so they are never settled in credits.
+fn settled_quantity(meter: &Meter, event: &UsageEvent) -> Option<Decimal> {
+    match meter.aggregation {
+        Aggregation::Count => Some(Decimal::ONE),
+        Aggregation::Sum => meter
+            .aggregation_property
+            .as_ref()
+            .and_then(|p| event.properties.get(p))
+            .and_then(|v| v.as_number())
+            .filter(|n| *n > Decimal::ZERO),
+        _ => None,
+    }
 }
 
 /// A backfill step, as its record holds it.

@@ -519,14 +519,17 @@ pub fn encode_record_with(
             country: country.clone(),
             rate_percent: tally_domain::usage::canonical_decimal(*rate_percent),
         }),
+        Record::UsageSettled(s) => Kind::UsageSettled(crate::settlement_to_proto(s)),
         Record::UsageBatch {
             store_id,
             mode,
             events,
+            settles,
         } => Kind::UsageBatch(v1::UsageBatch {
             store_id: store_id.to_string(),
             mode: mode_to_proto(*mode),
             events: events.iter().map(usage_event_to_proto).collect(),
+            settles: *settles,
         }),
         Record::MeterBackfill {
             store_id,
@@ -633,9 +636,11 @@ pub fn decode_record(
             country: t.country,
             rate_percent: decimal_from_text(&t.rate_percent, "rate_percent")?,
         },
+        Kind::UsageSettled(s) => Record::UsageSettled(crate::settlement_from_proto(s)?),
         Kind::UsageBatch(b) => Record::UsageBatch {
             store_id: b.store_id.into(),
             mode: mode_from_proto(b.mode)?,
+            settles: b.settles,
             events: b
                 .events
                 .into_iter()

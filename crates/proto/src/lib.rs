@@ -10,8 +10,10 @@ pub mod v1 {
 mod billing;
 mod convert;
 mod product;
+mod settlement;
 
 pub use billing::*;
 pub use convert::*;
 pub use product::{product_from_proto, product_to_proto};
 pub use prost::Message;
+pub use settlement::*;

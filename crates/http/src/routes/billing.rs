@@ -202,8 +202,12 @@ pub async fn get_checkout(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    Ok(Json(wire::checkout(
-        &state.engine.billing().get_checkout(&scope, &id)?,
+    let billing = state.engine.billing();
+    let checkout = billing.get_checkout(&scope, &id)?;
+    let totals = billing.settlement_totals(&scope, &checkout.id)?;
+    Ok(Json(wire::with_usage_settlement(
+        wire::checkout(&checkout),
+        &totals,
     )))
 }
 
@@ -308,10 +312,10 @@ pub async fn get_subscription(
         Some(id) => Some(billing.get_payment(&scope, id)?),
         None => None,
     };
-    Ok(Json(wire::subscription(
-        &subscription,
-        customer.as_ref(),
-        last.as_ref(),
+    let totals = billing.settlement_totals(&scope, &subscription.id)?;
+    Ok(Json(wire::with_usage_settlement(
+        wire::subscription(&subscription, customer.as_ref(), last.as_ref()),
+        &totals,
     )))
 }
 

@@ -1,0 +1,379 @@
+//! Usage settled in credits (docs/api.md, "Usage prices"; ARCHITECTURE.md, "Usage
+//! settlement"): a purchase binds a customer's usage of a meter to one of their
+//! credit accounts; each usage record's new events are charged to the bindings
+//! they fall under; the charges are settled against the accounts in the store's
+//! log order.
+//!
+//! Three steps, each deterministic, so a replay reproduces them:
+//! 1. [`bind_purchase`] (in the completion's apply) writes the bindings;
+//! 2. [`charge_usage`] (in the usage record's apply) adds up what the record's new
+//!    events charge and leaves it as a pending settlement (table `3`), committed
+//!    atomically with the usage it charges for;
+//! 3. the [`Settler`](crate::Billing::settle_pending) appends each pending
+//!    settlement as a `UsageSettled` record on the store's partition, and
+//!    [`apply_usage_settled`] decides it there, once per usage record: the billable
+//!    units of the period (above `free_allowance`, up to `cap`), then the debit,
+//!    never below zero, through the caller's `debit` (the ledger).
+//!
+//! Usage is partitioned by customer and the ledger by store, so the settlement is a
+//! record of its own: its debits are decided in the ledger's log order, never in
+//! the interleaving of two partitions. Whatever order a replay applies the two
+//! records in, the result is the same: a usage record whose settlement was applied
+//! first leaves nothing pending.
+
+use std::collections::{BTreeMap, HashMap};
+
+use rust_decimal::Decimal;
+use tally_core::codec;
+use tally_core::error::EngineError;
+use tally_core::keys::{self, Key};
+use tally_core::outcome::Outcome;
+use tally_core::overlay::{ApplyError, Overlay};
+use tally_domain::ledger::MAX_AMOUNT;
+use tally_domain::product::Product;
+use tally_domain::record::UsageSettlement;
+use tally_domain::settlement::{
+    billable, credits_for, SettlementTotals, UsageBinding, UsageCharge, UsageUnits,
+};
+use tally_domain::Mode;
+
+/// Outcome code of a settlement record whose usage record is settled already (a
+/// settler on another node, or a retry after a crash, appended it again).
+pub const ALREADY_SETTLED: &str = "usage_already_settled";
+
+fn binding_key(store_id: &str, mode: Mode, customer_id: &str, meter_id: &str) -> Vec<u8> {
+    Key::scoped(keys::USAGE_BINDING, store_id, mode)
+        .text(customer_id)
+        .text(meter_id)
+        .into_bytes()
+}
+
+fn scope_key(store_id: &str, mode: Mode) -> Vec<u8> {
+    Key::scoped(keys::USAGE_BINDING_SCOPE, store_id, mode).into_bytes()
+}
+
+/// The pending settlement of the usage record at a position.
+pub fn pending_key(partition: u32, offset: u64) -> Vec<u8> {
+    Key::table(keys::SETTLEMENT_PENDING)
+        .uint(u64::from(partition))
+        .uint(offset)
+        .into_bytes()
+}
+
+fn done_key(partition: u32, offset: u64) -> Vec<u8> {
+    Key::table(keys::SETTLEMENT_DONE)
+        .uint(u64::from(partition))
+        .uint(offset)
+        .into_bytes()
+}
+
+fn period_usage_key(store_id: &str, mode: Mode, charge: &UsageCharge) -> Vec<u8> {
+    Key::scoped(keys::SETTLEMENT_PERIOD_USAGE, store_id, mode)
+        .text(&charge.source_id)
+        .text(&charge.price_id)
+        .int(charge.period_start_ms)
+        .into_bytes()
+}
+
+fn totals_prefix(store_id: &str, mode: Mode, source_id: &str) -> Key {
+    Key::scoped(keys::SETTLEMENT_TOTALS, store_id, mode).text(source_id)
+}
+
+/// Binds a purchase's `credits` usage prices to the customer's usage (the
+/// completion's apply). `source_id`: the subscription, or the checkout of a
+/// one-time product.
+pub fn bind_purchase(
+    overlay: &mut Overlay<'_>,
+    customer_id: &str,
+    source_id: &str,
+    product: &Product,
+    purchased_at_ms: i64,
+    trial_end_ms: Option<i64>,
+) -> Result<(), EngineError> {
+    let (store_id, mode) = (&product.store_id, product.mode);
+    let bindings = UsageBinding::for_purchase(source_id, product, purchased_at_ms, trial_end_ms);
+    if bindings.is_empty() {
+        return Ok(());
+    }
+    for binding in bindings {
+        let key = binding_key(store_id, mode, customer_id, &binding.meter_id);
+        let mut all = match overlay.get(&key)? {
+            Some(bytes) => codec::decode_bindings(&bytes)?,
+            None => Vec::new(),
+        };
+        all.push(binding);
+        overlay.put(key, codec::encode_bindings(&all));
+    }
+    overlay.put(scope_key(store_id, mode), Vec::new());
+    Ok(())
+}
+
+/// Meter units one new event added to one meter.
+#[derive(Debug, Clone, Copy)]
+pub struct NewUnits<'a> {
+    pub customer_id: &'a str,
+    pub meter_id: &'a str,
+    pub timestamp_ms: i64,
+    pub quantity: Decimal,
+}
+
+/// Leaves the meter units a usage record's new events added pending for the
+/// settler (the record's apply, for a record the gateway marked as settling); true
+/// when it did. Reads no binding: which purchases the units charge is decided when
+/// the settlement is applied, in the store's log order. A record settled already
+/// (its settlement applied first, in a replay over partitions) leaves nothing.
+pub fn leave_units<'a>(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    new_units: impl IntoIterator<Item = NewUnits<'a>>,
+    partition: u32,
+    offset: u64,
+) -> Result<bool, EngineError> {
+    let mut units: BTreeMap<(&str, &str, i64), UsageUnits> = BTreeMap::new();
+    for unit in new_units {
+        let entry = units
+            .entry((unit.customer_id, unit.meter_id, unit.timestamp_ms))
+            .or_insert_with(|| UsageUnits {
+                customer_id: unit.customer_id.into(),
+                meter_id: unit.meter_id.into(),
+                timestamp_ms: unit.timestamp_ms,
+                quantity: Decimal::ZERO,
+                events: 0,
+            });
+        // Inputs are bounded (limits::MAX_PROPERTY_NUMBER_ABS); past the exact range
+        // the units stop growing rather than rounding.
+        if let Some(sum) = tally_domain::exact::exact_add(entry.quantity, unit.quantity) {
+            entry.quantity = sum;
+            entry.events = entry.events.saturating_add(1);
+        }
+    }
+    if units.is_empty() || overlay.contains(&done_key(partition, offset))? {
+        return Ok(false);
+    }
+    let settlement = UsageSettlement {
+        store_id: store_id.into(),
+        mode,
+        source_partition: partition,
+        source_offset: offset,
+        units: units.into_values().collect(),
+    };
+    overlay.put(
+        pending_key(partition, offset),
+        codec::encode_settlement(&settlement),
+    );
+    Ok(true)
+}
+
+/// Whether a purchase binds the usage of any of these events (its customer's, of a
+/// meter it matched): the gateway's question, read from the projection; one read
+/// when the scope has no binding at all.
+pub fn is_bound(
+    store: &dyn tally_projection::ProjectionStore,
+    store_id: &str,
+    mode: Mode,
+    events: &[tally_domain::usage::UsageEvent],
+) -> Result<bool, EngineError> {
+    if store.get(&scope_key(store_id, mode))?.is_none() {
+        return Ok(false);
+    }
+    for event in events {
+        for meter_id in &event.matched_meter_ids {
+            let key = binding_key(store_id, mode, &event.customer_id, meter_id);
+            if store.get(&key)?.is_some() {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// A debit settlement asks of the ledger.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageDebit<'a> {
+    pub store_id: &'a str,
+    pub mode: Mode,
+    pub customer_id: &'a str,
+    pub account_name: &'a str,
+    /// Positive.
+    pub amount: Decimal,
+    /// The ledger transaction's id (derived from the settlement, so a replay posts
+    /// the same one).
+    pub transaction_id: String,
+    pub meter_id: &'a str,
+    pub source_id: &'a str,
+    pub created_at_ms: i64,
+}
+
+/// Settles a usage record's charges once: the billable units of each charge's
+/// period, their credits, and the debit `debit` takes (never more than the account
+/// holds: it answers what it took). The rest is the shortfall, kept with the
+/// binding's totals.
+pub fn apply_usage_settled(
+    overlay: &mut Overlay<'_>,
+    settlement: &UsageSettlement,
+    recorded_at_ms: i64,
+    debit: &mut dyn FnMut(&mut Overlay<'_>, &UsageDebit<'_>) -> Result<Decimal, ApplyError>,
+) -> Result<(), ApplyError> {
+    let (store_id, mode) = (&settlement.store_id, settlement.mode);
+    let (partition, offset) = (settlement.source_partition, settlement.source_offset);
+    let done = done_key(partition, offset);
+    if overlay.contains(&done)? {
+        return Err(Outcome::rejected(
+            ALREADY_SETTLED,
+            "the usage of this record is settled already",
+        )
+        .into());
+    }
+    overlay.put(done, Vec::new());
+    overlay.delete(pending_key(partition, offset));
+    let mut bindings: HashMap<(&str, &str), Vec<UsageBinding>> = HashMap::new();
+    for unit in &settlement.units {
+        let key = (unit.customer_id.as_str(), unit.meter_id.as_str());
+        if let std::collections::hash_map::Entry::Vacant(slot) = bindings.entry(key) {
+            let stored = binding_key(store_id, mode, key.0, key.1);
+            slot.insert(match overlay.get(&stored)? {
+                Some(bytes) => codec::decode_bindings(&bytes)?,
+                None => Vec::new(),
+            });
+        }
+    }
+    let units: Vec<(&UsageUnits, &[UsageBinding])> = settlement
+        .units
+        .iter()
+        .map(|unit| {
+            let key = (unit.customer_id.as_str(), unit.meter_id.as_str());
+            (unit, bindings.get(&key).map_or(&[][..], Vec::as_slice))
+        })
+        .collect();
+    for (index, charge) in UsageCharge::of(&units).iter().enumerate() {
+        let usage_key = period_usage_key(store_id, mode, charge);
+        let used_before = match overlay.get(&usage_key)? {
+            Some(bytes) => codec::decode_decimal(&bytes)?,
+            None => Decimal::ZERO,
+        };
+        let (Some(units), Some(used_after)) = (
+            billable(
+                used_before,
+                charge.quantity,
+                charge.free_allowance,
+                charge.cap,
+            ),
+            tally_domain::exact::exact_add(used_before, charge.quantity),
+        ) else {
+            continue;
+        };
+        overlay.put(usage_key, codec::encode_decimal(used_after));
+        let billed = credits_for(units, charge.unit_price)
+            .unwrap_or(MAX_AMOUNT)
+            .min(MAX_AMOUNT);
+        let debited = if billed > Decimal::ZERO {
+            let request = UsageDebit {
+                store_id,
+                mode,
+                customer_id: &charge.customer_id,
+                account_name: &charge.account_name,
+                amount: billed,
+                transaction_id: tally_core::ids::derived_id(
+                    "ctx",
+                    &format!("usage:{partition}:{offset}:{index}"),
+                ),
+                meter_id: &charge.meter_id,
+                source_id: &charge.source_id,
+                created_at_ms: recorded_at_ms,
+            };
+            debit(overlay, &request)?.clamp(Decimal::ZERO, billed)
+        } else {
+            Decimal::ZERO
+        };
+        add_to_totals(overlay, store_id, mode, charge, billed, debited)?;
+    }
+    Ok(())
+}
+
+fn add_to_totals(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    charge: &UsageCharge,
+    billed: Decimal,
+    debited: Decimal,
+) -> Result<(), EngineError> {
+    let key = totals_prefix(store_id, mode, &charge.source_id)
+        .text(&charge.price_id)
+        .into_bytes();
+    let mut totals = match overlay.get(&key)? {
+        Some(bytes) => codec::decode_settlement_totals(&bytes)?,
+        None => SettlementTotals {
+            meter_id: charge.meter_id.to_string(),
+            account_name: charge.account_name.clone(),
+            ..SettlementTotals::default()
+        },
+    };
+    // Saturating: the totals are a report; the ledger holds the exact balances.
+    let add = |a: Decimal, b: Decimal| a.checked_add(b).unwrap_or(Decimal::MAX);
+    totals.quantity = add(totals.quantity, charge.quantity);
+    totals.billed = add(totals.billed, billed);
+    totals.debited = add(totals.debited, debited);
+    totals.shortfall = add(totals.shortfall, billed - debited);
+    overlay.put(key, codec::encode_settlement_totals(&totals));
+    Ok(())
+}
+
+/// The settlement totals of a subscription's (or one-time checkout's) usage prices,
+/// by price.
+pub fn settlement_totals(
+    store: &dyn tally_projection::ProjectionStore,
+    store_id: &str,
+    mode: Mode,
+    source_id: &str,
+) -> Result<Vec<SettlementTotals>, EngineError> {
+    let prefix = totals_prefix(store_id, mode, source_id).into_bytes();
+    let mut totals = Vec::new();
+    let mut failure = None;
+    tally_projection::scan_prefix(store, &prefix, false, &mut |_, value| {
+        match codec::decode_settlement_totals(value) {
+            Ok(t) => {
+                totals.push(t);
+                tally_projection::Visit::Continue
+            }
+            Err(error) => {
+                failure = Some(error);
+                tally_projection::Visit::Stop
+            }
+        }
+    })?;
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(totals),
+    }
+}
+
+/// The pending settlements, oldest position first, up to `limit`.
+pub fn pending_settlements(
+    store: &dyn tally_projection::ProjectionStore,
+    limit: usize,
+) -> Result<Vec<UsageSettlement>, EngineError> {
+    let mut pending = Vec::new();
+    let mut failure = None;
+    tally_projection::scan_prefix(
+        store,
+        &[keys::SETTLEMENT_PENDING],
+        false,
+        &mut |_, value| {
+            match codec::decode_settlement(value) {
+                Ok(s) => pending.push(s),
+                Err(error) => failure = Some(error),
+            }
+            if failure.is_some() || pending.len() >= limit {
+                tally_projection::Visit::Stop
+            } else {
+                tally_projection::Visit::Continue
+            }
+        },
+    )?;
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(pending),
+    }
+}

@@ -1,0 +1,350 @@
+//! Usage settled in credits (docs/api.md, "Usage prices"): a purchase binds the
+//! customer's usage of a meter to one of their credit accounts, and the usage is
+//! debited from that account as it is projected, exactly once per event, never
+//! below zero.
+//!
+//! The rules here are pure: which events a binding charges (from the purchase on,
+//! after a free trial), the period an event falls in (calendar periods counted from
+//! the purchase), and how much of a period's usage is billable (above
+//! `free_allowance`, up to `cap`). `billable` is additive over any split of a
+//! period's usage, so settling usage in any batches charges the same total as
+//! settling it at once (the property test below).
+
+use rust_decimal::{Decimal, RoundingStrategy};
+
+use crate::exact::exact_add;
+use crate::ids::{CustomerId, MeterId};
+use crate::ledger::MAX_AMOUNT_SCALE;
+use crate::product::{BillingPeriod, Product, SettlementMode, TrialUsageMode, UsagePrice};
+
+/// A customer's usage of one meter, bound by a purchase to one of their credit
+/// accounts: what usage apply charges as events arrive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageBinding {
+    /// The subscription (recurring product) or checkout (one-time product) that
+    /// bought the price: its settlement totals are kept under this id.
+    pub source_id: String,
+    pub price_id: String,
+    pub meter_id: MeterId,
+    /// Credits per meter unit.
+    pub unit_price: Decimal,
+    pub free_allowance: Decimal,
+    pub cap: Option<Decimal>,
+    pub account_name: String,
+    /// Periods are counted from here (the purchase).
+    pub anchor_ms: i64,
+    /// Calendar months per period; `None`: one period that never ends.
+    pub period_months: Option<u32>,
+    /// Events before this instant are not charged (the purchase, or the end of a
+    /// trial whose usage is free).
+    pub charge_from_ms: i64,
+    /// Events at or after this instant are not charged (a subscription that ended).
+    pub charge_until_ms: Option<i64>,
+}
+
+impl UsageBinding {
+    /// The bindings a purchase makes: one per `credits` usage price of `product`.
+    /// `trial_end_ms`: the end of the subscription's trial, if it has one.
+    pub fn for_purchase(
+        source_id: &str,
+        product: &Product,
+        purchased_at_ms: i64,
+        trial_end_ms: Option<i64>,
+    ) -> Vec<UsageBinding> {
+        product
+            .usage_prices
+            .iter()
+            .filter(|price| price.settlement_mode == SettlementMode::Credits)
+            .map(|price| binding(source_id, product, price, purchased_at_ms, trial_end_ms))
+            .collect()
+    }
+
+    /// Whether an event at `timestamp_ms` is charged.
+    pub fn charges_at(&self, timestamp_ms: i64) -> bool {
+        timestamp_ms >= self.charge_from_ms && self.charge_until_ms.is_none_or(|u| timestamp_ms < u)
+    }
+
+    /// The start of the period an event at `timestamp_ms` (charged, so not before
+    /// the anchor) falls in.
+    pub fn period_start(&self, timestamp_ms: i64) -> i64 {
+        match self.period_months {
+            None => self.anchor_ms,
+            Some(months) => period_start(self.anchor_ms, months, timestamp_ms),
+        }
+    }
+}
+
+fn binding(
+    source_id: &str,
+    product: &Product,
+    price: &UsagePrice,
+    purchased_at_ms: i64,
+    trial_end_ms: Option<i64>,
+) -> UsageBinding {
+    let free_trial = price.trial_usage_mode == TrialUsageMode::Free;
+    UsageBinding {
+        source_id: source_id.to_string(),
+        price_id: price.id.clone(),
+        meter_id: price.meter_id.clone(),
+        unit_price: price.unit_price,
+        free_allowance: price.free_allowance,
+        cap: price.cap,
+        account_name: price.target_account_name.clone(),
+        anchor_ms: purchased_at_ms,
+        period_months: period_months(product.billing_period),
+        charge_from_ms: match trial_end_ms {
+            Some(end) if free_trial => end.max(purchased_at_ms),
+            _ => purchased_at_ms,
+        },
+        charge_until_ms: None,
+    }
+}
+
+/// Calendar months per period; `None` for a one-time purchase.
+pub fn period_months(period: BillingPeriod) -> Option<u32> {
+    match period {
+        BillingPeriod::EveryMonth => Some(1),
+        BillingPeriod::EveryThreeMonths => Some(3),
+        BillingPeriod::EverySixMonths => Some(6),
+        BillingPeriod::EveryYear => Some(12),
+        BillingPeriod::Once => None,
+    }
+}
+
+/// The start of the period containing `at_ms`, periods being `months` calendar
+/// months long counted from `anchor_ms` (each start is the anchor plus a whole
+/// number of periods, so a 31st anchor does not drift to the 28th). `at_ms` before
+/// the anchor falls in the first period.
+pub fn period_start(anchor_ms: i64, months: u32, at_ms: i64) -> i64 {
+    use chrono::{Datelike, Months, TimeZone, Utc};
+    let (Some(anchor), Some(at)) = (
+        Utc.timestamp_millis_opt(anchor_ms).single(),
+        Utc.timestamp_millis_opt(at_ms).single(),
+    ) else {
+        return anchor_ms;
+    };
+    if at_ms <= anchor_ms || months == 0 {
+        return anchor_ms;
+    }
+    let elapsed = (at.year() - anchor.year()) * 12 + at.month() as i32 - anchor.month() as i32;
+    // The estimate is at most one period late; step back while it starts after `at`.
+    let mut periods = (elapsed.max(0) as u32) / months;
+    loop {
+        let start = anchor
+            .checked_add_months(Months::new(periods * months))
+            .map(|t| t.timestamp_millis());
+        match start {
+            Some(start) if start <= at_ms => return start,
+            _ if periods == 0 => return anchor_ms,
+            _ => periods -= 1,
+        }
+    }
+}
+
+/// The billable part of `quantity` more units in a period that had used
+/// `used_before`: the units above `free_allowance` and up to `cap`. Additive: the
+/// billable parts of a split sum to the billable part of the whole.
+pub fn billable(
+    used_before: Decimal,
+    quantity: Decimal,
+    free_allowance: Decimal,
+    cap: Option<Decimal>,
+) -> Option<Decimal> {
+    let billed = |used: Decimal| {
+        let capped = cap.map_or(used, |cap| used.min(cap));
+        (capped - free_allowance).max(Decimal::ZERO)
+    };
+    let after = exact_add(used_before, quantity)?;
+    Some(billed(after) - billed(used_before))
+}
+
+/// Credits for `units` billable units at `unit_price`, rounded up to the ledger's
+/// scale (a fraction of the smallest amount the ledger holds is charged, never
+/// given away). `None` past the exact range.
+pub fn credits_for(units: Decimal, unit_price: Decimal) -> Option<Decimal> {
+    let amount = units.checked_mul(unit_price)?;
+    Some(
+        amount
+            .round_dp_with_strategy(MAX_AMOUNT_SCALE, RoundingStrategy::AwayFromZero)
+            .normalize(),
+    )
+}
+
+/// Meter units a usage record's new events added, as its settlement carries them:
+/// one customer, one meter, one instant (events of one millisecond add up). The
+/// settlement decides in the store's log order which purchases they charge.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageUnits {
+    pub customer_id: CustomerId,
+    pub meter_id: MeterId,
+    pub timestamp_ms: i64,
+    pub quantity: Decimal,
+    pub events: u32,
+}
+
+/// What a settlement charges one binding in one period: the units of its record
+/// that fall under the binding, added up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageCharge {
+    pub customer_id: CustomerId,
+    pub source_id: String,
+    pub price_id: String,
+    pub meter_id: MeterId,
+    pub account_name: String,
+    pub unit_price: Decimal,
+    pub free_allowance: Decimal,
+    pub cap: Option<Decimal>,
+    pub period_start_ms: i64,
+    pub quantity: Decimal,
+}
+
+impl UsageCharge {
+    /// The charges `units` make under `bindings` (the customer's bindings of the
+    /// units' meter), one per binding and period, in a fixed order.
+    pub fn of(units: &[(&UsageUnits, &[UsageBinding])]) -> Vec<UsageCharge> {
+        let mut charges: std::collections::BTreeMap<(String, String, String, i64), UsageCharge> =
+            std::collections::BTreeMap::new();
+        // Only positive units charge (the apply that leaves them writes no other; a
+        // forged record's are ignored).
+        for (unit, bindings) in units.iter().filter(|(u, _)| u.quantity > Decimal::ZERO) {
+            for binding in bindings.iter().filter(|b| b.charges_at(unit.timestamp_ms)) {
+                let period_start_ms = binding.period_start(unit.timestamp_ms);
+                let charge = charges
+                    .entry((
+                        unit.customer_id.to_string(),
+                        binding.source_id.clone(),
+                        binding.price_id.clone(),
+                        period_start_ms,
+                    ))
+                    .or_insert_with(|| UsageCharge {
+                        customer_id: unit.customer_id.clone(),
+                        source_id: binding.source_id.clone(),
+                        price_id: binding.price_id.clone(),
+                        meter_id: binding.meter_id.clone(),
+                        account_name: binding.account_name.clone(),
+                        unit_price: binding.unit_price,
+                        free_allowance: binding.free_allowance,
+                        cap: binding.cap,
+                        period_start_ms,
+                        quantity: Decimal::ZERO,
+                    });
+                // Inputs are bounded (limits::MAX_PROPERTY_NUMBER_ABS); past the
+                // exact range the charge stops growing rather than rounding.
+                if let Some(sum) = exact_add(charge.quantity, unit.quantity) {
+                    charge.quantity = sum;
+                }
+            }
+        }
+        charges.into_values().collect()
+    }
+}
+
+/// A binding's settlement so far, as `GET /v1/subscriptions/{id}` shows it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SettlementTotals {
+    pub meter_id: String,
+    pub account_name: String,
+    /// Meter units charged to the binding (free ones included).
+    pub quantity: Decimal,
+    /// Credits the billable units came to.
+    pub billed: Decimal,
+    /// Credits taken from the account.
+    pub debited: Decimal,
+    /// Credits the account lacked (billed - debited).
+    pub shortfall: Decimal,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ms(text: &str) -> i64 {
+        crate::time::parse_iso8601_ms(text).unwrap()
+    }
+
+    #[test]
+    fn periods_are_counted_from_the_anchor_without_drifting() {
+        let anchor = ms("2026-01-31T10:00:00Z");
+        assert_eq!(period_start(anchor, 1, anchor), anchor);
+        assert_eq!(period_start(anchor, 1, ms("2026-02-15T00:00:00Z")), anchor);
+        assert_eq!(
+            period_start(anchor, 1, ms("2026-03-01T00:00:00Z")),
+            ms("2026-02-28T10:00:00Z")
+        );
+        // Counted from the anchor: March's period starts on the 31st again.
+        assert_eq!(
+            period_start(anchor, 1, ms("2026-04-05T00:00:00Z")),
+            ms("2026-03-31T10:00:00Z")
+        );
+        assert_eq!(period_start(anchor, 12, ms("2027-01-31T09:59:59Z")), anchor);
+        assert_eq!(
+            period_start(anchor, 12, ms("2027-01-31T10:00:00Z")),
+            ms("2027-01-31T10:00:00Z")
+        );
+        assert_eq!(period_start(anchor, 3, anchor - 1), anchor);
+    }
+
+    #[test]
+    fn billable_counts_above_the_allowance_and_up_to_the_cap() {
+        let d = |n: i64| Decimal::from(n);
+        assert_eq!(billable(d(0), d(5), d(3), None), Some(d(2)));
+        assert_eq!(billable(d(5), d(5), d(3), Some(d(8))), Some(d(3)));
+        assert_eq!(billable(d(8), d(5), d(3), Some(d(8))), Some(d(0)));
+        assert_eq!(billable(d(0), d(2), d(3), None), Some(d(0)));
+    }
+
+    #[test]
+    fn credits_round_up_at_the_ledger_scale() {
+        let price = Decimal::new(1, 18); // 1e-18
+        let third = Decimal::ONE / Decimal::from(3);
+        assert_eq!(credits_for(third, price), Some(Decimal::new(1, 18)));
+        assert_eq!(
+            credits_for(Decimal::from(4), Decimal::new(25, 2)),
+            Some(Decimal::ONE)
+        );
+    }
+
+    proptest! {
+        /// Settling a period's usage in any split bills what settling it at once does.
+        #[test]
+        fn billable_is_additive_over_any_split(
+            parts in proptest::collection::vec(0u32..1000, 0..20),
+            free in 0u32..3000,
+            cap in proptest::option::of(0u32..6000),
+        ) {
+            let free = Decimal::from(free);
+            let cap = cap.map(|c| Decimal::from(c).max(free));
+            let mut used = Decimal::ZERO;
+            let mut total = Decimal::ZERO;
+            for part in &parts {
+                let part = Decimal::from(*part);
+                total += billable(used, part, free, cap).unwrap();
+                used += part;
+            }
+            prop_assert_eq!(total, billable(Decimal::ZERO, used, free, cap).unwrap());
+            prop_assert!(total >= Decimal::ZERO);
+        }
+
+        /// Against a reference that walks the periods one by one from the anchor.
+        #[test]
+        fn an_instant_falls_in_the_last_period_starting_at_or_before_it(
+            anchor in 0i64..4_000_000_000_000,
+            after in 0i64..200_000_000_000,
+            months in prop_oneof![Just(1u32), Just(3), Just(6), Just(12)],
+        ) {
+            use chrono::{Months, TimeZone, Utc};
+            let at = anchor + after;
+            let base = Utc.timestamp_millis_opt(anchor).single().unwrap();
+            let mut expected = anchor;
+            for k in 1.. {
+                let start = base.checked_add_months(Months::new(k * months)).unwrap().timestamp_millis();
+                if start > at {
+                    break;
+                }
+                expected = start;
+            }
+            prop_assert_eq!(period_start(anchor, months, at), expected);
+        }
+    }
+}
