@@ -61,10 +61,7 @@ pub fn pending_key(partition: u32, offset: u64) -> Vec<u8> {
 }
 
 fn done_key(partition: u32, offset: u64) -> Vec<u8> {
-    Key::table(keys::SETTLEMENT_DONE)
-        .uint(u64::from(partition))
-        .uint(offset)
-        .into_bytes()
+    keys::settlement_done_key(partition, offset)
 }
 
 fn period_usage_key(store_id: &str, mode: Mode, charge: &UsageCharge) -> Vec<u8> {
@@ -225,7 +222,6 @@ pub fn apply_usage_settled(
         )
         .into());
     }
-    overlay.put(done, Vec::new());
     overlay.delete(pending_key(partition, offset));
     let mut bindings: HashMap<(&str, &str), Vec<UsageBinding>> = HashMap::new();
     for unit in &settlement.units {
@@ -246,6 +242,7 @@ pub fn apply_usage_settled(
             (unit, bindings.get(&key).map_or(&[][..], Vec::as_slice))
         })
         .collect();
+    let mut posted = String::new();
     for (index, charge) in UsageCharge::of(&units).iter().enumerate() {
         let usage_key = period_usage_key(store_id, mode, charge);
         let used_before = match overlay.get(&usage_key)? {
@@ -282,12 +279,19 @@ pub fn apply_usage_settled(
                 source_id: &charge.source_id,
                 created_at_ms: recorded_at_ms,
             };
-            debit(overlay, &request)?.clamp(Decimal::ZERO, billed)
+            let taken = debit(overlay, &request)?.clamp(Decimal::ZERO, billed);
+            if taken > Decimal::ZERO {
+                posted.push_str(&request.transaction_id);
+                posted.push('\n');
+            }
+            taken
         } else {
             Decimal::ZERO
         };
         add_to_totals(overlay, store_id, mode, charge, billed, debited)?;
     }
+    // The claim, naming what it posted (the ledger audit replays those).
+    overlay.put(done, posted.into_bytes());
     Ok(())
 }
 

@@ -58,7 +58,7 @@
 //! | `1` | store, mode, customer_id, meter_id | UsageBindings (proto): the customer's usage of the meter settled in credits |
 //! | `2` | store, mode | (empty) the scope has usage bindings (one read per usage record decides whether to look further) |
 //! | `3` | partition, offset | UsageSettled (proto): a usage record's settlement, pending until its record is applied |
-//! | `4` | partition, offset | (empty) the usage record at that position is settled |
+//! | `4` | partition, offset | the usage record at that position is settled: the ids of the ledger transactions its settlement posted, one per line (the ledger audit reads them) |
 //! | `5` | store, mode, source_id, price_id, period start | meter units the binding used in that period (16-byte decimal) |
 //! | `6` | store, mode, source_id, price_id | SettlementTotals (proto) |
 //! | `7` | store, mode, account_id | (empty) the account's exhaustion was announced and it has not held credits since |
@@ -133,6 +133,24 @@ pub fn meter_priced_prefix(store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8
     Key::scoped(METER_PRICED, store_id, mode)
         .text(meter_id)
         .into_bytes()
+}
+
+/// The `4` row of the usage record at a position: it is settled, and the value
+/// names the ledger transactions its settlement posted.
+pub fn settlement_done_key(partition: u32, offset: u64) -> Vec<u8> {
+    Key::table(SETTLEMENT_DONE)
+        .uint(u64::from(partition))
+        .uint(offset)
+        .into_bytes()
+}
+
+/// The transaction ids a `4` row holds.
+pub fn settlement_transactions(value: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(value)
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 /// The customer component of meter-wide (all customers) usage rows.

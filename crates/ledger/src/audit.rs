@@ -1,5 +1,7 @@
 //! The ledger audit: replays every credits record from the log, independently of the
-//! projector, and checks the ledger's invariants (`tally ledger verify`):
+//! projector (usage debits: the transactions each applied settlement's claim names,
+//! as apply decided what they took), and checks the ledger's invariants
+//! (`tally ledger verify`):
 //! every transaction's entries sum to zero, no customer account's balance is ever
 //! negative, and the projected balances equal the replayed ones. It also feeds
 //! `tally ledger export`.
@@ -142,6 +144,39 @@ pub async fn replay_ledger(
                     let (record, _) = tally_proto::decode_record(&entry.payload).map_err(|e| {
                         EngineError::Corrupt(format!("record at {}: {e}", entry.offset))
                     })?;
+                    // Usage settled in credits: apply decided how much each debit
+                    // took (the balance at that point of the log); the settlement's
+                    // claim names the transactions, replayed here like any other.
+                    if let Record::UsageSettled(settlement) = &record {
+                        let claim = tally_core::keys::settlement_done_key(
+                            settlement.source_partition,
+                            settlement.source_offset,
+                        );
+                        let posted = projection.get(&claim)?.ok_or_else(|| {
+                            EngineError::Corrupt(format!(
+                                "the usage settlement at {} was applied but left no claim",
+                                entry.offset
+                            ))
+                        })?;
+                        for id in tally_core::keys::settlement_transactions(&posted) {
+                            let key = tally_core::keys::Key::scoped(
+                                tally_core::keys::CREDIT_TRANSACTION,
+                                &settlement.store_id,
+                                settlement.mode,
+                            )
+                            .text(&id)
+                            .into_bytes();
+                            let Some(bytes) = projection.get(&key)? else {
+                                replay.violations.push(format!(
+                                    "usage debit {id} is named by its settlement but missing"
+                                ));
+                                continue;
+                            };
+                            let transaction = tally_core::codec::decode_transaction(&bytes)?;
+                            replay.apply(&transaction);
+                            visit(&transaction, replay.accounts.get(&transaction.account_id));
+                        }
+                    }
                     if let Record::CreditLedger {
                         account,
                         transaction,
