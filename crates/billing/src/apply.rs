@@ -256,6 +256,17 @@ pub fn apply_checkout_created(
         return Err(Outcome::rejected("resource_changed", "the checkout exists already").into());
     }
     overlay.put(key, codec::encode_checkout(checkout));
+    overlay.put(
+        ListingKey::entry(
+            keys::CHECKOUT_LIST,
+            &checkout.store_id,
+            checkout.mode,
+            None,
+            checkout.created_at_ms,
+            &checkout.id,
+        ),
+        Vec::new(),
+    );
     Ok(())
 }
 

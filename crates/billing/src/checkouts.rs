@@ -42,6 +42,38 @@ pub struct CheckoutInput {
 }
 
 impl Billing {
+    /// Checkouts, newest first.
+    pub fn list_checkouts(
+        &self,
+        scope: &Scope,
+        page: &tally_core::pagination::PageRequest,
+    ) -> Result<tally_core::pagination::Page<Checkout>, EngineError> {
+        use tally_core::keys::{self, ListingKey};
+        let table = keys::CHECKOUT_LIST;
+        let prefix = ListingKey::prefix(table, &scope.store_id, scope.mode, None);
+        let cursor = tally_core::pagination::cursor_from(page, |id| {
+            let checkout = self.get_checkout(scope, id)?;
+            Ok(ListingKey::entry(
+                table,
+                &scope.store_id,
+                scope.mode,
+                None,
+                checkout.created_at_ms,
+                &checkout.id,
+            ))
+        })?;
+        tally_core::pagination::paginate(
+            self.journal.store().as_ref(),
+            &prefix,
+            cursor,
+            page.limit,
+            |key, _| {
+                let id = ListingKey::id_in(&prefix, key)?;
+                self.get_checkout(scope, id).map(Some)
+            },
+        )
+    }
+
     pub fn get_checkout(&self, scope: &Scope, id: &str) -> Result<Checkout, EngineError> {
         match self
             .journal

@@ -62,6 +62,7 @@
 //! | `5` | store, mode, source_id, price_id, period start | meter units the binding used in that period (16-byte decimal) |
 //! | `6` | store, mode, source_id, price_id | SettlementTotals (proto) |
 //! | `7` | store, mode, account_id | (empty) the account's exhaustion was announced and it has not held credits since |
+//! | `8` | store, mode, created_at, checkout_id | (empty) checkout listing, newest first |
 
 use tally_domain::Mode;
 
@@ -126,6 +127,7 @@ pub const SETTLEMENT_DONE: u8 = b'4';
 pub const SETTLEMENT_PERIOD_USAGE: u8 = b'5';
 pub const SETTLEMENT_TOTALS: u8 = b'6';
 pub const CREDIT_EXHAUSTED: u8 = b'7';
+pub const CHECKOUT_LIST: u8 = b'8';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

@@ -35,9 +35,11 @@ use tally_projection::{scan_prefix, ProjectionStore, Visit};
 /// The layout of the projection this build writes. Version 2 keeps stored events in
 /// the log only (the `F` rows and the event index), where version 1 kept a copy of
 /// each in the projection; version 3 keeps a customer's distinct values per minute
-/// in one set (`u`) instead of a key each; a projection of another version is refused at start-up
-/// (it is rebuilt from the log by deleting it).
-pub const PROJECTION_FORMAT_VERSION: u32 = 4;
+/// in one set (`u`) instead of a key each; version 5 adds usage settlement (tables
+/// `1`-`7`: a purchase applied by version 4 bound no usage) and the checkout listing
+/// (`8`); a projection of another version is refused at start-up (it is rebuilt
+/// from the log by deleting it).
+pub const PROJECTION_FORMAT_VERSION: u32 = 5;
 
 /// Refuses a projection of another layout: one that holds applied records but no
 /// (or another) format version.

@@ -238,6 +238,14 @@ async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription
         .post("/v1/tax-rates", json!({"country": "DE", "rate": "19"}))
         .await;
     assert_eq!(rate.status, 200, "{}", rate.body);
+    api.post("/v1/tax-rates", json!({"country": "AT", "rate": "20"}))
+        .await;
+    let rates = api.get("/v1/tax-rates").await.body;
+    assert_eq!(
+        rates["data"],
+        json!([{"object": "tax_rate", "country": "AT", "rate": "20"},
+               {"object": "tax_rate", "country": "DE", "rate": "19"}])
+    );
     let cus = customer(&api, "DE").await;
     api.post(
         "/v1/discounts",
@@ -294,6 +302,23 @@ async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription
         json!([]),
         "nothing charged"
     );
+
+    // Listed, newest first, with a cursor.
+    server.clock.advance_ms(1);
+    let other = id(&api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": prod, "customer_id": cus}),
+        )
+        .await);
+    let listed = api.get("/v1/checkouts?limit=1").await.body;
+    assert_eq!(listed["data"][0]["id"], other.as_str());
+    assert_eq!(listed["has_more"], true);
+    let next = api
+        .get(&format!("/v1/checkouts?limit=1&starting_after={other}"))
+        .await
+        .body;
+    assert_eq!(next["data"][0]["id"], chk.as_str());
 
     let paid = pay(&api, &chk, CARD).await;
     assert_eq!(paid.status, 200, "{}", paid.body);

@@ -29,7 +29,10 @@ pub fn router() -> axum::Router<AppState> {
                 .post(update_discount)
                 .delete(delete_discount),
         )
-        .route("/v1/checkouts", routing::post(create_checkout))
+        .route(
+            "/v1/checkouts",
+            routing::post(create_checkout).get(list_checkouts),
+        )
         .route("/v1/checkouts/{id}", routing::get(get_checkout))
         .route(
             "/v1/checkouts/{id}/complete",
@@ -40,7 +43,10 @@ pub fn router() -> axum::Router<AppState> {
         .route("/v1/refunds", routing::post(create_refund))
         .route("/v1/disputes", routing::post(open_dispute))
         .route("/v1/subscriptions/{id}", routing::get(get_subscription))
-        .route("/v1/tax-rates", routing::post(set_tax_rate))
+        .route(
+            "/v1/tax-rates",
+            routing::post(set_tax_rate).get(list_tax_rates),
+        )
 }
 
 fn now(state: &AppState) -> i64 {
@@ -197,6 +203,19 @@ pub async fn create_checkout(
     Ok(Json(wire::checkout(&checkout)))
 }
 
+/// `GET /v1/checkouts`: newest first, a cursor list.
+pub async fn list_checkouts(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let page = state
+        .engine
+        .billing()
+        .list_checkouts(&scope, &page_request(&query)?)?;
+    Ok(Json(wire::list(&page, wire::checkout)))
+}
+
 pub async fn get_checkout(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -319,6 +338,30 @@ pub async fn get_subscription(
     )))
 }
 
+/// `GET /v1/tax-rates`: the store's rates by country (not paginated: one per
+/// country at most).
+pub async fn list_tax_rates(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+) -> ApiResult<Json<Value>> {
+    let rates = state.engine.billing().list_tax_rates(&scope)?;
+    let data: Vec<Value> = rates
+        .iter()
+        .map(|(country, rate)| tax_rate(country, *rate))
+        .collect();
+    Ok(Json(
+        json!({"object": "list", "data": data, "has_more": false}),
+    ))
+}
+
+fn tax_rate(country: &str, rate: rust_decimal::Decimal) -> Value {
+    json!({
+        "object": "tax_rate",
+        "country": country,
+        "rate": tally_domain::usage::canonical_decimal(rate),
+    })
+}
+
 /// `POST /v1/tax-rates {country, rate}`: the store's rate (percent) for a country.
 pub async fn set_tax_rate(
     State(state): State<AppState>,
@@ -333,9 +376,5 @@ pub async fn set_tax_rate(
         .billing()
         .set_tax_rate(&scope, country.as_deref(), rate.as_deref())
         .await?;
-    Ok(Json(json!({
-        "object": "tax_rate",
-        "country": country,
-        "rate": tally_domain::usage::canonical_decimal(rate),
-    })))
+    Ok(Json(tax_rate(&country, rate)))
 }
