@@ -270,7 +270,7 @@ pub fn apply_checkout_created(
     Ok(())
 }
 
-fn put_payment(overlay: &mut Overlay<'_>, payment: &Payment, new: bool) {
+pub(crate) fn put_payment(overlay: &mut Overlay<'_>, payment: &Payment, new: bool) {
     let (store_id, mode) = (&payment.store_id, payment.mode);
     if new {
         let at = payment.created_at_ms;
@@ -319,7 +319,12 @@ fn event(event_type: &str, at_ms: i64, object: BillingObject, object_id: &str) -
     }
 }
 
-fn put_events(overlay: &mut Overlay<'_>, store_id: &str, mode: Mode, events: &[BillingEvent]) {
+pub(crate) fn put_events(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    events: &[BillingEvent],
+) {
     for e in events {
         overlay.put(event_key(store_id, mode, e), codec::encode_billing_event(e));
     }
@@ -408,10 +413,7 @@ pub fn apply_checkout_completed(
         )?,
     }
     if let Some(subscription) = &completion.subscription {
-        overlay.put(
-            subscription_key(store_id, mode, &subscription.id),
-            codec::encode_subscription(subscription),
-        );
+        crate::lifecycle::put_new_subscription(overlay, subscription);
         let object = || BillingObject::Subscription(subscription.clone());
         if subscription.status == SubscriptionStatus::Trialing {
             events.push(event(

@@ -184,7 +184,7 @@ impl Billing {
             product.tax_mode,
             self.tax_rate(scope, country.as_deref())?,
         )?;
-        let now = self.journal.now_ms();
+        let now = self.journal.now_in(scope);
         let checkout = Checkout {
             id: new_id("chk").into(),
             store_id: scope.store_id.clone(),
@@ -261,13 +261,14 @@ impl Billing {
             })?,
         };
         let card = provider.charge(card, charge.amount_paid, &product.currency)?;
-        let now = self.journal.now_ms();
+        let now = self.journal.now_in(scope);
         let subscription = (product.billing_type == BillingType::Recurring).then(|| {
             let trial = product.trial_period_days.filter(|d| *d > 0);
             let period_end = match trial {
                 Some(days) => trial_end(now, days),
                 None => period_end(now, product.billing_period).unwrap_or(now),
             };
+            let anchor = if trial.is_some() { period_end } else { now };
             Subscription {
                 id: new_id("sub").into(),
                 store_id: scope.store_id.clone(),
@@ -302,6 +303,15 @@ impl Billing {
                 metadata: open.metadata.clone(),
                 card_last4: card.card_last4.clone(),
                 card_declines_renewals: card.declines_later,
+                // The first paid period starts after the trial.
+                billing_anchor_ms: anchor,
+                on_period_end: None,
+                retries: 0,
+                next_retry_ms: None,
+                failed_at_ms: None,
+                open_usage: None,
+                open_usage_was_trial: false,
+                paused_at_ms: None,
                 created_at_ms: now,
                 updated_at_ms: now,
             }
@@ -329,6 +339,14 @@ impl Billing {
             reason: None,
             disputed: false,
             card_last4: Some(card.card_last4.clone()),
+            lines: vec![tally_domain::subscription::PaymentLine {
+                description: format!("{} x {}", open.units, product.name),
+                meter_id: None,
+                quantity: rust_decimal::Decimal::from(open.units),
+                unit_price: rust_decimal::Decimal::from(gross)
+                    / rust_decimal::Decimal::from(open.units.max(1)),
+                amount: gross,
+            }],
             created_at_ms: now,
             updated_at_ms: now,
         };

@@ -23,9 +23,11 @@ use tally_domain::meter::MeterStatus;
 pub mod apply;
 pub mod checkouts;
 pub mod discounts;
+pub mod lifecycle;
 pub mod payments;
 pub mod products;
 pub mod settlement;
+pub mod subscriptions;
 
 /// A meter, as billing needs to know it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +41,18 @@ pub struct MeterInfo {
 pub trait Meters: Send + Sync {
     /// A meter of the scope, if it exists.
     fn meter_info(&self, scope: &Scope, meter_id: &str) -> Result<Option<MeterInfo>, EngineError>;
+
+    /// A customer's usage of a meter over the whole minutes from `start_ms`'s to
+    /// `end_ms`'s (so consecutive periods count every event once); `None` when
+    /// the value left the exact range (or the meter is gone).
+    fn period_usage(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        customer_id: &str,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<Option<Decimal>, EngineError>;
 }
 
 /// What billing asks of the directory.
@@ -94,6 +108,15 @@ pub trait PaymentProvider: Send + Sync {
         amount_minor: i64,
         currency: &str,
     ) -> Result<Charged, EngineError>;
+
+    /// Charges the card on file of a subscription (a renewal or a retry). A
+    /// decline is `EngineError::CardDeclined`.
+    fn charge_on_file(
+        &self,
+        subscription: &tally_domain::billing::Subscription,
+        amount_minor: i64,
+        currency: &str,
+    ) -> Result<(), EngineError>;
 }
 
 /// The test-mode provider: the test cards of docs/api.md ("Checkouts").
@@ -122,6 +145,24 @@ impl PaymentProvider for TestCards {
                 declines_later: behavior == CardBehavior::PaysThenDeclines,
             }),
         }
+    }
+
+    fn charge_on_file(
+        &self,
+        subscription: &tally_domain::billing::Subscription,
+        _amount_minor: i64,
+        _currency: &str,
+    ) -> Result<(), EngineError> {
+        if subscription.card_declines_renewals {
+            return Err(EngineError::CardDeclined {
+                code: "card_declined",
+                message: format!(
+                    "the card ending {} was declined (card_declined); nothing was charged",
+                    subscription.card_last4
+                ),
+            });
+        }
+        Ok(())
     }
 }
 

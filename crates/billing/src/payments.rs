@@ -135,7 +135,7 @@ impl Billing {
             )
             .into());
         }
-        let now = self.journal.now_ms();
+        let now = self.journal.now_in(scope);
         // The payment's customer, checkout, subscription, period and card.
         let refund = Payment {
             id: new_id("txn").into(),
@@ -184,7 +184,7 @@ impl Billing {
             amount: payment.refundable(),
             currency: payment.currency.clone(),
             reason: parse_reason(input.reason.as_deref())?,
-            created_at_ms: self.journal.now_ms(),
+            created_at_ms: self.journal.now_in(scope),
         };
         self.journal
             .append_and_apply(&Record::DisputeOpened(dispute.clone()))

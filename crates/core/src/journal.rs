@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tally_domain::clock::Clock;
 use tally_domain::record::{Record, RecordMeta};
+use tally_domain::Mode;
 use tally_log::Log;
 use tally_projection::ProjectionStore;
 use tally_runtime::Runtime;
@@ -19,6 +20,7 @@ use crate::error::EngineError;
 use crate::idempotency;
 use crate::metrics::Metrics;
 use crate::outcome;
+use crate::Scope;
 
 /// Accepted events not yet applied by the projector. Beyond this, ingest waits for
 /// the projector (backpressure), so memory and catch-up time stay bounded.
@@ -98,6 +100,9 @@ pub struct Journal {
     /// them to exercise the paths they guard without waiting half a minute).
     apply_wait_ms: AtomicU64,
     max_apply_lag_ms: AtomicU64,
+    /// Test-mode clocks by store: (`to_ms`, the record time it was set at); kept
+    /// current by the composition root after each commit (see `now_in`).
+    test_clocks: dashmap::DashMap<String, (i64, i64)>,
     pub metrics: Metrics,
 }
 
@@ -129,6 +134,7 @@ impl Journal {
             end_offsets: std::sync::Mutex::new(None),
             apply_wait_ms: APPLY_WAIT_TIMEOUT_MS.into(),
             max_apply_lag_ms: MAX_APPLY_LAG_MS.into(),
+            test_clocks: dashmap::DashMap::new(),
             metrics: Metrics::default(),
         }
     }
@@ -147,6 +153,35 @@ impl Journal {
 
     pub fn now_ms(&self) -> i64 {
         self.clock.now_ms()
+    }
+
+    /// The scope's business time (docs/api.md, "Test clock"): the wall clock in
+    /// production; in test mode the store's test clock, which starts at the wall
+    /// clock, jumps forward when advanced and moves on with the wall clock from there.
+    pub fn now_in(&self, scope: &Scope) -> i64 {
+        let now = self.now_ms();
+        match scope.mode {
+            Mode::Test => match self.test_clocks.get(scope.store_id.as_ref()) {
+                Some(clock) => test_time(clock.0, clock.1, now),
+                None => now,
+            },
+            Mode::Prod => now,
+        }
+    }
+
+    /// The latest time any test store shows (the wall clock when none is ahead).
+    pub fn latest_test_time(&self) -> i64 {
+        let now = self.now_ms();
+        self.test_clocks
+            .iter()
+            .map(|clock| test_time(clock.0, clock.1, now))
+            .fold(now, i64::max)
+    }
+
+    /// A store's test clock as the projection holds it (`to_ms` set at `at_ms`).
+    pub fn note_test_clock(&self, store_id: &str, to_ms: i64, at_ms: i64) {
+        self.test_clocks
+            .insert(store_id.to_string(), (to_ms, at_ms));
     }
 
     /// Ready once every partition has been applied up to where the log ended at
@@ -418,4 +453,10 @@ impl Journal {
         }
         Ok(())
     }
+}
+
+/// A test clock set to `to_ms` at `at_ms`, read at wall time `now_ms`: it moves on
+/// with the wall clock, and never shows less than `to_ms`.
+pub fn test_time(to_ms: i64, at_ms: i64, now_ms: i64) -> i64 {
+    to_ms.saturating_add(now_ms.saturating_sub(at_ms).max(0))
 }

@@ -63,6 +63,10 @@
 //! | `6` | store, mode, source_id, price_id | SettlementTotals (proto) |
 //! | `7` | store, mode, account_id | (empty) the account's exhaustion was announced and it has not held credits since |
 //! | `8` | store, mode, created_at, checkout_id | (empty) checkout listing, newest first |
+//! | `9` | mode, due_at, store, subscription_id | (empty) what is due on a subscription, soonest first (the scheduler's index) |
+//! | `0` | store | the store's test clock: `to_ms` and the record time it was set at (two 8-byte ints) |
+//! | `%` | store, mode, created_at, subscription_id | (empty) subscription listing, newest first |
+//! | `&` | store, mode, customer_id, created_at, subscription_id | (empty) per customer |
 
 use tally_domain::Mode;
 
@@ -128,6 +132,10 @@ pub const SETTLEMENT_PERIOD_USAGE: u8 = b'5';
 pub const SETTLEMENT_TOTALS: u8 = b'6';
 pub const CREDIT_EXHAUSTED: u8 = b'7';
 pub const CHECKOUT_LIST: u8 = b'8';
+pub const SUBSCRIPTION_DUE: u8 = b'9';
+pub const TEST_CLOCK: u8 = b'0';
+pub const SUBSCRIPTION_LIST: u8 = b'%';
+pub const SUBSCRIPTION_BY_CUSTOMER: u8 = b'&';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

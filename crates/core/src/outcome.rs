@@ -49,6 +49,7 @@ pub const OUTCOME_CODES: &[&str] = &[
     "transaction_not_refundable",
     "transaction_not_reversible",
     "transaction_unbalanced",
+    "test_clock_backwards",
     "too_many_webhooks",
     "usage_already_settled",
 ];
@@ -65,6 +66,7 @@ pub const INVALID_REQUEST_OUTCOMES: &[&str] = &[
     "parameter_invalid",
     "product_not_active",
     "refund_exceeds_remaining",
+    "test_clock_backwards",
     "transaction_not_disputable",
     "transaction_not_refundable",
 ];

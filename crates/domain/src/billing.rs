@@ -557,6 +557,9 @@ pub struct Payment {
     pub disputed: bool,
     /// Last four digits of the card charged.
     pub card_last4: Option<String>,
+    /// What it charges, line by line (the lines' amounts add up to `amount` before
+    /// tax for an exclusive price).
+    pub lines: Vec<crate::subscription::PaymentLine>,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }
@@ -639,6 +642,19 @@ pub struct Subscription {
     pub card_last4: String,
     /// The test card that pays now and declines every later charge.
     pub card_declines_renewals: bool,
+    /// Periods are counted from here: the start of the first paid period.
+    pub billing_anchor_ms: i64,
+    /// A scheduled cancel: what happens at the end of the period.
+    pub on_period_end: Option<crate::subscription::OnExecute>,
+    /// Failed retries of the charge owed while `past_due`.
+    pub retries: u32,
+    pub next_retry_ms: Option<i64>,
+    /// When the charge owed first failed.
+    pub failed_at_ms: Option<i64>,
+    /// The usage period the charge owed bills, and whether it was a trial's.
+    pub open_usage: Option<(i64, i64)>,
+    pub open_usage_was_trial: bool,
+    pub paused_at_ms: Option<i64>,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }

@@ -21,6 +21,7 @@ pub mod mode;
 pub mod product;
 pub mod record;
 pub mod settlement;
+pub mod subscription;
 pub mod time;
 pub mod usage;
 pub mod webhook;

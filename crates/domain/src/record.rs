@@ -85,6 +85,18 @@ pub enum Record {
     /// Usage of one usage record, settled against credit accounts (written after
     /// that record is applied; applied once per source record).
     UsageSettled(UsageSettlement),
+    /// A subscription's new state (renewal, retry, period end, cancel, pause,
+    /// resume) with the payment a charge made; applied only over the version it was
+    /// derived from (`RecordMeta::base_updated_at_ms`).
+    SubscriptionChanged {
+        subscription: Subscription,
+        payment: Option<Payment>,
+    },
+    /// A store's test-mode clock: `to_ms` at the record's time, moving on from there.
+    TestClockSet {
+        store_id: StoreId,
+        to_ms: i64,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -242,6 +254,10 @@ impl Record {
             Record::TaxRateSet { store_id, .. } => store_id.as_bytes().to_vec(),
             // With the store's ledger steps: balances are decided in one order.
             Record::UsageSettled(s) => s.store_id.as_bytes().to_vec(),
+            Record::SubscriptionChanged { subscription, .. } => {
+                subscription.store_id.as_bytes().to_vec()
+            }
+            Record::TestClockSet { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

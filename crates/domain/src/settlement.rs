@@ -141,6 +141,25 @@ pub fn period_start(anchor_ms: i64, months: u32, at_ms: i64) -> i64 {
     }
 }
 
+/// The period of `months` calendar months counted from `anchor_ms` that contains
+/// `at_ms` (the first, for an instant before the anchor): `(start, end)`.
+pub fn period_bounds(anchor_ms: i64, months: u32, at_ms: i64) -> (i64, i64) {
+    use chrono::{Months, TimeZone, Utc};
+    let start = period_start(anchor_ms, months, at_ms);
+    let Some(anchor) = Utc.timestamp_millis_opt(anchor_ms).single() else {
+        return (start, start);
+    };
+    // The first period start after `start`, counted from the anchor (no drift).
+    let mut k = 1u32;
+    loop {
+        match anchor.checked_add_months(Months::new(k.saturating_mul(months))) {
+            Some(t) if t.timestamp_millis() > start => return (start, t.timestamp_millis()),
+            Some(_) => k = k.saturating_add(1),
+            None => return (start, i64::MAX),
+        }
+    }
+}
+
 /// The billable part of `quantity` more units in a period that had used
 /// `used_before`: the units above `free_allowance` and up to `cap`. Additive: the
 /// billable parts of a split sum to the billable part of the whole.

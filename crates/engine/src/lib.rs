@@ -199,6 +199,23 @@ impl tally_billing::Meters for MeteringPort {
             Err(error) => Err(error),
         }
     }
+
+    fn period_usage(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        customer_id: &str,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<Option<rust_decimal::Decimal>, EngineError> {
+        match self
+            .0
+            .period_usage(scope, meter_id, customer_id, start_ms, end_ms)
+        {
+            Err(EngineError::NotFound { .. }) => Ok(None),
+            other => other,
+        }
+    }
 }
 
 pub struct Engine {
@@ -260,6 +277,9 @@ impl tally_runtime::Projection for Engine {
         self.metering.after_commit(applied.metering);
         if applied.billing.settlements_pending {
             self.billing.wake_settler();
+        }
+        for (store, to_ms, at_ms) in &applied.billing.test_clocks {
+            self.journal.note_test_clock(store, *to_ms, *at_ms);
         }
         self.journal
             .metrics
@@ -361,7 +381,10 @@ impl Engine {
                 .await
                 .map_err(EngineError::from)?,
         );
-        let journal = Arc::new(Journal::new(log, store, clock, runtime));
+        let journal = Arc::new(Journal::new(log, store.clone(), clock, runtime));
+        for (store_id, to_ms, at_ms) in tally_billing::lifecycle::test_clocks(store.as_ref())? {
+            journal.note_test_clock(&store_id, to_ms, at_ms);
+        }
         let directory = Arc::new(Directory::load(journal.clone())?);
         let pricing = Arc::new(BillingPort::default());
         let metering = Arc::new(Metering::load(journal.clone(), index, pricing.clone())?);
@@ -491,7 +514,11 @@ impl Engine {
             .start(self.clone(), shutdown.clone());
         // Usage settled in credits leaves the projector as pending settlements;
         // the settler turns them into the ledger's records.
-        tasks.push(tokio::spawn(self.billing.clone().run_settler(shutdown)));
+        tasks.push(tokio::spawn(
+            self.billing.clone().run_settler(shutdown.clone()),
+        ));
+        // Renewals, trial ends, retries and scheduled cancels, on the stores' clocks.
+        tasks.push(tokio::spawn(self.billing.clone().run_scheduler(shutdown)));
         tasks
     }
 

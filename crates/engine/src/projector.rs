@@ -169,6 +169,8 @@ pub struct Applied {
 pub struct BillingApplied {
     /// A usage record left a settlement pending: the settler has work.
     pub settlements_pending: bool,
+    /// Test clocks set: (store, `to_ms`, record time).
+    pub test_clocks: Vec<(String, i64, i64)>,
 }
 
 impl Applied {
@@ -176,6 +178,7 @@ impl Applied {
         self.directory.absorb(other.directory);
         self.metering.absorb(other.metering);
         self.billing.settlements_pending |= other.billing.settlements_pending;
+        self.billing.test_clocks.extend(other.billing.test_clocks);
     }
 }
 
@@ -457,6 +460,30 @@ fn apply_record(
                     entry.offset,
                 )?;
             }
+        }
+        Record::SubscriptionChanged {
+            subscription,
+            payment,
+        } => {
+            let events = tally_billing::lifecycle::apply_subscription_changed(
+                overlay,
+                subscription,
+                payment.as_ref(),
+                base,
+            )?;
+            schedule_billing_events(overlay, &events, entry.offset)?;
+        }
+        Record::TestClockSet { store_id, to_ms } => {
+            tally_billing::lifecycle::apply_test_clock(
+                overlay,
+                store_id,
+                *to_ms,
+                meta.recorded_at_ms,
+            )?;
+            applied
+                .billing
+                .test_clocks
+                .push((store_id.to_string(), *to_ms, meta.recorded_at_ms));
         }
         Record::UsageSettled(settlement) => {
             let mut events = Vec::new();

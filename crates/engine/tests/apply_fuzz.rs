@@ -370,6 +370,7 @@ mod billing {
             reason: None,
             disputed: false,
             card_last4: None,
+            lines: Vec::new(),
             created_at_ms: T0,
             updated_at_ms: T0,
         }

@@ -97,6 +97,7 @@ pub fn router(state: AppState) -> Router {
         .merge(routes::meters::router())
         .merge(routes::products::router())
         .merge(routes::billing::router())
+        .merge(routes::subscriptions::router())
         .merge(routes::events::router())
         .merge(routes::credits::router())
         .merge(routes::webhooks::router())

@@ -349,6 +349,13 @@ pub fn transaction(p: &Payment) -> Value {
         "reason": p.reason,
         "disputed": p.disputed,
         "card_last4": p.card_last4,
+        "lines": p.lines.iter().map(|l| json!({
+            "description": l.description,
+            "meter_id": l.meter_id,
+            "quantity": canonical_decimal(l.quantity),
+            "unit_price": canonical_decimal(l.unit_price),
+            "amount": l.amount,
+        })).collect::<Vec<_>>(),
         "created_at": p.created_at_ms,
     })
 }
@@ -424,11 +431,18 @@ pub fn subscription(
         "last_transaction_id": s.last_transaction_id,
         "last_transaction": last.map(transaction),
         "last_transaction_date": iso(s.last_transaction_at_ms),
-        "next_transaction_date": iso(Some(s.current_period_end_ms)),
+        "next_transaction_date": iso(s.due().and_then(|(at, kind)| {
+            (kind != tally_domain::subscription::DueKind::PeriodEnd).then_some(at)
+        })),
         "current_period_start_date": iso(Some(s.current_period_start_ms)),
         "current_period_end_date": iso(Some(s.current_period_end_ms)),
         "trial_end_date": iso(s.trial_end_ms),
         "canceled_at": iso(s.canceled_at_ms),
+        "cancel_at_period_end": s.on_period_end.is_some(),
+        "on_period_end": s.on_period_end.map(|o| o.as_str()),
+        "paused_at": iso(s.paused_at_ms),
+        "payment_retries": s.retries,
+        "next_retry_date": iso(s.next_retry_ms),
         "discount": s.discount.as_ref().map(|d| json!({
             "id": d.id,
             "discountCode": d.code,

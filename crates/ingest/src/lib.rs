@@ -229,6 +229,10 @@ impl Gateway {
         evaluation: Evaluation,
     ) -> Result<Evaluated<'_>, EngineError> {
         let now = self.journal.now_ms();
+        // Event time (the default timestamp, the accepted window) is the scope's
+        // business time: a test store's test clock (docs/api.md, "Test clock").
+        // Receipt time stays the node's clock.
+        let business_now = self.journal.now_in(scope);
         let meters = self
             .metering
             .caches()
@@ -260,7 +264,7 @@ impl Gateway {
             let validated = raw
                 .as_ref()
                 .map_err(|e| e.clone())
-                .and_then(|raw| validate_event(raw, now));
+                .and_then(|raw| validate_event(raw, business_now));
             let validated = match validated {
                 Ok(v) => v,
                 Err(e) => {

@@ -282,6 +282,28 @@ impl Metering {
         Ok(customers)
     }
 
+    /// A customer's usage over the whole minutes from the one `start_ms` falls in to
+    /// the one `end_ms` falls in (excluded): consecutive ranges count each event once
+    /// (renewals bill `invoice` usage prices so). `None`: the value left the exact
+    /// range, or the range is empty.
+    pub fn period_usage(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        customer_id: &str,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<Option<Decimal>, EngineError> {
+        let meter = self.get_meter(scope, meter_id)?;
+        let start = start_ms.div_euclid(MINUTE_MS) * MINUTE_MS;
+        let end = end_ms.div_euclid(MINUTE_MS) * MINUTE_MS;
+        if end <= start {
+            return Ok(Some(Decimal::ZERO));
+        }
+        let series = self.usage_series(&meter, customer_id, start, end, Window::None)?;
+        Ok(series.value)
+    }
+
     /// `GET /v1/meters/{id}/usage`.
     pub fn query_usage(
         &self,

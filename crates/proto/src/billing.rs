@@ -7,6 +7,7 @@ use tally_domain::billing::{
     EmbeddedDiscount, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
 };
 use tally_domain::record::{BillingEvent, BillingObject, CheckoutCompletion};
+use tally_domain::subscription::{OnExecute, PaymentLine};
 use tally_domain::usage::canonical_decimal;
 
 use crate::convert::{mode_from_proto, mode_to_proto, DecodeError};
@@ -137,6 +138,17 @@ pub fn payment_to_proto(p: &Payment) -> v1::Payment {
         card_last4: p.card_last4.clone(),
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
+        lines: p
+            .lines
+            .iter()
+            .map(|l| v1::PaymentLine {
+                description: l.description.clone(),
+                meter_id: l.meter_id.as_ref().map(|m| m.to_string()),
+                quantity: canonical_decimal(l.quantity),
+                unit_price: canonical_decimal(l.unit_price),
+                amount: l.amount,
+            })
+            .collect(),
     }
 }
 
@@ -166,6 +178,19 @@ pub fn payment_from_proto(p: v1::Payment) -> Result<Payment, DecodeError> {
         card_last4: p.card_last4,
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
+        lines: p
+            .lines
+            .into_iter()
+            .map(|l| {
+                Ok(PaymentLine {
+                    description: l.description,
+                    meter_id: l.meter_id.map(Into::into),
+                    quantity: decimal(&l.quantity, "line quantity")?,
+                    unit_price: decimal(&l.unit_price, "line unit_price")?,
+                    amount: l.amount,
+                })
+            })
+            .collect::<Result<_, DecodeError>>()?,
     })
 }
 
@@ -200,6 +225,15 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
         card_declines_renewals: s.card_declines_renewals,
         created_at_ms: s.created_at_ms,
         updated_at_ms: s.updated_at_ms,
+        billing_anchor_ms: s.billing_anchor_ms,
+        on_period_end: s.on_period_end.map(|o| o.as_str().into()),
+        retries: s.retries,
+        next_retry_ms: s.next_retry_ms,
+        failed_at_ms: s.failed_at_ms,
+        open_usage_start_ms: s.open_usage.map(|(start, _)| start),
+        open_usage_end_ms: s.open_usage.map(|(_, end)| end),
+        open_usage_was_trial: s.open_usage_was_trial,
+        paused_at_ms: s.paused_at_ms,
     }
 }
 
@@ -240,6 +274,22 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
         card_declines_renewals: s.card_declines_renewals,
         created_at_ms: s.created_at_ms,
         updated_at_ms: s.updated_at_ms,
+        // Written before renewals ran: periods count from the current one.
+        billing_anchor_ms: if s.billing_anchor_ms == 0 {
+            s.current_period_start_ms
+        } else {
+            s.billing_anchor_ms
+        },
+        on_period_end: s
+            .on_period_end
+            .map(|o| named(OnExecute::parse, &o, "on_period_end"))
+            .transpose()?,
+        retries: s.retries,
+        next_retry_ms: s.next_retry_ms,
+        failed_at_ms: s.failed_at_ms,
+        open_usage: s.open_usage_start_ms.zip(s.open_usage_end_ms),
+        open_usage_was_trial: s.open_usage_was_trial,
+        paused_at_ms: s.paused_at_ms,
     })
 }
 

@@ -520,6 +520,17 @@ pub fn encode_record_with(
             rate_percent: tally_domain::usage::canonical_decimal(*rate_percent),
         }),
         Record::UsageSettled(s) => Kind::UsageSettled(crate::settlement_to_proto(s)),
+        Record::SubscriptionChanged {
+            subscription,
+            payment,
+        } => Kind::SubscriptionChanged(v1::SubscriptionChanged {
+            subscription: Some(crate::subscription_to_proto(subscription)),
+            payment: payment.as_ref().map(crate::payment_to_proto),
+        }),
+        Record::TestClockSet { store_id, to_ms } => Kind::TestClockSet(v1::TestClockSet {
+            store_id: store_id.to_string(),
+            to_ms: *to_ms,
+        }),
         Record::UsageBatch {
             store_id,
             mode,
@@ -637,6 +648,17 @@ pub fn decode_record(
             rate_percent: decimal_from_text(&t.rate_percent, "rate_percent")?,
         },
         Kind::UsageSettled(s) => Record::UsageSettled(crate::settlement_from_proto(s)?),
+        Kind::SubscriptionChanged(c) => Record::SubscriptionChanged {
+            subscription: crate::subscription_from_proto(
+                c.subscription
+                    .ok_or(DecodeError::BadField("subscription"))?,
+            )?,
+            payment: c.payment.map(crate::payment_from_proto).transpose()?,
+        },
+        Kind::TestClockSet(t) => Record::TestClockSet {
+            store_id: t.store_id.into(),
+            to_ms: t.to_ms,
+        },
         Kind::UsageBatch(b) => Record::UsageBatch {
             store_id: b.store_id.into(),
             mode: mode_from_proto(b.mode)?,

@@ -320,22 +320,28 @@ pub async fn get_subscription(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
+    subscription_body(&state, &scope, &id).map(Json)
+}
+
+/// A subscription as `GET /v1/subscriptions/{id}` shows it: the customer and the
+/// last transaction embedded, the settlement of its `credits` usage prices.
+pub fn subscription_body(state: &AppState, scope: &Scope, id: &str) -> ApiResult<Value> {
     let billing = state.engine.billing();
-    let subscription = billing.get_subscription(&scope, &id)?;
+    let subscription = billing.get_subscription(scope, id)?;
     let customer = state
         .engine
         .directory()
-        .get_customer(&scope, &subscription.customer_id)
+        .get_customer(scope, &subscription.customer_id)
         .ok();
     let last = match &subscription.last_transaction_id {
-        Some(id) => Some(billing.get_payment(&scope, id)?),
+        Some(id) => Some(billing.get_payment(scope, id)?),
         None => None,
     };
-    let totals = billing.settlement_totals(&scope, &subscription.id)?;
-    Ok(Json(wire::with_usage_settlement(
+    let totals = billing.settlement_totals(scope, &subscription.id)?;
+    Ok(wire::with_usage_settlement(
         wire::subscription(&subscription, customer.as_ref(), last.as_ref()),
         &totals,
-    )))
+    ))
 }
 
 /// `GET /v1/tax-rates`: the store's rates by country (not paginated: one per

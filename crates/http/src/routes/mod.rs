@@ -8,4 +8,5 @@ pub mod events;
 pub mod health;
 pub mod meters;
 pub mod products;
+pub mod subscriptions;
 pub mod webhooks;

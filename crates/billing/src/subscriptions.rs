@@ -1,0 +1,495 @@
+//! Subscriptions after their checkout (docs/api.md, "Subscriptions"): the list,
+//! cancel, pause and resume, the scheduler that runs what is due (trial ends,
+//! renewals with their `invoice` usage, payment retries, scheduled cancels) on the
+//! store's clock, and the test clock that moves a test store's time forward and runs
+//! everything due until then.
+//!
+//! Every change is a `SubscriptionChanged` record derived from the version read and
+//! applied only over it (`lifecycle`): two schedulers (nodes, a restart, a test-clock
+//! advance racing the background scheduler) deriving the same renewal append two
+//! records, and apply keeps the first; the second is refused as stale and charges
+//! nothing. A card is charged before the record is appended (the test cards move no
+//! money; a real provider would authorize there and capture once applied, as for
+//! checkouts).
+
+use std::sync::Arc;
+
+use tally_core::error::EngineError;
+use tally_core::ids::new_id;
+use tally_core::journal::Update;
+use tally_core::keys::{self, ListingKey};
+use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
+use tally_core::Scope;
+use tally_domain::billing::{
+    price_charge, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
+};
+use tally_domain::record::Record;
+use tally_domain::subscription::{
+    after_declined, after_paid, after_period_end, cancel, charge_lines, charge_plan, discount_off,
+    invoiced_prices, pause, resume, CancelMode, DueKind, InvalidTransition, OnExecute,
+};
+use tally_domain::time::parse_iso8601_ms;
+use tally_domain::{FieldError, Mode};
+
+use crate::lifecycle;
+use crate::Billing;
+
+/// Due work the scheduler runs per scan: bounds a scan's memory and the records in
+/// flight; a longer backlog (a node down for days) is worked off scan by scan.
+pub const SCHEDULE_BATCH: usize = 100;
+
+/// How often the background scheduler looks for due work.
+pub const SCHEDULE_POLL_MS: u64 = 1_000;
+
+/// How far a test clock may jump in one advance: each period, retry and period end
+/// on the way runs, so a jump bounds the work one request does.
+pub const MAX_TEST_CLOCK_ADVANCE_MS: i64 = 2 * 366 * tally_domain::time::DAY_MS;
+
+/// A filter of the subscription list.
+#[derive(Debug, Clone, Default)]
+pub struct SubscriptionFilter {
+    pub customer_id: Option<String>,
+    pub status: Option<SubscriptionStatus>,
+}
+
+fn invalid_transition(error: InvalidTransition) -> EngineError {
+    EngineError::conflict("invalid_state_transition", error.message())
+}
+
+impl Billing {
+    /// The scope's business time: the store's test clock in test mode.
+    pub fn now_in(&self, scope: &Scope) -> i64 {
+        self.journal.now_in(scope)
+    }
+
+    pub fn list_subscriptions(
+        &self,
+        scope: &Scope,
+        filter: &SubscriptionFilter,
+        page: &PageRequest,
+    ) -> Result<Page<Subscription>, EngineError> {
+        let (table, owner) = match &filter.customer_id {
+            Some(customer) => (keys::SUBSCRIPTION_BY_CUSTOMER, Some(customer.as_str())),
+            None => (keys::SUBSCRIPTION_LIST, None),
+        };
+        let prefix = ListingKey::prefix(table, &scope.store_id, scope.mode, owner);
+        let cursor = cursor_from(page, |id| {
+            let sub = self.get_subscription(scope, id)?;
+            Ok(ListingKey::entry(
+                table,
+                &scope.store_id,
+                scope.mode,
+                owner,
+                sub.created_at_ms,
+                &sub.id,
+            ))
+        })?;
+        paginate(
+            self.journal.store().as_ref(),
+            &prefix,
+            cursor,
+            page.limit,
+            |key, _| {
+                let id = ListingKey::id_in(&prefix, key)?;
+                let sub = self.get_subscription(scope, id)?;
+                Ok(filter
+                    .status
+                    .is_none_or(|status| sub.status == status)
+                    .then_some(sub))
+            },
+        )
+    }
+
+    /// Applies `change` to the current version (re-derived if another change got
+    /// there first).
+    async fn transition(
+        &self,
+        scope: &Scope,
+        id: &str,
+        change: impl Fn(&Subscription, i64) -> Result<Subscription, InvalidTransition>,
+    ) -> Result<Subscription, EngineError> {
+        self.journal
+            .update(|| {
+                let sub = self.get_subscription(scope, id)?;
+                let now = self.now_in(scope).max(sub.updated_at_ms.saturating_add(1));
+                let next = change(&sub, now).map_err(invalid_transition)?;
+                Ok(Update::Write {
+                    record: Record::SubscriptionChanged {
+                        subscription: next.clone(),
+                        payment: None,
+                    },
+                    base_updated_at_ms: sub.updated_at_ms,
+                    result: next,
+                })
+            })
+            .await
+    }
+
+    /// `POST /v1/subscriptions/{id}/cancel {mode, onExecute}`: `scheduled` (the
+    /// default) ends it at the end of the period (then canceled, or paused with
+    /// `onExecute` `pause`); `immediate` now.
+    pub async fn cancel_subscription(
+        &self,
+        scope: &Scope,
+        id: &str,
+        mode: Option<&str>,
+        on_execute: Option<&str>,
+    ) -> Result<Subscription, EngineError> {
+        let mode = match mode {
+            Some(text) => CancelMode::parse_field("mode", text)?,
+            None => CancelMode::Scheduled,
+        };
+        let on_execute = match (mode, on_execute) {
+            (CancelMode::Scheduled, Some(text)) => OnExecute::parse_field("onExecute", text)?,
+            _ => OnExecute::Cancel,
+        };
+        self.transition(scope, id, |sub, now| cancel(sub, mode, on_execute, now))
+            .await
+    }
+
+    pub async fn pause_subscription(
+        &self,
+        scope: &Scope,
+        id: &str,
+    ) -> Result<Subscription, EngineError> {
+        self.transition(scope, id, pause).await
+    }
+
+    pub async fn resume_subscription(
+        &self,
+        scope: &Scope,
+        id: &str,
+    ) -> Result<Subscription, EngineError> {
+        self.transition(scope, id, resume).await
+    }
+
+    /// Runs what is due on one subscription at `due_at` (read from the due index):
+    /// nothing if it moved on meanwhile. Charges are priced from the product as
+    /// bought, the discount while it lasts, the period's `invoice` usage from
+    /// metering, and the customer's tax rate.
+    pub async fn run_due(&self, scope: &Scope, id: &str, due_at: i64) -> Result<(), EngineError> {
+        let sub = match self.get_subscription(scope, id) {
+            Ok(sub) => sub,
+            Err(EngineError::NotFound { .. }) => return Ok(()),
+            Err(error) => return Err(error),
+        };
+        let Some((at, kind)) = sub.due().filter(|(at, _)| *at == due_at) else {
+            return Ok(());
+        };
+        let plan = charge_plan(&sub, kind);
+        let mut usage = Vec::new();
+        if let Some((start, end)) = plan.usage {
+            for price in invoiced_prices(&sub, &plan) {
+                let value = self.meters.period_usage(
+                    scope,
+                    &price.meter_id,
+                    &sub.customer_id,
+                    start,
+                    end,
+                )?;
+                usage.push((price, value));
+            }
+        }
+        let lines = charge_lines(&sub, &plan, &usage).ok_or_else(|| {
+            EngineError::Corrupt(format!("the charge of subscription {id} leaves i64"))
+        })?;
+        let base = if plan.base.is_some() {
+            lines.first().map_or(0, |l| l.amount)
+        } else {
+            0
+        };
+        let gross = lines
+            .iter()
+            .try_fold(0i64, |sum, l| sum.checked_add(l.amount))
+            .ok_or_else(|| EngineError::Corrupt(format!("the charge of {id} leaves i64")))?;
+        let country = self
+            .customers
+            .customer_country(scope, &sub.customer_id)?
+            .flatten();
+        let charge = price_charge(
+            gross,
+            discount_off(&sub, base),
+            sub.product.tax_mode,
+            self.tax_rate(scope, country.as_deref())?,
+        )?;
+        // A period end with nothing to bill just ends the period.
+        let nothing_to_charge = kind == DueKind::PeriodEnd && charge.amount_paid == 0;
+        let (next, payment) = if nothing_to_charge {
+            (after_period_end(&sub, at), None)
+        } else {
+            let provider = match scope.mode {
+                Mode::Test => Some(self.test_payments.as_ref()),
+                Mode::Prod => self.live_payments.as_deref(),
+            };
+            let paid = match provider {
+                _ if charge.amount_paid == 0 => true,
+                Some(provider) => {
+                    match provider.charge_on_file(&sub, charge.amount_paid, &sub.product.currency) {
+                        Ok(()) => true,
+                        Err(EngineError::CardDeclined { .. }) => false,
+                        Err(error) => return Err(error),
+                    }
+                }
+                None => false,
+            };
+            if paid {
+                let payment_id = new_id("txn");
+                let period = plan.base.or(plan.usage).unwrap_or((at, at));
+                let payment = Payment {
+                    id: payment_id.clone().into(),
+                    store_id: sub.store_id.clone(),
+                    mode: sub.mode,
+                    payment_type: PaymentType::Payment,
+                    status: PaymentStatus::Paid,
+                    amount: charge.amount,
+                    currency: sub.product.currency.clone(),
+                    discount_amount: charge.discount_amount,
+                    tax_amount: charge.tax_amount,
+                    amount_paid: charge.amount_paid,
+                    refunded_amount: 0,
+                    tax_country: country,
+                    checkout_id: None,
+                    subscription_id: Some(sub.id.clone()),
+                    customer_id: sub.customer_id.clone(),
+                    description: match kind {
+                        DueKind::PeriodEnd => format!("final usage of {}", sub.product.name),
+                        _ => format!("renewal of {}", sub.product.name),
+                    },
+                    period_start_ms: Some(period.0),
+                    period_end_ms: Some(period.1),
+                    refund_of: None,
+                    reason: None,
+                    disputed: false,
+                    card_last4: Some(sub.card_last4.clone()),
+                    lines,
+                    created_at_ms: at,
+                    updated_at_ms: at,
+                };
+                let next = match kind {
+                    DueKind::PeriodEnd => {
+                        let mut ended = after_period_end(&sub, at);
+                        ended.last_transaction_id = Some(payment.id.clone());
+                        ended.last_transaction_at_ms = Some(at);
+                        ended
+                    }
+                    _ => after_paid(&sub, &plan, at, &payment_id),
+                };
+                (next, Some(payment))
+            } else if kind == DueKind::PeriodEnd {
+                // The final usage was declined: the subscription ends as scheduled.
+                (after_period_end(&sub, at), None)
+            } else {
+                (after_declined(&sub, &plan, at), None)
+            }
+        };
+        let record = Record::SubscriptionChanged {
+            subscription: next,
+            payment,
+        };
+        match self
+            .journal
+            .append_and_decide_with(&record, Some(sub.updated_at_ms))
+            .await
+        {
+            Ok(_) => Ok(()),
+            // Another scheduler ran it first: nothing was charged twice.
+            Err(EngineError::Conflict {
+                code: "resource_changed",
+                ..
+            }) => Ok(()),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Runs, soonest first, everything due up to its scope's time in `mode` (of one
+    /// store, or of all): at most `SCHEDULE_BATCH` items; how many it ran.
+    /// `horizon`: no store's time is later (the scan stops there).
+    pub async fn run_due_work(
+        &self,
+        mode: Mode,
+        store: Option<&str>,
+        horizon: i64,
+        until: impl Fn(&str) -> i64,
+    ) -> Result<usize, EngineError> {
+        let prefix = lifecycle::due_prefix(mode);
+        let mut due = Vec::new();
+        let mut failure = None;
+        tally_projection::scan_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
+            false,
+            &mut |key, _| match lifecycle::read_due(key) {
+                Ok((at, _, _)) if at > horizon => tally_projection::Visit::Stop,
+                Ok((at, store_id, id)) => {
+                    if store.is_none_or(|s| s == store_id) && at <= until(&store_id) {
+                        due.push((at, store_id, id));
+                    }
+                    if due.len() >= SCHEDULE_BATCH {
+                        tally_projection::Visit::Stop
+                    } else {
+                        tally_projection::Visit::Continue
+                    }
+                }
+                Err(error) => {
+                    failure = Some(error);
+                    tally_projection::Visit::Stop
+                }
+            },
+        )?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        // Soonest first across stores; one store's items keep their order.
+        due.sort();
+        let ran = due.len();
+        for (at, store_id, id) in due {
+            let scope = Scope {
+                store_id: store_id.into(),
+                mode,
+            };
+            self.run_due(&scope, &id, at).await?;
+        }
+        Ok(ran)
+    }
+
+    /// The scope's test clock (docs/api.md, "Test clock"): test mode only.
+    pub fn test_clock(&self, scope: &Scope) -> Result<i64, EngineError> {
+        test_mode_only(scope)?;
+        Ok(self.now_in(scope))
+    }
+
+    /// `POST /v1/test-clock/advance {to}`: moves the test store's time forward to
+    /// `to` (never back, at most `MAX_TEST_CLOCK_ADVANCE_MS` at once) and runs,
+    /// soonest first, everything due until then. Returns the new time.
+    pub async fn advance_test_clock(
+        &self,
+        scope: &Scope,
+        to: Option<&str>,
+    ) -> Result<i64, EngineError> {
+        test_mode_only(scope)?;
+        let text = to.ok_or_else(|| FieldError::missing("to"))?;
+        let to_ms = parse_iso8601_ms(text)
+            .ok_or_else(|| FieldError::invalid("to", "`to` must be an ISO 8601 date-time"))?;
+        let now = self.now_in(scope);
+        if to_ms < now {
+            return Err(FieldError::new(
+                lifecycle::TEST_CLOCK_BACKWARDS,
+                "to",
+                "the test clock only moves forward; `to` is before the store's test time",
+            )
+            .into());
+        }
+        if to_ms - now > MAX_TEST_CLOCK_ADVANCE_MS {
+            return Err(FieldError::invalid(
+                "to",
+                format!(
+                    "one advance moves the test clock at most {} days; advance in steps",
+                    MAX_TEST_CLOCK_ADVANCE_MS / tally_domain::time::DAY_MS
+                ),
+            )
+            .into());
+        }
+        // Due work runs at its own time, soonest first, before the clock moves past
+        // it: each step sets the clock to the next due instant, runs it, and goes on.
+        loop {
+            let next = self.next_due(scope, to_ms)?;
+            let step = next.unwrap_or(to_ms);
+            self.set_test_clock(scope, step).await?;
+            if next.is_none() {
+                break;
+            }
+            self.run_due_work(scope.mode, Some(&scope.store_id), step, |_| step)
+                .await?;
+        }
+        Ok(self.now_in(scope))
+    }
+
+    /// The soonest due instant of the test store, if any is at or before `until`.
+    fn next_due(&self, scope: &Scope, until: i64) -> Result<Option<i64>, EngineError> {
+        let prefix = lifecycle::due_prefix(scope.mode);
+        let mut found = None;
+        let mut failure = None;
+        tally_projection::scan_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
+            false,
+            &mut |key, _| match lifecycle::read_due(key) {
+                Ok((at, _, _)) if at > until => tally_projection::Visit::Stop,
+                Ok((at, store_id, _)) if store_id == scope.store_id.as_ref() => {
+                    found = Some(at);
+                    tally_projection::Visit::Stop
+                }
+                Ok(_) => tally_projection::Visit::Continue,
+                Err(error) => {
+                    failure = Some(error);
+                    tally_projection::Visit::Stop
+                }
+            },
+        )?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(found),
+        }
+    }
+
+    async fn set_test_clock(&self, scope: &Scope, to_ms: i64) -> Result<(), EngineError> {
+        if to_ms <= self.now_in(scope) {
+            return Ok(());
+        }
+        self.journal
+            .append_and_apply(&Record::TestClockSet {
+                store_id: scope.store_id.clone(),
+                to_ms,
+            })
+            .await
+    }
+
+    /// Runs due work until `shutdown` turns true: production on the wall clock, test
+    /// stores on their test clocks (which move on with it), every
+    /// `SCHEDULE_POLL_MS`. Work due while the node was down runs once at start.
+    pub async fn run_scheduler(self: Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                _ = tokio::time::sleep(std::time::Duration::from_millis(SCHEDULE_POLL_MS)) => {}
+            }
+            if self.journal.check_writable().is_err() {
+                continue;
+            }
+            for mode in [Mode::Prod, Mode::Test] {
+                loop {
+                    let now = |store: &str| {
+                        self.journal.now_in(&Scope {
+                            store_id: store.into(),
+                            mode,
+                        })
+                    };
+                    let horizon = match mode {
+                        Mode::Prod => self.journal.now_ms(),
+                        Mode::Test => self.journal.latest_test_time(),
+                    };
+                    match self.run_due_work(mode, None, horizon, now).await {
+                        Ok(n) if n >= SCHEDULE_BATCH => continue,
+                        Ok(_) => break,
+                        Err(error) => {
+                            tracing::warn!(%error, "scheduled subscription work deferred; it is retried");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn test_mode_only(scope: &Scope) -> Result<(), EngineError> {
+    match scope.mode {
+        Mode::Test => Ok(()),
+        Mode::Prod => Err(FieldError::new(
+            "test_mode_only",
+            "to",
+            "the test clock exists in test mode only; use a test key",
+        )
+        .into()),
+    }
+}

@@ -1,0 +1,385 @@
+//! A subscription's life after its checkout (docs/api.md, "Subscriptions"): what is
+//! due when (trial end, renewal, payment retry, the end of a period with a scheduled
+//! cancel), what a renewal charges (the base price for the period ahead, `invoice`
+//! usage of the period behind, each a line), and every transition between the
+//! statuses of the API, as pure functions of the subscription and the time.
+//!
+//! Periods are calendar periods counted from the subscription's billing anchor (the
+//! start of its first paid period), so a subscription started on the 31st renews on
+//! the last day of shorter months and on the 31st again after them.
+
+use rust_decimal::{Decimal, RoundingStrategy};
+
+use crate::billing::{DiscountType, EmbeddedDiscount, Subscription, SubscriptionStatus};
+use crate::error::FieldError;
+use crate::ids::MeterId;
+use crate::product::{SettlementMode, TrialUsageMode, UsagePrice};
+use crate::settlement::period_months;
+use crate::time::DAY_MS;
+
+wire_enum!(
+    /// What a scheduled cancel does at the end of the period.
+    OnExecute { Cancel => "cancel", Pause => "pause" }
+);
+wire_enum!(
+    /// `immediate` ends the subscription now; `scheduled` at the end of its period.
+    CancelMode { Immediate => "immediate", Scheduled => "scheduled" }
+);
+
+/// Payment retries after a declined renewal, in days after it: then the
+/// subscription is `unpaid` (docs/api.md, "Subscriptions"; dunning as card networks
+/// and peers do it).
+pub const RETRY_AFTER_DAYS: [i64; 3] = [1, 3, 5];
+
+/// One line of a transaction: what it charges and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PaymentLine {
+    pub description: String,
+    /// The meter of a usage line.
+    pub meter_id: Option<MeterId>,
+    /// Units (a usage line: billable meter units, after allowance and cap).
+    pub quantity: Decimal,
+    /// Minor units per unit.
+    pub unit_price: Decimal,
+    /// Minor units.
+    pub amount: i64,
+}
+
+/// What is due on a subscription.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DueKind {
+    /// The trial ends: the first paid period is charged.
+    TrialEnd,
+    /// The period ends: the next is charged (usage of the ended one with it).
+    Renewal,
+    /// A declined renewal is tried again.
+    Retry,
+    /// The period ends and a scheduled cancel (or pause) takes effect.
+    PeriodEnd,
+}
+
+/// The transition asked for is not one the subscription's status allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InvalidTransition {
+    pub from: SubscriptionStatus,
+    pub to: SubscriptionStatus,
+}
+
+impl InvalidTransition {
+    pub fn message(&self) -> String {
+        format!(
+            "a subscription that is {} cannot become {}",
+            self.from.as_str(),
+            self.to.as_str()
+        )
+    }
+}
+
+impl Subscription {
+    /// The next thing due, and when; `None` for a subscription with nothing ahead
+    /// (canceled, paused, unpaid).
+    pub fn due(&self) -> Option<(i64, DueKind)> {
+        match self.status {
+            SubscriptionStatus::Trialing => Some((
+                self.trial_end_ms.unwrap_or(self.current_period_end_ms),
+                DueKind::TrialEnd,
+            )),
+            SubscriptionStatus::Active => Some((self.current_period_end_ms, DueKind::Renewal)),
+            SubscriptionStatus::ScheduledCancel => {
+                Some((self.current_period_end_ms, DueKind::PeriodEnd))
+            }
+            SubscriptionStatus::PastDue => self.next_retry_ms.map(|at| (at, DueKind::Retry)),
+            SubscriptionStatus::Canceled
+            | SubscriptionStatus::Paused
+            | SubscriptionStatus::Unpaid => None,
+        }
+    }
+
+    /// The period of the product's billing period that starts at `start_ms`, counted
+    /// from the anchor: `(start, end)`.
+    pub fn period_from(&self, start_ms: i64) -> (i64, i64) {
+        let anchor = self.billing_anchor_ms;
+        match period_months(self.product.billing_period) {
+            Some(months) => crate::settlement::period_bounds(anchor, months, start_ms),
+            None => (start_ms, start_ms),
+        }
+    }
+}
+
+/// What a charge due at some time bills: the base price for `base` (a period
+/// ahead) and `invoice` usage of `usage` (a period behind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChargePlan {
+    pub base: Option<(i64, i64)>,
+    pub usage: Option<(i64, i64)>,
+    /// Only usage prices whose trial usage is charged (usage of a trial).
+    pub trial_usage: bool,
+}
+
+/// The charge `kind` makes on `sub`.
+pub fn charge_plan(sub: &Subscription, kind: DueKind) -> ChargePlan {
+    let ended = (sub.current_period_start_ms, sub.current_period_end_ms);
+    match kind {
+        DueKind::TrialEnd => ChargePlan {
+            base: Some(sub.period_from(sub.current_period_end_ms)),
+            usage: Some(ended),
+            trial_usage: true,
+        },
+        DueKind::Renewal => ChargePlan {
+            base: Some(sub.period_from(sub.current_period_end_ms)),
+            usage: Some(ended),
+            trial_usage: false,
+        },
+        DueKind::Retry => ChargePlan {
+            base: Some((sub.current_period_start_ms, sub.current_period_end_ms)),
+            usage: sub.open_usage,
+            trial_usage: sub.open_usage_was_trial,
+        },
+        DueKind::PeriodEnd => ChargePlan {
+            base: None,
+            usage: Some(ended),
+            trial_usage: false,
+        },
+    }
+}
+
+/// The `invoice` usage prices a plan bills.
+pub fn invoiced_prices(sub: &Subscription, plan: &ChargePlan) -> Vec<UsagePrice> {
+    if plan.usage.is_none() {
+        return Vec::new();
+    }
+    sub.product
+        .usage_prices
+        .iter()
+        .filter(|p| p.settlement_mode == SettlementMode::Invoice)
+        .filter(|p| !plan.trial_usage || p.trial_usage_mode == TrialUsageMode::Charge)
+        .cloned()
+        .collect()
+}
+
+/// Minor units for a period's `usage` of an `invoice` price:
+/// `ceil(max(0, min(usage, cap) - free_allowance) * unit_price)`; `None` past `i64`.
+pub fn invoice_usage_amount(usage: Decimal, price: &UsagePrice) -> Option<(Decimal, i64)> {
+    let capped = price.cap.map_or(usage, |cap| usage.min(cap));
+    let billable = (capped - price.free_allowance).max(Decimal::ZERO);
+    let amount = billable
+        .checked_mul(price.unit_price)?
+        .round_dp_with_strategy(0, RoundingStrategy::ToPositiveInfinity);
+    Some((billable, i64::try_from(amount).ok()?))
+}
+
+/// The lines of a charge: the base price x units for the period ahead, then one
+/// line per `invoice` usage price with its period's usage (`usage` pairs each price
+/// with what its meter counted; `None`: a meter whose value overflowed, billed as 0
+/// and named in the line).
+pub fn charge_lines(
+    sub: &Subscription,
+    plan: &ChargePlan,
+    usage: &[(UsagePrice, Option<Decimal>)],
+) -> Option<Vec<PaymentLine>> {
+    let mut lines = Vec::new();
+    if plan.base.is_some() {
+        let amount = sub.product.price.checked_mul(i64::from(sub.units))?;
+        lines.push(PaymentLine {
+            description: format!("{} x {}", sub.units, sub.product.name),
+            meter_id: None,
+            quantity: Decimal::from(sub.units),
+            unit_price: Decimal::from(sub.product.price),
+            amount,
+        });
+    }
+    for (price, value) in usage {
+        let (quantity, amount) = match value {
+            Some(value) => invoice_usage_amount(*value, price)?,
+            None => (Decimal::ZERO, 0),
+        };
+        lines.push(PaymentLine {
+            description: match value {
+                Some(_) => format!("usage of meter {}", price.meter_id),
+                None => format!(
+                    "usage of meter {} (its value left the exact range; not billed)",
+                    price.meter_id
+                ),
+            },
+            meter_id: Some(price.meter_id.clone()),
+            quantity,
+            unit_price: price.unit_price,
+            amount,
+        });
+    }
+    Some(lines)
+}
+
+/// The discount a charge of `base` minor units (the base line) gets, if the
+/// subscription's discount still applies to this charge.
+pub fn discount_off(sub: &Subscription, base: i64) -> i64 {
+    match (&sub.discount, sub.discount_charges_left) {
+        (Some(discount), None) => off(discount, base),
+        (Some(discount), Some(left)) if left > 0 => off(discount, base),
+        _ => 0,
+    }
+}
+
+fn off(discount: &EmbeddedDiscount, gross: i64) -> i64 {
+    let off = match discount.discount_type {
+        DiscountType::Percentage => (Decimal::from(gross) * discount.amount / Decimal::ONE_HUNDRED)
+            .round_dp_with_strategy(0, RoundingStrategy::MidpointAwayFromZero),
+        DiscountType::Fixed => discount.amount,
+    };
+    i64::try_from(off).unwrap_or(gross).clamp(0, gross)
+}
+
+/// The subscription after a paid charge of `plan` (due at `at_ms`): active, in the
+/// period the base paid for, the discount's charge counted.
+pub fn after_paid(
+    sub: &Subscription,
+    plan: &ChargePlan,
+    at_ms: i64,
+    payment_id: &str,
+) -> Subscription {
+    let mut next = sub.clone();
+    if let Some((start, end)) = plan.base {
+        next.current_period_start_ms = start;
+        next.current_period_end_ms = end;
+        if sub.discount.is_some() {
+            next.discount_charges_left = sub.discount_charges_left.map(|n| n.saturating_sub(1));
+        }
+    }
+    next.status = SubscriptionStatus::Active;
+    next.retries = 0;
+    next.next_retry_ms = None;
+    next.open_usage = None;
+    next.open_usage_was_trial = false;
+    next.last_transaction_id = Some(payment_id.into());
+    next.last_transaction_at_ms = Some(at_ms);
+    next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
+    next
+}
+
+/// The subscription after a declined charge of `plan` due at `at_ms`: `past_due`
+/// with the next retry (the period moves on: the base owed is the new period's), or
+/// `unpaid` once the retries are exhausted.
+pub fn after_declined(sub: &Subscription, plan: &ChargePlan, at_ms: i64) -> Subscription {
+    let mut next = sub.clone();
+    let first_failure = sub.status != SubscriptionStatus::PastDue;
+    if first_failure {
+        if let Some((start, end)) = plan.base {
+            next.current_period_start_ms = start;
+            next.current_period_end_ms = end;
+        }
+        next.open_usage = plan.usage;
+        next.open_usage_was_trial = plan.trial_usage;
+        next.retries = 0;
+        next.failed_at_ms = Some(at_ms);
+    } else {
+        next.retries = sub.retries.saturating_add(1);
+    }
+    let failed_at = next.failed_at_ms.unwrap_or(at_ms);
+    match RETRY_AFTER_DAYS.get(next.retries as usize) {
+        Some(days) => {
+            next.status = SubscriptionStatus::PastDue;
+            next.next_retry_ms = Some(failed_at.saturating_add(days.saturating_mul(DAY_MS)));
+        }
+        None => {
+            next.status = SubscriptionStatus::Unpaid;
+            next.next_retry_ms = None;
+        }
+    }
+    next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
+    next
+}
+
+/// The subscription at the end of a period with a scheduled cancel: canceled, or
+/// paused when the cancel said so.
+pub fn after_period_end(sub: &Subscription, at_ms: i64) -> Subscription {
+    let mut next = sub.clone();
+    match sub.on_period_end.unwrap_or(OnExecute::Cancel) {
+        OnExecute::Cancel => {
+            next.status = SubscriptionStatus::Canceled;
+            next.canceled_at_ms = Some(at_ms);
+        }
+        OnExecute::Pause => {
+            next.status = SubscriptionStatus::Paused;
+            next.paused_at_ms = Some(at_ms);
+        }
+    }
+    next.on_period_end = None;
+    next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
+    next
+}
+
+/// `POST /v1/subscriptions/{id}/cancel`.
+pub fn cancel(
+    sub: &Subscription,
+    mode: CancelMode,
+    on_execute: OnExecute,
+    at_ms: i64,
+) -> Result<Subscription, InvalidTransition> {
+    use SubscriptionStatus::*;
+    let to = match mode {
+        CancelMode::Immediate => Canceled,
+        CancelMode::Scheduled => ScheduledCancel,
+    };
+    let allowed = match mode {
+        CancelMode::Immediate => matches!(
+            sub.status,
+            Active | Trialing | PastDue | ScheduledCancel | Paused | Unpaid
+        ),
+        CancelMode::Scheduled => matches!(sub.status, Active | Trialing),
+    };
+    if !allowed {
+        return Err(InvalidTransition {
+            from: sub.status,
+            to,
+        });
+    }
+    let mut next = sub.clone();
+    next.status = to;
+    match mode {
+        CancelMode::Immediate => {
+            next.canceled_at_ms = Some(at_ms);
+            next.on_period_end = None;
+            next.next_retry_ms = None;
+        }
+        CancelMode::Scheduled => next.on_period_end = Some(on_execute),
+    }
+    next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
+    Ok(next)
+}
+
+/// `POST /v1/subscriptions/{id}/pause`: an active subscription stops renewing.
+pub fn pause(sub: &Subscription, at_ms: i64) -> Result<Subscription, InvalidTransition> {
+    if sub.status != SubscriptionStatus::Active {
+        return Err(InvalidTransition {
+            from: sub.status,
+            to: SubscriptionStatus::Paused,
+        });
+    }
+    let mut next = sub.clone();
+    next.status = SubscriptionStatus::Paused;
+    next.paused_at_ms = Some(at_ms);
+    next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
+    Ok(next)
+}
+
+/// `POST /v1/subscriptions/{id}/resume`: a paused subscription is active again. If
+/// its paid period ended while paused, a new period starts at the resume and is due
+/// at once (nothing is charged for the pause); one still running continues.
+pub fn resume(sub: &Subscription, at_ms: i64) -> Result<Subscription, InvalidTransition> {
+    if sub.status != SubscriptionStatus::Paused {
+        return Err(InvalidTransition {
+            from: sub.status,
+            to: SubscriptionStatus::Active,
+        });
+    }
+    let mut next = sub.clone();
+    next.status = SubscriptionStatus::Active;
+    if sub.current_period_end_ms <= at_ms {
+        next.billing_anchor_ms = at_ms;
+        next.current_period_start_ms = at_ms;
+        next.current_period_end_ms = at_ms;
+    }
+    next.paused_at_ms = None;
+    next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
+    Ok(next)
+}

@@ -1,0 +1,134 @@
+//! Subscriptions after their checkout and the test clock (docs/api.md,
+//! "Subscriptions", "Test clock"): the list, cancel, pause, resume; reading and
+//! advancing a test store's time, which runs everything due until then.
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use serde_json::{json, Value};
+use tally_domain::billing::SubscriptionStatus;
+use tally_domain::time::format_iso8601_ms;
+use tally_engine::billing::subscriptions::SubscriptionFilter;
+use tally_engine::Scope;
+
+use crate::error::ApiResult;
+use crate::extract::{page_request, Fields, JsonObject, PathId, QueryParams};
+use crate::{wire, AppState};
+
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route("/v1/subscriptions", routing::get(list_subscriptions))
+        .route(
+            "/v1/subscriptions/{id}/cancel",
+            routing::post(cancel_subscription),
+        )
+        .route(
+            "/v1/subscriptions/{id}/pause",
+            routing::post(pause_subscription),
+        )
+        .route(
+            "/v1/subscriptions/{id}/resume",
+            routing::post(resume_subscription),
+        )
+        .route("/v1/test-clock", routing::get(get_test_clock))
+        .route("/v1/test-clock/advance", routing::post(advance_test_clock))
+}
+
+/// `GET /v1/subscriptions?customer_id=&status=`: newest first, a cursor list.
+pub async fn list_subscriptions(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let status = query
+        .get("status")
+        .map(|s| SubscriptionStatus::parse_field("status", s))
+        .transpose()?;
+    let filter = SubscriptionFilter {
+        customer_id: query.get("customer_id").map(str::to_string),
+        status,
+    };
+    let page =
+        state
+            .engine
+            .billing()
+            .list_subscriptions(&scope, &filter, &page_request(&query)?)?;
+    Ok(Json(wire::list(&page, |s| {
+        wire::subscription(s, None, None)
+    })))
+}
+
+async fn answer(state: &AppState, scope: &Scope, id: &str) -> ApiResult<Json<Value>> {
+    crate::routes::billing::subscription_body(state, scope, id).map(Json)
+}
+
+/// `POST /v1/subscriptions/{id}/cancel {mode?, onExecute?}`.
+pub async fn cancel_subscription(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let mode = fields.string("mode")?;
+    let on_execute = fields.string("onExecute")?;
+    state
+        .engine
+        .billing()
+        .cancel_subscription(&scope, &id, mode.as_deref(), on_execute.as_deref())
+        .await?;
+    answer(&state, &scope, &id).await
+}
+
+pub async fn pause_subscription(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    state
+        .engine
+        .billing()
+        .pause_subscription(&scope, &id)
+        .await?;
+    answer(&state, &scope, &id).await
+}
+
+pub async fn resume_subscription(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    state
+        .engine
+        .billing()
+        .resume_subscription(&scope, &id)
+        .await?;
+    answer(&state, &scope, &id).await
+}
+
+fn clock(now_ms: i64) -> Value {
+    json!({"object": "test_clock", "now": format_iso8601_ms(now_ms)})
+}
+
+/// `GET /v1/test-clock`: the test store's time.
+pub async fn get_test_clock(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(clock(state.engine.billing().test_clock(&scope)?)))
+}
+
+/// `POST /v1/test-clock/advance {to}`: answers once everything due until `to` ran.
+pub async fn advance_test_clock(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let to = Fields::new(&body).string("to")?;
+    let now = state
+        .engine
+        .billing()
+        .advance_test_clock(&scope, to.as_deref())
+        .await?;
+    Ok(Json(clock(now)))
+}

@@ -1,0 +1,389 @@
+//! Subscriptions over real sockets, driven by the test clock: renewals with their
+//! `invoice` usage lines, each period charged once; dunning with the card that
+//! declines renewals (past_due, three retries, unpaid); scheduled and immediate
+//! cancels, pause and resume, invalid transitions; trials; the list; all of it
+//! surviving a restart.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use tally_domain::time::{format_iso8601_ms, parse_iso8601_ms, DAY_MS};
+
+async fn setup() -> (tempfile::TempDir, std::path::PathBuf, Server, Api, Keys) {
+    let (guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    (guard, dir, server, api, keys)
+}
+
+fn id(answer: &Answer) -> String {
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body["id"].as_str().unwrap().to_string()
+}
+
+async fn test_now(api: &Api) -> i64 {
+    let clock = api.get("/v1/test-clock").await;
+    assert_eq!(clock.status, 200, "{}", clock.body);
+    parse_iso8601_ms(clock.body["now"].as_str().unwrap()).unwrap()
+}
+
+async fn advance(api: &Api, to_ms: i64) -> Answer {
+    api.post(
+        "/v1/test-clock/advance",
+        json!({"to": format_iso8601_ms(to_ms)}),
+    )
+    .await
+}
+
+/// A subscription bought with `card`: (subscription id, customer id).
+async fn subscribe(api: &Api, product: &str, card: &str) -> (String, String) {
+    let cus = id(&api
+        .post("/v1/customers", json!({"email": "s@example.com"}))
+        .await);
+    let chk = id(&api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": product, "customer_id": cus}),
+        )
+        .await);
+    let paid = api
+        .post(
+            &format!("/v1/checkouts/{chk}/complete"),
+            json!({"card_number": card, "cvc": "123", "exp": "12/34"}),
+        )
+        .await;
+    assert_eq!(paid.status, 200, "{}", paid.body);
+    (
+        paid.body["subscription_id"].as_str().unwrap().to_string(),
+        cus,
+    )
+}
+
+async fn product(api: &Api, extra: Value) -> String {
+    let mut body = json!({"name": "Pro", "price": 1000, "currency": "usd",
+        "billing_type": "recurring", "billing_period": "every-month", "tax_mode": "exclusive"});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    id(&api.post("/v1/products", body).await)
+}
+
+async fn transactions(api: &Api, sub: &str) -> Vec<Value> {
+    let list = api
+        .get(&format!("/v1/transactions?subscription_id={sub}&limit=100"))
+        .await
+        .body;
+    let mut data = list["data"].as_array().unwrap().clone();
+    data.reverse(); // oldest first
+    data
+}
+
+async fn event_types(api: &Api, hook: &str) -> Vec<String> {
+    let feed = api
+        .get(&format!("/v1/webhooks/{hook}/events/pending?limit=100"))
+        .await
+        .body;
+    feed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["event_type"].as_str().unwrap().to_string())
+        .collect()
+}
+
+async fn hook(api: &Api) -> String {
+    id(&api
+        .post(
+            "/v1/webhooks",
+            json!({"delivery_mode": "cli", "events": ["subscription.active", "subscription.paid",
+                "subscription.past_due", "subscription.unpaid", "subscription.expired",
+                "subscription.canceled", "subscription.scheduled_cancel", "subscription.paused",
+                "subscription.trialing", "subscription.update"]}),
+        )
+        .await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_bill_each_period_once_with_its_invoice_usage() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let calls = id(&api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+        )
+        .await);
+    let prod = product(
+        &api,
+        json!({"usage_prices": [{"meter_id": calls, "unit_price": "2.5", "free_allowance": 2,
+            "cap": 10, "settlement_mode": "invoice"}]}),
+    )
+    .await;
+    let (sub, cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let start = test_now(&api).await;
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    let end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+    assert_eq!(s["next_transaction_date"], s["current_period_end_date"]);
+    assert!(end > start);
+
+    // Five calls in the first period: 5 - 2 free = 3 x 2.5 = 7.5 -> 8 minor units.
+    let events: Vec<Value> = (0..5)
+        .map(|i| json!({"name": "api_call", "customer_id": cus, "event_id": format!("p1-{i}")}))
+        .collect();
+    let ingested = api
+        .post("/v1/events/ingest", json!({"events": events}))
+        .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
+
+    // The clock never goes back, and exists in test mode only.
+    let back = assert_error(
+        &advance(&api, start - 1).await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(back["param"], "to");
+    let prod_api = Api::new(&server.prod_url, &keys.prod);
+    assert_error(
+        &prod_api.get("/v1/test-clock").await,
+        400,
+        "invalid_request_error",
+    );
+
+    let moved = advance(&api, end + 60_000).await;
+    assert_eq!(moved.status, 200, "{}", moved.body);
+    assert_eq!(test_now(&api).await, end + 60_000);
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 2, "the checkout and one renewal: {txs:?}");
+    let renewal = &txs[1];
+    assert_eq!(renewal["amount"], 1008, "{renewal}");
+    assert_eq!(renewal["period_start"], end);
+    let lines = renewal["lines"].as_array().unwrap();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["amount"], 1000);
+    assert_eq!(lines[1]["meter_id"], calls.as_str());
+    assert_eq!(lines[1]["quantity"], "3");
+    assert_eq!(lines[1]["amount"], 8);
+    let sum: i64 = lines.iter().map(|l| l["amount"].as_i64().unwrap()).sum();
+    assert_eq!(sum, renewal["amount"].as_i64().unwrap());
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    assert_eq!(s["status"], "active");
+    assert_eq!(s["current_period_start_date"], format_iso8601_ms(end));
+    assert_eq!(s["last_transaction_id"], renewal["id"]);
+
+    // Advancing within the period runs nothing again; twice at once, once.
+    let next_end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+    advance(&api, end + 2 * 60_000).await;
+    assert_eq!(transactions(&api, &sub).await.len(), 2);
+    // Events of the second period, then two racing advances past its end.
+    api.post(
+        "/v1/events/ingest",
+        json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "p2-0"}]}),
+    )
+    .await;
+    let (a, b) = tokio::join!(
+        advance(&api, next_end + 60_000),
+        advance(&api, next_end + 60_000)
+    );
+    assert!(a.status == 200 || b.status == 200, "{} {}", a.body, b.body);
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 3, "{txs:?}");
+    // One call, within the free allowance: the usage line is 0.
+    assert_eq!(txs[2]["amount"], 1000);
+    assert_eq!(txs[2]["lines"][1]["quantity"], "0");
+
+    // After a restart the schedule goes on where it was.
+    let now = test_now(&api).await;
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    // Kept, and moving on with the node's clock (a new one here) from there.
+    assert!(test_now(&api).await >= now);
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    let third_end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+    advance(&api, third_end + 1).await;
+    assert_eq!(transactions(&api, &sub).await.len(), 4);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declined_renewal_goes_past_due_retries_three_times_then_unpaid() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let hook = hook(&api).await;
+    let prod = product(&api, json!({})).await;
+    let (sub, _) = subscribe(&api, &prod, "4000000000000341").await;
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    let end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+
+    advance(&api, end + 60_000).await;
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    assert_eq!(s["status"], "past_due", "{s}");
+    assert_eq!(s["next_retry_date"], format_iso8601_ms(end + DAY_MS));
+    assert_eq!(transactions(&api, &sub).await.len(), 1, "nothing charged");
+
+    advance(&api, end + 2 * DAY_MS).await;
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    assert_eq!(s["status"], "past_due");
+    assert_eq!(s["payment_retries"], 1);
+    assert_eq!(s["next_retry_date"], format_iso8601_ms(end + 3 * DAY_MS));
+
+    advance(&api, end + 6 * DAY_MS).await;
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    assert_eq!(s["status"], "unpaid", "{s}");
+    assert_eq!(s["next_transaction_date"], Value::Null);
+    assert_eq!(transactions(&api, &sub).await.len(), 1);
+    assert_eq!(
+        event_types(&api, &hook).await,
+        vec![
+            "subscription.active",
+            "subscription.paid",
+            "subscription.past_due",
+            "subscription.update",
+            "subscription.update",
+            "subscription.unpaid",
+            "subscription.expired"
+        ]
+    );
+    // Nothing more is due on an unpaid subscription.
+    advance(&api, end + 40 * DAY_MS).await;
+    assert_eq!(transactions(&api, &sub).await.len(), 1);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let hook = hook(&api).await;
+    let prod = product(&api, json!({})).await;
+
+    // Scheduled cancel (the default): at the period's end, canceled.
+    let (sub, _) = subscribe(&api, &prod, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    let scheduled = api.post(&format!("{path}/cancel"), json!({})).await;
+    assert_eq!(scheduled.status, 200, "{}", scheduled.body);
+    assert_eq!(scheduled.body["status"], "scheduled_cancel");
+    assert_eq!(scheduled.body["cancel_at_period_end"], true);
+    let again = assert_error(
+        &api.post(&format!("{path}/cancel"), json!({"mode": "scheduled"}))
+            .await,
+        409,
+        "invalid_request_error",
+    );
+    assert_eq!(again["code"], "invalid_state_transition");
+    assert!(again["message"]
+        .as_str()
+        .unwrap()
+        .contains("scheduled_cancel"));
+    let bad = assert_error(
+        &api.post(&format!("{path}/cancel"), json!({"mode": "later"}))
+            .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(bad["param"], "mode");
+    let end =
+        parse_iso8601_ms(scheduled.body["current_period_end_date"].as_str().unwrap()).unwrap();
+    advance(&api, end + 1).await;
+    let s = api.get(&path).await.body;
+    assert_eq!(s["status"], "canceled");
+    assert_eq!(s["canceled_at"], format_iso8601_ms(end));
+    assert_eq!(transactions(&api, &sub).await.len(), 1, "no renewal");
+    let resume = assert_error(
+        &api.post(&format!("{path}/resume"), json!({})).await,
+        409,
+        "invalid_request_error",
+    );
+    assert_eq!(resume["code"], "invalid_state_transition");
+
+    // Scheduled with onExecute pause: paused at the end; resume starts a new period
+    // due at once.
+    let (paused_sub, _) = subscribe(&api, &prod, "4242424242424242").await;
+    let ppath = format!("/v1/subscriptions/{paused_sub}");
+    api.post(
+        &format!("{ppath}/cancel"),
+        json!({"mode": "scheduled", "onExecute": "pause"}),
+    )
+    .await;
+    let pend = parse_iso8601_ms(
+        api.get(&ppath).await.body["current_period_end_date"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    advance(&api, pend + 1).await;
+    assert_eq!(api.get(&ppath).await.body["status"], "paused");
+    let resumed = api.post(&format!("{ppath}/resume"), json!({})).await;
+    assert_eq!(resumed.body["status"], "active", "{}", resumed.body);
+    let now = test_now(&api).await;
+    advance(&api, now + 1).await;
+    assert_eq!(
+        transactions(&api, &paused_sub).await.len(),
+        2,
+        "charged on resume"
+    );
+
+    // Pause and resume within the period; pausing twice is refused.
+    let (third, _) = subscribe(&api, &prod, "4242424242424242").await;
+    let tpath = format!("/v1/subscriptions/{third}");
+    assert_eq!(
+        api.post(&format!("{tpath}/pause"), json!({})).await.body["status"],
+        "paused"
+    );
+    assert_error(
+        &api.post(&format!("{tpath}/pause"), json!({})).await,
+        409,
+        "invalid_request_error",
+    );
+    assert_eq!(
+        api.post(&format!("{tpath}/resume"), json!({})).await.body["status"],
+        "active"
+    );
+    let immediate = api
+        .post(&format!("{tpath}/cancel"), json!({"mode": "immediate"}))
+        .await;
+    assert_eq!(immediate.body["status"], "canceled");
+
+    // A trial: trialing, then the first period is charged when it ends.
+    let trial = product(&api, json!({"name": "Trial", "trial_period_days": 7})).await;
+    let (trialing, _) = subscribe(&api, &trial, "4242424242424242").await;
+    let trpath = format!("/v1/subscriptions/{trialing}");
+    let s = api.get(&trpath).await.body;
+    assert_eq!(s["status"], "trialing");
+    let trial_end = parse_iso8601_ms(s["trial_end_date"].as_str().unwrap()).unwrap();
+    advance(&api, trial_end + 1).await;
+    let s = api.get(&trpath).await.body;
+    assert_eq!(s["status"], "active", "{s}");
+    let txs = transactions(&api, &trialing).await;
+    assert_eq!(txs.len(), 2);
+    assert_eq!(txs[1]["amount"], 1000);
+    assert_eq!(txs[1]["period_start"], trial_end);
+
+    // Lists filter by status and customer.
+    let canceled = api.get("/v1/subscriptions?status=canceled").await.body;
+    let ids: Vec<&str> = canceled["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![third.as_str(), sub.as_str()]);
+    assert_error(
+        &api.get("/v1/subscriptions?status=gone").await,
+        400,
+        "invalid_request_error",
+    );
+
+    let types = event_types(&api, &hook).await;
+    for expected in [
+        "subscription.scheduled_cancel",
+        "subscription.canceled",
+        "subscription.paused",
+        "subscription.trialing",
+    ] {
+        assert!(
+            types.iter().any(|t| t == expected),
+            "{expected} in {types:?}"
+        );
+    }
+    server.stop().await;
+}
