@@ -312,6 +312,7 @@ impl Billing {
                 open_usage: None,
                 open_usage_was_trial: false,
                 paused_at_ms: None,
+                billed_usage: Vec::new(),
                 created_at_ms: now,
                 updated_at_ms: now,
             }

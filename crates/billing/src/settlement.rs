@@ -185,6 +185,19 @@ pub fn is_bound(
     Ok(false)
 }
 
+/// Whether a purchase settles the customer's usage of the meter in credits.
+pub fn is_bound_to(
+    store: &dyn tally_projection::ProjectionStore,
+    store_id: &str,
+    mode: Mode,
+    customer_id: &str,
+    meter_id: &str,
+) -> Result<bool, EngineError> {
+    Ok(store
+        .get(&binding_key(store_id, mode, customer_id, meter_id))?
+        .is_some())
+}
+
 /// A debit settlement asks of the ledger.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UsageDebit<'a> {

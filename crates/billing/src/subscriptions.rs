@@ -21,12 +21,13 @@ use tally_core::keys::{self, ListingKey};
 use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
 use tally_core::Scope;
 use tally_domain::billing::{
-    price_charge, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
+    price_charge, Charge, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
 };
 use tally_domain::record::Record;
 use tally_domain::subscription::{
     after_declined, after_paid, after_period_end, cancel, charge_lines, charge_plan, discount_off,
-    invoiced_prices, pause, resume, CancelMode, DueKind, InvalidTransition, OnExecute,
+    invoiced_prices, late_usage_amount, pause, resume, BilledUsage, CancelMode, ChargePlan,
+    DueKind, InvalidTransition, OnExecute, PaymentLine,
 };
 use tally_domain::time::parse_iso8601_ms;
 use tally_domain::{FieldError, Mode};
@@ -100,6 +101,58 @@ impl Billing {
         )
     }
 
+    /// Whether a purchase bills the customer's usage of the meter: a live
+    /// subscription (active, trialing, past due or ending at its period's end)
+    /// whose product prices it, or a purchase settling it in credits.
+    pub fn usage_is_billed(
+        &self,
+        scope: &Scope,
+        customer_id: &str,
+        meter_id: &str,
+    ) -> Result<bool, EngineError> {
+        if crate::settlement::is_bound_to(
+            self.journal.store().as_ref(),
+            &scope.store_id,
+            scope.mode,
+            customer_id,
+            meter_id,
+        )? {
+            return Ok(true);
+        }
+        let prefix = ListingKey::prefix(
+            keys::SUBSCRIPTION_BY_CUSTOMER,
+            &scope.store_id,
+            scope.mode,
+            Some(customer_id),
+        );
+        let mut ids = Vec::new();
+        tally_projection::scan_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
+            true,
+            &mut |key, _| {
+                if let Ok(id) = ListingKey::id_in(&prefix, key) {
+                    ids.push(id.to_string());
+                }
+                tally_projection::Visit::Continue
+            },
+        )?;
+        for id in ids {
+            let sub = self.get_subscription(scope, &id)?;
+            let live = matches!(
+                sub.status,
+                SubscriptionStatus::Active
+                    | SubscriptionStatus::Trialing
+                    | SubscriptionStatus::PastDue
+                    | SubscriptionStatus::ScheduledCancel
+            );
+            if live && sub.product.priced_meters().contains(meter_id) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Applies `change` to the current version (re-derived if another change got
     /// there first).
     async fn transition(
@@ -155,12 +208,21 @@ impl Billing {
         self.transition(scope, id, pause).await
     }
 
+    /// A resume whose paid period ended while paused starts a new period and charges
+    /// it now, in this request (a decline leaves it `past_due`, as a renewal would).
     pub async fn resume_subscription(
         &self,
         scope: &Scope,
         id: &str,
     ) -> Result<Subscription, EngineError> {
-        self.transition(scope, id, resume).await
+        let resumed = self.transition(scope, id, resume).await?;
+        let fresh = resumed.current_period_start_ms == resumed.current_period_end_ms;
+        if fresh && resumed.status == SubscriptionStatus::Active {
+            let at = resumed.current_period_start_ms;
+            self.charge(scope, &resumed, at, DueKind::Renewal).await?;
+            return self.get_subscription(scope, id);
+        }
+        Ok(resumed)
     }
 
     /// Runs what is due on one subscription at `due_at` (read from the due index):
@@ -176,42 +238,29 @@ impl Billing {
         let Some((at, kind)) = sub.due().filter(|(at, _)| *at == due_at) else {
             return Ok(());
         };
+        self.charge(scope, &sub, at, kind).await
+    }
+
+    /// Makes the charge `kind` on `sub` at `at` and moves the subscription on (or
+    /// past due); a version that moved meanwhile charges nothing.
+    async fn charge(
+        &self,
+        scope: &Scope,
+        sub: &Subscription,
+        at: i64,
+        kind: DueKind,
+    ) -> Result<(), EngineError> {
+        let sub = sub.clone();
+        // Usage accepted before now is billed with this charge: wait until what the
+        // log holds is applied (what is still missed is billed later as late usage).
+        self.journal.wait_caught_up().await?;
         let plan = charge_plan(&sub, kind);
-        let mut usage = Vec::new();
-        if let Some((start, end)) = plan.usage {
-            for price in invoiced_prices(&sub, &plan) {
-                let value = self.meters.period_usage(
-                    scope,
-                    &price.meter_id,
-                    &sub.customer_id,
-                    start,
-                    end,
-                )?;
-                usage.push((price, value));
-            }
-        }
-        let lines = charge_lines(&sub, &plan, &usage).ok_or_else(|| {
-            EngineError::Corrupt(format!("the charge of subscription {id} leaves i64"))
-        })?;
-        let base = if plan.base.is_some() {
-            lines.first().map_or(0, |l| l.amount)
-        } else {
-            0
-        };
-        let gross = lines
-            .iter()
-            .try_fold(0i64, |sum, l| sum.checked_add(l.amount))
-            .ok_or_else(|| EngineError::Corrupt(format!("the charge of {id} leaves i64")))?;
-        let country = self
-            .customers
-            .customer_country(scope, &sub.customer_id)?
-            .flatten();
-        let charge = price_charge(
-            gross,
-            discount_off(&sub, base),
-            sub.product.tax_mode,
-            self.tax_rate(scope, country.as_deref())?,
-        )?;
+        let Priced {
+            lines,
+            charge,
+            country,
+            billed_usage,
+        } = self.price(scope, &sub, &plan, None)?;
         // A period end with nothing to bill just ends the period.
         let nothing_to_charge = kind == DueKind::PeriodEnd && charge.amount_paid == 0;
         let (next, payment) = if nothing_to_charge {
@@ -265,7 +314,7 @@ impl Billing {
                     created_at_ms: at,
                     updated_at_ms: at,
                 };
-                let next = match kind {
+                let mut next = match kind {
                     DueKind::PeriodEnd => {
                         let mut ended = after_period_end(&sub, at);
                         ended.last_transaction_id = Some(payment.id.clone());
@@ -274,6 +323,7 @@ impl Billing {
                     }
                     _ => after_paid(&sub, &plan, at, &payment_id),
                 };
+                next.billed_usage = billed_usage;
                 (next, Some(payment))
             } else if kind == DueKind::PeriodEnd {
                 // The final usage was declined: the subscription ends as scheduled.
@@ -299,6 +349,138 @@ impl Billing {
             }) => Ok(()),
             Err(error) => Err(error),
         }
+    }
+
+    /// Prices a charge `plan` makes on `sub`: its lines (usage counted up to
+    /// `usage_until` instead of the plan's end, for a preview), the discount while it
+    /// lasts, the customer's tax rate.
+    fn price(
+        &self,
+        scope: &Scope,
+        sub: &Subscription,
+        plan: &ChargePlan,
+        usage_until: Option<i64>,
+    ) -> Result<Priced, EngineError> {
+        let mut usage = Vec::new();
+        if let Some((start, end)) = plan.usage {
+            let end = usage_until.map_or(end, |until| until.min(end));
+            for price in invoiced_prices(sub, plan) {
+                let value = self.meters.period_usage(
+                    scope,
+                    &price.meter_id,
+                    &sub.customer_id,
+                    start,
+                    end,
+                )?;
+                usage.push((price, value));
+            }
+        }
+        let too_large =
+            || EngineError::Corrupt(format!("the charge of subscription {} leaves i64", sub.id));
+        let mut lines = charge_lines(sub, plan, &usage).ok_or_else(too_large)?;
+        // Usage of periods billed before that arrived since: billed now, once.
+        let now = self.now_in(scope);
+        let horizon = now.saturating_sub(
+            tally_domain::limits::MAX_EVENT_AGE_MS + tally_domain::limits::MAX_EVENT_FUTURE_SKEW_MS,
+        );
+        let mut billed_usage = Vec::new();
+        for entry in &sub.billed_usage {
+            let Some(price) = sub
+                .product
+                .usage_prices
+                .iter()
+                .find(|p| p.id == entry.price_id)
+            else {
+                continue;
+            };
+            let current = self.meters.period_usage(
+                scope,
+                &entry.meter_id,
+                &sub.customer_id,
+                entry.period_start_ms,
+                entry.period_end_ms,
+            )?;
+            let mut kept = entry.clone();
+            if let Some(current) = current.filter(|c| *c > entry.quantity) {
+                let (quantity, amount) =
+                    late_usage_amount(entry.quantity, current, price).ok_or_else(too_large)?;
+                lines.push(PaymentLine {
+                    description: format!(
+                        "late usage of meter {} ({} to {})",
+                        entry.meter_id,
+                        tally_domain::time::format_iso8601_ms(entry.period_start_ms),
+                        tally_domain::time::format_iso8601_ms(entry.period_end_ms)
+                    ),
+                    meter_id: Some(entry.meter_id.clone()),
+                    quantity,
+                    unit_price: price.unit_price,
+                    amount,
+                });
+                kept.quantity = current;
+            }
+            // Past the horizon no event of the period can arrive any more.
+            if kept.period_end_ms >= horizon {
+                billed_usage.push(kept);
+            }
+        }
+        if let Some((start, end)) = plan.usage {
+            for (price, value) in &usage {
+                billed_usage.push(BilledUsage {
+                    price_id: price.id.clone(),
+                    meter_id: price.meter_id.clone(),
+                    period_start_ms: start,
+                    period_end_ms: end,
+                    quantity: value.unwrap_or_default(),
+                });
+            }
+        }
+        let base = if plan.base.is_some() {
+            lines.first().map_or(0, |l| l.amount)
+        } else {
+            0
+        };
+        let gross = lines
+            .iter()
+            .try_fold(0i64, |sum, l| sum.checked_add(l.amount))
+            .ok_or_else(too_large)?;
+        let country = self
+            .customers
+            .customer_country(scope, &sub.customer_id)?
+            .flatten();
+        let charge = price_charge(
+            gross,
+            discount_off(sub, base),
+            sub.product.tax_mode,
+            self.tax_rate(scope, country.as_deref())?,
+        )?;
+        Ok(Priced {
+            lines,
+            charge,
+            country,
+            billed_usage,
+        })
+    }
+
+    /// `GET /v1/subscriptions/{id}/upcoming`: the transaction the next charge would
+    /// make, with the usage to date, writing nothing. `None`: nothing is due ahead.
+    pub fn upcoming(&self, scope: &Scope, id: &str) -> Result<Option<Upcoming>, EngineError> {
+        let sub = self.get_subscription(scope, id)?;
+        let Some((at, kind)) = sub.due() else {
+            return Ok(None);
+        };
+        let plan = charge_plan(&sub, kind);
+        // Usage is counted by whole minutes: to date means through this minute.
+        let through = self
+            .now_in(scope)
+            .saturating_add(tally_domain::time::MINUTE_MS);
+        let priced = self.price(scope, &sub, &plan, Some(through))?;
+        Ok(Some(Upcoming {
+            at_ms: at,
+            period: plan.base.or(plan.usage),
+            currency: sub.product.currency.clone(),
+            lines: priced.lines,
+            charge: priced.charge,
+        }))
     }
 
     /// Runs, soonest first, everything due up to its scope's time in `mode` (of one
@@ -480,6 +662,26 @@ impl Billing {
             }
         }
     }
+}
+
+/// A priced charge.
+struct Priced {
+    lines: Vec<PaymentLine>,
+    charge: Charge,
+    country: Option<String>,
+    /// The subscription's billed usage once this charge is paid.
+    billed_usage: Vec<BilledUsage>,
+}
+
+/// What the next charge of a subscription would be.
+#[derive(Debug, Clone)]
+pub struct Upcoming {
+    /// When it is due.
+    pub at_ms: i64,
+    pub period: Option<(i64, i64)>,
+    pub currency: String,
+    pub lines: Vec<PaymentLine>,
+    pub charge: Charge,
 }
 
 fn test_mode_only(scope: &Scope) -> Result<(), EngineError> {

@@ -655,6 +655,8 @@ pub struct Subscription {
     pub open_usage: Option<(i64, i64)>,
     pub open_usage_was_trial: bool,
     pub paused_at_ms: Option<i64>,
+    /// `invoice` usage billed per period, while late events can still arrive.
+    pub billed_usage: Vec<crate::subscription::BilledUsage>,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }

@@ -31,6 +31,26 @@ wire_enum!(
 /// and peers do it).
 pub const RETRY_AFTER_DAYS: [i64; 3] = [1, 3, 5];
 
+/// How long after a period ends its renewal waits, so usage of the period that
+/// arrives late (a producer's retry, a lagging pipeline) is still billed on the
+/// period's own transaction (docs/api.md, "Subscriptions"). Later usage is billed
+/// with the next charge ([`BilledUsage`]).
+pub const LATE_USAGE_GRACE_MS: i64 = 60 * 60 * 1000;
+
+/// What a charge billed of one `invoice` price for one period: the meter's value
+/// then. Kept while events of the period can still be ingested
+/// (`limits::MAX_EVENT_AGE_MS` after its end), so usage that arrives after the
+/// period was billed is billed with a later charge: never lost, never twice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BilledUsage {
+    pub price_id: String,
+    pub meter_id: MeterId,
+    pub period_start_ms: i64,
+    pub period_end_ms: i64,
+    /// The meter's value over the period when it was last billed.
+    pub quantity: Decimal,
+}
+
 /// One line of a transaction: what it charges and why.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PaymentLine {
@@ -84,7 +104,11 @@ impl Subscription {
                 self.trial_end_ms.unwrap_or(self.current_period_end_ms),
                 DueKind::TrialEnd,
             )),
-            SubscriptionStatus::Active => Some((self.current_period_end_ms, DueKind::Renewal)),
+            SubscriptionStatus::Active => Some((
+                self.current_period_end_ms
+                    .saturating_add(LATE_USAGE_GRACE_MS),
+                DueKind::Renewal,
+            )),
             SubscriptionStatus::ScheduledCancel => {
                 Some((self.current_period_end_ms, DueKind::PeriodEnd))
             }
@@ -166,6 +190,22 @@ pub fn invoice_usage_amount(usage: Decimal, price: &UsagePrice) -> Option<(Decim
         .checked_mul(price.unit_price)?
         .round_dp_with_strategy(0, RoundingStrategy::ToPositiveInfinity);
     Some((billable, i64::try_from(amount).ok()?))
+}
+
+/// Minor units for usage that arrived after its period was billed: the period's
+/// charge with the meter's value now, less its charge with the value billed (so
+/// allowance and cap apply to the period as a whole). `None` past `i64`.
+pub fn late_usage_amount(
+    billed: Decimal,
+    now: Decimal,
+    price: &UsagePrice,
+) -> Option<(Decimal, i64)> {
+    let (units_now, amount_now) = invoice_usage_amount(now, price)?;
+    let (units_then, amount_then) = invoice_usage_amount(billed, price)?;
+    Some((
+        (units_now - units_then).max(Decimal::ZERO),
+        amount_now.checked_sub(amount_then)?.max(0),
+    ))
 }
 
 /// The lines of a charge: the base price x units for the period ahead, then one

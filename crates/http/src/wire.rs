@@ -349,15 +349,27 @@ pub fn transaction(p: &Payment) -> Value {
         "reason": p.reason,
         "disputed": p.disputed,
         "card_last4": p.card_last4,
-        "lines": p.lines.iter().map(|l| json!({
-            "description": l.description,
-            "meter_id": l.meter_id,
-            "quantity": canonical_decimal(l.quantity),
-            "unit_price": canonical_decimal(l.unit_price),
-            "amount": l.amount,
-        })).collect::<Vec<_>>(),
+        "lines": lines(&p.lines),
         "created_at": p.created_at_ms,
     })
+}
+
+/// A transaction's lines (`lines[]`: what it charges and why).
+pub fn lines(lines: &[tally_domain::subscription::PaymentLine]) -> Value {
+    Value::Array(
+        lines
+            .iter()
+            .map(|l| {
+                json!({
+                    "description": l.description,
+                    "meter_id": l.meter_id,
+                    "quantity": canonical_decimal(l.quantity),
+                    "unit_price": canonical_decimal(l.unit_price),
+                    "amount": l.amount,
+                })
+            })
+            .collect(),
+    )
 }
 
 pub fn dispute(d: &Dispute) -> Value {

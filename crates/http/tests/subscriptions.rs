@@ -8,6 +8,7 @@ mod common;
 
 use common::*;
 use serde_json::{json, Value};
+use tally_domain::subscription::LATE_USAGE_GRACE_MS as GRACE;
 use tally_domain::time::{format_iso8601_ms, parse_iso8601_ms, DAY_MS};
 
 async fn setup() -> (tempfile::TempDir, std::path::PathBuf, Server, Api, Keys) {
@@ -124,7 +125,8 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
     let start = test_now(&api).await;
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
     let end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
-    assert_eq!(s["next_transaction_date"], s["current_period_end_date"]);
+    // The renewal waits out the grace for late usage.
+    assert_eq!(s["next_transaction_date"], format_iso8601_ms(end + GRACE));
     assert!(end > start);
 
     // Five calls in the first period: 5 - 2 free = 3 x 2.5 = 7.5 -> 8 minor units.
@@ -135,6 +137,15 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
         .post("/v1/events/ingest", json!({"events": events}))
         .await;
     assert_eq!(ingested.status, 202, "{}", ingested.body);
+
+    // The next charge as of now: the base ahead and the usage to date, nothing written.
+    server.engine.wait_caught_up().await.unwrap();
+    let upcoming = api.get(&format!("/v1/subscriptions/{sub}/upcoming")).await;
+    assert_eq!(upcoming.status, 200, "{}", upcoming.body);
+    assert_eq!(upcoming.body["amount"], 1008);
+    assert_eq!(upcoming.body["date"], format_iso8601_ms(end + GRACE));
+    assert_eq!(upcoming.body["lines"][1]["quantity"], "3");
+    assert_eq!(transactions(&api, &sub).await.len(), 1);
 
     // The clock never goes back, and exists in test mode only.
     let back = assert_error(
@@ -150,20 +161,32 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
         "invalid_request_error",
     );
 
+    // Within the grace, nothing is charged yet, and usage of the ended period that
+    // arrives now is still billed with it: 6 - 2 = 4 x 2.5 = 10.
     let moved = advance(&api, end + 60_000).await;
     assert_eq!(moved.status, 200, "{}", moved.body);
     assert_eq!(test_now(&api).await, end + 60_000);
+    assert_eq!(transactions(&api, &sub).await.len(), 1);
+    let late = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "late-1",
+                "timestamp": format_iso8601_ms(start + 120_000)}]}),
+        )
+        .await;
+    assert_eq!(late.status, 202, "{}", late.body);
+    advance(&api, end + GRACE + 60_000).await;
     let txs = transactions(&api, &sub).await;
     assert_eq!(txs.len(), 2, "the checkout and one renewal: {txs:?}");
     let renewal = &txs[1];
-    assert_eq!(renewal["amount"], 1008, "{renewal}");
+    assert_eq!(renewal["amount"], 1010, "{renewal}");
     assert_eq!(renewal["period_start"], end);
     let lines = renewal["lines"].as_array().unwrap();
     assert_eq!(lines.len(), 2);
     assert_eq!(lines[0]["amount"], 1000);
     assert_eq!(lines[1]["meter_id"], calls.as_str());
-    assert_eq!(lines[1]["quantity"], "3");
-    assert_eq!(lines[1]["amount"], 8);
+    assert_eq!(lines[1]["quantity"], "4");
+    assert_eq!(lines[1]["amount"], 10);
     let sum: i64 = lines.iter().map(|l| l["amount"].as_i64().unwrap()).sum();
     assert_eq!(sum, renewal["amount"].as_i64().unwrap());
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
@@ -173,24 +196,30 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
 
     // Advancing within the period runs nothing again; twice at once, once.
     let next_end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
-    advance(&api, end + 2 * 60_000).await;
+    advance(&api, end + GRACE + 2 * 60_000).await;
     assert_eq!(transactions(&api, &sub).await.len(), 2);
-    // Events of the second period, then two racing advances past its end.
+    // Events of the second period, one more of the first (after it was billed: it
+    // goes on the next charge), then two racing advances past the second's end.
     api.post(
         "/v1/events/ingest",
-        json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "p2-0"}]}),
+        json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "p2-0"},
+            {"name": "api_call", "customer_id": cus, "event_id": "late-2",
+             "timestamp": format_iso8601_ms(start + 180_000)}]}),
     )
     .await;
     let (a, b) = tokio::join!(
-        advance(&api, next_end + 60_000),
-        advance(&api, next_end + 60_000)
+        advance(&api, next_end + GRACE + 60_000),
+        advance(&api, next_end + GRACE + 60_000)
     );
     assert!(a.status == 200 || b.status == 200, "{} {}", a.body, b.body);
     let txs = transactions(&api, &sub).await;
     assert_eq!(txs.len(), 3, "{txs:?}");
-    // One call, within the free allowance: the usage line is 0.
-    assert_eq!(txs[2]["amount"], 1000);
+    // One call, within the free allowance (0); the late one: the first period's 7
+    // calls bill 13, of which 10 were billed: 3.
     assert_eq!(txs[2]["lines"][1]["quantity"], "0");
+    assert_eq!(txs[2]["lines"][2]["quantity"], "1", "{}", txs[2]);
+    assert_eq!(txs[2]["lines"][2]["amount"], 3);
+    assert_eq!(txs[2]["amount"], 1003);
 
     // After a restart the schedule goes on where it was.
     let now = test_now(&api).await;
@@ -201,8 +230,10 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
     assert!(test_now(&api).await >= now);
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
     let third_end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
-    advance(&api, third_end + 1).await;
-    assert_eq!(transactions(&api, &sub).await.len(), 4);
+    advance(&api, third_end + GRACE).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 4);
+    assert_eq!(txs[3]["amount"], 1000, "nothing late is billed twice");
     server.stop().await;
 }
 
@@ -215,19 +246,20 @@ async fn a_declined_renewal_goes_past_due_retries_three_times_then_unpaid() {
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
     let end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
 
-    advance(&api, end + 60_000).await;
+    let failed = end + GRACE;
+    advance(&api, failed).await;
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
     assert_eq!(s["status"], "past_due", "{s}");
-    assert_eq!(s["next_retry_date"], format_iso8601_ms(end + DAY_MS));
+    assert_eq!(s["next_retry_date"], format_iso8601_ms(failed + DAY_MS));
     assert_eq!(transactions(&api, &sub).await.len(), 1, "nothing charged");
 
-    advance(&api, end + 2 * DAY_MS).await;
+    advance(&api, failed + 2 * DAY_MS).await;
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
     assert_eq!(s["status"], "past_due");
     assert_eq!(s["payment_retries"], 1);
-    assert_eq!(s["next_retry_date"], format_iso8601_ms(end + 3 * DAY_MS));
+    assert_eq!(s["next_retry_date"], format_iso8601_ms(failed + 3 * DAY_MS));
 
-    advance(&api, end + 6 * DAY_MS).await;
+    advance(&api, failed + 6 * DAY_MS).await;
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
     assert_eq!(s["status"], "unpaid", "{s}");
     assert_eq!(s["next_transaction_date"], Value::Null);

@@ -51,6 +51,15 @@ pub trait Customers: Send + Sync {
 /// same events (docs/api.md, "Usage prices").
 pub trait Settlements: Send + Sync {
     fn settles(&self, scope: &Scope, events: &[UsageEvent]) -> Result<bool, EngineError>;
+
+    /// Whether the meter is priced on a product being sold but no purchase of the
+    /// customer bills this usage (the warning `customer_has_no_active_subscription`).
+    fn unbilled(
+        &self,
+        scope: &Scope,
+        customer_id: &str,
+        meter_id: &str,
+    ) -> Result<bool, EngineError>;
 }
 
 pub struct Gateway {
@@ -249,6 +258,8 @@ impl Gateway {
             FieldError::new("invalid_usage_event", param, e.message)
         };
         // Phase 1: validate, resolve and match every event; nothing is reserved yet.
+        // Whether a (customer, meter) is billed, asked once per batch.
+        let mut unbilled_cache: HashMap<(String, String), bool> = HashMap::new();
         let mut reports = Vec::with_capacity(raws.len());
         let mut candidates: Vec<Option<Candidate>> = Vec::with_capacity(raws.len());
         for (index, raw) in raws.iter().enumerate() {
@@ -302,6 +313,27 @@ impl Gateway {
                     message: format!(
                         "no active meter consumes events named '{}' with these properties",
                         validated.name
+                    ),
+                });
+            }
+            let mut unbilled = false;
+            for meter in &matched {
+                let key = (customer_id.clone(), meter.id.to_string());
+                let answer = match unbilled_cache.get(&key) {
+                    Some(answer) => *answer,
+                    None => {
+                        let answer = self.settlements.unbilled(scope, &customer_id, &meter.id)?;
+                        unbilled_cache.insert(key, answer);
+                        answer
+                    }
+                };
+                unbilled |= answer;
+            }
+            if unbilled {
+                report.warnings.push(Warning {
+                    code: "customer_has_no_active_subscription",
+                    message: format!(
+                        "customer {customer_id} has no active subscription or purchase billing a priced meter this event matched; the usage is recorded, not billed"
                     ),
                 });
             }

@@ -7,7 +7,7 @@ use tally_domain::billing::{
     EmbeddedDiscount, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
 };
 use tally_domain::record::{BillingEvent, BillingObject, CheckoutCompletion};
-use tally_domain::subscription::{OnExecute, PaymentLine};
+use tally_domain::subscription::{BilledUsage, OnExecute, PaymentLine};
 use tally_domain::usage::canonical_decimal;
 
 use crate::convert::{mode_from_proto, mode_to_proto, DecodeError};
@@ -234,6 +234,17 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
         open_usage_end_ms: s.open_usage.map(|(_, end)| end),
         open_usage_was_trial: s.open_usage_was_trial,
         paused_at_ms: s.paused_at_ms,
+        billed_usage: s
+            .billed_usage
+            .iter()
+            .map(|b| v1::BilledUsage {
+                price_id: b.price_id.clone(),
+                meter_id: b.meter_id.to_string(),
+                period_start_ms: b.period_start_ms,
+                period_end_ms: b.period_end_ms,
+                quantity: canonical_decimal(b.quantity),
+            })
+            .collect(),
     }
 }
 
@@ -290,6 +301,19 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
         open_usage: s.open_usage_start_ms.zip(s.open_usage_end_ms),
         open_usage_was_trial: s.open_usage_was_trial,
         paused_at_ms: s.paused_at_ms,
+        billed_usage: s
+            .billed_usage
+            .into_iter()
+            .map(|b| {
+                Ok(BilledUsage {
+                    price_id: b.price_id,
+                    meter_id: b.meter_id.into(),
+                    period_start_ms: b.period_start_ms,
+                    period_end_ms: b.period_end_ms,
+                    quantity: decimal(&b.quantity, "billed usage")?,
+                })
+            })
+            .collect::<Result<_, DecodeError>>()?,
     })
 }
 

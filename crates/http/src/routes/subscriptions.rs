@@ -30,6 +30,10 @@ pub fn router() -> axum::Router<AppState> {
             "/v1/subscriptions/{id}/resume",
             routing::post(resume_subscription),
         )
+        .route(
+            "/v1/subscriptions/{id}/upcoming",
+            routing::get(upcoming_charge),
+        )
         .route("/v1/test-clock", routing::get(get_test_clock))
         .route("/v1/test-clock/advance", routing::post(advance_test_clock))
 }
@@ -104,6 +108,33 @@ pub async fn resume_subscription(
         .resume_subscription(&scope, &id)
         .await?;
     answer(&state, &scope, &id).await
+}
+
+/// `GET /v1/subscriptions/{id}/upcoming`: the next charge as of now (usage to
+/// date), writing nothing; 404 `resource_missing` when nothing is due ahead.
+pub async fn upcoming_charge(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let upcoming = state
+        .engine
+        .billing()
+        .upcoming(&scope, &id)?
+        .ok_or_else(|| tally_engine::EngineError::not_found("upcoming charge", &id))?;
+    Ok(Json(json!({
+        "object": "upcoming_transaction",
+        "subscription": id,
+        "date": format_iso8601_ms(upcoming.at_ms),
+        "period_start": upcoming.period.map(|p| p.0),
+        "period_end": upcoming.period.map(|p| p.1),
+        "currency": upcoming.currency,
+        "amount": upcoming.charge.amount,
+        "discount_amount": upcoming.charge.discount_amount,
+        "tax_amount": upcoming.charge.tax_amount,
+        "amount_paid": upcoming.charge.amount_paid,
+        "lines": wire::lines(&upcoming.lines),
+    })))
 }
 
 fn clock(now_ms: i64) -> Value {
