@@ -400,7 +400,7 @@ pub fn apply_checkout_completed(
             &done.customer_id,
             &subscription.id,
             &subscription.product,
-            at,
+            (subscription.billing_anchor_ms, at),
             subscription.trial_end_ms,
         )?,
         None => crate::settlement::bind_purchase(
@@ -408,7 +408,7 @@ pub fn apply_checkout_completed(
             &done.customer_id,
             &done.id,
             &product,
-            at,
+            (at, at),
             None,
         )?,
     }

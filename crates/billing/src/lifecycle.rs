@@ -148,10 +148,51 @@ pub fn apply_subscription_changed(
     if let Some(new) = due_key(sub) {
         overlay.put(new, Vec::new());
     }
+    rebind(overlay, &before, sub)?;
     overlay.put(key, codec::encode_subscription(sub));
     let events = transition_events(&before, sub, payment.is_some());
     put_events(overlay, store_id, mode, &events);
     Ok(events)
+}
+
+/// Whether a subscription's `credits` usage is settled in this status.
+fn settles_usage(status: SubscriptionStatus) -> bool {
+    use SubscriptionStatus::*;
+    matches!(status, Active | Trialing | PastDue | ScheduledCancel)
+}
+
+/// Usage settled in credits follows the subscription: its bindings end when it
+/// stops (canceled, paused, unpaid) or changes product, and start again when it is
+/// live again or on the new product, from the change's time.
+fn rebind(
+    overlay: &mut Overlay<'_>,
+    before: &Subscription,
+    after: &Subscription,
+) -> Result<(), EngineError> {
+    let at = after.updated_at_ms;
+    let product_changed = before.product.id != after.product.id
+        || before.product.usage_prices != after.product.usage_prices;
+    let (was, is) = (settles_usage(before.status), settles_usage(after.status));
+    if was && (!is || product_changed) {
+        crate::settlement::end_bindings(
+            overlay,
+            &before.customer_id,
+            &before.id,
+            &before.product,
+            at,
+        )?;
+    }
+    if is && (!was || product_changed) {
+        crate::settlement::bind_purchase(
+            overlay,
+            &after.customer_id,
+            &after.id,
+            &after.product,
+            (after.billing_anchor_ms, at),
+            after.trial_end_ms,
+        )?;
+    }
+    Ok(())
 }
 
 fn changed(message: &str) -> ApplyError {

@@ -76,19 +76,20 @@ fn totals_prefix(store_id: &str, mode: Mode, source_id: &str) -> Key {
     Key::scoped(keys::SETTLEMENT_TOTALS, store_id, mode).text(source_id)
 }
 
-/// Binds a purchase's `credits` usage prices to the customer's usage (the
-/// completion's apply). `source_id`: the subscription, or the checkout of a
-/// one-time product.
+/// Binds a purchase's `credits` usage prices to the customer's usage: a checkout's
+/// completion, a subscription becoming live again or changing product.
+/// `source_id`: the subscription, or the checkout of a one-time product; events
+/// from `from_ms` are charged, in periods counted from `anchor_ms`.
 pub fn bind_purchase(
     overlay: &mut Overlay<'_>,
     customer_id: &str,
     source_id: &str,
     product: &Product,
-    purchased_at_ms: i64,
+    (anchor_ms, from_ms): (i64, i64),
     trial_end_ms: Option<i64>,
 ) -> Result<(), EngineError> {
     let (store_id, mode) = (&product.store_id, product.mode);
-    let bindings = UsageBinding::for_purchase(source_id, product, purchased_at_ms, trial_end_ms);
+    let bindings = UsageBinding::for_purchase(source_id, product, anchor_ms, from_ms, trial_end_ms);
     if bindings.is_empty() {
         return Ok(());
     }
@@ -102,6 +103,38 @@ pub fn bind_purchase(
         overlay.put(key, codec::encode_bindings(&all));
     }
     overlay.put(scope_key(store_id, mode), Vec::new());
+    Ok(())
+}
+
+/// Ends the bindings `source_id` holds for `product`'s `credits` prices: events from
+/// `at_ms` on are not charged (a subscription canceled, paused, unpaid or moved to
+/// another product).
+pub fn end_bindings(
+    overlay: &mut Overlay<'_>,
+    customer_id: &str,
+    source_id: &str,
+    product: &Product,
+    at_ms: i64,
+) -> Result<(), EngineError> {
+    let (store_id, mode) = (&product.store_id, product.mode);
+    for price in product
+        .usage_prices
+        .iter()
+        .filter(|p| p.settlement_mode == tally_domain::product::SettlementMode::Credits)
+    {
+        let key = binding_key(store_id, mode, customer_id, &price.meter_id);
+        let Some(bytes) = overlay.get(&key)? else {
+            continue;
+        };
+        let mut all = codec::decode_bindings(&bytes)?;
+        for binding in all
+            .iter_mut()
+            .filter(|b| b.source_id == source_id && b.charge_until_ms.is_none())
+        {
+            binding.charge_until_ms = Some(at_ms.max(binding.charge_from_ms));
+        }
+        overlay.put(key, codec::encode_bindings(&all));
+    }
     Ok(())
 }
 
@@ -185,7 +218,8 @@ pub fn is_bound(
     Ok(false)
 }
 
-/// Whether a purchase settles the customer's usage of the meter in credits.
+/// Whether a purchase settles the customer's usage of the meter in credits now
+/// (a binding that has not ended).
 pub fn is_bound_to(
     store: &dyn tally_projection::ProjectionStore,
     store_id: &str,
@@ -193,9 +227,12 @@ pub fn is_bound_to(
     customer_id: &str,
     meter_id: &str,
 ) -> Result<bool, EngineError> {
-    Ok(store
-        .get(&binding_key(store_id, mode, customer_id, meter_id))?
-        .is_some())
+    match store.get(&binding_key(store_id, mode, customer_id, meter_id))? {
+        Some(bytes) => Ok(codec::decode_bindings(&bytes)?
+            .iter()
+            .any(|b| b.charge_until_ms.is_none())),
+        None => Ok(false),
+    }
 }
 
 /// A debit settlement asks of the ledger.

@@ -43,19 +43,21 @@ pub struct UsageBinding {
 }
 
 impl UsageBinding {
-    /// The bindings a purchase makes: one per `credits` usage price of `product`.
-    /// `trial_end_ms`: the end of the subscription's trial, if it has one.
+    /// The bindings a purchase makes: one per `credits` usage price of `product`,
+    /// charging events from `from_ms` (after a free trial ending at `trial_end_ms`),
+    /// in periods counted from `anchor_ms`.
     pub fn for_purchase(
         source_id: &str,
         product: &Product,
-        purchased_at_ms: i64,
+        anchor_ms: i64,
+        from_ms: i64,
         trial_end_ms: Option<i64>,
     ) -> Vec<UsageBinding> {
         product
             .usage_prices
             .iter()
             .filter(|price| price.settlement_mode == SettlementMode::Credits)
-            .map(|price| binding(source_id, product, price, purchased_at_ms, trial_end_ms))
+            .map(|price| binding(source_id, product, price, anchor_ms, from_ms, trial_end_ms))
             .collect()
     }
 
@@ -78,7 +80,8 @@ fn binding(
     source_id: &str,
     product: &Product,
     price: &UsagePrice,
-    purchased_at_ms: i64,
+    anchor_ms: i64,
+    from_ms: i64,
     trial_end_ms: Option<i64>,
 ) -> UsageBinding {
     let free_trial = price.trial_usage_mode == TrialUsageMode::Free;
@@ -90,11 +93,11 @@ fn binding(
         free_allowance: price.free_allowance,
         cap: price.cap,
         account_name: price.target_account_name.clone(),
-        anchor_ms: purchased_at_ms,
+        anchor_ms,
         period_months: period_months(product.billing_period),
         charge_from_ms: match trial_end_ms {
-            Some(end) if free_trial => end.max(purchased_at_ms),
-            _ => purchased_at_ms,
+            Some(end) if free_trial => end.max(from_ms),
+            _ => from_ms,
         },
         charge_until_ms: None,
     }

@@ -889,6 +889,41 @@ async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero(
     assert_eq!(settled(&s, &calls)["debited"], "1.25");
     assert_eq!(settled(&s, &calls)["shortfall"], "0.75");
 
+    // A canceled subscription settles nothing more, and its customer is warned.
+    let refill = api
+        .post(
+            &format!("/v1/customer-credits/accounts/{account_id}/credit"),
+            json!({"amount": "5", "idempotency_key": "refill-2"}),
+        )
+        .await;
+    assert_eq!(refill.status, 200, "{}", refill.body);
+    let canceled = api
+        .post(&format!("{sub_path}/cancel"), json!({"mode": "immediate"}))
+        .await;
+    assert_eq!(canceled.body["status"], "canceled", "{}", canceled.body);
+    server.clock.advance_ms(1);
+    let after = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "c7"}]}),
+        )
+        .await;
+    assert_eq!(
+        after.body["events"][0]["warnings"][0]["code"], "customer_has_no_active_subscription",
+        "{}",
+        after.body
+    );
+    server.engine.wait_caught_up().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let s = api.get(&sub_path).await.body;
+    assert_eq!(settled(&s, &calls)["quantity"], "6", "{s}");
+    assert_eq!(
+        api.get(&format!("/v1/customer-credits/accounts/{account_id}"))
+            .await
+            .body["balance"],
+        "5"
+    );
+
     // Everything survives a restart, and nothing is settled twice.
     server.stop().await;
     let server = Server::start(&dir, default_config()).await;
@@ -901,6 +936,6 @@ async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero(
         .get(&format!("/v1/customer-credits/accounts/{account_id}"))
         .await
         .body;
-    assert_eq!(account["balance"], "0");
+    assert_eq!(account["balance"], "5");
     server.stop().await;
 }
