@@ -313,6 +313,8 @@ impl Billing {
                 open_usage_was_trial: false,
                 paused_at_ms: None,
                 billed_usage: Vec::new(),
+                extra_items: Vec::new(),
+                pending_lines: Vec::new(),
                 created_at_ms: now,
                 updated_at_ms: now,
             }

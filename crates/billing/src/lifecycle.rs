@@ -224,7 +224,11 @@ fn transition_events(before: &Subscription, after: &Subscription, paid: bool) ->
             _ => {}
         }
     }
-    if types.is_empty() {
+    let items_changed = before.product.id != after.product.id
+        || before.units != after.units
+        || before.extra_items != after.extra_items
+        || before.metadata != after.metadata;
+    if types.is_empty() || items_changed {
         types.push("subscription.update");
     }
     types

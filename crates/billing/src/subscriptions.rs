@@ -14,6 +14,8 @@
 
 use std::sync::Arc;
 
+use rust_decimal::Decimal;
+
 use tally_core::error::EngineError;
 use tally_core::ids::new_id;
 use tally_core::journal::Update;
@@ -26,9 +28,10 @@ use tally_domain::billing::{
 use tally_domain::record::Record;
 use tally_domain::subscription::{
     after_declined, after_paid, after_period_end, cancel, charge_lines, charge_plan, discount_off,
-    invoiced_prices, late_usage_amount, pause, resume, BilledUsage, CancelMode, ChargePlan,
-    DueKind, InvalidTransition, OnExecute, PaymentLine,
+    invoiced_prices, late_usage_amount, pause, period_amount, resume, BilledUsage, CancelMode,
+    ChargePlan, DueKind, InvalidTransition, OnExecute, PaymentLine,
 };
+use tally_domain::subscription::{proration_line, ExtraItem, UpdateBehavior};
 use tally_domain::time::parse_iso8601_ms;
 use tally_domain::{FieldError, Mode};
 
@@ -45,6 +48,69 @@ pub const SCHEDULE_POLL_MS: u64 = 1_000;
 /// How far a test clock may jump in one advance: each period, retry and period end
 /// on the way runs, so a jump bounds the work one request does.
 pub const MAX_TEST_CLOCK_ADVANCE_MS: i64 = 2 * 366 * tally_domain::time::DAY_MS;
+
+/// Items a subscription holds at most (its main item included): bounds its record
+/// and a renewal's lines.
+pub const MAX_SUBSCRIPTION_ITEMS: usize = 20;
+
+/// An item of `POST /v1/subscriptions/{id}`, as the edge parsed it.
+#[derive(Debug, Clone, Default)]
+pub struct ItemInput {
+    pub id: Option<String>,
+    pub product_id: Option<String>,
+    pub units: Option<u32>,
+}
+
+/// `POST /v1/subscriptions/{id}`, as the edge parsed it.
+#[derive(Debug, Clone, Default)]
+pub struct SubscriptionUpdate {
+    pub items: Vec<ItemInput>,
+    pub update_behavior: Option<String>,
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
+}
+
+fn parse_behavior(
+    text: Option<&str>,
+    default: UpdateBehavior,
+) -> Result<UpdateBehavior, FieldError> {
+    match text {
+        Some(text) => UpdateBehavior::parse_field("update_behavior", text),
+        None => Ok(default),
+    }
+}
+
+/// A product a subscription may hold: being sold, recurring, in the subscription's
+/// currency and billing period (400 naming `param` otherwise).
+fn check_compatible(
+    sub: &Subscription,
+    product: &tally_domain::product::Product,
+    param: &str,
+) -> Result<(), EngineError> {
+    tally_domain::billing::check_sold(product).map_err(|mut e| {
+        e.param = param.to_string();
+        e
+    })?;
+    if product.currency != sub.product.currency {
+        return Err(FieldError::invalid(
+            param,
+            format!(
+                "the product is priced in {}, the subscription in {}",
+                product.currency, sub.product.currency
+            ),
+        )
+        .into());
+    }
+    if product.billing_period != sub.product.billing_period
+        || product.billing_type != sub.product.billing_type
+    {
+        return Err(FieldError::invalid(
+            param,
+            "the product bills on another period; cancel and subscribe to it instead",
+        )
+        .into());
+    }
+    Ok(())
+}
 
 /// A filter of the subscription list.
 #[derive(Debug, Clone, Default)]
@@ -178,6 +244,253 @@ impl Billing {
             .await
     }
 
+    /// `POST /v1/subscriptions/{id}`: changes items (units of an item by `id`, an item
+    /// without `id` added, an extra item with `units` 0 removed) and metadata,
+    /// prorated as `update_behavior` says (default `proration-charge`).
+    pub async fn update_subscription(
+        &self,
+        scope: &Scope,
+        id: &str,
+        input: &SubscriptionUpdate,
+    ) -> Result<Subscription, EngineError> {
+        let behavior = parse_behavior(
+            input.update_behavior.as_deref(),
+            UpdateBehavior::ProrationCharge,
+        )?;
+        let now = self.now_in(scope);
+        let mut added = Vec::new();
+        for (i, item) in input.items.iter().enumerate() {
+            if item.id.is_none() {
+                let param = format!("items[{i}].product_id");
+                let product_id = item
+                    .product_id
+                    .as_deref()
+                    .ok_or_else(|| FieldError::missing(param.clone()))?;
+                let product = self
+                    .get_product(scope, product_id)
+                    .map_err(|e| e.for_param(&param))?;
+                added.push((i, product));
+            }
+        }
+        self.change_with_proration(scope, id, behavior, now, |sub| {
+            let mut next = sub.clone();
+            for (i, item) in input.items.iter().enumerate() {
+                let param = format!("items[{i}].units");
+                let units = item.units.unwrap_or(1);
+                if i64::from(units) > tally_domain::limits::MAX_CHECKOUT_UNITS {
+                    return Err(FieldError::invalid(
+                        param,
+                        format!("at most {} units", tally_domain::limits::MAX_CHECKOUT_UNITS),
+                    )
+                    .into());
+                }
+                match item.id.as_deref() {
+                    Some(item_id) if item_id == sub.item_id => {
+                        if units == 0 {
+                            return Err(FieldError::invalid(
+                                param,
+                                "the subscription's main item cannot be removed; cancel the subscription",
+                            )
+                            .into());
+                        }
+                        next.units = units;
+                    }
+                    Some(item_id) => {
+                        let Some(pos) = next.extra_items.iter().position(|x| x.id == item_id) else {
+                            return Err(FieldError::new(
+                                "resource_missing",
+                                format!("items[{i}].id"),
+                                format!("no item '{item_id}' on this subscription"),
+                            )
+                            .into());
+                        };
+                        if units == 0 {
+                            next.extra_items.remove(pos);
+                        } else {
+                            next.extra_items[pos].units = units;
+                        }
+                    }
+                    None => {
+                        let product = added
+                            .iter()
+                            .find(|(j, _)| *j == i)
+                            .map(|(_, p)| p.clone())
+                            .ok_or_else(|| EngineError::Corrupt("an added item".into()))?;
+                        check_compatible(sub, &product, &format!("items[{i}].product_id"))?;
+                        if units == 0 {
+                            return Err(FieldError::invalid(param, "a new item needs units").into());
+                        }
+                        if next.extra_items.len() >= MAX_SUBSCRIPTION_ITEMS - 1 {
+                            return Err(FieldError::invalid(
+                                "items",
+                                format!("at most {MAX_SUBSCRIPTION_ITEMS} items"),
+                            )
+                            .into());
+                        }
+                        next.extra_items.push(ExtraItem {
+                            id: new_id("si"),
+                            product,
+                            units,
+                        });
+                    }
+                }
+            }
+            if let Some(metadata) = &input.metadata {
+                next.metadata = metadata.clone();
+            }
+            Ok(next)
+        })
+        .await
+    }
+
+    /// `POST /v1/subscriptions/{id}/upgrade {product_id, update_behavior}`: the main
+    /// item moves to another product of the same currency and billing period,
+    /// prorated (default `proration-charge-immediately`).
+    pub async fn upgrade_subscription(
+        &self,
+        scope: &Scope,
+        id: &str,
+        product_id: Option<&str>,
+        update_behavior: Option<&str>,
+    ) -> Result<Subscription, EngineError> {
+        let behavior = parse_behavior(update_behavior, UpdateBehavior::ProrationChargeImmediately)?;
+        let product_id = product_id.ok_or_else(|| FieldError::missing("product_id"))?;
+        let product = self
+            .get_product(scope, product_id)
+            .map_err(|e| e.for_param("product_id"))?;
+        let now = self.now_in(scope);
+        self.change_with_proration(scope, id, behavior, now, |sub| {
+            check_compatible(sub, &product, "product_id")?;
+            let mut next = sub.clone();
+            next.product = product.clone();
+            Ok(next)
+        })
+        .await
+    }
+
+    /// Applies an item or product change derived from the current version, with
+    /// its proration: charged now (a payment; a decline answers 402 and changes
+    /// nothing; a credit goes to the next charge), carried to the next charge, or
+    /// none. Only an active, trialing or cancel-scheduled subscription changes; a
+    /// trial's change is not prorated (nothing was paid for it).
+    async fn change_with_proration(
+        &self,
+        scope: &Scope,
+        id: &str,
+        behavior: UpdateBehavior,
+        now: i64,
+        change: impl Fn(&Subscription) -> Result<Subscription, EngineError>,
+    ) -> Result<Subscription, EngineError> {
+        self.journal
+            .update(|| {
+                let sub = self.get_subscription(scope, id)?;
+                use SubscriptionStatus::*;
+                if !matches!(sub.status, Active | Trialing | ScheduledCancel) {
+                    return Err(EngineError::conflict(
+                        "invalid_state_transition",
+                        format!(
+                            "a subscription that is {} cannot change its items or product",
+                            sub.status.as_str()
+                        ),
+                    ));
+                }
+                let mut next = change(&sub)?;
+                next.updated_at_ms = now.max(sub.updated_at_ms.saturating_add(1));
+                let too_large = || EngineError::Corrupt(format!("the items of {id} leave i64"));
+                let old = period_amount(&sub).ok_or_else(too_large)?;
+                let new = period_amount(&next).ok_or_else(too_large)?;
+                let period = (sub.current_period_start_ms, sub.current_period_end_ms);
+                let proration = match (sub.status, behavior) {
+                    (Trialing, _) | (_, UpdateBehavior::ProrationNone) => None,
+                    _ => proration_line(old, new, period, now, "items changed"),
+                };
+                let mut payment = None;
+                if let Some(line) = proration {
+                    let immediately = behavior == UpdateBehavior::ProrationChargeImmediately;
+                    if immediately && line.amount > 0 {
+                        payment = Some(self.charge_now(scope, &next, line, now)?);
+                        next.last_transaction_id = payment.as_ref().map(|p: &Payment| p.id.clone());
+                        next.last_transaction_at_ms = Some(now);
+                    } else {
+                        next.pending_lines.push(line);
+                    }
+                }
+                Ok(Update::Write {
+                    record: Record::SubscriptionChanged {
+                        subscription: next.clone(),
+                        payment,
+                    },
+                    base_updated_at_ms: sub.updated_at_ms,
+                    result: next,
+                })
+            })
+            .await
+    }
+
+    /// Charges one proration line now on the card on file (tax as the product's).
+    fn charge_now(
+        &self,
+        scope: &Scope,
+        sub: &Subscription,
+        line: PaymentLine,
+        now: i64,
+    ) -> Result<Payment, EngineError> {
+        let country = self
+            .customers
+            .customer_country(scope, &sub.customer_id)?
+            .flatten();
+        let charge = price_charge(
+            line.amount,
+            0,
+            sub.product.tax_mode,
+            self.tax_rate(scope, country.as_deref())?,
+        )?;
+        let provider = match scope.mode {
+            Mode::Test => Some(self.test_payments.as_ref()),
+            Mode::Prod => self.live_payments.as_deref(),
+        };
+        match provider {
+            Some(provider) => {
+                provider.charge_on_file(sub, charge.amount_paid, &sub.product.currency)?
+            }
+            None => {
+                return Err(FieldError::new(
+                    "payment_provider_not_configured",
+                    "update_behavior",
+                    "no payment provider is configured for live payments",
+                )
+                .into())
+            }
+        }
+        Ok(Payment {
+            id: new_id("txn").into(),
+            store_id: sub.store_id.clone(),
+            mode: sub.mode,
+            payment_type: PaymentType::Payment,
+            status: PaymentStatus::Paid,
+            amount: charge.amount,
+            currency: sub.product.currency.clone(),
+            discount_amount: 0,
+            tax_amount: charge.tax_amount,
+            amount_paid: charge.amount_paid,
+            refunded_amount: 0,
+            tax_country: country,
+            checkout_id: None,
+            subscription_id: Some(sub.id.clone()),
+            customer_id: sub.customer_id.clone(),
+            description: format!("proration of {}", sub.product.name),
+            period_start_ms: Some(now),
+            period_end_ms: Some(sub.current_period_end_ms),
+            refund_of: None,
+            reason: None,
+            disputed: false,
+            card_last4: Some(sub.card_last4.clone()),
+            lines: vec![line],
+            created_at_ms: now,
+            updated_at_ms: now,
+        })
+    }
+
     /// `POST /v1/subscriptions/{id}/cancel {mode, onExecute}`: `scheduled` (the
     /// default) ends it at the end of the period (then canceled, or paused with
     /// `onExecute` `pause`); `immediate` now.
@@ -260,6 +573,7 @@ impl Billing {
             charge,
             country,
             billed_usage,
+            carry,
         } = self.price(scope, &sub, &plan, None)?;
         // A period end with nothing to bill just ends the period.
         let nothing_to_charge = kind == DueKind::PeriodEnd && charge.amount_paid == 0;
@@ -324,6 +638,9 @@ impl Billing {
                     _ => after_paid(&sub, &plan, at, &payment_id),
                 };
                 next.billed_usage = billed_usage;
+                if let Some(carry) = carry {
+                    next.pending_lines.push(carry);
+                }
                 (next, Some(payment))
             } else if kind == DueKind::PeriodEnd {
                 // The final usage was declined: the subscription ends as scheduled.
@@ -434,22 +751,41 @@ impl Billing {
                 });
             }
         }
-        let base = if plan.base.is_some() {
-            lines.first().map_or(0, |l| l.amount)
-        } else {
-            0
+        let base = match plan.base {
+            Some(_) => period_amount(sub).ok_or_else(too_large)?,
+            None => 0,
         };
-        let gross = lines
+        let mut gross = lines
             .iter()
             .try_fold(0i64, |sum, l| sum.checked_add(l.amount))
             .ok_or_else(too_large)?;
+        // Credits (a downgrade's proration) larger than the charge: the rest is
+        // carried to the next one.
+        let mut carry = None;
+        if gross < 0 {
+            lines.push(PaymentLine {
+                description: "credit carried to the next charge".into(),
+                meter_id: None,
+                quantity: Decimal::ONE,
+                unit_price: Decimal::from(-gross),
+                amount: -gross,
+            });
+            carry = Some(PaymentLine {
+                description: "credit carried from an earlier charge".into(),
+                meter_id: None,
+                quantity: Decimal::ONE,
+                unit_price: Decimal::from(gross),
+                amount: gross,
+            });
+            gross = 0;
+        }
         let country = self
             .customers
             .customer_country(scope, &sub.customer_id)?
             .flatten();
         let charge = price_charge(
             gross,
-            discount_off(sub, base),
+            discount_off(sub, base).min(gross),
             sub.product.tax_mode,
             self.tax_rate(scope, country.as_deref())?,
         )?;
@@ -458,6 +794,7 @@ impl Billing {
             charge,
             country,
             billed_usage,
+            carry,
         })
     }
 
@@ -671,6 +1008,8 @@ struct Priced {
     country: Option<String>,
     /// The subscription's billed usage once this charge is paid.
     billed_usage: Vec<BilledUsage>,
+    /// A credit the charge could not use, for the next one.
+    carry: Option<PaymentLine>,
 }
 
 /// What the next charge of a subscription would be.

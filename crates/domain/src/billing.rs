@@ -657,6 +657,11 @@ pub struct Subscription {
     pub paused_at_ms: Option<i64>,
     /// `invoice` usage billed per period, while late events can still arrive.
     pub billed_usage: Vec<crate::subscription::BilledUsage>,
+    /// Items besides the main one (`product` x `units`): add-ons of other products
+    /// in the same currency and billing period.
+    pub extra_items: Vec<crate::subscription::ExtraItem>,
+    /// Lines the next charge carries: prorations, a credit left over.
+    pub pending_lines: Vec<crate::subscription::PaymentLine>,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }

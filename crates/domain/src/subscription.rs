@@ -51,6 +51,15 @@ pub struct BilledUsage {
     pub quantity: Decimal,
 }
 
+/// An item of a subscription besides its main product.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExtraItem {
+    pub id: String,
+    /// The product as added.
+    pub product: crate::product::Product,
+    pub units: u32,
+}
+
 /// One line of a transaction: what it charges and why.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PaymentLine {
@@ -219,14 +228,8 @@ pub fn charge_lines(
 ) -> Option<Vec<PaymentLine>> {
     let mut lines = Vec::new();
     if plan.base.is_some() {
-        let amount = sub.product.price.checked_mul(i64::from(sub.units))?;
-        lines.push(PaymentLine {
-            description: format!("{} x {}", sub.units, sub.product.name),
-            meter_id: None,
-            quantity: Decimal::from(sub.units),
-            unit_price: Decimal::from(sub.product.price),
-            amount,
-        });
+        lines.extend(item_lines(sub)?);
+        lines.extend(sub.pending_lines.iter().cloned());
     }
     for (price, value) in usage {
         let (quantity, amount) = match value {
@@ -248,6 +251,73 @@ pub fn charge_lines(
         });
     }
     Some(lines)
+}
+
+/// One line per item: its product's price x units, for one period.
+pub fn item_lines(sub: &Subscription) -> Option<Vec<PaymentLine>> {
+    let main = (sub.units, &sub.product.name, sub.product.price);
+    let extras = sub
+        .extra_items
+        .iter()
+        .map(|i| (i.units, &i.product.name, i.product.price));
+    std::iter::once(main)
+        .chain(extras)
+        .map(|(units, name, price)| {
+            Some(PaymentLine {
+                description: format!("{units} x {name}"),
+                meter_id: None,
+                quantity: Decimal::from(units),
+                unit_price: Decimal::from(price),
+                amount: price.checked_mul(i64::from(units))?,
+            })
+        })
+        .collect()
+}
+
+/// What one period of the subscription's items costs (minor units).
+pub fn period_amount(sub: &Subscription) -> Option<i64> {
+    item_lines(sub)?
+        .iter()
+        .try_fold(0i64, |sum, l| sum.checked_add(l.amount))
+}
+
+wire_enum!(
+    /// How a change of items or product within a period is charged (spec 4.3/4.4).
+    UpdateBehavior {
+        ProrationChargeImmediately => "proration-charge-immediately",
+        ProrationCharge => "proration-charge",
+        ProrationNone => "proration-none",
+    }
+);
+
+/// The proration of a change at `at_ms` from `old` to `new` (minor units per
+/// period) within `period`: the difference times the exact fraction of the period
+/// left, in whole seconds, rounded half away from zero to the minor unit. Negative
+/// for a downgrade (the unused time of the old price credited). `None` when the
+/// period is over or empty.
+pub fn proration_line(
+    old: i64,
+    new: i64,
+    (start, end): (i64, i64),
+    at_ms: i64,
+    what: &str,
+) -> Option<PaymentLine> {
+    let total = (end - start) / 1000;
+    let left = (end - at_ms).max(0) / 1000;
+    if total <= 0 || left <= 0 || old == new {
+        return None;
+    }
+    let fraction = Decimal::from(left) / Decimal::from(total);
+    let difference = Decimal::from(new.checked_sub(old)?);
+    let amount =
+        (difference * fraction).round_dp_with_strategy(0, RoundingStrategy::MidpointAwayFromZero);
+    Some(PaymentLine {
+        description: format!("proration: {what} ({left} s of {total} s left)"),
+        meter_id: None,
+        quantity: fraction.round_dp(6).normalize(),
+        unit_price: difference,
+        amount: i64::try_from(amount).ok()?,
+    })
 }
 
 /// The discount a charge of `base` minor units (the base line) gets, if the
@@ -281,6 +351,8 @@ pub fn after_paid(
     if let Some((start, end)) = plan.base {
         next.current_period_start_ms = start;
         next.current_period_end_ms = end;
+        // Charged with this one.
+        next.pending_lines.clear();
         if sub.discount.is_some() {
             next.discount_charges_left = sub.discount_charges_left.map(|n| n.saturating_sub(1));
         }

@@ -432,14 +432,18 @@ pub fn subscription(
         "product": product(&s.product),
         "customer": customer_json,
         "collection_method": "charge_automatically",
-        "items": [{
-            "id": s.item_id,
-            "object": "subscription_item",
-            "mode": s.mode.as_str(),
-            "product_id": s.product.id,
-            "price_id": s.product.id,
-            "units": s.units,
-        }],
+        "items": std::iter::once((&s.item_id, &s.product.id, s.units))
+            .chain(s.extra_items.iter().map(|i| (&i.id, &i.product.id, i.units)))
+            .map(|(id, product_id, units)| json!({
+                "id": id,
+                "object": "subscription_item",
+                "mode": s.mode.as_str(),
+                "product_id": product_id,
+                "price_id": product_id,
+                "units": units,
+            }))
+            .collect::<Vec<_>>(),
+        "pending_lines": lines(&s.pending_lines),
         "last_transaction_id": s.last_transaction_id,
         "last_transaction": last.map(transaction),
         "last_transaction_date": iso(s.last_transaction_at_ms),

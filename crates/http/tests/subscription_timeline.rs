@@ -23,9 +23,16 @@ use tally_projection::{MemoryStore, ProjectionStore};
 enum Op {
     Use(u8),
     Advance(u16),
-    Cancel { immediate: bool, pause: bool },
+    Cancel {
+        immediate: bool,
+        pause: bool,
+    },
     Pause,
     Resume,
+    /// Move to the other product (`behavior` 0..3: immediately, carried, none).
+    Switch(u8),
+    /// Set the units of the main item.
+    Units(u8),
 }
 
 fn op(clean: bool) -> BoxedStrategy<Op> {
@@ -41,6 +48,8 @@ fn op(clean: bool) -> BoxedStrategy<Op> {
         1 => (any::<bool>(), any::<bool>()).prop_map(|(immediate, pause)| Op::Cancel { immediate, pause }),
         1 => Just(Op::Pause),
         1 => Just(Op::Resume),
+        1 => (0u8..3).prop_map(Op::Switch),
+        1 => (1u8..4).prop_map(Op::Units),
     ]
     .boxed()
 }
@@ -72,6 +81,16 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
                 "usage_prices": [{"meter_id": meter, "unit_price": 1, "settlement_mode": "invoice"}]}),
         )
         .await);
+    let other = ok(&api
+        .post(
+            "/v1/products",
+            json!({"name": "Q", "price": 250, "currency": "usd", "billing_type": "recurring",
+                "billing_period": "every-month", "tax_mode": "exclusive",
+                "usage_prices": [{"meter_id": meter, "unit_price": 2, "settlement_mode": "invoice"}]}),
+        )
+        .await);
+    let products = [product.clone(), other];
+    let mut on = 0;
     let customer = ok(&api.post("/v1/customers", json!({"email": "t@x.io"})).await);
     let checkout = ok(&api
         .post(
@@ -131,6 +150,41 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
                     answer.body
                 );
             }
+            Op::Switch(behavior) => {
+                let behavior = [
+                    "proration-charge-immediately",
+                    "proration-charge",
+                    "proration-none",
+                ][*behavior as usize];
+                let answer = api
+                    .post(
+                        &format!("{path}/upgrade"),
+                        json!({"product_id": products[1 - on], "update_behavior": behavior}),
+                    )
+                    .await;
+                prop_assert!(
+                    answer.status == 200
+                        || answer.body["error"]["code"] == "invalid_state_transition"
+                        || answer.body["error"]["code"] == "card_declined",
+                    "{}",
+                    answer.body
+                );
+                if answer.status == 200 {
+                    on = 1 - on;
+                }
+            }
+            Op::Units(units) => {
+                let item = api.get(&path).await.body["items"][0]["id"].clone();
+                let answer = api
+                    .post(&path, json!({"items": [{"id": item, "units": units}]}))
+                    .await;
+                prop_assert!(
+                    answer.status == 200
+                        || answer.body["error"]["code"] == "invalid_state_transition",
+                    "{}",
+                    answer.body
+                );
+            }
             Op::Pause | Op::Resume => {
                 let verb = if matches!(op, Op::Pause) {
                     "pause"
@@ -181,6 +235,7 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
     let mut billed_usage = 0i64;
     for tx in &txs {
         let lines = tx["lines"].as_array().unwrap();
+        prop_assert!(tx["amount"].as_i64().unwrap() >= 0, "{}", tx);
         let sum: i64 = lines.iter().map(|l| l["amount"].as_i64().unwrap()).sum();
         prop_assert_eq!(sum, tx["amount"].as_i64().unwrap(), "{}", tx);
         prop_assert!(

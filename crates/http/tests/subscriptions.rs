@@ -419,3 +419,169 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
     }
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn updates_and_upgrades_are_prorated_by_the_time_left() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let hook = hook(&api).await;
+    let basic = product(&api, json!({"name": "Basic"})).await;
+    let pro = product(&api, json!({"name": "Pro", "price": 3000})).await;
+    let euro = product(&api, json!({"name": "Euro", "currency": "eur"})).await;
+    let yearly = product(
+        &api,
+        json!({"name": "Yearly", "billing_period": "every-year"}),
+    )
+    .await;
+    let (sub, _) = subscribe(&api, &basic, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    let s = api.get(&path).await.body;
+    let start = parse_iso8601_ms(s["current_period_start_date"].as_str().unwrap()).unwrap();
+    let end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+    let item = s["items"][0]["id"].as_str().unwrap().to_string();
+    let prorated = |old: i64, new: i64, at: i64| {
+        let (left, total) = ((end - at) / 1000, (end - start) / 1000);
+        let exact = (new - old) as f64 * left as f64 / total as f64;
+        exact.round() as i64
+    };
+
+    // Bad input names its field; nothing changes.
+    for (body, param) in [
+        (json!({"product_id": euro}), "product_id"),
+        (json!({"product_id": yearly}), "product_id"),
+        (
+            json!({"product_id": pro, "update_behavior": "later"}),
+            "update_behavior",
+        ),
+        (json!({}), "product_id"),
+    ] {
+        let error = assert_error(
+            &api.post(&format!("{path}/upgrade"), body).await,
+            400,
+            "invalid_request_error",
+        );
+        assert_eq!(error["param"], param);
+    }
+    let missing = assert_error(
+        &api.post(
+            &format!("{path}/upgrade"),
+            json!({"product_id": "prod_nope"}),
+        )
+        .await,
+        404,
+        "invalid_request_error",
+    );
+    assert_eq!(missing["param"], "product_id");
+
+    // A third of the way in, an upgrade is charged now: the difference for the time left.
+    let third = start + (end - start) / 3;
+    advance(&api, third).await;
+    let upgraded = api
+        .post(&format!("{path}/upgrade"), json!({"product_id": pro}))
+        .await;
+    assert_eq!(upgraded.status, 200, "{}", upgraded.body);
+    assert_eq!(upgraded.body["product"]["id"], pro.as_str());
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 2);
+    assert_eq!(txs[1]["amount"], prorated(1000, 3000, third), "{}", txs[1]);
+    assert!(txs[1]["lines"][0]["description"]
+        .as_str()
+        .unwrap()
+        .starts_with("proration"));
+
+    // Two units, carried to the renewal (the default for updates).
+    let more = api
+        .post(&path, json!({"items": [{"id": item, "units": 2}]}))
+        .await;
+    assert_eq!(more.status, 200, "{}", more.body);
+    assert_eq!(more.body["items"][0]["units"], 2);
+    assert_eq!(
+        more.body["pending_lines"][0]["amount"],
+        prorated(3000, 6000, third)
+    );
+    assert_eq!(
+        transactions(&api, &sub).await.len(),
+        2,
+        "nothing charged now"
+    );
+
+    // An add-on item, not prorated; removing the main item is refused.
+    let added = api
+        .post(
+            &path,
+            json!({"items": [{"product_id": basic, "units": 1}], "update_behavior": "proration-none"}),
+        )
+        .await;
+    assert_eq!(added.status, 200, "{}", added.body);
+    let items = added.body["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2);
+    let addon = items[1]["id"].as_str().unwrap().to_string();
+    let refused = assert_error(
+        &api.post(&path, json!({"items": [{"id": item, "units": 0}]}))
+            .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(refused["param"], "items[0].units");
+    let wrong_currency = assert_error(
+        &api.post(&path, json!({"items": [{"product_id": euro}]}))
+            .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(wrong_currency["param"], "items[0].product_id");
+
+    // Half way, a downgrade back to Basic credits the time left to the renewal.
+    let half = start + (end - start) / 2;
+    advance(&api, half).await;
+    let down = api
+        .post(
+            &format!("{path}/upgrade"),
+            json!({"product_id": basic, "update_behavior": "proration-charge"}),
+        )
+        .await;
+    assert_eq!(down.status, 200, "{}", down.body);
+    let credit = prorated(2 * 3000 + 1000, 2 * 1000 + 1000, half);
+    assert!(credit < 0);
+    assert_eq!(down.body["pending_lines"][1]["amount"], credit);
+
+    // The renewal: the items for the next period plus what was carried.
+    advance(&api, end + GRACE).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 3, "{txs:?}");
+    let renewal = &txs[2];
+    let expected = 2 * 1000 + 1000 + prorated(3000, 6000, third) + credit;
+    assert_eq!(renewal["amount"], expected, "{renewal}");
+    let sum: i64 = renewal["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["amount"].as_i64().unwrap())
+        .sum();
+    assert_eq!(sum, expected);
+    let s = api.get(&path).await.body;
+    assert_eq!(s["pending_lines"], json!([]));
+
+    // Removing the add-on; a canceled subscription changes no more.
+    let removed = api
+        .post(&path, json!({"items": [{"id": addon, "units": 0}]}))
+        .await;
+    assert_eq!(removed.body["items"].as_array().unwrap().len(), 1);
+    api.post(&format!("{path}/cancel"), json!({"mode": "immediate"}))
+        .await;
+    let frozen = assert_error(
+        &api.post(&format!("{path}/upgrade"), json!({"product_id": pro}))
+            .await,
+        409,
+        "invalid_request_error",
+    );
+    assert_eq!(frozen["code"], "invalid_state_transition");
+    assert!(
+        event_types(&api, &hook)
+            .await
+            .iter()
+            .filter(|t| *t == "subscription.update")
+            .count()
+            >= 4
+    );
+    server.stop().await;
+}

@@ -7,7 +7,7 @@ use tally_domain::billing::{
     EmbeddedDiscount, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
 };
 use tally_domain::record::{BillingEvent, BillingObject, CheckoutCompletion};
-use tally_domain::subscription::{BilledUsage, OnExecute, PaymentLine};
+use tally_domain::subscription::{BilledUsage, ExtraItem, OnExecute, PaymentLine};
 use tally_domain::usage::canonical_decimal;
 
 use crate::convert::{mode_from_proto, mode_to_proto, DecodeError};
@@ -112,6 +112,26 @@ pub fn checkout_from_proto(c: v1::Checkout) -> Result<Checkout, DecodeError> {
     })
 }
 
+fn line_to_proto(l: &PaymentLine) -> v1::PaymentLine {
+    v1::PaymentLine {
+        description: l.description.clone(),
+        meter_id: l.meter_id.as_ref().map(|m| m.to_string()),
+        quantity: canonical_decimal(l.quantity),
+        unit_price: canonical_decimal(l.unit_price),
+        amount: l.amount,
+    }
+}
+
+fn line_from_proto(l: v1::PaymentLine) -> Result<PaymentLine, DecodeError> {
+    Ok(PaymentLine {
+        description: l.description,
+        meter_id: l.meter_id.map(Into::into),
+        quantity: decimal(&l.quantity, "line quantity")?,
+        unit_price: decimal(&l.unit_price, "line unit_price")?,
+        amount: l.amount,
+    })
+}
+
 pub fn payment_to_proto(p: &Payment) -> v1::Payment {
     v1::Payment {
         id: p.id.to_string(),
@@ -138,17 +158,7 @@ pub fn payment_to_proto(p: &Payment) -> v1::Payment {
         card_last4: p.card_last4.clone(),
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
-        lines: p
-            .lines
-            .iter()
-            .map(|l| v1::PaymentLine {
-                description: l.description.clone(),
-                meter_id: l.meter_id.as_ref().map(|m| m.to_string()),
-                quantity: canonical_decimal(l.quantity),
-                unit_price: canonical_decimal(l.unit_price),
-                amount: l.amount,
-            })
-            .collect(),
+        lines: p.lines.iter().map(line_to_proto).collect(),
     }
 }
 
@@ -181,15 +191,7 @@ pub fn payment_from_proto(p: v1::Payment) -> Result<Payment, DecodeError> {
         lines: p
             .lines
             .into_iter()
-            .map(|l| {
-                Ok(PaymentLine {
-                    description: l.description,
-                    meter_id: l.meter_id.map(Into::into),
-                    quantity: decimal(&l.quantity, "line quantity")?,
-                    unit_price: decimal(&l.unit_price, "line unit_price")?,
-                    amount: l.amount,
-                })
-            })
+            .map(line_from_proto)
             .collect::<Result<_, DecodeError>>()?,
     })
 }
@@ -245,6 +247,16 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
                 quantity: canonical_decimal(b.quantity),
             })
             .collect(),
+        extra_items: s
+            .extra_items
+            .iter()
+            .map(|i| v1::ExtraItem {
+                id: i.id.clone(),
+                product: Some(product_to_proto(&i.product)),
+                units: i.units,
+            })
+            .collect(),
+        pending_lines: s.pending_lines.iter().map(line_to_proto).collect(),
     }
 }
 
@@ -313,6 +325,24 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
                     quantity: decimal(&b.quantity, "billed usage")?,
                 })
             })
+            .collect::<Result<_, DecodeError>>()?,
+        extra_items: s
+            .extra_items
+            .into_iter()
+            .map(|i| {
+                Ok(ExtraItem {
+                    id: i.id,
+                    product: product_from_proto(
+                        i.product.ok_or(DecodeError::BadField("item product"))?,
+                    )?,
+                    units: i.units,
+                })
+            })
+            .collect::<Result<_, DecodeError>>()?,
+        pending_lines: s
+            .pending_lines
+            .into_iter()
+            .map(line_from_proto)
             .collect::<Result<_, DecodeError>>()?,
     })
 }

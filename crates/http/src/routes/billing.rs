@@ -42,7 +42,10 @@ pub fn router() -> axum::Router<AppState> {
         .route("/v1/transactions/{id}", routing::get(get_transaction))
         .route("/v1/refunds", routing::post(create_refund))
         .route("/v1/disputes", routing::post(open_dispute))
-        .route("/v1/subscriptions/{id}", routing::get(get_subscription))
+        .route(
+            "/v1/subscriptions/{id}",
+            routing::get(get_subscription).post(crate::routes::subscriptions::update_subscription),
+        )
         .route(
             "/v1/tax-rates",
             routing::post(set_tax_rate).get(list_tax_rates),

@@ -7,7 +7,9 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 use tally_domain::billing::SubscriptionStatus;
 use tally_domain::time::format_iso8601_ms;
-use tally_engine::billing::subscriptions::SubscriptionFilter;
+use tally_engine::billing::subscriptions::{
+    ItemInput, SubscriptionFilter, SubscriptionUpdate, MAX_SUBSCRIPTION_ITEMS,
+};
 use tally_engine::Scope;
 
 use crate::error::ApiResult;
@@ -18,6 +20,10 @@ pub fn router() -> axum::Router<AppState> {
     use axum::routing;
     axum::Router::new()
         .route("/v1/subscriptions", routing::get(list_subscriptions))
+        .route(
+            "/v1/subscriptions/{id}/upgrade",
+            routing::post(upgrade_subscription),
+        )
         .route(
             "/v1/subscriptions/{id}/cancel",
             routing::post(cancel_subscription),
@@ -64,6 +70,70 @@ pub async fn list_subscriptions(
 
 async fn answer(state: &AppState, scope: &Scope, id: &str) -> ApiResult<Json<Value>> {
     crate::routes::billing::subscription_body(state, scope, id).map(Json)
+}
+
+/// `POST /v1/subscriptions/{id} {items?, update_behavior?, metadata?}`.
+pub async fn update_subscription(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let items = match fields.patch_objects("items", |item| {
+        let product_id = match item.string("product_id")? {
+            Some(id) => Some(id),
+            // The price of a product is the product (one price each).
+            None => item.string("price_id")?,
+        };
+        Ok(ItemInput {
+            id: item.string("id")?,
+            product_id,
+            units: item.small_uint("units")?,
+        })
+    })? {
+        tally_domain::customer::Patch::Set(items) => items,
+        _ => Vec::new(),
+    };
+    if items.len() > MAX_SUBSCRIPTION_ITEMS {
+        return Err(tally_domain::FieldError::invalid(
+            "items",
+            format!("at most {MAX_SUBSCRIPTION_ITEMS} items"),
+        )
+        .into());
+    }
+    let input = SubscriptionUpdate {
+        items,
+        update_behavior: fields.string("update_behavior")?,
+        metadata: fields
+            .has("metadata")
+            .then(|| fields.metadata("metadata"))
+            .transpose()?,
+    };
+    state
+        .engine
+        .billing()
+        .update_subscription(&scope, &id, &input)
+        .await?;
+    answer(&state, &scope, &id).await
+}
+
+/// `POST /v1/subscriptions/{id}/upgrade {product_id, update_behavior?}`.
+pub async fn upgrade_subscription(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let product_id = fields.string("product_id")?;
+    let behavior = fields.string("update_behavior")?;
+    state
+        .engine
+        .billing()
+        .upgrade_subscription(&scope, &id, product_id.as_deref(), behavior.as_deref())
+        .await?;
+    answer(&state, &scope, &id).await
 }
 
 /// `POST /v1/subscriptions/{id}/cancel {mode?, onExecute?}`.
