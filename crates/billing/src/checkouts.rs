@@ -262,6 +262,7 @@ impl Billing {
         };
         let card = provider.charge(card, charge.amount_paid, &product.currency)?;
         let now = self.journal.now_in(scope);
+        let grace_ms = self.store_settings(scope)?.late_usage_grace_ms;
         let subscription = (product.billing_type == BillingType::Recurring).then(|| {
             let trial = product.trial_period_days.filter(|d| *d > 0);
             let period_end = match trial {
@@ -315,6 +316,7 @@ impl Billing {
                 billed_usage: Vec::new(),
                 extra_items: Vec::new(),
                 pending_lines: Vec::new(),
+                late_usage_grace_ms: grace_ms,
                 created_at_ms: now,
                 updated_at_ms: now,
             }

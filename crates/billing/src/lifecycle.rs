@@ -314,3 +314,32 @@ pub fn test_clocks(
         None => Ok(clocks),
     }
 }
+
+fn settings_key(store_id: &str, mode: Mode) -> Vec<u8> {
+    Key::scoped(keys::STORE_SETTINGS, store_id, mode).into_bytes()
+}
+
+/// A store's billing settings as stored (the defaults when never set).
+pub fn read_settings(
+    store: &dyn tally_projection::ProjectionStore,
+    store_id: &str,
+    mode: Mode,
+) -> Result<tally_domain::subscription::StoreSettings, EngineError> {
+    match store.get(&settings_key(store_id, mode))? {
+        Some(bytes) => codec::decode_store_settings(&bytes),
+        None => Ok(Default::default()),
+    }
+}
+
+/// A store's billing settings, replaced whole.
+pub fn apply_store_settings(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    settings: &tally_domain::subscription::StoreSettings,
+) {
+    overlay.put(
+        settings_key(store_id, mode),
+        codec::encode_store_settings(store_id, mode, settings),
+    );
+}

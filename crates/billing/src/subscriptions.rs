@@ -31,7 +31,7 @@ use tally_domain::subscription::{
     invoiced_prices, late_usage_amount, pause, period_amount, resume, BilledUsage, CancelMode,
     ChargePlan, DueKind, InvalidTransition, OnExecute, PaymentLine,
 };
-use tally_domain::subscription::{proration_line, ExtraItem, UpdateBehavior};
+use tally_domain::subscription::{proration_line, ExtraItem, StoreSettings, UpdateBehavior};
 use tally_domain::time::parse_iso8601_ms;
 use tally_domain::{FieldError, Mode};
 
@@ -491,9 +491,51 @@ impl Billing {
         })
     }
 
+    /// The store's billing settings (the defaults when never set).
+    pub fn store_settings(&self, scope: &Scope) -> Result<StoreSettings, EngineError> {
+        lifecycle::read_settings(self.journal.store().as_ref(), &scope.store_id, scope.mode)
+    }
+
+    /// `POST /v1/store/settings {default_cancel_mode?, late_usage_grace_seconds?}`:
+    /// changes what is given, keeps the rest. A new grace applies to a subscription
+    /// from its next charge.
+    pub async fn set_store_settings(
+        &self,
+        scope: &Scope,
+        default_cancel_mode: Option<&str>,
+        late_usage_grace_seconds: Option<u32>,
+    ) -> Result<StoreSettings, EngineError> {
+        let mut settings = self.store_settings(scope)?;
+        if let Some(text) = default_cancel_mode {
+            settings.default_cancel_mode = CancelMode::parse_field("default_cancel_mode", text)?;
+        }
+        if let Some(seconds) = late_usage_grace_seconds {
+            let ms = i64::from(seconds) * 1000;
+            if ms > tally_domain::subscription::MAX_LATE_USAGE_GRACE_MS {
+                return Err(FieldError::invalid(
+                    "late_usage_grace_seconds",
+                    format!(
+                        "at most {} seconds",
+                        tally_domain::subscription::MAX_LATE_USAGE_GRACE_MS / 1000
+                    ),
+                )
+                .into());
+            }
+            settings.late_usage_grace_ms = ms;
+        }
+        self.journal
+            .append_and_apply(&Record::StoreSettingsSet {
+                store_id: scope.store_id.clone(),
+                mode: scope.mode,
+                settings,
+            })
+            .await?;
+        Ok(settings)
+    }
+
     /// `POST /v1/subscriptions/{id}/cancel {mode, onExecute}`: `scheduled` (the
-    /// default) ends it at the end of the period (then canceled, or paused with
-    /// `onExecute` `pause`); `immediate` now.
+    /// store's default unless set otherwise) ends it at the end of the period (then
+    /// canceled, or paused with `onExecute` `pause`); `immediate` now.
     pub async fn cancel_subscription(
         &self,
         scope: &Scope,
@@ -503,7 +545,7 @@ impl Billing {
     ) -> Result<Subscription, EngineError> {
         let mode = match mode {
             Some(text) => CancelMode::parse_field("mode", text)?,
-            None => CancelMode::Scheduled,
+            None => self.store_settings(scope)?.default_cancel_mode,
         };
         let on_execute = match (mode, on_execute) {
             (CancelMode::Scheduled, Some(text)) => OnExecute::parse_field("onExecute", text)?,
@@ -649,6 +691,8 @@ impl Billing {
                 (after_declined(&sub, &plan, at), None)
             }
         };
+        let mut next = next;
+        next.late_usage_grace_ms = self.store_settings(scope)?.late_usage_grace_ms;
         let record = Record::SubscriptionChanged {
             subscription: next,
             payment,
@@ -802,22 +846,67 @@ impl Billing {
     /// make, with the usage to date, writing nothing. `None`: nothing is due ahead.
     pub fn upcoming(&self, scope: &Scope, id: &str) -> Result<Option<Upcoming>, EngineError> {
         let sub = self.get_subscription(scope, id)?;
+        self.upcoming_of(scope, &sub, None)
+    }
+
+    /// The next charge of `sub` as of now, carrying `proration` if it was moved
+    /// there.
+    fn upcoming_of(
+        &self,
+        scope: &Scope,
+        sub: &Subscription,
+        proration: Option<PaymentLine>,
+    ) -> Result<Option<Upcoming>, EngineError> {
         let Some((at, kind)) = sub.due() else {
             return Ok(None);
         };
-        let plan = charge_plan(&sub, kind);
+        let plan = charge_plan(sub, kind);
         // Usage is counted by whole minutes: to date means through this minute.
         let through = self
             .now_in(scope)
             .saturating_add(tally_domain::time::MINUTE_MS);
-        let priced = self.price(scope, &sub, &plan, Some(through))?;
+        let priced = self.price(scope, sub, &plan, Some(through))?;
         Ok(Some(Upcoming {
             at_ms: at,
             period: plan.base.or(plan.usage),
             currency: sub.product.currency.clone(),
             lines: priced.lines,
             charge: priced.charge,
+            proration_now: proration,
         }))
+    }
+
+    /// `GET /v1/subscriptions/{id}/upcoming?product_id=`: what an upgrade to the
+    /// product now would charge at once (its proration, under the upgrade's default
+    /// `proration-charge-immediately`) and at the next charge, writing nothing.
+    pub fn preview_upgrade(
+        &self,
+        scope: &Scope,
+        id: &str,
+        product_id: &str,
+    ) -> Result<Option<Upcoming>, EngineError> {
+        let sub = self.get_subscription(scope, id)?;
+        let product = self
+            .get_product(scope, product_id)
+            .map_err(|e| e.for_param("product_id"))?;
+        check_compatible(&sub, &product, "product_id")?;
+        let mut next = sub.clone();
+        next.product = product;
+        let now = self.now_in(scope);
+        let too_large = || EngineError::Corrupt(format!("the items of {id} leave i64"));
+        let old = period_amount(&sub).ok_or_else(too_large)?;
+        let new = period_amount(&next).ok_or_else(too_large)?;
+        let period = (sub.current_period_start_ms, sub.current_period_end_ms);
+        let line = match sub.status {
+            SubscriptionStatus::Trialing => None,
+            _ => proration_line(old, new, period, now, "items changed"),
+        };
+        let (now_line, carried) = match line {
+            Some(line) if line.amount > 0 => (Some(line), None),
+            other => (None, other),
+        };
+        next.pending_lines.extend(carried);
+        self.upcoming_of(scope, &next, now_line)
     }
 
     /// Runs, soonest first, everything due up to its scope's time in `mode` (of one
@@ -1021,6 +1110,8 @@ pub struct Upcoming {
     pub currency: String,
     pub lines: Vec<PaymentLine>,
     pub charge: Charge,
+    /// An upgrade preview: the proration charged at once.
+    pub proration_now: Option<PaymentLine>,
 }
 
 fn test_mode_only(scope: &Scope) -> Result<(), EngineError> {

@@ -101,6 +101,23 @@ proto_codec!(
     v1::SettlementTotals
 );
 
+pub fn encode_store_settings(
+    store_id: &str,
+    mode: tally_domain::Mode,
+    settings: &tally_domain::subscription::StoreSettings,
+) -> Vec<u8> {
+    tally_proto::settings_to_proto(store_id, mode, settings).encode_to_vec()
+}
+
+pub fn decode_store_settings(
+    bytes: &[u8],
+) -> Result<tally_domain::subscription::StoreSettings, EngineError> {
+    let message = v1::StoreSettingsSet::decode(bytes).map_err(corrupt)?;
+    Ok(tally_proto::settings_from_proto(message)
+        .map_err(corrupt)?
+        .2)
+}
+
 pub fn encode_bindings(bindings: &[tally_domain::settlement::UsageBinding]) -> Vec<u8> {
     tally_proto::bindings_to_proto(bindings).encode_to_vec()
 }

@@ -67,6 +67,7 @@
 //! | `0` | store | the store's test clock: `to_ms` and the record time it was set at (two 8-byte ints) |
 //! | `%` | store, mode, created_at, subscription_id | (empty) subscription listing, newest first |
 //! | `&` | store, mode, customer_id, created_at, subscription_id | (empty) per customer |
+//! | `$` | store, mode | StoreSettingsSet (proto): the store's billing settings |
 
 use tally_domain::Mode;
 
@@ -136,6 +137,7 @@ pub const SUBSCRIPTION_DUE: u8 = b'9';
 pub const TEST_CLOCK: u8 = b'0';
 pub const SUBSCRIPTION_LIST: u8 = b'%';
 pub const SUBSCRIPTION_BY_CUSTOMER: u8 = b'&';
+pub const STORE_SETTINGS: u8 = b'$';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

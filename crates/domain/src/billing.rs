@@ -662,6 +662,9 @@ pub struct Subscription {
     pub extra_items: Vec<crate::subscription::ExtraItem>,
     /// Lines the next charge carries: prorations, a credit left over.
     pub pending_lines: Vec<crate::subscription::PaymentLine>,
+    /// How long a renewal waits after the period for late usage: the store's
+    /// setting when the subscription was created or last changed.
+    pub late_usage_grace_ms: i64,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }

@@ -97,6 +97,12 @@ pub enum Record {
         store_id: StoreId,
         to_ms: i64,
     },
+    /// A store's billing settings in one environment.
+    StoreSettingsSet {
+        store_id: StoreId,
+        mode: Mode,
+        settings: crate::subscription::StoreSettings,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -258,6 +264,7 @@ impl Record {
                 subscription.store_id.as_bytes().to_vec()
             }
             Record::TestClockSet { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::StoreSettingsSet { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

@@ -37,6 +37,27 @@ pub const RETRY_AFTER_DAYS: [i64; 3] = [1, 3, 5];
 /// with the next charge ([`BilledUsage`]).
 pub const LATE_USAGE_GRACE_MS: i64 = 60 * 60 * 1000;
 
+/// The longest grace a store may set: a renewal waits at most a week.
+pub const MAX_LATE_USAGE_GRACE_MS: i64 = 7 * DAY_MS;
+
+/// A store's billing settings (`GET/POST /v1/store/settings`), per environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreSettings {
+    /// What `POST /v1/subscriptions/{id}/cancel` does without a `mode`.
+    pub default_cancel_mode: CancelMode,
+    /// How long a renewal waits after its period for late usage.
+    pub late_usage_grace_ms: i64,
+}
+
+impl Default for StoreSettings {
+    fn default() -> Self {
+        StoreSettings {
+            default_cancel_mode: CancelMode::Scheduled,
+            late_usage_grace_ms: LATE_USAGE_GRACE_MS,
+        }
+    }
+}
+
 /// What a charge billed of one `invoice` price for one period: the meter's value
 /// then. Kept while events of the period can still be ingested
 /// (`limits::MAX_EVENT_AGE_MS` after its end), so usage that arrives after the
@@ -115,7 +136,7 @@ impl Subscription {
             )),
             SubscriptionStatus::Active => Some((
                 self.current_period_end_ms
-                    .saturating_add(LATE_USAGE_GRACE_MS),
+                    .saturating_add(self.late_usage_grace_ms),
                 DueKind::Renewal,
             )),
             SubscriptionStatus::ScheduledCancel => {

@@ -473,6 +473,11 @@ fn apply_record(
             )?;
             schedule_billing_events(overlay, &events, entry.offset)?;
         }
+        Record::StoreSettingsSet {
+            store_id,
+            mode,
+            settings,
+        } => tally_billing::lifecycle::apply_store_settings(overlay, store_id, *mode, settings),
         Record::TestClockSet { store_id, to_ms } => {
             tally_billing::lifecycle::apply_test_clock(
                 overlay,

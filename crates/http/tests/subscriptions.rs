@@ -221,6 +221,15 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
     assert_eq!(txs[2]["lines"][2]["amount"], 3);
     assert_eq!(txs[2]["amount"], 1003);
 
+    // A store without grace renews new subscriptions at the period's end.
+    let no_grace = api
+        .post("/v1/store/settings", json!({"late_usage_grace_seconds": 0}))
+        .await;
+    assert_eq!(no_grace.body["late_usage_grace_seconds"], 0);
+    let (prompt, _) = subscribe(&api, &prod, "4242424242424242").await;
+    let ps = api.get(&format!("/v1/subscriptions/{prompt}")).await.body;
+    assert_eq!(ps["next_transaction_date"], ps["current_period_end_date"]);
+
     // After a restart the schedule goes on where it was.
     let now = test_now(&api).await;
     server.stop().await;
@@ -287,6 +296,57 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
     let (_g, _dir, server, api, _keys) = setup().await;
     let hook = hook(&api).await;
     let prod = product(&api, json!({})).await;
+
+    // The store's settings: the defaults, then a change checked field by field.
+    let defaults = api.get("/v1/store/settings").await.body;
+    assert_eq!(
+        defaults,
+        json!({"object": "store_settings", "default_cancel_mode": "scheduled",
+               "late_usage_grace_seconds": GRACE / 1000})
+    );
+    let bad = assert_error(
+        &api.post(
+            "/v1/store/settings",
+            json!({"default_cancel_mode": "never"}),
+        )
+        .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(bad["param"], "default_cancel_mode");
+    let too_long = assert_error(
+        &api.post(
+            "/v1/store/settings",
+            json!({"late_usage_grace_seconds": 999_999_999}),
+        )
+        .await,
+        400,
+        "invalid_request_error",
+    );
+    assert_eq!(too_long["param"], "late_usage_grace_seconds");
+    let immediate = api
+        .post(
+            "/v1/store/settings",
+            json!({"default_cancel_mode": "immediate"}),
+        )
+        .await;
+    assert_eq!(immediate.body["default_cancel_mode"], "immediate");
+    assert_eq!(immediate.body["late_usage_grace_seconds"], GRACE / 1000);
+    let (quick, _) = subscribe(&api, &prod, "4242424242424242").await;
+    let quick_cancel = api
+        .post(&format!("/v1/subscriptions/{quick}/cancel"), json!({}))
+        .await;
+    assert_eq!(
+        quick_cancel.body["status"], "canceled",
+        "the store's default"
+    );
+    api.post(
+        "/v1/store/settings",
+        json!({"default_cancel_mode": "scheduled"}),
+    )
+    .await;
+    // Newest first is decided by time, not by random ids.
+    server.clock.advance_ms(1);
 
     // Scheduled cancel (the default): at the period's end, canceled.
     let (sub, _) = subscribe(&api, &prod, "4242424242424242").await;
@@ -398,7 +458,7 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
         .iter()
         .map(|s| s["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, vec![third.as_str(), sub.as_str()]);
+    assert_eq!(ids, vec![third.as_str(), sub.as_str(), quick.as_str()]);
     assert_error(
         &api.get("/v1/subscriptions?status=gone").await,
         400,
@@ -472,9 +532,26 @@ async fn updates_and_upgrades_are_prorated_by_the_time_left() {
     );
     assert_eq!(missing["param"], "product_id");
 
-    // A third of the way in, an upgrade is charged now: the difference for the time left.
+    // A third of the way in, an upgrade is charged now: the difference for the time
+    // left. The preview says so first, writing nothing.
     let third = start + (end - start) / 3;
     advance(&api, third).await;
+    let preview = api.get(&format!("{path}/upcoming?product_id={pro}")).await;
+    assert_eq!(preview.status, 200, "{}", preview.body);
+    assert_eq!(
+        preview.body["proration_now"]["amount"],
+        prorated(1000, 3000, third)
+    );
+    assert_eq!(
+        preview.body["lines"][0]["amount"], 3000,
+        "the next period at Pro"
+    );
+    assert_eq!(transactions(&api, &sub).await.len(), 1);
+    assert_eq!(
+        api.get(&path).await.body["product"]["id"],
+        basic.as_str(),
+        "a preview changes nothing"
+    );
     let upgraded = api
         .post(&format!("{path}/upgrade"), json!({"product_id": pro}))
         .await;

@@ -257,6 +257,7 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
             })
             .collect(),
         pending_lines: s.pending_lines.iter().map(line_to_proto).collect(),
+        late_usage_grace_ms: Some(s.late_usage_grace_ms),
     }
 }
 
@@ -344,7 +345,47 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
             .into_iter()
             .map(line_from_proto)
             .collect::<Result<_, DecodeError>>()?,
+        late_usage_grace_ms: s
+            .late_usage_grace_ms
+            .unwrap_or(tally_domain::subscription::LATE_USAGE_GRACE_MS),
     })
+}
+
+pub fn settings_to_proto(
+    store_id: &str,
+    mode: tally_domain::Mode,
+    s: &tally_domain::subscription::StoreSettings,
+) -> v1::StoreSettingsSet {
+    v1::StoreSettingsSet {
+        store_id: store_id.to_string(),
+        mode: mode_to_proto(mode),
+        default_cancel_mode: s.default_cancel_mode.as_str().into(),
+        late_usage_grace_ms: s.late_usage_grace_ms,
+    }
+}
+
+pub fn settings_from_proto(
+    s: v1::StoreSettingsSet,
+) -> Result<
+    (
+        String,
+        tally_domain::Mode,
+        tally_domain::subscription::StoreSettings,
+    ),
+    DecodeError,
+> {
+    Ok((
+        s.store_id,
+        mode_from_proto(s.mode)?,
+        tally_domain::subscription::StoreSettings {
+            default_cancel_mode: named(
+                tally_domain::subscription::CancelMode::parse,
+                &s.default_cancel_mode,
+                "default_cancel_mode",
+            )?,
+            late_usage_grace_ms: s.late_usage_grace_ms,
+        },
+    ))
 }
 
 pub fn dispute_to_proto(d: &Dispute) -> v1::Dispute {

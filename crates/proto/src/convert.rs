@@ -527,6 +527,11 @@ pub fn encode_record_with(
             subscription: Some(crate::subscription_to_proto(subscription)),
             payment: payment.as_ref().map(crate::payment_to_proto),
         }),
+        Record::StoreSettingsSet {
+            store_id,
+            mode,
+            settings,
+        } => Kind::StoreSettingsSet(crate::settings_to_proto(store_id, *mode, settings)),
         Record::TestClockSet { store_id, to_ms } => Kind::TestClockSet(v1::TestClockSet {
             store_id: store_id.to_string(),
             to_ms: *to_ms,
@@ -655,6 +660,14 @@ pub fn decode_record(
             )?,
             payment: c.payment.map(crate::payment_from_proto).transpose()?,
         },
+        Kind::StoreSettingsSet(s) => {
+            let (store_id, mode, settings) = crate::settings_from_proto(s)?;
+            Record::StoreSettingsSet {
+                store_id: store_id.into(),
+                mode,
+                settings,
+            }
+        }
         Kind::TestClockSet(t) => Record::TestClockSet {
             store_id: t.store_id.into(),
             to_ms: t.to_ms,

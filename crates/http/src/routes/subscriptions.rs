@@ -40,6 +40,10 @@ pub fn router() -> axum::Router<AppState> {
             "/v1/subscriptions/{id}/upcoming",
             routing::get(upcoming_charge),
         )
+        .route(
+            "/v1/store/settings",
+            routing::get(get_store_settings).post(set_store_settings),
+        )
         .route("/v1/test-clock", routing::get(get_test_clock))
         .route("/v1/test-clock/advance", routing::post(advance_test_clock))
 }
@@ -186,12 +190,14 @@ pub async fn upcoming_charge(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
+    query: QueryParams,
 ) -> ApiResult<Json<Value>> {
-    let upcoming = state
-        .engine
-        .billing()
-        .upcoming(&scope, &id)?
-        .ok_or_else(|| tally_engine::EngineError::not_found("upcoming charge", &id))?;
+    let billing = state.engine.billing();
+    let upcoming = match query.get("product_id") {
+        Some(product_id) => billing.preview_upgrade(&scope, &id, product_id)?,
+        None => billing.upcoming(&scope, &id)?,
+    }
+    .ok_or_else(|| tally_engine::EngineError::not_found("upcoming charge", &id))?;
     Ok(Json(json!({
         "object": "upcoming_transaction",
         "subscription": id,
@@ -204,7 +210,46 @@ pub async fn upcoming_charge(
         "tax_amount": upcoming.charge.tax_amount,
         "amount_paid": upcoming.charge.amount_paid,
         "lines": wire::lines(&upcoming.lines),
+        "proration_now": upcoming
+            .proration_now
+            .as_ref()
+            .map(|line| wire::lines(std::slice::from_ref(line))[0].clone()),
     })))
+}
+
+fn settings(s: &tally_domain::subscription::StoreSettings) -> Value {
+    json!({
+        "object": "store_settings",
+        "default_cancel_mode": s.default_cancel_mode.as_str(),
+        "late_usage_grace_seconds": s.late_usage_grace_ms / 1000,
+    })
+}
+
+/// `GET /v1/store/settings`: the store's billing settings in this environment.
+pub async fn get_store_settings(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(settings(
+        &state.engine.billing().store_settings(&scope)?,
+    )))
+}
+
+/// `POST /v1/store/settings {default_cancel_mode?, late_usage_grace_seconds?}`.
+pub async fn set_store_settings(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let mode = fields.string("default_cancel_mode")?;
+    let grace = fields.small_uint("late_usage_grace_seconds")?;
+    let saved = state
+        .engine
+        .billing()
+        .set_store_settings(&scope, mode.as_deref(), grace)
+        .await?;
+    Ok(Json(settings(&saved)))
 }
 
 fn clock(now_ms: i64) -> Value {
