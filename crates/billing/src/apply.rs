@@ -377,8 +377,11 @@ pub fn apply_checkout_completed(
             return Err(missing("discount", discount_id, "discount_code"));
         };
         let mut discount = codec::decode_discount(&bytes)?;
+        // At the completion's business time (a test store's test clock), which the
+        // service stamped on the record.
+        let redeemed_at = done.completed_at_ms.unwrap_or(recorded_at_ms);
         discount
-            .check_redeemable(recorded_at_ms, &product)
+            .check_redeemable(redeemed_at, &product)
             .map_err(refused)?;
         discount.redeem_count = discount.redeem_count.saturating_add(1);
         // A new version: an update derived from the one before is refused (base).

@@ -116,7 +116,7 @@ impl Billing {
         product: &Product,
     ) -> Result<Discount, EngineError> {
         let discount = self.discount_by_code(scope, code, "discount_code")?;
-        discount.check_redeemable(self.journal.now_ms(), product)?;
+        discount.check_redeemable(self.journal.now_in(scope), product)?;
         Ok(discount)
     }
 
@@ -234,7 +234,7 @@ impl Billing {
         let discount = match &open.discount_id {
             Some(id) => {
                 let discount = self.get_discount(scope, id)?;
-                discount.check_redeemable(self.journal.now_ms(), &product)?;
+                discount.check_redeemable(self.journal.now_in(scope), &product)?;
                 Some(discount)
             }
             None => None,

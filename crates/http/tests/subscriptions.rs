@@ -450,6 +450,22 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
     assert_eq!(txs[1]["amount"], 1000);
     assert_eq!(txs[1]["period_start"], trial_end);
 
+    // A discount expires by the test clock too.
+    let at = test_now(&api).await;
+    let code = api
+        .post(
+            "/v1/discounts",
+            json!({"name": "Soon", "code": "SOON", "type": "percentage", "amount": 10,
+                   "duration": "once", "expiry_date": format_iso8601_ms(at + 2 * DAY_MS)}),
+        )
+        .await;
+    assert_eq!(code.body["status"], "active", "{}", code.body);
+    advance(&api, at + 3 * DAY_MS).await;
+    assert_eq!(
+        api.get("/v1/discounts?discount_code=SOON").await.body["status"],
+        "expired"
+    );
+
     // Lists filter by status and customer.
     let canceled = api.get("/v1/subscriptions?status=canceled").await.body;
     let ids: Vec<&str> = canceled["data"]

@@ -567,3 +567,80 @@ async fn a_black_holed_endpoint_does_not_delay_other_stores() {
     );
     server.stop().await;
 }
+
+/// A test store's deliveries follow its test clock: the events of a renewal the
+/// clock ran are delivered at once, and a failed attempt is retried when the clock
+/// passes its retry time, not the wall clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_of_a_test_store_follow_its_test_clock() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    // The checkout's event is delivered; the renewal's first attempt fails.
+    let (receiver, url) = Receiver::start(&[200, 500, 200]).await;
+    let hook = api
+        .post(
+            "/v1/webhooks",
+            json!({"url": url, "delivery_mode": "http", "events": ["subscription.paid"]}),
+        )
+        .await;
+    assert_eq!(hook.status, 200, "{}", hook.body);
+    let product = api
+        .post(
+            "/v1/products",
+            json!({"name": "P", "price": 100, "currency": "usd", "billing_type": "recurring",
+                   "billing_period": "every-month"}),
+        )
+        .await
+        .body["id"]
+        .clone();
+    let customer = api
+        .post("/v1/customers", json!({"email": "w@x.io"}))
+        .await
+        .body["id"]
+        .clone();
+    let checkout = api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": product, "customer_id": customer}),
+        )
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let paid = api
+        .post(
+            &format!("/v1/checkouts/{checkout}/complete"),
+            json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"}),
+        )
+        .await;
+    assert_eq!(paid.status, 200, "{}", paid.body);
+    receiver.wait_for(1).await;
+    let sub = paid.body["subscription_id"].as_str().unwrap();
+    let next = api.get(&format!("/v1/subscriptions/{sub}")).await.body["next_transaction_date"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let renewal_at = tally_domain::time::parse_iso8601_ms(&next).unwrap();
+    let advanced = api
+        .post(
+            "/v1/test-clock/advance",
+            json!({"to": tally_domain::time::format_iso8601_ms(renewal_at)}),
+        )
+        .await;
+    assert_eq!(advanced.status, 200, "{}", advanced.body);
+    // Due at the test time, though the wall clock is a month behind.
+    receiver.wait_for(2).await;
+    // The retry is 30 s later by the test clock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(receiver.count(), 2, "no retry before its time");
+    api.post(
+        "/v1/test-clock/advance",
+        json!({"to": tally_domain::time::format_iso8601_ms(renewal_at + 31_000)}),
+    )
+    .await;
+    receiver.wait_for(3).await;
+    server.stop().await;
+}

@@ -148,7 +148,9 @@ impl Dispatcher {
                     || self.endpoint_load(endpoint) >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
             };
             let due = match self.notifications.due_deliveries(
-                self.notifications.journal.now_ms(),
+                // The latest any store's clock shows; each delivery is checked
+                // against its own store's.
+                self.notifications.journal.latest_test_time(),
                 DISPATCH_BATCH,
                 &at_capacity,
             ) {
@@ -227,7 +229,7 @@ impl Dispatcher {
         delivery: &Delivery,
         manual: bool,
     ) -> Result<WebhookAttempt, EngineError> {
-        let now = self.notifications.journal.now_ms();
+        let now = self.notifications.journal.now_in(scope);
         let number = delivery.attempts + 1;
         let first = if delivery.first_attempt_at_ms == 0 {
             now

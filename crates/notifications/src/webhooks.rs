@@ -650,8 +650,8 @@ impl Notifications {
         )
     }
 
-    /// HTTP deliveries due at or before `now_ms`, oldest due first.
-    /// Deliveries due at `now_ms`, oldest first: at most `limit` that `skip` does not
+    /// HTTP deliveries due by their store's clock (the scan ends at `now_ms`, the
+    /// latest any store's clock shows), oldest due first: at most `limit` that `skip` does not
     /// pass over (the dispatcher skips deliveries in flight and endpoints at their
     /// concurrency cap, so one slow endpoint's backlog never hides the others'),
     /// looking at no more than `MAX_DUE_SCAN` index entries.
@@ -674,7 +674,14 @@ impl Notifications {
                 scanned += 1;
                 match DueKey::decode(k) {
                     Ok(key) => {
-                        if !skip(&key.endpoint_id, &key.event_id) {
+                        // Due by its store's clock (a test store's test clock may
+                        // be ahead of `now_ms`, the latest of them all).
+                        let scope = Scope {
+                            store_id: key.store_id.as_str().into(),
+                            mode: key.mode,
+                        };
+                        let due = key.due_at_ms <= self.journal.now_in(&scope);
+                        if due && !skip(&key.endpoint_id, &key.event_id) {
                             found.push(key);
                         }
                     }

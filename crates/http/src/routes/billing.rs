@@ -52,8 +52,9 @@ pub fn router() -> axum::Router<AppState> {
         )
 }
 
-fn now(state: &AppState) -> i64 {
-    state.engine.journal().now_ms()
+/// The scope's business time: discount statuses follow a test store's test clock.
+fn now(state: &AppState, scope: &Scope) -> i64 {
+    state.engine.journal().now_in(scope)
 }
 
 fn discount_input(body: &Map<String, Value>) -> Result<DiscountInput, FieldError> {
@@ -86,7 +87,7 @@ pub async fn create_discount(
         .billing()
         .create_discount(&scope, &input)
         .await?;
-    Ok(Json(wire::discount(&discount, now(&state))))
+    Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
 /// `GET /v1/discounts?discount_id=` or `?discount_code=`: exactly one of them.
@@ -115,7 +116,7 @@ pub async fn find_discount(
             .into())
         }
     };
-    Ok(Json(wire::discount(&discount, now(&state))))
+    Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
 pub async fn get_discount(
@@ -124,7 +125,7 @@ pub async fn get_discount(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     let discount = state.engine.billing().get_discount(&scope, &id)?;
-    Ok(Json(wire::discount(&discount, now(&state))))
+    Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
 pub async fn update_discount(
@@ -162,7 +163,7 @@ pub async fn update_discount(
         .billing()
         .update_discount(&scope, &id, &update)
         .await?;
-    Ok(Json(wire::discount(&discount, now(&state))))
+    Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
 pub async fn delete_discount(
@@ -171,7 +172,7 @@ pub async fn delete_discount(
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
     let discount = state.engine.billing().delete_discount(&scope, &id).await?;
-    Ok(Json(wire::discount(&discount, now(&state))))
+    Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
 pub async fn create_checkout(
