@@ -180,14 +180,17 @@ impl tally_ingest::Settlements for SettlementsPort {
         self.0.settles(scope, events)
     }
 
-    fn unbilled(
+    fn priced(&self, scope: &Scope, meter_id: &str) -> Result<bool, EngineError> {
+        self.0.meter_priced_on_active_product(scope, meter_id)
+    }
+
+    fn billed(
         &self,
         scope: &Scope,
         customer_id: &str,
         meter_id: &str,
     ) -> Result<bool, EngineError> {
-        Ok(self.0.meter_priced_on_active_product(scope, meter_id)?
-            && !self.0.usage_is_billed(scope, customer_id, meter_id)?)
+        self.0.usage_is_billed(scope, customer_id, meter_id)
     }
 }
 

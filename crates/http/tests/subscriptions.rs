@@ -8,6 +8,7 @@ mod common;
 
 use common::*;
 use serde_json::{json, Value};
+use tally_domain::clock::Clock;
 use tally_domain::subscription::LATE_USAGE_GRACE_MS as GRACE;
 use tally_domain::time::{format_iso8601_ms, parse_iso8601_ms, DAY_MS};
 
@@ -230,19 +231,31 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
     let ps = api.get(&format!("/v1/subscriptions/{prompt}")).await.body;
     assert_eq!(ps["next_transaction_date"], ps["current_period_end_date"]);
 
-    // After a restart the schedule goes on where it was.
+    // Work that fell due while the service was down runs once when it is back: the
+    // node's clock moves 40 days on during the restart, and the background scheduler
+    // renews without any advance.
     let now = test_now(&api).await;
-    server.stop().await;
-    let server = Server::start(&dir, default_config()).await;
-    let api = Api::new(&server.test_url, &keys.test);
-    // Kept, and moving on with the node's clock (a new one here) from there.
-    assert!(test_now(&api).await >= now);
     let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
     let third_end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
-    advance(&api, third_end + GRACE).await;
+    let wall = server.clock.now_ms();
+    server.stop().await;
+    let clock = std::sync::Arc::new(tally_domain::clock::ManualClock::new(wall + 40 * DAY_MS));
+    let server = Server::start_with_clock(&dir, default_config(), clock).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    assert!(test_now(&api).await >= now + 40 * DAY_MS);
+    assert!(third_end + GRACE < now + 40 * DAY_MS);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while transactions(&api, &sub).await.len() < 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the renewal due while down never ran"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     let txs = transactions(&api, &sub).await;
-    assert_eq!(txs.len(), 4);
+    assert_eq!(txs.len(), 4, "once: {txs:?}");
     assert_eq!(txs[3]["amount"], 1000, "nothing late is billed twice");
+    assert_eq!(txs[3]["period_start"], third_end);
     server.stop().await;
 }
 

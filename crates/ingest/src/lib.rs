@@ -52,14 +52,13 @@ pub trait Customers: Send + Sync {
 pub trait Settlements: Send + Sync {
     fn settles(&self, scope: &Scope, events: &[UsageEvent]) -> Result<bool, EngineError>;
 
-    /// Whether the meter is priced on a product being sold but no purchase of the
-    /// customer bills this usage (the warning `customer_has_no_active_subscription`).
-    fn unbilled(
-        &self,
-        scope: &Scope,
-        customer_id: &str,
-        meter_id: &str,
-    ) -> Result<bool, EngineError>;
+    /// Whether the meter is priced on a product being sold.
+    fn priced(&self, scope: &Scope, meter_id: &str) -> Result<bool, EngineError>;
+
+    /// Whether a purchase of the customer bills their usage of the (priced) meter;
+    /// if not, ingest warns `customer_has_no_active_subscription`.
+    fn billed(&self, scope: &Scope, customer_id: &str, meter_id: &str)
+        -> Result<bool, EngineError>;
 }
 
 pub struct Gateway {
@@ -258,8 +257,10 @@ impl Gateway {
             FieldError::new("invalid_usage_event", param, e.message)
         };
         // Phase 1: validate, resolve and match every event; nothing is reserved yet.
-        // Whether a (customer, meter) is billed, asked once per batch.
-        let mut unbilled_cache: HashMap<(String, String), bool> = HashMap::new();
+        // Whether a meter is priced, and a (customer, meter) billed: asked once per
+        // batch (the warning `customer_has_no_active_subscription`).
+        let mut priced_cache: HashMap<String, bool> = HashMap::new();
+        let mut billed_cache: HashMap<(String, String), bool> = HashMap::new();
         let mut reports = Vec::with_capacity(raws.len());
         let mut candidates: Vec<Option<Candidate>> = Vec::with_capacity(raws.len());
         for (index, raw) in raws.iter().enumerate() {
@@ -318,16 +319,29 @@ impl Gateway {
             }
             let mut unbilled = false;
             for meter in &matched {
-                let key = (customer_id.clone(), meter.id.to_string());
-                let answer = match unbilled_cache.get(&key) {
-                    Some(answer) => *answer,
+                // Whether a meter is priced is asked once per batch; only for a priced
+                // one, whether this customer's usage of it is billed.
+                let priced = match priced_cache.get(meter.id.as_str()) {
+                    Some(priced) => *priced,
                     None => {
-                        let answer = self.settlements.unbilled(scope, &customer_id, &meter.id)?;
-                        unbilled_cache.insert(key, answer);
-                        answer
+                        let priced = self.settlements.priced(scope, &meter.id)?;
+                        priced_cache.insert(meter.id.to_string(), priced);
+                        priced
                     }
                 };
-                unbilled |= answer;
+                if !priced {
+                    continue;
+                }
+                let key = (customer_id.clone(), meter.id.to_string());
+                let billed = match billed_cache.get(&key) {
+                    Some(billed) => *billed,
+                    None => {
+                        let billed = self.settlements.billed(scope, &customer_id, &meter.id)?;
+                        billed_cache.insert(key, billed);
+                        billed
+                    }
+                };
+                unbilled |= !billed;
             }
             if unbilled {
                 report.warnings.push(Warning {
