@@ -389,7 +389,10 @@ pub fn apply_checkout_completed(
         overlay.put(key, codec::encode_discount(&discount));
     }
     overlay.put(key, codec::encode_checkout(done));
-    put_payment(overlay, &completion.payment, true);
+    // A referred checkout: a conversion and its commission, noted on the payment.
+    let payment =
+        crate::affiliates::convert(overlay, done.affiliate_code.as_deref(), &completion.payment)?;
+    put_payment(overlay, &payment, true);
     let at = done.completed_at_ms.unwrap_or(recorded_at_ms);
     let mut events = vec![event(
         "checkout.completed",
@@ -516,7 +519,14 @@ pub fn apply_refund(
     }
     fresh(overlay, payment_key(store_id, mode, &refund.id))?;
     original.check_refund(refund.amount).map_err(refused)?;
+    let refunded_before = original.refunded_amount;
     original.take_refund(refund.amount, refund.created_at_ms);
+    crate::affiliates::claw_back(
+        overlay,
+        &original,
+        refunded_before,
+        original.refunded_amount,
+    )?;
     put_payment(overlay, &original, false);
     put_payment(overlay, refund, true);
     let events = vec![event(

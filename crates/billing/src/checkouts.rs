@@ -144,6 +144,17 @@ impl Billing {
             .map(|code| self.redeemable(scope, code, &product))
             .transpose()?;
         let gross = checkout_gross(&product, units)?;
+        // Checked before a customer may be created: a bad request writes nothing.
+        if let Some(code) = &input.affiliate_code {
+            if self.affiliate_by_code(scope, code)?.is_none() {
+                return Err(FieldError::new(
+                    "resource_missing",
+                    "affiliate_code",
+                    format!("no affiliate with referral code '{code}'"),
+                )
+                .into());
+            }
+        }
         let customer_id = match (&input.customer_id, &input.customer_email) {
             (Some(_), Some(_)) => {
                 return Err(FieldError::invalid(
@@ -344,6 +355,8 @@ impl Billing {
             reason: None,
             disputed: false,
             card_last4: Some(card.card_last4.clone()),
+            affiliate_id: None,
+            affiliate_commission: 0,
             lines: vec![tally_domain::subscription::PaymentLine {
                 description: format!("{} x {}", open.units, product.name),
                 meter_id: None,

@@ -20,6 +20,7 @@ use rust_decimal::Decimal;
 use tally_core::{EngineError, Journal, Scope};
 use tally_domain::meter::MeterStatus;
 
+pub mod affiliates;
 pub mod apply;
 pub mod checkouts;
 pub mod discounts;

@@ -331,6 +331,18 @@ pub fn read_settings(
     }
 }
 
+/// A store's billing settings as apply sees them (this chunk's writes included).
+pub fn read_settings_in(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+) -> Result<tally_domain::subscription::StoreSettings, EngineError> {
+    match overlay.get(&settings_key(store_id, mode))? {
+        Some(bytes) => codec::decode_store_settings(&bytes),
+        None => Ok(Default::default()),
+    }
+}
+
 /// A store's billing settings, replaced whole.
 pub fn apply_store_settings(
     overlay: &mut Overlay<'_>,

@@ -53,6 +53,15 @@ pub const MAX_TEST_CLOCK_ADVANCE_MS: i64 = 2 * 366 * tally_domain::time::DAY_MS;
 /// and a renewal's lines.
 pub const MAX_SUBSCRIPTION_ITEMS: usize = 20;
 
+/// `POST /v1/store/settings`, as the edge parsed it.
+#[derive(Debug, Clone, Default)]
+pub struct SettingsInput {
+    pub default_cancel_mode: Option<String>,
+    pub late_usage_grace_seconds: Option<u32>,
+    pub affiliate_commission_percent: Option<String>,
+    pub referral_base_url: tally_domain::customer::Patch<String>,
+}
+
 /// An item of `POST /v1/subscriptions/{id}`, as the edge parsed it.
 #[derive(Debug, Clone, Default)]
 pub struct ItemInput {
@@ -485,6 +494,8 @@ impl Billing {
             reason: None,
             disputed: false,
             card_last4: Some(sub.card_last4.clone()),
+            affiliate_id: None,
+            affiliate_commission: 0,
             lines: vec![line],
             created_at_ms: now,
             updated_at_ms: now,
@@ -496,20 +507,19 @@ impl Billing {
         lifecycle::read_settings(self.journal.store().as_ref(), &scope.store_id, scope.mode)
     }
 
-    /// `POST /v1/store/settings {default_cancel_mode?, late_usage_grace_seconds?}`:
-    /// changes what is given, keeps the rest. A new grace applies to a subscription
-    /// from its next charge.
+    /// `POST /v1/store/settings`: changes what is given, keeps the rest. A new
+    /// grace applies to a subscription from its next charge; a new commission to
+    /// conversions from now.
     pub async fn set_store_settings(
         &self,
         scope: &Scope,
-        default_cancel_mode: Option<&str>,
-        late_usage_grace_seconds: Option<u32>,
+        input: &SettingsInput,
     ) -> Result<StoreSettings, EngineError> {
         let mut settings = self.store_settings(scope)?;
-        if let Some(text) = default_cancel_mode {
+        if let Some(text) = &input.default_cancel_mode {
             settings.default_cancel_mode = CancelMode::parse_field("default_cancel_mode", text)?;
         }
-        if let Some(seconds) = late_usage_grace_seconds {
+        if let Some(seconds) = input.late_usage_grace_seconds {
             let ms = i64::from(seconds) * 1000;
             if ms > tally_domain::subscription::MAX_LATE_USAGE_GRACE_MS {
                 return Err(FieldError::invalid(
@@ -523,11 +533,23 @@ impl Billing {
             }
             settings.late_usage_grace_ms = ms;
         }
+        if let Some(text) = &input.affiliate_commission_percent {
+            settings.affiliate_commission_percent =
+                tally_domain::affiliate::parse_commission_percent(text)?;
+        }
+        match &input.referral_base_url {
+            tally_domain::customer::Patch::Keep => {}
+            tally_domain::customer::Patch::Clear => settings.referral_base_url = None,
+            tally_domain::customer::Patch::Set(url) => {
+                tally_domain::product::check_url("referral_base_url", url)?;
+                settings.referral_base_url = Some(url.clone());
+            }
+        }
         self.journal
             .append_and_apply(&Record::StoreSettingsSet {
                 store_id: scope.store_id.clone(),
                 mode: scope.mode,
-                settings,
+                settings: settings.clone(),
             })
             .await?;
         Ok(settings)
@@ -666,6 +688,8 @@ impl Billing {
                     reason: None,
                     disputed: false,
                     card_last4: Some(sub.card_last4.clone()),
+                    affiliate_id: None,
+                    affiliate_commission: 0,
                     lines,
                     created_at_ms: at,
                     updated_at_ms: at,

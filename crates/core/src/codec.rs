@@ -85,6 +85,22 @@ proto_codec!(
 );
 
 proto_codec!(
+    encode_invite,
+    decode_invite,
+    tally_domain::affiliate::AffiliateInvite,
+    tally_proto::invite_to_proto,
+    tally_proto::invite_from_proto,
+    v1::AffiliateInvite
+);
+proto_codec!(
+    encode_affiliate,
+    decode_affiliate,
+    tally_domain::affiliate::Affiliate,
+    tally_proto::affiliate_to_proto,
+    tally_proto::affiliate_from_proto,
+    v1::Affiliate
+);
+proto_codec!(
     encode_settlement,
     decode_settlement,
     tally_domain::record::UsageSettlement,

@@ -68,6 +68,12 @@
 //! | `%` | store, mode, created_at, subscription_id | (empty) subscription listing, newest first |
 //! | `&` | store, mode, customer_id, created_at, subscription_id | (empty) per customer |
 //! | `$` | store, mode | StoreSettingsSet (proto): the store's billing settings |
+//! | `(` | store, mode, invite_id | AffiliateInvite (proto) |
+//! | `)` | store, mode, email | invite_id (one invitation per email) |
+//! | `*` | store, mode, created_at, invite_id | (empty) invitation listing, newest first |
+//! | `+` | store, mode, affiliate_id | Affiliate (proto) |
+//! | `,` | store, mode, referral_code | affiliate_id |
+//! | `-` | store, mode, created_at, affiliate_id | (empty) affiliate listing, newest first |
 
 use tally_domain::Mode;
 
@@ -138,6 +144,12 @@ pub const TEST_CLOCK: u8 = b'0';
 pub const SUBSCRIPTION_LIST: u8 = b'%';
 pub const SUBSCRIPTION_BY_CUSTOMER: u8 = b'&';
 pub const STORE_SETTINGS: u8 = b'$';
+pub const AFFILIATE_INVITE: u8 = b'(';
+pub const AFFILIATE_INVITE_EMAIL: u8 = b')';
+pub const AFFILIATE_INVITE_LIST: u8 = b'*';
+pub const AFFILIATE: u8 = b'+';
+pub const AFFILIATE_CODE: u8 = b',';
+pub const AFFILIATE_LIST: u8 = b'-';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

@@ -17,6 +17,7 @@ use crate::keys::{self, Key};
 /// keep `&'static str` codes.
 pub const OUTCOME_CODES: &[&str] = &[
     "account_closed",
+    "affiliate_invite_exists",
     "account_frozen",
     "account_name_taken",
     "account_balance_changed",
@@ -33,6 +34,7 @@ pub const OUTCOME_CODES: &[&str] = &[
     "idempotency_key_in_use",
     "idempotency_key_reused",
     "insufficient_balance",
+    "invalid_state_transition",
     "meter_in_use",
     "meter_limit_reached",
     "meter_name_taken",

@@ -181,3 +181,55 @@ pub fn cursor_from(
         (None, None) => Cursor::None,
     })
 }
+
+/// A page of a page-based list (affiliates, invitations; docs/api.md, "Lists").
+#[derive(Debug, Clone)]
+pub struct PageBased<T> {
+    pub items: Vec<T>,
+    pub total_records: usize,
+    pub page: usize,
+    pub page_size: usize,
+}
+
+impl<T> PageBased<T> {
+    pub fn total_pages(&self) -> usize {
+        self.total_records.div_ceil(self.page_size.max(1))
+    }
+}
+
+/// Page `page` (1-based) of `page_size` entries under `prefix`, newest first,
+/// counting every entry for `total_records` (at most `max_entries`: the lists it
+/// serves are bounded by that).
+pub fn page_based<T>(
+    store: &dyn ProjectionStore,
+    prefix: &[u8],
+    page: usize,
+    page_size: usize,
+    max_entries: usize,
+    mut load: impl FnMut(&[u8]) -> Result<T, EngineError>,
+) -> Result<PageBased<T>, EngineError> {
+    let skip = page.saturating_sub(1).saturating_mul(page_size);
+    let mut keys = Vec::new();
+    let mut total = 0usize;
+    scan_prefix(store, prefix, true, &mut |key, _| {
+        if total >= skip && keys.len() < page_size {
+            keys.push(key.to_vec());
+        }
+        total += 1;
+        if total < max_entries {
+            Visit::Continue
+        } else {
+            Visit::Stop
+        }
+    })?;
+    let items = keys
+        .iter()
+        .map(|k| load(k))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(PageBased {
+        items,
+        total_records: total,
+        page,
+        page_size,
+    })
+}

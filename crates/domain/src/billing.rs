@@ -560,6 +560,10 @@ pub struct Payment {
     /// What it charges, line by line (the lines' amounts add up to `amount` before
     /// tax for an exclusive price).
     pub lines: Vec<crate::subscription::PaymentLine>,
+    /// The affiliate a checkout's payment was referred by, and the commission it
+    /// earned (set in apply).
+    pub affiliate_id: Option<crate::ids::AffiliateId>,
+    pub affiliate_commission: i64,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }

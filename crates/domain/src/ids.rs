@@ -181,3 +181,11 @@ mod tests {
         assert_eq!(String::from(id), "cus_1");
     }
 }
+id_type!(
+    /// An affiliate: `aff_...`.
+    AffiliateId
+);
+id_type!(
+    /// An invitation to become an affiliate: `affinv_...`.
+    InviteId
+);

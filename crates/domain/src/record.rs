@@ -103,6 +103,20 @@ pub enum Record {
         mode: Mode,
         settings: crate::subscription::StoreSettings,
     },
+    AffiliateInviteCreated(crate::affiliate::AffiliateInvite),
+    /// An invited affiliate joins (apply decides the invitation is still pending
+    /// and the referral code free).
+    AffiliateJoined {
+        invite_id: crate::ids::InviteId,
+        affiliate: crate::affiliate::Affiliate,
+    },
+    /// An affiliate's status changed (derived from a version: base).
+    AffiliateUpserted(crate::affiliate::Affiliate),
+    AffiliateClicked {
+        store_id: StoreId,
+        mode: Mode,
+        referral_code: String,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -265,6 +279,11 @@ impl Record {
             }
             Record::TestClockSet { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::StoreSettingsSet { store_id, .. } => store_id.as_bytes().to_vec(),
+            // With the store's checkouts: conversions are counted in one order.
+            Record::AffiliateInviteCreated(i) => i.store_id.as_bytes().to_vec(),
+            Record::AffiliateJoined { affiliate, .. } => affiliate.store_id.as_bytes().to_vec(),
+            Record::AffiliateUpserted(a) => a.store_id.as_bytes().to_vec(),
+            Record::AffiliateClicked { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

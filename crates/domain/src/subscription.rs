@@ -41,12 +41,16 @@ pub const LATE_USAGE_GRACE_MS: i64 = 60 * 60 * 1000;
 pub const MAX_LATE_USAGE_GRACE_MS: i64 = 7 * DAY_MS;
 
 /// A store's billing settings (`GET/POST /v1/store/settings`), per environment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreSettings {
     /// What `POST /v1/subscriptions/{id}/cancel` does without a `mode`.
     pub default_cancel_mode: CancelMode,
     /// How long a renewal waits after its period for late usage.
     pub late_usage_grace_ms: i64,
+    /// Percent of a referred checkout's `amount_paid` its affiliate earns.
+    pub affiliate_commission_percent: Decimal,
+    /// Where referral links point (`?ref=<code>` is added); none: no links.
+    pub referral_base_url: Option<String>,
 }
 
 impl Default for StoreSettings {
@@ -54,6 +58,8 @@ impl Default for StoreSettings {
         StoreSettings {
             default_cancel_mode: CancelMode::Scheduled,
             late_usage_grace_ms: LATE_USAGE_GRACE_MS,
+            affiliate_commission_percent: Decimal::ZERO,
+            referral_base_url: None,
         }
     }
 }

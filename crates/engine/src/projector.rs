@@ -473,6 +473,21 @@ fn apply_record(
             )?;
             schedule_billing_events(overlay, &events, entry.offset)?;
         }
+        Record::AffiliateInviteCreated(invite) => {
+            tally_billing::affiliates::apply_invite_created(overlay, invite)?
+        }
+        Record::AffiliateJoined {
+            invite_id,
+            affiliate,
+        } => tally_billing::affiliates::apply_affiliate_joined(overlay, invite_id, affiliate)?,
+        Record::AffiliateUpserted(affiliate) => {
+            tally_billing::affiliates::apply_affiliate_upserted(overlay, affiliate, base)?
+        }
+        Record::AffiliateClicked {
+            store_id,
+            mode,
+            referral_code,
+        } => tally_billing::affiliates::apply_click(overlay, store_id, *mode, referral_code)?,
         Record::StoreSettingsSet {
             store_id,
             mode,

@@ -370,6 +370,8 @@ mod billing {
             reason: None,
             disputed: false,
             card_last4: None,
+            affiliate_id: None,
+            affiliate_commission: 0,
             lines: Vec::new(),
             created_at_ms: T0,
             updated_at_ms: T0,

@@ -98,6 +98,7 @@ pub fn router(state: AppState) -> Router {
         .merge(routes::products::router())
         .merge(routes::billing::router())
         .merge(routes::subscriptions::router())
+        .merge(routes::affiliates::router())
         .merge(routes::events::router())
         .merge(routes::credits::router())
         .merge(routes::webhooks::router())

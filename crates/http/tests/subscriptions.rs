@@ -315,7 +315,8 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
     assert_eq!(
         defaults,
         json!({"object": "store_settings", "default_cancel_mode": "scheduled",
-               "late_usage_grace_seconds": GRACE / 1000})
+               "late_usage_grace_seconds": GRACE / 1000, "affiliate_commission_percent": "0",
+               "referral_base_url": null})
     );
     let bad = assert_error(
         &api.post(

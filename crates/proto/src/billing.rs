@@ -159,6 +159,8 @@ pub fn payment_to_proto(p: &Payment) -> v1::Payment {
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
         lines: p.lines.iter().map(line_to_proto).collect(),
+        affiliate_id: p.affiliate_id.as_ref().map(|a| a.to_string()),
+        affiliate_commission: p.affiliate_commission,
     }
 }
 
@@ -193,6 +195,8 @@ pub fn payment_from_proto(p: v1::Payment) -> Result<Payment, DecodeError> {
             .into_iter()
             .map(line_from_proto)
             .collect::<Result<_, DecodeError>>()?,
+        affiliate_id: p.affiliate_id.map(Into::into),
+        affiliate_commission: p.affiliate_commission,
     })
 }
 
@@ -361,6 +365,8 @@ pub fn settings_to_proto(
         mode: mode_to_proto(mode),
         default_cancel_mode: s.default_cancel_mode.as_str().into(),
         late_usage_grace_ms: s.late_usage_grace_ms,
+        affiliate_commission_percent: canonical_decimal(s.affiliate_commission_percent),
+        referral_base_url: s.referral_base_url.clone(),
     }
 }
 
@@ -384,6 +390,15 @@ pub fn settings_from_proto(
                 "default_cancel_mode",
             )?,
             late_usage_grace_ms: s.late_usage_grace_ms,
+            affiliate_commission_percent: if s.affiliate_commission_percent.is_empty() {
+                rust_decimal::Decimal::ZERO
+            } else {
+                decimal(
+                    &s.affiliate_commission_percent,
+                    "affiliate_commission_percent",
+                )?
+            },
+            referral_base_url: s.referral_base_url,
         },
     ))
 }

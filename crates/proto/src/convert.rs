@@ -532,6 +532,26 @@ pub fn encode_record_with(
             mode,
             settings,
         } => Kind::StoreSettingsSet(crate::settings_to_proto(store_id, *mode, settings)),
+        Record::AffiliateInviteCreated(i) => {
+            Kind::AffiliateInviteCreated(crate::invite_to_proto(i))
+        }
+        Record::AffiliateJoined {
+            invite_id,
+            affiliate,
+        } => Kind::AffiliateJoined(v1::AffiliateJoined {
+            invite_id: invite_id.to_string(),
+            affiliate: Some(crate::affiliate_to_proto(affiliate)),
+        }),
+        Record::AffiliateUpserted(a) => Kind::AffiliateUpserted(crate::affiliate_to_proto(a)),
+        Record::AffiliateClicked {
+            store_id,
+            mode,
+            referral_code,
+        } => Kind::AffiliateClicked(v1::AffiliateClicked {
+            store_id: store_id.to_string(),
+            mode: mode_to_proto(*mode),
+            referral_code: referral_code.clone(),
+        }),
         Record::TestClockSet { store_id, to_ms } => Kind::TestClockSet(v1::TestClockSet {
             store_id: store_id.to_string(),
             to_ms: *to_ms,
@@ -668,6 +688,21 @@ pub fn decode_record(
                 settings,
             }
         }
+        Kind::AffiliateInviteCreated(i) => {
+            Record::AffiliateInviteCreated(crate::invite_from_proto(i)?)
+        }
+        Kind::AffiliateJoined(j) => Record::AffiliateJoined {
+            invite_id: j.invite_id.into(),
+            affiliate: crate::affiliate_from_proto(
+                j.affiliate.ok_or(DecodeError::BadField("affiliate"))?,
+            )?,
+        },
+        Kind::AffiliateUpserted(a) => Record::AffiliateUpserted(crate::affiliate_from_proto(a)?),
+        Kind::AffiliateClicked(c) => Record::AffiliateClicked {
+            store_id: c.store_id.into(),
+            mode: mode_from_proto(c.mode)?,
+            referral_code: c.referral_code,
+        },
         Kind::TestClockSet(t) => Record::TestClockSet {
             store_id: t.store_id.into(),
             to_ms: t.to_ms,

@@ -7,11 +7,13 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/tally.v1.rs"));
 }
 
+mod affiliate;
 mod billing;
 mod convert;
 mod product;
 mod settlement;
 
+pub use affiliate::*;
 pub use billing::*;
 pub use convert::*;
 pub use product::{product_from_proto, product_to_proto};

@@ -1,6 +1,7 @@
 //! Route handlers: parse the wire request, call the engine, render the wire answer.
 
 pub mod admin;
+pub mod affiliates;
 pub mod billing;
 pub mod credits;
 pub mod customers;

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use tally_domain::billing::SubscriptionStatus;
 use tally_domain::time::format_iso8601_ms;
 use tally_engine::billing::subscriptions::{
-    ItemInput, SubscriptionFilter, SubscriptionUpdate, MAX_SUBSCRIPTION_ITEMS,
+    ItemInput, SettingsInput, SubscriptionFilter, SubscriptionUpdate, MAX_SUBSCRIPTION_ITEMS,
 };
 use tally_engine::Scope;
 
@@ -222,6 +222,9 @@ fn settings(s: &tally_domain::subscription::StoreSettings) -> Value {
         "object": "store_settings",
         "default_cancel_mode": s.default_cancel_mode.as_str(),
         "late_usage_grace_seconds": s.late_usage_grace_ms / 1000,
+        "affiliate_commission_percent":
+            tally_domain::usage::canonical_decimal(s.affiliate_commission_percent),
+        "referral_base_url": s.referral_base_url,
     })
 }
 
@@ -242,12 +245,16 @@ pub async fn set_store_settings(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let fields = Fields::new(&body);
-    let mode = fields.string("default_cancel_mode")?;
-    let grace = fields.small_uint("late_usage_grace_seconds")?;
+    let input = SettingsInput {
+        default_cancel_mode: fields.string("default_cancel_mode")?,
+        late_usage_grace_seconds: fields.small_uint("late_usage_grace_seconds")?,
+        affiliate_commission_percent: fields.quantity("affiliate_commission_percent")?,
+        referral_base_url: fields.patch_string("referral_base_url")?,
+    };
     let saved = state
         .engine
         .billing()
-        .set_store_settings(&scope, mode.as_deref(), grace)
+        .set_store_settings(&scope, &input)
         .await?;
     Ok(Json(settings(&saved)))
 }

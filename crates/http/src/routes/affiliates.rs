@@ -1,0 +1,199 @@
+//! Affiliates and their invitations (docs/api.md, "Affiliates"): page-based lists,
+//! invitations and their acceptance, status changes, clicks.
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use serde_json::{json, Value};
+use tally_domain::affiliate::{Affiliate, AffiliateInvite};
+use tally_domain::time::format_iso8601_ms;
+use tally_domain::FieldError;
+use tally_engine::pagination::PageBased;
+use tally_engine::Scope;
+
+use crate::error::ApiResult;
+use crate::extract::{Fields, JsonObject, PathId, QueryParams};
+use crate::AppState;
+
+/// Page sizes a page-based list takes (docs/api.md, "Lists").
+pub const MAX_PAGE_SIZE: usize = 100;
+pub const DEFAULT_PAGE_SIZE: usize = 10;
+
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route("/v1/affiliates", routing::get(list_affiliates))
+        .route("/v1/affiliates/clicks", routing::post(record_click))
+        .route(
+            "/v1/affiliates/invites",
+            routing::get(list_invites).post(create_invite),
+        )
+        .route(
+            "/v1/affiliates/invites/{id}/accept",
+            routing::post(accept_invite),
+        )
+        .route(
+            "/v1/affiliates/{id}",
+            routing::get(get_affiliate).post(update_affiliate),
+        )
+}
+
+/// `page` (1-based, default 1) and `page_size` (1..=100, default 10).
+fn page_params(query: &QueryParams) -> Result<(usize, usize), FieldError> {
+    let read = |name: &str, default: usize, max: usize| match query.get(name) {
+        None => Ok(default),
+        Some(text) => text
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or_else(|| {
+                FieldError::invalid(name, format!("`{name}` must be an integer from 1 to {max}"))
+            }),
+    };
+    Ok((
+        read("page", 1, usize::MAX)?,
+        read("page_size", DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)?,
+    ))
+}
+
+fn page_body<T>(page: &PageBased<T>, item: impl Fn(&T) -> Value) -> Value {
+    let pages = page.total_pages();
+    json!({
+        "items": page.items.iter().map(item).collect::<Vec<_>>(),
+        "pagination": {
+            "total_records": page.total_records,
+            "total_pages": pages,
+            "current_page": page.page,
+            "next_page": (page.page < pages).then_some(page.page + 1),
+            "prev_page": (page.page > 1).then(|| (page.page - 1).min(pages.max(1))),
+        }
+    })
+}
+
+fn invite(i: &AffiliateInvite) -> Value {
+    json!({
+        "id": i.id,
+        "object": "affiliate-invite",
+        "mode": i.mode.as_str(),
+        "email": i.email,
+        "name": i.name,
+        "status": i.status.as_str(),
+        "affiliate_id": i.affiliate_id,
+        "created_at": i.created_at_ms,
+    })
+}
+
+fn affiliate(a: &Affiliate, base_url: Option<&str>) -> Value {
+    let link = base_url.map(|base| {
+        let joiner = if base.contains('?') { '&' } else { '?' };
+        format!("{base}{joiner}ref={}", a.referral_code)
+    });
+    json!({
+        "id": a.id,
+        "object": "affiliate",
+        "mode": a.mode.as_str(),
+        "email": a.email,
+        "name": a.name,
+        "status": a.status.as_str(),
+        "referral_code": a.referral_code,
+        "referral_link": link,
+        "clicks": a.clicks,
+        "conversions": a.conversions,
+        "earnings": a.earnings,
+        "currency": a.currency,
+        "created_at": format_iso8601_ms(a.created_at_ms),
+    })
+}
+
+fn affiliate_body(state: &AppState, scope: &Scope, a: &Affiliate) -> ApiResult<Value> {
+    let settings = state.engine.billing().store_settings(scope)?;
+    Ok(affiliate(a, settings.referral_base_url.as_deref()))
+}
+
+pub async fn create_invite(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let email = fields.string("email")?;
+    let name = fields.string("name")?;
+    let created = state
+        .engine
+        .billing()
+        .create_invite(&scope, email.as_deref(), name.as_deref())
+        .await?;
+    Ok(Json(invite(&created)))
+}
+
+pub async fn list_invites(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let (page, size) = page_params(&query)?;
+    let listed = state.engine.billing().list_invites(&scope, page, size)?;
+    Ok(Json(page_body(&listed, invite)))
+}
+
+pub async fn accept_invite(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let joined = state.engine.billing().accept_invite(&scope, &id).await?;
+    Ok(Json(affiliate_body(&state, &scope, &joined)?))
+}
+
+pub async fn list_affiliates(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let (page, size) = page_params(&query)?;
+    let billing = state.engine.billing();
+    let listed = billing.list_affiliates(&scope, page, size)?;
+    let base = billing.store_settings(&scope)?.referral_base_url;
+    Ok(Json(page_body(&listed, |a| affiliate(a, base.as_deref()))))
+}
+
+pub async fn get_affiliate(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    let found = state.engine.billing().get_affiliate(&scope, &id)?;
+    Ok(Json(affiliate_body(&state, &scope, &found)?))
+}
+
+/// `POST /v1/affiliates/{id} {status?, name?}`: suspend, reactivate, rename.
+pub async fn update_affiliate(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let status = fields.string("status")?;
+    let name = fields.string("name")?;
+    let updated = state
+        .engine
+        .billing()
+        .update_affiliate(&scope, &id, status.as_deref(), name.as_deref())
+        .await?;
+    Ok(Json(affiliate_body(&state, &scope, &updated)?))
+}
+
+/// `POST /v1/affiliates/clicks {referral_code}`: one click on a referral link.
+pub async fn record_click(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let code = Fields::new(&body).string("referral_code")?;
+    let clicked = state
+        .engine
+        .billing()
+        .record_click(&scope, code.as_deref())
+        .await?;
+    Ok(Json(affiliate_body(&state, &scope, &clicked)?))
+}
