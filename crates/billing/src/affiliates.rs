@@ -120,6 +120,20 @@ pub fn apply_affiliate_joined(
         )
         .into());
     }
+    let fresh = affiliate.status == AffiliateStatus::Active
+        && affiliate.clicks == 0
+        && affiliate.conversions == 0
+        && affiliate.earnings == 0
+        && affiliate.currency.is_none()
+        && affiliate.email == invite.email
+        && !affiliate.referral_code.is_empty();
+    if !fresh {
+        return Err(Outcome::rejected(
+            "record_undecodable",
+            "a joining affiliate starts active, with nothing counted, under its invitation's email",
+        )
+        .into());
+    }
     let code = code_key(store_id, mode, &affiliate.referral_code);
     if overlay.contains(&code)?
         || overlay.contains(&affiliate_key(store_id, mode, &affiliate.id))?

@@ -134,6 +134,28 @@ enum Op {
         product: u8,
         discount: Option<u8>,
     },
+    /// A checkout referred by affiliate code `code{n}`.
+    Referred {
+        id: u8,
+        product: u8,
+        code: u8,
+    },
+    Invite {
+        id: u8,
+        email: u8,
+    },
+    Join {
+        invite: u8,
+        affiliate: u8,
+        code: u8,
+        forged: bool,
+    },
+    Suspend {
+        affiliate: u8,
+        suspended: bool,
+    },
+    Commission(u8),
+    Click(u8),
     /// A completion; `forged` makes its amounts not add up.
     Complete {
         checkout: u8,
@@ -221,6 +243,14 @@ fn billing_op() -> impl Strategy<Value = Op> {
             .prop_map(|(checkout, amount, discount_amount, tax, forged)| Op::Complete { checkout, amount, discount_amount, tax, forged }),
         3 => (0u8..7, -5i64..3_000).prop_map(|(payment, amount)| Op::Refund { payment, amount }),
         1 => (0u8..7).prop_map(|payment| Op::Dispute { payment }),
+        // Affiliates: invitations, joins (forged ones too), referred checkouts.
+        1 => (0u8..2, 0u8..2).prop_map(|(id, email)| Op::Invite { id, email }),
+        2 => (0u8..2, 0u8..2, 0u8..2, proptest::bool::weighted(0.2))
+            .prop_map(|(invite, affiliate, code, forged)| Op::Join { invite, affiliate, code, forged }),
+        1 => (0u8..2, proptest::bool::weighted(0.3)).prop_map(|(affiliate, suspended)| Op::Suspend { affiliate, suspended }),
+        1 => (1u8..60).prop_map(Op::Commission),
+        1 => (0u8..2).prop_map(Op::Click),
+        3 => (0u8..6, 0u8..3, 0u8..2).prop_map(|(id, product, code)| Op::Referred { id, product, code }),
         // Usage settled in credits against the accounts the purchases bound.
         2 => (0u8..2, 0u8..8, decimal(), proptest::bool::weighted(0.8))
             .prop_map(|(customer, event, value, settles)| Op::Usage { customer, event, value, as_text: false, settles }),
@@ -323,6 +353,10 @@ mod billing {
     }
 
     pub fn checkout(id: u8, product: u8, discount: Option<u8>) -> Checkout {
+        referred(id, product, discount, None)
+    }
+
+    pub fn referred(id: u8, product: u8, discount: Option<u8>, code: Option<u8>) -> Checkout {
         Checkout {
             id: format!("chk_{id}").into(),
             store_id: STORE.into(),
@@ -333,7 +367,7 @@ mod billing {
             units: 1,
             discount_id: discount.map(|d| format!("disc_{d}").into()),
             discount_code: discount.map(|d| format!("CODE{d}")),
-            affiliate_code: None,
+            affiliate_code: code.map(|c| format!("code{c}")),
             success_url: None,
             metadata: Default::default(),
             amount: 0,
@@ -385,7 +419,7 @@ mod billing {
         (amount, discount_amount, tax): (i64, i64, i64),
         forged: bool,
     ) -> CheckoutCompletion {
-        let (product, discount) = earlier
+        let (product, discount, code) = earlier
             .iter()
             .rev()
             .find_map(|(op, _)| match op {
@@ -393,11 +427,16 @@ mod billing {
                     id: c,
                     product,
                     discount,
-                } if *c == id => Some((*product, *discount)),
+                } if *c == id => Some((*product, *discount, None)),
+                Op::Referred {
+                    id: c,
+                    product,
+                    code,
+                } if *c == id => Some((*product, None, Some(*code))),
                 _ => None,
             })
-            .unwrap_or((0, None));
-        let mut done = checkout(id, product, discount);
+            .unwrap_or((0, None, None));
+        let mut done = referred(id, product, discount, code);
         done.status = CheckoutStatus::Completed;
         let mut paid = payment(format!("txn_{id}"), done.customer_id.to_string(), amount);
         paid.discount_amount = discount_amount.min(amount);
@@ -436,6 +475,24 @@ mod billing {
             reason: None,
             created_at_ms: T0,
         }
+    }
+}
+
+fn affiliate(n: u8, code: u8) -> tally_domain::affiliate::Affiliate {
+    tally_domain::affiliate::Affiliate {
+        id: format!("aff_{n}").into(),
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        email: String::new(),
+        name: None,
+        status: tally_domain::affiliate::AffiliateStatus::Active,
+        referral_code: format!("code{code}"),
+        clicks: 0,
+        conversions: 0,
+        earnings: 0,
+        currency: None,
+        created_at_ms: T0,
+        updated_at_ms: T0,
     }
 }
 
@@ -747,6 +804,69 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 product,
                 discount,
             } => Record::CheckoutCreated(billing::checkout(*id, *product, *discount)),
+            Op::Referred { id, product, code } => {
+                Record::CheckoutCreated(billing::referred(*id, *product, None, Some(*code)))
+            }
+            Op::Invite { id, email } => {
+                Record::AffiliateInviteCreated(tally_domain::affiliate::AffiliateInvite {
+                    id: format!("affinv_{id}").into(),
+                    store_id: STORE.into(),
+                    mode: Mode::Test,
+                    email: format!("a{email}@x.io"),
+                    name: None,
+                    status: tally_domain::affiliate::InviteStatus::Pending,
+                    affiliate_id: None,
+                    created_at_ms: T0,
+                    updated_at_ms: T0,
+                })
+            }
+            Op::Join {
+                invite,
+                affiliate,
+                code,
+                forged,
+            } => {
+                let email = ops[..i]
+                    .iter()
+                    .rev()
+                    .find_map(|(op, _)| match op {
+                        Op::Invite { id, email } if id == invite => Some(*email),
+                        _ => None,
+                    })
+                    .unwrap_or(0);
+                let mut joined = self::affiliate(*affiliate, *code);
+                joined.email = format!("a{email}@x.io");
+                if *forged {
+                    joined.earnings = 1_000;
+                }
+                Record::AffiliateJoined {
+                    invite_id: format!("affinv_{invite}").into(),
+                    affiliate: joined,
+                }
+            }
+            Op::Suspend {
+                affiliate,
+                suspended,
+            } => {
+                let mut changed = self::affiliate(*affiliate, 0);
+                if *suspended {
+                    changed.status = tally_domain::affiliate::AffiliateStatus::Suspended;
+                }
+                Record::AffiliateUpserted(changed)
+            }
+            Op::Commission(percent) => Record::StoreSettingsSet {
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                settings: tally_domain::subscription::StoreSettings {
+                    affiliate_commission_percent: Decimal::from(*percent),
+                    ..Default::default()
+                },
+            },
+            Op::Click(code) => Record::AffiliateClicked {
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                referral_code: format!("code{code}"),
+            },
             Op::Complete {
                 checkout,
                 amount,
@@ -1039,6 +1159,33 @@ fn check_billing(store: &MemoryStore) -> Result<(), TestCaseError> {
         payment_count,
         "one payment per completed checkout"
     );
+    // Affiliates: what each earned is what its referred payments keep of their
+    // commission, and each referred payment is one conversion.
+    let mut affiliates = Vec::new();
+    scan_prefix(store, &[keys::AFFILIATE], false, &mut |_, value| {
+        affiliates.push(codec::decode_affiliate(value).unwrap());
+        Visit::Continue
+    })
+    .unwrap();
+    for affiliate in &affiliates {
+        let referred: Vec<_> = payments
+            .iter()
+            .filter(|p| p.affiliate_id.as_ref() == Some(&affiliate.id))
+            .collect();
+        let kept: i64 = referred
+            .iter()
+            .map(|p| {
+                tally_domain::affiliate::commission_kept(
+                    p.affiliate_commission,
+                    p.amount_paid,
+                    p.refunded_amount,
+                )
+            })
+            .sum();
+        prop_assert_eq!(affiliate.earnings, kept, "{:?}", affiliate);
+        prop_assert_eq!(affiliate.conversions as usize, referred.len());
+        prop_assert!(affiliate.earnings >= 0);
+    }
     Ok(())
 }
 
