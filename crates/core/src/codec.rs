@@ -134,6 +134,19 @@ pub fn decode_store_settings(
         .2)
 }
 
+pub fn encode_policy(
+    store_id: &str,
+    mode: tally_domain::Mode,
+    policy: &tally_domain::moderation::Policy,
+) -> Vec<u8> {
+    tally_proto::policy_to_proto(store_id, mode, policy).encode_to_vec()
+}
+
+pub fn decode_policy(bytes: &[u8]) -> Result<tally_domain::moderation::Policy, EngineError> {
+    let message = v1::ModerationPolicy::decode(bytes).map_err(corrupt)?;
+    Ok(tally_proto::policy_from_proto(message).map_err(corrupt)?.2)
+}
+
 pub fn encode_bindings(bindings: &[tally_domain::settlement::UsageBinding]) -> Vec<u8> {
     tally_proto::bindings_to_proto(bindings).encode_to_vec()
 }

@@ -74,6 +74,7 @@
 //! | `+` | store, mode, affiliate_id | Affiliate (proto) |
 //! | `,` | store, mode, referral_code | affiliate_id |
 //! | `-` | store, mode, created_at, affiliate_id | (empty) affiliate listing, newest first |
+//! | `/` | store, mode | ModerationPolicy (proto): the store's moderation policy |
 
 use tally_domain::Mode;
 
@@ -150,6 +151,7 @@ pub const AFFILIATE_INVITE_LIST: u8 = b'*';
 pub const AFFILIATE: u8 = b'+';
 pub const AFFILIATE_CODE: u8 = b',';
 pub const AFFILIATE_LIST: u8 = b'-';
+pub const MODERATION_POLICY: u8 = b'/';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

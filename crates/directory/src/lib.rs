@@ -20,6 +20,7 @@ use tally_projection::{scan_prefix, Visit};
 
 pub mod apply;
 pub mod customers;
+pub mod moderation;
 pub mod stores;
 
 /// Customer ids and external ids cached for ingest before the cache is emptied

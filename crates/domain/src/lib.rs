@@ -19,6 +19,7 @@ pub mod ledger;
 pub mod limits;
 pub mod meter;
 pub mod mode;
+pub mod moderation;
 pub mod product;
 pub mod record;
 pub mod settlement;

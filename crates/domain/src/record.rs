@@ -117,6 +117,12 @@ pub enum Record {
         mode: Mode,
         referral_code: String,
     },
+    /// A store's moderation policy, replaced whole.
+    ModerationPolicySet {
+        store_id: StoreId,
+        mode: Mode,
+        policy: crate::moderation::Policy,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -284,6 +290,7 @@ impl Record {
             Record::AffiliateJoined { affiliate, .. } => affiliate.store_id.as_bytes().to_vec(),
             Record::AffiliateUpserted(a) => a.store_id.as_bytes().to_vec(),
             Record::AffiliateClicked { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::ModerationPolicySet { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

@@ -231,6 +231,20 @@ impl tally_billing::Meters for MeteringPort {
     }
 }
 
+/// The usage event each screening records (docs/api.md, "Moderation").
+pub const MODERATION_EVENT: &str = "moderation.prompt";
+
+/// A screened prompt.
+#[derive(Debug, Clone)]
+pub struct Moderated {
+    pub id: String,
+    pub decision: tally_domain::moderation::Decision,
+    pub reasons: Vec<String>,
+    pub units: u64,
+    /// Whether a usage event recorded it (the external id named a customer).
+    pub metered: bool,
+}
+
 pub struct Engine {
     journal: Arc<Journal>,
     directory: Arc<Directory>,
@@ -429,6 +443,53 @@ impl Engine {
             metering,
             projection,
         }))
+    }
+
+    /// `POST /v1/moderation/prompt`: screens `prompt` with the store's policy and
+    /// meters it: a usage event `moderation.prompt` with property `units`, for the
+    /// customer `external_id` names (when it names one), so a meter can bill it.
+    pub async fn moderate(
+        &self,
+        scope: &Scope,
+        prompt: Option<&str>,
+        external_id: Option<&str>,
+    ) -> Result<Moderated, EngineError> {
+        use tally_domain::moderation::{check_prompt, units, Screener};
+        let prompt = check_prompt(prompt)?;
+        let screener = Screener::new(self.directory.moderation_policy(scope)?)?;
+        let (decision, reasons) = screener.screen(prompt);
+        let units = units(prompt);
+        let id = tally_core::ids::new_id("modr");
+        let mut metered = false;
+        if let Some(external) = external_id {
+            let reference = CustomerRef::External(external.to_string());
+            if self
+                .directory
+                .resolve_customer(scope, &reference)?
+                .is_some()
+            {
+                let raw = tally_domain::usage::RawUsageEvent {
+                    name: Some(MODERATION_EVENT.into()),
+                    customer_id: None,
+                    external_customer_id: Some(external.to_string()),
+                    event_id: Some(id.clone()),
+                    timestamp: None,
+                    properties: vec![(
+                        "units".into(),
+                        tally_domain::usage::RawPropertyValue::Number(units.to_string()),
+                    )],
+                };
+                self.gateway.ingest_events(scope, &[Ok(raw)]).await?;
+                metered = true;
+            }
+        }
+        Ok(Moderated {
+            id,
+            decision,
+            reasons,
+            units,
+            metered,
+        })
     }
 
     /// Appending, waiting for decisions, the write gate, node metrics.

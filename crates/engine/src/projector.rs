@@ -488,6 +488,11 @@ fn apply_record(
             mode,
             referral_code,
         } => tally_billing::affiliates::apply_click(overlay, store_id, *mode, referral_code)?,
+        Record::ModerationPolicySet {
+            store_id,
+            mode,
+            policy,
+        } => tally_directory::moderation::apply_policy(overlay, store_id, *mode, policy),
         Record::StoreSettingsSet {
             store_id,
             mode,

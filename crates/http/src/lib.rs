@@ -99,6 +99,7 @@ pub fn router(state: AppState) -> Router {
         .merge(routes::billing::router())
         .merge(routes::subscriptions::router())
         .merge(routes::affiliates::router())
+        .merge(routes::moderation::router())
         .merge(routes::events::router())
         .merge(routes::credits::router())
         .merge(routes::webhooks::router())

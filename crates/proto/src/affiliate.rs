@@ -69,3 +69,51 @@ pub fn affiliate_from_proto(a: v1::Affiliate) -> Result<Affiliate, DecodeError> 
         updated_at_ms: a.updated_at_ms,
     })
 }
+
+pub fn policy_to_proto(
+    store_id: &str,
+    mode: tally_domain::Mode,
+    p: &tally_domain::moderation::Policy,
+) -> v1::ModerationPolicy {
+    v1::ModerationPolicy {
+        store_id: store_id.to_string(),
+        mode: mode_to_proto(mode),
+        deny_terms: p.deny_terms.clone(),
+        flag_terms: p.flag_terms.clone(),
+        deny_patterns: p.deny_patterns.clone(),
+        flag_patterns: p.flag_patterns.clone(),
+        pii_email: p.pii.email.0.as_str().into(),
+        pii_phone: p.pii.phone.0.as_str().into(),
+        pii_card: p.pii.card.0.as_str().into(),
+        pii_iban: p.pii.iban.0.as_str().into(),
+    }
+}
+
+pub fn policy_from_proto(
+    p: v1::ModerationPolicy,
+) -> Result<(String, tally_domain::Mode, tally_domain::moderation::Policy), DecodeError> {
+    use tally_domain::moderation::{Pii, PiiAction, PiiActionOr, Policy};
+    let action = |text: &str| {
+        if text.is_empty() {
+            Ok(PiiActionOr(PiiAction::Off))
+        } else {
+            named(PiiAction::parse, text, "pii action").map(PiiActionOr)
+        }
+    };
+    Ok((
+        p.store_id,
+        mode_from_proto(p.mode)?,
+        Policy {
+            deny_terms: p.deny_terms,
+            flag_terms: p.flag_terms,
+            deny_patterns: p.deny_patterns,
+            flag_patterns: p.flag_patterns,
+            pii: Pii {
+                email: action(&p.pii_email)?,
+                phone: action(&p.pii_phone)?,
+                card: action(&p.pii_card)?,
+                iban: action(&p.pii_iban)?,
+            },
+        },
+    ))
+}

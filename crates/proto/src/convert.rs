@@ -552,6 +552,11 @@ pub fn encode_record_with(
             mode: mode_to_proto(*mode),
             referral_code: referral_code.clone(),
         }),
+        Record::ModerationPolicySet {
+            store_id,
+            mode,
+            policy,
+        } => Kind::ModerationPolicySet(crate::policy_to_proto(store_id, *mode, policy)),
         Record::TestClockSet { store_id, to_ms } => Kind::TestClockSet(v1::TestClockSet {
             store_id: store_id.to_string(),
             to_ms: *to_ms,
@@ -703,6 +708,14 @@ pub fn decode_record(
             mode: mode_from_proto(c.mode)?,
             referral_code: c.referral_code,
         },
+        Kind::ModerationPolicySet(p) => {
+            let (store_id, mode, policy) = crate::policy_from_proto(p)?;
+            Record::ModerationPolicySet {
+                store_id: store_id.into(),
+                mode,
+                policy,
+            }
+        }
         Kind::TestClockSet(t) => Record::TestClockSet {
             store_id: t.store_id.into(),
             to_ms: t.to_ms,

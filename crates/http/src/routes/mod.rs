@@ -8,6 +8,7 @@ pub mod customers;
 pub mod events;
 pub mod health;
 pub mod meters;
+pub mod moderation;
 pub mod products;
 pub mod subscriptions;
 pub mod webhooks;

@@ -1,0 +1,115 @@
+//! Prompt moderation (experimental; docs/api.md, "Moderation"): screening a prompt
+//! and the store's policy.
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use serde_json::{json, Map, Value};
+use tally_domain::moderation::{Pii, PiiAction, PiiActionOr, Policy};
+use tally_domain::FieldError;
+use tally_engine::Scope;
+
+use crate::error::ApiResult;
+use crate::extract::{Fields, JsonObject};
+use crate::AppState;
+
+pub fn router() -> axum::Router<AppState> {
+    use axum::routing;
+    axum::Router::new()
+        .route("/v1/moderation/prompt", routing::post(screen_prompt))
+        .route(
+            "/v1/moderation/policy",
+            routing::get(get_policy).post(set_policy),
+        )
+}
+
+/// `POST /v1/moderation/prompt {prompt, external_id?}` -> a moderation result.
+pub async fn screen_prompt(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let prompt = fields.string("prompt")?;
+    let external_id = fields.string("external_id")?;
+    let result = state
+        .engine
+        .moderate(&scope, prompt.as_deref(), external_id.as_deref())
+        .await?;
+    Ok(Json(json!({
+        "id": result.id,
+        "object": "moderation_result",
+        "prompt": prompt,
+        "decision": result.decision.as_str(),
+        "reasons": result.reasons,
+        "usage": {"units": result.units},
+        "external_id": external_id,
+        "metered": result.metered,
+    })))
+}
+
+fn policy_body(p: &Policy) -> Value {
+    json!({
+        "object": "moderation_policy",
+        "deny_terms": p.deny_terms,
+        "flag_terms": p.flag_terms,
+        "deny_patterns": p.deny_patterns,
+        "flag_patterns": p.flag_patterns,
+        "pii": {
+            "email": p.pii.email.0.as_str(),
+            "phone": p.pii.phone.0.as_str(),
+            "card": p.pii.card.0.as_str(),
+            "iban": p.pii.iban.0.as_str(),
+        },
+    })
+}
+
+pub async fn get_policy(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(policy_body(
+        &state.engine.directory().moderation_policy(&scope)?,
+    )))
+}
+
+fn pii_action(pii: &Map<String, Value>, name: &str) -> Result<PiiActionOr, FieldError> {
+    let param = format!("pii.{name}");
+    match pii.get(name) {
+        None | Some(Value::Null) => Ok(PiiActionOr(PiiAction::Off)),
+        Some(Value::String(text)) => PiiAction::parse_field(&param, text).map(PiiActionOr),
+        Some(_) => Err(FieldError::invalid(param, "must be off, flag or deny")),
+    }
+}
+
+/// `POST /v1/moderation/policy`: replaces the policy (absent lists are empty).
+pub async fn set_policy(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let list = |name: &str| fields.strings(name).map(Option::unwrap_or_default);
+    let pii = match body.get("pii") {
+        None | Some(Value::Null) => Pii::default(),
+        Some(Value::Object(map)) => Pii {
+            email: pii_action(map, "email")?,
+            phone: pii_action(map, "phone")?,
+            card: pii_action(map, "card")?,
+            iban: pii_action(map, "iban")?,
+        },
+        Some(_) => return Err(FieldError::invalid("pii", "`pii` must be an object").into()),
+    };
+    let policy = Policy {
+        deny_terms: list("deny_terms")?,
+        flag_terms: list("flag_terms")?,
+        deny_patterns: list("deny_patterns")?,
+        flag_patterns: list("flag_patterns")?,
+        pii,
+    };
+    let saved = state
+        .engine
+        .directory()
+        .set_moderation_policy(&scope, policy)
+        .await?;
+    Ok(Json(policy_body(&saved)))
+}
