@@ -75,6 +75,8 @@
 //! | `,` | store, mode, referral_code | affiliate_id |
 //! | `-` | store, mode, created_at, affiliate_id | (empty) affiliate listing, newest first |
 //! | `/` | store, mode | ModerationPolicy (proto): the store's moderation policy |
+//! | `[` | sha256(api key) | the key's permissions, one per line (absent: every permission) |
+//! | `]` | store, key_id | sha256(api key), mode byte, revoked byte (the admin API's handle on a key) |
 
 use tally_domain::Mode;
 
@@ -152,6 +154,8 @@ pub const AFFILIATE: u8 = b'+';
 pub const AFFILIATE_CODE: u8 = b',';
 pub const AFFILIATE_LIST: u8 = b'-';
 pub const MODERATION_POLICY: u8 = b'/';
+pub const API_KEY_PERMISSIONS: u8 = b'[';
+pub const API_KEY_ID: u8 = b']';
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

@@ -18,6 +18,7 @@ use crate::keys::{self, Key};
 pub const OUTCOME_CODES: &[&str] = &[
     "account_closed",
     "affiliate_invite_exists",
+    "api_key_revoked",
     "account_frozen",
     "account_name_taken",
     "account_balance_changed",

@@ -26,6 +26,14 @@ pub fn apply_store(overlay: &mut Overlay<'_>, store: &StoreRecord, applied: &mut
         let mut value = store.store_id.as_bytes().to_vec();
         value.push(mode.key_byte());
         overlay.put(Key::table(keys::API_KEY).tail(hash).into_bytes(), value);
+        // The admin API's handle on the key, for revocation.
+        crate::access::put_index(
+            overlay,
+            &store.store_id,
+            &crate::access::key_id_of(hash),
+            hash,
+            mode,
+        );
     }
     applied.stores.push(store.clone());
 }

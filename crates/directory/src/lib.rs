@@ -18,6 +18,7 @@ use tally_domain::usage::CustomerRef;
 use tally_domain::Mode;
 use tally_projection::{scan_prefix, Visit};
 
+pub mod access;
 pub mod apply;
 pub mod customers;
 pub mod moderation;
@@ -32,6 +33,8 @@ pub const MAX_CACHED_CUSTOMERS: usize = 1_000_000;
 pub struct DirectoryCaches {
     /// sha256(api key) -> scope.
     pub api_keys: DashMap<Vec<u8>, Scope>,
+    /// sha256(api key) -> permissions, for restricted keys (absent: every one).
+    pub key_permissions: DashMap<Vec<u8>, Vec<String>>,
     /// Customer ids known to exist (`scope key + id`). Customers are never deleted,
     /// so an entry never goes stale.
     pub known_customers: DashMap<String, ()>,
@@ -48,6 +51,10 @@ pub struct DirectoryCaches {
 #[derive(Debug, Default)]
 pub struct DirectoryApplied {
     pub stores: Vec<StoreRecord>,
+    /// Restricted keys created: digest, scope, permissions.
+    pub keys_added: Vec<(Vec<u8>, Scope, Option<Vec<String>>)>,
+    /// Digests of keys revoked.
+    pub keys_revoked: Vec<Vec<u8>>,
     /// A customer was created or updated.
     pub customers_changed: bool,
     /// Cache keys (`customer_cache_key`) of external ids a customer update released.
@@ -57,6 +64,8 @@ pub struct DirectoryApplied {
 impl DirectoryApplied {
     pub fn absorb(&mut self, other: DirectoryApplied) {
         self.stores.extend(other.stores);
+        self.keys_added.extend(other.keys_added);
+        self.keys_revoked.extend(other.keys_revoked);
         self.customers_changed |= other.customers_changed;
         self.stale_external_ids.extend(other.stale_external_ids);
     }
@@ -99,10 +108,26 @@ impl Directory {
                 }
             }
         })?;
-        match corrupt {
-            Some(error) => Err(error),
-            None => Ok(directory),
+        if let Some(error) = corrupt {
+            return Err(error);
         }
+        scan_prefix(
+            store.as_ref(),
+            &[keys::API_KEY_PERMISSIONS],
+            false,
+            &mut |k, v| {
+                let permissions = String::from_utf8_lossy(v)
+                    .lines()
+                    .map(str::to_string)
+                    .collect();
+                directory
+                    .caches
+                    .key_permissions
+                    .insert(k[1..].to_vec(), permissions);
+                Visit::Continue
+            },
+        )?;
+        Ok(directory)
     }
 
     pub fn caches(&self) -> &DirectoryCaches {
@@ -125,6 +150,18 @@ impl Directory {
                     },
                 );
             }
+        }
+        for (digest, scope, permissions) in applied.keys_added {
+            if let Some(permissions) = permissions {
+                self.caches
+                    .key_permissions
+                    .insert(digest.clone(), permissions);
+            }
+            self.caches.api_keys.insert(digest, scope);
+        }
+        for digest in &applied.keys_revoked {
+            self.caches.api_keys.remove(digest);
+            self.caches.key_permissions.remove(digest);
         }
         if applied.customers_changed {
             let mut generation = self

@@ -7,6 +7,7 @@
 #[macro_use]
 mod macros;
 
+pub mod access;
 pub mod affiliate;
 pub mod aggregate;
 pub mod billing;

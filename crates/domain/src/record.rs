@@ -123,6 +123,20 @@ pub enum Record {
         mode: Mode,
         policy: crate::moderation::Policy,
     },
+    /// A restricted API key of a store (only its SHA-256 is kept).
+    ApiKeyCreated {
+        store_id: StoreId,
+        key_id: String,
+        mode: Mode,
+        key_sha256: Vec<u8>,
+        permissions: Vec<String>,
+        created_at_ms: i64,
+    },
+    /// A key revoked: refused from the moment this record is applied.
+    ApiKeyRevoked {
+        store_id: StoreId,
+        key_id: String,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -291,6 +305,8 @@ impl Record {
             Record::AffiliateUpserted(a) => a.store_id.as_bytes().to_vec(),
             Record::AffiliateClicked { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::ModerationPolicySet { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::ApiKeyCreated { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::ApiKeyRevoked { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::UsageBatch {
                 store_id, events, ..
             } => match events.first() {

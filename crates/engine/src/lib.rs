@@ -40,6 +40,7 @@ pub use tally_core::{
     codec, error, event_index, idempotency, ids, keys, metrics, outcome, overlay, pagination,
     Decision, EngineError, Journal, Metrics, Scope, APPLY_WAIT,
 };
+pub use tally_directory::access as directory_access;
 pub use tally_directory::{customers, stores};
 pub use tally_ingest as ingest;
 pub use tally_ledger as ledger;

@@ -488,6 +488,28 @@ fn apply_record(
             mode,
             referral_code,
         } => tally_billing::affiliates::apply_click(overlay, store_id, *mode, referral_code)?,
+        Record::ApiKeyCreated {
+            store_id,
+            key_id,
+            mode,
+            key_sha256,
+            permissions,
+            ..
+        } => tally_directory::access::apply_key_created(
+            overlay,
+            store_id,
+            key_id,
+            *mode,
+            key_sha256,
+            permissions,
+            &mut applied.directory,
+        )?,
+        Record::ApiKeyRevoked { store_id, key_id } => tally_directory::access::apply_key_revoked(
+            overlay,
+            store_id,
+            key_id,
+            &mut applied.directory,
+        )?,
         Record::ModerationPolicySet {
             store_id,
             mode,

@@ -115,7 +115,16 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(routes::health::readyz))
         .route("/metrics", get(routes::health::metrics));
     if state.mode == Mode::Prod {
-        open = open.route("/admin/v1/stores", post(routes::admin::create_store));
+        open = open
+            .route("/admin/v1/stores", post(routes::admin::create_store))
+            .route(
+                "/admin/v1/stores/{id}/keys",
+                post(routes::admin::create_key),
+            )
+            .route(
+                "/admin/v1/stores/{id}/keys/{key_id}",
+                axum::routing::delete(routes::admin::revoke_key),
+            );
     }
     open.method_not_allowed_fallback(method_not_allowed)
         .merge(v1)

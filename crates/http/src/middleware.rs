@@ -99,10 +99,24 @@ pub async fn authenticate(
         .authenticate(key.as_deref(), state.mode)
     {
         Ok(scope) => {
+            let digest = key_digest(key.as_deref().unwrap_or(""));
+            // A restricted key needs the permission of the resource and method.
+            if let Some(held) = state.engine.directory().permissions_of(&digest) {
+                let path = request.uri().path();
+                if let Some(needed) = tally_domain::access::needed(path, request.method().as_str())
+                {
+                    if !tally_domain::access::allows(&held, &needed) {
+                        return ApiError::new(
+                            StatusCode::FORBIDDEN,
+                            "permission_denied",
+                            format!("this API key lacks the permission `{needed}`"),
+                        )
+                        .into_response();
+                    }
+                }
+            }
             request.extensions_mut().insert(scope);
-            request
-                .extensions_mut()
-                .insert(KeyDigest(key_digest(key.as_deref().unwrap_or(""))));
+            request.extensions_mut().insert(KeyDigest(digest));
             next.run(request).await
         }
         Err(error) => {

@@ -557,6 +557,25 @@ pub fn encode_record_with(
             mode,
             policy,
         } => Kind::ModerationPolicySet(crate::policy_to_proto(store_id, *mode, policy)),
+        Record::ApiKeyCreated {
+            store_id,
+            key_id,
+            mode,
+            key_sha256,
+            permissions,
+            created_at_ms,
+        } => Kind::ApiKeyCreated(v1::ApiKeyCreated {
+            store_id: store_id.to_string(),
+            key_id: key_id.clone(),
+            mode: mode_to_proto(*mode),
+            key_sha256: key_sha256.clone(),
+            permissions: permissions.clone(),
+            created_at_ms: *created_at_ms,
+        }),
+        Record::ApiKeyRevoked { store_id, key_id } => Kind::ApiKeyRevoked(v1::ApiKeyRevoked {
+            store_id: store_id.to_string(),
+            key_id: key_id.clone(),
+        }),
         Record::TestClockSet { store_id, to_ms } => Kind::TestClockSet(v1::TestClockSet {
             store_id: store_id.to_string(),
             to_ms: *to_ms,
@@ -716,6 +735,18 @@ pub fn decode_record(
                 policy,
             }
         }
+        Kind::ApiKeyCreated(k) => Record::ApiKeyCreated {
+            store_id: k.store_id.into(),
+            key_id: k.key_id,
+            mode: mode_from_proto(k.mode)?,
+            key_sha256: k.key_sha256,
+            permissions: k.permissions,
+            created_at_ms: k.created_at_ms,
+        },
+        Kind::ApiKeyRevoked(k) => Record::ApiKeyRevoked {
+            store_id: k.store_id.into(),
+            key_id: k.key_id,
+        },
         Kind::TestClockSet(t) => Record::TestClockSet {
             store_id: t.store_id.into(),
             to_ms: t.to_ms,

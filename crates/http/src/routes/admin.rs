@@ -15,11 +15,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-pub async fn create_store(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    JsonObject(body): JsonObject,
-) -> ApiResult<Json<Value>> {
+/// Checks `Authorization: Bearer <admin token>` (constant time); 404 when no token
+/// is configured (the admin API does not exist then).
+fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = state.config.admin_token.as_deref() else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -39,6 +37,15 @@ pub async fn create_store(
             "send `Authorization: Bearer <TALLY_ADMIN_TOKEN>`",
         ));
     }
+    Ok(())
+}
+
+pub async fn create_store(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    check_admin(&state, &headers)?;
     let name = Fields::new(&body).required_string("name")?;
     let store = state.engine.directory().create_store(&name).await?;
     Ok(Json(json!({
@@ -46,6 +53,63 @@ pub async fn create_store(
         "object": "store",
         "name": store.name,
         "api_keys": {"test": store.test_key, "prod": store.prod_key},
+        "api_key_ids": {
+            "test": tally_engine::directory_access::key_id_of(&tally_engine::stores::key_digest(&store.test_key)),
+            "prod": tally_engine::directory_access::key_id_of(&tally_engine::stores::key_digest(&store.prod_key)),
+        },
         "created_at": tally_domain::time::format_iso8601_ms(store.created_at_ms),
     })))
+}
+
+/// `POST /admin/v1/stores/{id}/keys {mode, permissions}`: a restricted key, shown
+/// once.
+pub async fn create_key(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Path(store_id): axum::extract::Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    check_admin(&state, &headers)?;
+    let fields = Fields::new(&body);
+    let mode = match fields.required_string("mode")?.as_str() {
+        "test" => tally_domain::Mode::Test,
+        "prod" => tally_domain::Mode::Prod,
+        _ => {
+            return Err(
+                tally_domain::FieldError::invalid("mode", "`mode` is `test` or `prod`").into(),
+            )
+        }
+    };
+    let permissions = fields
+        .strings("permissions")?
+        .ok_or_else(|| tally_domain::FieldError::missing("permissions"))?;
+    let key = state
+        .engine
+        .directory()
+        .create_key(&store_id, mode, &permissions)
+        .await?;
+    Ok(Json(json!({
+        "id": key.id,
+        "object": "api_key",
+        "key": key.key,
+        "mode": key.mode.as_str(),
+        "permissions": key.permissions,
+    })))
+}
+
+/// `DELETE /admin/v1/stores/{id}/keys/{key_id}`: refused from now on.
+pub async fn revoke_key(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Path((store_id, key_id)): axum::extract::Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    check_admin(&state, &headers)?;
+    state
+        .engine
+        .directory()
+        .revoke_key(&store_id, &key_id)
+        .await?;
+    Ok(Json(
+        json!({"id": key_id, "object": "api_key", "revoked": true}),
+    ))
 }

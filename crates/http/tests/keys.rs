@@ -1,0 +1,162 @@
+//! API keys with permissions and their revocation, over real sockets and across a
+//! restart: a restricted key gets 403 `permission_error` naming what it lacks, a
+//! revoked key 401 at once.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+
+async fn admin(server: &Server, method: reqwest::Method, path: &str, body: Value) -> Answer {
+    Api::finish_raw(
+        reqwest::Client::new()
+            .request(method, format!("{}{path}", server.prod_url))
+            .bearer_auth("admin-secret")
+            .json(&body),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let store = admin(
+        &server,
+        reqwest::Method::POST,
+        "/admin/v1/stores",
+        json!({"name": "k"}),
+    )
+    .await;
+    assert_eq!(store.status, 200, "{}", store.body);
+    let store_id = store.body["id"].as_str().unwrap().to_string();
+    let test_key = store.body["api_keys"]["test"].as_str().unwrap().to_string();
+    let test_key_id = store.body["api_key_ids"]["test"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let keys_path = format!("/admin/v1/stores/{store_id}/keys");
+
+    let bad = admin(
+        &server,
+        reqwest::Method::POST,
+        &keys_path,
+        json!({"mode": "test", "permissions": ["meters:delete"]}),
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert_eq!(bad.body["error"]["param"], "permissions[0]");
+    let nowhere = admin(
+        &server,
+        reqwest::Method::POST,
+        "/admin/v1/stores/st_nope/keys",
+        json!({"mode": "test", "permissions": ["all"]}),
+    )
+    .await;
+    assert_eq!(nowhere.status, 404);
+    let unauthorized = Api::finish_raw(
+        reqwest::Client::new()
+            .post(format!("{}{keys_path}", server.prod_url))
+            .json(&json!({"mode": "test", "permissions": ["all"]})),
+    )
+    .await;
+    assert_eq!(unauthorized.status, 401);
+
+    let created = admin(
+        &server,
+        reqwest::Method::POST,
+        &keys_path,
+        json!({"mode": "test", "permissions": ["meters:write", "events:read"]}),
+    )
+    .await;
+    assert_eq!(created.status, 200, "{}", created.body);
+    assert_eq!(
+        created.body["permissions"],
+        json!(["events:read", "meters:write"])
+    );
+    let restricted = Api::new(&server.test_url, created.body["key"].as_str().unwrap());
+    let key_id = created.body["id"].as_str().unwrap().to_string();
+
+    // Write includes read; anything else is 403 naming the permission.
+    assert_eq!(restricted.get("/v1/meters").await.status, 200);
+    let meter = restricted
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "call", "aggregation": "count"}),
+        )
+        .await;
+    assert_eq!(meter.status, 200, "{}", meter.body);
+    let denied = assert_error(
+        &restricted.get("/v1/customers").await,
+        403,
+        "permission_error",
+    );
+    assert_eq!(denied["code"], "permission_denied");
+    assert!(denied["message"]
+        .as_str()
+        .unwrap()
+        .contains("customers:read"));
+    let ingest = assert_error(
+        &restricted
+            .post(
+                "/v1/events/ingest",
+                json!({"events": [{"name": "call", "customer_id": "cus_x"}]}),
+            )
+            .await,
+        403,
+        "permission_error",
+    );
+    assert!(ingest["message"].as_str().unwrap().contains("events:write"));
+
+    // Survives a restart; then revoked: 401 at once, revoking again is 409.
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let restricted = Api::new(&server.test_url, &restricted.key);
+    assert_eq!(restricted.get("/v1/meters").await.status, 200);
+    assert_eq!(restricted.get("/v1/customers").await.status, 403);
+    let revoked = admin(
+        &server,
+        reqwest::Method::DELETE,
+        &format!("{keys_path}/{key_id}"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(revoked.status, 200, "{}", revoked.body);
+    assert_error(
+        &restricted.get("/v1/meters").await,
+        401,
+        "authentication_error",
+    );
+    let twice = admin(
+        &server,
+        reqwest::Method::DELETE,
+        &format!("{keys_path}/{key_id}"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(twice.status, 409, "{}", twice.body);
+    assert_eq!(twice.body["error"]["code"], "api_key_revoked");
+
+    // A store's own key can be revoked by its id too.
+    let full = Api::new(&server.test_url, &test_key);
+    assert_eq!(full.get("/v1/customers").await.status, 200);
+    let gone = admin(
+        &server,
+        reqwest::Method::DELETE,
+        &format!("{keys_path}/{test_key_id}"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(gone.status, 200, "{}", gone.body);
+    assert_eq!(full.get("/v1/customers").await.status, 401);
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    assert_eq!(
+        Api::new(&server.test_url, &test_key)
+            .get("/v1/customers")
+            .await
+            .status,
+        401
+    );
+    server.stop().await;
+}
