@@ -154,6 +154,39 @@ enum StoreCommand {
         #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
         admin_token: String,
     },
+    /// Create a restricted API key of a store and print it (shown once).
+    CreateKey {
+        /// The store's id (st_...).
+        #[arg(long)]
+        store: String,
+        /// `test` or `prod`.
+        #[arg(long)]
+        mode: String,
+        /// A permission: `all` or `<resource>:read|write` (repeat for several).
+        #[arg(long = "permission", required = true)]
+        permissions: Vec<String>,
+        /// The server's production listener.
+        #[arg(long, env = "TALLY_BASE_URL", default_value = "http://127.0.0.1:8080")]
+        base_url: String,
+        /// Admin token the server was started with.
+        #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: String,
+    },
+    /// Revoke an API key of a store (refused at once by every node).
+    RevokeKey {
+        /// The store's id (st_...).
+        #[arg(long)]
+        store: String,
+        /// The key's id (key_...).
+        #[arg(long)]
+        key: String,
+        /// The server's production listener.
+        #[arg(long, env = "TALLY_BASE_URL", default_value = "http://127.0.0.1:8080")]
+        base_url: String,
+        /// Admin token the server was started with.
+        #[arg(long, env = "TALLY_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -763,12 +796,19 @@ async fn listen(args: ListenArgs) -> Result<()> {
     }
 }
 
-async fn store_create(name: String, base_url: String, admin_token: String) -> Result<()> {
-    let url = format!("{}/admin/v1/stores", base_url.trim_end_matches('/'));
+/// One call of the admin API; its JSON answer, or the error it gave.
+async fn admin_call(
+    method: reqwest::Method,
+    base_url: &str,
+    path: &str,
+    admin_token: &str,
+    body: serde_json::Value,
+) -> Result<serde_json::Value> {
+    let url = format!("{}{path}", base_url.trim_end_matches('/'));
     let response = reqwest::Client::new()
-        .post(&url)
+        .request(method, &url)
         .bearer_auth(admin_token)
-        .json(&serde_json::json!({ "name": name }))
+        .json(&body)
         .send()
         .await
         .with_context(|| format!("calling {url}"))?;
@@ -780,6 +820,18 @@ async fn store_create(name: String, base_url: String, admin_token: String) -> Re
             body["error"]["message"].as_str().unwrap_or("unknown error")
         );
     }
+    Ok(body)
+}
+
+async fn store_create(name: String, base_url: String, admin_token: String) -> Result<()> {
+    let body = admin_call(
+        reqwest::Method::POST,
+        &base_url,
+        "/admin/v1/stores",
+        &admin_token,
+        serde_json::json!({ "name": name }),
+    )
+    .await?;
     println!(
         "Created store \"{}\" ({}). Its API keys are shown only this once:",
         body["name"].as_str().unwrap_or(""),
@@ -792,6 +844,11 @@ async fn store_create(name: String, base_url: String, admin_token: String) -> Re
     println!(
         "  prod key: {}",
         body["api_keys"]["prod"].as_str().unwrap_or("")
+    );
+    println!(
+        "Key ids (for `tally store revoke-key`): test {}, prod {}",
+        body["api_key_ids"]["test"].as_str().unwrap_or(""),
+        body["api_key_ids"]["prod"].as_str().unwrap_or("")
     );
     Ok(())
 }
@@ -810,6 +867,53 @@ async fn main() -> Result<()> {
                     admin_token,
                 },
         } => store_create(name, base_url, admin_token).await,
+        Command::Store {
+            command:
+                StoreCommand::CreateKey {
+                    store,
+                    mode,
+                    permissions,
+                    base_url,
+                    admin_token,
+                },
+        } => {
+            let body = admin_call(
+                reqwest::Method::POST,
+                &base_url,
+                &format!("/admin/v1/stores/{store}/keys"),
+                &admin_token,
+                serde_json::json!({ "mode": mode, "permissions": permissions }),
+            )
+            .await?;
+            println!(
+                "Created key {} ({}) with {}. It is shown only this once:\n  {}",
+                body["id"].as_str().unwrap_or(""),
+                body["mode"].as_str().unwrap_or(""),
+                body["permissions"],
+                body["key"].as_str().unwrap_or("")
+            );
+            Ok(())
+        }
+        Command::Store {
+            command:
+                StoreCommand::RevokeKey {
+                    store,
+                    key,
+                    base_url,
+                    admin_token,
+                },
+        } => {
+            admin_call(
+                reqwest::Method::DELETE,
+                &base_url,
+                &format!("/admin/v1/stores/{store}/keys/{key}"),
+                &admin_token,
+                serde_json::json!({}),
+            )
+            .await?;
+            println!("Revoked key {key}.");
+            Ok(())
+        }
         Command::Listen(args) => listen(args).await,
         Command::Webhook {
             command:
