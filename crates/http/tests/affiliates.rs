@@ -93,6 +93,23 @@ async fn affiliates_join_convert_earn_and_give_back() {
     assert_eq!(again["code"], "invalid_state_transition");
     let invites = ok(&api.get("/v1/affiliates/invites").await);
     assert_eq!(invites["items"][0]["status"], "accepted");
+    assert_error(
+        &api.post("/v1/affiliates/invites/affinv_nope/accept", json!({}))
+            .await,
+        404,
+        "invalid_request_error",
+    );
+    assert_error(
+        &api.get("/v1/affiliates/aff_nope").await,
+        404,
+        "invalid_request_error",
+    );
+    assert_error(
+        &api.post("/v1/affiliates/aff_nope", json!({"status": "suspended"}))
+            .await,
+        404,
+        "invalid_request_error",
+    );
 
     // Settings: 10 % commission, links under the store's site.
     ok(&api
