@@ -148,6 +148,9 @@ pub fn period_start(anchor_ms: i64, months: u32, at_ms: i64) -> i64 {
 /// `at_ms` (the first, for an instant before the anchor): `(start, end)`.
 pub fn period_bounds(anchor_ms: i64, months: u32, at_ms: i64) -> (i64, i64) {
     use chrono::{Months, TimeZone, Utc};
+    if months == 0 {
+        return (anchor_ms, i64::MAX);
+    }
     let start = period_start(anchor_ms, months, at_ms);
     let Some(anchor) = Utc.timestamp_millis_opt(anchor_ms).single() else {
         return (start, start);
