@@ -45,6 +45,11 @@ pub const SCHEDULE_BATCH: usize = 100;
 /// How often the background scheduler looks for due work.
 pub const SCHEDULE_POLL_MS: u64 = 1_000;
 
+/// Times an advance runs work due at one instant before it gives up: a batch of
+/// `SCHEDULE_BATCH` per run, so this bounds a stuck item's retries, not real work
+/// (which moves the due instant on).
+pub const MAX_STALLED_STEPS: u32 = 1_000;
+
 /// How far a test clock may jump in one advance: each period, retry and period end
 /// on the way runs, so a jump bounds the work one request does.
 pub const MAX_TEST_CLOCK_ADVANCE_MS: i64 = 2 * 366 * tally_domain::time::DAY_MS;
@@ -1023,12 +1028,25 @@ impl Billing {
         }
         // Due work runs at its own time, soonest first, before the clock moves past
         // it: each step sets the clock to the next due instant, runs it, and goes on.
+        // An item that stays due at the same instant after being run (it could not
+        // move on) stops the advance instead of spinning.
+        let mut stalled = (None, 0u32);
         loop {
             let next = self.next_due(scope, to_ms)?;
             let step = next.unwrap_or(to_ms);
             self.set_test_clock(scope, step).await?;
             if next.is_none() {
                 break;
+            }
+            stalled = match stalled {
+                (Some(at), n) if at == step => (Some(at), n + 1),
+                _ => (Some(step), 0),
+            };
+            if stalled.1 >= MAX_STALLED_STEPS {
+                return Err(EngineError::Unavailable {
+                    code: "test_clock_stalled",
+                    message: "work due on the test clock could not run; the clock stopped at it (see the server log)",
+                });
             }
             self.run_due_work(scope.mode, Some(&scope.store_id), step, |_| step)
                 .await?;
