@@ -1,4 +1,4 @@
-//! Credits ledger benchmark (issue 4): debit transactions per second over HTTP
+//! Credits ledger benchmark (README "Credits ledger"): debit transactions per second over HTTP
 //! against a running `tally serve` it starts itself, (a) spread over many accounts and
 //! (b) all on one hot account, with latency percentiles.
 
