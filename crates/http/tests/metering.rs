@@ -209,6 +209,18 @@ async fn meter_states_follow_the_spec_table() {
     let error = assert_error(&immutable, 400, "invalid_request_error");
     assert_eq!(error["code"], "meter_field_immutable");
     assert_eq!(error["param"], "aggregation");
+    // Fields an update does not take are named, not ignored.
+    for field in ["status", "colour"] {
+        let unknown = api
+            .post(
+                &format!("/v1/meters/{id}"),
+                json!({field: "x", "name": "ignored?"}),
+            )
+            .await;
+        let error = assert_error(&unknown, 400, "invalid_request_error");
+        assert_eq!(error["code"], "parameter_unknown");
+        assert_eq!(error["param"], field);
+    }
     let renamed = api
         .post(
             &format!("/v1/meters/{id}"),

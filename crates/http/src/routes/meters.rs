@@ -176,6 +176,21 @@ pub async fn update(
     PathId(id): PathId,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
+    // Fields an update cannot take are named, never silently ignored.
+    const UPDATABLE: [&str; 2] = ["name", "unit_label"];
+    if let Some(field) = body
+        .keys()
+        .find(|k| !UPDATABLE.contains(&k.as_str()) && !IMMUTABLE_METER_FIELDS.contains(&k.as_str()))
+    {
+        let message = if field == "status" {
+            "`status` changes through POST /v1/meters/{id}/archive and /unarchive".to_string()
+        } else {
+            format!("a meter update takes `name` and `unit_label`; `{field}` is not one of them")
+        };
+        return Err(
+            tally_domain::FieldError::new("parameter_unknown", field.clone(), message).into(),
+        );
+    }
     let fields = Fields::new(&body);
     let update = MeterUpdate {
         name: fields.string("name")?,
