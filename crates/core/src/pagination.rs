@@ -233,3 +233,43 @@ pub fn page_based<T>(
         page_size,
     })
 }
+
+/// The cursor contract over items already in memory, newest first (small bounded
+/// lists): `starting_after` the items after the named one, `ending_before` the
+/// `limit` just before it; an unknown id is a 404 naming the parameter.
+pub fn paginate_slice<T>(
+    items: Vec<T>,
+    page: &PageRequest,
+    id_of: impl Fn(&T) -> String,
+) -> Result<Page<T>, EngineError> {
+    let position = |param: &str, id: &str| {
+        items
+            .iter()
+            .position(|item| id_of(item) == id)
+            .ok_or_else(|| EngineError::not_found("item", id).for_param(param))
+    };
+    let (start, end) = match (&page.starting_after, &page.ending_before) {
+        (Some(_), Some(_)) => {
+            return Err(tally_domain::FieldError::invalid(
+                "ending_before",
+                "give at most one of `starting_after` and `ending_before`",
+            )
+            .into())
+        }
+        (Some(id), None) => {
+            let at = position("starting_after", id)? + 1;
+            (at, (at + page.limit).min(items.len()))
+        }
+        (None, Some(id)) => {
+            let at = position("ending_before", id)?;
+            (at.saturating_sub(page.limit), at)
+        }
+        (None, None) => (0, page.limit.min(items.len())),
+    };
+    let has_more = match &page.ending_before {
+        Some(_) => start > 0,
+        None => end < items.len(),
+    };
+    let data = items.into_iter().skip(start).take(end - start).collect();
+    Ok(Page { data, has_more })
+}

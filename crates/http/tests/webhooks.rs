@@ -644,3 +644,79 @@ async fn deliveries_of_a_test_store_follow_its_test_clock() {
     receiver.wait_for(3).await;
     server.stop().await;
 }
+
+/// The endpoint list and the deliveries list keep the cursor contract: `limit`,
+/// `has_more`, `starting_after`, `ending_before`, 404 naming an unknown cursor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_lists_keep_the_cursor_contract() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let (receiver, url) = Receiver::start(&[]).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        server.clock.advance_ms(1);
+        let body = if i == 0 {
+            json!({"url": url, "delivery_mode": "http", "events": ["credits.granted"]})
+        } else {
+            json!({"delivery_mode": "cli", "events": ["credits.granted"]})
+        };
+        let hook = api.post("/v1/webhooks", body).await;
+        assert_eq!(hook.status, 200, "{}", hook.body);
+        ids.push(hook.body["id"].as_str().unwrap().to_string());
+    }
+    let first = api.get("/v1/webhooks?limit=2").await.body;
+    let listed: Vec<&str> = first["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, vec![ids[2].as_str(), ids[1].as_str()]);
+    assert_eq!(first["has_more"], true);
+    let next = api
+        .get(&format!("/v1/webhooks?limit=2&starting_after={}", ids[1]))
+        .await
+        .body;
+    assert_eq!(next["data"][0]["id"], ids[0].as_str());
+    assert_eq!(next["has_more"], false);
+    let back = api
+        .get(&format!("/v1/webhooks?limit=1&ending_before={}", ids[0]))
+        .await
+        .body;
+    assert_eq!(back["data"][0]["id"], ids[1].as_str());
+    assert_eq!(back["has_more"], true);
+    let unknown = assert_error(
+        &api.get("/v1/webhooks?starting_after=wh_nope").await,
+        404,
+        "invalid_request_error",
+    );
+    assert_eq!(unknown["param"], "starting_after");
+
+    // Three deliveries to the http endpoint, paged two at a time.
+    for i in 0..3 {
+        credit_event(&api, "1", &format!("k{i}")).await;
+    }
+    receiver.wait_for(3).await;
+    server.engine.wait_caught_up().await.unwrap();
+    let path = format!("/v1/webhooks/{}/deliveries", ids[0]);
+    let page = api.get(&format!("{path}?limit=2")).await.body;
+    assert_eq!(page["data"].as_array().unwrap().len(), 2, "{page}");
+    assert_eq!(page["has_more"], true);
+    let last = page["data"][1]["id"].as_str().unwrap().to_string();
+    let rest = api
+        .get(&format!("{path}?limit=2&starting_after={last}"))
+        .await
+        .body;
+    assert_eq!(rest["data"].as_array().unwrap().len(), 1, "{rest}");
+    assert_eq!(rest["has_more"], false);
+    let unknown = assert_error(
+        &api.get(&format!("{path}?starting_after=wha_1_1_whevt_nope"))
+            .await,
+        404,
+        "invalid_request_error",
+    );
+    assert_eq!(unknown["param"], "starting_after");
+    server.stop().await;
+}

@@ -325,15 +325,42 @@ pub fn apply_attempt(
     }
     overlay.put(key, encode_delivery(&delivery));
     overlay.put(
-        Key::scoped(keys::WEBHOOK_ATTEMPT, store, mode)
-            .text(&attempt.endpoint_id)
-            .int(attempt.at_ms)
-            .text(&attempt.event_id)
-            .uint(attempt.attempt as u64)
-            .into_bytes(),
+        attempt_key(store, mode, attempt),
         tally_proto::attempt_to_proto(attempt).encode_to_vec(),
     );
     Ok(())
+}
+
+fn attempt_key(store: &str, mode: Mode, attempt: &WebhookAttempt) -> Vec<u8> {
+    Key::scoped(keys::WEBHOOK_ATTEMPT, store, mode)
+        .text(&attempt.endpoint_id)
+        .int(attempt.at_ms)
+        .text(&attempt.event_id)
+        .uint(attempt.attempt as u64)
+        .into_bytes()
+}
+
+/// An attempt's id, the cursor of the deliveries list: its time, event and number
+/// (`wha_<at ms>_<attempt>_<event id>`), so a cursor names its index key exactly.
+pub fn attempt_id(attempt: &WebhookAttempt) -> String {
+    format!(
+        "wha_{}_{}_{}",
+        attempt.at_ms, attempt.attempt, attempt.event_id
+    )
+}
+
+fn attempt_key_of_id(store: &str, mode: Mode, endpoint_id: &str, id: &str) -> Option<Vec<u8>> {
+    let rest = id.strip_prefix("wha_")?;
+    let (at, rest) = rest.split_once('_')?;
+    let (number, event) = rest.split_once('_')?;
+    Some(
+        Key::scoped(keys::WEBHOOK_ATTEMPT, store, mode)
+            .text(endpoint_id)
+            .int(at.parse().ok()?)
+            .text(event)
+            .uint(number.parse().ok()?)
+            .into_bytes(),
+    )
 }
 
 fn text(param: &str, value: &str, max: usize) -> Result<String, FieldError> {
@@ -627,27 +654,32 @@ impl Notifications {
     }
 
     /// Attempts of an endpoint, newest first.
+    /// An endpoint's delivery attempts, newest first, as a cursor list (the cursor
+    /// is an attempt's id, `attempt_id`).
     pub fn list_attempts(
         &self,
         scope: &Scope,
         endpoint_id: &str,
-        limit: usize,
-    ) -> Result<Vec<WebhookAttempt>, EngineError> {
+        page: &tally_core::pagination::PageRequest,
+    ) -> Result<tally_core::pagination::Page<WebhookAttempt>, EngineError> {
         let prefix = Key::scoped(keys::WEBHOOK_ATTEMPT, &scope.store_id, scope.mode)
             .text(endpoint_id)
             .into_bytes();
-        collect_prefix(
-            self.journal.store().as_ref(),
-            &prefix,
-            true,
-            limit,
-            |_, v| {
-                let attempt = v1::WebhookAttempt::decode(v).map_err(corrupt)?;
-                tally_proto::attempt_from_proto(attempt)
-                    .map(Some)
-                    .map_err(corrupt)
-            },
-        )
+        let store = self.journal.store();
+        let cursor = tally_core::pagination::cursor_from(page, |id| {
+            let key = attempt_key_of_id(&scope.store_id, scope.mode, endpoint_id, id)
+                .ok_or_else(|| EngineError::not_found("webhook attempt", id))?;
+            match store.get(&key)? {
+                Some(_) => Ok(key),
+                None => Err(EngineError::not_found("webhook attempt", id)),
+            }
+        })?;
+        tally_core::pagination::paginate(store.as_ref(), &prefix, cursor, page.limit, |_, v| {
+            let attempt = v1::WebhookAttempt::decode(v).map_err(corrupt)?;
+            tally_proto::attempt_from_proto(attempt)
+                .map(Some)
+                .map_err(corrupt)
+        })
     }
 
     /// HTTP deliveries due by their store's clock (the scan ends at `now_ms`, the

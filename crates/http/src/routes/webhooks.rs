@@ -10,8 +10,9 @@ use tally_engine::webhooks::EndpointInput;
 use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{Fields, JsonObject, PathId, PathIds, QueryParams};
+use crate::extract::{page_request, Fields, JsonObject, PathId, PathIds, QueryParams};
 use crate::webhooks::{delivery_headers, event_body};
+use crate::wire;
 use crate::AppState;
 
 /// The routes of this resource (merged into the API by `crate::router`).
@@ -63,6 +64,7 @@ fn endpoint_json(e: &WebhookEndpoint, with_secret: bool) -> Value {
 
 fn attempt_json(a: &WebhookAttempt) -> Value {
     json!({
+        "id": tally_engine::webhooks::attempt_id(a),
         "object": "webhook_attempt",
         "endpoint_id": *a.endpoint_id,
         "event_id": a.event_id,
@@ -125,16 +127,18 @@ pub async fn create(
     Ok(Json(endpoint_json(&endpoint, true)))
 }
 
+/// `GET /v1/webhooks`: newest first, a cursor list (at most
+/// `MAX_ENDPOINTS_PER_SCOPE` endpoints exist, so it pages in memory).
 pub async fn list(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
+    query: QueryParams,
 ) -> ApiResult<Json<Value>> {
     let endpoints = state.engine.notifications().list_endpoints(&scope)?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": endpoints.iter().map(|e| endpoint_json(e, false)).collect::<Vec<_>>(),
-        "has_more": false,
-    })))
+    let page = tally_engine::pagination::paginate_slice(endpoints, &page_request(&query)?, |e| {
+        e.id.to_string()
+    })?;
+    Ok(Json(wire::list(&page, |e| endpoint_json(e, false))))
 }
 
 pub async fn get(
@@ -226,15 +230,11 @@ pub async fn deliveries(
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
     state.engine.notifications().get_endpoint(&scope, &id)?;
-    let attempts = state
+    let page = state
         .engine
         .notifications()
-        .list_attempts(&scope, &id, limit(&query)?)?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": attempts.iter().map(attempt_json).collect::<Vec<_>>(),
-        "has_more": false,
-    })))
+        .list_attempts(&scope, &id, &page_request(&query)?)?;
+    Ok(Json(wire::list(&page, attempt_json)))
 }
 
 pub async fn resend(
