@@ -942,6 +942,17 @@ async fn event_listing_walks_batches_in_both_directions() {
         assert_error(&unknown, 404, "invalid_request_error")["param"],
         "starting_after"
     );
+    // A customer that does not exist is a 404 naming the filter, as on usage.
+    for (query, param) in [
+        ("customer_id=cus_nope", "customer_id"),
+        ("external_customer_id=nobody", "external_customer_id"),
+    ] {
+        let missing = api.get(&format!("/v1/events?{query}")).await;
+        assert_eq!(
+            assert_error(&missing, 404, "invalid_request_error")["param"],
+            param
+        );
+    }
     let one = api.get("/v1/events/b0e0").await;
     assert_eq!(
         one.body["customer_id"], a,

@@ -494,6 +494,13 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
         400,
         "invalid_request_error",
     );
+    for path in [
+        "/v1/subscriptions?customer_id=cus_nope",
+        "/v1/transactions?customer_id=cus_nope",
+    ] {
+        let missing = assert_error(&api.get(path).await, 404, "invalid_request_error");
+        assert_eq!(missing["param"], "customer_id");
+    }
 
     let types = event_types(&api, &hook).await;
     for expected in [

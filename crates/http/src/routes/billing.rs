@@ -279,7 +279,10 @@ pub async fn list_transactions(
             )
             .into())
         }
-        (Some(customer), None) => PaymentFilter::Customer(customer.to_string()),
+        (Some(customer), None) => {
+            crate::routes::known_customer(&state, &scope, Some(customer), "customer_id")?;
+            PaymentFilter::Customer(customer.to_string())
+        }
         (None, Some(subscription)) => PaymentFilter::Subscription(subscription.to_string()),
         (None, None) => PaymentFilter::All,
     };

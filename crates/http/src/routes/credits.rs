@@ -151,6 +151,7 @@ pub async fn list_accounts(
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
     let page = page_request(&query)?;
+    crate::routes::known_customer(&state, &scope, query.get("customer_id"), "customer_id")?;
     let page = state
         .engine
         .ledger()

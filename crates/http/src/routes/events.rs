@@ -152,20 +152,20 @@ pub async fn list(
             .customer_id_by_external(&scope, external)?,
         (None, None) => None,
     };
-    // No such customer: no events, answered without scanning the store's events.
-    let unknown = match (&customer_id, query.get("external_customer_id")) {
-        (None, Some(_)) => true,
-        (Some(id), _) => !state.engine.directory().customer_exists(&scope, id)?,
-        (None, None) => false,
-    };
-    if unknown {
-        return Ok(Json(wire::list(
-            &tally_engine::pagination::Page::<tally_domain::usage::UsageEvent> {
-                data: Vec::new(),
-                has_more: false,
-            },
-            |e| wire::usage_event(e, &scope),
-        )));
+    // A filter naming a customer that does not exist is a 404 naming the parameter,
+    // as on usage queries and transaction lists (docs/api.md, "Lists").
+    match (&customer_id, query.get("external_customer_id")) {
+        (None, Some(external)) => {
+            return Err(tally_engine::EngineError::not_found("customer", external)
+                .for_param("external_customer_id")
+                .into())
+        }
+        (Some(id), _) if !state.engine.directory().customer_exists(&scope, id)? => {
+            return Err(tally_engine::EngineError::not_found("customer", id)
+                .for_param("customer_id")
+                .into())
+        }
+        _ => {}
     }
     let filter = EventFilter {
         customer_id,

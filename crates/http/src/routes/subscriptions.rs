@@ -58,6 +58,7 @@ pub async fn list_subscriptions(
         .get("status")
         .map(|s| SubscriptionStatus::parse_field("status", s))
         .transpose()?;
+    crate::routes::known_customer(&state, &scope, query.get("customer_id"), "customer_id")?;
     let filter = SubscriptionFilter {
         customer_id: query.get("customer_id").map(str::to_string),
         status,
