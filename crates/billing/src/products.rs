@@ -204,6 +204,23 @@ impl Billing {
     }
 
     /// Whether a meter is priced on an active product (metering's `Pricing` port).
+    /// Whether any active product of the scope prices a meter (one index read).
+    pub fn scope_prices_meters(&self, scope: &Scope) -> Result<bool, EngineError> {
+        let prefix =
+            keys::Key::scoped(keys::METER_PRICED, &scope.store_id, scope.mode).into_bytes();
+        let mut found = false;
+        tally_projection::scan_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
+            false,
+            &mut |_, _| {
+                found = true;
+                Visit::Stop
+            },
+        )?;
+        Ok(found)
+    }
+
     pub fn meter_priced_on_active_product(
         &self,
         scope: &Scope,

@@ -181,6 +181,10 @@ impl tally_ingest::Settlements for SettlementsPort {
         self.0.settles(scope, events)
     }
 
+    fn any_priced(&self, scope: &Scope) -> Result<bool, EngineError> {
+        self.0.scope_prices_meters(scope)
+    }
+
     fn priced(&self, scope: &Scope, meter_id: &str) -> Result<bool, EngineError> {
         self.0.meter_priced_on_active_product(scope, meter_id)
     }

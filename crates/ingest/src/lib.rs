@@ -52,6 +52,10 @@ pub trait Customers: Send + Sync {
 pub trait Settlements: Send + Sync {
     fn settles(&self, scope: &Scope, events: &[UsageEvent]) -> Result<bool, EngineError>;
 
+    /// Whether any meter of the scope is priced on a product being sold (asked first,
+    /// once per batch: most stores' ingest then asks nothing more).
+    fn any_priced(&self, scope: &Scope) -> Result<bool, EngineError>;
+
     /// Whether the meter is priced on a product being sold.
     fn priced(&self, scope: &Scope, meter_id: &str) -> Result<bool, EngineError>;
 
@@ -259,6 +263,7 @@ impl Gateway {
         // Phase 1: validate, resolve and match every event; nothing is reserved yet.
         // Whether a meter is priced, and a (customer, meter) billed: asked once per
         // batch (the warning `customer_has_no_active_subscription`).
+        let mut any_priced: Option<bool> = None;
         let mut priced_cache: HashMap<String, bool> = HashMap::new();
         let mut billed_cache: HashMap<(String, String), bool> = HashMap::new();
         let mut reports = Vec::with_capacity(raws.len());
@@ -318,7 +323,15 @@ impl Gateway {
                 });
             }
             let mut unbilled = false;
-            for meter in &matched {
+            let any_priced = match any_priced {
+                Some(any) => any,
+                None => {
+                    let any = self.settlements.any_priced(scope)?;
+                    any_priced = Some(any);
+                    any
+                }
+            };
+            for meter in matched.iter().filter(|_| any_priced) {
                 // Whether a meter is priced is asked once per batch; only for a priced
                 // one, whether this customer's usage of it is billed.
                 let priced = match priced_cache.get(meter.id.as_str()) {
