@@ -22,7 +22,7 @@ use tally_domain::customer::{is_valid_email, validate_metadata};
 use tally_domain::product::{check_url, BillingType, Product};
 use tally_domain::record::{CheckoutCompletion, Record};
 use tally_domain::usage::parse_decimal;
-use tally_domain::{FieldError, Mode};
+use tally_domain::FieldError;
 
 use crate::apply::{checkout_key, tax_rate_key};
 use crate::{Billing, Grant};
@@ -261,16 +261,13 @@ impl Billing {
             product.tax_mode,
             self.tax_rate(scope, country.as_deref())?,
         )?;
-        let provider = match scope.mode {
-            Mode::Test => self.test_payments.as_ref(),
-            Mode::Prod => self.live_payments.as_deref().ok_or_else(|| {
-                FieldError::new(
-                    "payment_provider_not_configured",
-                    "card_number",
-                    "no payment provider is configured for live payments; test cards work with a test key only",
-                )
-            })?,
-        };
+        let provider = self.provider(scope.mode).ok_or_else(|| {
+            FieldError::new(
+                "payment_provider_not_configured",
+                "card_number",
+                "no payment provider is configured for live payments; test cards work with a test key only",
+            )
+        })?;
         let card = provider.charge(card, charge.amount_paid, &product.currency)?;
         let now = self.journal.now_in(scope);
         let grace_ms = self.store_settings(scope)?.late_usage_grace_ms;

@@ -249,6 +249,15 @@ impl Billing {
         )
     }
 
+    /// The payment provider of an environment: the test cards in test mode; in live
+    /// mode the configured one, if any.
+    pub(crate) fn provider(&self, mode: tally_domain::Mode) -> Option<&dyn PaymentProvider> {
+        match mode {
+            tally_domain::Mode::Test => Some(self.test_payments.as_ref()),
+            tally_domain::Mode::Prod => self.live_payments.as_deref(),
+        }
+    }
+
     /// A commit left a usage settlement pending.
     pub fn wake_settler(&self) {
         self.settler_wake.notify_one();

@@ -292,27 +292,18 @@ pub fn apply_test_clock(
 pub fn test_clocks(
     store: &dyn tally_projection::ProjectionStore,
 ) -> Result<Vec<(String, i64, i64)>, EngineError> {
-    let mut clocks = Vec::new();
-    let mut failure = None;
-    tally_projection::scan_prefix(store, &[keys::TEST_CLOCK], false, &mut |key, value| {
-        let parsed = keys::read_text(key, 1)
-            .ok_or_else(|| EngineError::Corrupt("a test clock key".into()))
-            .and_then(|(store, _)| Ok((store.to_string(), read_test_clock(value)?)));
-        match parsed {
-            Ok((store, (to, at))) => {
-                clocks.push((store, to, at));
-                tally_projection::Visit::Continue
-            }
-            Err(error) => {
-                failure = Some(error);
-                tally_projection::Visit::Stop
-            }
-        }
-    })?;
-    match failure {
-        Some(error) => Err(error),
-        None => Ok(clocks),
-    }
+    tally_core::pagination::collect_prefix(
+        store,
+        &[keys::TEST_CLOCK],
+        false,
+        usize::MAX,
+        |key, value| {
+            let (store_id, _) = keys::read_text(key, 1)
+                .ok_or_else(|| EngineError::Corrupt("a test clock key".into()))?;
+            let (to, at) = read_test_clock(value)?;
+            Ok(Some((store_id.to_string(), to, at)))
+        },
+    )
 }
 
 fn settings_key(store_id: &str, mode: Mode) -> Vec<u8> {

@@ -228,32 +228,20 @@ impl Billing {
         scope: &Scope,
     ) -> Result<Vec<(String, rust_decimal::Decimal)>, EngineError> {
         let prefix = keys::Key::scoped(keys::TAX_RATE, &scope.store_id, scope.mode).into_bytes();
-        let mut rates = Vec::new();
-        let mut failure = None;
-        tally_projection::scan_prefix(
+        tally_core::pagination::collect_prefix(
             self.journal.store().as_ref(),
             &prefix,
             false,
-            &mut |key, value| {
+            usize::MAX,
+            |key, value| {
                 let parsed = keys::read_text(key, prefix.len()).and_then(|(country, _)| {
                     let rate = std::str::from_utf8(value).ok()?.parse().ok()?;
                     Some((country.to_string(), rate))
                 });
-                match parsed {
-                    Some(rate) => {
-                        rates.push(rate);
-                        tally_projection::Visit::Continue
-                    }
-                    None => {
-                        failure = Some(EngineError::Corrupt("a tax rate row".into()));
-                        tally_projection::Visit::Stop
-                    }
-                }
+                parsed
+                    .map(Some)
+                    .ok_or_else(|| EngineError::Corrupt("a tax rate row".into()))
             },
-        )?;
-        match failure {
-            Some(error) => Err(error),
-            None => Ok(rates),
-        }
+        )
     }
 }

@@ -29,6 +29,7 @@ use tally_core::error::EngineError;
 use tally_core::keys::{self, Key};
 use tally_core::outcome::Outcome;
 use tally_core::overlay::{ApplyError, Overlay};
+use tally_core::pagination::collect_prefix;
 use tally_domain::ledger::MAX_AMOUNT;
 use tally_domain::product::Product;
 use tally_domain::record::UsageSettlement;
@@ -383,24 +384,9 @@ pub fn settlement_totals(
     source_id: &str,
 ) -> Result<Vec<SettlementTotals>, EngineError> {
     let prefix = totals_prefix(store_id, mode, source_id).into_bytes();
-    let mut totals = Vec::new();
-    let mut failure = None;
-    tally_projection::scan_prefix(store, &prefix, false, &mut |_, value| {
-        match codec::decode_settlement_totals(value) {
-            Ok(t) => {
-                totals.push(t);
-                tally_projection::Visit::Continue
-            }
-            Err(error) => {
-                failure = Some(error);
-                tally_projection::Visit::Stop
-            }
-        }
-    })?;
-    match failure {
-        Some(error) => Err(error),
-        None => Ok(totals),
-    }
+    collect_prefix(store, &prefix, false, usize::MAX, |_, value| {
+        codec::decode_settlement_totals(value).map(Some)
+    })
 }
 
 /// The pending settlements, oldest position first, up to `limit`.
@@ -408,26 +394,11 @@ pub fn pending_settlements(
     store: &dyn tally_projection::ProjectionStore,
     limit: usize,
 ) -> Result<Vec<UsageSettlement>, EngineError> {
-    let mut pending = Vec::new();
-    let mut failure = None;
-    tally_projection::scan_prefix(
+    collect_prefix(
         store,
         &[keys::SETTLEMENT_PENDING],
         false,
-        &mut |_, value| {
-            match codec::decode_settlement(value) {
-                Ok(s) => pending.push(s),
-                Err(error) => failure = Some(error),
-            }
-            if failure.is_some() || pending.len() >= limit {
-                tally_projection::Visit::Stop
-            } else {
-                tally_projection::Visit::Continue
-            }
-        },
-    )?;
-    match failure {
-        Some(error) => Err(error),
-        None => Ok(pending),
-    }
+        limit,
+        |_, value| codec::decode_settlement(value).map(Some),
+    )
 }

@@ -410,14 +410,7 @@ impl Billing {
                 }
                 let mut next = change(&sub)?;
                 next.updated_at_ms = now.max(sub.updated_at_ms.saturating_add(1));
-                let too_large = || EngineError::Corrupt(format!("the items of {id} leave i64"));
-                let old = period_amount(&sub).ok_or_else(too_large)?;
-                let new = period_amount(&next).ok_or_else(too_large)?;
-                let period = (sub.current_period_start_ms, sub.current_period_end_ms);
-                let proration = match (sub.status, behavior) {
-                    (Trialing, _) | (_, UpdateBehavior::ProrationNone) => None,
-                    _ => proration_line(old, new, period, now, "items changed"),
-                };
+                let proration = proration(&sub, &next, behavior, now)?;
                 let mut payment = None;
                 if let Some(line) = proration {
                     let immediately = behavior == UpdateBehavior::ProrationChargeImmediately;
@@ -449,21 +442,9 @@ impl Billing {
         line: PaymentLine,
         now: i64,
     ) -> Result<Payment, EngineError> {
-        let country = self
-            .customers
-            .customer_country(scope, &sub.customer_id)?
-            .flatten();
-        let charge = price_charge(
-            line.amount,
-            0,
-            sub.product.tax_mode,
-            self.tax_rate(scope, country.as_deref())?,
-        )?;
-        let provider = match scope.mode {
-            Mode::Test => Some(self.test_payments.as_ref()),
-            Mode::Prod => self.live_payments.as_deref(),
-        };
-        match provider {
+        let (country, rate) = self.customer_tax(scope, &sub.customer_id)?;
+        let charge = price_charge(line.amount, 0, sub.product.tax_mode, rate)?;
+        match self.provider(scope.mode) {
             Some(provider) => {
                 provider.charge_on_file(sub, charge.amount_paid, &sub.product.currency)?
             }
@@ -649,11 +630,7 @@ impl Billing {
         let (next, payment) = if nothing_to_charge {
             (after_period_end(&sub, at), None)
         } else {
-            let provider = match scope.mode {
-                Mode::Test => Some(self.test_payments.as_ref()),
-                Mode::Prod => self.live_payments.as_deref(),
-            };
-            let paid = match provider {
+            let paid = match self.provider(scope.mode) {
                 _ if charge.amount_paid == 0 => true,
                 Some(provider) => {
                     match provider.charge_on_file(&sub, charge.amount_paid, &sub.product.currency) {
@@ -739,6 +716,20 @@ impl Billing {
             }) => Ok(()),
             Err(error) => Err(error),
         }
+    }
+
+    /// The customer's country and the store's tax rate for it.
+    fn customer_tax(
+        &self,
+        scope: &Scope,
+        customer_id: &str,
+    ) -> Result<(Option<String>, rust_decimal::Decimal), EngineError> {
+        let country = self
+            .customers
+            .customer_country(scope, customer_id)?
+            .flatten();
+        let rate = self.tax_rate(scope, country.as_deref())?;
+        Ok((country, rate))
     }
 
     /// Prices a charge `plan` makes on `sub`: its lines (usage counted up to
@@ -852,15 +843,12 @@ impl Billing {
             });
             gross = 0;
         }
-        let country = self
-            .customers
-            .customer_country(scope, &sub.customer_id)?
-            .flatten();
+        let (country, rate) = self.customer_tax(scope, &sub.customer_id)?;
         let charge = price_charge(
             gross,
             discount_off(sub, base).min(gross),
             sub.product.tax_mode,
-            self.tax_rate(scope, country.as_deref())?,
+            rate,
         )?;
         Ok(Priced {
             lines,
@@ -922,14 +910,7 @@ impl Billing {
         let mut next = sub.clone();
         next.product = product;
         let now = self.now_in(scope);
-        let too_large = || EngineError::Corrupt(format!("the items of {id} leave i64"));
-        let old = period_amount(&sub).ok_or_else(too_large)?;
-        let new = period_amount(&next).ok_or_else(too_large)?;
-        let period = (sub.current_period_start_ms, sub.current_period_end_ms);
-        let line = match sub.status {
-            SubscriptionStatus::Trialing => None,
-            _ => proration_line(old, new, period, now, "items changed"),
-        };
+        let line = proration(&sub, &next, UpdateBehavior::ProrationChargeImmediately, now)?;
         let (now_line, carried) = match line {
             Some(line) if line.amount > 0 => (Some(line), None),
             other => (None, other),
@@ -1130,6 +1111,24 @@ impl Billing {
             }
         }
     }
+}
+
+/// The proration of moving `sub` to `next` at `now` under `behavior`: none for a
+/// trial (nothing was paid for it) or under `proration-none`.
+fn proration(
+    sub: &Subscription,
+    next: &Subscription,
+    behavior: UpdateBehavior,
+    now: i64,
+) -> Result<Option<PaymentLine>, EngineError> {
+    if sub.status == SubscriptionStatus::Trialing || behavior == UpdateBehavior::ProrationNone {
+        return Ok(None);
+    }
+    let too_large = || EngineError::Corrupt(format!("the items of {} leave i64", sub.id));
+    let old = period_amount(sub).ok_or_else(too_large)?;
+    let new = period_amount(next).ok_or_else(too_large)?;
+    let period = (sub.current_period_start_ms, sub.current_period_end_ms);
+    Ok(proration_line(old, new, period, now, "items changed"))
 }
 
 /// A priced charge.
