@@ -68,6 +68,14 @@ enum Command {
         #[command(subcommand)]
         command: WebhookCommand,
     },
+    /// Print the API's OpenAPI 3.1 document (generated from the route handlers; the
+    /// server also serves it at GET /v1/openapi.json), or write it to a file:
+    /// `tally openapi --write docs/openapi.json` refreshes the committed copy.
+    Openapi {
+        /// Write the document to this file instead of standard output.
+        #[arg(long)]
+        write: Option<PathBuf>,
+    },
     /// Credits ledger audit and export (stop the server first).
     Ledger {
         #[command(subcommand)]
@@ -915,6 +923,18 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Listen(args) => listen(args).await,
+        Command::Openapi { write } => {
+            let document = tally_http::openapi::document_json();
+            match write {
+                Some(path) => {
+                    std::fs::write(&path, document)
+                        .with_context(|| format!("writing {}", path.display()))?;
+                    eprintln!("Wrote {}.", path.display());
+                }
+                None => print!("{document}"),
+            }
+            Ok(())
+        }
         Command::Webhook {
             command:
                 WebhookCommand::Verify {

@@ -11,7 +11,6 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::middleware::from_fn_with_state;
 use axum::response::IntoResponse;
-use axum::routing::{get, post};
 use axum::Router;
 use dashmap::DashMap;
 use tally_domain::Mode;
@@ -20,12 +19,14 @@ use tally_engine::Engine;
 pub mod error;
 pub mod extract;
 pub mod middleware;
+pub mod openapi;
 pub mod routes;
 pub mod webhooks;
 pub mod wire;
 
 use error::ApiError;
 use middleware::{InflightIdempotency, RateLimiter};
+use utoipa_axum::router::OpenApiRouter;
 
 #[derive(Debug, Clone)]
 pub struct HttpConfig {
@@ -89,10 +90,10 @@ pub(crate) async fn blocking<T: Send + 'static>(
     }
 }
 
-/// The router of one listener.
-pub fn router(state: AppState) -> Router {
-    // One router per resource module, merged (each module owns its paths).
-    let v1 = Router::new()
+/// The `/v1` routes that need an API key, one router per resource module, merged
+/// (each module owns its paths and their documentation).
+fn v1_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
         .merge(routes::customers::router())
         .merge(routes::meters::router())
         .merge(routes::products::router())
@@ -103,6 +104,36 @@ pub fn router(state: AppState) -> Router {
         .merge(routes::events::router())
         .merge(routes::credits::router())
         .merge(routes::webhooks::router())
+}
+
+/// The routes served without an API key: health, metrics, the OpenAPI document,
+/// and (on the production listener) the admin API with its own token.
+fn open_routes(with_admin: bool) -> OpenApiRouter<AppState> {
+    let open = OpenApiRouter::new()
+        .routes(utoipa_axum::routes!(routes::health::healthz))
+        .routes(utoipa_axum::routes!(routes::health::readyz))
+        .routes(utoipa_axum::routes!(routes::health::metrics))
+        .routes(utoipa_axum::routes!(routes::health::openapi_json));
+    if !with_admin {
+        return open;
+    }
+    open.routes(utoipa_axum::routes!(routes::admin::create_store))
+        .routes(utoipa_axum::routes!(routes::admin::create_key))
+        .routes(utoipa_axum::routes!(routes::admin::revoke_key))
+}
+
+/// Every route with its documentation (`openapi::document` reads the document off
+/// it; `router` serves it).
+pub fn api_router(with_admin: bool) -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(<openapi::ApiDoc as utoipa::OpenApi>::openapi())
+        .merge(open_routes(with_admin))
+        .merge(v1_routes())
+}
+
+/// The router of one listener.
+pub fn router(state: AppState) -> Router {
+    let (v1, _) = v1_routes().split_for_parts();
+    let v1 = v1
         .method_not_allowed_fallback(method_not_allowed)
         // Layers run bottom-up: authenticate, then rate limit, then idempotency,
         // then the write gate.
@@ -110,22 +141,7 @@ pub fn router(state: AppState) -> Router {
         .layer(from_fn_with_state(state.clone(), middleware::idempotency))
         .layer(from_fn_with_state(state.clone(), middleware::rate_limit))
         .layer(from_fn_with_state(state.clone(), middleware::authenticate));
-    let mut open = Router::new()
-        .route("/healthz", get(routes::health::healthz))
-        .route("/readyz", get(routes::health::readyz))
-        .route("/metrics", get(routes::health::metrics));
-    if state.mode == Mode::Prod {
-        open = open
-            .route("/admin/v1/stores", post(routes::admin::create_store))
-            .route(
-                "/admin/v1/stores/{id}/keys",
-                post(routes::admin::create_key),
-            )
-            .route(
-                "/admin/v1/stores/{id}/keys/{key_id}",
-                axum::routing::delete(routes::admin::revoke_key),
-            );
-    }
+    let (open, _) = open_routes(state.mode == Mode::Prod).split_for_parts();
     open.method_not_allowed_fallback(method_not_allowed)
         .merge(v1)
         .fallback(route_not_found)

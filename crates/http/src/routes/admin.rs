@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Fields, JsonObject};
+use crate::openapi as doc;
 use crate::AppState;
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -40,6 +41,15 @@ fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     Ok(())
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/v1/stores",
+    operation_id = "create_store",
+    tag = "admin",
+    summary = "Create a store and its first two keys",
+    request_body(content = doc::StoreCreate, content_type = "application/json"),
+    responses((status = 200, description = "Create a store and its first two keys", body = doc::Store))
+)]
 pub async fn create_store(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -63,6 +73,16 @@ pub async fn create_store(
 
 /// `POST /admin/v1/stores/{id}/keys {mode, permissions}`: a restricted key, shown
 /// once.
+#[utoipa::path(
+    post,
+    path = "/admin/v1/stores/{id}/keys",
+    operation_id = "create_key",
+    tag = "admin",
+    summary = "Create a restricted key",
+    params(doc::IdParam),
+    request_body(content = doc::KeyCreate, content_type = "application/json"),
+    responses((status = 200, description = "Create a restricted key", body = doc::ApiKey))
+)]
 pub async fn create_key(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -98,6 +118,15 @@ pub async fn create_key(
 }
 
 /// `DELETE /admin/v1/stores/{id}/keys/{key_id}`: refused from now on.
+#[utoipa::path(
+    delete,
+    path = "/admin/v1/stores/{id}/keys/{key_id}",
+    operation_id = "revoke_key",
+    tag = "admin",
+    summary = "Revoke a key",
+    params(("id" = String, Path, description = "the store id"), ("key_id" = String, Path, description = "the key id")),
+    responses((status = 200, description = "Revoke a key", body = doc::RevokedKey), (status = 409, description = "api_key_revoked", body = doc::ErrorBody))
+)]
 pub async fn revoke_key(
     State(state): State<AppState>,
     headers: HeaderMap,

@@ -12,29 +12,24 @@ use tally_engine::Scope;
 
 use crate::error::ApiResult;
 use crate::extract::{Fields, JsonObject, PathId, QueryParams};
+use crate::openapi as doc;
 use crate::AppState;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// Page sizes a page-based list takes (docs/api.md, "Lists").
 pub const MAX_PAGE_SIZE: usize = 100;
 pub const DEFAULT_PAGE_SIZE: usize = 10;
 
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/affiliates", routing::get(list_affiliates))
-        .route("/v1/affiliates/clicks", routing::post(record_click))
-        .route(
-            "/v1/affiliates/invites",
-            routing::get(list_invites).post(create_invite),
-        )
-        .route(
-            "/v1/affiliates/invites/{id}/accept",
-            routing::post(accept_invite),
-        )
-        .route(
-            "/v1/affiliates/{id}",
-            routing::get(get_affiliate).post(update_affiliate),
-        )
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_affiliates))
+        .routes(routes!(record_click))
+        .routes(routes!(list_invites, create_invite))
+        .routes(routes!(accept_invite))
+        .routes(routes!(get_affiliate, update_affiliate))
 }
 
 /// `page` (1-based, default 1) and `page_size` (1..=100, default 10).
@@ -109,6 +104,15 @@ fn affiliate_body(state: &AppState, scope: &Scope, a: &Affiliate) -> ApiResult<V
     Ok(affiliate(a, settings.referral_base_url.as_deref()))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/affiliates/invites",
+    operation_id = "create_invite",
+    tag = "affiliates",
+    summary = "Invite an affiliate",
+    request_body(content = doc::InviteCreate, content_type = "application/json"),
+    responses((status = 200, description = "Invite an affiliate", body = doc::AffiliateInvite), (status = 409, description = "affiliate_invite_exists", body = doc::ErrorBody))
+)]
 pub async fn create_invite(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -125,6 +129,15 @@ pub async fn create_invite(
     Ok(Json(invite(&created)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/affiliates/invites",
+    operation_id = "list_invites",
+    tag = "affiliates",
+    summary = "List affiliate invitations",
+    params(doc::PageParams),
+    responses((status = 200, description = "List affiliate invitations", body = doc::Paged<doc::AffiliateInvite>))
+)]
 pub async fn list_invites(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -135,6 +148,16 @@ pub async fn list_invites(
     Ok(Json(page_body(&listed, invite)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/affiliates/invites/{id}/accept",
+    operation_id = "accept_invite",
+    tag = "affiliates",
+    summary = "Accept an invitation (the affiliate joins)",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Accept an invitation (the affiliate joins)", body = doc::Affiliate), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
+)]
 pub async fn accept_invite(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -144,6 +167,15 @@ pub async fn accept_invite(
     Ok(Json(affiliate_body(&state, &scope, &joined)?))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/affiliates",
+    operation_id = "list_affiliates",
+    tag = "affiliates",
+    summary = "List affiliates",
+    params(doc::PageParams),
+    responses((status = 200, description = "List affiliates", body = doc::Paged<doc::Affiliate>))
+)]
 pub async fn list_affiliates(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -156,6 +188,15 @@ pub async fn list_affiliates(
     Ok(Json(page_body(&listed, |a| affiliate(a, base.as_deref()))))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/affiliates/{id}",
+    operation_id = "get_affiliate",
+    tag = "affiliates",
+    summary = "Get an affiliate",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get an affiliate", body = doc::Affiliate))
+)]
 pub async fn get_affiliate(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -166,6 +207,16 @@ pub async fn get_affiliate(
 }
 
 /// `POST /v1/affiliates/{id} {status?, name?}`: suspend, reactivate, rename.
+#[utoipa::path(
+    post,
+    path = "/v1/affiliates/{id}",
+    operation_id = "update_affiliate",
+    tag = "affiliates",
+    summary = "Suspend, reactivate or rename an affiliate",
+    params(doc::IdParam),
+    request_body(content = doc::AffiliateUpdate, content_type = "application/json"),
+    responses((status = 200, description = "Suspend, reactivate or rename an affiliate", body = doc::Affiliate))
+)]
 pub async fn update_affiliate(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -184,6 +235,15 @@ pub async fn update_affiliate(
 }
 
 /// `POST /v1/affiliates/clicks {referral_code}`: one click on a referral link.
+#[utoipa::path(
+    post,
+    path = "/v1/affiliates/clicks",
+    operation_id = "record_click",
+    tag = "affiliates",
+    summary = "Count a referral click",
+    request_body(content = doc::Click, content_type = "application/json"),
+    responses((status = 200, description = "Count a referral click", body = doc::Affiliate), (status = 404, description = "resource_missing (param `referral_code`)", body = doc::ErrorBody))
+)]
 pub async fn record_click(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

@@ -13,43 +13,25 @@ use tally_engine::Scope;
 
 use crate::error::ApiResult;
 use crate::extract::{page_request, Fields, JsonObject, PathId, QueryParams};
+use crate::openapi as doc;
 use crate::{wire, AppState};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The routes of these resources (merged into the API by `crate::router`).
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route(
-            "/v1/discounts",
-            routing::get(find_discount).post(create_discount),
-        )
-        .route(
-            "/v1/discounts/{id}",
-            routing::get(get_discount)
-                .post(update_discount)
-                .delete(delete_discount),
-        )
-        .route(
-            "/v1/checkouts",
-            routing::post(create_checkout).get(list_checkouts),
-        )
-        .route("/v1/checkouts/{id}", routing::get(get_checkout))
-        .route(
-            "/v1/checkouts/{id}/complete",
-            routing::post(complete_checkout),
-        )
-        .route("/v1/transactions", routing::get(list_transactions))
-        .route("/v1/transactions/{id}", routing::get(get_transaction))
-        .route("/v1/refunds", routing::post(create_refund))
-        .route("/v1/disputes", routing::post(open_dispute))
-        .route(
-            "/v1/subscriptions/{id}",
-            routing::get(get_subscription).post(crate::routes::subscriptions::update_subscription),
-        )
-        .route(
-            "/v1/tax-rates",
-            routing::post(set_tax_rate).get(list_tax_rates),
-        )
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(find_discount, create_discount))
+        .routes(routes!(get_discount, update_discount, delete_discount))
+        .routes(routes!(create_checkout, list_checkouts))
+        .routes(routes!(get_checkout))
+        .routes(routes!(complete_checkout))
+        .routes(routes!(list_transactions))
+        .routes(routes!(get_transaction))
+        .routes(routes!(create_refund))
+        .routes(routes!(open_dispute))
+        .routes(routes!(set_tax_rate, list_tax_rates))
 }
 
 /// The scope's business time: discount statuses follow a test store's test clock.
@@ -76,6 +58,15 @@ fn discount_input(body: &Map<String, Value>) -> Result<DiscountInput, FieldError
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/discounts",
+    operation_id = "create_discount",
+    tag = "discounts",
+    summary = "Create a discount",
+    request_body(content = doc::DiscountInput, content_type = "application/json"),
+    responses((status = 200, description = "Create a discount", body = doc::Discount), (status = 404, description = "resource_missing (param `applies_to_products[N]`)", body = doc::ErrorBody), (status = 409, description = "discount_code_taken", body = doc::ErrorBody))
+)]
 pub async fn create_discount(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -91,6 +82,15 @@ pub async fn create_discount(
 }
 
 /// `GET /v1/discounts?discount_id=` or `?discount_code=`: exactly one of them.
+#[utoipa::path(
+    get,
+    path = "/v1/discounts",
+    operation_id = "find_discount",
+    tag = "discounts",
+    summary = "Find one discount by id or code",
+    params(("discount_id" = Option<String>, Query, description = "exactly one of `discount_id` and `discount_code`"), ("discount_code" = Option<String>, Query, description = "exactly one of `discount_id` and `discount_code`")),
+    responses((status = 200, description = "Find one discount by id or code", body = doc::Discount), (status = 404, description = "resource_missing", body = doc::ErrorBody))
+)]
 pub async fn find_discount(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -119,6 +119,15 @@ pub async fn find_discount(
     Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/discounts/{id}",
+    operation_id = "get_discount",
+    tag = "discounts",
+    summary = "Get a discount",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a discount", body = doc::Discount))
+)]
 pub async fn get_discount(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -128,6 +137,16 @@ pub async fn get_discount(
     Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/discounts/{id}",
+    operation_id = "update_discount",
+    tag = "discounts",
+    summary = "Update a discount",
+    params(doc::IdParam),
+    request_body(content = doc::DiscountInput, content_type = "application/json"),
+    responses((status = 200, description = "Update a discount", body = doc::Discount), (status = 400, description = "discount_field_immutable, parameter_invalid", body = doc::ErrorBody))
+)]
 pub async fn update_discount(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -166,6 +185,15 @@ pub async fn update_discount(
     Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/discounts/{id}",
+    operation_id = "delete_discount",
+    tag = "discounts",
+    summary = "Delete a discount (status `deleted`)",
+    params(doc::IdParam),
+    responses((status = 200, description = "Delete a discount (status `deleted`)", body = doc::Discount))
+)]
 pub async fn delete_discount(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -175,6 +203,15 @@ pub async fn delete_discount(
     Ok(Json(wire::discount(&discount, now(&state, &scope))))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/checkouts",
+    operation_id = "create_checkout",
+    tag = "checkouts",
+    summary = "Create a checkout",
+    request_body(content = doc::CheckoutCreate, content_type = "application/json"),
+    responses((status = 200, description = "Create a checkout", body = doc::Checkout), (status = 400, description = "product_not_active, discount_not_active, discount_expired, discount_exhausted, discount_not_applicable, discount_currency_mismatch", body = doc::ErrorBody), (status = 404, description = "resource_missing (param `product_id`, `customer_id` or `discount_code`)", body = doc::ErrorBody))
+)]
 pub async fn create_checkout(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -208,6 +245,15 @@ pub async fn create_checkout(
 }
 
 /// `GET /v1/checkouts`: newest first, a cursor list.
+#[utoipa::path(
+    get,
+    path = "/v1/checkouts",
+    operation_id = "list_checkouts",
+    tag = "checkouts",
+    summary = "List checkouts",
+    params(doc::CursorParams),
+    responses((status = 200, description = "List checkouts", body = doc::List<doc::Checkout>))
+)]
 pub async fn list_checkouts(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -220,6 +266,15 @@ pub async fn list_checkouts(
     Ok(Json(wire::list(&page, wire::checkout)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/checkouts/{id}",
+    operation_id = "get_checkout",
+    tag = "checkouts",
+    summary = "Get a checkout",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a checkout", body = doc::Checkout))
+)]
 pub async fn get_checkout(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -234,6 +289,16 @@ pub async fn get_checkout(
     )))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/checkouts/{id}/complete",
+    operation_id = "complete_checkout",
+    tag = "checkouts",
+    summary = "Pay a checkout with a test card",
+    params(doc::IdParam),
+    request_body(content = doc::CardPayment, content_type = "application/json"),
+    responses((status = 200, description = "Pay a checkout with a test card", body = doc::Checkout), (status = 400, description = "payment_provider_not_configured, discount_* (param `discount_code`), product_not_active", body = doc::ErrorBody), (status = 402, description = "card_error: card_declined, insufficient_funds, incorrect_cvc", body = doc::ErrorBody))
+)]
 pub async fn complete_checkout(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -254,6 +319,15 @@ pub async fn complete_checkout(
     Ok(Json(wire::checkout(&checkout)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/transactions/{id}",
+    operation_id = "get_transaction",
+    tag = "transactions",
+    summary = "Get a transaction",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a transaction", body = doc::Transaction))
+)]
 pub async fn get_transaction(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -266,6 +340,15 @@ pub async fn get_transaction(
 
 /// Transactions newest first: all, or one customer's (`customer_id`) or one
 /// subscription's (`subscription_id`), not both.
+#[utoipa::path(
+    get,
+    path = "/v1/transactions",
+    operation_id = "list_transactions",
+    tag = "transactions",
+    summary = "List transactions",
+    params(doc::CursorParams, ("customer_id" = Option<String>, Query, description = "one customer's"), ("subscription_id" = Option<String>, Query, description = "one subscription's")),
+    responses((status = 200, description = "List transactions", body = doc::List<doc::Transaction>), (status = 404, description = "resource_missing (param `customer_id` or `subscription_id`)", body = doc::ErrorBody))
+)]
 pub async fn list_transactions(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -302,6 +385,15 @@ fn refund_input(body: &Map<String, Value>) -> Result<RefundInput, FieldError> {
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/refunds",
+    operation_id = "create_refund",
+    tag = "transactions",
+    summary = "Refund a payment",
+    request_body(content = doc::RefundCreate, content_type = "application/json"),
+    responses((status = 200, description = "Refund a payment", body = doc::Transaction), (status = 400, description = "refund_exceeds_remaining, transaction_not_refundable", body = doc::ErrorBody), (status = 404, description = "resource_missing (param `transaction_id`)", body = doc::ErrorBody))
+)]
 pub async fn create_refund(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -312,6 +404,15 @@ pub async fn create_refund(
     Ok(Json(wire::transaction(&refund)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/disputes",
+    operation_id = "open_dispute",
+    tag = "transactions",
+    summary = "Open a dispute (test mode)",
+    request_body(content = doc::DisputeCreate, content_type = "application/json"),
+    responses((status = 200, description = "Open a dispute (test mode)", body = doc::Dispute), (status = 400, description = "test_mode_only", body = doc::ErrorBody), (status = 404, description = "resource_missing (param `transaction_id`)", body = doc::ErrorBody), (status = 409, description = "dispute_exists", body = doc::ErrorBody))
+)]
 pub async fn open_dispute(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -322,6 +423,15 @@ pub async fn open_dispute(
     Ok(Json(wire::dispute(&dispute)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/subscriptions/{id}",
+    operation_id = "get_subscription",
+    tag = "subscriptions",
+    summary = "Get a subscription",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a subscription", body = doc::Subscription))
+)]
 pub async fn get_subscription(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -353,6 +463,14 @@ pub fn subscription_body(state: &AppState, scope: &Scope, id: &str) -> ApiResult
 
 /// `GET /v1/tax-rates`: the store's rates by country (not paginated: one per
 /// country at most).
+#[utoipa::path(
+    get,
+    path = "/v1/tax-rates",
+    operation_id = "list_tax_rates",
+    tag = "transactions",
+    summary = "List the store's tax rates by country",
+    responses((status = 200, description = "List the store's tax rates by country", body = doc::List<doc::TaxRate>))
+)]
 pub async fn list_tax_rates(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -376,6 +494,15 @@ fn tax_rate(country: &str, rate: rust_decimal::Decimal) -> Value {
 }
 
 /// `POST /v1/tax-rates {country, rate}`: the store's rate (percent) for a country.
+#[utoipa::path(
+    post,
+    path = "/v1/tax-rates",
+    operation_id = "set_tax_rate",
+    tag = "transactions",
+    summary = "Set the tax rate of a country",
+    request_body(content = doc::TaxRateSet, content_type = "application/json"),
+    responses((status = 200, description = "Set the tax rate of a country", body = doc::TaxRate))
+)]
 pub async fn set_tax_rate(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

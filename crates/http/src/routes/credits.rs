@@ -14,52 +14,25 @@ use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{page_request, parse_instant, Fields, JsonObject, PathId, QueryParams};
+use crate::openapi as doc;
 use crate::{wire, AppState};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The routes of this resource (merged into the API by `crate::router`).
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route(
-            "/v1/customer-credits/accounts",
-            routing::get(list_accounts).post(create_account),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}",
-            routing::get(get_account),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/freeze",
-            routing::post(freeze),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/unfreeze",
-            routing::post(unfreeze),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/close",
-            routing::post(close),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/credit",
-            routing::post(credit),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/debit",
-            routing::post(debit),
-        )
-        .route(
-            "/v1/customer-credits/accounts/{id}/entries",
-            routing::get(entries),
-        )
-        .route(
-            "/v1/customer-credits/transactions/{id}",
-            routing::get(get_transaction),
-        )
-        .route(
-            "/v1/customer-credits/transactions/{id}/reverse",
-            routing::post(reverse),
-        )
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_accounts, create_account))
+        .routes(routes!(get_account))
+        .routes(routes!(freeze))
+        .routes(routes!(unfreeze))
+        .routes(routes!(close))
+        .routes(routes!(credit))
+        .routes(routes!(debit))
+        .routes(routes!(entries))
+        .routes(routes!(get_transaction))
+        .routes(routes!(reverse))
 }
 
 pub fn account_json(account: &Account, balance: Decimal) -> Value {
@@ -129,6 +102,15 @@ fn decimal_string(fields: &Fields<'_>, name: &str) -> Result<Option<String>, Api
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts",
+    operation_id = "create_account",
+    tag = "customer-credits",
+    summary = "Create a credit account",
+    request_body(content = doc::AccountCreate, content_type = "application/json"),
+    responses((status = 200, description = "Create a credit account", body = doc::CreditAccount), (status = 404, description = "resource_missing (param `customer_id`)", body = doc::ErrorBody), (status = 409, description = "account_name_taken, amount_out_of_range", body = doc::ErrorBody))
+)]
 pub async fn create_account(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -145,6 +127,15 @@ pub async fn create_account(
     Ok(Json(account_json(&account, balance)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/customer-credits/accounts",
+    operation_id = "list_accounts",
+    tag = "customer-credits",
+    summary = "List credit accounts",
+    params(doc::CursorParams, ("customer_id" = Option<String>, Query, description = "one customer's accounts")),
+    responses((status = 200, description = "List credit accounts", body = doc::List<doc::CreditAccount>), (status = 404, description = "resource_missing: the customer named by `customer_id` or `external_customer_id`", body = doc::ErrorBody))
+)]
 pub async fn list_accounts(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -159,6 +150,15 @@ pub async fn list_accounts(
     Ok(Json(wire::list(&page, |(a, b)| account_json(a, *b))))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/customer-credits/accounts/{id}",
+    operation_id = "get_account",
+    tag = "customer-credits",
+    summary = "Get a credit account (its balance, or its balance at an instant)",
+    params(doc::IdParam, ("at" = Option<String>, Query, description = "ISO 8601: the balance right after the last entry at or before it")),
+    responses((status = 200, description = "Get a credit account (its balance, or its balance at an instant)", body = doc::CreditAccount))
+)]
 pub async fn get_account(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -176,6 +176,16 @@ pub async fn get_account(
     Ok(Json(account_json(&account, balance)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}/freeze",
+    operation_id = "credits_freeze",
+    tag = "customer-credits",
+    summary = "Freeze an account",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Freeze an account", body = doc::CreditAccount), (status = 409, description = "account_closed", body = doc::ErrorBody))
+)]
 pub async fn freeze(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -189,6 +199,16 @@ pub async fn freeze(
     Ok(Json(account_json(&account, balance)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}/unfreeze",
+    operation_id = "credits_unfreeze",
+    tag = "customer-credits",
+    summary = "Unfreeze an account",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Unfreeze an account", body = doc::CreditAccount), (status = 409, description = "account_closed", body = doc::ErrorBody))
+)]
 pub async fn unfreeze(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -202,6 +222,16 @@ pub async fn unfreeze(
     Ok(Json(account_json(&account, balance)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}/close",
+    operation_id = "credits_close",
+    tag = "customer-credits",
+    summary = "Close an account (final; the balance is forfeited)",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Close an account (final; the balance is forfeited)", body = doc::CreditAccount), (status = 409, description = "account_balance_changed", body = doc::ErrorBody))
+)]
 pub async fn close(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -224,6 +254,16 @@ fn movement(body: &Map<String, Value>) -> Result<MovementInput, ApiError> {
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}/credit",
+    operation_id = "credits_credit",
+    tag = "customer-credits",
+    summary = "Credit an account",
+    params(doc::IdParam),
+    request_body(content = doc::Movement, content_type = "application/json"),
+    responses((status = 200, description = "Credit an account", body = doc::CreditTransaction), (status = 409, description = "account_frozen, account_closed, amount_out_of_range, idempotency_key_reused", body = doc::ErrorBody))
+)]
 pub async fn credit(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -238,6 +278,16 @@ pub async fn credit(
     Ok(Json(transaction_json(&view)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}/debit",
+    operation_id = "credits_debit",
+    tag = "customer-credits",
+    summary = "Debit an account",
+    params(doc::IdParam),
+    request_body(content = doc::Movement, content_type = "application/json"),
+    responses((status = 200, description = "Debit an account", body = doc::CreditTransaction), (status = 409, description = "insufficient_balance, account_frozen, account_closed, amount_out_of_range, idempotency_key_reused", body = doc::ErrorBody))
+)]
 pub async fn debit(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -252,6 +302,15 @@ pub async fn debit(
     Ok(Json(transaction_json(&view)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/customer-credits/accounts/{id}/entries",
+    operation_id = "credits_entries",
+    tag = "customer-credits",
+    summary = "List an account's entries, newest first",
+    params(doc::IdParam, doc::CursorParams),
+    responses((status = 200, description = "List an account's entries, newest first", body = doc::List<doc::CreditEntry>))
+)]
 pub async fn entries(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -263,6 +322,15 @@ pub async fn entries(
     Ok(Json(wire::list(&page, entry_json)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/customer-credits/transactions/{id}",
+    operation_id = "credits_get_transaction",
+    tag = "customer-credits",
+    summary = "Get a credits transaction with its entries",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a credits transaction with its entries", body = doc::CreditTransaction))
+)]
 pub async fn get_transaction(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -273,6 +341,16 @@ pub async fn get_transaction(
     )))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/transactions/{id}/reverse",
+    operation_id = "credits_reverse",
+    tag = "customer-credits",
+    summary = "Reverse a transaction",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Reverse a transaction", body = doc::CreditTransaction), (status = 409, description = "transaction_already_reversed, transaction_not_reversible, insufficient_balance, account_frozen, account_closed", body = doc::ErrorBody))
+)]
 pub async fn reverse(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

@@ -8,14 +8,17 @@ use tally_engine::Scope;
 
 use crate::error::ApiResult;
 use crate::extract::{page_request, Fields, JsonObject, PathId, QueryParams};
+use crate::openapi as doc;
 use crate::{wire, AppState};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The routes of this resource (merged into the API by `crate::router`).
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/customers", routing::get(list).post(create))
-        .route("/v1/customers/{id}", routing::get(get).post(update))
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list, create))
+        .routes(routes!(get, update))
 }
 
 fn customer_input(
@@ -31,6 +34,15 @@ fn customer_input(
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customers",
+    operation_id = "customers_create",
+    tag = "customers",
+    summary = "Create a customer",
+    request_body(content = doc::CustomerCreate, content_type = "application/json"),
+    responses((status = 200, description = "Create a customer", body = doc::Customer), (status = 409, description = "external_id_taken", body = doc::ErrorBody))
+)]
 pub async fn create(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -54,6 +66,16 @@ pub async fn create(
     Ok(Json(wire::customer(&customer)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/customers/{id}",
+    operation_id = "customers_update",
+    tag = "customers",
+    summary = "Update a customer",
+    params(doc::IdParam),
+    request_body(content = doc::CustomerUpdate, content_type = "application/json"),
+    responses((status = 200, description = "Update a customer", body = doc::Customer), (status = 409, description = "external_id_taken", body = doc::ErrorBody))
+)]
 pub async fn update(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -69,6 +91,15 @@ pub async fn update(
     Ok(Json(wire::customer(&customer)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/customers/{id}",
+    operation_id = "customers_get",
+    tag = "customers",
+    summary = "Get a customer",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a customer", body = doc::Customer))
+)]
 pub async fn get(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -80,6 +111,15 @@ pub async fn get(
 }
 
 /// Lists customers newest first; `external_id=` narrows to the one holding it.
+#[utoipa::path(
+    get,
+    path = "/v1/customers",
+    operation_id = "customers_list",
+    tag = "customers",
+    summary = "List customers, newest first",
+    params(doc::CursorParams, ("external_id" = Option<String>, Query, description = "only the customer holding this external id (a list of zero or one)")),
+    responses((status = 200, description = "List customers, newest first", body = doc::List<doc::Customer>))
+)]
 pub async fn list(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

@@ -12,16 +12,19 @@ use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{number_text, page_request, parse_instant, JsonObject, PathId, QueryParams};
+use crate::openapi as doc;
 use crate::{wire, AppState};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The routes of this resource (merged into the API by `crate::router`).
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/events", routing::get(list))
-        .route("/v1/events/ingest", routing::post(ingest))
-        .route("/v1/events/preview", routing::post(preview))
-        .route("/v1/events/{event_id}", routing::get(get))
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list))
+        .routes(routes!(ingest))
+        .routes(routes!(preview))
+        .routes(routes!(get))
 }
 
 /// One JSON event into its raw shape; type errors name the field (relative to the
@@ -91,6 +94,15 @@ fn batch(body: &Map<String, Value>) -> Result<Vec<Result<RawUsageEvent, FieldErr
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/events/ingest",
+    operation_id = "events_ingest",
+    tag = "events",
+    summary = "Ingest usage events (all or nothing)",
+    request_body(content = doc::IngestRequest, content_type = "application/json"),
+    responses((status = 202, description = "Ingest usage events (all or nothing)", body = doc::IngestResult), (status = 400, description = "invalid_usage_event (param `events[N].<field>`)", body = doc::ErrorBody))
+)]
 pub async fn ingest(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -109,6 +121,15 @@ pub async fn ingest(
     ))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/events/preview",
+    operation_id = "events_preview",
+    tag = "events",
+    summary = "Validate usage events without writing them",
+    request_body(content = doc::IngestRequest, content_type = "application/json"),
+    responses((status = 200, description = "Validate usage events without writing them", body = doc::IngestPreview))
+)]
 pub async fn preview(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -123,6 +144,15 @@ pub async fn preview(
     })))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/events/{event_id}",
+    operation_id = "events_get",
+    tag = "events",
+    summary = "Get a stored usage event",
+    params(("event_id" = String, Path, description = "the event id")),
+    responses((status = 200, description = "Get a stored usage event", body = doc::UsageEvent))
+)]
 pub async fn get(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -132,6 +162,15 @@ pub async fn get(
     Ok(Json(wire::usage_event(&event, &scope)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/events",
+    operation_id = "events_list",
+    tag = "events",
+    summary = "List stored usage events, newest received first",
+    params(doc::CursorParams, ("customer_id" = Option<String>, Query, description = "one customer"), ("external_customer_id" = Option<String>, Query, description = "one customer, by external id"), ("name" = Option<String>, Query, description = "the event name"), ("meter_id" = Option<String>, Query, description = "events a meter matched"), ("start" = Option<String>, Query, description = "ISO 8601, on the event timestamp"), ("end" = Option<String>, Query, description = "ISO 8601, on the event timestamp")),
+    responses((status = 200, description = "List stored usage events, newest received first", body = doc::List<doc::UsageEvent>), (status = 404, description = "resource_missing: the customer named by `customer_id` or `external_customer_id`", body = doc::ErrorBody))
+)]
 pub async fn list(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

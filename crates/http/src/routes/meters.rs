@@ -19,20 +19,23 @@ use crate::extract::{
     number_text, page_request, parse_instant, status_filter, Fields, JsonObject, PathId,
     QueryParams,
 };
+use crate::openapi as doc;
 use crate::{wire, AppState};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The routes of this resource (merged into the API by `crate::router`).
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/meters", routing::get(list).post(create))
-        .route("/v1/meters/preview", routing::post(preview_definition))
-        .route("/v1/meters/{id}", routing::get(get).post(update))
-        .route("/v1/meters/{id}/archive", routing::post(archive))
-        .route("/v1/meters/{id}/unarchive", routing::post(unarchive))
-        .route("/v1/meters/{id}/backfill", routing::post(backfill))
-        .route("/v1/meters/{id}/preview", routing::post(preview_existing))
-        .route("/v1/meters/{id}/usage", routing::get(usage))
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list, create))
+        .routes(routes!(preview_definition))
+        .routes(routes!(get, update))
+        .routes(routes!(archive))
+        .routes(routes!(unarchive))
+        .routes(routes!(backfill))
+        .routes(routes!(preview_existing))
+        .routes(routes!(usage))
 }
 
 fn filter_value(param: &str, value: &Value, in_list: bool) -> Result<FilterValue, FieldError> {
@@ -134,6 +137,15 @@ fn meter_input(body: &Map<String, Value>) -> Result<MeterInput, FieldError> {
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/meters",
+    operation_id = "meters_create",
+    tag = "meters",
+    summary = "Create a meter",
+    request_body(content = doc::MeterCreate, content_type = "application/json"),
+    responses((status = 200, description = "Create a meter", body = doc::Meter), (status = 409, description = "meter_name_taken, meter_limit_reached", body = doc::ErrorBody))
+)]
 pub async fn create(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -147,6 +159,15 @@ pub async fn create(
     Ok(Json(wire::meter(&meter)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/meters/{id}",
+    operation_id = "meters_get",
+    tag = "meters",
+    summary = "Get a meter",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a meter", body = doc::Meter))
+)]
 pub async fn get(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -157,6 +178,15 @@ pub async fn get(
     )))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/meters",
+    operation_id = "meters_list",
+    tag = "meters",
+    summary = "List meters",
+    params(doc::CursorParams, ("status" = Option<String>, Query, description = "`active` (default), `archived` or `all`")),
+    responses((status = 200, description = "List meters", body = doc::List<doc::Meter>))
+)]
 pub async fn list(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -170,6 +200,16 @@ pub async fn list(
     Ok(Json(wire::list(&page, wire::meter)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/meters/{id}",
+    operation_id = "meters_update",
+    tag = "meters",
+    summary = "Rename a meter or change its unit label",
+    params(doc::IdParam),
+    request_body(content = doc::MeterUpdate, content_type = "application/json"),
+    responses((status = 200, description = "Rename a meter or change its unit label", body = doc::Meter), (status = 400, description = "meter_field_immutable, parameter_unknown, parameter_invalid", body = doc::ErrorBody), (status = 409, description = "meter_name_taken", body = doc::ErrorBody))
+)]
 pub async fn update(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -210,6 +250,16 @@ pub async fn update(
     )))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/meters/{id}/archive",
+    operation_id = "meters_archive",
+    tag = "meters",
+    summary = "Archive a meter",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Archive a meter", body = doc::Meter), (status = 409, description = "meter_in_use", body = doc::ErrorBody))
+)]
 pub async fn archive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -220,6 +270,16 @@ pub async fn archive(
     )))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/meters/{id}/unarchive",
+    operation_id = "meters_unarchive",
+    tag = "meters",
+    summary = "Unarchive a meter",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Unarchive a meter", body = doc::Meter), (status = 409, description = "meter_name_taken, meter_limit_reached", body = doc::ErrorBody))
+)]
 pub async fn unarchive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -230,6 +290,16 @@ pub async fn unarchive(
     )))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/meters/{id}/backfill",
+    operation_id = "meters_backfill",
+    tag = "meters",
+    summary = "Count stored events from `start` on",
+    params(doc::IdParam),
+    request_body(content = doc::Backfill, content_type = "application/json"),
+    responses((status = 200, description = "Count stored events from `start` on", body = doc::Meter))
+)]
 pub async fn backfill(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -317,6 +387,15 @@ fn range(
     Ok((start_ms, end_ms))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/meters/{id}/usage",
+    operation_id = "meters_usage",
+    tag = "usage",
+    summary = "Query a meter's usage",
+    params(doc::IdParam, ("customer_id" = Option<String>, Query, description = "one customer"), ("external_customer_id" = Option<String>, Query, description = "one customer, by external id"), ("start" = Option<String>, Query, description = "ISO 8601, rounded down to the minute (default now - 35 days)"), ("end" = Option<String>, Query, description = "ISO 8601, rounded up to the minute (default now + 5 minutes)"), ("window" = Option<String>, Query, description = "`none` (default), `minute`, `hour`, `day`"), ("group_by" = Option<String>, Query, description = "`customer_id`")),
+    responses((status = 200, description = "Query a meter's usage", body = doc::MeterUsage), (status = 404, description = "resource_missing: the meter, or the customer named by `customer_id` or `external_customer_id`", body = doc::ErrorBody))
+)]
 pub async fn usage(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -404,6 +483,15 @@ async fn run_preview(
 
 /// `POST /v1/meters/preview`: a definition in the body (same fields as create; the
 /// name may be left out).
+#[utoipa::path(
+    post,
+    path = "/v1/meters/preview",
+    operation_id = "meters_preview_definition",
+    tag = "meters",
+    summary = "Preview a meter definition over stored events",
+    request_body(content = doc::DefinitionPreview, content_type = "application/json"),
+    responses((status = 200, description = "Preview a meter definition over stored events", body = doc::MeterPreview), (status = 404, description = "resource_missing: the customer named by `customer_id` or `external_customer_id`", body = doc::ErrorBody))
+)]
 pub async fn preview_definition(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -415,6 +503,16 @@ pub async fn preview_definition(
     run_preview(&state, &scope, &definition, &body).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/meters/{id}/preview",
+    operation_id = "meters_preview_existing",
+    tag = "meters",
+    summary = "Preview a meter over stored events",
+    params(doc::IdParam),
+    request_body(content = doc::MeterPreviewRequest, content_type = "application/json"),
+    responses((status = 200, description = "Preview a meter over stored events", body = doc::MeterPreview))
+)]
 pub async fn preview_existing(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

@@ -10,19 +10,29 @@ use tally_engine::Scope;
 
 use crate::error::ApiResult;
 use crate::extract::{Fields, JsonObject};
+use crate::openapi as doc;
 use crate::AppState;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/moderation/prompt", routing::post(screen_prompt))
-        .route(
-            "/v1/moderation/policy",
-            routing::get(get_policy).post(set_policy),
-        )
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(screen_prompt))
+        .routes(routes!(get_policy, set_policy))
 }
 
 /// `POST /v1/moderation/prompt {prompt, external_id?}` -> a moderation result.
+#[utoipa::path(
+    post,
+    path = "/v1/moderation/prompt",
+    operation_id = "screen_prompt",
+    tag = "moderation",
+    summary = "Screen a prompt against the store's policy",
+    request_body(content = doc::PromptInput, content_type = "application/json"),
+    responses((status = 200, description = "Screen a prompt against the store's policy", body = doc::ModerationResult))
+)]
 pub async fn screen_prompt(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -63,6 +73,14 @@ fn policy_body(p: &Policy) -> Value {
     })
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/moderation/policy",
+    operation_id = "get_policy",
+    tag = "moderation",
+    summary = "Get the moderation policy",
+    responses((status = 200, description = "Get the moderation policy", body = doc::ModerationPolicy))
+)]
 pub async fn get_policy(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -82,6 +100,15 @@ fn pii_action(pii: &Map<String, Value>, name: &str) -> Result<PiiActionOr, Field
 }
 
 /// `POST /v1/moderation/policy`: replaces the policy (absent lists are empty).
+#[utoipa::path(
+    post,
+    path = "/v1/moderation/policy",
+    operation_id = "set_policy",
+    tag = "moderation",
+    summary = "Replace the moderation policy",
+    request_body(content = doc::PolicyInput, content_type = "application/json"),
+    responses((status = 200, description = "Replace the moderation policy", body = doc::ModerationPolicy))
+)]
 pub async fn set_policy(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

@@ -11,16 +11,19 @@ use tally_engine::Scope;
 
 use crate::error::ApiResult;
 use crate::extract::{page_request, status_filter, Fields, JsonObject, PathId, QueryParams};
+use crate::openapi as doc;
 use crate::{wire, AppState};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The routes of this resource (merged into the API by `crate::router`).
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/products", routing::get(list).post(create))
-        .route("/v1/products/{id}", routing::get(get).post(update))
-        .route("/v1/products/{id}/archive", routing::post(archive))
-        .route("/v1/products/{id}/unarchive", routing::post(unarchive))
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list, create))
+        .routes(routes!(get, update))
+        .routes(routes!(archive))
+        .routes(routes!(unarchive))
 }
 
 fn feature(fields: Fields<'_>) -> Result<FeatureInput, FieldError> {
@@ -96,6 +99,15 @@ fn product_input(body: &Map<String, Value>) -> Result<ProductInput, FieldError> 
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/products",
+    operation_id = "products_create",
+    tag = "products",
+    summary = "Create a product",
+    request_body(content = doc::ProductInput, content_type = "application/json"),
+    responses((status = 200, description = "Create a product", body = doc::Product), (status = 404, description = "resource_missing (param `usage_prices[N].meter_id`)", body = doc::ErrorBody), (status = 409, description = "meter_not_active", body = doc::ErrorBody))
+)]
 pub async fn create(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -110,6 +122,16 @@ pub async fn create(
     Ok(Json(wire::product(&product)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/products/{id}",
+    operation_id = "products_update",
+    tag = "products",
+    summary = "Update a product",
+    params(doc::IdParam),
+    request_body(content = doc::ProductInput, content_type = "application/json"),
+    responses((status = 200, description = "Update a product", body = doc::Product), (status = 400, description = "product_field_immutable, parameter_invalid", body = doc::ErrorBody), (status = 409, description = "meter_not_active", body = doc::ErrorBody))
+)]
 pub async fn update(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -125,6 +147,15 @@ pub async fn update(
     Ok(Json(wire::product(&product)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/products/{id}",
+    operation_id = "products_get",
+    tag = "products",
+    summary = "Get a product",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a product", body = doc::Product))
+)]
 pub async fn get(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -135,6 +166,16 @@ pub async fn get(
     )))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/products/{id}/archive",
+    operation_id = "products_archive",
+    tag = "products",
+    summary = "Archive a product",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Archive a product", body = doc::Product))
+)]
 pub async fn archive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -143,6 +184,16 @@ pub async fn archive(
     set_status(&state, &scope, &id, ProductStatus::Archived).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/products/{id}/unarchive",
+    operation_id = "products_unarchive",
+    tag = "products",
+    summary = "Unarchive a product",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Unarchive a product", body = doc::Product), (status = 409, description = "meter_not_active", body = doc::ErrorBody))
+)]
 pub async fn unarchive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -166,6 +217,15 @@ async fn set_status(
 }
 
 /// Lists products newest first; `status=active|archived|all` (default `active`).
+#[utoipa::path(
+    get,
+    path = "/v1/products",
+    operation_id = "products_list",
+    tag = "products",
+    summary = "List products",
+    params(doc::CursorParams, ("status" = Option<String>, Query, description = "`active` (default), `archived` or `all`")),
+    responses((status = 200, description = "List products", body = doc::List<doc::Product>))
+)]
 pub async fn list(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

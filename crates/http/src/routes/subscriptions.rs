@@ -14,41 +14,40 @@ use tally_engine::Scope;
 
 use crate::error::ApiResult;
 use crate::extract::{page_request, Fields, JsonObject, PathId, QueryParams};
+use crate::openapi as doc;
 use crate::{wire, AppState};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/subscriptions", routing::get(list_subscriptions))
-        .route(
-            "/v1/subscriptions/{id}/upgrade",
-            routing::post(upgrade_subscription),
-        )
-        .route(
-            "/v1/subscriptions/{id}/cancel",
-            routing::post(cancel_subscription),
-        )
-        .route(
-            "/v1/subscriptions/{id}/pause",
-            routing::post(pause_subscription),
-        )
-        .route(
-            "/v1/subscriptions/{id}/resume",
-            routing::post(resume_subscription),
-        )
-        .route(
-            "/v1/subscriptions/{id}/upcoming",
-            routing::get(upcoming_charge),
-        )
-        .route(
-            "/v1/store/settings",
-            routing::get(get_store_settings).post(set_store_settings),
-        )
-        .route("/v1/test-clock", routing::get(get_test_clock))
-        .route("/v1/test-clock/advance", routing::post(advance_test_clock))
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_subscriptions))
+        .routes(routes!(
+            super::billing::get_subscription,
+            update_subscription
+        ))
+        .routes(routes!(upgrade_subscription))
+        .routes(routes!(cancel_subscription))
+        .routes(routes!(pause_subscription))
+        .routes(routes!(resume_subscription))
+        .routes(routes!(upcoming_charge))
+        .routes(routes!(get_store_settings, set_store_settings))
+        .routes(routes!(get_test_clock))
+        .routes(routes!(advance_test_clock))
 }
 
 /// `GET /v1/subscriptions?customer_id=&status=`: newest first, a cursor list.
+#[utoipa::path(
+    get,
+    path = "/v1/subscriptions",
+    operation_id = "list_subscriptions",
+    tag = "subscriptions",
+    summary = "List subscriptions",
+    params(doc::CursorParams, ("customer_id" = Option<String>, Query, description = "one customer's"), ("status" = Option<String>, Query, description = "one status")),
+    responses((status = 200, description = "List subscriptions", body = doc::List<doc::Subscription>), (status = 404, description = "resource_missing: the customer named by `customer_id` or `external_customer_id`", body = doc::ErrorBody))
+)]
 pub async fn list_subscriptions(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -78,6 +77,16 @@ async fn answer(state: &AppState, scope: &Scope, id: &str) -> ApiResult<Json<Val
 }
 
 /// `POST /v1/subscriptions/{id} {items?, update_behavior?, metadata?}`.
+#[utoipa::path(
+    post,
+    path = "/v1/subscriptions/{id}",
+    operation_id = "update_subscription",
+    tag = "subscriptions",
+    summary = "Change a subscription's items or metadata",
+    params(doc::IdParam),
+    request_body(content = doc::SubscriptionUpdate, content_type = "application/json"),
+    responses((status = 200, description = "Change a subscription's items or metadata", body = doc::Subscription), (status = 402, description = "card_error: the proration charge was declined", body = doc::ErrorBody), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
+)]
 pub async fn update_subscription(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -124,6 +133,16 @@ pub async fn update_subscription(
 }
 
 /// `POST /v1/subscriptions/{id}/upgrade {product_id, update_behavior?}`.
+#[utoipa::path(
+    post,
+    path = "/v1/subscriptions/{id}/upgrade",
+    operation_id = "upgrade_subscription",
+    tag = "subscriptions",
+    summary = "Move the main item to another product",
+    params(doc::IdParam),
+    request_body(content = doc::SubscriptionUpgrade, content_type = "application/json"),
+    responses((status = 200, description = "Move the main item to another product", body = doc::Subscription), (status = 402, description = "card_error: the proration charge was declined", body = doc::ErrorBody), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
+)]
 pub async fn upgrade_subscription(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -142,6 +161,16 @@ pub async fn upgrade_subscription(
 }
 
 /// `POST /v1/subscriptions/{id}/cancel {mode?, onExecute?}`.
+#[utoipa::path(
+    post,
+    path = "/v1/subscriptions/{id}/cancel",
+    operation_id = "cancel_subscription",
+    tag = "subscriptions",
+    summary = "Cancel a subscription (scheduled or immediate)",
+    params(doc::IdParam),
+    request_body(content = doc::SubscriptionCancel, content_type = "application/json"),
+    responses((status = 200, description = "Cancel a subscription (scheduled or immediate)", body = doc::Subscription), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
+)]
 pub async fn cancel_subscription(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -159,6 +188,16 @@ pub async fn cancel_subscription(
     answer(&state, &scope, &id).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/subscriptions/{id}/pause",
+    operation_id = "pause_subscription",
+    tag = "subscriptions",
+    summary = "Pause a subscription",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Pause a subscription", body = doc::Subscription), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
+)]
 pub async fn pause_subscription(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -172,6 +211,16 @@ pub async fn pause_subscription(
     answer(&state, &scope, &id).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/subscriptions/{id}/resume",
+    operation_id = "resume_subscription",
+    tag = "subscriptions",
+    summary = "Resume a paused subscription",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Resume a paused subscription", body = doc::Subscription), (status = 402, description = "card_error: the new period's charge was declined", body = doc::ErrorBody), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
+)]
 pub async fn resume_subscription(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -187,6 +236,15 @@ pub async fn resume_subscription(
 
 /// `GET /v1/subscriptions/{id}/upcoming`: the next charge as of now (usage to
 /// date), writing nothing; 404 `resource_missing` when nothing is due ahead.
+#[utoipa::path(
+    get,
+    path = "/v1/subscriptions/{id}/upcoming",
+    operation_id = "upcoming_charge",
+    tag = "subscriptions",
+    summary = "Preview the next charge (or an upgrade)",
+    params(doc::IdParam, ("product_id" = Option<String>, Query, description = "preview an upgrade to this product")),
+    responses((status = 200, description = "Preview the next charge (or an upgrade)", body = doc::UpcomingTransaction), (status = 404, description = "resource_missing: the subscription, or nothing is due ahead", body = doc::ErrorBody))
+)]
 pub async fn upcoming_charge(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -230,6 +288,14 @@ fn settings(s: &tally_domain::subscription::StoreSettings) -> Value {
 }
 
 /// `GET /v1/store/settings`: the store's billing settings in this environment.
+#[utoipa::path(
+    get,
+    path = "/v1/store/settings",
+    operation_id = "get_store_settings",
+    tag = "store",
+    summary = "Get the store's billing settings",
+    responses((status = 200, description = "Get the store's billing settings", body = doc::StoreSettings))
+)]
 pub async fn get_store_settings(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -240,6 +306,15 @@ pub async fn get_store_settings(
 }
 
 /// `POST /v1/store/settings {default_cancel_mode?, late_usage_grace_seconds?}`.
+#[utoipa::path(
+    post,
+    path = "/v1/store/settings",
+    operation_id = "set_store_settings",
+    tag = "store",
+    summary = "Change the store's billing settings",
+    request_body(content = doc::StoreSettingsInput, content_type = "application/json"),
+    responses((status = 200, description = "Change the store's billing settings", body = doc::StoreSettings))
+)]
 pub async fn set_store_settings(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -265,6 +340,14 @@ fn clock(now_ms: i64) -> Value {
 }
 
 /// `GET /v1/test-clock`: the test store's time.
+#[utoipa::path(
+    get,
+    path = "/v1/test-clock",
+    operation_id = "get_test_clock",
+    tag = "test-clock",
+    summary = "Get the test clock (test mode)",
+    responses((status = 200, description = "Get the test clock (test mode)", body = doc::TestClock), (status = 400, description = "test_mode_only", body = doc::ErrorBody))
+)]
 pub async fn get_test_clock(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -273,6 +356,15 @@ pub async fn get_test_clock(
 }
 
 /// `POST /v1/test-clock/advance {to}`: answers once everything due until `to` ran.
+#[utoipa::path(
+    post,
+    path = "/v1/test-clock/advance",
+    operation_id = "advance_test_clock",
+    tag = "test-clock",
+    summary = "Advance the test clock and run what falls due",
+    request_body(content = doc::ClockAdvance, content_type = "application/json"),
+    responses((status = 200, description = "Advance the test clock and run what falls due", body = doc::TestClock), (status = 400, description = "test_mode_only, test_clock_backwards", body = doc::ErrorBody))
+)]
 pub async fn advance_test_clock(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,

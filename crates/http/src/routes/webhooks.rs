@@ -11,31 +11,25 @@ use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{page_request, Fields, JsonObject, PathId, PathIds, QueryParams};
+use crate::openapi as doc;
 use crate::webhooks::{delivery_headers, event_body};
 use crate::wire;
 use crate::AppState;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-/// The routes of this resource (merged into the API by `crate::router`).
-pub fn router() -> axum::Router<AppState> {
-    use axum::routing;
-    axum::Router::new()
-        .route("/v1/webhooks", routing::get(list).post(create))
-        .route(
-            "/v1/webhooks/{id}",
-            routing::get(get).post(update).delete(delete),
-        )
-        .route("/v1/webhooks/{id}/secret", routing::get(secret))
-        .route("/v1/webhooks/{id}/secret/rotate", routing::post(rotate))
-        .route("/v1/webhooks/{id}/deliveries", routing::get(deliveries))
-        .route("/v1/webhooks/{id}/events/pending", routing::get(pending))
-        .route(
-            "/v1/webhooks/{id}/events/{event_id}/resend",
-            routing::post(resend),
-        )
-        .route(
-            "/v1/webhooks/{id}/events/{event_id}/ack",
-            routing::post(ack),
-        )
+/// The routes of this resource and their documentation (merged into the API by
+/// `crate::api_router`).
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list, create))
+        .routes(routes!(get, update, delete))
+        .routes(routes!(secret))
+        .routes(routes!(rotate))
+        .routes(routes!(deliveries))
+        .routes(routes!(pending))
+        .routes(routes!(resend))
+        .routes(routes!(ack))
 }
 
 /// Pending events returned at once (docs/api.md: 1..100, default 10).
@@ -110,6 +104,15 @@ fn endpoint_input(body: &Map<String, Value>) -> Result<EndpointInput, ApiError> 
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/webhooks",
+    operation_id = "webhooks_create",
+    tag = "webhooks",
+    summary = "Create a webhook endpoint (answers its secret)",
+    request_body(content = doc::WebhookInput, content_type = "application/json"),
+    responses((status = 200, description = "Create a webhook endpoint (answers its secret)", body = doc::Webhook), (status = 409, description = "webhook_limit_reached", body = doc::ErrorBody))
+)]
 pub async fn create(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -129,6 +132,15 @@ pub async fn create(
 
 /// `GET /v1/webhooks`: newest first, a cursor list (at most
 /// `MAX_ENDPOINTS_PER_SCOPE` endpoints exist, so it pages in memory).
+#[utoipa::path(
+    get,
+    path = "/v1/webhooks",
+    operation_id = "webhooks_list",
+    tag = "webhooks",
+    summary = "List webhook endpoints",
+    params(doc::CursorParams),
+    responses((status = 200, description = "List webhook endpoints", body = doc::List<doc::Webhook>))
+)]
 pub async fn list(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -141,6 +153,15 @@ pub async fn list(
     Ok(Json(wire::list(&page, |e| endpoint_json(e, false))))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/webhooks/{id}",
+    operation_id = "webhooks_get",
+    tag = "webhooks",
+    summary = "Get a webhook endpoint",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a webhook endpoint", body = doc::Webhook))
+)]
 pub async fn get(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -152,6 +173,16 @@ pub async fn get(
     )))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/webhooks/{id}",
+    operation_id = "webhooks_update",
+    tag = "webhooks",
+    summary = "Update a webhook endpoint",
+    params(doc::IdParam),
+    request_body(content = doc::WebhookInput, content_type = "application/json"),
+    responses((status = 200, description = "Update a webhook endpoint", body = doc::Webhook), (status = 400, description = "webhook_field_immutable, parameter_invalid", body = doc::ErrorBody))
+)]
 pub async fn update(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -171,6 +202,15 @@ pub async fn update(
     Ok(Json(endpoint_json(&endpoint, false)))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/webhooks/{id}",
+    operation_id = "webhooks_delete",
+    tag = "webhooks",
+    summary = "Delete a webhook endpoint",
+    params(doc::IdParam),
+    responses((status = 200, description = "Delete a webhook endpoint", body = doc::Deleted))
+)]
 pub async fn delete(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -186,6 +226,15 @@ pub async fn delete(
     ))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/webhooks/{id}/secret",
+    operation_id = "webhooks_secret",
+    tag = "webhooks",
+    summary = "Get an endpoint's signing secret",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get an endpoint's signing secret", body = doc::WebhookSecret))
+)]
 pub async fn secret(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -197,6 +246,16 @@ pub async fn secret(
     ))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/webhooks/{id}/secret/rotate",
+    operation_id = "webhooks_rotate",
+    tag = "webhooks",
+    summary = "Rotate the signing secret (the old one signs for 24 h more)",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Rotate the signing secret (the old one signs for 24 h more)", body = doc::Webhook))
+)]
 pub async fn rotate(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -223,6 +282,15 @@ fn limit(query: &QueryParams) -> Result<usize, ApiError> {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/webhooks/{id}/deliveries",
+    operation_id = "webhooks_deliveries",
+    tag = "webhooks",
+    summary = "List delivery attempts, newest first",
+    params(doc::IdParam, doc::CursorParams),
+    responses((status = 200, description = "List delivery attempts, newest first", body = doc::List<doc::WebhookAttempt>))
+)]
 pub async fn deliveries(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -237,6 +305,16 @@ pub async fn deliveries(
     Ok(Json(wire::list(&page, attempt_json)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/webhooks/{id}/events/{event_id}/resend",
+    operation_id = "webhooks_resend",
+    tag = "webhooks",
+    summary = "Make one extra delivery attempt now",
+    params(("id" = String, Path, description = "the endpoint id"), ("event_id" = String, Path, description = "the event id")),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "Make one extra delivery attempt now", body = doc::WebhookAttempt), (status = 400, description = "webhook_is_cli", body = doc::ErrorBody), (status = 503, description = "endpoint_busy", body = doc::ErrorBody))
+)]
 pub async fn resend(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -269,6 +347,15 @@ fn require_cli(endpoint: &WebhookEndpoint) -> Result<(), ApiError> {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/webhooks/{id}/events/pending",
+    operation_id = "webhooks_pending",
+    tag = "webhooks",
+    summary = "The cli feed: events not yet acknowledged",
+    params(doc::IdParam, ("limit" = Option<u32>, Query, description = "1..100, default 10")),
+    responses((status = 200, description = "The cli feed: events not yet acknowledged", body = doc::PendingEvents), (status = 400, description = "webhook_not_cli, parameter_invalid", body = doc::ErrorBody))
+)]
 pub async fn pending(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
@@ -302,6 +389,16 @@ pub async fn pending(
     Ok(Json(json!({"object": "list", "items": items})))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/webhooks/{id}/events/{event_id}/ack",
+    operation_id = "webhooks_ack",
+    tag = "webhooks",
+    summary = "Acknowledge a cli event",
+    params(("id" = String, Path, description = "the endpoint id"), ("event_id" = String, Path, description = "the event id")),
+    request_body(content = doc::Ack, content_type = "application/json"),
+    responses((status = 200, description = "Acknowledge a cli event", body = doc::WebhookAttempt), (status = 400, description = "webhook_not_cli, parameter_invalid", body = doc::ErrorBody), (status = 409, description = "webhook_event_acknowledged", body = doc::ErrorBody))
+)]
 pub async fn ack(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
