@@ -116,6 +116,7 @@ impl Modify for Shared {
                 ("delete", item.delete.as_mut()),
             ] {
                 let Some(operation) = operation else { continue };
+                optional_body_not_null(operation);
                 if open && !admin {
                     operation.security = Some(Vec::new());
                 }
@@ -140,6 +141,16 @@ impl Modify for Shared {
                 }
                 if has_path_params {
                     add_missing(operation, "404", "resource_missing");
+                }
+                let takes_cursor = operation.parameters.iter().flatten().any(
+                    |p| matches!(p, utoipa::openapi::RefOr::T(p) if p.name == "starting_after"),
+                );
+                if takes_cursor {
+                    add_missing(
+                        operation,
+                        "404",
+                        "resource_missing (param `starting_after` or `ending_before`: no item has that id)",
+                    );
                 }
                 if method != "get" {
                     add_missing(
@@ -169,6 +180,36 @@ impl Modify for Shared {
                     add_missing(operation, "500", "api_error: internal_error");
                 }
             }
+        }
+    }
+}
+
+/// A body that may be left out is written `Option<T>` in the annotations, which
+/// utoipa renders as "T or null"; but `null` is no JSON object and is refused
+/// (400 `invalid_json`), so the document says "T, or no body".
+fn optional_body_not_null(operation: &mut Operation) {
+    let Some(utoipa::openapi::RefOr::T(body)) = operation.request_body.as_mut() else {
+        return;
+    };
+    for content in body.content.values_mut() {
+        let utoipa::openapi::RefOr::T(content) = content else {
+            continue;
+        };
+        let Some(utoipa::openapi::RefOr::T(utoipa::openapi::Schema::OneOf(one_of))) =
+            content.schema.as_ref()
+        else {
+            continue;
+        };
+        let not_null: Vec<_> = one_of
+            .items
+            .iter()
+            .filter(|item| {
+                serde_json::to_value(item).ok() != Some(serde_json::json!({"type": "null"}))
+            })
+            .cloned()
+            .collect();
+        if let [only] = not_null.as_slice() {
+            content.schema = Some(only.clone());
         }
     }
 }
@@ -221,8 +262,8 @@ pub struct CursorParams {
 #[derive(IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct PageParams {
-    /// 1-based, default 1.
-    #[param(minimum = 1)]
+    /// 1-based, default 1, at most `MAX_PAGE_NUMBER` (1,000,000).
+    #[param(minimum = 1, maximum = 1_000_000)]
     pub page: Option<u32>,
     /// 1..100, default 10.
     #[param(minimum = 1, maximum = 100)]
@@ -514,6 +555,13 @@ pub struct EventInput {
 pub struct IngestRequest {
     /// 1..100 events.
     pub events: Vec<EventInput>,
+}
+
+/// A preview takes any objects: each is validated and reported in place.
+#[derive(ToSchema)]
+pub struct PreviewRequest {
+    /// 1..100 events, valid or not.
+    pub events: Vec<Value>,
 }
 
 #[derive(ToSchema)]
@@ -1118,7 +1166,17 @@ pub struct PolicyInput {
     pub flag_terms: Option<Vec<String>>,
     pub deny_patterns: Option<Vec<String>>,
     pub flag_patterns: Option<Vec<String>>,
-    pub pii: Option<BTreeMap<String, String>>,
+    pub pii: Option<PiiInput>,
+}
+
+/// Absent detectors are off.
+#[derive(ToSchema)]
+pub struct PiiInput {
+    /// `off`, `flag` or `deny`.
+    pub email: Option<String>,
+    pub phone: Option<String>,
+    pub card: Option<String>,
+    pub iban: Option<String>,
 }
 
 // ---- webhooks ----

@@ -209,8 +209,8 @@ async fn meter_states_follow_the_spec_table() {
     let error = assert_error(&immutable, 400, "invalid_request_error");
     assert_eq!(error["code"], "meter_field_immutable");
     assert_eq!(error["param"], "aggregation");
-    // Fields an update does not take are named, not ignored.
-    for field in ["status", "colour"] {
+    // Meter fields an update does not take are named, not ignored.
+    for field in ["status", "counts_from"] {
         let unknown = api
             .post(
                 &format!("/v1/meters/{id}"),
@@ -221,12 +221,14 @@ async fn meter_states_follow_the_spec_table() {
         assert_eq!(error["code"], "parameter_unknown");
         assert_eq!(error["param"], field);
     }
+    // A field that is no meter field is ignored, as in every request body.
     let renamed = api
         .post(
             &format!("/v1/meters/{id}"),
-            json!({"name": "Calls", "unit_label": "calls"}),
+            json!({"name": "Calls", "unit_label": "calls", "colour": "blue"}),
         )
         .await;
+    assert_eq!(renamed.status, 200, "{}", renamed.body);
     assert_eq!(renamed.body["name"], "Calls");
     assert_eq!(renamed.body["unit_label"], "calls");
     // The old name is free again.

@@ -52,6 +52,18 @@ fn document_is_openapi_3_1_with_unique_operation_ids_and_documented_errors() {
         }
     }
     assert!(ids.len() >= 90, "{} operations", ids.len());
+    // The documented bound is the enforced one.
+    let page = doc["paths"]["/v1/affiliates"]["get"]["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "page")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        page["schema"]["maximum"].as_u64(),
+        Some(tally_http::routes::affiliates::MAX_PAGE_NUMBER as u64)
+    );
 }
 
 /// A route can only be added through `utoipa_axum::routes!`, which documents it:
@@ -806,5 +818,59 @@ async fn answers_of_the_main_flows_conform_to_the_document() {
         "{} answers checked",
         c.checked.len()
     );
+    server.stop().await;
+}
+
+/// What the contract fuzzer found: actions documented without a body ignored a
+/// malformed one, and `page` took any number.
+#[tokio::test]
+async fn actions_without_a_body_refuse_malformed_json_and_pages_are_bounded() {
+    let (_dir, path) = temp_dir();
+    let server = Server::start(&path, default_config()).await;
+    let keys = create_store(&server, "fuzz findings").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let meter = api
+        .post(
+            "/v1/meters",
+            json!({"name": "m", "event_name": "e", "aggregation": "count"}),
+        )
+        .await;
+    let mtr = id(&meter.body);
+    for body in ["\u{0}", "IO", "[1]", "null"] {
+        let answer = Api::finish_raw(
+            api.http
+                .post(format!("{}/v1/meters/{mtr}/archive", api.base))
+                .header("x-api-key", &api.key)
+                .header("content-type", "application/json")
+                .body(body),
+        )
+        .await;
+        let error = assert_error(&answer, 400, "invalid_request_error");
+        assert_eq!(error["code"], "invalid_json", "{body:?}");
+    }
+    let still = api.get(&format!("/v1/meters/{mtr}")).await;
+    assert_eq!(still.body["status"], "active");
+    // No body, `{}`, and fields it does not take (ignored) all archive.
+    let archived = Api::finish_raw(
+        api.http
+            .post(format!("{}/v1/meters/{mtr}/archive", api.base))
+            .header("x-api-key", &api.key),
+    )
+    .await;
+    assert_eq!(archived.status, 200, "{}", archived.body);
+    let again = api
+        .post(&format!("/v1/meters/{mtr}/unarchive"), json!({"why": "x"}))
+        .await;
+    assert_eq!(again.body["status"], "active", "{}", again.body);
+
+    let max = tally_http::routes::affiliates::MAX_PAGE_NUMBER;
+    let last = api.get(&format!("/v1/affiliates?page={max}")).await;
+    assert_eq!(last.status, 200, "{}", last.body);
+    assert_eq!(last.body["items"], json!([]));
+    for path in ["/v1/affiliates", "/v1/affiliates/invites"] {
+        let beyond = api.get(&format!("{path}?page={}", max + 1)).await;
+        let error = assert_error(&beyond, 400, "invalid_request_error");
+        assert_eq!(error["param"], "page");
+    }
     server.stop().await;
 }

@@ -20,6 +20,9 @@ use utoipa_axum::routes;
 /// Page sizes a page-based list takes (docs/api.md, "Lists").
 pub const MAX_PAGE_SIZE: usize = 100;
 pub const DEFAULT_PAGE_SIZE: usize = 10;
+/// Highest `page`: a page past a list's end is empty, but a number beyond this is a
+/// client bug (no store has a million pages of affiliates) and is refused (400).
+pub const MAX_PAGE_NUMBER: usize = 1_000_000;
 
 /// The routes of this resource and their documentation (merged into the API by
 /// `crate::api_router`).
@@ -32,7 +35,8 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(get_affiliate, update_affiliate))
 }
 
-/// `page` (1-based, default 1) and `page_size` (1..=100, default 10).
+/// `page` (1-based, default 1, at most `MAX_PAGE_NUMBER`) and `page_size` (1..=100,
+/// default 10).
 fn page_params(query: &QueryParams) -> Result<(usize, usize), FieldError> {
     let read = |name: &str, default: usize, max: usize| match query.get(name) {
         None => Ok(default),
@@ -45,7 +49,7 @@ fn page_params(query: &QueryParams) -> Result<(usize, usize), FieldError> {
             }),
     };
     Ok((
-        read("page", 1, usize::MAX)?,
+        read("page", 1, MAX_PAGE_NUMBER)?,
         read("page_size", DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)?,
     ))
 }
@@ -155,13 +159,14 @@ pub async fn list_invites(
     tag = "affiliates",
     summary = "Accept an invitation (the affiliate joins)",
     params(doc::IdParam),
-    request_body(content = doc::NoBody, content_type = "application/json"),
+    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
     responses((status = 200, description = "Accept an invitation (the affiliate joins)", body = doc::Affiliate), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
 )]
 pub async fn accept_invite(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
+    JsonObject(_): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let joined = state.engine.billing().accept_invite(&scope, &id).await?;
     Ok(Json(affiliate_body(&state, &scope, &joined)?))

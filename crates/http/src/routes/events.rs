@@ -127,7 +127,7 @@ pub async fn ingest(
     operation_id = "events_preview",
     tag = "events",
     summary = "Validate usage events without writing them",
-    request_body(content = doc::IngestRequest, content_type = "application/json"),
+    request_body(content = doc::PreviewRequest, content_type = "application/json"),
     responses((status = 200, description = "Validate usage events without writing them", body = doc::IngestPreview))
 )]
 pub async fn preview(

@@ -38,6 +38,19 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(usage))
 }
 
+/// Fields of a meter that no update changes and that are not definition fields
+/// (those answer `meter_field_immutable`).
+const NOT_UPDATABLE_METER_FIELDS: [&str; 8] = [
+    "id",
+    "object",
+    "store_id",
+    "mode",
+    "status",
+    "counts_from",
+    "created_at",
+    "updated_at",
+];
+
 fn filter_value(param: &str, value: &Value, in_list: bool) -> Result<FilterValue, FieldError> {
     match value {
         Value::String(s) => Ok(FilterValue::String(s.clone())),
@@ -216,11 +229,12 @@ pub async fn update(
     PathId(id): PathId,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    // Fields an update cannot take are named, never silently ignored.
-    const UPDATABLE: [&str; 2] = ["name", "unit_label"];
+    // A meter field an update cannot take is named, never silently ignored; a field
+    // that is no meter field at all is ignored like in every request body
+    // (docs/api.md, "Errors, request ids, limits").
     if let Some(field) = body
         .keys()
-        .find(|k| !UPDATABLE.contains(&k.as_str()) && !IMMUTABLE_METER_FIELDS.contains(&k.as_str()))
+        .find(|k| NOT_UPDATABLE_METER_FIELDS.contains(&k.as_str()))
     {
         let message = if field == "status" {
             "`status` changes through POST /v1/meters/{id}/archive and /unarchive".to_string()
@@ -257,13 +271,14 @@ pub async fn update(
     tag = "meters",
     summary = "Archive a meter",
     params(doc::IdParam),
-    request_body(content = doc::NoBody, content_type = "application/json"),
+    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
     responses((status = 200, description = "Archive a meter", body = doc::Meter), (status = 409, description = "meter_in_use", body = doc::ErrorBody))
 )]
 pub async fn archive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
+    JsonObject(_): JsonObject,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(wire::meter(
         &state.engine.metering().archive_meter(&scope, &id).await?,
@@ -277,13 +292,14 @@ pub async fn archive(
     tag = "meters",
     summary = "Unarchive a meter",
     params(doc::IdParam),
-    request_body(content = doc::NoBody, content_type = "application/json"),
+    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
     responses((status = 200, description = "Unarchive a meter", body = doc::Meter), (status = 409, description = "meter_name_taken, meter_limit_reached", body = doc::ErrorBody))
 )]
 pub async fn unarchive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
+    JsonObject(_): JsonObject,
 ) -> ApiResult<Json<Value>> {
     Ok(Json(wire::meter(
         &state.engine.metering().unarchive_meter(&scope, &id).await?,

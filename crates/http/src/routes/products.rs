@@ -173,13 +173,14 @@ pub async fn get(
     tag = "products",
     summary = "Archive a product",
     params(doc::IdParam),
-    request_body(content = doc::NoBody, content_type = "application/json"),
+    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
     responses((status = 200, description = "Archive a product", body = doc::Product))
 )]
 pub async fn archive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
+    JsonObject(_): JsonObject,
 ) -> ApiResult<Json<Value>> {
     set_status(&state, &scope, &id, ProductStatus::Archived).await
 }
@@ -191,13 +192,14 @@ pub async fn archive(
     tag = "products",
     summary = "Unarchive a product",
     params(doc::IdParam),
-    request_body(content = doc::NoBody, content_type = "application/json"),
+    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
     responses((status = 200, description = "Unarchive a product", body = doc::Product), (status = 409, description = "meter_not_active", body = doc::ErrorBody))
 )]
 pub async fn unarchive(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
+    JsonObject(_): JsonObject,
 ) -> ApiResult<Json<Value>> {
     set_status(&state, &scope, &id, ProductStatus::Active).await
 }
