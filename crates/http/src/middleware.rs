@@ -1,7 +1,7 @@
 //! Cross-cutting HTTP behaviour, in the order a request meets it:
 //! 1. [`request_context`]: request id, error-body rendering, metrics, request log;
 //! 2. [`authenticate`]: `x-api-key` to a scope of this listener's environment;
-//! 3. [`rate_limit`]: a token bucket per key, 429 with `retry-after` and
+//! 3. [`rate_limit`]: a GCRA limiter per key (governor), 429 with `retry-after` and
 //!    `x-ratelimit-*` headers;
 //! 4. [`idempotency`]: `idempotency-key` replay for POSTs (24 h, survives restarts);
 //! 5. [`write_gate`]: 503 for writes while the engine takes none.
@@ -142,57 +142,65 @@ pub async fn authenticate(
 #[derive(Debug, Clone)]
 pub struct KeyDigest(pub Vec<u8>);
 
-/// A token bucket per API key.
+/// A GCRA rate limiter per API key (governor): `per_second` sustained, `burst` at
+/// once (a token bucket's behaviour, without a float per key).
 #[derive(Debug)]
 pub struct RateLimiter {
-    pub per_second: f64,
-    pub burst: f64,
-    buckets: DashMap<Vec<u8>, (f64, Instant)>,
+    pub per_second: u32,
+    pub burst: u32,
+    limiter: governor::RateLimiter<
+        Vec<u8>,
+        governor::state::keyed::DashMapStateStore<Vec<u8>>,
+        governor::clock::DefaultClock,
+        governor::middleware::StateInformationMiddleware,
+    >,
 }
 
 pub struct RateDecision {
     allowed: bool,
     remaining: u64,
-    /// Seconds until a token is available (when refused) or the bucket is full.
+    /// Seconds until a request is allowed (when refused) or the bucket is full.
     reset_seconds: u64,
 }
 
 impl RateLimiter {
     pub fn new(per_second: u32, burst: u32) -> RateLimiter {
+        let per_second = per_second.max(1);
+        let burst = burst.max(1);
+        let quota = governor::Quota::per_second(std::num::NonZeroU32::MIN.saturating_add(per_second - 1))
+            .allow_burst(std::num::NonZeroU32::MIN.saturating_add(burst - 1));
         RateLimiter {
-            per_second: per_second.max(1) as f64,
-            burst: burst.max(1) as f64,
-            buckets: DashMap::new(),
+            per_second,
+            burst,
+            limiter: governor::RateLimiter::dashmap(quota)
+                .with_middleware::<governor::middleware::StateInformationMiddleware>(),
         }
     }
 
     pub fn check(&self, key: &[u8]) -> RateDecision {
-        let now = Instant::now();
-        if self.buckets.len() > MAX_RATE_LIMIT_BUCKETS {
-            let idle = Duration::from_secs_f64(self.burst / self.per_second);
-            self.buckets
-                .retain(|_, (_, at)| now.duration_since(*at) < idle);
+        use governor::clock::Clock;
+        if self.limiter.len() > MAX_RATE_LIMIT_BUCKETS {
+            // Keys whose bucket refilled are indistinguishable from new ones.
+            self.limiter.retain_recent();
+            self.limiter.shrink_to_fit();
         }
-        let mut bucket = self
-            .buckets
-            .entry(key.to_vec())
-            .or_insert((self.burst, now));
-        let (tokens, at) = *bucket;
-        let refilled =
-            (tokens + now.duration_since(at).as_secs_f64() * self.per_second).min(self.burst);
-        if refilled >= 1.0 {
-            *bucket = (refilled - 1.0, now);
-            RateDecision {
-                allowed: true,
-                remaining: (refilled - 1.0).floor() as u64,
-                reset_seconds: ((self.burst - refilled + 1.0) / self.per_second).ceil() as u64,
+        match self.limiter.check_key(&key.to_vec()) {
+            Ok(snapshot) => {
+                let remaining = snapshot.remaining_burst_capacity();
+                let missing = self.burst.saturating_sub(remaining) as u64;
+                RateDecision {
+                    allowed: true,
+                    remaining: remaining as u64,
+                    reset_seconds: missing.div_ceil(self.per_second as u64),
+                }
             }
-        } else {
-            *bucket = (refilled, now);
-            RateDecision {
-                allowed: false,
-                remaining: 0,
-                reset_seconds: ((1.0 - refilled) / self.per_second).ceil().max(1.0) as u64,
+            Err(not_until) => {
+                let wait = not_until.wait_time_from(self.limiter.clock().now());
+                RateDecision {
+                    allowed: false,
+                    remaining: 0,
+                    reset_seconds: wait.as_secs_f64().ceil().max(1.0) as u64,
+                }
             }
         }
     }
@@ -554,4 +562,26 @@ async fn remember(
         tracing::warn!(%error, "could not record an idempotent response");
     }
     Response::from_parts(parts, Body::from(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limiter_counts_the_burst_down_then_refuses_until_a_token_is_back() {
+        let limiter = RateLimiter::new(1, 3);
+        let decisions: Vec<_> = (0..4).map(|_| limiter.check(b"key")).collect();
+        assert!(decisions[..3].iter().all(|d| d.allowed));
+        assert_eq!(
+            decisions[..3].iter().map(|d| d.remaining).collect::<Vec<_>>(),
+            [2, 1, 0]
+        );
+        // Full again 3 s after the third request at 1 per second.
+        assert_eq!(decisions[2].reset_seconds, 3);
+        assert!(!decisions[3].allowed);
+        assert_eq!(decisions[3].reset_seconds, 1);
+        // Keys are independent.
+        assert!(limiter.check(b"other").allowed);
+    }
 }
