@@ -287,7 +287,12 @@ async fn main() -> anyhow::Result<()> {
             .await?;
         let lag: u64 = metrics
             .lines()
-            .find(|l| l.starts_with("tally_consumer_lag_bytes_or_records{partition=\"0\"}"))
+            // The gauge's name before and since the metrics facade (either build
+            // can be measured).
+            .find(|l| {
+                l.starts_with("tally_projector_lag_bytes{partition=\"0\"}")
+                    || l.starts_with("tally_consumer_lag_bytes_or_records{partition=\"0\"}")
+            })
             .and_then(|l| l.split_whitespace().last()?.parse().ok())
             .unwrap_or(u64::MAX);
         if lag == 0 {

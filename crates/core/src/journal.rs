@@ -135,7 +135,7 @@ impl Journal {
             apply_wait_ms: APPLY_WAIT_TIMEOUT_MS.into(),
             max_apply_lag_ms: MAX_APPLY_LAG_MS.into(),
             test_clocks: dashmap::DashMap::new(),
-            metrics: Metrics::default(),
+            metrics: Metrics,
         }
     }
 
@@ -315,7 +315,7 @@ impl Journal {
         let partition = self.log.partition_for(&key);
         let started = Instant::now();
         let offset = self.log.append(&key, payload).await?;
-        self.metrics.log_append.observe(started.elapsed());
+        self.metrics.log_append(self.log.kind(), started.elapsed());
         let events = match record {
             Record::UsageBatch { events, .. } => events.len(),
             _ => 0,

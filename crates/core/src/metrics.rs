@@ -1,164 +1,189 @@
-//! Counters and histograms for `/metrics` (Prometheus text format), kept as atomics
-//! so recording costs a few nanoseconds on the hot path.
+//! Metrics through the `metrics` facade, exported in the Prometheus text format by
+//! `metrics-exporter-prometheus` (`GET /metrics`). Names follow Prometheus
+//! conventions: the unit in the name (`_seconds`, `_bytes`), `_total` on counters.
+//!
+//! Counters and histograms are recorded where things happen; the gauges that
+//! describe state (projector lag, checkpoint age, dedup index size, webhook queue)
+//! are set from a [`Gauges`] snapshot when `/metrics` is scraped, so nothing on a
+//! hot path maintains them. The recorder is process-wide (the facade's design):
+//! every engine of one process records into it.
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use dashmap::DashMap;
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Upper bounds (seconds) of latency buckets: 100 µs to 10 s.
 const LATENCY_BUCKETS_SECONDS: [f64; 12] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 1.0, 10.0,
 ];
 
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; 12],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
-}
+/// HTTP methods that get their own label; any other token counts as `OTHER`, so
+/// the label set stays bounded whatever clients send.
+const METHODS: [&str; 7] = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"];
 
-impl Histogram {
-    pub fn observe(&self, elapsed: Duration) {
-        let seconds = elapsed.as_secs_f64();
-        for (bound, bucket) in LATENCY_BUCKETS_SECONDS.iter().zip(&self.buckets) {
-            if seconds <= *bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros
-            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
-    }
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        for (bound, bucket) in LATENCY_BUCKETS_SECONDS.iter().zip(&self.buckets) {
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {}",
-                bucket.load(Ordering::Relaxed)
+/// Installs the process's recorder the first time (every later call shares it).
+fn handle() -> &'static PrometheusHandle {
+    HANDLE.get_or_init(|| {
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS_SECONDS)
+            .unwrap_or_else(|_| PrometheusBuilder::new());
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_err() {
+            tracing::warn!(
+                "another metrics recorder is installed; /metrics shows only what it renders"
             );
         }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
-        let _ = writeln!(
-            out,
-            "{name}_sum{{{labels}}} {}",
-            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
-    }
+        describe();
+        handle
+    })
 }
 
-#[derive(Debug, Default)]
-pub struct Metrics {
-    pub log_append: Histogram,
-    pub records_applied: AtomicU64,
-    pub events_accepted: AtomicU64,
-    pub events_duplicate: AtomicU64,
-    /// (method, route, status) -> count.
-    pub http_requests: DashMap<(String, String, u16), AtomicU64>,
-    /// route -> latency.
-    pub http_latency: DashMap<String, Histogram>,
+fn describe() {
+    describe_counter!(
+        "tally_http_requests_total",
+        "HTTP requests by method, route and status."
+    );
+    describe_histogram!(
+        "tally_http_request_duration_seconds",
+        metrics::Unit::Seconds,
+        "HTTP request latency by route."
+    );
+    describe_histogram!(
+        "tally_log_append_duration_seconds",
+        metrics::Unit::Seconds,
+        "Time for an append to become durable."
+    );
+    describe_counter!(
+        "tally_records_applied_total",
+        "Log records applied by the projector."
+    );
+    describe_counter!(
+        "tally_events_accepted_total",
+        "Usage events accepted (not duplicates)."
+    );
+    describe_counter!(
+        "tally_events_duplicate_total",
+        "Usage events dropped as duplicates."
+    );
+    describe_gauge!(
+        "tally_projector_lag_bytes",
+        metrics::Unit::Bytes,
+        "Embedded log not yet applied to the projections, per partition."
+    );
+    describe_gauge!(
+        "tally_projector_lag_records",
+        "Kafka records not yet applied to the projections, per partition."
+    );
+    describe_gauge!(
+        "tally_projector_apply_lag_seconds",
+        metrics::Unit::Seconds,
+        "How long this node's oldest write has waited to be applied."
+    );
+    describe_gauge!(
+        "tally_checkpoint_age_seconds",
+        metrics::Unit::Seconds,
+        "Time since the projections' last completed checkpoint to sled."
+    );
+    describe_gauge!(
+        "tally_checkpoint_dirty_keys",
+        "Projection keys changed since the last completed checkpoint."
+    );
+    describe_gauge!(
+        "tally_dedup_index_entries",
+        "Stored events the in-memory dedup index remembers."
+    );
+    describe_gauge!(
+        "tally_webhook_queue_depth",
+        "Webhook deliveries waiting for an attempt (counted up to a bound)."
+    );
 }
+
+/// State gauges, read when `/metrics` is scraped.
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    /// (applied, end) per partition.
+    pub positions: Vec<(u64, u64)>,
+    /// `embedded` (positions in bytes) or `kafka` (in records).
+    pub log_kind: &'static str,
+    pub apply_lag: Duration,
+    /// None when the projection store has no checkpoints.
+    pub checkpoint_age: Option<Duration>,
+    pub checkpoint_dirty_keys: usize,
+    pub dedup_index_entries: usize,
+    pub webhook_queue_depth: usize,
+}
+
+/// The engine's handle on the recorder (one per process underneath).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Metrics;
 
 impl Metrics {
-    /// Counts a request. The label set stays bounded whatever clients send: methods
-    /// outside the standard ones count as `OTHER` (HTTP allows any token as a
-    /// method), routes are route templates or `unmatched`.
+    fn ensure(&self) {
+        handle();
+    }
+
+    /// Counts a request and its latency (route templates or `unmatched` only).
     pub fn record_request(&self, method: &str, route: &str, status: u16, elapsed: Duration) {
-        const METHODS: [&str; 7] = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"];
+        self.ensure();
         let method = METHODS
             .iter()
             .find(|m| **m == method)
             .copied()
             .unwrap_or("OTHER");
-        self.http_requests
-            .entry((method.to_string(), route.to_string(), status))
-            .or_default()
-            .fetch_add(1, Ordering::Relaxed);
-        self.http_latency
-            .entry(route.to_string())
-            .or_default()
-            .observe(elapsed);
+        counter!(
+            "tally_http_requests_total",
+            "method" => method,
+            "route" => route.to_string(),
+            "status" => status.to_string()
+        )
+        .increment(1);
+        histogram!("tally_http_request_duration_seconds", "route" => route.to_string())
+            .record(elapsed.as_secs_f64());
     }
 
-    /// Renders everything; `positions` are (applied, end) per partition.
-    pub fn render(&self, positions: &[(u64, u64)], log_kind: &str) -> String {
-        let mut out = String::new();
-        out.push_str(
-            "# HELP tally_http_requests_total HTTP requests by method, route and status.\n",
-        );
-        out.push_str("# TYPE tally_http_requests_total counter\n");
-        let mut rows: Vec<_> = self
-            .http_requests
-            .iter()
-            .map(|e| (e.key().clone(), e.value().load(Ordering::Relaxed)))
-            .collect();
-        rows.sort();
-        for ((method, route, status), count) in rows {
-            let _ = writeln!(
-                out,
-                "tally_http_requests_total{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} {count}"
-            );
+    pub fn log_append(&self, log_kind: &'static str, elapsed: Duration) {
+        self.ensure();
+        histogram!("tally_log_append_duration_seconds", "log" => log_kind)
+            .record(elapsed.as_secs_f64());
+    }
+
+    pub fn records_applied(&self, records: u64) {
+        self.ensure();
+        counter!("tally_records_applied_total").increment(records);
+    }
+
+    pub fn events(&self, accepted: u64, duplicates: u64) {
+        self.ensure();
+        counter!("tally_events_accepted_total").increment(accepted);
+        counter!("tally_events_duplicate_total").increment(duplicates);
+    }
+
+    /// Sets the state gauges and renders everything in the Prometheus text format.
+    pub fn render(&self, gauges: &Gauges) -> String {
+        let handle = handle();
+        let lag_name = if gauges.log_kind == "kafka" {
+            "tally_projector_lag_records"
+        } else {
+            "tally_projector_lag_bytes"
+        };
+        for (partition, (applied, end)) in gauges.positions.iter().enumerate() {
+            gauge!(lag_name, "partition" => partition.to_string())
+                .set(end.saturating_sub(*applied) as f64);
         }
-        out.push_str("# HELP tally_http_request_duration_seconds HTTP request latency by route.\n");
-        out.push_str("# TYPE tally_http_request_duration_seconds histogram\n");
-        let mut routes: Vec<String> = self.http_latency.iter().map(|e| e.key().clone()).collect();
-        routes.sort();
-        for route in routes {
-            if let Some(h) = self.http_latency.get(&route) {
-                h.render(
-                    &mut out,
-                    "tally_http_request_duration_seconds",
-                    &format!("route=\"{route}\""),
-                );
-            }
+        gauge!("tally_projector_apply_lag_seconds").set(gauges.apply_lag.as_secs_f64());
+        if let Some(age) = gauges.checkpoint_age {
+            gauge!("tally_checkpoint_age_seconds").set(age.as_secs_f64());
         }
-        out.push_str(
-            "# HELP tally_log_append_duration_seconds Time for an append to become durable.\n",
-        );
-        out.push_str("# TYPE tally_log_append_duration_seconds histogram\n");
-        self.log_append.render(
-            &mut out,
-            "tally_log_append_duration_seconds",
-            &format!("log=\"{log_kind}\""),
-        );
-        out.push_str("# HELP tally_consumer_lag_bytes_or_records Log not yet applied to projections (bytes for the embedded log, records for Kafka).\n");
-        out.push_str("# TYPE tally_consumer_lag_bytes_or_records gauge\n");
-        for (partition, (applied, end)) in positions.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "tally_consumer_lag_bytes_or_records{{partition=\"{partition}\"}} {}",
-                end.saturating_sub(*applied)
-            );
-        }
-        for (name, help, value) in [
-            (
-                "tally_records_applied_total",
-                "Log records applied by the projector.",
-                &self.records_applied,
-            ),
-            (
-                "tally_events_accepted_total",
-                "Usage events accepted (not duplicates).",
-                &self.events_accepted,
-            ),
-            (
-                "tally_events_duplicate_total",
-                "Usage events dropped as duplicates.",
-                &self.events_duplicate,
-            ),
-        ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                value.load(Ordering::Relaxed)
-            );
-        }
-        out
+        gauge!("tally_checkpoint_dirty_keys").set(gauges.checkpoint_dirty_keys as f64);
+        gauge!("tally_dedup_index_entries").set(gauges.dedup_index_entries as f64);
+        gauge!("tally_webhook_queue_depth").set(gauges.webhook_queue_depth as f64);
+        handle.run_upkeep();
+        handle.render()
     }
 }
 
@@ -167,12 +192,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn arbitrary_methods_share_one_label() {
-        let metrics = Metrics::default();
-        for i in 0..100 {
-            metrics.record_request(&format!("M{i}"), "unmatched", 405, Duration::ZERO);
+    fn renders_prometheus_text_with_bounded_method_labels() {
+        let metrics = Metrics;
+        for i in 0..50 {
+            metrics.record_request(&format!("M{i}"), "unit-test-route", 405, Duration::ZERO);
         }
-        metrics.record_request("GET", "/healthz", 200, Duration::ZERO);
-        assert_eq!(metrics.http_requests.len(), 2);
+        metrics.record_request("GET", "unit-test-route", 200, Duration::from_millis(3));
+        metrics.log_append("embedded", Duration::from_micros(300));
+        let text = metrics.render(&Gauges {
+            positions: vec![(10, 25)],
+            log_kind: "embedded",
+            checkpoint_age: Some(Duration::from_millis(1500)),
+            dedup_index_entries: 7,
+            ..Gauges::default()
+        });
+        let other: Vec<_> = text
+            .lines()
+            .filter(|l| l.starts_with("tally_http_requests_total") && l.contains("unit-test-route"))
+            .collect();
+        assert_eq!(other.len(), 2, "{other:#?}");
+        assert!(text.contains(
+            "tally_http_requests_total{method=\"OTHER\",route=\"unit-test-route\",status=\"405\"} 50"
+        ));
+        assert!(text.contains("# TYPE tally_http_request_duration_seconds histogram"));
+        assert!(text.contains("tally_projector_lag_bytes{partition=\"0\"} 15"));
+        assert!(text.contains("tally_checkpoint_age_seconds 1.5"));
+        assert!(text.contains("tally_dedup_index_entries 7"));
+        assert!(text
+            .contains("tally_log_append_duration_seconds_bucket{log=\"embedded\",le=\"0.0005\"}"));
     }
 }

@@ -15,7 +15,6 @@
 //! Metering and billing ask each other through ports (metering's `Pricing`,
 //! billing's `Meters`); the billing half is bound once both exist ([`BillingPort`]).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -236,6 +235,10 @@ impl tally_billing::Meters for MeteringPort {
     }
 }
 
+/// Webhook deliveries `/metrics` counts at most (a scrape stays cheap under any
+/// backlog; the gauge then reads this value).
+pub const MAX_QUEUE_DEPTH_COUNTED: usize = 100_000;
+
 /// The usage event each screening records (docs/api.md, "Moderation").
 pub const MODERATION_EVENT: &str = "moderation.prompt";
 
@@ -315,8 +318,7 @@ impl tally_runtime::Projection for Engine {
         }
         self.journal
             .metrics
-            .records_applied
-            .fetch_add(committed.records as u64, Ordering::Relaxed);
+            .records_applied(committed.records as u64);
         self.journal
             .note_applied(committed.partition, committed.next_offset);
     }
@@ -534,6 +536,22 @@ impl Engine {
 
     pub fn metrics(&self) -> &Metrics {
         &self.journal.metrics
+    }
+
+    /// The state `/metrics` shows: projector lag per partition and in time, the
+    /// checkpoint's age and backlog, the dedup index, the webhook queue.
+    pub async fn gauges(&self) -> Result<metrics::Gauges, EngineError> {
+        Ok(metrics::Gauges {
+            positions: self.positions().await,
+            log_kind: self.log().kind(),
+            apply_lag: self.apply_lag(),
+            checkpoint_age: self.store().checkpoint_age(),
+            checkpoint_dirty_keys: self.store().dirty_keys(),
+            dedup_index_entries: self.metering.caches().events.len(),
+            webhook_queue_depth: self
+                .notifications
+                .queued_deliveries(MAX_QUEUE_DEPTH_COUNTED)?,
+        })
     }
 
     pub fn log(&self) -> &Arc<dyn Log> {

@@ -167,8 +167,9 @@ impl RateLimiter {
     pub fn new(per_second: u32, burst: u32) -> RateLimiter {
         let per_second = per_second.max(1);
         let burst = burst.max(1);
-        let quota = governor::Quota::per_second(std::num::NonZeroU32::MIN.saturating_add(per_second - 1))
-            .allow_burst(std::num::NonZeroU32::MIN.saturating_add(burst - 1));
+        let quota =
+            governor::Quota::per_second(std::num::NonZeroU32::MIN.saturating_add(per_second - 1))
+                .allow_burst(std::num::NonZeroU32::MIN.saturating_add(burst - 1));
         RateLimiter {
             per_second,
             burst,
@@ -574,7 +575,10 @@ mod tests {
         let decisions: Vec<_> = (0..4).map(|_| limiter.check(b"key")).collect();
         assert!(decisions[..3].iter().all(|d| d.allowed));
         assert_eq!(
-            decisions[..3].iter().map(|d| d.remaining).collect::<Vec<_>>(),
+            decisions[..3]
+                .iter()
+                .map(|d| d.remaining)
+                .collect::<Vec<_>>(),
             [2, 1, 0]
         );
         // Full again 3 s after the third request at 1 per second.

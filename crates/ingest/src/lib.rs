@@ -19,7 +19,6 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use dashmap::mapref::entry::Entry;
@@ -542,12 +541,7 @@ impl Gateway {
         evaluated.reservations.hand_over();
         self.journal
             .metrics
-            .events_accepted
-            .fetch_add(accepted as u64, Ordering::Relaxed);
-        self.journal
-            .metrics
-            .events_duplicate
-            .fetch_add(duplicates as u64, Ordering::Relaxed);
+            .events(accepted as u64, duplicates as u64);
         Ok(IngestOutcome {
             accepted,
             duplicates,

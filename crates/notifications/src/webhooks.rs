@@ -682,6 +682,28 @@ impl Notifications {
         })
     }
 
+    /// Deliveries waiting for an attempt, counted up to `cap` (a scrape of
+    /// `/metrics` stays cheap whatever the backlog).
+    pub fn queued_deliveries(&self, cap: usize) -> Result<usize, EngineError> {
+        let start = Key::table(keys::WEBHOOK_DUE).into_bytes();
+        let end = DueKey::after(i64::MAX - 1);
+        let mut count = 0usize;
+        self.journal.store().scan(
+            Bound::Included(&start),
+            Bound::Excluded(&end),
+            false,
+            &mut |_, _| {
+                count += 1;
+                if count >= cap {
+                    Visit::Stop
+                } else {
+                    Visit::Continue
+                }
+            },
+        )?;
+        Ok(count)
+    }
+
     /// HTTP deliveries due by their store's clock (the scan ends at `now_ms`, the
     /// latest any store's clock shows), oldest due first: at most `limit` that `skip` does not
     /// pass over (the dispatcher skips deliveries in flight and endpoints at their

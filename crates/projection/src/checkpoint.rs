@@ -77,6 +77,8 @@ struct Shared<S> {
     writing_done: Mutex<()>,
     /// A background checkpoint failed: every later write fails (fail-stop).
     failed: Mutex<Option<String>>,
+    /// When the last checkpoint completed (or the store opened).
+    checkpointed_at: Mutex<std::time::Instant>,
 }
 
 /// A projection store with an in-memory write-back layer over a durable one.
@@ -107,6 +109,7 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 written: Condvar::new(),
                 writing_done: Mutex::new(()),
                 failed: Mutex::new(None),
+                checkpointed_at: Mutex::new(std::time::Instant::now()),
             }),
             writer: Mutex::new(()),
             max_dirty_keys,
@@ -267,11 +270,29 @@ impl<S: ProjectionStore> Shared<S> {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .writing = None;
+        *self
+            .checkpointed_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
         Ok(())
     }
 }
 
 impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
+    fn checkpoint_age(&self) -> Option<std::time::Duration> {
+        Some(
+            self.shared
+                .checkpointed_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .elapsed(),
+        )
+    }
+
+    fn dirty_keys(&self) -> usize {
+        CheckpointStore::dirty_keys(self)
+    }
+
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
         {
             let layers = self.shared.read();

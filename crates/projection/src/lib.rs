@@ -84,6 +84,18 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Time since the last completed checkpoint, for stores that checkpoint
+    /// (`/metrics`); None for the others.
+    fn checkpoint_age(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// Keys changed since the last completed checkpoint (0 for stores that write
+    /// through).
+    fn dirty_keys(&self) -> usize {
+        0
+    }
+
     /// SHA-256 over every projection key and value in order (positions and aux
     /// excluded): equal digests mean equal projected state.
     fn digest(&self) -> Result<String, StoreError> {
@@ -164,6 +176,12 @@ impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
     }
     fn tick(&self) -> Result<(), StoreError> {
         (**self).tick()
+    }
+    fn checkpoint_age(&self) -> Option<std::time::Duration> {
+        (**self).checkpoint_age()
+    }
+    fn dirty_keys(&self) -> usize {
+        (**self).dirty_keys()
     }
     fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
         (**self).aux_get(key)

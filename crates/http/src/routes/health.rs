@@ -62,11 +62,11 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain"))
 )]
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let positions = state.engine.positions().await;
-    let body = state
-        .engine
-        .metrics()
-        .render(&positions, state.engine.log().kind());
+    let gauges = match state.engine.gauges().await {
+        Ok(gauges) => gauges,
+        Err(error) => return ApiError::from(error).into_response(),
+    };
+    let body = state.engine.metrics().render(&gauges);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
