@@ -24,6 +24,7 @@ use tally_projection::{CheckpointStore, ProjectionStore, SledStore};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod clock;
+mod progress;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -509,27 +510,18 @@ async fn replay(args: ReplayArgs) -> Result<()> {
         .join(format!("replay-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     let replayed = open_projections(&scratch)?;
-    let show_progress = std::io::stderr().is_terminal();
+    let mut progress = progress::Progress::new("replaying");
     let mut records = 0;
     for partition in 0..log.partition_count() {
         records += tally_engine::projector::replay_partition(
             log.as_ref(),
             replayed.clone(),
             partition,
-            |at, end| {
-                if show_progress {
-                    eprint!(
-                        "\rpartition {partition}: {at}/{end} ({:.0}%)   ",
-                        at as f64 * 100.0 / end.max(1) as f64
-                    );
-                }
-            },
+            |at, end| progress.update(partition, at, end, None),
         )
         .await?;
     }
-    if show_progress {
-        eprintln!();
-    }
+    progress.finish();
     let replayed_digest = replayed.digest()?;
     drop(replayed);
     let _ = std::fs::remove_dir_all(&scratch);
@@ -552,17 +544,9 @@ async fn replay(args: ReplayArgs) -> Result<()> {
     Ok(())
 }
 
-/// A progress line on stderr when it is a terminal.
-fn progress_printer(label: &'static str) -> impl FnMut(u64, u32, u64, u64) {
-    let terminal = std::io::stderr().is_terminal();
-    move |records, partition, at, end| {
-        if terminal {
-            eprint!(
-                "\r{label}: {records} records, partition {partition} {:.0}%   ",
-                at as f64 * 100.0 / end.max(1) as f64
-            );
-        }
-    }
+/// Reports an audit's progress (records, partition, position, end).
+fn progress_printer(progress: &mut progress::Progress) -> impl FnMut(u64, u32, u64, u64) + '_ {
+    move |records, partition, at, end| progress.update(partition, at, end, Some(records))
 }
 
 /// The projection brought up to the end of the log, as a restart would: the ledger
@@ -590,16 +574,15 @@ async fn ledger_verify(args: ReplayArgs) -> Result<()> {
     let log = open_log(&args.storage, false).await?;
     let store = caught_up_projections(&args.storage, &log).await?;
     let engine = Engine::open(log.clone(), store, Arc::new(clock::SystemClock)).await?;
+    let mut progress = progress::Progress::new("verifying");
     let mut replay = tally_engine::audit::replay_ledger(
         log.as_ref(),
         engine.store().as_ref(),
         |_, _| {},
-        progress_printer("verifying"),
+        progress_printer(&mut progress),
     )
     .await?;
-    if std::io::stderr().is_terminal() {
-        eprintln!();
-    }
+    progress.finish();
     engine.ledger().check_projected_balances(&mut replay)?;
     println!("accounts:        {}", replay.customer_account_count());
     println!("transactions:    {}", replay.transactions);
@@ -644,6 +627,7 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
     }
     let mut failure: Option<std::io::Error> = None;
     let mut entries = 0u64;
+    let mut progress = progress::Progress::new("exporting");
     let replay = tally_engine::audit::replay_ledger(
         log.as_ref(),
         projection.as_ref(),
@@ -687,16 +671,14 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
                 entries += 1;
             }
         },
-        progress_printer("exporting"),
+        progress_printer(&mut progress),
     )
     .await?;
+    progress.finish();
     if let Some(e) = failure {
         return Err(e).context("writing the export");
     }
     out.flush()?;
-    if std::io::stderr().is_terminal() {
-        eprintln!();
-    }
     eprintln!(
         "exported {entries} entries of {} transactions",
         replay.transactions

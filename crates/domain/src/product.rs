@@ -536,12 +536,13 @@ pub fn parse_currency(text: &str) -> Result<String, FieldError> {
     }
 }
 
-pub fn check_url(param: &str, url: &str) -> Result<(), FieldError> {
-    let lower = url.to_ascii_lowercase();
-    let ok = url.chars().count() <= MAX_URL_CHARS
-        && (lower.starts_with("https://") || lower.starts_with("http://"))
-        && url.len() > "https://".len()
-        && !url.chars().any(char::is_whitespace);
+/// An http(s) URL with a host, as the WHATWG URL parser (the `url` crate) reads
+/// it, of at most `MAX_URL_CHARS` characters and without whitespace.
+pub fn check_url(param: &str, text: &str) -> Result<(), FieldError> {
+    let ok = text.chars().count() <= MAX_URL_CHARS
+        && !text.chars().any(|c| c.is_whitespace() || c.is_control())
+        && url::Url::parse(text)
+            .is_ok_and(|url| matches!(url.scheme(), "http" | "https") && url.host().is_some());
     if ok {
         Ok(())
     } else {
@@ -797,6 +798,31 @@ fn custom_fields_from(inputs: &[CustomFieldInput]) -> Result<Vec<CustomField>, F
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn urls_are_read_by_the_url_parser() {
+        for good in [
+            "https://example.com/x?y=1",
+            "http://shop.example.com",
+            "HTTPS://Example.COM/A",
+        ] {
+            assert!(check_url("u", good).is_ok(), "{good}");
+        }
+        for bad in [
+            "https://",
+            "http:// x.com",
+            "ftp://example.com",
+            "javascript:alert(1)",
+            "example.com",
+            "https://exa\tmple.com",
+            "https://a\u{7}b.com",
+        ] {
+            assert!(check_url("u", bad).is_err(), "{bad}");
+        }
+        let long = format!("https://example.com/{}", "a".repeat(MAX_URL_CHARS));
+        assert!(check_url("u", &long).is_err());
+    }
+
     use super::*;
 
     struct Counter(u32);

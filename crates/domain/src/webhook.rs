@@ -2,7 +2,9 @@
 //! schedule (docs/api.md, "Webhooks"). Pure: DNS resolution and
 //! HTTP happen at the edge; they call [`is_forbidden_ip`] on what they resolve.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use ipnet::{Ipv4Net, Ipv6Net};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -103,48 +105,58 @@ impl WebhookEndpoint {
     }
 }
 
-/// Addresses a webhook may never reach (outside `--allow-private-webhooks`):
-/// loopback, private, link-local (the cloud metadata address 169.254.169.254
-/// among them), CGNAT, benchmarking (198.18/15), reserved (240/4), IETF protocol
-/// assignments (192.0.0/24), documentation, unspecified, broadcast, multicast; in
-/// IPv6 the same, plus the forms that embed or tunnel an IPv4 address (mapped,
-/// compatible, NAT64, 6to4, Teredo) and site-local.
+const fn v4(a: u8, b: u8, c: u8, d: u8, prefix: u8) -> Ipv4Net {
+    Ipv4Net::new_assert(Ipv4Addr::new(a, b, c, d), prefix)
+}
+
+const fn v6(segments: [u16; 8], prefix: u8) -> Ipv6Net {
+    let [a, b, c, d, e, f, g, h] = segments;
+    Ipv6Net::new_assert(Ipv6Addr::new(a, b, c, d, e, f, g, h), prefix)
+}
+
+/// IPv4 networks a webhook may never reach (outside `--allow-private-webhooks`).
+pub const FORBIDDEN_V4: [Ipv4Net; 14] = [
+    v4(0, 0, 0, 0, 8),       // "this network", unspecified
+    v4(10, 0, 0, 0, 8),      // private
+    v4(100, 64, 0, 0, 10),   // CGNAT
+    v4(127, 0, 0, 0, 8),     // loopback
+    v4(169, 254, 0, 0, 16),  // link-local, the cloud metadata address among them
+    v4(172, 16, 0, 0, 12),   // private
+    v4(192, 0, 0, 0, 24),    // IETF protocol assignments
+    v4(192, 0, 2, 0, 24),    // documentation (TEST-NET-1)
+    v4(192, 168, 0, 0, 16),  // private
+    v4(198, 18, 0, 0, 15),   // benchmarking
+    v4(198, 51, 100, 0, 24), // documentation (TEST-NET-2)
+    v4(203, 0, 113, 0, 24),  // documentation (TEST-NET-3)
+    v4(224, 0, 0, 0, 4),     // multicast
+    v4(240, 0, 0, 0, 4),     // reserved, broadcast
+];
+
+/// IPv6 networks a webhook may never reach; IPv4-mapped addresses are judged as
+/// the IPv4 address they carry.
+pub const FORBIDDEN_V6: [Ipv6Net; 9] = [
+    v6([0, 0, 0, 0, 0, 0, 0, 0], 96), // unspecified, loopback, IPv4-compatible
+    v6([0x64, 0xff9b, 0, 0, 0, 0, 0, 0], 32), // NAT64 (well-known and local-use)
+    v6([0x2001, 0, 0, 0, 0, 0, 0, 0], 32), // Teredo
+    v6([0x2001, 0x0db8, 0, 0, 0, 0, 0, 0], 32), // documentation
+    v6([0x2002, 0, 0, 0, 0, 0, 0, 0], 16), // 6to4
+    v6([0xfc00, 0, 0, 0, 0, 0, 0, 0], 7), // unique local
+    v6([0xfe80, 0, 0, 0, 0, 0, 0, 0], 10), // link-local
+    v6([0xfec0, 0, 0, 0, 0, 0, 0, 0], 10), // site-local
+    v6([0xff00, 0, 0, 0, 0, 0, 0, 0], 8), // multicast
+];
+
+/// Whether `ip` lies in a network a webhook may never reach ([`FORBIDDEN_V4`],
+/// [`FORBIDDEN_V6`]: loopback, private, link-local, CGNAT, benchmarking, reserved,
+/// documentation, multicast, and the IPv6 forms that embed or tunnel an IPv4
+/// address).
 pub fn is_forbidden_ip(ip: IpAddr) -> bool {
     match ip {
-        IpAddr::V4(v4) => {
-            let [a, b, c, _] = v4.octets();
-            v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
-                || v4.is_multicast()
-                || v4.is_documentation()
-                || a == 0
-                || (a == 100 && (64..128).contains(&b))
-                || (a == 198 && (b == 18 || b == 19))
-                || a >= 240
-                || (a == 192 && b == 0 && c == 0)
-        }
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_forbidden_ip(IpAddr::V4(v4));
-            }
-            let s = v6.segments();
-            let compatible = s[..6] == [0; 6] && !v6.is_loopback() && !v6.is_unspecified();
-            let nat64 = s[0] == 0x64 && s[1] == 0xff9b;
-            v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                || compatible
-                || nat64
-                || s[0] == 0x2002
-                || (s[0] == 0x2001 && s[1] == 0)
-                || (s[0] == 0x2001 && s[1] == 0x0db8)
-                || (s[0] & 0xfe00) == 0xfc00
-                || (s[0] & 0xffc0) == 0xfe80
-                || (s[0] & 0xffc0) == 0xfec0
-        }
+        IpAddr::V4(v4) => FORBIDDEN_V4.iter().any(|net| net.contains(&v4)),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => is_forbidden_ip(IpAddr::V4(v4)),
+            None => FORBIDDEN_V6.iter().any(|net| net.contains(&v6)),
+        },
     }
 }
 
@@ -394,6 +406,102 @@ mod tests {
         assert!(validate_url("https://127.0.0.1/x", Mode::Prod, true).is_ok());
         assert!(is_forbidden_ip("::ffff:10.0.0.1".parse().unwrap()));
         assert!(!is_forbidden_ip("93.184.216.34".parse().unwrap()));
+    }
+
+    /// The rules as first written by hand (range tests on octets and segments): the
+    /// network table must decide every address the same way.
+    /// Addresses a webhook may never reach (outside `--allow-private-webhooks`):
+    /// loopback, private, link-local (the cloud metadata address 169.254.169.254
+    /// among them), CGNAT, benchmarking (198.18/15), reserved (240/4), IETF protocol
+    /// assignments (192.0.0/24), documentation, unspecified, broadcast, multicast; in
+    /// IPv6 the same, plus the forms that embed or tunnel an IPv4 address (mapped,
+    /// compatible, NAT64, 6to4, Teredo) and site-local.
+    fn reference_is_forbidden(ip: IpAddr) -> bool {
+        match ip {
+            IpAddr::V4(v4) => {
+                let [a, b, c, _] = v4.octets();
+                v4.is_loopback()
+                    || v4.is_private()
+                    || v4.is_link_local()
+                    || v4.is_unspecified()
+                    || v4.is_broadcast()
+                    || v4.is_multicast()
+                    || v4.is_documentation()
+                    || a == 0
+                    || (a == 100 && (64..128).contains(&b))
+                    || (a == 198 && (b == 18 || b == 19))
+                    || a >= 240
+                    || (a == 192 && b == 0 && c == 0)
+            }
+            IpAddr::V6(v6) => {
+                if let Some(v4) = v6.to_ipv4_mapped() {
+                    return reference_is_forbidden(IpAddr::V4(v4));
+                }
+                let s = v6.segments();
+                let compatible = s[..6] == [0; 6] && !v6.is_loopback() && !v6.is_unspecified();
+                let nat64 = s[0] == 0x64 && s[1] == 0xff9b;
+                v6.is_loopback()
+                    || v6.is_unspecified()
+                    || v6.is_multicast()
+                    || compatible
+                    || nat64
+                    || s[0] == 0x2002
+                    || (s[0] == 0x2001 && s[1] == 0)
+                    || (s[0] == 0x2001 && s[1] == 0x0db8)
+                    || (s[0] & 0xfe00) == 0xfc00
+                    || (s[0] & 0xffc0) == 0xfe80
+                    || (s[0] & 0xffc0) == 0xfec0
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_network_table_matches_the_hand_written_rules(v4 in proptest::num::u32::ANY, v6 in proptest::num::u128::ANY, pick in 0u8..4) {
+            let v4 = Ipv4Addr::from(v4);
+            proptest::prop_assert_eq!(is_forbidden_ip(IpAddr::V4(v4)), reference_is_forbidden(IpAddr::V4(v4)));
+            // Random IPv6 addresses rarely land in a listed network: also try them
+            // inside each network's prefix.
+            let v6 = match pick {
+                0 => Ipv6Addr::from(v6),
+                _ => {
+                    let net = FORBIDDEN_V6[(v6 % FORBIDDEN_V6.len() as u128) as usize];
+                    let host = (v6 >> 8) & !u128::from(net.netmask());
+                    Ipv6Addr::from(u128::from(net.network()) | host)
+                }
+            };
+            proptest::prop_assert_eq!(is_forbidden_ip(IpAddr::V6(v6)), reference_is_forbidden(IpAddr::V6(v6)));
+        }
+    }
+
+    #[test]
+    fn network_edges_are_decided_like_the_hand_written_rules() {
+        for net in FORBIDDEN_V4 {
+            for ip in [net.network(), net.broadcast()] {
+                let before = Ipv4Addr::from(u32::from(ip).wrapping_sub(1));
+                let after = Ipv4Addr::from(u32::from(ip).wrapping_add(1));
+                for ip in [ip, before, after] {
+                    assert_eq!(
+                        is_forbidden_ip(ip.into()),
+                        reference_is_forbidden(ip.into()),
+                        "{ip}"
+                    );
+                }
+            }
+        }
+        for net in FORBIDDEN_V6 {
+            for ip in [net.network(), net.broadcast()] {
+                let before = Ipv6Addr::from(u128::from(ip).wrapping_sub(1));
+                let after = Ipv6Addr::from(u128::from(ip).wrapping_add(1));
+                for ip in [ip, before, after] {
+                    assert_eq!(
+                        is_forbidden_ip(ip.into()),
+                        reference_is_forbidden(ip.into()),
+                        "{ip}"
+                    );
+                }
+            }
+        }
     }
 
     /// The parser-differential and encoding tricks that reach internal addresses.

@@ -142,12 +142,45 @@ pub fn router(state: AppState) -> Router {
         .layer(from_fn_with_state(state.clone(), middleware::rate_limit))
         .layer(from_fn_with_state(state.clone(), middleware::authenticate));
     let (open, _) = open_routes(state.mode == Mode::Prod).split_for_parts();
+    let request_id = axum::http::HeaderName::from_static(middleware::REQUEST_ID_HEADER);
     open.method_not_allowed_fallback(method_not_allowed)
         .merge(v1)
         .fallback(route_not_found)
+        // Outermost last: a fresh request id (replacing a client's), its trace
+        // span, the error rendering and metrics, then the body limit (whose 413
+        // `request_context` renders as the error body).
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(
+            extract::MAX_BODY_BYTES,
+        ))
         .layer(from_fn_with_state(
             state.clone(),
             middleware::request_context,
+        ))
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(|request: &axum::http::Request<axum::body::Body>| {
+                    tracing::debug_span!(
+                        "request",
+                        method = %request.method(),
+                        path = %request.uri().path(),
+                        request_id = %middleware::request_id_of(request.extensions()),
+                    )
+                })
+                // 5xx are logged with their message by `request_context`.
+                .on_failure(()),
+        )
+        .layer(tower_http::request_id::PropagateRequestIdLayer::new(
+            request_id.clone(),
+        ))
+        .layer(tower_http::request_id::SetRequestIdLayer::new(
+            request_id.clone(),
+            middleware::TallyRequestIds,
+        ))
+        .layer(tower_http::set_header::SetRequestHeaderLayer::overriding(
+            request_id,
+            |_: &axum::http::Request<axum::body::Body>| {
+                Some(middleware::TallyRequestIds::header_value())
+            },
         ))
         .with_state(state)
 }
@@ -215,12 +248,14 @@ pub const BODY_READ_TIMEOUT_MS: u64 = 30_000;
 pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 
 /// The layers every listener's router gets: a panic answers 500 with the error body
-/// (and is logged) instead of dropping the connection, and requests have a total
-/// and a body-read deadline and a concurrency cap.
+/// (and is logged) instead of dropping the connection, requests have a total and a
+/// body-read deadline and a concurrency cap, and answers are compressed (gzip) for
+/// clients that accept it.
 fn hardened(router: Router) -> Router {
     use tower_http::catch_panic::CatchPanicLayer;
     use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
     router
+        .layer(tower_http::compression::CompressionLayer::new())
         .layer(CatchPanicLayer::custom(
             |panic: Box<dyn std::any::Any + Send>| {
                 let what = panic

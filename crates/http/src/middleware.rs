@@ -1,5 +1,6 @@
 //! Cross-cutting HTTP behaviour, in the order a request meets it:
-//! 1. [`request_context`]: request id, error-body rendering, metrics, request log;
+//! 0. tower-http (`crate::router`): request id, trace span, body limit;
+//! 1. [`request_context`]: error-body rendering, metrics;
 //! 2. [`authenticate`]: `x-api-key` to a scope of this listener's environment;
 //! 3. [`rate_limit`]: a GCRA limiter per key (governor), 429 with `retry-after` and
 //!    `x-ratelimit-*` headers;
@@ -33,20 +34,47 @@ pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
 /// Token buckets kept before idle ones are evicted (bounds memory under key churn).
 pub const MAX_RATE_LIMIT_BUCKETS: usize = 100_000;
 
-/// The request id, in request extensions for handlers and logs.
-#[derive(Debug, Clone)]
-pub struct RequestId(pub String);
+/// Makes request ids (`req_` + 20 base62 characters) for tower-http's request-id
+/// layers. Every request gets a fresh one: a client's `x-request-id` is replaced,
+/// so an id always names one request of this server.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TallyRequestIds;
 
+impl TallyRequestIds {
+    pub fn header_value() -> HeaderValue {
+        HeaderValue::from_str(&format!("req_{}", tally_engine::ids::random_base62(20)))
+            .unwrap_or_else(|_| HeaderValue::from_static("req_unknown"))
+    }
+}
+
+impl tower_http::request_id::MakeRequestId for TallyRequestIds {
+    fn make_request_id<B>(
+        &mut self,
+        _request: &axum::http::Request<B>,
+    ) -> Option<tower_http::request_id::RequestId> {
+        Some(tower_http::request_id::RequestId::new(Self::header_value()))
+    }
+}
+
+/// The request id the request-id layer gave this request.
+pub fn request_id_of(extensions: &axum::http::Extensions) -> String {
+    extensions
+        .get::<tower_http::request_id::RequestId>()
+        .and_then(|id| id.header_value().to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Renders every error with the request id (the body of docs/api.md) and counts
+/// the request in the metrics. The request id is set, and put on the response,
+/// by tower-http's request-id layers around this one (`crate::router`).
 pub async fn request_context(
     State(state): State<AppState>,
-    mut request: Request,
+    request: Request,
     next: Next,
 ) -> Response {
     let started = Instant::now();
-    let request_id = format!("req_{}", tally_engine::ids::random_base62(20));
-    request
-        .extensions_mut()
-        .insert(RequestId(request_id.clone()));
+    let request_id = request_id_of(request.extensions());
     let method = request.method().clone();
     let route = request
         .extensions()
@@ -54,6 +82,12 @@ pub async fn request_context(
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "unmatched".to_string());
     let mut response = next.run(request).await;
+    if response.status() == StatusCode::PAYLOAD_TOO_LARGE
+        && response.extensions().get::<ApiError>().is_none()
+    {
+        // The body-limit layer's own answer: give it the error body.
+        response = crate::extract::payload_too_large().into_response();
+    }
     if let Some(error) = response.extensions_mut().remove::<ApiError>() {
         let headers = std::mem::take(response.headers_mut());
         let mut rendered = (error.status, axum::Json(error.body(&request_id))).into_response();
@@ -69,16 +103,11 @@ pub async fn request_context(
         }
         response = rendered;
     }
-    if let Ok(value) = HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert(REQUEST_ID_HEADER, value);
-    }
     let status = response.status().as_u16();
-    let elapsed = started.elapsed();
     state
         .engine
         .metrics()
-        .record_request(method.as_str(), &route, status, elapsed);
-    tracing::debug!(request_id, method = %method, route, status, elapsed_us = elapsed.as_micros() as u64, "request");
+        .record_request(method.as_str(), &route, status, started.elapsed());
     response
 }
 
@@ -450,11 +479,7 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
         key: inflight_key,
         done,
     };
-    let request_id = parts
-        .extensions
-        .get::<RequestId>()
-        .map(|r| r.0.clone())
-        .unwrap_or_default();
+    let request_id = request_id_of(&parts.extensions);
     // The handler runs as its own task: a client that disconnects, or stops waiting,
     // does not cancel a write that may already be durable; its final response is
     // recorded for the retry.

@@ -150,11 +150,46 @@ async fn every_error_has_the_error_body() {
         "body_too_large"
     );
 
+    // A streamed body (no Content-Length) past the limit is cut off the same way.
+    let chunks: Vec<Result<String, std::io::Error>> =
+        (0..20).map(|_| Ok("y".repeat(64 * 1024))).collect();
+    let streamed = Api::finish_raw(
+        http.post(format!("{}/v1/customers", server.test_url))
+            .header("x-api-key", &keys.test)
+            .header("content-type", "application/json")
+            .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))),
+    )
+    .await;
+    assert_eq!(
+        assert_error(&streamed, 413, "invalid_request_error")["code"],
+        "body_too_large"
+    );
+
     let missing = api.get("/v1/customers/cus_unknown").await;
     assert_eq!(
         assert_error(&missing, 404, "invalid_request_error")["code"],
         "resource_missing"
     );
+
+    // The server names every request itself: a client's x-request-id is replaced.
+    let mine = Api::finish_raw(
+        http.get(format!("{}/v1/customers/cus_unknown", server.test_url))
+            .header("x-api-key", &keys.test)
+            .header("x-request-id", "req_chosen_by_the_client"),
+    )
+    .await;
+    let id = assert_error(&mine, 404, "invalid_request_error")["request_id"].clone();
+    assert_ne!(id, "req_chosen_by_the_client");
+    assert!(id.as_str().unwrap().starts_with("req_"));
+
+    // Answers are gzip-compressed for clients that accept it.
+    let raw = http
+        .get(format!("{}/v1/openapi.json", server.test_url))
+        .header("accept-encoding", "gzip")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.headers()["content-encoding"], "gzip");
     server.stop().await;
 }
 

@@ -27,6 +27,9 @@ pub struct MeterUpdate {
 }
 
 /// Fields of a meter that an update may not touch (docs/api.md).
+/// How often a running backfill reports its progress in the server's log.
+pub const BACKFILL_PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub const IMMUTABLE_METER_FIELDS: [&str; 4] = [
     "event_name",
     "aggregation",
@@ -319,12 +322,27 @@ impl Metering {
             rescan_from_ms,
         };
         let mut after: Option<Vec<u8>> = None;
+        // Progress in the server's log: a line per step is too many for a long
+        // backfill, one every `BACKFILL_PROGRESS_EVERY` shows it moves.
+        let (mut counted, mut steps, mut reported) = (0usize, 0usize, std::time::Instant::now());
+        tracing::info!(meter_id = id, start_ms, "backfill started");
         loop {
             let (ids, next) = self
                 .backfill_candidates(scope, &meter, start_ms, after.take())
                 .await?;
             if !ids.is_empty() {
+                counted += ids.len();
+                steps += 1;
                 self.journal.append_and_apply(&step(ids, false)).await?;
+            }
+            if reported.elapsed() >= BACKFILL_PROGRESS_EVERY {
+                reported = std::time::Instant::now();
+                tracing::info!(
+                    meter_id = id,
+                    steps,
+                    events = counted,
+                    "backfill in progress"
+                );
             }
             match next {
                 Some(key) => after = Some(key),
@@ -334,6 +352,7 @@ impl Metering {
         self.journal
             .append_and_apply(&step(Vec::new(), true))
             .await?;
+        tracing::info!(meter_id = id, steps, events = counted, "backfill finished");
         self.get_meter(scope, id)
     }
 
