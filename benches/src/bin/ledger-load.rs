@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use rand::Rng;
-use serde_json::{json, Value};
+use serde_json::json;
 use tally_benches::{percentile, start_server};
 
 #[derive(Parser, Debug)]
@@ -98,41 +98,39 @@ async fn main() -> anyhow::Result<()> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(args.connections + 8)
         .build()?;
-    let customer: Value = http
-        .post(format!("{base}/v1/customers"))
-        .header("x-api-key", &key)
-        .json(&json!({"email": "bench@x.io"}))
-        .send()
+    // Setup goes through the typed client; the debit loop sends prebuilt bodies
+    // and reads only the status (the load generator shares the machine).
+    let tally = tally_client::Client::new(&base, &key);
+    let customer_id = tally
+        .create_customer(&tally_client::CustomerCreate {
+            email: "bench@x.io".into(),
+            ..Default::default()
+        })
         .await?
-        .json()
-        .await?;
-    let customer_id = customer["id"].as_str().unwrap().to_string();
+        .id;
     eprintln!("creating {} accounts...", args.accounts);
     let mut tasks = Vec::new();
     for w in 0..32 {
-        let (http, base, key, customer_id, total) = (
-            http.clone(),
-            base.clone(),
-            key.clone(),
-            customer_id.clone(),
-            args.accounts,
-        );
+        let (tally, customer_id, total) = (tally.clone(), customer_id.clone(), args.accounts);
         tasks.push(tokio::spawn(async move {
             let mut ids = Vec::new();
             for i in (w..total).step_by(32) {
-                let v: Value = http
-                    .post(format!("{base}/v1/customer-credits/accounts"))
-                    .header("x-api-key", &key)
-                    .json(&json!({"customer_id": customer_id, "name": format!("acct-{i}"), "initial_balance": "1000000000"}))
-                    .send().await.unwrap().json().await.unwrap();
-                ids.push(v["id"].as_str().unwrap().to_string());
+                let account = tally
+                    .create_account(&tally_client::AccountCreate {
+                        customer_id: customer_id.clone(),
+                        name: Some(format!("acct-{i}")),
+                        initial_balance: Some("1000000000".into()),
+                        ..Default::default()
+                    })
+                    .await?;
+                ids.push(account.id);
             }
-            ids
+            Ok::<_, tally_client::Error>(ids)
         }));
     }
     let mut accounts = Vec::new();
     for t in tasks {
-        accounts.extend(t.await?);
+        accounts.extend(t.await??);
     }
     let hot = Arc::new(vec![accounts[0].clone()]);
     let spread = Arc::new(accounts);

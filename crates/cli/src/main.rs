@@ -692,10 +692,8 @@ const LISTEN_MAX_IDLE_MS: u64 = 5_000;
 
 async fn listen(args: ListenArgs) -> Result<()> {
     let base = args.base_url.trim_end_matches('/').to_string();
-    let feed = format!(
-        "{base}/v1/webhooks/{}/events/pending?limit=100",
-        args.webhook_id
-    );
+    let tally = tally_client::Client::new(&base, &args.api_key)
+        .with_timeout(std::time::Duration::from_secs(30));
     let client = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(30))
         .build()?;
@@ -707,24 +705,15 @@ async fn listen(args: ListenArgs) -> Result<()> {
     tokio::pin!(stop);
     let mut idle_ms = LISTEN_MIN_IDLE_MS;
     loop {
-        let answer = client
-            .get(&feed)
-            .header("x-api-key", &args.api_key)
-            .send()
-            .await;
-        let items = match answer {
-            Ok(response) if response.status().is_success() => {
-                let body: serde_json::Value = response.json().await.unwrap_or_default();
-                body["items"].as_array().cloned().unwrap_or_default()
+        let items = match tally.pending_events(&args.webhook_id, 100).await {
+            Ok(feed) => feed.items,
+            Err(tally_client::Error::Api { status, error })
+                if (400..500).contains(&status) && status != 429 =>
+            {
+                bail!("the server refused the feed ({status}): {}", error.message);
             }
-            Ok(response) => {
-                let status = response.status();
-                let body: serde_json::Value = response.json().await.unwrap_or_default();
-                let message = body["error"]["message"].as_str().unwrap_or("").to_string();
-                if status.is_client_error() && status.as_u16() != 429 {
-                    bail!("the server refused the feed ({status}): {message}");
-                }
-                eprintln!("feed answered {status}: {message}; retrying");
+            Err(e @ tally_client::Error::Api { .. }) => {
+                eprintln!("feed answered {e}; retrying");
                 Vec::new()
             }
             Err(e) => {
@@ -733,15 +722,9 @@ async fn listen(args: ListenArgs) -> Result<()> {
             }
         };
         for item in &items {
-            let id = item["id"].as_str().unwrap_or_default();
-            let event_type = item["event_type"].as_str().unwrap_or_default();
-            let mut request = client
-                .post(&args.forward_to)
-                .body(item["body"].as_str().unwrap_or_default().to_string());
-            if let Some(headers) = item["headers"].as_object() {
-                for (name, value) in headers {
-                    request = request.header(name, value.as_str().unwrap_or_default());
-                }
+            let mut request = client.post(&args.forward_to).body(item.body.clone());
+            for (name, value) in &item.headers {
+                request = request.header(name, value);
             }
             let started = std::time::Instant::now();
             // A local server that cannot be reached counts as 502 (not acknowledged).
@@ -750,18 +733,15 @@ async fn listen(args: ListenArgs) -> Result<()> {
                 Err(_) => 502,
             };
             let latency_ms = started.elapsed().as_millis();
-            let ack = format!("{base}/v1/webhooks/{}/events/{id}/ack", args.webhook_id);
-            let acked = client
-                .post(&ack)
-                .header("x-api-key", &args.api_key)
-                .json(&serde_json::json!({ "status": status }))
-                .send()
+            let acked = tally
+                .ack_event(&args.webhook_id, &item.id, status)
                 .await
-                .map(|r| r.status().is_success())
-                .unwrap_or(false);
+                .is_ok();
             println!(
-                "{}  {event_type:<28} {id}  {status}  {latency_ms} ms{}",
+                "{}  {:<28} {}  {status}  {latency_ms} ms{}",
                 tally_domain::time::format_iso8601_ms(clock::SystemClock.now_ms()),
+                item.event_type,
+                item.id,
                 if acked {
                     ""
                 } else {
@@ -786,59 +766,19 @@ async fn listen(args: ListenArgs) -> Result<()> {
     }
 }
 
-/// One call of the admin API; its JSON answer, or the error it gave.
-async fn admin_call(
-    method: reqwest::Method,
-    base_url: &str,
-    path: &str,
-    admin_token: &str,
-    body: serde_json::Value,
-) -> Result<serde_json::Value> {
-    let url = format!("{}{path}", base_url.trim_end_matches('/'));
-    let response = reqwest::Client::new()
-        .request(method, &url)
-        .bearer_auth(admin_token)
-        .json(&body)
-        .send()
-        .await
-        .with_context(|| format!("calling {url}"))?;
-    let status = response.status();
-    let body: serde_json::Value = response.json().await.context("reading the answer")?;
-    if !status.is_success() {
-        bail!(
-            "{status}: {}",
-            body["error"]["message"].as_str().unwrap_or("unknown error")
-        );
-    }
-    Ok(body)
-}
-
 async fn store_create(name: String, base_url: String, admin_token: String) -> Result<()> {
-    let body = admin_call(
-        reqwest::Method::POST,
-        &base_url,
-        "/admin/v1/stores",
-        &admin_token,
-        serde_json::json!({ "name": name }),
-    )
-    .await?;
+    let store = tally_client::Client::admin(&base_url, &admin_token)
+        .create_store(&name)
+        .await?;
     println!(
         "Created store \"{}\" ({}). Its API keys are shown only this once:",
-        body["name"].as_str().unwrap_or(""),
-        body["id"].as_str().unwrap_or("")
+        store.name, store.id
     );
-    println!(
-        "  test key: {}",
-        body["api_keys"]["test"].as_str().unwrap_or("")
-    );
-    println!(
-        "  prod key: {}",
-        body["api_keys"]["prod"].as_str().unwrap_or("")
-    );
+    println!("  test key: {}", store.api_keys.test);
+    println!("  prod key: {}", store.api_keys.prod);
     println!(
         "Key ids (for `tally store revoke-key`): test {}, prod {}",
-        body["api_key_ids"]["test"].as_str().unwrap_or(""),
-        body["api_key_ids"]["prod"].as_str().unwrap_or("")
+        store.api_key_ids.test, store.api_key_ids.prod
     );
     Ok(())
 }
@@ -867,20 +807,15 @@ async fn main() -> Result<()> {
                     admin_token,
                 },
         } => {
-            let body = admin_call(
-                reqwest::Method::POST,
-                &base_url,
-                &format!("/admin/v1/stores/{store}/keys"),
-                &admin_token,
-                serde_json::json!({ "mode": mode, "permissions": permissions }),
-            )
-            .await?;
+            let key = tally_client::Client::admin(&base_url, &admin_token)
+                .create_key(&store, &tally_client::KeyCreate { mode, permissions })
+                .await?;
             println!(
                 "Created key {} ({}) with {}. It is shown only this once:\n  {}",
-                body["id"].as_str().unwrap_or(""),
-                body["mode"].as_str().unwrap_or(""),
-                body["permissions"],
-                body["key"].as_str().unwrap_or("")
+                key.id,
+                key.mode,
+                key.permissions.join(", "),
+                key.key
             );
             Ok(())
         }
@@ -893,14 +828,9 @@ async fn main() -> Result<()> {
                     admin_token,
                 },
         } => {
-            admin_call(
-                reqwest::Method::DELETE,
-                &base_url,
-                &format!("/admin/v1/stores/{store}/keys/{key}"),
-                &admin_token,
-                serde_json::json!({}),
-            )
-            .await?;
+            tally_client::Client::admin(&base_url, &admin_token)
+                .revoke_key(&store, &key)
+                .await?;
             println!("Revoked key {key}.");
             Ok(())
         }

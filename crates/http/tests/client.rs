@@ -1,0 +1,172 @@
+//! The typed client (`tally-client`) against a real server: every operation it
+//! offers decodes the real answers, and API errors come back with their codes.
+
+mod common;
+
+use common::*;
+use tally_client::*;
+
+#[tokio::test]
+async fn every_client_operation_works_against_the_server() {
+    let (_dir, path) = temp_dir();
+    let server = Server::start(&path, default_config()).await;
+
+    let admin = Client::admin(&server.prod_url, "admin-secret");
+    let store = admin.create_store("client").await.unwrap();
+    assert_eq!(store.object, "store");
+    let key = admin
+        .create_key(
+            &store.id,
+            &KeyCreate {
+                mode: "test".into(),
+                permissions: vec!["meters:read".into()],
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(key.permissions, ["meters:read"]);
+    let revoked = admin.revoke_key(&store.id, &key.id).await.unwrap();
+    assert!(revoked.revoked);
+    let again = admin.revoke_key(&store.id, &key.id).await.unwrap_err();
+    assert_eq!(again.code(), Some("api_key_revoked"));
+    let wrong = Client::admin(&server.prod_url, "not-the-token")
+        .create_store("x")
+        .await
+        .unwrap_err();
+    assert_eq!(wrong.status(), Some(401));
+
+    let tally = Client::new(&server.test_url, &store.api_keys.test);
+    let customer = tally
+        .create_customer(&CustomerCreate {
+            email: "ada@example.com".into(),
+            external_id: Some("ada".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(tally.get_customer(&customer.id).await.unwrap(), customer);
+    let listed = tally
+        .list_customers(&PageQuery {
+            limit: Some(5),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.data, vec![customer.clone()]);
+    assert!(!listed.has_more);
+
+    let meter = tally
+        .create_meter(&MeterCreate {
+            name: "tokens".into(),
+            event_name: "llm".into(),
+            aggregation: "sum".into(),
+            aggregation_property: Some("tokens".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(tally.get_meter(&meter.id).await.unwrap(), meter);
+    let event = |id: &str, tokens: i64| EventInput {
+        event_id: Some(id.into()),
+        name: "llm".into(),
+        customer_id: Some(customer.id.clone()),
+        properties: Some([("tokens".to_string(), serde_json::json!(tokens))].into()),
+        ..Default::default()
+    };
+    let result = tally
+        .ingest(&IngestRequest {
+            events: vec![event("e1", 5), event("e2", 7), event("e1", 9)],
+        })
+        .await
+        .unwrap();
+    assert_eq!((result.accepted, result.duplicates), (2, 1));
+    let raw = serde_json::to_vec(&IngestRequest {
+        events: vec![event("e3", 1)],
+    })
+    .unwrap();
+    assert_eq!(tally.ingest_raw(raw).await.unwrap().accepted, 1);
+    assert_eq!(tally.get_event("e2").await.unwrap().properties["tokens"], 7);
+    let usage = tally
+        .meter_usage(
+            &meter.id,
+            &UsageQuery {
+                customer_id: Some(customer.id.clone()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(usage.value.as_deref(), Some("13"));
+    let invalid = tally
+        .ingest(&IngestRequest {
+            events: vec![EventInput {
+                name: "llm".into(),
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(invalid.code(), Some("invalid_usage_event"));
+    assert_eq!(invalid.status(), Some(400));
+
+    let hook = tally
+        .create_webhook(&WebhookInput {
+            delivery_mode: Some("cli".into()),
+            events: Some(vec!["credits.granted".into()]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(hook.secret.is_some());
+    let account = tally
+        .create_account(&AccountCreate {
+            customer_id: customer.id.clone(),
+            initial_balance: Some("10".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(account.balance, "10");
+    let movement = |amount: &str, key: &str| Movement {
+        amount: amount.into(),
+        idempotency_key: key.into(),
+        ..Default::default()
+    };
+    let credit = tally
+        .credit(&account.id, &movement("2.5", "c1"))
+        .await
+        .unwrap();
+    assert_eq!(credit.r#type, "credit");
+    tally
+        .debit(&account.id, &movement("4", "d1"))
+        .await
+        .unwrap();
+    let refused = tally
+        .debit(&account.id, &movement("100", "d2"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some("insufficient_balance"));
+    assert_eq!(tally.get_account(&account.id).await.unwrap().balance, "8.5");
+
+    let pending = tally.pending_events(&hook.id, 10).await.unwrap();
+    assert_eq!(pending.items.len(), 2, "initial balance and credit");
+    let first = &pending.items[0];
+    assert_eq!(first.event_type, "credits.granted");
+    let attempt = tally.ack_event(&hook.id, &first.id, 200).await.unwrap();
+    assert!(attempt.delivered);
+    assert_eq!(
+        tally
+            .pending_events(&hook.id, 10)
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
+
+    let open = Client::anonymous(&server.test_url);
+    assert_eq!(open.healthz().await.unwrap().status, "ok");
+    assert_eq!(open.readyz().await.unwrap().status, "ready");
+    assert_eq!(open.openapi().await.unwrap()["openapi"], "3.1.0");
+    server.stop().await;
+}
