@@ -181,6 +181,17 @@ pub fn encode_store(s: &StoreRecord) -> Vec<u8> {
     .encode_to_vec()
 }
 
+pub fn decode_store(bytes: &[u8]) -> Result<StoreRecord, EngineError> {
+    let s = v1::StoreCreated::decode(bytes).map_err(corrupt)?;
+    Ok(StoreRecord {
+        store_id: s.store_id.into(),
+        name: s.name,
+        prod_key_sha256: s.prod_key_sha256,
+        test_key_sha256: s.test_key_sha256,
+        created_at_ms: s.created_at_ms,
+    })
+}
+
 const AGGREGATE_BYTES: usize = 8 + 8 + 16 + 17 + 17;
 
 fn put_optional(bytes: &mut Vec<u8>, value: Option<Decimal>) {

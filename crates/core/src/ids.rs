@@ -19,6 +19,29 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", random_base62(ID_RANDOM_CHARS))
 }
 
+/// `chars` base62 characters derived from secret `seed` bytes (SHA-256 of the seed
+/// and a block counter): as hard to guess as the seed, the same for the same seed.
+pub fn derived_base62(seed: &[u8], chars: usize) -> String {
+    use sha2::{Digest, Sha256};
+    let mut out = String::with_capacity(chars);
+    let mut block = 0u32;
+    while out.len() < chars {
+        let digest = Sha256::new()
+            .chain_update(seed)
+            .chain_update(block.to_le_bytes())
+            .finalize();
+        // Bytes at or past the largest multiple of 62 are skipped: no bias.
+        for byte in digest.iter().filter(|b| **b < 248) {
+            if out.len() == chars {
+                break;
+            }
+            out.push(ALPHABET[*byte as usize % ALPHABET.len()] as char);
+        }
+        block = block.wrapping_add(1);
+    }
+    out
+}
+
 /// An id apply derives from what it applies (`seed`), so a replay derives the same
 /// one: the prefix and 24 base62 characters of the seed's SHA-256, like a random id.
 pub fn derived_id(prefix: &str, seed: &str) -> String {

@@ -25,6 +25,17 @@ const METHODS: [&str; 7] = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OP
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
+/// How often histogram samples are folded into their buckets. The exporter keeps
+/// raw samples until then; without upkeep an unscraped server's memory would grow
+/// with every request.
+pub const METRICS_UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Request counters and latency histograms by label set, registered once: a
+/// request then costs an atomic add and a sample push, no label allocation.
+type RequestHandles =
+    dashmap::DashMap<(&'static str, String, u16), (metrics::Counter, metrics::Histogram)>;
+static REQUESTS: OnceLock<RequestHandles> = OnceLock::new();
+
 /// Installs the process's recorder the first time (every later call shares it).
 fn handle() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
@@ -39,6 +50,16 @@ fn handle() -> &'static PrometheusHandle {
             );
         }
         describe();
+        let upkeep = handle.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tally-metrics-upkeep".into())
+            .spawn(move || loop {
+                std::thread::sleep(METRICS_UPKEEP_EVERY);
+                upkeep.run_upkeep();
+            });
+        if let Err(error) = spawned {
+            tracing::warn!(%error, "no metrics upkeep thread; histograms fold at scrapes only");
+        }
         handle
     })
 }
@@ -135,15 +156,30 @@ impl Metrics {
             .find(|m| **m == method)
             .copied()
             .unwrap_or("OTHER");
-        counter!(
-            "tally_http_requests_total",
-            "method" => method,
-            "route" => route.to_string(),
-            "status" => status.to_string()
-        )
-        .increment(1);
-        histogram!("tally_http_request_duration_seconds", "route" => route.to_string())
-            .record(elapsed.as_secs_f64());
+        let requests = REQUESTS.get_or_init(Default::default);
+        let key = (method, route.to_string(), status);
+        let handles = match requests.get(&key) {
+            Some(handles) => handles.clone(),
+            None => requests
+                .entry(key)
+                .or_insert_with(|| {
+                    (
+                        counter!(
+                            "tally_http_requests_total",
+                            "method" => method,
+                            "route" => route.to_string(),
+                            "status" => status.to_string()
+                        ),
+                        histogram!(
+                            "tally_http_request_duration_seconds",
+                            "route" => route.to_string()
+                        ),
+                    )
+                })
+                .clone(),
+        };
+        handles.0.increment(1);
+        handles.1.record(elapsed.as_secs_f64());
     }
 
     pub fn log_append(&self, log_kind: &'static str, elapsed: Duration) {

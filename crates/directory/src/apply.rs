@@ -14,11 +14,19 @@ use crate::customers::external_id_taken;
 use crate::DirectoryApplied;
 
 /// A store and its two API keys' digests.
-pub fn apply_store(overlay: &mut Overlay<'_>, store: &StoreRecord, applied: &mut DirectoryApplied) {
-    overlay.put(
-        Key::table(keys::STORE).text(&store.store_id).into_bytes(),
-        codec::encode_store(store),
-    );
+/// A store and its first two keys. A store id that exists already is kept as it is
+/// (the first record wins): a retried idempotent creation derives the same id, and
+/// must neither change the store nor bring back a key revoked since.
+pub fn apply_store(
+    overlay: &mut Overlay<'_>,
+    store: &StoreRecord,
+    applied: &mut DirectoryApplied,
+) -> Result<(), ApplyError> {
+    let key = Key::table(keys::STORE).text(&store.store_id).into_bytes();
+    if overlay.contains(&key)? {
+        return Ok(());
+    }
+    overlay.put(key, codec::encode_store(store));
     for (hash, mode) in [
         (&store.prod_key_sha256, Mode::Prod),
         (&store.test_key_sha256, Mode::Test),
@@ -36,6 +44,7 @@ pub fn apply_store(overlay: &mut Overlay<'_>, store: &StoreRecord, applied: &mut
         );
     }
     applied.stores.push(store.clone());
+    Ok(())
 }
 
 /// A customer, created or updated. Re-checks in log order that its external id is

@@ -7,7 +7,9 @@ use tally_domain::Mode;
 use tally_projection::{scan_prefix, Visit};
 
 use tally_core::error::EngineError;
-use tally_core::ids::{new_id, random_base62, API_KEY_RANDOM_CHARS};
+use tally_core::ids::{
+    derived_base62, new_id, random_base62, API_KEY_RANDOM_CHARS, ID_RANDOM_CHARS,
+};
 use tally_core::{keys, Scope};
 
 use crate::Directory;
@@ -64,6 +66,19 @@ impl Directory {
     /// Creates a store with a fresh pair of keys. The keys are returned once; only
     /// their SHA-256 digests are kept.
     pub async fn create_store(&self, name: &str) -> Result<CreatedStore, EngineError> {
+        Ok(self.create_store_from(name, None).await?.0)
+    }
+
+    /// Creates a store. With a `seed` (secret bytes the admin API derives from its
+    /// token and an idempotency key), the id and both keys derive from it, so a
+    /// retry rebuilds the same answer without any key kept in the clear: it answers
+    /// the store created first (`true`: a replay), or 409 `idempotency_key_reused`
+    /// when that store has another name.
+    pub async fn create_store_from(
+        &self,
+        name: &str,
+        seed: Option<&[u8]>,
+    ) -> Result<(CreatedStore, bool), EngineError> {
         let name = name.trim();
         if name.is_empty() || name.chars().count() > MAX_STORE_NAME_CHARS {
             return Err(tally_domain::FieldError::invalid(
@@ -72,10 +87,57 @@ impl Directory {
             )
             .into());
         }
-        let prod_key = format!("{PROD_KEY_PREFIX}{}", random_base62(API_KEY_RANDOM_CHARS));
-        let test_key = format!("{TEST_KEY_PREFIX}{}", random_base62(API_KEY_RANDOM_CHARS));
+        let derive = |label: &str, chars: usize| {
+            seed.map(|seed| {
+                let mut labelled = seed.to_vec();
+                labelled.extend_from_slice(label.as_bytes());
+                derived_base62(&labelled, chars)
+            })
+        };
+        let prod_key = format!(
+            "{PROD_KEY_PREFIX}{}",
+            derive("prod", API_KEY_RANDOM_CHARS)
+                .unwrap_or_else(|| random_base62(API_KEY_RANDOM_CHARS))
+        );
+        let test_key = format!(
+            "{TEST_KEY_PREFIX}{}",
+            derive("test", API_KEY_RANDOM_CHARS)
+                .unwrap_or_else(|| random_base62(API_KEY_RANDOM_CHARS))
+        );
+        let store_id = derive("store", ID_RANDOM_CHARS)
+            .map(|chars| format!("st_{chars}"))
+            .unwrap_or_else(|| new_id("st"));
+        let created = |record: StoreRecord| CreatedStore {
+            store_id: record.store_id.to_string(),
+            name: record.name,
+            prod_key: prod_key.clone(),
+            test_key: test_key.clone(),
+            created_at_ms: record.created_at_ms,
+        };
+        let first = |this: &Self| -> Result<Option<StoreRecord>, EngineError> {
+            this.journal
+                .store()
+                .get(&keys::Key::table(keys::STORE).text(&store_id).into_bytes())?
+                .map(|bytes| tally_core::codec::decode_store(&bytes))
+                .transpose()
+        };
+        let replay = |existing: StoreRecord| {
+            if existing.name == name {
+                Ok((created(existing), true))
+            } else {
+                Err(EngineError::conflict(
+                    "idempotency_key_reused",
+                    "this idempotency key created a store of another name; use a new key",
+                ))
+            }
+        };
+        if seed.is_some() {
+            if let Some(existing) = first(self)? {
+                return replay(existing);
+            }
+        }
         let record = StoreRecord {
-            store_id: new_id("st").into(),
+            store_id: store_id.clone().into(),
             name: name.to_string(),
             prod_key_sha256: key_digest(&prod_key),
             test_key_sha256: key_digest(&test_key),
@@ -84,13 +146,15 @@ impl Directory {
         self.journal
             .append_and_apply(&Record::StoreCreated(record.clone()))
             .await?;
-        Ok(CreatedStore {
-            store_id: record.store_id.to_string(),
-            name: record.name,
-            prod_key,
-            test_key,
-            created_at_ms: record.created_at_ms,
-        })
+        if seed.is_some() {
+            // A concurrent retry may have been applied first: answer what won.
+            if let Some(existing) = first(self)? {
+                if existing != record {
+                    return replay(existing);
+                }
+            }
+        }
+        Ok((created(record), false))
     }
 
     pub fn store_count(&self) -> Result<usize, EngineError> {

@@ -383,7 +383,7 @@ fn apply_record(
     let base = meta.base_updated_at_ms;
     match record {
         Record::StoreCreated(store) => {
-            tally_directory::apply::apply_store(overlay, store, &mut applied.directory)
+            tally_directory::apply::apply_store(overlay, store, &mut applied.directory)?
         }
         Record::CustomerUpserted(customer) => {
             tally_directory::apply::apply_customer(overlay, customer, base, &mut applied.directory)?

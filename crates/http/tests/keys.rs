@@ -160,3 +160,69 @@ async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused(
     );
     server.stop().await;
 }
+
+async fn create_idempotent(server: &Server, key: &str, name: &str) -> Answer {
+    Api::finish_raw(
+        reqwest::Client::new()
+            .post(format!("{}/admin/v1/stores", server.prod_url))
+            .bearer_auth("admin-secret")
+            .header("idempotency-key", key)
+            .json(&json!({ "name": name })),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotent_store_creation_answers_the_same_store_across_retries_and_restarts() {
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let first = create_idempotent(&server, "create-acme-1", "acme").await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert!(first.headers.get("idempotent-replayed").is_none());
+    let retry = create_idempotent(&server, "create-acme-1", "acme").await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.body, first.body, "the same store and keys");
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    // The keys work; another idempotency key makes another store.
+    let test_key = first.body["api_keys"]["test"].as_str().unwrap().to_string();
+    let api = Api::new(&server.test_url, &test_key);
+    assert_eq!(api.get("/v1/meters").await.status, 200);
+    let other = create_idempotent(&server, "create-acme-2", "acme").await;
+    assert_ne!(other.body["id"], first.body["id"]);
+    // The same key for another name is refused.
+    let reused = create_idempotent(&server, "create-acme-1", "globex").await;
+    assert_eq!(
+        assert_error(&reused, 409, "invalid_request_error")["code"],
+        "idempotency_key_reused"
+    );
+    // A retry never brings back a key revoked since.
+    let test_key_id = first.body["api_key_ids"]["test"].as_str().unwrap();
+    let revoke = admin(
+        &server,
+        reqwest::Method::DELETE,
+        &format!(
+            "/admin/v1/stores/{}/keys/{test_key_id}",
+            first.body["id"].as_str().unwrap()
+        ),
+        json!({}),
+    )
+    .await;
+    assert_eq!(revoke.status, 200, "{}", revoke.body);
+    server.stop().await;
+
+    let server = Server::start(&dir, default_config()).await;
+    let after_restart = create_idempotent(&server, "create-acme-1", "acme").await;
+    assert_eq!(after_restart.body, first.body);
+    let api = Api::new(&server.test_url, &test_key);
+    assert_eq!(
+        assert_error(&api.get("/v1/meters").await, 401, "authentication_error")["code"],
+        "api_key_invalid"
+    );
+    // A blank key is refused, naming the header.
+    let blank = create_idempotent(&server, " ", "acme").await;
+    assert_eq!(
+        assert_error(&blank, 400, "invalid_request_error")["param"],
+        "idempotency-key"
+    );
+    server.stop().await;
+}

@@ -4,6 +4,7 @@
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
 use axum::Json;
 use serde_json::{json, Value};
 
@@ -54,11 +55,16 @@ pub async fn create_store(
     State(state): State<AppState>,
     headers: HeaderMap,
     JsonObject(body): JsonObject,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<axum::response::Response> {
     check_admin(&state, &headers)?;
     let name = Fields::new(&body).required_string("name")?;
-    let store = state.engine.directory().create_store(&name).await?;
-    Ok(Json(json!({
+    let seed = idempotency_seed(&state, &headers)?;
+    let (store, replayed) = state
+        .engine
+        .directory()
+        .create_store_from(&name, seed.as_deref())
+        .await?;
+    let mut response = Json(json!({
         "id": store.store_id,
         "object": "store",
         "name": store.name,
@@ -68,7 +74,49 @@ pub async fn create_store(
             "prod": tally_engine::directory_access::key_id_of(&tally_engine::stores::key_digest(&store.prod_key)),
         },
         "created_at": tally_domain::time::format_iso8601_ms(store.created_at_ms),
-    })))
+    }))
+    .into_response();
+    if replayed {
+        response.headers_mut().insert(
+            "idempotent-replayed",
+            axum::http::HeaderValue::from_static("true"),
+        );
+    }
+    Ok(response)
+}
+
+/// The secret an idempotent store creation derives its id and keys from:
+/// HMAC-SHA256 of the `idempotency-key` under the admin token. A retry with the
+/// same key (through any node holding the token) rebuilds the same answer, and the
+/// log holds key digests only, as for every store (docs/api.md, "Servers,
+/// environments, keys").
+fn idempotency_seed(state: &AppState, headers: &HeaderMap) -> Result<Option<Vec<u8>>, ApiError> {
+    use hmac::{Hmac, Mac};
+    let Some(value) = headers.get(crate::middleware::IDEMPOTENCY_HEADER) else {
+        return Ok(None);
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .filter(|k| {
+            !k.trim().is_empty()
+                && k.chars().count() <= crate::middleware::MAX_IDEMPOTENCY_KEY_CHARS
+        })
+        .ok_or_else(|| {
+            ApiError::invalid_param(
+                crate::middleware::IDEMPOTENCY_HEADER,
+                format!(
+                    "`idempotency-key` must be 1 to {} visible ASCII characters",
+                    crate::middleware::MAX_IDEMPOTENCY_KEY_CHARS
+                ),
+            )
+        })?;
+    let token = state.config.admin_token.as_deref().unwrap_or_default();
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(token.as_bytes())
+        .map_err(|_| ApiError::internal("internal error; it has been logged"))?;
+    mac.update(b"tally admin store\0");
+    mac.update(key.as_bytes());
+    Ok(Some(mac.finalize().into_bytes().to_vec()))
 }
 
 /// `POST /admin/v1/stores/{id}/keys {mode, permissions}`: a restricted key, shown
