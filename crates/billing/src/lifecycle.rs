@@ -199,7 +199,7 @@ fn changed(message: &str) -> ApplyError {
     Outcome::rejected("resource_changed", message.to_string()).into()
 }
 
-/// The events a move from `before` to `after` emits (spec part 6).
+/// The events a move from `before` to `after` emits (docs/api.md, "Subscriptions").
 fn transition_events(before: &Subscription, after: &Subscription, paid: bool) -> Vec<BillingEvent> {
     use SubscriptionStatus::*;
     let mut types = Vec::new();

@@ -199,7 +199,7 @@ impl Discount {
     }
 }
 
-/// A discount as a subscription keeps it (the spec's EmbeddedDiscount).
+/// A discount as a subscription keeps it (`discount` on a subscription, docs/api.md).
 #[derive(Debug, Clone, PartialEq)]
 pub struct EmbeddedDiscount {
     pub id: DiscountId,
@@ -527,7 +527,7 @@ pub struct Checkout {
     pub updated_at_ms: i64,
 }
 
-/// A payment collected, failed or refunded (the spec's Transaction).
+/// A payment collected, failed or refunded (a `transaction`, docs/api.md).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Payment {
     pub id: PaymentId,

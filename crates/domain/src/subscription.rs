@@ -309,7 +309,7 @@ pub fn period_amount(sub: &Subscription) -> Option<i64> {
 }
 
 wire_enum!(
-    /// How a change of items or product within a period is charged (spec 4.3/4.4).
+    /// How a change of items or product within a period is charged (docs/api.md, "Subscriptions": updates and upgrades).
     UpdateBehavior {
         ProrationChargeImmediately => "proration-charge-immediately",
         ProrationCharge => "proration-charge",

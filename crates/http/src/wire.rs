@@ -140,7 +140,7 @@ pub fn preview_report(r: &EventReport) -> Value {
     value
 }
 
-/// A product (spec 2.5): money as integer minor units, quantities as JSON numbers.
+/// A product (docs/api.md, "Products"): money as integer minor units, quantities as JSON numbers.
 pub fn product(p: &Product) -> Value {
     let (interval, interval_count) = match p.billing_period.interval() {
         Some((interval, count)) => (Value::from(interval), Value::from(count)),

@@ -874,3 +874,32 @@ async fn actions_without_a_body_refuse_malformed_json_and_pages_are_bounded() {
     }
     server.stop().await;
 }
+
+/// The main flows carry request examples, and each conforms to its schema.
+#[test]
+fn request_examples_conform_to_their_schemas() {
+    let doc = document();
+    let mut examples = 0;
+    for (template, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let content = &op["requestBody"]["content"]["application/json"];
+            let Some(example) = content.get("example") else {
+                continue;
+            };
+            let mut root = json!({
+                "$schema": "https://json-schema.org/draft/2020-12/schema",
+                "components": doc["components"].clone(),
+            });
+            for (k, v) in content["schema"].as_object().unwrap() {
+                root[k] = v.clone();
+            }
+            let validator = jsonschema::draft202012::new(&root).unwrap();
+            assert!(
+                validator.is_valid(example),
+                "{method} {template}: its example does not conform"
+            );
+            examples += 1;
+        }
+    }
+    assert!(examples >= 10, "{examples} examples");
+}

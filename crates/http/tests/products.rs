@@ -1,5 +1,5 @@
 //! Products over real sockets: create with every part, validation naming the field,
-//! update rules, archive, lists, and the meter-archive rule of spec part 3 in both
+//! update rules, archive, lists, and the meter-archive rule (docs/api.md, "Meters") in both
 //! directions (decided by the service and again in apply), across a restart.
 
 mod common;
@@ -291,7 +291,7 @@ async fn a_meter_priced_on_an_active_product_cannot_be_archived_until_the_produc
         assert_error(&unarchive, 409, "invalid_request_error")["code"],
         "meter_not_active"
     );
-    // Removing the usage charge is the other remedy of spec part 3.
+    // Removing the usage charge is the other remedy (docs/api.md, "Meters").
     let unpriced_product = api
         .post(
             &format!("/v1/products/{product_id}"),

@@ -390,7 +390,7 @@ impl Metering {
     }
 }
 
-/// 409 `meter_in_use` (spec part 3): decided by the service through the `Pricing`
+/// 409 `meter_in_use` (docs/api.md, "Meters"): decided by the service through the `Pricing`
 /// port and again by apply in log order.
 pub fn meter_in_use() -> tally_core::outcome::Outcome {
     tally_core::outcome::Outcome::rejected(

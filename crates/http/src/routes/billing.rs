@@ -209,7 +209,7 @@ pub async fn delete_discount(
     operation_id = "create_checkout",
     tag = "checkouts",
     summary = "Create a checkout",
-    request_body(content = doc::CheckoutCreate, content_type = "application/json"),
+    request_body(content = doc::CheckoutCreate, content_type = "application/json", example = json!({"product_id": "prod_7Hk2", "customer_id": "cus_4fJ2b8XkQ1", "units": 1, "discount_code": "LAUNCH10"})),
     responses((status = 200, description = "Create a checkout", body = doc::Checkout), (status = 400, description = "product_not_active, discount_not_active, discount_expired, discount_exhausted, discount_not_applicable, discount_currency_mismatch", body = doc::ErrorBody), (status = 404, description = "resource_missing (param `product_id`, `customer_id` or `discount_code`)", body = doc::ErrorBody))
 )]
 pub async fn create_checkout(
@@ -296,7 +296,7 @@ pub async fn get_checkout(
     tag = "checkouts",
     summary = "Pay a checkout with a test card",
     params(doc::IdParam),
-    request_body(content = doc::CardPayment, content_type = "application/json"),
+    request_body(content = doc::CardPayment, content_type = "application/json", example = json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/30"})),
     responses((status = 200, description = "Pay a checkout with a test card", body = doc::Checkout), (status = 400, description = "payment_provider_not_configured, discount_* (param `discount_code`), product_not_active", body = doc::ErrorBody), (status = 402, description = "card_error: card_declined, insufficient_funds, incorrect_cvc", body = doc::ErrorBody))
 )]
 pub async fn complete_checkout(

@@ -108,7 +108,7 @@ fn decimal_string(fields: &Fields<'_>, name: &str) -> Result<Option<String>, Api
     operation_id = "create_account",
     tag = "customer-credits",
     summary = "Create a credit account",
-    request_body(content = doc::AccountCreate, content_type = "application/json"),
+    request_body(content = doc::AccountCreate, content_type = "application/json", example = json!({"customer_id": "cus_4fJ2b8XkQ1", "name": "default", "unit_label": "credits", "initial_balance": "100"})),
     responses((status = 200, description = "Create a credit account", body = doc::CreditAccount), (status = 404, description = "resource_missing (param `customer_id`)", body = doc::ErrorBody), (status = 409, description = "account_name_taken, amount_out_of_range", body = doc::ErrorBody))
 )]
 pub async fn create_account(
@@ -264,7 +264,7 @@ fn movement(body: &Map<String, Value>) -> Result<MovementInput, ApiError> {
     tag = "customer-credits",
     summary = "Credit an account",
     params(doc::IdParam),
-    request_body(content = doc::Movement, content_type = "application/json"),
+    request_body(content = doc::Movement, content_type = "application/json", example = json!({"amount": "2.5", "idempotency_key": "order-1001", "description": "API usage", "metadata": {"order": "1001"}})),
     responses((status = 200, description = "Credit an account", body = doc::CreditTransaction), (status = 409, description = "account_frozen, account_closed, amount_out_of_range, idempotency_key_reused", body = doc::ErrorBody))
 )]
 pub async fn credit(
@@ -288,7 +288,7 @@ pub async fn credit(
     tag = "customer-credits",
     summary = "Debit an account",
     params(doc::IdParam),
-    request_body(content = doc::Movement, content_type = "application/json"),
+    request_body(content = doc::Movement, content_type = "application/json", example = json!({"amount": "2.5", "idempotency_key": "order-1001", "description": "API usage", "metadata": {"order": "1001"}})),
     responses((status = 200, description = "Debit an account", body = doc::CreditTransaction), (status = 409, description = "insufficient_balance, account_frozen, account_closed, amount_out_of_range, idempotency_key_reused", body = doc::ErrorBody))
 )]
 pub async fn debit(

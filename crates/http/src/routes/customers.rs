@@ -40,7 +40,7 @@ fn customer_input(
     operation_id = "customers_create",
     tag = "customers",
     summary = "Create a customer",
-    request_body(content = doc::CustomerCreate, content_type = "application/json"),
+    request_body(content = doc::CustomerCreate, content_type = "application/json", example = json!({"email": "ada@example.com", "name": "Ada Lovelace", "country": "GB", "external_id": "user-42", "metadata": {"plan": "pro"}})),
     responses((status = 200, description = "Create a customer", body = doc::Customer), (status = 409, description = "external_id_taken", body = doc::ErrorBody))
 )]
 pub async fn create(

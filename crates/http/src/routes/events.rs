@@ -100,7 +100,7 @@ fn batch(body: &Map<String, Value>) -> Result<Vec<Result<RawUsageEvent, FieldErr
     operation_id = "events_ingest",
     tag = "events",
     summary = "Ingest usage events (all or nothing)",
-    request_body(content = doc::IngestRequest, content_type = "application/json"),
+    request_body(content = doc::IngestRequest, content_type = "application/json", example = json!({"events": [{"event_id": "req_8f2c", "name": "llm.completion", "external_customer_id": "user-42", "timestamp": "2026-11-24T10:00:00Z", "properties": {"tokens": 1250, "model": "gpt-x"}}]})),
     responses((status = 202, description = "Ingest usage events (all or nothing)", body = doc::IngestResult), (status = 400, description = "invalid_usage_event (param `events[N].<field>`)", body = doc::ErrorBody))
 )]
 pub async fn ingest(

@@ -156,7 +156,7 @@ fn meter_input(body: &Map<String, Value>) -> Result<MeterInput, FieldError> {
     operation_id = "meters_create",
     tag = "meters",
     summary = "Create a meter",
-    request_body(content = doc::MeterCreate, content_type = "application/json"),
+    request_body(content = doc::MeterCreate, content_type = "application/json", example = json!({"name": "LLM tokens", "event_name": "llm.completion", "aggregation": "sum", "aggregation_property": "tokens", "filter": {"conjunction": "and", "clauses": [{"property": "model", "operator": "in", "value": ["gpt-x", "gpt-y"]}]}, "unit_label": "tokens"})),
     responses((status = 200, description = "Create a meter", body = doc::Meter), (status = 409, description = "meter_name_taken, meter_limit_reached", body = doc::ErrorBody))
 )]
 pub async fn create(
