@@ -235,6 +235,9 @@ impl Billing {
         id: &str,
         card: &CardInput,
     ) -> Result<Checkout, EngineError> {
+        // The card's fields are checked first (400 naming the field), whatever the
+        // checkout's state: a malformed request is refused the same way every time.
+        tally_domain::billing::test_card(card)?;
         let open = self.get_checkout(scope, id)?;
         if open.status == CheckoutStatus::Completed {
             self.grant_credits(scope, &open).await?;

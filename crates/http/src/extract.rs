@@ -43,7 +43,8 @@ pub async fn read_body_limited(request: Request) -> Result<(Parts, axum::body::B
     Ok((parts, bytes))
 }
 
-/// A JSON object body. An empty body reads as `{}` (POST endpoints without a body).
+/// A JSON object body. An empty body reads as `{}` (actions without a body, and
+/// updates whose fields are all optional).
 #[derive(Debug, Clone)]
 pub struct JsonObject(pub Map<String, Value>);
 
@@ -52,7 +53,9 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
 
     async fn from_request(request: Request, _state: &S) -> Result<Self, Self::Rejection> {
         let (parts, bytes) = read_body_limited(request).await?;
-        if bytes.iter().all(u8::is_ascii_whitespace) {
+        // No body at all reads as `{}`; anything else must be a JSON object (a
+        // body of blanks is no JSON).
+        if bytes.is_empty() {
             return Ok(JsonObject(Map::new()));
         }
         let content_type = parts

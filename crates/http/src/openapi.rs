@@ -26,6 +26,7 @@ pub const OPENAPI_PATH: &str = "/v1/openapi.json";
 pub fn document() -> OpenApi {
     let (_, mut api) = crate::api_router(true).split_for_parts();
     Shared.modify(&mut api);
+    bodies_without_required_fields_are_optional(&mut api);
     api
 }
 
@@ -36,6 +37,58 @@ pub fn document_json() -> String {
         .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
     text.push('\n');
     text
+}
+
+/// A request body whose schema requires no field may be left out (an empty body
+/// reads as `{}`: docs/api.md, "Errors, request ids, limits").
+fn bodies_without_required_fields_are_optional(api: &mut OpenApi) {
+    let requires_nothing = |name: &str| -> bool {
+        api.components
+            .as_ref()
+            .and_then(|c| c.schemas.get(name))
+            .and_then(|schema| serde_json::to_value(schema).ok())
+            .is_some_and(|schema| {
+                schema["required"]
+                    .as_array()
+                    .is_none_or(|required| required.is_empty())
+            })
+    };
+    let mut optional = Vec::new();
+    for (path, item) in api.paths.paths.iter() {
+        for (method, operation) in [
+            ("post", item.post.as_ref()),
+            ("delete", item.delete.as_ref()),
+        ] {
+            let Some(utoipa::openapi::RefOr::T(body)) =
+                operation.and_then(|o| o.request_body.as_ref())
+            else {
+                continue;
+            };
+            let refs = serde_json::to_value(body).unwrap_or_default();
+            let name = refs["content"]["application/json"]["schema"]["$ref"]
+                .as_str()
+                .and_then(|r| r.strip_prefix("#/components/schemas/"))
+                .map(str::to_string);
+            if name.as_deref().is_some_and(&requires_nothing) {
+                optional.push((path.clone(), method));
+            }
+        }
+    }
+    for (path, method) in optional {
+        let Some(item) = api.paths.paths.get_mut(&path) else {
+            continue;
+        };
+        let operation = if method == "post" {
+            item.post.as_mut()
+        } else {
+            item.delete.as_mut()
+        };
+        if let Some(utoipa::openapi::RefOr::T(body)) =
+            operation.and_then(|o| o.request_body.as_mut())
+        {
+            body.required = None;
+        }
+    }
 }
 
 /// The document's frame: info, tags, the security scheme, the shared schemas.
