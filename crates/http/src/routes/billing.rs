@@ -64,7 +64,7 @@ fn discount_input(body: &Map<String, Value>) -> Result<DiscountInput, FieldError
     operation_id = "create_discount",
     tag = "discounts",
     summary = "Create a discount",
-    request_body(content = doc::DiscountInput, content_type = "application/json"),
+    request_body(content = doc::DiscountCreate, content_type = "application/json"),
     responses((status = 200, description = "Create a discount", body = doc::Discount), (status = 404, description = "resource_missing (param `applies_to_products[N]`)", body = doc::ErrorBody), (status = 409, description = "discount_code_taken", body = doc::ErrorBody))
 )]
 pub async fn create_discount(

@@ -105,7 +105,7 @@ fn product_input(body: &Map<String, Value>) -> Result<ProductInput, FieldError> 
     operation_id = "products_create",
     tag = "products",
     summary = "Create a product",
-    request_body(content = doc::ProductInput, content_type = "application/json", example = json!({"name": "Pro", "price": 2900, "currency": "USD", "billing_type": "recurring", "billing_period": "every-month", "usage_prices": [{"meter_id": "mtr_9Lq3", "unit_price": "0.002", "free_allowance": 100000}], "features": [{"type": "customer_credits", "customer_credits": {"amount": "500"}}]})),
+    request_body(content = doc::ProductCreate, content_type = "application/json", example = json!({"name": "Pro", "price": 2900, "currency": "USD", "billing_type": "recurring", "billing_period": "every-month", "usage_prices": [{"meter_id": "mtr_9Lq3", "unit_price": "0.002", "free_allowance": 100000}], "features": [{"type": "customer_credits", "customer_credits": {"amount": "500"}}]})),
     responses((status = 200, description = "Create a product", body = doc::Product), (status = 404, description = "resource_missing (param `usage_prices[N].meter_id`)", body = doc::ErrorBody), (status = 409, description = "meter_not_active", body = doc::ErrorBody))
 )]
 pub async fn create(

@@ -110,7 +110,7 @@ fn endpoint_input(body: &Map<String, Value>) -> Result<EndpointInput, ApiError> 
     operation_id = "webhooks_create",
     tag = "webhooks",
     summary = "Create a webhook endpoint (answers its secret)",
-    request_body(content = doc::WebhookInput, content_type = "application/json", example = json!({"name": "billing", "url": "https://hooks.example.com/tally", "events": ["checkout.completed", "subscription.paid", "credits.consumed"]})),
+    request_body(content = doc::WebhookCreate, content_type = "application/json", example = json!({"name": "billing", "url": "https://hooks.example.com/tally", "events": ["checkout.completed", "subscription.paid", "credits.consumed"]})),
     responses((status = 200, description = "Create a webhook endpoint (answers its secret)", body = doc::Webhook), (status = 409, description = "webhook_limit_reached", body = doc::ErrorBody))
 )]
 pub async fn create(
