@@ -171,7 +171,6 @@ impl Modify for Shared {
                 ("delete", item.delete.as_mut()),
             ] {
                 let Some(operation) = operation else { continue };
-                optional_body_not_null(operation);
                 if open && !admin {
                     operation.security = Some(Vec::new());
                 }
@@ -235,36 +234,6 @@ impl Modify for Shared {
                     add_missing(operation, "500", "api_error: internal_error");
                 }
             }
-        }
-    }
-}
-
-/// A body that may be left out is written `Option<T>` in the annotations, which
-/// utoipa renders as "T or null"; but `null` is no JSON object and is refused
-/// (400 `invalid_json`), so the document says "T, or no body".
-fn optional_body_not_null(operation: &mut Operation) {
-    let Some(utoipa::openapi::RefOr::T(body)) = operation.request_body.as_mut() else {
-        return;
-    };
-    for content in body.content.values_mut() {
-        let utoipa::openapi::RefOr::T(content) = content else {
-            continue;
-        };
-        let Some(utoipa::openapi::RefOr::T(utoipa::openapi::Schema::OneOf(one_of))) =
-            content.schema.as_ref()
-        else {
-            continue;
-        };
-        let not_null: Vec<_> = one_of
-            .items
-            .iter()
-            .filter(|item| {
-                serde_json::to_value(item).ok() != Some(serde_json::json!({"type": "null"}))
-            })
-            .cloned()
-            .collect();
-        if let [only] = not_null.as_slice() {
-            content.schema = Some(only.clone());
         }
     }
 }

@@ -159,7 +159,7 @@ pub async fn list_invites(
     tag = "affiliates",
     summary = "Accept an invitation (the affiliate joins)",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Accept an invitation (the affiliate joins)", body = doc::Affiliate), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
 )]
 pub async fn accept_invite(

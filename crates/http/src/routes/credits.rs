@@ -183,7 +183,7 @@ pub async fn get_account(
     tag = "customer-credits",
     summary = "Freeze an account",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Freeze an account", body = doc::CreditAccount), (status = 409, description = "account_closed", body = doc::ErrorBody))
 )]
 pub async fn freeze(
@@ -207,7 +207,7 @@ pub async fn freeze(
     tag = "customer-credits",
     summary = "Unfreeze an account",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Unfreeze an account", body = doc::CreditAccount), (status = 409, description = "account_closed", body = doc::ErrorBody))
 )]
 pub async fn unfreeze(
@@ -231,7 +231,7 @@ pub async fn unfreeze(
     tag = "customer-credits",
     summary = "Close an account (final; the balance is forfeited)",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Close an account (final; the balance is forfeited)", body = doc::CreditAccount), (status = 409, description = "account_balance_changed", body = doc::ErrorBody))
 )]
 pub async fn close(
@@ -351,7 +351,7 @@ pub async fn get_transaction(
     tag = "customer-credits",
     summary = "Reverse a transaction",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Reverse a transaction", body = doc::CreditTransaction), (status = 409, description = "transaction_already_reversed, transaction_not_reversible, insufficient_balance, account_frozen, account_closed", body = doc::ErrorBody))
 )]
 pub async fn reverse(

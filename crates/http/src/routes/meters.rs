@@ -271,7 +271,7 @@ pub async fn update(
     tag = "meters",
     summary = "Archive a meter",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Archive a meter", body = doc::Meter), (status = 409, description = "meter_in_use", body = doc::ErrorBody))
 )]
 pub async fn archive(
@@ -292,7 +292,7 @@ pub async fn archive(
     tag = "meters",
     summary = "Unarchive a meter",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Unarchive a meter", body = doc::Meter), (status = 409, description = "meter_name_taken, meter_limit_reached", body = doc::ErrorBody))
 )]
 pub async fn unarchive(

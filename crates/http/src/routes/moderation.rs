@@ -106,7 +106,7 @@ fn pii_action(pii: &Map<String, Value>, name: &str) -> Result<PiiActionOr, Field
     operation_id = "set_policy",
     tag = "moderation",
     summary = "Replace the moderation policy",
-    request_body(content = Option<doc::PolicyInput>, content_type = "application/json"),
+    request_body(content = doc::PolicyInput, content_type = "application/json"),
     responses((status = 200, description = "Replace the moderation policy", body = doc::ModerationPolicy))
 )]
 pub async fn set_policy(

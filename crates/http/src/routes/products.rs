@@ -173,7 +173,7 @@ pub async fn get(
     tag = "products",
     summary = "Archive a product",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Archive a product", body = doc::Product))
 )]
 pub async fn archive(
@@ -192,7 +192,7 @@ pub async fn archive(
     tag = "products",
     summary = "Unarchive a product",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Unarchive a product", body = doc::Product), (status = 409, description = "meter_not_active", body = doc::ErrorBody))
 )]
 pub async fn unarchive(

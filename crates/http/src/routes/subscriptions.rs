@@ -168,7 +168,7 @@ pub async fn upgrade_subscription(
     tag = "subscriptions",
     summary = "Cancel a subscription (scheduled or immediate)",
     params(doc::IdParam),
-    request_body(content = Option<doc::SubscriptionCancel>, content_type = "application/json"),
+    request_body(content = doc::SubscriptionCancel, content_type = "application/json"),
     responses((status = 200, description = "Cancel a subscription (scheduled or immediate)", body = doc::Subscription), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
 )]
 pub async fn cancel_subscription(
@@ -195,7 +195,7 @@ pub async fn cancel_subscription(
     tag = "subscriptions",
     summary = "Pause a subscription",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Pause a subscription", body = doc::Subscription), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
 )]
 pub async fn pause_subscription(
@@ -219,7 +219,7 @@ pub async fn pause_subscription(
     tag = "subscriptions",
     summary = "Resume a paused subscription",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Resume a paused subscription", body = doc::Subscription), (status = 402, description = "card_error: the new period's charge was declined", body = doc::ErrorBody), (status = 409, description = "invalid_state_transition", body = doc::ErrorBody))
 )]
 pub async fn resume_subscription(
@@ -314,7 +314,7 @@ pub async fn get_store_settings(
     operation_id = "set_store_settings",
     tag = "store",
     summary = "Change the store's billing settings",
-    request_body(content = Option<doc::StoreSettingsInput>, content_type = "application/json"),
+    request_body(content = doc::StoreSettingsInput, content_type = "application/json"),
     responses((status = 200, description = "Change the store's billing settings", body = doc::StoreSettings))
 )]
 pub async fn set_store_settings(

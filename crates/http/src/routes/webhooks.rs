@@ -253,7 +253,7 @@ pub async fn secret(
     tag = "webhooks",
     summary = "Rotate the signing secret (the old one signs for 24 h more)",
     params(doc::IdParam),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Rotate the signing secret (the old one signs for 24 h more)", body = doc::Webhook))
 )]
 pub async fn rotate(
@@ -313,7 +313,7 @@ pub async fn deliveries(
     tag = "webhooks",
     summary = "Make one extra delivery attempt now",
     params(("id" = String, Path, description = "the endpoint id"), ("event_id" = String, Path, description = "the event id")),
-    request_body(content = Option<doc::NoBody>, content_type = "application/json"),
+    request_body(content = doc::NoBody, content_type = "application/json"),
     responses((status = 200, description = "Make one extra delivery attempt now", body = doc::WebhookAttempt), (status = 400, description = "webhook_is_cli", body = doc::ErrorBody), (status = 503, description = "endpoint_busy", body = doc::ErrorBody))
 )]
 pub async fn resend(
