@@ -158,28 +158,28 @@ impl Metrics {
             .unwrap_or("OTHER");
         let requests = REQUESTS.get_or_init(Default::default);
         let key = (method, route.to_string(), status);
-        let handles = match requests.get(&key) {
-            Some(handles) => handles.clone(),
-            None => requests
-                .entry(key)
-                .or_insert_with(|| {
-                    (
-                        counter!(
-                            "tally_http_requests_total",
-                            "method" => method,
-                            "route" => route.to_string(),
-                            "status" => status.to_string()
-                        ),
-                        histogram!(
-                            "tally_http_request_duration_seconds",
-                            "route" => route.to_string()
-                        ),
-                    )
-                })
-                .clone(),
+        let record = |(counter, histogram): &(metrics::Counter, metrics::Histogram)| {
+            counter.increment(1);
+            histogram.record(elapsed.as_secs_f64());
         };
-        handles.0.increment(1);
-        handles.1.record(elapsed.as_secs_f64());
+        if let Some(handles) = requests.get(&key) {
+            return record(&handles);
+        }
+        let handles = requests.entry(key).or_insert_with(|| {
+            (
+                counter!(
+                    "tally_http_requests_total",
+                    "method" => method,
+                    "route" => route.to_string(),
+                    "status" => status.to_string()
+                ),
+                histogram!(
+                    "tally_http_request_duration_seconds",
+                    "route" => route.to_string()
+                ),
+            )
+        });
+        record(&handles);
     }
 
     pub fn log_append(&self, log_kind: &'static str, elapsed: Duration) {
