@@ -12,7 +12,7 @@ use crate::meter::Aggregation;
 use crate::usage::PropertyValue;
 
 /// The fold state of one bucket.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Aggregate {
     /// Events folded into the bucket (the `count` value).
     pub events: u64,

@@ -211,7 +211,7 @@ pub fn apply_chunk(
 ) -> Result<Applied, EngineError> {
     let index = state.index.clone();
     let mut overlay = Overlay::new(store, &index, fetched);
-    overlay.cache = Some(&state.buckets);
+    overlay.cache = Some(&mut state.buckets);
     for (entry, record) in chunk.entries.iter().zip(&chunk.records) {
         if let Ok((record @ Record::UsageBatch { .. }, _)) = record {
             overlay

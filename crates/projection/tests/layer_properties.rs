@@ -1,0 +1,88 @@
+//! The checkpoint store's write-back layer against a reference map: any sequence of
+//! batches (puts, overwrites, deletes, in any order within a batch) and checkpoints
+//! reads the same as the reference, through gets, ranges and full scans in both
+//! directions, before and after everything reaches the inner store.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tally_projection::{CheckpointStore, MemoryStore, ProjectionStore, Visit};
+
+/// One batch: (key number, value or delete) writes, then whether to checkpoint.
+type Step = (Vec<(u8, Option<u8>)>, bool);
+
+fn key(n: u8) -> Vec<u8> {
+    // Long keys sharing a prefix, like projection keys; the number decides the order.
+    let mut key = b"Astore\x00t\x00meter\x00".to_vec();
+    key.push(n / 16);
+    key.extend_from_slice(format!("customer-{:02}", n % 16).as_bytes());
+    key
+}
+
+fn scan(
+    store: &dyn ProjectionStore,
+    start: Bound<&[u8]>,
+    end: Bound<&[u8]>,
+    reverse: bool,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut seen = Vec::new();
+    store
+        .scan(start, end, reverse, &mut |k, v| {
+            seen.push((k.to_vec(), v.to_vec()));
+            Visit::Continue
+        })
+        .unwrap();
+    seen
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        (
+            prop::collection::vec((0u8..48, prop::option::weighted(0.8, any::<u8>())), 0..12),
+            prop::bool::weighted(0.2),
+        ),
+        1..30,
+    )
+}
+
+proptest! {
+    #[test]
+    fn the_layer_reads_like_a_plain_map(steps in steps(), lo in 0u8..48, hi in 0u8..48) {
+        // Never checkpoints on its own: only the steps decide.
+        let store = CheckpointStore::with_limits(MemoryStore::new(), usize::MAX, Duration::from_secs(3600));
+        let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        for (offset, (writes, checkpoint)) in steps.iter().enumerate() {
+            let mut changes = Vec::new();
+            for (n, value) in writes {
+                match value {
+                    Some(v) => reference.insert(key(*n), vec![*v]),
+                    None => reference.remove(&key(*n)),
+                };
+                changes.push((key(*n), value.map(|v| vec![v])));
+            }
+            store.apply(changes, &[(0, offset as u64 + 1)]).unwrap();
+            if *checkpoint {
+                store.checkpoint().unwrap();
+            }
+            for n in 0..48 {
+                prop_assert_eq!(store.get(&key(n)).unwrap(), reference.get(&key(n)).cloned());
+            }
+        }
+        let all: Vec<_> = reference.clone().into_iter().collect();
+        prop_assert_eq!(scan(&store, Bound::Unbounded, Bound::Unbounded, false), all.clone());
+        let mut backward = scan(&store, Bound::Unbounded, Bound::Unbounded, true);
+        backward.reverse();
+        prop_assert_eq!(&backward, &all);
+        let (lo, hi) = (key(lo.min(hi)), key(lo.max(hi)));
+        let ranged: Vec<_> = reference
+            .range::<[u8], _>((Bound::Included(&lo[..]), Bound::Excluded(&hi[..])))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        prop_assert_eq!(scan(&store, Bound::Included(&lo), Bound::Excluded(&hi), false), ranged);
+        store.checkpoint().unwrap();
+        prop_assert_eq!(scan(store.inner(), Bound::Unbounded, Bound::Unbounded, false), all);
+        prop_assert_eq!(store.inner().position(0).unwrap(), steps.len() as u64);
+    }
+}
