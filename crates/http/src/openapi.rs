@@ -42,9 +42,9 @@ pub fn document_json() -> String {
 /// A request body whose schema requires no field may be left out (an empty body
 /// reads as `{}`: docs/api.md, "Errors, request ids, limits").
 fn bodies_without_required_fields_are_optional(api: &mut OpenApi) {
+    let components = api.components.as_ref();
     let requires_nothing = |name: &str| -> bool {
-        api.components
-            .as_ref()
+        components
             .and_then(|c| c.schemas.get(name))
             .and_then(|schema| serde_json::to_value(schema).ok())
             .is_some_and(|schema| {
@@ -55,40 +55,21 @@ fn bodies_without_required_fields_are_optional(api: &mut OpenApi) {
                         .is_none_or(|required| required.is_empty())
             })
     };
-    let mut optional = Vec::new();
-    for (path, item) in api.paths.paths.iter() {
-        for (method, operation) in [
-            ("post", item.post.as_ref()),
-            ("delete", item.delete.as_ref()),
-        ] {
+    for item in api.paths.paths.values_mut() {
+        for operation in [item.post.as_mut(), item.delete.as_mut()] {
             let Some(utoipa::openapi::RefOr::T(body)) =
-                operation.and_then(|o| o.request_body.as_ref())
+                operation.and_then(|o| o.request_body.as_mut())
             else {
                 continue;
             };
-            let refs = serde_json::to_value(body).unwrap_or_default();
-            let name = refs["content"]["application/json"]["schema"]["$ref"]
+            let refs = serde_json::to_value(&*body).unwrap_or_default();
+            let optional = refs["content"]["application/json"]["schema"]["$ref"]
                 .as_str()
                 .and_then(|r| r.strip_prefix("#/components/schemas/"))
-                .map(str::to_string);
-            if name.as_deref().is_some_and(&requires_nothing) {
-                optional.push((path.clone(), method));
+                .is_some_and(requires_nothing);
+            if optional {
+                body.required = None;
             }
-        }
-    }
-    for (path, method) in optional {
-        let Some(item) = api.paths.paths.get_mut(&path) else {
-            continue;
-        };
-        let operation = if method == "post" {
-            item.post.as_mut()
-        } else {
-            item.delete.as_mut()
-        };
-        if let Some(utoipa::openapi::RefOr::T(body)) =
-            operation.and_then(|o| o.request_body.as_mut())
-        {
-            body.required = None;
         }
     }
 }

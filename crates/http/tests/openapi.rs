@@ -864,12 +864,9 @@ async fn actions_without_a_body_refuse_malformed_json_and_pages_are_bounded() {
     let still = api.get(&format!("/v1/meters/{mtr}")).await;
     assert_eq!(still.body["status"], "active");
     // No body, `{}`, and fields it does not take (ignored) all archive.
-    let archived = Api::finish_raw(
-        api.http
-            .post(format!("{}/v1/meters/{mtr}/archive", api.base))
-            .header("x-api-key", &api.key),
-    )
-    .await;
+    let archived = api
+        .post_without_body(&format!("/v1/meters/{mtr}/archive"))
+        .await;
     assert_eq!(archived.status, 200, "{}", archived.body);
     let again = api
         .post(&format!("/v1/meters/{mtr}/unarchive"), json!({"why": "x"}))
@@ -877,12 +874,7 @@ async fn actions_without_a_body_refuse_malformed_json_and_pages_are_bounded() {
     assert_eq!(again.body["status"], "active", "{}", again.body);
 
     // An update whose fields are all optional may come without a body: no change.
-    let unchanged = Api::finish_raw(
-        api.http
-            .post(format!("{}/v1/meters/{mtr}", api.base))
-            .header("x-api-key", &api.key),
-    )
-    .await;
+    let unchanged = api.post_without_body(&format!("/v1/meters/{mtr}")).await;
     assert_eq!(unchanged.status, 200, "{}", unchanged.body);
     assert_eq!(unchanged.body["name"], meter.body["name"]);
 

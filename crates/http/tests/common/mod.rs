@@ -233,6 +233,16 @@ impl Api {
         .await
     }
 
+    /// A POST with no body at all (no content type either).
+    pub async fn post_without_body(&self, path: &str) -> Answer {
+        Self::finish_raw(
+            self.http
+                .post(format!("{}{path}", self.base))
+                .header("x-api-key", &self.key),
+        )
+        .await
+    }
+
     pub async fn post_idempotent(&self, path: &str, key: &str, body: Value) -> Answer {
         Self::finish(
             self.http
