@@ -511,16 +511,12 @@ async fn replay(args: ReplayArgs) -> Result<()> {
     let _ = std::fs::remove_dir_all(&scratch);
     let replayed = open_projections(&scratch)?;
     let mut progress = progress::Progress::new("replaying");
-    let mut records = 0;
-    for partition in 0..log.partition_count() {
-        records += tally_engine::projector::replay_partition(
-            log.as_ref(),
-            replayed.clone(),
-            partition,
-            |at, end| progress.update(partition, at, end, None),
-        )
-        .await?;
-    }
+    let records = tally_engine::projector::replay_log(
+        log.as_ref(),
+        replayed.clone(),
+        |partition, at, end| progress.update(partition, at, end, None),
+    )
+    .await?;
     progress.finish();
     let replayed_digest = replayed.digest()?;
     drop(replayed);
@@ -529,10 +525,7 @@ async fn replay(args: ReplayArgs) -> Result<()> {
     println!("replayed projection digest: {replayed_digest}");
 
     let live = open_projections(&args.storage.data_dir.join("projections"))?;
-    for partition in 0..log.partition_count() {
-        tally_engine::projector::replay_partition(log.as_ref(), live.clone(), partition, |_, _| {})
-            .await?;
-    }
+    tally_engine::projector::replay_log(log.as_ref(), live.clone(), |_, _, _| {}).await?;
     live.flush()?;
     let live_digest = live.digest()?;
     println!("live projection digest:     {live_digest}");
@@ -556,15 +549,7 @@ async fn caught_up_projections(
     log: &Arc<dyn Log>,
 ) -> Result<Arc<dyn ProjectionStore>> {
     let store = open_projections(&storage.data_dir.join("projections"))?;
-    for partition in 0..log.partition_count() {
-        tally_engine::projector::replay_partition(
-            log.as_ref(),
-            store.clone(),
-            partition,
-            |_, _| {},
-        )
-        .await?;
-    }
+    tally_engine::projector::replay_log(log.as_ref(), store.clone(), |_, _, _| {}).await?;
     store.flush()?;
     Ok(store)
 }

@@ -1,7 +1,8 @@
 //! `tally serve --log kafka` end to end against a real Kafka-protocol broker
 //! (`TALLY_TEST_KAFKA_BROKERS`, started by `.ci/run`): usage from customers spread
-//! over partitions, exact dedup, credits under concurrency, and restarts (graceful
-//! and SIGKILL) that resume from the projection's stored positions.
+//! over partitions, exact dedup, credits under concurrency, restarts (graceful and
+//! SIGKILL) that resume from the projection's stored positions, and several nodes on
+//! one topic deciding alike, one of them killed under load.
 
 mod common;
 
@@ -359,4 +360,164 @@ async fn two_nodes_decide_keys_uniqueness_and_updates_once() {
     }
     assert!(node_b.terminate().success());
     assert!(node_a.terminate().success());
+}
+
+/// Sends `body` to `nodes[first]`, and on a failure a client retries (no answer, a
+/// 5xx) again to the next node with the same body (the same event ids or
+/// idempotency key), until a node answers; returns that answer.
+async fn post_retrying(
+    http: &reqwest::Client,
+    nodes: &[String],
+    first: usize,
+    path: &str,
+    key: &str,
+    body: &Value,
+) -> (u16, Value) {
+    for attempt in 0..600 {
+        let node = &nodes[(first + attempt) % nodes.len()];
+        match post(http, &format!("{node}{path}"), key, body.clone()).await {
+            Ok((status, answer)) if status < 500 => return (status, answer),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    panic!("no node answered {path}");
+}
+
+/// Three nodes on one topic take ingest and debits at once; one is SIGKILLed mid-load
+/// and restarted. Clients retry what failed on another node with the same event ids
+/// and idempotency keys. Afterwards every node answers the same exact usage total
+/// and balance (each event counted once, exactly 100 of 240 debits of 1 against 100
+/// succeeded), and the topic replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
+    let topic = tally_log::testsuite::unique_topic("tally-three");
+    let flags = kafka_flags(&brokers, &topic);
+    let mut follower_flags = flags.to_vec();
+    follower_flags.extend(["--no-default-store", "--no-webhook-dispatch"]);
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let node_a = serve_with(dirs[0].path(), &flags);
+    let key = node_a.test_key.clone().expect("keys on first start");
+    let node_b = serve_with(dirs[1].path(), &follower_flags);
+    let node_c = serve_with(dirs[2].path(), &follower_flags);
+    let nodes = vec![
+        node_a.test_url.clone(),
+        node_b.test_url.clone(),
+        node_c.test_url.clone(),
+    ];
+    let http = reqwest::Client::new();
+
+    let (status, customer) = post_retrying(
+        &http,
+        &nodes,
+        0,
+        "/v1/customers",
+        &key,
+        &json!({"email": "three@x.io", "external_id": "three"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{customer}");
+    let (status, meter) = post_retrying(&http, &nodes, 1, "/v1/meters", &key, &json!({"name": "tokens", "event_name": "call", "aggregation": "sum", "aggregation_property": "n"})).await;
+    assert_eq!(status, 200, "{meter}");
+    let meter = meter["id"].as_str().unwrap().to_string();
+    let (status, account) = post_retrying(
+        &http,
+        &nodes,
+        2,
+        "/v1/customer-credits/accounts",
+        &key,
+        &json!({"customer_id": customer["id"], "initial_balance": "100"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{account}");
+    let account = account["id"].as_str().unwrap().to_string();
+
+    const BATCHES: usize = 40;
+    const PER_BATCH: usize = 50;
+    const DEBITS: usize = 240;
+    let mut load = Vec::new();
+    for batch in 0..BATCHES {
+        let (http, nodes, key) = (http.clone(), nodes.clone(), key.clone());
+        let events: Vec<Value> = (batch * PER_BATCH..(batch + 1) * PER_BATCH)
+            .map(|i| json!({"name": "call", "external_customer_id": "three", "event_id": format!("ev{i}"), "properties": {"n": i}}))
+            .collect();
+        load.push(tokio::spawn(async move {
+            let body = json!({ "events": events });
+            post_retrying(&http, &nodes, batch, "/v1/events/ingest", &key, &body).await
+        }));
+    }
+    for debit in 0..DEBITS {
+        let (http, nodes, key) = (http.clone(), nodes.clone(), key.clone());
+        let path = format!("/v1/customer-credits/accounts/{account}/debit");
+        load.push(tokio::spawn(async move {
+            let body = json!({"amount": "1", "idempotency_key": format!("debit-{debit}")});
+            post_retrying(&http, &nodes, debit, &path, &key, &body).await
+        }));
+    }
+    // Mid-load: node C dies without a chance to flush anything.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    node_c.kill();
+
+    let mut debited = 0;
+    for (i, task) in load.into_iter().enumerate() {
+        let (status, answer) = task.await.unwrap();
+        if i < BATCHES {
+            assert_eq!(status, 202, "{answer}");
+        } else if status == 200 {
+            debited += 1;
+        } else {
+            assert_eq!(answer["error"]["code"], "insufficient_balance", "{answer}");
+        }
+    }
+    assert_eq!(debited, 100, "exactly the balance is debited");
+
+    // C comes back on its data dir and catches up with the topic.
+    let node_c = serve_with(dirs[2].path(), &follower_flags);
+    let nodes = vec![nodes[0].clone(), nodes[1].clone(), node_c.test_url.clone()];
+    let total: usize = (0..BATCHES * PER_BATCH).sum();
+    for node in &nodes {
+        wait_for_usage(&http, node, &key, &meter, &total.to_string()).await;
+        let (_, balance) = get(
+            &http,
+            &format!("{node}/v1/customer-credits/accounts/{account}"),
+            &key,
+        )
+        .await;
+        assert_eq!(balance["balance"], "0", "{node}: {balance}");
+    }
+    // Resending everything through any node adds nothing.
+    let resent: Vec<Value> = (0..BATCHES * PER_BATCH)
+        .step_by(25)
+        .map(|i| json!({"name": "call", "external_customer_id": "three", "event_id": format!("ev{i}"), "properties": {"n": i}}))
+        .collect();
+    let (status, again) = post_retrying(
+        &http,
+        &nodes,
+        2,
+        "/v1/events/ingest",
+        &key,
+        &json!({ "events": resent }),
+    )
+    .await;
+    assert_eq!((status, &again["accepted"]), (202, &json!(0)), "{again}");
+
+    for node in [node_a, node_b, node_c] {
+        assert!(node.terminate().success());
+    }
+    // `tally replay` takes the partitions in turns: a customer's usage waits for its
+    // store's meter on another partition instead of failing the replay.
+    let output = tally()
+        .args(["replay", "--data-dir"])
+        .arg(dirs[1].path())
+        .args(flags)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("replayed projection digest:"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

@@ -40,6 +40,10 @@ tokio::task_local! {
     /// `APPLY_WAIT_TIMEOUT_MS`: the HTTP idempotency layer lets a keyed request go on
     /// in the background after its client stopped waiting, so its outcome is saved.
     pub static APPLY_WAIT: Duration;
+    /// Records appended by the request running in this scope, when one counts them:
+    /// a request that appended nothing may safely run again (see the HTTP layer's
+    /// catch-up before a 404).
+    pub static APPENDED: std::cell::Cell<u64>;
 }
 
 /// How many times an update is derived again after apply refused it because the
@@ -315,6 +319,8 @@ impl Journal {
         let partition = self.log.partition_for(&key);
         let started = Instant::now();
         let offset = self.log.append(&key, payload).await?;
+        // Outside a counting scope there is nothing to count.
+        let _ = APPENDED.try_with(|appended| appended.set(appended.get() + 1));
         self.metrics.log_append(self.log.kind(), started.elapsed());
         let events = match record {
             Record::UsageBatch { events, .. } => events.len(),

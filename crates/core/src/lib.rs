@@ -28,7 +28,7 @@ pub mod overlay;
 pub mod pagination;
 
 pub use error::EngineError;
-pub use journal::{Decision, Journal, Update, APPLY_WAIT};
+pub use journal::{Decision, Journal, Update, APPENDED, APPLY_WAIT};
 pub use metrics::Metrics;
 
 use tally_domain::Mode;

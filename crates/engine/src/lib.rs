@@ -37,7 +37,7 @@ pub use tally_billing::products;
 pub use tally_core::journal::APPLY_WAIT_TIMEOUT_MS;
 pub use tally_core::{
     codec, error, event_index, idempotency, ids, keys, metrics, outcome, overlay, pagination,
-    Decision, EngineError, Journal, Metrics, Scope, APPLY_WAIT,
+    Decision, EngineError, Journal, Metrics, Scope, APPENDED, APPLY_WAIT,
 };
 pub use tally_directory::access as directory_access;
 pub use tally_directory::{customers, stores};

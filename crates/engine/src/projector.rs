@@ -727,6 +727,20 @@ impl tally_runtime::Projection for StoreProjection {
     fn after_commit(&self, _: Applied, _: tally_runtime::Committed) {}
 }
 
+/// Applies every partition of the log into `store` (replay, audits' catch-up), from
+/// the positions the store holds, through the runtime's replay (partitions in
+/// turns); `progress` gets (partition, reached, end).
+pub async fn replay_log(
+    log: &dyn tally_log::Log,
+    store: Arc<dyn ProjectionStore>,
+    progress: impl FnMut(u32, u64, u64),
+) -> Result<u64, EngineError> {
+    let projection = StoreProjection::load(store.clone(), Arc::new(EventIndex::default()))?;
+    tally_runtime::replay_log(log, store.as_ref(), &projection, progress)
+        .await
+        .map_err(EngineError::from)
+}
+
 /// Applies the whole log of one partition into `store` (replay and tests), from
 /// the position the store holds, through the runtime's replay.
 pub async fn replay_partition(

@@ -136,7 +136,11 @@ pub fn router(state: AppState) -> Router {
     let v1 = v1
         .method_not_allowed_fallback(method_not_allowed)
         // Layers run bottom-up: authenticate, then rate limit, then idempotency,
-        // then the write gate.
+        // then the write gate, then the catch-up before a 404.
+        .layer(from_fn_with_state(
+            state.clone(),
+            middleware::found_after_catching_up,
+        ))
         .layer(from_fn_with_state(state.clone(), middleware::write_gate))
         .layer(from_fn_with_state(state.clone(), middleware::idempotency))
         .layer(from_fn_with_state(state.clone(), middleware::rate_limit))

@@ -5,7 +5,9 @@
 //! 3. [`rate_limit`]: a GCRA limiter per key (governor), 429 with `retry-after` and
 //!    `x-ratelimit-*` headers;
 //! 4. [`idempotency`]: `idempotency-key` replay for POSTs (24 h, survives restarts);
-//! 5. [`write_gate`]: 503 for writes while the engine takes none.
+//! 5. [`write_gate`]: 503 for writes while the engine takes none;
+//! 6. [`found_after_catching_up`]: on a log shared between nodes, a 404 only once
+//!    this node has applied what the log held (the request runs again after that).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -290,6 +292,54 @@ pub async fn write_gate(State(state): State<AppState>, request: Request, next: N
         Ok(()) => next.run(request).await,
         Err(error) => ApiError::from(error).into_response(),
     }
+}
+
+/// How long a request that found nothing waits for this node to apply what the
+/// log holds before it runs again: a few times the usual apply lag, short enough
+/// that a lagging node still answers (the 404 it found) well within the client's
+/// timeout.
+pub const CATCH_UP_BEFORE_NOT_FOUND_MS: u64 = 5_000;
+
+/// On a log shared between nodes (Kafka), a resource created through another node is
+/// durable in the log before its creator answers, but this node may not have applied
+/// it yet. So a 404 is answered only after this node has applied everything the log
+/// held when the request found nothing: the request then runs once more and its
+/// answer stands. A node that does not catch up within
+/// [`CATCH_UP_BEFORE_NOT_FOUND_MS`] answers what it found. It runs inside the
+/// idempotency layer, so a key remembers the final answer, not the early 404.
+/// Only a request that appended nothing runs again (counted through
+/// `tally_engine::APPENDED`), so nothing is ever written twice.
+pub async fn found_after_catching_up(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if !state.engine.log().shared_between_nodes() {
+        return next.run(request).await;
+    }
+    let (parts, body) = match read_body_limited(request).await {
+        Ok(pair) => pair,
+        Err(error) => return error.into_response(),
+    };
+    let again = axum::http::Request::from_parts(parts, body);
+    let (first, appended) = tally_engine::APPENDED
+        .scope(std::cell::Cell::new(0), async {
+            let first = next.clone().run(again.clone().map(Body::from)).await;
+            (first, tally_engine::APPENDED.with(std::cell::Cell::get))
+        })
+        .await;
+    if first.status() != StatusCode::NOT_FOUND || appended > 0 {
+        return first;
+    }
+    let caught_up = tokio::time::timeout(
+        Duration::from_millis(CATCH_UP_BEFORE_NOT_FOUND_MS),
+        state.engine.wait_caught_up(),
+    )
+    .await;
+    if !matches!(caught_up, Ok(Ok(()))) {
+        return first;
+    }
+    next.run(again.map(Body::from)).await
 }
 
 /// Keys being processed on this node right now, each with a signal that turns true

@@ -263,6 +263,10 @@ impl Log for KafkaLog {
         true
     }
 
+    fn shared_between_nodes(&self) -> bool {
+        true
+    }
+
     fn partition_count(&self) -> u32 {
         self.config.partitions
     }

@@ -153,6 +153,13 @@ pub trait Log: Send + Sync + 'static {
         false
     }
 
+    /// Whether other processes (other Tally nodes) may append to this log, so it may
+    /// hold records this node has not applied although it acknowledged everything
+    /// it appended itself. Kafka: yes; the embedded log belongs to one process.
+    fn shared_between_nodes(&self) -> bool {
+        false
+    }
+
     /// Why the log cannot take appends now, if it cannot (a poisoned embedded log
     /// after a failed write or fsync, a fatal producer error). Cheap: no I/O, so
     /// readiness probes and the write gate may call it on every request.

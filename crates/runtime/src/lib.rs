@@ -428,20 +428,81 @@ pub enum RuntimeError {
 /// Applies `partition` of `log` into `projection` from the position `store` holds up
 /// to the log's end now, chunk by chunk through the same prefetch and apply as the
 /// live runtime (replays, audits' catch-up, tests); `progress` gets (reached, end).
+/// A record that depends on one of another partition not applied yet is an error
+/// here; [`replay_log`] takes the partitions in turns instead.
 pub async fn replay_partition<P: Projection>(
     log: &dyn Log,
     store: &dyn ProjectionStore,
     projection: &P,
     partition: u32,
-    mut progress: impl FnMut(u64, u64),
+    progress: impl FnMut(u64, u64),
 ) -> Result<u64, RuntimeError> {
+    let turn = replay_turn(log, store, projection, partition, progress).await?;
+    if turn.blocked {
+        return Err(RuntimeError::Projection(format!(
+            "partition {partition} depends on a record of another partition that is not applied"
+        )));
+    }
+    Ok(turn.records)
+}
+
+/// Applies every partition of `log` into `projection` from the positions `store`
+/// holds up to the log's ends, the way the live runtime does: in turns, so a
+/// partition whose next record depends on a record of another partition not applied
+/// yet (a customer's usage before its store's meter, on Kafka) waits while the
+/// others go on. `progress` gets (partition, reached, end).
+pub async fn replay_log<P: Projection>(
+    log: &dyn Log,
+    store: &dyn ProjectionStore,
+    projection: &P,
+    mut progress: impl FnMut(u32, u64, u64),
+) -> Result<u64, RuntimeError> {
+    let mut pending: Vec<u32> = (0..log.partition_count()).collect();
+    let mut records = 0;
+    while !pending.is_empty() {
+        let mut blocked = Vec::new();
+        let mut moved = false;
+        for partition in pending {
+            let turn = replay_turn(log, store, projection, partition, |at, end| {
+                progress(partition, at, end)
+            })
+            .await?;
+            records += turn.records;
+            moved |= turn.records > 0;
+            if turn.blocked {
+                blocked.push(partition);
+            }
+        }
+        if !blocked.is_empty() && !moved {
+            return Err(RuntimeError::Projection(format!(
+                "partitions {blocked:?} depend on records no partition holds"
+            )));
+        }
+        pending = blocked;
+    }
+    Ok(records)
+}
+
+/// How far one turn of a partition's replay got.
+struct Turn {
+    records: u64,
+    /// Stopped before the end: the next chunk depends on another partition.
+    blocked: bool,
+}
+
+async fn replay_turn<P: Projection>(
+    log: &dyn Log,
+    store: &dyn ProjectionStore,
+    projection: &P,
+    partition: u32,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Turn, RuntimeError> {
     let end = log.end_offset(partition).await?;
     let from = store.position(partition)?;
     let mut range =
         tally_log::RangeReader::open(log, partition, from, end, CHUNK_MAX_RECORDS).await?;
     let mut records = 0u64;
     while let Some(entries) = range.next_chunk().await? {
-        records += entries.len() as u64;
         let next_offset = entries.last().map_or(end, |e| e.next_offset);
         let count = entries.len();
         let chunk = projection.decode(entries);
@@ -462,17 +523,21 @@ pub async fn replay_partition<P: Projection>(
                     break;
                 }
                 Err(ApplyFailure::NeedRecords(more)) => wanted = more,
-                // A replay runs partition by partition: what another partition holds
-                // is there already or never will be.
+                // Nothing of the chunk is committed: the next turn starts with it.
                 Err(ApplyFailure::NotYet) => {
-                    return Err(RuntimeError::Projection(format!(
-                        "partition {partition} depends on a record of another partition that is not applied"
-                    )))
+                    return Ok(Turn {
+                        records,
+                        blocked: true,
+                    })
                 }
                 Err(ApplyFailure::Fatal(why)) => return Err(RuntimeError::Projection(why)),
             }
         }
+        records += count as u64;
         progress(next_offset, end);
     }
-    Ok(records)
+    Ok(Turn {
+        records,
+        blocked: false,
+    })
 }
