@@ -19,7 +19,7 @@
 //! It also keeps readiness (caught up with where the log ended at start-up), stops
 //! on failure (a corrupt log, a failed commit: fail-stop, never skip), lets an idle
 //! write-back store checkpoint, commits Kafka group offsets once the projection is
-//! flushed, and replays a partition into a store (`replay_partition`).
+//! flushed, and replays the log into a store (`replay_log`, partitions in turns).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
