@@ -47,7 +47,8 @@ enum Command {
     /// Run the API server (both listeners) and the projector.
     Serve(ServeArgs),
     /// Rebuild every projection from the log into a fresh store and print its digest;
-    /// then bring the live projection up to date and compare (exit 1 on mismatch).
+    /// then bring the live projection up to date and compare (exit 1 on mismatch,
+    /// printing the first keys that differ).
     /// Stop the server first: the data dir is locked while it runs.
     Replay(ReplayArgs),
     /// Store administration against a running server.
@@ -519,8 +520,6 @@ async fn replay(args: ReplayArgs) -> Result<()> {
     .await?;
     progress.finish();
     let replayed_digest = replayed.digest()?;
-    drop(replayed);
-    let _ = std::fs::remove_dir_all(&scratch);
     println!("replayed {records} records from the {} log", log.kind());
     println!("replayed projection digest: {replayed_digest}");
 
@@ -529,12 +528,46 @@ async fn replay(args: ReplayArgs) -> Result<()> {
     live.flush()?;
     let live_digest = live.digest()?;
     println!("live projection digest:     {live_digest}");
+    let differences = if live_digest == replayed_digest {
+        Vec::new()
+    } else {
+        tally_projection::differences(live.as_ref(), replayed.as_ref(), REPLAY_DIFFERENCES_SHOWN)?
+    };
+    drop(replayed);
+    let _ = std::fs::remove_dir_all(&scratch);
     if live_digest != replayed_digest {
         println!("MISMATCH: the live projection differs from a replay of the log");
+        println!("first differing keys (at most {REPLAY_DIFFERENCES_SHOWN}; live / replayed):");
+        for difference in differences {
+            println!("  key {}", printable(&difference.key));
+            println!(
+                "    live:     {}",
+                difference
+                    .left
+                    .as_deref()
+                    .map_or("(absent)".into(), printable)
+            );
+            println!(
+                "    replayed: {}",
+                difference
+                    .right
+                    .as_deref()
+                    .map_or("(absent)".into(), printable)
+            );
+        }
         std::process::exit(1);
     }
     println!("match: the live projection equals a replay of the log");
     Ok(())
+}
+
+/// How many differing keys `tally replay` prints on a mismatch: enough to see which
+/// tables differ, few enough to read.
+const REPLAY_DIFFERENCES_SHOWN: usize = 20;
+
+/// Bytes as text an operator can read: printable ASCII as is, the rest as `\xNN`.
+fn printable(bytes: &[u8]) -> String {
+    bytes.escape_ascii().to_string()
 }
 
 /// Reports an audit's progress (records, partition, position, end).

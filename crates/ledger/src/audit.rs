@@ -119,7 +119,7 @@ pub async fn replay_ledger(
         // Only what the projection has decided: past its position, which records
         // apply refuses is not known yet.
         let end = log
-            .end_offset(partition)
+            .read_end(partition)
             .await?
             .min(projection.position(partition)?);
         tally_log::read_range(

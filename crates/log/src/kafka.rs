@@ -21,17 +21,21 @@ use crate::{Log, LogEntry, LogError, LogReader, MAX_RECORD_BYTES};
 
 /// How long a produce may wait for the broker (including retries) before it fails.
 pub const PRODUCE_TIMEOUT_MS: u64 = 30_000;
-/// How long `covers` waits for each fetch while it looks for the last applied record:
-/// long enough for a loaded broker, short enough that a truncated log is reported
-/// within seconds of startup.
-pub const COVERS_FETCH_WAIT_MS: u64 = 2_000;
+/// How long `read_end` and `read_many` wait for the first fetch of a new reader (it
+/// connects first): long enough for a loaded broker, short enough that a truncated
+/// log is reported within seconds of startup.
+pub const FIRST_FETCH_WAIT_MS: u64 = 2_000;
+/// How long `read_end` waits for a further fetch once the reader is streaming:
+/// librdkafka fetches ahead, so records past the end would already be on their way;
+/// a Kafka broker answers an empty fetch after `fetch.wait.max.ms` (50 ms, below).
+pub const END_READ_TAIL_WAIT_MS: u64 = 500;
+/// Records per fetch while `read_end` and `read_many` scan forward.
+const SCAN_BATCH: usize = 1_000;
 
-/// Records `covers` reads per fetch while it scans forward from the broker's end offset.
 /// How far before a wanted offset `read_at` starts reading when the broker served
 /// nothing at it: past the largest batch librdkafka forms under our load, then far
 /// past it.
 const READ_AT_BACKOFFS: [u64; 3] = [0, 256, 16_384];
-const COVERS_SCAN_BATCH: usize = 1_000;
 /// Metadata and commit calls.
 pub const ADMIN_TIMEOUT_MS: u64 = 10_000;
 
@@ -357,10 +361,7 @@ impl Log for KafkaLog {
             let mut reader = self.reader(partition, from).await?;
             loop {
                 let entries = match reader
-                    .next_batch(
-                        COVERS_SCAN_BATCH,
-                        Duration::from_millis(COVERS_FETCH_WAIT_MS),
-                    )
+                    .next_batch(SCAN_BATCH, Duration::from_millis(FIRST_FETCH_WAIT_MS))
                     .await
                 {
                     Ok(entries) => entries,
@@ -388,38 +389,43 @@ impl Log for KafkaLog {
         Ok(offsets.iter().map(|o| found.get(o).cloned()).collect())
     }
 
-    /// The broker's end offset first. When it says no, the records from just below
-    /// that end are read forward, looking for the last record the consumer applied:
-    /// some brokers (tansu) answer "latest offset" with the base offset of the newest
-    /// batch plus one, below the batch's last record, and serve only whole batches.
-    /// Reading stops at the first empty fetch or "offset out of range" (the log is
-    /// shorter: not covered).
+    /// The broker's end offset first (cheap, and enough on a restart that applied
+    /// nothing new); when it says no, the end a reader sees.
     async fn covers(&self, partition: u32, next_offset: u64) -> Result<bool, LogError> {
-        if next_offset == 0 {
+        if next_offset == 0 || self.end_offset(partition).await? >= next_offset {
             return Ok(true);
         }
-        let end = self.end_offset(partition).await?;
-        if end >= next_offset {
-            return Ok(true);
+        match self.read_end(partition).await {
+            Ok(end) => Ok(end >= next_offset),
+            // "Offset out of range": the log is shorter than the broker said.
+            Err(error) if error.is_corruption() => Ok(false),
+            Err(error) => Err(error),
         }
-        let mut reader = self.reader(partition, end.saturating_sub(1)).await?;
+    }
+
+    /// Reads forward from just below the broker's end offset until a fetch brings
+    /// nothing more. Some brokers answer "latest offset" below records they serve:
+    /// tansu 0.6 answers with the newest batch by modification time plus one (not
+    /// the batch with the highest offset, and below that batch's last record), so
+    /// concurrent producers leave records past the answer. Kafka answers its high
+    /// watermark, and this costs one fetch that returns the record just below it and
+    /// one empty fetch.
+    async fn read_end(&self, partition: u32) -> Result<u64, LogError> {
+        let listed = self.end_offset(partition).await?;
+        if listed == 0 {
+            // No batch at all: nothing to read forward from.
+            return Ok(0);
+        }
+        let mut end = listed;
+        let mut reader = self.reader(partition, listed - 1).await?;
+        let mut wait = Duration::from_millis(FIRST_FETCH_WAIT_MS);
         loop {
-            match reader
-                .next_batch(
-                    COVERS_SCAN_BATCH,
-                    Duration::from_millis(COVERS_FETCH_WAIT_MS),
-                )
-                .await
-            {
-                Ok(entries) if entries.is_empty() => return Ok(false),
-                Ok(entries) => {
-                    if entries.iter().any(|e| e.offset >= next_offset - 1) {
-                        return Ok(true);
-                    }
-                }
-                Err(error) if error.is_corruption() => return Ok(false),
-                Err(error) => return Err(error),
+            let entries = reader.next_batch(SCAN_BATCH, wait).await?;
+            match entries.last() {
+                Some(last) => end = end.max(last.next_offset),
+                None => return Ok(end),
             }
+            wait = Duration::from_millis(END_READ_TAIL_WAIT_MS);
         }
     }
 

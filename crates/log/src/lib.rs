@@ -102,6 +102,15 @@ pub trait Log: Send + Sync + 'static {
     /// The offset the next record of `partition` will get: everything below is durable.
     async fn end_offset(&self, partition: u32) -> Result<u64, LogError>;
 
+    /// The end offset as a reader of `partition` sees it now: at least `end_offset`.
+    /// Replays and audits, where a record missed is a wrong answer, end here. Brokers
+    /// whose reported end can lag the records they serve (see the Kafka log) read
+    /// forward to find it, which costs a fetch round trip; the others answer
+    /// `end_offset`.
+    async fn read_end(&self, partition: u32) -> Result<u64, LogError> {
+        self.end_offset(partition).await
+    }
+
     /// Records that consumer `group` has durably processed `partition` up to
     /// `next_offset` (exclusive). Kafka commits the group offset.
     async fn commit(&self, group: &str, partition: u32, next_offset: u64) -> Result<(), LogError>;

@@ -147,6 +147,102 @@ pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
     None
 }
 
+/// How many entries [`differences`] reads from each store per step: bounds its memory
+/// on stores of any size.
+const DIFF_CHUNK: usize = 1024;
+
+/// One key whose value differs between two stores (`None`: absent on that side).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Difference {
+    pub key: Vec<u8>,
+    pub left: Option<Vec<u8>>,
+    pub right: Option<Vec<u8>>,
+}
+
+/// The first `limit` keys (in key order) whose values differ between `left` and
+/// `right`: what an operator needs when two digests disagree. Reads both stores in
+/// chunks of [`DIFF_CHUNK`] entries, never whole.
+pub fn differences(
+    left: &dyn ProjectionStore,
+    right: &dyn ProjectionStore,
+    limit: usize,
+) -> Result<Vec<Difference>, StoreError> {
+    type Entry = (Vec<u8>, Vec<u8>);
+    fn chunk(store: &dyn ProjectionStore, after: Option<&[u8]>) -> Result<Vec<Entry>, StoreError> {
+        let mut entries = Vec::with_capacity(DIFF_CHUNK);
+        let start = after.map_or(Bound::Unbounded, Bound::Excluded);
+        store.scan(start, Bound::Unbounded, false, &mut |k, v| {
+            entries.push((k.to_vec(), v.to_vec()));
+            if entries.len() == DIFF_CHUNK {
+                Visit::Stop
+            } else {
+                Visit::Continue
+            }
+        })?;
+        Ok(entries)
+    }
+    let mut found = Vec::new();
+    if limit == 0 {
+        return Ok(found);
+    }
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let a = chunk(left, after.as_deref())?;
+        let b = chunk(right, after.as_deref())?;
+        // Only keys up to the smaller full chunk's last key are known on both sides.
+        let full_last = |entries: &[Entry]| {
+            (entries.len() == DIFF_CHUNK).then(|| entries[entries.len() - 1].0.clone())
+        };
+        let bound = match (full_last(&a), full_last(&b)) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, y) => x.or(y),
+        };
+        let within = |key: &Vec<u8>| bound.as_ref().is_none_or(|bound| key <= bound);
+        let (mut a, mut b) = (a.into_iter().peekable(), b.into_iter().peekable());
+        loop {
+            let next_a = a.peek().filter(|(k, _)| within(k)).map(|(k, _)| k.clone());
+            let next_b = b.peek().filter(|(k, _)| within(k)).map(|(k, _)| k.clone());
+            let difference = match (next_a, next_b) {
+                (None, None) => break,
+                (Some(ka), Some(kb)) if ka == kb => {
+                    let ((key, va), (_, vb)) = (a.next().unwrap(), b.next().unwrap());
+                    (va != vb).then_some(Difference {
+                        key,
+                        left: Some(va),
+                        right: Some(vb),
+                    })
+                }
+                (Some(ka), kb) if kb.as_ref().is_none_or(|kb| &ka < kb) => {
+                    let (key, va) = a.next().unwrap();
+                    Some(Difference {
+                        key,
+                        left: Some(va),
+                        right: None,
+                    })
+                }
+                _ => {
+                    let (key, vb) = b.next().unwrap();
+                    Some(Difference {
+                        key,
+                        left: None,
+                        right: Some(vb),
+                    })
+                }
+            };
+            if let Some(difference) = difference {
+                found.push(difference);
+                if found.len() == limit {
+                    return Ok(found);
+                }
+            }
+        }
+        match bound {
+            Some(bound) => after = Some(bound),
+            None => return Ok(found),
+        }
+    }
+}
+
 /// A shared store is a store (a checkpointing layer over a store that outlives it, as
 /// in crash tests).
 impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
@@ -191,5 +287,49 @@ impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
     }
     fn aux_scan(&self, visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit) -> Result<(), StoreError> {
         (**self).aux_scan(visit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    fn store_of(entries: &BTreeMap<u16, u8>) -> MemoryStore {
+        let store = MemoryStore::new();
+        let changes = entries
+            .iter()
+            .map(|(k, v)| (k.to_be_bytes().to_vec(), Some(vec![*v])))
+            .collect();
+        store.apply(changes, &[]).unwrap();
+        store
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Any two stores (larger than a chunk, so chunk edges fall anywhere): the
+        /// differences are exactly those of a comparison of the whole maps, in order.
+        #[test]
+        fn differences_are_those_of_the_whole_maps(
+            left in prop::collection::btree_map(0u16..4000, 0u8..3, 0..2500),
+            right in prop::collection::btree_map(0u16..4000, 0u8..3, 0..2500),
+            limit in 1usize..5000,
+        ) {
+            let keys: std::collections::BTreeSet<u16> =
+                left.keys().chain(right.keys()).copied().collect();
+            let expected: Vec<Difference> = keys
+                .into_iter()
+                .filter(|k| left.get(k) != right.get(k))
+                .map(|k| Difference {
+                    key: k.to_be_bytes().to_vec(),
+                    left: left.get(&k).map(|v| vec![*v]),
+                    right: right.get(&k).map(|v| vec![*v]),
+                })
+                .take(limit)
+                .collect();
+            let found = differences(&store_of(&left), &store_of(&right), limit).unwrap();
+            prop_assert_eq!(found, expected);
+        }
     }
 }

@@ -497,7 +497,7 @@ async fn replay_turn<P: Projection>(
     partition: u32,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<Turn, RuntimeError> {
-    let end = log.end_offset(partition).await?;
+    let end = log.read_end(partition).await?;
     let from = store.position(partition)?;
     let mut range =
         tally_log::RangeReader::open(log, partition, from, end, CHUNK_MAX_RECORDS).await?;
