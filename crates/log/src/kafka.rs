@@ -32,10 +32,23 @@ pub const END_READ_TAIL_WAIT_MS: u64 = 500;
 /// Records per fetch while `read_end` and `read_many` scan forward.
 const SCAN_BATCH: usize = 1_000;
 
-/// How far before a wanted offset `read_at` starts reading when the broker served
-/// nothing at it: past the largest batch librdkafka forms under our load, then far
-/// past it.
-const READ_AT_BACKOFFS: [u64; 3] = [0, 256, 16_384];
+/// Most records the producer puts in one batch (librdkafka's default, made explicit
+/// because readers rely on it: see `REREAD_BACKS`).
+const MAX_BATCH_RECORDS: u64 = 10_000;
+/// How far back a reader opened at an offset re-reads when the broker served a later
+/// one first: a broker that serves whole batches from their first record (tansu)
+/// skips the rest of a batch when asked for an offset inside it, so the reader reads
+/// from further back, growing until past the largest batch (`MAX_BATCH_RECORDS`).
+const REREAD_BACKS: [u64; 5] = [1, 16, 256, 4_096, MAX_BATCH_RECORDS];
+/// How long a reader waits before looking again for a record the broker numbered but
+/// does not serve yet while it serves later ones (tansu numbers a batch, then writes
+/// it: a concurrent producer's later batch can be readable first).
+const GAP_RETRY_MS: u64 = 10;
+/// How long such a record may stay unreadable before the reader gives up with a
+/// corruption error: twice the time a producer waits for its write, so a slow write
+/// always lands first; past it the broker lost a record it numbered, and skipping it
+/// would make this node's projection differ from every replay.
+pub const GAP_WAIT_LIMIT_MS: u64 = 2 * PRODUCE_TIMEOUT_MS;
 /// Metadata and commit calls.
 pub const ADMIN_TIMEOUT_MS: u64 = 10_000;
 
@@ -226,6 +239,7 @@ impl KafkaLog {
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "2")
+            .set("batch.num.messages", MAX_BATCH_RECORDS.to_string())
             .set("message.max.bytes", MAX_MESSAGE_BYTES.to_string())
             .set("message.timeout.ms", PRODUCE_TIMEOUT_MS.to_string())
             .create()
@@ -254,6 +268,61 @@ impl KafkaLog {
         let consumer = Arc::new(consumer);
         committers.insert(group.to_string(), consumer.clone());
         Ok(consumer)
+    }
+
+    /// A reader of `partition` handing over records from exactly `from_offset`.
+    /// `listed` is the broker's end offset (`end_offset`), which on every broker is
+    /// one past the first record of some batch (Kafka: the last record; tansu: the
+    /// newest batch written). A start at or past that record begins there, where
+    /// the broker serves whole batches; an earlier start is anchored by the reader
+    /// itself (see `Cursor`).
+    fn open_reader(
+        &self,
+        partition: u32,
+        from_offset: u64,
+        listed: u64,
+    ) -> Result<KafkaReader, LogError> {
+        let batch_start = listed.saturating_sub(1);
+        let (start, resume_at) = if from_offset == 0 || listed == 0 {
+            // The first record starts a batch; an empty partition has none to skip.
+            (from_offset, Some(from_offset))
+        } else if from_offset >= batch_start {
+            (batch_start, Some(batch_start))
+        } else {
+            (from_offset, None)
+        };
+        let consumer: StreamConsumer = base_config(&self.config.brokers)
+            // Readers are assigned partitions explicitly; the group id is required by
+            // librdkafka but never used to commit (see `commit`).
+            .set("group.id", format!("{}-reader", self.config.topic))
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            // Never jump: a start offset the broker no longer has means records of
+            // the log were deleted, and the projector must stop, not skip them.
+            .set("auto.offset.reset", "error")
+            .set("fetch.wait.max.ms", "50")
+            .create()
+            .map_err(kafka_error)?;
+        let mut assignment = TopicPartitionList::new();
+        assignment
+            .add_partition_offset(
+                &self.config.topic,
+                partition as i32,
+                Offset::Offset(start as i64),
+            )
+            .map_err(kafka_error)?;
+        consumer.assign(&assignment).map_err(kafka_error)?;
+        Ok(KafkaReader {
+            consumer,
+            topic: self.config.topic.clone(),
+            cursor: Cursor {
+                partition,
+                next_offset: from_offset,
+                resume_at,
+                gap: false,
+            },
+            pending: None,
+        })
     }
 }
 
@@ -309,80 +378,49 @@ impl Log for KafkaLog {
         if partition >= self.config.partitions {
             return Err(LogError::NoSuchPartition(partition));
         }
-        let consumer: StreamConsumer = base_config(&self.config.brokers)
-            // Readers are assigned partitions explicitly; the group id is required by
-            // librdkafka but never used to commit (see `commit`).
-            .set("group.id", format!("{}-reader", self.config.topic))
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            // Never jump: a start offset the broker no longer has means records of
-            // the log were deleted, and the projector must stop, not skip them.
-            .set("auto.offset.reset", "error")
-            .set("fetch.wait.max.ms", "50")
-            .create()
-            .map_err(kafka_error)?;
-        let mut assignment = TopicPartitionList::new();
-        assignment
-            .add_partition_offset(
-                &self.config.topic,
-                partition as i32,
-                Offset::Offset(from_offset as i64),
-            )
-            .map_err(kafka_error)?;
-        consumer.assign(&assignment).map_err(kafka_error)?;
-        Ok(Box::new(KafkaReader {
-            consumer,
+        let listed = match from_offset {
+            0 => 0,
+            _ => self.end_offset(partition).await?,
+        };
+        Ok(Box::new(self.open_reader(
             partition,
-            next_offset: from_offset,
-        }))
+            from_offset,
+            listed,
+        )?))
     }
 
-    /// Reads forward from the offset, then, when the broker served nothing at it, from
-    /// further back: brokers that serve only whole batches (tansu) skip a record in
-    /// the middle of a batch when asked for exactly its offset.
     async fn read_at(&self, partition: u32, offset: u64) -> Result<Option<LogEntry>, LogError> {
         Ok(self.read_many(partition, &[offset]).await?.pop().flatten())
     }
 
     /// One forward read over the span of the offsets (a consumer per read would cost
-    /// a connection each), repeated from further back for what it did not find.
+    /// a connection each); the reader starts exactly at the first (see `KafkaReader`).
     async fn read_many(
         &self,
         partition: u32,
         offsets: &[u64],
     ) -> Result<Vec<Option<LogEntry>>, LogError> {
-        let mut found: std::collections::HashMap<u64, LogEntry> = Default::default();
-        let mut missing: std::collections::BTreeSet<u64> = offsets.iter().copied().collect();
-        for back in READ_AT_BACKOFFS {
-            let (Some(&first), Some(&last)) = (missing.first(), missing.last()) else {
-                break;
+        let mut found: HashMap<u64, LogEntry> = HashMap::new();
+        let (Some(&first), Some(&last)) = (offsets.iter().min(), offsets.iter().max()) else {
+            return Ok(Vec::new());
+        };
+        let mut reader = self.reader(partition, first).await?;
+        loop {
+            let entries = match reader
+                .next_batch(SCAN_BATCH, Duration::from_millis(FIRST_FETCH_WAIT_MS))
+                .await
+            {
+                Ok(entries) => entries,
+                // "Offset out of range": nothing is stored from there.
+                Err(error) if error.is_corruption() => break,
+                Err(error) => return Err(error),
             };
-            let from = first.saturating_sub(back);
-            let mut reader = self.reader(partition, from).await?;
-            loop {
-                let entries = match reader
-                    .next_batch(SCAN_BATCH, Duration::from_millis(FIRST_FETCH_WAIT_MS))
-                    .await
-                {
-                    Ok(entries) => entries,
-                    // "Offset out of range": nothing is stored from there.
-                    Err(error) if error.is_corruption() => break,
-                    Err(error) => return Err(error),
-                };
-                if entries.is_empty() {
-                    break;
-                }
-                let past = entries.iter().any(|e| e.offset >= last);
-                for entry in entries {
-                    if missing.remove(&entry.offset) {
-                        found.insert(entry.offset, entry);
-                    }
-                }
-                if missing.is_empty() || past {
-                    break;
-                }
+            if entries.is_empty() {
+                break;
             }
-            if from == 0 {
+            let past = entries.iter().any(|e| e.offset >= last);
+            found.extend(entries.into_iter().map(|e| (e.offset, e)));
+            if past {
                 break;
             }
         }
@@ -417,7 +455,7 @@ impl Log for KafkaLog {
             return Ok(0);
         }
         let mut end = listed;
-        let mut reader = self.reader(partition, listed - 1).await?;
+        let mut reader = self.open_reader(partition, listed - 1, listed)?;
         let mut wait = Duration::from_millis(FIRST_FETCH_WAIT_MS);
         loop {
             let entries = reader.next_batch(SCAN_BATCH, wait).await?;
@@ -495,16 +533,52 @@ fn consume_error(error: KafkaError) -> LogError {
     }
 }
 
+/// A partition reader that hands over every record exactly once, in offset order,
+/// starting exactly at its offset. Kafka offsets of our topics are dense (no
+/// compaction, no transactions), so an offset past the next expected one is a record
+/// the broker did not serve, never a hole: the reader reads again instead of jumping.
+/// Two brokers' behaviours make such gaps (tansu does both; Kafka neither): serving
+/// whole batches from their first record, which skips the rest of a batch when asked
+/// for an offset inside it, and numbering a batch before it is readable, which lets
+/// a concurrent producer's later batch be served first.
 struct KafkaReader {
     consumer: StreamConsumer,
-    partition: u32,
-    next_offset: u64,
+    topic: String,
+    cursor: Cursor,
+    /// The record at `next_offset`, found while closing a gap.
+    pending: Option<LogEntry>,
 }
 
-impl KafkaReader {
-    /// Turns a message into an entry, dropping re-deliveries of offsets already read.
-    fn accept(&mut self, message: rdkafka::message::OwnedMessage) -> Option<LogEntry> {
-        let offset = message.offset() as u64;
+/// Where a reader stands (apart from its consumer, whose messages borrow it).
+struct Cursor {
+    partition: u32,
+    next_offset: u64,
+    /// An offset at or before `next_offset` where a batch starts, so reading from it
+    /// skips nothing: one past the last record the consumer served (a later offset
+    /// came next, so that record ended its batch), or where the reader began when
+    /// that was a batch's start. `None` until known.
+    resume_at: Option<u64>,
+    /// The broker served an offset past `next_offset`; read again before going on.
+    gap: bool,
+}
+
+impl Cursor {
+    /// Turns a message into an entry: records before the next one (re-deliveries, or
+    /// read from further back) are dropped, and an offset past the next one marks a
+    /// gap (and is dropped too: it is read again once the gap is closed).
+    fn accept(&mut self, message: &rdkafka::message::BorrowedMessage<'_>) -> Option<LogEntry> {
+        self.take(message.offset() as u64, || {
+            message.payload().unwrap_or_default().to_vec()
+        })
+    }
+
+    /// `accept` on a message's offset; `payload` is called only for the entry.
+    fn take(&mut self, offset: u64, payload: impl FnOnce() -> Vec<u8>) -> Option<LogEntry> {
+        if offset > self.next_offset {
+            self.gap = true;
+            return None;
+        }
+        self.resume_at = Some(offset + 1);
         if offset < self.next_offset {
             return None;
         }
@@ -513,8 +587,72 @@ impl KafkaReader {
             partition: self.partition,
             offset,
             next_offset: offset + 1,
-            payload: message.payload().unwrap_or_default().to_vec(),
+            payload: payload(),
         })
+    }
+}
+
+impl KafkaReader {
+    /// Reads from `from` until the record at `next_offset` (found) or a later one or
+    /// nothing for a while (not found).
+    async fn look_from(&mut self, from: u64) -> Result<Option<LogEntry>, LogError> {
+        self.consumer
+            .seek(
+                &self.topic,
+                self.cursor.partition as i32,
+                Offset::Offset(from as i64),
+                Duration::from_millis(ADMIN_TIMEOUT_MS),
+            )
+            .map_err(kafka_error)?;
+        loop {
+            let wait = Duration::from_millis(FIRST_FETCH_WAIT_MS);
+            let message = match tokio::time::timeout(wait, self.consumer.recv()).await {
+                Err(_) => return Ok(None),
+                Ok(result) => result.map_err(consume_error)?,
+            };
+            if let Some(entry) = self.cursor.accept(&message) {
+                return Ok(Some(entry));
+            }
+            if self.cursor.gap {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Reads again until the broker serves the record at `next_offset`: from where a
+    /// batch starts before it when that is known (the batch holding it is still
+    /// being written), else from further and further back (the reader began inside
+    /// a batch); gives up after `GAP_WAIT_LIMIT_MS`.
+    async fn close_gap(&mut self) -> Result<(), LogError> {
+        let started = std::time::Instant::now();
+        loop {
+            self.cursor.gap = false;
+            let next = self.cursor.next_offset;
+            let froms: Vec<u64> = match self.cursor.resume_at {
+                Some(resume_at) => vec![resume_at],
+                None => REREAD_BACKS
+                    .iter()
+                    .map(|b| next.saturating_sub(*b))
+                    .collect(),
+            };
+            for from in froms {
+                if let Some(entry) = self.look_from(from).await? {
+                    self.pending = Some(entry);
+                    return Ok(());
+                }
+                self.cursor.gap = false;
+                if from == 0 || self.cursor.resume_at.is_some() {
+                    break;
+                }
+            }
+            if started.elapsed() > Duration::from_millis(GAP_WAIT_LIMIT_MS) {
+                return Err(LogError::Corrupt(format!(
+                    "partition {} serves records past offset {next} but not that one, for over {GAP_WAIT_LIMIT_MS} ms: the broker lost a record it numbered",
+                    self.cursor.partition
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(GAP_RETRY_MS)).await;
+        }
     }
 }
 
@@ -526,19 +664,32 @@ impl LogReader for KafkaReader {
         wait: Duration,
     ) -> Result<Vec<LogEntry>, LogError> {
         let mut entries = Vec::new();
-        let first = match tokio::time::timeout(wait, self.consumer.recv()).await {
-            Err(_) => return Ok(entries),
-            Ok(result) => result.map_err(consume_error)?,
-        };
-        entries.extend(self.accept(first.detach()));
-        while entries.len() < max_records {
-            let Some(result) = self.consumer.recv().now_or_never() else {
-                break;
-            };
-            let message = result.map_err(consume_error)?.detach();
-            entries.extend(self.accept(message));
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if self.cursor.gap {
+                self.close_gap().await?;
+            }
+            entries.extend(self.pending.take());
+            // Re-deliveries of records already handed over do not end the wait.
+            while entries.is_empty() && !self.cursor.gap {
+                let message = match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
+                    Err(_) => return Ok(entries),
+                    Ok(result) => result.map_err(consume_error)?,
+                };
+                entries.extend(self.cursor.accept(&message));
+            }
+            while entries.len() < max_records && !self.cursor.gap {
+                let Some(result) = self.consumer.recv().now_or_never() else {
+                    break;
+                };
+                entries.extend(self.cursor.accept(&result.map_err(consume_error)?));
+            }
+            // A gap before anything was handed over is closed now: an empty answer
+            // means "nothing more yet", which a later record already disproves.
+            if !entries.is_empty() || !self.cursor.gap {
+                return Ok(entries);
+            }
         }
-        Ok(entries)
     }
 }
 
@@ -551,6 +702,40 @@ mod tests {
             .iter()
             .map(|(n, v)| (n.to_string(), Some(v.to_string())))
             .collect()
+    }
+
+    fn cursor(next_offset: u64, resume_at: Option<u64>) -> Cursor {
+        Cursor {
+            partition: 0,
+            next_offset,
+            resume_at,
+            gap: false,
+        }
+    }
+
+    fn offsets_taken(cursor: &mut Cursor, served: &[u64]) -> Vec<u64> {
+        served
+            .iter()
+            .filter_map(|&o| cursor.take(o, Vec::new))
+            .map(|e| e.offset)
+            .collect()
+    }
+
+    #[test]
+    fn a_cursor_hands_over_each_offset_once_and_never_jumps() {
+        // Read from further back, with re-deliveries: only 5.. in order, once.
+        let mut c = cursor(5, None);
+        assert_eq!(offsets_taken(&mut c, &[3, 4, 5, 6, 5, 6, 7]), vec![5, 6, 7]);
+        assert_eq!((c.next_offset, c.resume_at, c.gap), (8, Some(8), false));
+        // A later batch served before the one at 8: nothing taken, a gap, and the
+        // place to read again is where the missing batch starts.
+        assert_eq!(offsets_taken(&mut c, &[11, 12]), Vec::<u64>::new());
+        assert_eq!((c.next_offset, c.resume_at, c.gap), (8, Some(8), true));
+        // A reader that began inside a batch and was served the next batch first
+        // knows no batch start yet: it must look further back.
+        let mut c = cursor(20, None);
+        assert_eq!(offsets_taken(&mut c, &[24]), Vec::<u64>::new());
+        assert_eq!((c.resume_at, c.gap), (None, true));
     }
 
     #[test]

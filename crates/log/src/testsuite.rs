@@ -112,7 +112,7 @@ pub async fn append_then_read_in_order(factory: &dyn LogFactory) {
 pub async fn tailing_reader_sees_later_appends(factory: &dyn LogFactory) {
     let log = factory.open().await;
     let partition = log.partition_for(b"tail");
-    let end = log.end_offset(partition).await.unwrap();
+    let end = log.read_end(partition).await.unwrap();
     let mut reader = log.reader(partition, end).await.unwrap();
     let empty = reader
         .next_batch(10, Duration::from_millis(200))
@@ -186,7 +186,7 @@ pub async fn restart_keeps_every_record(factory: &dyn LogFactory) {
     let (partition, start) = {
         let log = factory.open().await;
         let partition = log.partition_for(b"restart");
-        let start = log.end_offset(partition).await.unwrap();
+        let start = log.read_end(partition).await.unwrap();
         for i in 0..10 {
             log.append(b"restart", payload("restart", i)).await.unwrap();
         }
@@ -213,7 +213,7 @@ pub async fn consumer_resumes_without_replay_or_loss(factory: &dyn LogFactory) {
     let (partition, start) = {
         let log = factory.open().await;
         let partition = log.partition_for(b"resume");
-        let start = log.end_offset(partition).await.unwrap();
+        let start = log.read_end(partition).await.unwrap();
         for i in 0..10 {
             log.append(b"resume", payload("resume", i)).await.unwrap();
         }
@@ -356,6 +356,69 @@ pub async fn read_at_finds_every_appended_record(factory: &dyn LogFactory) {
     assert!(many.last().unwrap().is_none());
 }
 
+/// A reader opened at any record's offset hands over exactly that record first, also
+/// when it sits in the middle of a batch a Kafka producer formed (tansu serves whole
+/// batches from their first record, so a reader asking for a later one got the next
+/// batch and silently skipped the rest of this one). A node restarting from its
+/// checkpoint starts at such an offset.
+pub async fn reader_starts_exactly_at_its_offset(factory: &dyn LogFactory) {
+    let log = factory.open().await;
+    let partition = log.partition_for(b"start");
+    let appends = (0..40).map(|i| {
+        let log = log.clone();
+        async move { (i, log.append(b"start", payload("start", i)).await.unwrap()) }
+    });
+    let appended = futures::future::join_all(appends).await;
+    for (i, offset) in appended.iter().step_by(3) {
+        let first = read_exactly(log.as_ref(), partition, *offset, 1).await;
+        assert_eq!(
+            (first[0].offset, &first[0].payload),
+            (*offset, &payload("start", *i)),
+            "a reader opened at {offset} starts there"
+        );
+    }
+}
+
+/// A reader tailing the log while several writers (as several nodes) append at once
+/// sees every record exactly once, each entry's `next_offset` being the next one's
+/// offset. A broker that assigns offsets before the records are readable (tansu
+/// writes a batch after numbering it) serves a later batch before an earlier one:
+/// a reader that took the jump lost the earlier records for good.
+pub async fn tailing_reader_misses_nothing_under_concurrent_writers(factory: &dyn LogFactory) {
+    const WRITERS: usize = 3;
+    const TASKS_PER_WRITER: usize = 6;
+    const APPENDS_PER_TASK: usize = 30;
+    const TOTAL: usize = WRITERS * TASKS_PER_WRITER * APPENDS_PER_TASK;
+    let reader_log = factory.open().await;
+    let partition = reader_log.partition_for(b"tailing");
+    let start = reader_log.read_end(partition).await.unwrap();
+    let mut tasks = Vec::new();
+    for writer in 0..WRITERS {
+        let log = factory.open().await;
+        for task in 0..TASKS_PER_WRITER {
+            let log = log.clone();
+            tasks.push(tokio::spawn(async move {
+                for i in 0..APPENDS_PER_TASK {
+                    let tag = format!("w{writer}t{task}");
+                    log.append(b"tailing", payload(&tag, i)).await.unwrap();
+                }
+            }));
+        }
+    }
+    let entries = read_exactly(reader_log.as_ref(), partition, start, TOTAL).await;
+    for task in tasks {
+        task.await.unwrap();
+    }
+    for pair in entries.windows(2) {
+        assert_eq!(
+            pair[0].next_offset, pair[1].offset,
+            "the reader skipped records between two it handed over"
+        );
+    }
+    let distinct: BTreeSet<_> = entries.iter().map(|e| e.payload.clone()).collect();
+    assert_eq!(distinct.len(), TOTAL, "no record lost or doubled");
+}
+
 /// Runs every case of the suite against one implementation.
 pub async fn run_all(factory: &dyn LogFactory) {
     append_then_read_in_order(factory).await;
@@ -366,4 +429,6 @@ pub async fn run_all(factory: &dyn LogFactory) {
     covers_exactly_what_was_appended(factory).await;
     read_range_is_exact(factory).await;
     read_at_finds_every_appended_record(factory).await;
+    reader_starts_exactly_at_its_offset(factory).await;
+    tailing_reader_misses_nothing_under_concurrent_writers(factory).await;
 }
