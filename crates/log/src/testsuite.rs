@@ -394,7 +394,12 @@ pub async fn tailing_reader_misses_nothing_under_concurrent_writers(factory: &dy
     let start = reader_log.read_end(partition).await.unwrap();
     let mut tasks = Vec::new();
     for writer in 0..WRITERS {
-        let log = factory.open().await;
+        // Separate handles where several nodes may write; one log only one process
+        // opens (embedded) takes all writers on its single handle.
+        let log = match reader_log.shared_between_nodes() {
+            true => factory.open().await,
+            false => reader_log.clone(),
+        };
         for task in 0..TASKS_PER_WRITER {
             let log = log.clone();
             tasks.push(tokio::spawn(async move {
