@@ -92,6 +92,15 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 /// Starts `tally serve` on `data_dir`: the child, the test API's base URL, and the
 /// test key (printed only when the data dir was empty).
 pub fn start_server(tally_bin: &str, data_dir: &str) -> anyhow::Result<(Child, String, String)> {
+    start_server_with(tally_bin, data_dir, &[])
+}
+
+/// `start_server` with more `tally serve` flags (e.g. a Kafka log).
+pub fn start_server_with(
+    tally_bin: &str,
+    data_dir: &str,
+    flags: &[&str],
+) -> anyhow::Result<(Child, String, String)> {
     let mut child = Command::new(tally_bin)
         .args([
             "serve",
@@ -108,6 +117,7 @@ pub fn start_server(tally_bin: &str, data_dir: &str) -> anyhow::Result<(Child, S
             "--rate-limit-burst",
             "100000000",
         ])
+        .args(flags)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
@@ -128,4 +138,48 @@ pub fn start_server(tally_bin: &str, data_dir: &str) -> anyhow::Result<(Child, S
         }
     }
     Ok((child, base, key))
+}
+
+/// The 20 meters of the ingest benchmarks: per event name a count, a filtered sum,
+/// a filtered numeric aggregation and a filtered unique count.
+pub fn meter_definitions() -> Vec<serde_json::Value> {
+    let mut meters = Vec::new();
+    let numeric = ["max", "min", "average", "sum"];
+    for (i, name) in EVENT_NAMES.iter().enumerate() {
+        meters.push(
+            serde_json::json!({"name": format!("{name} count"), "event_name": name, "aggregation": "count"}),
+        );
+        meters.push(serde_json::json!({"name": format!("{name} tokens eu"), "event_name": name, "aggregation": "sum", "aggregation_property": "tokens",
+            "filter": {"conjunction": "and", "clauses": [{"property": "region", "operator": "eq", "value": "eu"}]}}));
+        meters.push(serde_json::json!({"name": format!("{name} max bytes large"), "event_name": name, "aggregation": numeric[i % 4], "aggregation_property": "bytes",
+            "filter": {"conjunction": "or", "clauses": [{"property": "model", "operator": "in", "value": ["large", "medium"]}, {"property": "tokens", "operator": "gt", "value": 4000}]}}));
+        meters.push(serde_json::json!({"name": format!("{name} unique users"), "event_name": name, "aggregation": "unique", "aggregation_property": "user",
+            "filter": {"conjunction": "and", "clauses": [{"property": "user", "operator": "like", "value": "user_"}]}}));
+    }
+    meters
+}
+
+/// A body of 100 realistic events for `POST /v1/events/ingest`, with event ids unique
+/// per connection and batch, for customers `customer-0..customers`.
+pub fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: usize) -> String {
+    let mut body = String::with_capacity(20_000);
+    body.push_str("{\"events\":[");
+    for i in 0..100 {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(&format!(
+            "{{\"name\":\"{}\",\"external_customer_id\":\"customer-{}\",\"event_id\":\"c{connection}-{batch}-{i}\",\"properties\":{{\"region\":\"{}\",\"model\":\"{}\",\"tokens\":{},\"bytes\":{}.{:02},\"user\":\"user_{}\"}}}}",
+            EVENT_NAMES[rng.random_range(0..5)],
+            rng.random_range(0..customers),
+            REGIONS[rng.random_range(0..4)],
+            MODELS[rng.random_range(0..3)],
+            rng.random_range(1..5000),
+            rng.random_range(1..100_000),
+            rng.random_range(0..100),
+            rng.random_range(0..1000),
+        ));
+    }
+    body.push_str("]}");
+    body
 }

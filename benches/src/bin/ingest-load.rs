@@ -16,8 +16,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use rand::Rng;
-use serde_json::{json, Value};
-use tally_benches::{percentile, start_server, usage_record_bytes, EVENT_NAMES, MODELS, REGIONS};
+use tally_benches::{batch_body, meter_definitions, percentile, start_server, usage_record_bytes};
 use tally_log::Log;
 
 #[derive(Parser, Debug)]
@@ -50,46 +49,6 @@ fn rss_kib(pid: u32, field: &str) -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
         })
         .unwrap_or(0)
-}
-
-fn meter_definitions() -> Vec<Value> {
-    let mut meters = Vec::new();
-    let numeric = ["max", "min", "average", "sum"];
-    for (i, name) in EVENT_NAMES.iter().enumerate() {
-        meters.push(
-            json!({"name": format!("{name} count"), "event_name": name, "aggregation": "count"}),
-        );
-        meters.push(json!({"name": format!("{name} tokens eu"), "event_name": name, "aggregation": "sum", "aggregation_property": "tokens",
-            "filter": {"conjunction": "and", "clauses": [{"property": "region", "operator": "eq", "value": "eu"}]}}));
-        meters.push(json!({"name": format!("{name} max bytes large"), "event_name": name, "aggregation": numeric[i % 4], "aggregation_property": "bytes",
-            "filter": {"conjunction": "or", "clauses": [{"property": "model", "operator": "in", "value": ["large", "medium"]}, {"property": "tokens", "operator": "gt", "value": 4000}]}}));
-        meters.push(json!({"name": format!("{name} unique users"), "event_name": name, "aggregation": "unique", "aggregation_property": "user",
-            "filter": {"conjunction": "and", "clauses": [{"property": "user", "operator": "like", "value": "user_"}]}}));
-    }
-    meters
-}
-
-fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: usize) -> String {
-    let mut body = String::with_capacity(20_000);
-    body.push_str("{\"events\":[");
-    for i in 0..100 {
-        if i > 0 {
-            body.push(',');
-        }
-        body.push_str(&format!(
-            "{{\"name\":\"{}\",\"external_customer_id\":\"customer-{}\",\"event_id\":\"c{connection}-{batch}-{i}\",\"properties\":{{\"region\":\"{}\",\"model\":\"{}\",\"tokens\":{},\"bytes\":{}.{:02},\"user\":\"user_{}\"}}}}",
-            EVENT_NAMES[rng.random_range(0..5)],
-            rng.random_range(0..customers),
-            REGIONS[rng.random_range(0..4)],
-            MODELS[rng.random_range(0..3)],
-            rng.random_range(1..5000),
-            rng.random_range(1..100_000),
-            rng.random_range(0..100),
-            rng.random_range(0..1000),
-        ));
-    }
-    body.push_str("]}");
-    body
 }
 
 async fn raw_log_rate(seconds: f64) -> anyhow::Result<f64> {
