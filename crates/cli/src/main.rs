@@ -10,8 +10,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use tally_domain::clock::Clock;
 use tally_engine::Engine;
+use tally_http::webhooks::DispatchScope;
 use tally_log::embedded::EmbeddedLog;
 use tally_log::kafka::{create_topic, verify_topic, KafkaConfig, KafkaLog};
+use tally_log::membership::Membership;
 use tally_log::Log;
 use tally_projection::{CheckpointStore, ProjectionStore, SledStore};
 
@@ -300,10 +302,18 @@ struct ServeArgs {
     /// addresses (refused by default, also after DNS resolution: SSRF protection).
     #[arg(long, env = "TALLY_ALLOW_PRIVATE_WEBHOOKS")]
     allow_private_webhooks: bool,
-    /// Do not deliver webhooks from this node. In a Kafka deployment every node holds
-    /// every delivery; exactly one node should dispatch them.
+    /// Do not deliver webhooks from this node. In a Kafka deployment without
+    /// `--cluster` every node holds every delivery; exactly one node should dispatch
+    /// them.
     #[arg(long, env = "TALLY_NO_WEBHOOK_DISPATCH")]
     no_webhook_dispatch: bool,
+    /// Join the cluster NAME of nodes on the same Kafka topic (`--log kafka` only):
+    /// the nodes split the topic's partitions through a Kafka consumer group, and
+    /// each delivers the webhooks of the stores on the partitions it owns; when a
+    /// node stops or dies (after a few seconds of silence), the others take its
+    /// partitions over. Give every node of the cluster the same name.
+    #[arg(long, env = "TALLY_CLUSTER", value_parser = parse_cluster_name)]
+    cluster: Option<String>,
     /// Do not create the `default` store on a first start (for additional nodes of a
     /// Kafka deployment; create stores with `tally store create`).
     #[arg(long, env = "TALLY_NO_DEFAULT_STORE")]
@@ -361,6 +371,87 @@ async fn open_log(storage: &StorageArgs, create_kafka_topic: bool) -> Result<Arc
     })
 }
 
+/// Longest cluster name: it becomes part of a Kafka consumer group id.
+const MAX_CLUSTER_NAME_CHARS: usize = 64;
+
+fn parse_cluster_name(name: &str) -> Result<String, String> {
+    let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.chars().count() > MAX_CLUSTER_NAME_CHARS || !name.chars().all(valid)
+    {
+        return Err(format!(
+            "a cluster name is 1 to {MAX_CLUSTER_NAME_CHARS} letters, digits, '-', '_' or '.'"
+        ));
+    }
+    Ok(name.to_string())
+}
+
+/// The stores of the partitions this node owns in its cluster.
+#[derive(Debug)]
+struct OwnedStores {
+    membership: Arc<Membership>,
+    partitions: u32,
+}
+
+impl DispatchScope for OwnedStores {
+    fn dispatches(&self, store_id: &str) -> bool {
+        // A store's webhook records are keyed by its id (`Record::partition_key`).
+        self.membership.owns(tally_log::partition_of(
+            store_id.as_bytes(),
+            self.partitions,
+        ))
+    }
+}
+
+/// How often the ownership gauges are refreshed from the membership.
+const OWNERSHIP_GAUGE_EVERY_MS: u64 = 500;
+
+/// Keeps `/metrics` showing which partitions this node owns in its cluster.
+async fn publish_ownership(membership: Arc<Membership>, partitions: u32) {
+    loop {
+        let owned = membership.owned();
+        metrics::gauge!("tally_cluster_partitions_owned").set(owned.len() as f64);
+        for partition in 0..partitions {
+            let value = if owned.contains(&partition) { 1.0 } else { 0.0 };
+            metrics::gauge!("tally_cluster_partition_owned", "partition" => partition.to_string())
+                .set(value);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(OWNERSHIP_GAUGE_EVERY_MS)).await;
+    }
+}
+
+/// Which stores this node delivers webhooks for, and its cluster membership.
+struct Dispatching {
+    scope: Arc<dyn DispatchScope>,
+    membership: Option<Arc<Membership>>,
+}
+
+/// Which stores this node delivers webhooks for, and its cluster membership when
+/// it has joined one (kept alive for as long as the node serves).
+fn cluster_membership(args: &ServeArgs) -> Result<Dispatching> {
+    let Some(cluster) = &args.cluster else {
+        return Ok(Dispatching {
+            scope: Arc::new(tally_http::webhooks::EveryStore),
+            membership: None,
+        });
+    };
+    if args.storage.log_kind != LogKind::Kafka {
+        bail!("--cluster needs --log kafka: the nodes of a cluster share a Kafka topic");
+    }
+    let config = args.storage.kafka.config();
+    let membership = Arc::new(
+        Membership::join(&config, cluster).context("joining the cluster's consumer group")?,
+    );
+    tracing::info!(%cluster, group = %tally_log::membership::group_id(&config.topic, cluster), "joined the cluster");
+    let scope = OwnedStores {
+        membership: membership.clone(),
+        partitions: config.partitions,
+    };
+    Ok(Dispatching {
+        scope: Arc::new(scope),
+        membership: Some(membership),
+    })
+}
+
 /// sled under the in-memory write-back layer (ARCHITECTURE.md, "Checkpoints").
 fn open_projections(dir: &Path) -> Result<Arc<dyn ProjectionStore>> {
     let sled = SledStore::open(dir)
@@ -405,6 +496,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
             bail!("TALLY_ADMIN_TOKEN must be a random secret of at least {MIN_ADMIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)");
         }
     }
+    let Dispatching {
+        scope: dispatch_scope,
+        membership,
+    } = cluster_membership(&args)?;
+    if let Some(membership) = &membership {
+        tokio::spawn(publish_ownership(
+            membership.clone(),
+            args.storage.kafka.config().partitions,
+        ));
+    }
     let prod_listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding the production listener {}", args.listen))?;
@@ -421,6 +522,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             rate_limit_burst: args.rate_limit_burst,
             allow_private_webhooks: args.allow_private_webhooks,
             dispatch_webhooks: !args.no_webhook_dispatch,
+            dispatch_scope,
         },
     );
     let server = tokio::spawn(tally_http::serve(
@@ -491,6 +593,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         Ok(Err(e)) => tracing::error!(error = %e, "server error during shutdown"),
         Err(e) => tracing::error!(error = %e, "server task failed"),
     }
+    // Leave the cluster now (no more deliveries from here): the others take this
+    // node's partitions without waiting for its session to time out.
+    drop(membership);
     let _ = projector_stop_tx.send(true);
     for task in projector {
         let _ = task.await;

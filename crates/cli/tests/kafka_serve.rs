@@ -1,8 +1,9 @@
 //! `tally serve --log kafka` end to end against a real Kafka-protocol broker
 //! (`TALLY_TEST_KAFKA_BROKERS`, started by `.ci/run`): usage from customers spread
 //! over partitions, exact dedup, credits under concurrency, restarts (graceful and
-//! SIGKILL) that resume from the projection's stored positions, and several nodes on
-//! one topic deciding alike, one of them killed under load.
+//! SIGKILL) that resume from the projection's stored positions, several nodes on one
+//! topic deciding alike, one of them killed under load, and a cluster moving webhook
+//! delivery off a killed node.
 
 mod common;
 
@@ -533,4 +534,189 @@ async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
         digests.windows(2).all(|pair| pair[0] == pair[1]),
         "{digests:?}"
     );
+}
+
+/// Whether the node at `base` reports owning `partition` in its cluster (`/metrics`).
+async fn owns_partition(http: &reqwest::Client, base: &str, partition: u32) -> bool {
+    let Ok(response) = http.get(format!("{base}/metrics")).send().await else {
+        return false;
+    };
+    let text = response.text().await.unwrap_or_default();
+    let line = format!("tally_cluster_partition_owned{{partition=\"{partition}\"}} 1");
+    text.lines().any(|l| l.trim() == line)
+}
+
+/// Two nodes of one cluster (`--cluster`) split the partitions; the webhooks of a
+/// store are delivered by the owner of its partition only. SIGKILL that owner: the
+/// survivor takes the partition over and delivers what happens afterwards, each
+/// event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_moves_webhook_delivery_off_a_killed_node() {
+    use std::sync::{Arc, Mutex};
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
+    let received: Arc<Mutex<Vec<String>>> = Arc::default();
+    let sink = received.clone();
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |headers: axum::http::HeaderMap| {
+            let sink = sink.clone();
+            async move {
+                let id = headers
+                    .get("tally-event-id")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string();
+                sink.lock().unwrap().push(id);
+                "ok"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let topic = tally_log::testsuite::unique_topic("tally-cluster");
+    let flags = kafka_flags(&brokers, &topic);
+    let mut first_flags = flags.to_vec();
+    first_flags.extend(["--cluster", "c"]);
+    let mut second_flags = flags.to_vec();
+    second_flags.extend(["--no-default-store", "--cluster", "c"]);
+    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let node_a = serve_with(dirs[0].path(), &first_flags);
+    let node_b = serve_with(dirs[1].path(), &second_flags);
+    let key = node_a.test_key.clone().expect("keys on first start");
+    let store_id = node_a
+        .stdout
+        .iter()
+        .find_map(|l| {
+            l.split_once("\" (")?
+                .1
+                .split_once(')')
+                .map(|(id, _)| id.to_string())
+        })
+        .expect("the banner names the created store");
+    let partition = tally_log::partition_of(store_id.as_bytes(), 3);
+    let http = reqwest::Client::new();
+    let (a, b) = (node_a.test_url.clone(), node_b.test_url.clone());
+
+    let (status, _) = post(
+        &http,
+        &format!("{a}/v1/webhooks"),
+        &key,
+        json!({"url": hook, "events": ["credits.granted"]}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let (_, customer) = post(
+        &http,
+        &format!("{a}/v1/customers"),
+        &key,
+        json!({"email": "c@x.io"}),
+    )
+    .await
+    .unwrap();
+    let (status, account) = post(
+        &http,
+        &format!("{a}/v1/customer-credits/accounts"),
+        &key,
+        json!({"customer_id": customer["id"], "initial_balance": "10"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{account}");
+    let credit = |base: String, n: usize| {
+        let (http, key) = (http.clone(), key.clone());
+        let path = format!(
+            "/v1/customer-credits/accounts/{}/credit",
+            account["id"].as_str().unwrap()
+        );
+        async move {
+            let (status, answer) = post(
+                &http,
+                &format!("{base}{path}"),
+                &key,
+                json!({"amount": "1", "idempotency_key": format!("credit-{n}")}),
+            )
+            .await
+            .unwrap();
+            assert_eq!(status, 200, "{answer}");
+        }
+    };
+    for n in 0..4 {
+        credit(a.clone(), n).await;
+    }
+    let distinct = |received: &Arc<Mutex<Vec<String>>>| {
+        let ids = received.lock().unwrap().clone();
+        ids.into_iter().collect::<std::collections::BTreeSet<_>>()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while distinct(&received).len() < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cluster delivered {:?}",
+            distinct(&received)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = distinct(&received);
+
+    // Once the two nodes split the partitions between them (each owned by one, the
+    // same answer twice in a row), kill the owner of the store's partition.
+    let split = |owned: &[Vec<bool>]| {
+        owned[0]
+            .iter()
+            .zip(&owned[1])
+            .all(|(on_a, on_b)| on_a != on_b)
+    };
+    let mut previous: Option<Vec<Vec<bool>>> = None;
+    let owned = loop {
+        let mut owned = vec![Vec::new(), Vec::new()];
+        for (i, base) in [&a, &b].into_iter().enumerate() {
+            for p in 0..3 {
+                owned[i].push(owns_partition(&http, base, p).await);
+            }
+        }
+        if split(&owned) && previous.as_ref() == Some(&owned) {
+            break owned;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the nodes never split the partitions: {owned:?}"
+        );
+        previous = Some(owned);
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    };
+    let (owner, survivor, survivor_url) = match owned[0][partition as usize] {
+        true => (node_a, node_b, b.clone()),
+        false => (node_b, node_a, a.clone()),
+    };
+    owner.kill();
+    for n in 4..9 {
+        credit(survivor_url.clone(), n).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while distinct(&received).len() < 10 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "after the owner died, the survivor delivered {:?}",
+            distinct(&received).difference(&before).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    while !owns_partition(&http, &survivor_url, partition).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the survivor never showed the partition"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let all = received.lock().unwrap().clone();
+    for id in distinct(&received).difference(&before) {
+        let times = all.iter().filter(|got| *got == id).count();
+        assert_eq!(times, 1, "{id} was delivered {times} times");
+    }
+    assert!(survivor.terminate().success());
 }

@@ -99,6 +99,7 @@ fn help_explains_every_flag() {
         "--rate-limit-per-second",
         "TALLY_DATA_DIR",
         "TALLY_ADMIN_TOKEN",
+        "--cluster",
     ] {
         assert!(
             help.contains(flag),
@@ -107,6 +108,30 @@ fn help_explains_every_flag() {
     }
     let replay_running = tally().args(["replay", "--help"]).output().unwrap();
     assert!(String::from_utf8_lossy(&replay_running.stdout).contains("Stop the server first"));
+}
+
+/// A cluster shares a Kafka topic: `--cluster` on the embedded log, or a name that
+/// cannot be part of a consumer group id, is refused before anything starts.
+#[test]
+fn a_cluster_needs_kafka_and_a_plain_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = tally()
+        .args(["serve", "--cluster", "c1", "--data-dir"])
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0", "--test-listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--cluster needs --log kafka"), "{stderr}");
+    let output = tally()
+        .args(["serve", "--cluster", "a b", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("a cluster name is 1 to"), "{stderr}");
 }
 
 #[test]

@@ -119,6 +119,14 @@ fn describe() {
         "Stored events the in-memory dedup index remembers."
     );
     describe_gauge!(
+        "tally_cluster_partitions_owned",
+        "Partitions of the log this node owns in its cluster (--cluster)."
+    );
+    describe_gauge!(
+        "tally_cluster_partition_owned",
+        "1 when this node owns the partition in its cluster (--cluster), else 0."
+    );
+    describe_gauge!(
         "tally_webhook_queue_depth",
         "Webhook deliveries waiting for an attempt (counted up to a bound)."
     );

@@ -36,8 +36,11 @@ pub struct HttpConfig {
     pub rate_limit_burst: u32,
     /// `--allow-private-webhooks`: production endpoints may target private addresses.
     pub allow_private_webhooks: bool,
-    /// Whether this node runs the webhook dispatcher (exactly one node should).
+    /// Whether this node runs the webhook dispatcher.
     pub dispatch_webhooks: bool,
+    /// The stores whose webhooks it delivers (all of them, unless the node shares
+    /// the work with a cluster).
+    pub dispatch_scope: Arc<dyn webhooks::DispatchScope>,
 }
 
 #[derive(Clone)]
@@ -200,6 +203,7 @@ pub fn states(engine: Arc<Engine>, config: HttpConfig) -> (AppState, AppState) {
     let dispatcher = webhooks::Dispatcher::new(
         engine.notifications().clone(),
         Arc::new(webhooks::WireBodies(engine.clone())),
+        config.dispatch_scope.clone(),
         config.allow_private_webhooks,
     );
     let make = |mode| AppState {

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use serde_json::json;
 use tally_domain::record::BillingObject;
 pub use tally_engine::dispatcher::{
-    delivery_headers, Dispatcher, EventBodies, DELIVERY_TIMEOUT_MS, DISPATCH_BATCH,
-    DISPATCH_POLL_MS, MAX_CONCURRENT_DELIVERIES, MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT,
+    delivery_headers, DispatchScope, Dispatcher, EventBodies, EveryStore, DELIVERY_TIMEOUT_MS,
+    DISPATCH_BATCH, DISPATCH_POLL_MS, MAX_CONCURRENT_DELIVERIES,
+    MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT,
 };
 use tally_engine::ledger::{TransactionView, EVENT_CREDITS_EXHAUSTED};
 use tally_engine::webhooks::{Delivery, StoredEvent};

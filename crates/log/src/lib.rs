@@ -14,6 +14,7 @@ use async_trait::async_trait;
 
 pub mod embedded;
 pub mod kafka;
+pub mod membership;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testsuite;
 
@@ -21,6 +22,12 @@ pub mod testsuite;
 /// properties of 1 KiB) is ~5 MiB, so 16 MiB leaves room and still catches garbage
 /// lengths while recovering a torn tail.
 pub const MAX_RECORD_BYTES: usize = 16 * 1024 * 1024;
+
+/// The partition of `key` among `partitions` (a stable CRC32 of the key): where
+/// `Log::partition_for` sends it, also for a node that asks without a log at hand.
+pub fn partition_of(key: &[u8], partitions: u32) -> u32 {
+    crc32fast::hash(key) % partitions.max(1)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
@@ -86,7 +93,7 @@ pub trait Log: Send + Sync + 'static {
     /// The partition records with this key go to. Stable across processes and
     /// versions (CRC32 of the key), so one customer's records stay in one order.
     fn partition_for(&self, key: &[u8]) -> u32 {
-        crc32fast::hash(key) % self.partition_count().max(1)
+        partition_of(key, self.partition_count())
     }
 
     /// Appends one record to the partition of `key`; returns its offset once durable.

@@ -36,6 +36,24 @@ pub trait EventBodies: Send + Sync {
     fn body(&self, scope: &Scope, delivery: &Delivery) -> Result<String, EngineError>;
 }
 
+/// Which stores' webhooks this node delivers. The dispatcher owns this port; the
+/// composition root answers: every store on a lone node, and on a cluster the stores
+/// whose records go to the partitions this node owns, so each delivery has one
+/// dispatching node, and another takes over when that one leaves.
+pub trait DispatchScope: Send + Sync + std::fmt::Debug {
+    fn dispatches(&self, store_id: &str) -> bool;
+}
+
+/// A lone node delivers for every store.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EveryStore;
+
+impl DispatchScope for EveryStore {
+    fn dispatches(&self, _store_id: &str) -> bool {
+        true
+    }
+}
+
 /// The headers of a delivery made at `now_ms`.
 pub fn delivery_headers(
     endpoint: &WebhookEndpoint,
@@ -90,6 +108,7 @@ impl reqwest::dns::Resolve for FilteringResolver {
 pub struct Dispatcher {
     notifications: Arc<Notifications>,
     bodies: Arc<dyn EventBodies>,
+    scope: Arc<dyn DispatchScope>,
     allow_private: bool,
     /// One client per environment: their resolvers allow different addresses.
     prod_client: reqwest::Client,
@@ -110,6 +129,7 @@ impl Dispatcher {
     pub fn new(
         notifications: Arc<Notifications>,
         bodies: Arc<dyn EventBodies>,
+        scope: Arc<dyn DispatchScope>,
         allow_private: bool,
     ) -> Arc<Dispatcher> {
         let client = |mode: Mode| {
@@ -127,6 +147,7 @@ impl Dispatcher {
         Arc::new(Dispatcher {
             notifications,
             bodies,
+            scope,
             allow_private,
             prod_client: client(Mode::Prod),
             test_client: client(Mode::Test),
@@ -143,8 +164,9 @@ impl Dispatcher {
                 _ = shutdown.changed() => break,
                 _ = tokio::time::sleep(Duration::from_millis(DISPATCH_POLL_MS)) => {}
             }
-            let at_capacity = |endpoint: &str, event: &str| {
-                self.in_flight.contains_key(&format!("{endpoint}/{event}"))
+            let skip = |store: &str, endpoint: &str, event: &str| {
+                !self.scope.dispatches(store)
+                    || self.in_flight.contains_key(&format!("{endpoint}/{event}"))
                     || self.endpoint_load(endpoint) >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
             };
             let due = match self.notifications.due_deliveries(
@@ -152,7 +174,7 @@ impl Dispatcher {
                 // against its own store's.
                 self.notifications.journal.latest_test_time(),
                 DISPATCH_BATCH,
-                &at_capacity,
+                &skip,
             ) {
                 Ok(due) => due,
                 Err(error) => {

@@ -705,15 +705,16 @@ impl Notifications {
     }
 
     /// HTTP deliveries due by their store's clock (the scan ends at `now_ms`, the
-    /// latest any store's clock shows), oldest due first: at most `limit` that `skip` does not
-    /// pass over (the dispatcher skips deliveries in flight and endpoints at their
-    /// concurrency cap, so one slow endpoint's backlog never hides the others'),
-    /// looking at no more than `MAX_DUE_SCAN` index entries.
+    /// latest any store's clock shows), oldest due first: at most `limit` that `skip`
+    /// (store, endpoint, event) does not pass over (the dispatcher skips deliveries in
+    /// flight, endpoints at their concurrency cap, so one slow endpoint's backlog never
+    /// hides the others', and stores another node of a cluster delivers for), looking
+    /// at no more than `MAX_DUE_SCAN` index entries.
     pub fn due_deliveries(
         &self,
         now_ms: i64,
         limit: usize,
-        skip: &dyn Fn(&str, &str) -> bool,
+        skip: &dyn Fn(&str, &str, &str) -> bool,
     ) -> Result<Vec<(Scope, Delivery)>, EngineError> {
         let start = Key::table(keys::WEBHOOK_DUE).into_bytes();
         let end = DueKey::after(now_ms);
@@ -735,7 +736,7 @@ impl Notifications {
                             mode: key.mode,
                         };
                         let due = key.due_at_ms <= self.journal.now_in(&scope);
-                        if due && !skip(&key.endpoint_id, &key.event_id) {
+                        if due && !skip(&key.store_id, &key.endpoint_id, &key.event_id) {
                             found.push(key);
                         }
                     }

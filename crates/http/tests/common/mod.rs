@@ -39,6 +39,7 @@ pub fn default_config() -> HttpConfig {
         rate_limit_burst: 100_000,
         allow_private_webhooks: false,
         dispatch_webhooks: true,
+        dispatch_scope: std::sync::Arc::new(tally_http::webhooks::EveryStore),
     }
 }
 
