@@ -48,42 +48,58 @@ pub async fn read_body_limited(request: Request) -> Result<(Parts, axum::body::B
 #[derive(Debug, Clone)]
 pub struct JsonObject(pub Map<String, Value>);
 
+/// Reads a JSON body: `None` for no body at all, else the bytes, once the content
+/// type says JSON. Every JSON body extractor starts here, so they share the rules.
+pub async fn read_json_body(request: Request) -> Result<Option<axum::body::Bytes>, ApiError> {
+    let (parts, bytes) = read_body_limited(request).await?;
+    // No body at all reads as `{}`; anything else must be a JSON object (a body of
+    // blanks is no JSON).
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    let content_type = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let is_json = content_type
+        .split(';')
+        .next()
+        .map(|t| t.trim().eq_ignore_ascii_case("application/json"))
+        .unwrap_or(false);
+    if !is_json {
+        return Err(ApiError::bad_request(
+            "invalid_content_type",
+            "request bodies must be JSON with `Content-Type: application/json`",
+        ));
+    }
+    Ok(Some(bytes))
+}
+
+/// The answer to a body that is JSON but not an object.
+pub fn not_an_object() -> ApiError {
+    ApiError::bad_request("invalid_json", "the request body must be a JSON object")
+}
+
+/// The answer to a body that is not JSON.
+pub fn invalid_json(error: &serde_json::Error) -> ApiError {
+    ApiError::bad_request(
+        "invalid_json",
+        format!("the request body is not valid JSON: {error}"),
+    )
+}
+
 impl<S: Send + Sync> FromRequest<S> for JsonObject {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let (parts, bytes) = read_body_limited(request).await?;
-        // No body at all reads as `{}`; anything else must be a JSON object (a
-        // body of blanks is no JSON).
-        if bytes.is_empty() {
+        let Some(bytes) = read_json_body(request).await? else {
             return Ok(JsonObject(Map::new()));
-        }
-        let content_type = parts
-            .headers
-            .get(CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        let is_json = content_type
-            .split(';')
-            .next()
-            .map(|t| t.trim().eq_ignore_ascii_case("application/json"))
-            .unwrap_or(false);
-        if !is_json {
-            return Err(ApiError::bad_request(
-                "invalid_content_type",
-                "request bodies must be JSON with `Content-Type: application/json`",
-            ));
-        }
+        };
         match serde_json::from_slice::<Value>(&bytes) {
             Ok(Value::Object(map)) => Ok(JsonObject(map)),
-            Ok(_) => Err(ApiError::bad_request(
-                "invalid_json",
-                "the request body must be a JSON object",
-            )),
-            Err(e) => Err(ApiError::bad_request(
-                "invalid_json",
-                format!("the request body is not valid JSON: {e}"),
-            )),
+            Ok(_) => Err(not_an_object()),
+            Err(e) => Err(invalid_json(&e)),
         }
     }
 }

@@ -18,6 +18,7 @@ use tally_engine::Engine;
 
 pub mod error;
 pub mod extract;
+pub mod ingest_body;
 pub mod middleware;
 pub mod openapi;
 pub mod routes;

@@ -3,6 +3,7 @@
 //! their JSON type (numbers stay numbers, exact).
 
 use rust_decimal::Decimal;
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 use tally_domain::billing::{Checkout, Discount, DiscountType, Dispute, Payment, Subscription};
 use tally_domain::customer::Customer;
@@ -10,7 +11,7 @@ use tally_domain::meter::{FilterValue, Meter};
 use tally_domain::product::{CustomFieldType, Product};
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::{canonical_decimal, PropertyValue, UsageEvent};
-use tally_engine::ingest::{EventReport, Warning};
+use tally_engine::ingest::{EventReport, IngestOutcome, Warning};
 use tally_engine::pagination::Page;
 use tally_engine::usage::{UsageResult, UsageSeries};
 use tally_engine::Scope;
@@ -112,15 +113,56 @@ fn warnings(list: &[Warning]) -> Value {
     )
 }
 
-/// One entry of an ingest answer.
-pub fn ingest_report(r: &EventReport) -> Value {
-    json!({
-        "event_id": r.event_id,
-        "customer_id": r.customer_id,
-        "duplicate": r.duplicate,
-        "matched_meters": r.matched_meters,
-        "warnings": warnings(&r.warnings),
-    })
+/// An ingest answer (docs/api.md, "Events"), serialized straight from the outcome
+/// rather than through a `Value` tree: it is the hottest response. Field order is the
+/// wire order.
+#[derive(Debug, Serialize)]
+pub struct IngestAnswer {
+    object: &'static str,
+    accepted: usize,
+    duplicates: usize,
+    events: Vec<IngestReport>,
+}
+
+#[derive(Debug, Serialize)]
+struct IngestReport {
+    event_id: Option<String>,
+    customer_id: Option<String>,
+    duplicate: bool,
+    matched_meters: Vec<String>,
+    warnings: Vec<WarningBody>,
+}
+
+#[derive(Debug, Serialize)]
+struct WarningBody {
+    code: &'static str,
+    message: String,
+}
+
+pub fn ingest_answer(outcome: IngestOutcome) -> IngestAnswer {
+    IngestAnswer {
+        object: "ingest_result",
+        accepted: outcome.accepted,
+        duplicates: outcome.duplicates,
+        events: outcome
+            .events
+            .into_iter()
+            .map(|r| IngestReport {
+                event_id: r.event_id,
+                customer_id: r.customer_id,
+                duplicate: r.duplicate,
+                matched_meters: r.matched_meters,
+                warnings: r
+                    .warnings
+                    .into_iter()
+                    .map(|w| WarningBody {
+                        code: w.code,
+                        message: w.message,
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
 }
 
 /// One entry of a preview answer (docs/api.md).

@@ -3,15 +3,13 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use serde_json::{json, Map, Value};
-use tally_domain::limits::MAX_EVENTS_PER_BATCH;
-use tally_domain::usage::{RawPropertyValue, RawUsageEvent};
-use tally_domain::FieldError;
+use serde_json::{json, Value};
 use tally_engine::events::EventFilter;
 use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{number_text, page_request, parse_instant, JsonObject, PathId, QueryParams};
+use crate::extract::{page_request, parse_instant, PathId, QueryParams};
+use crate::ingest_body::UsageEvents;
 use crate::openapi as doc;
 use crate::{wire, AppState};
 use utoipa_axum::router::OpenApiRouter;
@@ -27,73 +25,6 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(get))
 }
 
-/// One JSON event into its raw shape; type errors name the field (relative to the
-/// event; the engine prefixes `events[N]`).
-fn raw_event(value: &Value) -> Result<RawUsageEvent, FieldError> {
-    let invalid = |param: &str, message: &str| {
-        FieldError::new(
-            "invalid_usage_event",
-            param.to_string(),
-            message.to_string(),
-        )
-    };
-    let Value::Object(object) = value else {
-        return Err(invalid("", "each event must be a JSON object"));
-    };
-    let text = |name: &str| match object.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(invalid(name, &format!("`{name}` must be a string"))),
-    };
-    let properties = match object.get("properties") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Object(props)) => props
-            .iter()
-            .map(|(k, v)| {
-                let value = match v {
-                    Value::String(s) => RawPropertyValue::String(s.clone()),
-                    Value::Number(n) => RawPropertyValue::Number(number_text(n)),
-                    Value::Bool(_) => RawPropertyValue::Other("a boolean"),
-                    Value::Null => RawPropertyValue::Other("null"),
-                    Value::Array(_) => RawPropertyValue::Other("an array"),
-                    Value::Object(_) => RawPropertyValue::Other("an object"),
-                };
-                (k.clone(), value)
-            })
-            .collect(),
-        Some(_) => return Err(invalid("properties", "`properties` must be an object")),
-    };
-    Ok(RawUsageEvent {
-        name: text("name")?,
-        customer_id: text("customer_id")?,
-        external_customer_id: text("external_customer_id")?,
-        event_id: text("event_id")?,
-        timestamp: text("timestamp")?,
-        properties,
-    })
-}
-
-fn batch(body: &Map<String, Value>) -> Result<Vec<Result<RawUsageEvent, FieldError>>, ApiError> {
-    match body.get("events") {
-        None | Some(Value::Null) => Err(ApiError::bad_request(
-            "parameter_missing",
-            "`events` is required",
-        )
-        .with_param("events")),
-        Some(Value::Array(items)) if (1..=MAX_EVENTS_PER_BATCH).contains(&items.len()) => {
-            Ok(items.iter().map(raw_event).collect())
-        }
-        Some(Value::Array(_)) => Err(ApiError::invalid_param(
-            "events",
-            format!("`events` must hold 1 to {MAX_EVENTS_PER_BATCH} events"),
-        )),
-        Some(_) => Err(ApiError::invalid_param(
-            "events",
-            "`events` must be an array",
-        )),
-    }
-}
-
 #[utoipa::path(
     post,
     path = "/v1/events/ingest",
@@ -106,19 +37,10 @@ fn batch(body: &Map<String, Value>) -> Result<Vec<Result<RawUsageEvent, FieldErr
 pub async fn ingest(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
-    JsonObject(body): JsonObject,
-) -> ApiResult<(StatusCode, Json<Value>)> {
-    let raws = batch(&body)?;
+    UsageEvents(raws): UsageEvents,
+) -> ApiResult<(StatusCode, Json<wire::IngestAnswer>)> {
     let outcome = state.engine.gateway().ingest_events(&scope, &raws).await?;
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(json!({
-            "object": "ingest_result",
-            "accepted": outcome.accepted,
-            "duplicates": outcome.duplicates,
-            "events": outcome.events.iter().map(wire::ingest_report).collect::<Vec<_>>(),
-        })),
-    ))
+    Ok((StatusCode::ACCEPTED, Json(wire::ingest_answer(outcome))))
 }
 
 #[utoipa::path(
@@ -133,9 +55,8 @@ pub async fn ingest(
 pub async fn preview(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
-    JsonObject(body): JsonObject,
+    UsageEvents(raws): UsageEvents,
 ) -> ApiResult<Json<Value>> {
-    let raws = batch(&body)?;
     let reports = state.engine.gateway().preview_events(&scope, &raws).await?;
     Ok(Json(json!({
         "object": "ingest_preview",
