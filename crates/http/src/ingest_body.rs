@@ -12,7 +12,7 @@
 use std::fmt;
 
 use axum::extract::{FromRequest, Request};
-use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use tally_domain::limits::MAX_EVENTS_PER_BATCH;
 use tally_domain::usage::{RawPropertyValue, RawUsageEvent};
@@ -87,14 +87,20 @@ enum Events {
     },
 }
 
+/// What the decoder reads and drops. Not `serde::de::IgnoredAny`: serde_json skips
+/// that without its recursion limit, and a body nested past the limit must stay
+/// invalid JSON wherever the nesting stands, as when the body was read whole.
+/// Unknown fields are rare, so reading them costs nothing that matters.
+type Skipped = Value;
+
 /// Drains what is left of a map the decoder does not keep.
 fn drain_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
-    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+    while map.next_entry::<Skipped, Skipped>()?.is_some() {}
     Ok(())
 }
 
 fn drain_seq<'de, A: SeqAccess<'de>>(mut seq: A) -> Result<(), A::Error> {
-    while seq.next_element::<IgnoredAny>()?.is_some() {}
+    while seq.next_element::<Skipped>()?.is_some() {}
     Ok(())
 }
 
@@ -182,7 +188,7 @@ impl<'de> Visitor<'de> for BodyVisitor {
         let mut first = true;
         while let Some(key) = map.next_key_seed(Key(&["events"]))? {
             if first && key == KeyIs::Number {
-                map.next_value::<IgnoredAny>()?;
+                map.next_value::<Skipped>()?;
                 drain_map(map)?;
                 return Ok(Body::NotObject);
             }
@@ -190,7 +196,7 @@ impl<'de> Visitor<'de> for BodyVisitor {
             match key {
                 KeyIs::Wanted(_) => events = Some(map.next_value_seed(EventsVisitor)?),
                 _ => {
-                    map.next_value::<IgnoredAny>()?;
+                    map.next_value::<Skipped>()?;
                 }
             }
         }
@@ -239,7 +245,7 @@ impl<'de> Visitor<'de> for EventsVisitor {
             }
             count += 1;
         }
-        while seq.next_element::<IgnoredAny>()?.is_some() {
+        while seq.next_element::<Skipped>()?.is_some() {
             count += 1;
         }
         Ok(Events::Array { events, count })
@@ -301,7 +307,7 @@ impl<'de> Visitor<'de> for EventVisitor {
         let mut first = true;
         while let Some(key) = map.next_key_seed(Key(&EVENT_FIELDS))? {
             if first && key == KeyIs::Number {
-                map.next_value::<IgnoredAny>()?;
+                map.next_value::<Skipped>()?;
                 drain_map(map)?;
                 return Ok(not_an_event());
             }
@@ -310,7 +316,7 @@ impl<'de> Visitor<'de> for EventVisitor {
                 // The last of repeated keys wins, as in a JSON object read whole.
                 KeyIs::Wanted(index) => fields[index] = Some(map.next_value()?),
                 _ => {
-                    map.next_value::<IgnoredAny>()?;
+                    map.next_value::<Skipped>()?;
                 }
             }
         }
@@ -469,6 +475,40 @@ mod tests {
             "   ",
         ] {
             same(raw.as_bytes());
+        }
+    }
+
+    /// Nesting past serde_json's recursion limit is refused as invalid JSON wherever
+    /// it stands (kept, drained or ignored), never a stack overflow.
+    #[test]
+    fn deep_nesting_is_refused_not_a_crash() {
+        let deep =
+            |open: &str, close: &str| format!("{}{}", open.repeat(100_000), close.repeat(100_000));
+        for body in [
+            format!(r#"{{"events": [{}]}}"#, deep("[", "]")),
+            format!(
+                r#"{{"events": [{{"properties": {{"k": {}}}}}]}}"#,
+                deep("[", "]")
+            ),
+            format!(
+                r#"{{"ignored": {}, "events": [{{}}]}}"#,
+                deep(r#"{"a":"#, "}")
+            ),
+            format!(
+                r#"{{"events": [{{"name": "n", "other": {}}}]}}"#,
+                deep("[", "]")
+            ),
+            format!(r#"{{"events": {}}}"#, deep(r#"{"a":"#, "}")),
+            deep("[", "]"),
+        ] {
+            same(body.as_bytes());
+            let outcome = decoded(body.as_bytes()).map(|_| ());
+            assert!(
+                matches!(&outcome, Err(e) if e.starts_with("json")),
+                "{:?} for {}",
+                outcome,
+                &body[..40]
+            );
         }
     }
 
