@@ -183,3 +183,21 @@ pub fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: 
     body.push_str("]}");
     body
 }
+
+/// Clock ticks per second of `/proc/<pid>/stat` times (`getconf CLK_TCK`; 100 on
+/// Linux everywhere we run).
+const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+
+/// User + system CPU seconds the process has used so far.
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces), from field 3 on.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .ok_or_else(|| anyhow::anyhow!("unreadable /proc/{pid}/stat"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> anyhow::Result<f64> { Ok(fields[i].parse::<f64>()?) };
+    // utime and stime are fields 14 and 15, i.e. 11 and 12 after the name.
+    Ok((ticks(11)? + ticks(12)?) / CLOCK_TICKS_PER_SECOND)
+}

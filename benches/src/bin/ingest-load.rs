@@ -7,7 +7,10 @@
 //!   (a) sustained ingest events/s, (b) the raw embedded-log append rate for records
 //!   of the same shape, (c) a/b, (d) time from the last 202 until projections caught
 //!   up, (e) p50/p99 of a usage query under load, (f) the server's peak RSS, (g) the
-//!   time a server SIGKILLed at the end takes to be ready again on its data dir.
+//!   time a server SIGKILLed at the end takes to be ready again on its data dir, (h)
+//!   the server's CPU time (user + system) per event, from the first batch until the
+//!   projection caught up: steadier than a rate on a shared machine, and it counts
+//!   every part (HTTP edge, apply, checkpoints).
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use rand::Rng;
-use tally_benches::{batch_body, meter_definitions, percentile, start_server, usage_record_bytes};
+use tally_benches::{
+    batch_body, cpu_seconds, meter_definitions, percentile, start_server, usage_record_bytes,
+};
 use tally_log::Log;
 
 #[derive(Parser, Debug)]
@@ -141,6 +146,7 @@ async fn main() -> anyhow::Result<()> {
 
     let acked = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    let cpu_before = cpu_seconds(pid)?;
     let started = Instant::now();
     let mut senders = Vec::new();
     for connection in 0..args.connections {
@@ -257,6 +263,7 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
+    let cpu_per_event = (cpu_seconds(pid)? - cpu_before) / total as f64;
     query_stop.store(true, Ordering::Relaxed);
     let mut latencies = querier.await?;
     latencies.sort();
@@ -307,5 +314,9 @@ async fn main() -> anyhow::Result<()> {
         peak_rss as f64 / 1024.0
     );
     println!("(g) ready after SIGKILL + restart: {restart:.2?}");
+    println!(
+        "(h) server CPU per event:         {:.1} µs (user + system, until caught up)",
+        cpu_per_event * 1e6
+    );
     Ok(())
 }
