@@ -7,7 +7,8 @@
 //! only the six fields an event has, and moves each string into the raw event. It
 //! answers exactly what the generic `JsonObject` path answered: the same errors with
 //! the same parameters and messages, unknown fields ignored, the last of repeated
-//! keys winning (docs/api.md, "Events"); the tests below hold it to that.
+//! keys winning (docs/api.md, "Errors, request ids, limits"); the tests below hold it
+//! to that.
 
 use std::fmt;
 
