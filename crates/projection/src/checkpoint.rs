@@ -17,6 +17,15 @@
 //! checkpoint instead of one per chunk, and sled receives a few large batches instead
 //! of many small ones.
 //!
+//! **Applies never hold up reads for long.** A chunk's changes (~15,000 keys in the
+//! ingest benchmark) first become a [`Pending`] map, built outside any lock and
+//! published whole under a short write lock; reads look in it before the layers.
+//! It is then moved into the active layer [`MERGE_SLICE_KEYS`] keys at a time, each
+//! slice under its own short write lock. A key is always either still pending or
+//! already merged, both newest, so a reader sees every chunk whole or not at all, as
+//! when one write lock covered the whole insert; that lock was held 8-20 ms per chunk
+//! (up to 70 ms), and a usage query's meter lookup waited behind it (p99 17 ms).
+//!
 //! Crash safety (the checkpoint protocol): the inner store only ever holds a prefix
 //! of applied batches together with exactly the positions that prefix reaches (each
 //! checkpoint is one atomic inner batch). After a crash the projector resumes from
@@ -27,7 +36,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Bound;
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex};
+
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crate::{Change, ProjectionStore, StoreError, Visit};
@@ -50,6 +61,15 @@ pub const CHECKPOINT_EVERY_MS: u64 = 15_000;
 /// all, with the layer being written).
 pub const CHECKPOINT_BACKLOG_FACTOR: usize = 2;
 
+/// Keys moved from a published chunk into the active layer per write lock (module
+/// doc): short enough that a read never waits long (~0.1-0.3 ms of inserts), long
+/// enough that taking the lock is a small part of the merge.
+pub const MERGE_SLICE_KEYS: usize = 512;
+
+/// A chunk's changes while they are merged into the active layer (module doc),
+/// newest per key.
+type Pending = HashMap<Arc<[u8]>, Option<Vec<u8>>, foldhash::fast::RandomState>;
+
 /// Unwritten values, the newest per key (`None`: deleted): a hash map for reads and
 /// overwrites, and the same keys in order for scans and the checkpoint's batch.
 ///
@@ -69,20 +89,15 @@ impl Changes {
         self.values.len()
     }
 
-    fn is_empty(&self) -> bool {
-        self.values.is_empty()
-    }
-
     fn get(&self, key: &[u8]) -> Option<&Option<Vec<u8>>> {
         self.values.get(key)
     }
 
-    fn insert(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
-        if let Some(slot) = self.values.get_mut(key.as_slice()) {
+    fn insert(&mut self, key: Arc<[u8]>, value: Option<Vec<u8>>) {
+        if let Some(slot) = self.values.get_mut(&key) {
             *slot = value;
             return;
         }
-        let key: Arc<[u8]> = key.into();
         self.order.insert(key.clone());
         self.values.insert(key, value);
     }
@@ -109,11 +124,13 @@ struct Layer {
     since: Option<Instant>,
 }
 
-/// The layer that takes applies, and the one a background checkpoint is writing.
+/// The layer that takes applies, the one a background checkpoint is writing, and
+/// the chunk being merged into the active layer (empty between applies).
 #[derive(Debug, Default)]
 struct Layers {
     active: Layer,
     writing: Option<Arc<Layer>>,
+    pending: Pending,
 }
 
 #[derive(Debug)]
@@ -255,8 +272,12 @@ impl<S> Drop for CheckpointStore<S> {
 }
 
 impl<S> Shared<S> {
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Layers> {
-        self.layers.read().unwrap_or_else(|p| p.into_inner())
+    fn read(&self) -> RwLockReadGuard<'_, Layers> {
+        self.layers.read()
+    }
+
+    fn lock_write(&self) -> RwLockWriteGuard<'_, Layers> {
+        self.layers.write()
     }
 
     fn failed_is_none(&self) -> bool {
@@ -298,9 +319,12 @@ impl<S: ProjectionStore> Shared<S> {
     /// Moves the active layer to `writing` (none may be in flight); returns it, or
     /// `None` when there is nothing to write.
     fn freeze(&self) -> Option<Arc<Layer>> {
-        let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
+        let mut layers = self.lock_write();
         // An empty layer has no age: nothing to write.
         layers.active.since?;
+        // Writers are serialised and an apply merges its whole chunk before it
+        // returns, so no chunk is half in the layer being frozen.
+        debug_assert!(layers.pending.is_empty());
         let layer = Arc::new(std::mem::take(&mut layers.active));
         layers.writing = Some(layer.clone());
         Some(layer)
@@ -315,10 +339,7 @@ impl<S: ProjectionStore> Shared<S> {
             .collect();
         let positions: Vec<(u32, u64)> = layer.positions.iter().map(|(p, o)| (*p, *o)).collect();
         self.inner.apply(changes, &positions)?;
-        self.layers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .writing = None;
+        self.lock_write().writing = None;
         *self
             .checkpointed_at
             .lock()
@@ -345,6 +366,9 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
         {
             let layers = self.shared.read();
+            if let Some(value) = layers.pending.get(key) {
+                return Ok(value.clone());
+            }
             if let Some(value) = layers.active.changes.get(key) {
                 return Ok(value.clone());
             }
@@ -373,6 +397,11 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
                 }
             }
             for (k, v) in layers.active.changes.range(start, end) {
+                merged.insert(k.to_vec(), v.clone());
+            }
+            // Unordered, and small (one chunk): filtered by the bounds.
+            let within = |key: &[u8]| std::ops::RangeBounds::<[u8]>::contains(&(start, end), key);
+            for (k, v) in layers.pending.iter().filter(|(k, _)| within(k)) {
                 merged.insert(k.to_vec(), v.clone());
             }
             merged.into_iter().collect()
@@ -431,24 +460,51 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
         let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         self.shared.check_failed()?;
-        let due = {
-            let mut layers = self
-                .shared
-                .layers
-                .write()
-                .unwrap_or_else(|p| p.into_inner());
+        // Built before any lock is taken (module doc); a later change of a key wins.
+        let mut pending = Pending::with_capacity_and_hasher(
+            changes.len(),
+            foldhash::fast::RandomState::default(),
+        );
+        for (key, value) in changes {
+            pending.insert(key.into(), value);
+        }
+        {
+            let mut layers = self.shared.lock_write();
+            let layers = &mut *layers;
+            layers.pending = pending;
             let layer = &mut layers.active;
-            for (key, value) in changes {
-                layer.changes.insert(key, value);
-            }
             for (partition, next_offset) in positions {
                 layer.positions.insert(*partition, *next_offset);
             }
-            if layer.since.is_none() && (!layer.changes.is_empty() || !layer.positions.is_empty()) {
+            if layer.since.is_none() && (!layers.pending.is_empty() || !positions.is_empty()) {
                 layer.since = Some(Instant::now());
             }
-            self.due(layer)
+        }
+        let emptied = loop {
+            let mut guard = self.shared.lock_write();
+            let layers = &mut *guard;
+            let slice: Vec<Arc<[u8]>> = layers
+                .pending
+                .keys()
+                .take(MERGE_SLICE_KEYS)
+                .cloned()
+                .collect();
+            if slice.is_empty() {
+                // Its table is freed after the lock is released.
+                break std::mem::take(&mut layers.pending);
+            }
+            for key in slice {
+                if let Some((key, value)) = layers.pending.remove_entry(&key) {
+                    layers.active.changes.insert(key, value);
+                }
+            }
+            // Handed to the readers waiting, if any, before this loop takes it
+            // again: a plain unlock let the next slice barge in ahead of them, and
+            // a read waited for most of the merge.
+            RwLockWriteGuard::unlock_fair(guard);
         };
+        drop(emptied);
+        let due = self.due(&self.shared.read().active);
         if due {
             self.start_checkpoint()?;
         }
@@ -613,6 +669,62 @@ mod tests {
             store.inner().position(1).unwrap(),
             10,
             "positions alone are kept too"
+        );
+    }
+
+    /// Every chunk rewrites the same keys (enough for several merge slices) with its
+    /// number; a reader's scan must show one number everywhere, never going back,
+    /// while chunks merge and checkpoints move layers to the inner store.
+    #[test]
+    fn readers_see_every_chunk_whole_while_it_merges() {
+        const CHUNKS: u64 = 150;
+        let width = 3 * MERGE_SLICE_KEYS + 7;
+        let store =
+            CheckpointStore::with_limits(MemoryStore::new(), 2 * width, Duration::from_secs(60));
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let readers: Vec<_> = (0..2)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let (mut last, mut scans) = (0u64, 0u64);
+                        while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                            let mut seen = BTreeSet::new();
+                            let mut count = 0;
+                            store
+                                .scan(Bound::Unbounded, Bound::Unbounded, false, &mut |_, v| {
+                                    seen.insert(String::from_utf8(v.to_vec()).unwrap());
+                                    count += 1;
+                                    Visit::Continue
+                                })
+                                .unwrap();
+                            if count == 0 {
+                                continue;
+                            }
+                            assert_eq!(count, width, "every key, once");
+                            assert_eq!(seen.len(), 1, "one chunk everywhere: {seen:?}");
+                            let chunk: u64 = seen.first().unwrap().parse().unwrap();
+                            assert!(chunk >= last, "chunk {chunk} seen after {last}");
+                            (last, scans) = (chunk, scans + 1);
+                        }
+                        scans
+                    })
+                })
+                .collect();
+            for chunk in 1..=CHUNKS {
+                let changes = (0..width)
+                    .map(|k| put(&format!("k{k:05}"), &chunk.to_string()))
+                    .collect();
+                store.apply(changes, &[(0, chunk)]).unwrap();
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            let scans: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+            assert!(scans > 0, "the readers read while chunks merged");
+        });
+        store.checkpoint().unwrap();
+        assert_eq!(store.inner().position(0).unwrap(), CHUNKS);
+        assert_eq!(
+            store.inner().get(b"k00000").unwrap().as_deref(),
+            Some(CHUNKS.to_string().as_bytes())
         );
     }
 
