@@ -15,6 +15,7 @@ use tally_log::embedded::EmbeddedLog;
 use tally_log::kafka::{create_topic, verify_topic, KafkaConfig, KafkaLog};
 use tally_log::membership::Membership;
 use tally_log::Log;
+use tally_projection::checkpoint::{CHECKPOINT_EVERY_MS, CHECKPOINT_MAX_DIRTY_KEYS};
 use tally_projection::{CheckpointStore, ProjectionStore, SledStore};
 
 /// mimalloc instead of the system allocator: the hot paths allocate many small,
@@ -318,7 +319,18 @@ struct ServeArgs {
     /// Kafka deployment; create stores with `tally store create`).
     #[arg(long, env = "TALLY_NO_DEFAULT_STORE")]
     no_default_store: bool,
+    /// Changed projection keys held in memory before they are written to sled as a
+    /// checkpoint. Fewer: less memory and less of the log to re-apply after a crash;
+    /// more: fewer sled writes per event (a usage bucket rewritten in memory is
+    /// written once). The default suits a few hundred MiB of memory.
+    #[arg(long, env = "TALLY_CHECKPOINT_KEYS", default_value_t = CHECKPOINT_MAX_DIRTY_KEYS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_CHECKPOINT_KEYS as u64))]
+    checkpoint_keys: u64,
 }
+
+/// The most `--checkpoint-keys` accepts: a key costs ~200 B in memory, and the layer
+/// being written plus the one filling may hold three times the limit (~6 GiB here).
+const MAX_CHECKPOINT_KEYS: usize = 10_000_000;
 
 #[derive(Args, Debug)]
 struct ReplayArgs {
@@ -452,11 +464,16 @@ fn cluster_membership(args: &ServeArgs) -> Result<Dispatching> {
     })
 }
 
-/// sled under the in-memory write-back layer (ARCHITECTURE.md, "Checkpoints").
-fn open_projections(dir: &Path) -> Result<Arc<dyn ProjectionStore>> {
+/// sled under the in-memory write-back layer (ARCHITECTURE.md, "Checkpoints"),
+/// checkpointed every `checkpoint_keys` changed keys.
+fn open_projections(dir: &Path, checkpoint_keys: usize) -> Result<Arc<dyn ProjectionStore>> {
     let sled = SledStore::open(dir)
         .with_context(|| format!("opening the projection store in {}", dir.display()))?;
-    Ok(Arc::new(CheckpointStore::new(sled)))
+    Ok(Arc::new(CheckpointStore::with_limits(
+        sled,
+        checkpoint_keys,
+        std::time::Duration::from_millis(CHECKPOINT_EVERY_MS),
+    )))
 }
 
 async fn shutdown_signal() {
@@ -481,7 +498,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     std::fs::create_dir_all(&args.storage.data_dir)
         .with_context(|| format!("creating data dir {}", args.storage.data_dir.display()))?;
     let log = open_log(&args.storage, true).await?;
-    let store = open_projections(&args.storage.data_dir.join("projections"))?;
+    let store = open_projections(
+        &args.storage.data_dir.join("projections"),
+        args.checkpoint_keys as usize,
+    )?;
     let clock: Arc<dyn Clock> = Arc::new(clock::SystemClock);
     let engine = Engine::open(log.clone(), store, clock).await?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
@@ -615,7 +635,7 @@ async fn replay(args: ReplayArgs) -> Result<()> {
         .data_dir
         .join(format!("replay-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
-    let replayed = open_projections(&scratch)?;
+    let replayed = open_projections(&scratch, CHECKPOINT_MAX_DIRTY_KEYS)?;
     let mut progress = progress::Progress::new("replaying");
     let records = tally_engine::projector::replay_log(
         log.as_ref(),
@@ -628,7 +648,10 @@ async fn replay(args: ReplayArgs) -> Result<()> {
     println!("replayed {records} records from the {} log", log.kind());
     println!("replayed projection digest: {replayed_digest}");
 
-    let live = open_projections(&args.storage.data_dir.join("projections"))?;
+    let live = open_projections(
+        &args.storage.data_dir.join("projections"),
+        CHECKPOINT_MAX_DIRTY_KEYS,
+    )?;
     tally_engine::projector::replay_log(log.as_ref(), live.clone(), |_, _, _| {}).await?;
     live.flush()?;
     let live_digest = live.digest()?;
@@ -686,7 +709,10 @@ async fn caught_up_projections(
     storage: &StorageArgs,
     log: &Arc<dyn Log>,
 ) -> Result<Arc<dyn ProjectionStore>> {
-    let store = open_projections(&storage.data_dir.join("projections"))?;
+    let store = open_projections(
+        &storage.data_dir.join("projections"),
+        CHECKPOINT_MAX_DIRTY_KEYS,
+    )?;
     tally_engine::projector::replay_log(log.as_ref(), store.clone(), |_, _, _| {}).await?;
     store.flush()?;
     Ok(store)

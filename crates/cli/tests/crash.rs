@@ -1,7 +1,8 @@
-//! The crash test: `tally serve` is killed with SIGKILL while 16 clients ingest; a
-//! torn half-record is left at the end of the log, as a crash mid-write would. After
-//! a restart every acknowledged event is present exactly once, and the server starts
-//! cleanly on the torn tail.
+//! The crash tests: `tally serve` is killed with SIGKILL while clients ingest. In the
+//! first a torn half-record is left at the end of the log, as a crash mid-write
+//! would; in the second the kill lands while a checkpoint is being written to sled.
+//! After a restart every acknowledged event is present exactly once, and the server
+//! starts cleanly.
 
 mod common;
 
@@ -11,74 +12,171 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use serde_json::json;
+use serde_json::{json, Value};
+
+/// What the crash tests share: a server's address and key, a customer, the meters.
+struct Setup {
+    http: reqwest::Client,
+    base: String,
+    key: String,
+    customer_id: String,
+    meter_ids: Vec<String>,
+}
+
+impl Setup {
+    /// A customer and `meters` on a fresh server.
+    async fn new(served: &Served, meters: &[Value]) -> Setup {
+        let key = served.test_key.clone().expect("first start prints keys");
+        let base = served.test_url.clone();
+        let http = reqwest::Client::new();
+        let (status, customer) = post(
+            &http,
+            &format!("{base}/v1/customers"),
+            &key,
+            json!({"email": "c@x.io", "external_id": "crash"}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(status, 200);
+        let mut meter_ids = Vec::new();
+        for meter in meters {
+            let (status, meter) = post(&http, &format!("{base}/v1/meters"), &key, meter.clone())
+                .await
+                .unwrap();
+            assert_eq!(status, 200, "{meter}");
+            meter_ids.push(meter["id"].as_str().unwrap().to_string());
+        }
+        Setup {
+            http,
+            base,
+            key,
+            customer_id: customer["id"].as_str().unwrap().to_string(),
+            meter_ids,
+        }
+    }
+
+    /// An event of the customer; `user` (its own id) feeds a unique meter.
+    fn event(&self, id: &str) -> Value {
+        json!({"name": "tick", "customer_id": self.customer_id, "event_id": id, "properties": {"user": id}})
+    }
+
+    async fn ingest(&self, ids: &[String]) -> Result<(u16, Value), reqwest::Error> {
+        let events: Vec<_> = ids.iter().map(|id| self.event(id)).collect();
+        post(
+            &self.http,
+            &format!("{}/v1/events/ingest", self.base),
+            &self.key,
+            json!({"events": events}),
+        )
+        .await
+    }
+
+    /// `clients` clients sending batches of `batch` new events until the server
+    /// dies; `finish` returns the ids acknowledged and how many were sent.
+    fn load(self: &Arc<Self>, clients: usize, batch: usize) -> Load {
+        let load = Load::default();
+        let mut handles = Vec::new();
+        for client in 0..clients {
+            let (setup, acknowledged, attempted) = (
+                self.clone(),
+                load.acknowledged.clone(),
+                load.attempted.clone(),
+            );
+            handles.push(tokio::spawn(async move {
+                for number in 0..100_000 {
+                    let ids: Vec<String> = (0..batch)
+                        .map(|i| format!("c{client}-b{number}-e{i}"))
+                        .collect();
+                    attempted.lock().unwrap().extend(ids.iter().cloned());
+                    match setup.ingest(&ids).await {
+                        Ok((202, _)) => acknowledged.lock().unwrap().extend(ids),
+                        _ => break, // the server died
+                    }
+                }
+            }));
+        }
+        *load.clients.lock().unwrap() = handles;
+        load
+    }
+
+    /// Against a restarted server on `base`: every acknowledged id sent again is a
+    /// duplicate (stored, and only once), and each meter counted between the
+    /// acknowledged and the attempted events; returns what each meter counted.
+    async fn check_exactly_once(
+        &self,
+        base: &str,
+        acknowledged: &[String],
+        attempted: usize,
+    ) -> Vec<usize> {
+        let restarted = Setup {
+            base: base.to_string(),
+            http: self.http.clone(),
+            key: self.key.clone(),
+            customer_id: self.customer_id.clone(),
+            meter_ids: self.meter_ids.clone(),
+        };
+        for chunk in acknowledged.chunks(100) {
+            let (status, answer) = restarted.ingest(chunk).await.unwrap();
+            assert_eq!(status, 202);
+            assert_eq!(
+                answer["accepted"], 0,
+                "an acknowledged event was missing: {answer}"
+            );
+        }
+        let mut counts = Vec::new();
+        for meter_id in &self.meter_ids {
+            let (status, usage) = get(
+                &self.http,
+                &format!("{base}/v1/meters/{meter_id}/usage"),
+                &self.key,
+            )
+            .await;
+            assert_eq!(status, 200, "{usage}");
+            let counted: usize = usage["value"].as_str().unwrap().parse().unwrap();
+            assert!(
+                (acknowledged.len()..=attempted).contains(&counted),
+                "counted {counted} outside acknowledged {} ..= attempted {attempted}",
+                acknowledged.len()
+            );
+            counts.push(counted);
+        }
+        counts
+    }
+}
+
+#[derive(Default)]
+struct Load {
+    acknowledged: Arc<Mutex<Vec<String>>>,
+    attempted: Arc<Mutex<HashSet<String>>>,
+    clients: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl Load {
+    /// Waits for the clients (the server is dead): acknowledged ids, ids sent.
+    async fn finish(self) -> (Vec<String>, usize) {
+        let clients = std::mem::take(&mut *self.clients.lock().unwrap());
+        for client in clients {
+            client.await.unwrap();
+        }
+        let acknowledged = self.acknowledged.lock().unwrap().clone();
+        let attempted = self.attempted.lock().unwrap().len();
+        (acknowledged, attempted)
+    }
+}
+
+fn count_meter() -> Value {
+    json!({"name": "all", "event_name": "tick", "aggregation": "count"})
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn acknowledged_events_survive_sigkill_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
     let served = serve(dir.path());
-    let key = served.test_key.clone().expect("first start prints keys");
-    let base = served.test_url.clone();
-    let http = reqwest::Client::new();
-    let (status, customer) = post(
-        &http,
-        &format!("{base}/v1/customers"),
-        &key,
-        json!({"email": "c@x.io", "external_id": "crash"}),
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200);
-    let customer_id = customer["id"].as_str().unwrap().to_string();
-    let (status, meter) = post(
-        &http,
-        &format!("{base}/v1/meters"),
-        &key,
-        json!({"name": "all", "event_name": "tick", "aggregation": "count"}),
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200);
-    let meter_id = meter["id"].as_str().unwrap().to_string();
-
-    let acknowledged: Arc<Mutex<Vec<String>>> = Arc::default();
-    let attempted: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let mut clients = Vec::new();
-    for client in 0..16 {
-        let (http, base, key, customer_id) =
-            (http.clone(), base.clone(), key.clone(), customer_id.clone());
-        let (acknowledged, attempted) = (acknowledged.clone(), attempted.clone());
-        clients.push(tokio::spawn(async move {
-            for batch in 0..10_000 {
-                let ids: Vec<String> = (0..10)
-                    .map(|i| format!("c{client}-b{batch}-e{i}"))
-                    .collect();
-                attempted.lock().unwrap().extend(ids.iter().cloned());
-                let events: Vec<_> = ids
-                    .iter()
-                    .map(|id| json!({"name": "tick", "customer_id": customer_id, "event_id": id}))
-                    .collect();
-                match post(
-                    &http,
-                    &format!("{base}/v1/events/ingest"),
-                    &key,
-                    json!({"events": events}),
-                )
-                .await
-                {
-                    Ok((202, _)) => acknowledged.lock().unwrap().extend(ids),
-                    _ => break, // the server died
-                }
-            }
-        }));
-    }
+    let setup = Arc::new(Setup::new(&served, &[count_meter()]).await);
+    let load = setup.load(16, 10);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     served.kill();
-    for client in clients {
-        client.await.unwrap();
-    }
-    let acknowledged = acknowledged.lock().unwrap().clone();
-    let attempted = attempted.lock().unwrap().clone();
+    let (acknowledged, attempted) = load.finish().await;
     assert!(
         acknowledged.len() >= 100,
         "load ran before the kill ({} acknowledged)",
@@ -104,48 +202,77 @@ async fn acknowledged_events_survive_sigkill_exactly_once() {
     let served = serve(dir.path());
     assert!(served.test_key.is_none(), "no new default store on restart");
     let base = served.test_url.clone();
-    let (ready, _) = get(&http, &format!("{base}/readyz"), &key).await;
+    let (ready, _) = get(&setup.http, &format!("{base}/readyz"), &setup.key).await;
     assert_eq!(ready, 200);
 
     // Every acknowledged event is stored...
     for id in acknowledged.iter().step_by(7) {
-        let (status, event) = get(&http, &format!("{base}/v1/events/{id}"), &key).await;
+        let (status, event) = get(&setup.http, &format!("{base}/v1/events/{id}"), &setup.key).await;
         assert_eq!(status, 200, "acknowledged event {id} lost");
         assert_eq!(event["event_id"], id.as_str());
     }
     // ...exactly once: re-sending all of them yields only duplicates, and the usage
     // count equals the number of distinct events stored.
-    for chunk in acknowledged.chunks(100) {
-        let events: Vec<_> = chunk
-            .iter()
-            .map(|id| json!({"name": "tick", "customer_id": customer_id, "event_id": id}))
-            .collect();
-        let (status, answer) = post(
-            &http,
-            &format!("{base}/v1/events/ingest"),
-            &key,
-            json!({"events": events}),
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, 202);
-        assert_eq!(
-            answer["accepted"], 0,
-            "an acknowledged event was missing: {answer}"
-        );
-    }
-    let (_, usage) = get(&http, &format!("{base}/v1/meters/{meter_id}/usage"), &key).await;
-    let counted: usize = usage["value"].as_str().unwrap().parse().unwrap();
-    assert!(
-        counted >= acknowledged.len(),
-        "counted {counted} < acknowledged {}",
-        acknowledged.len()
-    );
-    assert!(
-        counted <= attempted.len(),
-        "counted {counted} > attempted {}",
-        attempted.len()
-    );
+    setup
+        .check_exactly_once(&base, &acknowledged, attempted)
+        .await;
     let exit = served.terminate();
     assert!(exit.success());
+}
+
+/// Checkpoints of `CHECKPOINT_KEYS` changed keys, every one of them staged (more than
+/// sled's atomic batch), many per second under this load: the test waits for a stage
+/// file to appear and kills the server then, while its keys are being written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sigkill_mid_checkpoint_loses_nothing_and_matches_a_replay() {
+    const CHECKPOINT_KEYS: &str = "3000";
+    let dir = tempfile::tempdir().unwrap();
+    let served = serve_with(dir.path(), &["--checkpoint-keys", CHECKPOINT_KEYS]);
+    // Every event has its own `user`: the unique meter keeps a key per value, so
+    // each event adds keys and checkpoints come quickly.
+    let unique = json!({"name": "users", "event_name": "tick", "aggregation": "unique", "aggregation_property": "user"});
+    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique]).await);
+    let load = setup.load(8, 50);
+    let stage = dir
+        .path()
+        .join("projections")
+        .join(tally_projection::sled_store::STAGE_FILE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !stage.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint was staged within 60 s of load"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    served.kill();
+    eprintln!(
+        "killed with a stage file {}",
+        if stage.exists() {
+            "left behind"
+        } else {
+            "already removed"
+        }
+    );
+    let (acknowledged, attempted) = load.finish().await;
+    assert!(!acknowledged.is_empty(), "load ran before the kill");
+
+    let served = serve(dir.path());
+    let base = served.test_url.clone();
+    let (ready, _) = get(&setup.http, &format!("{base}/readyz"), &setup.key).await;
+    assert_eq!(ready, 200);
+    assert!(
+        !stage.exists(),
+        "the interrupted checkpoint was finished on start"
+    );
+    let counts = setup
+        .check_exactly_once(&base, &acknowledged, attempted)
+        .await;
+    assert_eq!(
+        counts[0], counts[1],
+        "count and unique both count each stored event once (one user per event)"
+    );
+    assert!(served.terminate().success());
+    let (matched, replayed, live) = replay(dir.path());
+    assert!(matched, "replay {replayed} differs from live {live}");
 }

@@ -6,26 +6,6 @@ mod common;
 use common::*;
 use serde_json::json;
 
-fn replay(dir: &std::path::Path) -> (bool, String, String) {
-    let output = tally()
-        .args(["replay", "--data-dir"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-    let digest = |label: &str| {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(label).map(|d| d.trim().to_string()))
-            .unwrap_or_else(|| panic!("no `{label}` in {stdout}"))
-    };
-    (
-        output.status.success(),
-        digest("replayed projection digest:"),
-        digest("live projection digest:"),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_is_graceful_and_replay_reproduces_the_digest() {
     let dir = tempfile::tempdir().unwrap();
@@ -100,6 +80,7 @@ fn help_explains_every_flag() {
         "TALLY_DATA_DIR",
         "TALLY_ADMIN_TOKEN",
         "--cluster",
+        "--checkpoint-keys",
     ] {
         assert!(
             help.contains(flag),

@@ -144,3 +144,25 @@ pub async fn get(http: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
 }
+
+/// `tally replay` of a stopped node's data dir: whether it matched, the replayed
+/// digest, the live digest.
+pub fn replay(dir: &std::path::Path) -> (bool, String, String) {
+    let output = tally()
+        .args(["replay", "--data-dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    let digest = |label: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(label).map(|d| d.trim().to_string()))
+            .unwrap_or_else(|| panic!("no `{label}` in {stdout}"))
+    };
+    (
+        output.status.success(),
+        digest("replayed projection digest:"),
+        digest("live projection digest:"),
+    )
+}
