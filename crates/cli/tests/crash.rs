@@ -60,11 +60,12 @@ impl Setup {
         json!({"name": "tick", "customer_id": self.customer_id, "event_id": id, "properties": {"user": id}})
     }
 
-    async fn ingest(&self, ids: &[String]) -> Result<(u16, Value), reqwest::Error> {
+    /// Sends the events `ids` to the server at `base`.
+    async fn ingest(&self, base: &str, ids: &[String]) -> Result<(u16, Value), reqwest::Error> {
         let events: Vec<_> = ids.iter().map(|id| self.event(id)).collect();
         post(
             &self.http,
-            &format!("{}/v1/events/ingest", self.base),
+            &format!("{base}/v1/events/ingest"),
             &self.key,
             json!({"events": events}),
         )
@@ -74,29 +75,31 @@ impl Setup {
     /// `clients` clients sending batches of `batch` new events until the server
     /// dies; `finish` returns the ids acknowledged and how many were sent.
     fn load(self: &Arc<Self>, clients: usize, batch: usize) -> Load {
-        let load = Load::default();
-        let mut handles = Vec::new();
-        for client in 0..clients {
-            let (setup, acknowledged, attempted) = (
-                self.clone(),
-                load.acknowledged.clone(),
-                load.attempted.clone(),
-            );
-            handles.push(tokio::spawn(async move {
-                for number in 0..100_000 {
-                    let ids: Vec<String> = (0..batch)
-                        .map(|i| format!("c{client}-b{number}-e{i}"))
-                        .collect();
-                    attempted.lock().unwrap().extend(ids.iter().cloned());
-                    match setup.ingest(&ids).await {
-                        Ok((202, _)) => acknowledged.lock().unwrap().extend(ids),
-                        _ => break, // the server died
+        let acknowledged: Arc<Mutex<Vec<String>>> = Arc::default();
+        let attempted: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let clients = (0..clients)
+            .map(|client| {
+                let (setup, acknowledged, attempted) =
+                    (self.clone(), acknowledged.clone(), attempted.clone());
+                tokio::spawn(async move {
+                    for number in 0..100_000 {
+                        let ids: Vec<String> = (0..batch)
+                            .map(|i| format!("c{client}-b{number}-e{i}"))
+                            .collect();
+                        attempted.lock().unwrap().extend(ids.iter().cloned());
+                        match setup.ingest(&setup.base, &ids).await {
+                            Ok((202, _)) => acknowledged.lock().unwrap().extend(ids),
+                            _ => break, // the server died
+                        }
                     }
-                }
-            }));
+                })
+            })
+            .collect();
+        Load {
+            acknowledged,
+            attempted,
+            clients,
         }
-        *load.clients.lock().unwrap() = handles;
-        load
     }
 
     /// Against a restarted server on `base`: every acknowledged id sent again is a
@@ -108,15 +111,8 @@ impl Setup {
         acknowledged: &[String],
         attempted: usize,
     ) -> Vec<usize> {
-        let restarted = Setup {
-            base: base.to_string(),
-            http: self.http.clone(),
-            key: self.key.clone(),
-            customer_id: self.customer_id.clone(),
-            meter_ids: self.meter_ids.clone(),
-        };
         for chunk in acknowledged.chunks(100) {
-            let (status, answer) = restarted.ingest(chunk).await.unwrap();
+            let (status, answer) = self.ingest(base, chunk).await.unwrap();
             assert_eq!(status, 202);
             assert_eq!(
                 answer["accepted"], 0,
@@ -144,18 +140,16 @@ impl Setup {
     }
 }
 
-#[derive(Default)]
 struct Load {
     acknowledged: Arc<Mutex<Vec<String>>>,
     attempted: Arc<Mutex<HashSet<String>>>,
-    clients: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    clients: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Load {
     /// Waits for the clients (the server is dead): acknowledged ids, ids sent.
     async fn finish(self) -> (Vec<String>, usize) {
-        let clients = std::mem::take(&mut *self.clients.lock().unwrap());
-        for client in clients {
+        for client in self.clients {
             client.await.unwrap();
         }
         let acknowledged = self.acknowledged.lock().unwrap().clone();
