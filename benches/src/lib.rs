@@ -101,15 +101,27 @@ pub fn start_server_with(
     data_dir: &str,
     flags: &[&str],
 ) -> anyhow::Result<(Child, String, String)> {
+    start_server_on(tally_bin, data_dir, "127.0.0.1:0", "127.0.0.1:0", flags)
+}
+
+/// `start_server_with` on the given listener addresses (a node whose address its
+/// peers must know before it starts).
+pub fn start_server_on(
+    tally_bin: &str,
+    data_dir: &str,
+    listen: &str,
+    test_listen: &str,
+    flags: &[&str],
+) -> anyhow::Result<(Child, String, String)> {
     let mut child = Command::new(tally_bin)
         .args([
             "serve",
             "--data-dir",
             data_dir,
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--test-listen",
-            "127.0.0.1:0",
+            test_listen,
         ])
         .args([
             "--rate-limit-per-second",

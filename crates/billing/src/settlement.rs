@@ -15,9 +15,9 @@
 //!    units of the period (above `free_allowance`, up to `cap`), then the debit,
 //!    never below zero, through the caller's `debit` (the ledger).
 //!
-//! Usage is partitioned by customer and the ledger by store, so the settlement is a
-//! record of its own: its debits are decided in the ledger's log order, never in
-//! the interleaving of two partitions. Whatever order a replay applies the two
+//! Logs of earlier builds partitioned usage by customer and the ledger by store, so
+//! the settlement is a record of its own: its debits are decided in the ledger's
+//! log order, never in the interleaving of two partitions. Whatever order a replay applies the two
 //! records in, the result is the same: a usage record whose settlement was applied
 //! first leaves nothing pending.
 

@@ -230,8 +230,8 @@ struct KafkaArgs {
     /// Topic holding the log.
     #[arg(long, env = "TALLY_KAFKA_TOPIC", default_value = "tally.log")]
     kafka_topic: String,
-    /// Partitions of the topic. Usage is partitioned by customer, control records by
-    /// store. Must match the topic's real partition count.
+    /// Partitions of the topic. Every record of a store goes to one partition.
+    /// Must match the topic's real partition count.
     #[arg(long, env = "TALLY_KAFKA_PARTITIONS", default_value_t = 12)]
     kafka_partitions: u32,
     /// Replication factor when creating the topic (3 in production, 1 for a test broker).
@@ -315,6 +315,25 @@ struct ServeArgs {
     /// partitions over. Give every node of the cluster the same name.
     #[arg(long, env = "TALLY_CLUSTER", value_parser = parse_cluster_name)]
     cluster: Option<String>,
+    /// Split the projection with the cluster's other nodes (needs `--cluster` and
+    /// `--cluster-secret`): this node projects in full only the partitions the
+    /// cluster gives it (of the others, only stores and API keys), and forwards a
+    /// request about a store it does not serve to the node that does. List every
+    /// node's production URL, comma separated, as the nodes reach one another
+    /// (this node's own may be included). Every node of the cluster needs the same
+    /// list.
+    #[arg(
+        long,
+        env = "TALLY_PEERS",
+        value_delimiter = ',',
+        requires = "cluster",
+        requires = "cluster_secret"
+    )]
+    peers: Vec<url::Url>,
+    /// The secret the nodes of a split cluster present to one another (at least
+    /// 32 characters, the same on every node).
+    #[arg(long, env = "TALLY_CLUSTER_SECRET", hide_env_values = true)]
+    cluster_secret: Option<String>,
     /// Do not create the `default` store on a first start (for additional nodes of a
     /// Kafka deployment; create stores with `tally store create`).
     #[arg(long, env = "TALLY_NO_DEFAULT_STORE")]
@@ -431,6 +450,24 @@ async fn publish_ownership(membership: Arc<Membership>, partitions: u32) {
     }
 }
 
+/// How often what the node projects in full follows the cluster's assignment.
+const PROJECT_ASSIGNED_EVERY_MS: u64 = 100;
+
+/// Projects in full what the cluster last assigned to this node (a split cluster,
+/// `--peers`): a partition gained is restored first, one lost is skipped from then
+/// on (ARCHITECTURE.md, "Partitions and ownership").
+async fn project_assigned(membership: Arc<Membership>, ownership: Arc<tally_engine::Ownership>) {
+    loop {
+        if let Some(assigned) = membership.last_assignment() {
+            if ownership.projecting().as_ref() != Some(&assigned) {
+                tracing::info!(partitions = ?assigned, "projecting the partitions the cluster assigned");
+                ownership.set_projecting(Some(assigned));
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(PROJECT_ASSIGNED_EVERY_MS)).await;
+    }
+}
+
 /// Which stores this node delivers webhooks for, and its cluster membership.
 struct Dispatching {
     scope: Arc<dyn DispatchScope>,
@@ -508,6 +545,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
     // The projector stops only after HTTP has drained: in-flight writes wait for
     // their records to be applied, and would otherwise answer 503 while durable.
     let (projector_stop_tx, projector_stop_rx) = tokio::sync::watch::channel(false);
+    let split = !args.peers.is_empty();
+    if split {
+        // Nothing is projected in full before the cluster has assigned partitions:
+        // a partition gained is restored from where its skipping began.
+        engine
+            .journal()
+            .runtime()
+            .ownership()
+            .set_projecting(Some(Default::default()));
+    }
     let projector = engine.start_projector(projector_stop_rx);
 
     let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
@@ -525,6 +572,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
             membership.clone(),
             args.storage.kafka.config().partitions,
         ));
+        if split {
+            tokio::spawn(project_assigned(
+                membership.clone(),
+                engine.journal().runtime().ownership().clone(),
+            ));
+        }
     }
     let prod_listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -534,6 +587,21 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("binding the test listener {}", args.test_listen))?;
     let prod_addr = prod_listener.local_addr()?;
     let test_addr = test_listener.local_addr()?;
+    let cluster = match (split, &args.cluster_secret) {
+        (true, Some(secret)) => {
+            let routing =
+                tally_http::cluster::ClusterRouting::new(tally_http::cluster::ClusterConfig {
+                    secret: secret.clone(),
+                    peers: args.peers.clone(),
+                    partitions: args.storage.kafka.config().partitions,
+                    test_port: test_addr.port(),
+                })
+                .map_err(|why| anyhow::anyhow!("--cluster-secret / --peers: {why}"))?;
+            tokio::spawn(routing.clone().run());
+            Some(routing)
+        }
+        _ => None,
+    };
     let (prod_state, test_state) = tally_http::states(
         engine.clone(),
         tally_http::HttpConfig {
@@ -543,6 +611,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             allow_private_webhooks: args.allow_private_webhooks,
             dispatch_webhooks: !args.no_webhook_dispatch,
             dispatch_scope,
+            cluster,
         },
     );
     let server = tokio::spawn(tally_http::serve(

@@ -1,9 +1,10 @@
 //! `tally serve --log kafka` end to end against a real Kafka-protocol broker
-//! (`TALLY_TEST_KAFKA_BROKERS`, started by `.ci/run`): usage from customers spread
-//! over partitions, exact dedup, credits under concurrency, restarts (graceful and
-//! SIGKILL) that resume from the projection's stored positions, several nodes on one
-//! topic deciding alike, one of them killed under load, and a cluster moving webhook
-//! delivery off a killed node.
+//! (`TALLY_TEST_KAFKA_BROKERS`, started by `.ci/run`): usage of several customers,
+//! exact dedup, credits under concurrency, restarts (graceful and SIGKILL) that
+//! resume from the projection's stored positions, several nodes on one topic
+//! deciding alike, one of them killed under load, a cluster moving webhook delivery
+//! off a killed node, and a split cluster sharing the projection (any node
+//! answering, one killed under load).
 
 mod common;
 
@@ -507,9 +508,7 @@ async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
     for node in [node_a, node_b, node_c] {
         assert!(node.terminate().success());
     }
-    // `tally replay` takes the partitions in turns: a customer's usage waits for its
-    // store's meter on another partition instead of failing the replay. Every node's
-    // live projection equals that single replay of the topic.
+    // Every node's live projection equals a single replay of the topic.
     let mut digests = Vec::new();
     for dir in &dirs {
         let output = tally()
@@ -719,4 +718,280 @@ async fn a_cluster_moves_webhook_delivery_off_a_killed_node() {
         assert_eq!(times, 1, "{id} was delivered {times} times");
     }
     assert!(survivor.terminate().success());
+}
+
+/// The partitions each node of a split cluster serves (`/internal/v1/cluster`).
+async fn serving(http: &reqwest::Client, prod: &str, secret: &str) -> Option<Vec<u64>> {
+    let answer = http
+        .get(format!("{prod}/internal/v1/cluster"))
+        .header("x-tally-cluster-secret", secret)
+        .send()
+        .await
+        .ok()?;
+    let status: Value = answer.json().await.ok()?;
+    Some(
+        status["serving"]
+            .as_array()?
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect(),
+    )
+}
+
+/// Three nodes of a split cluster (`--cluster`, `--peers`): each projects in full
+/// only its share of the partitions, and any node answers any request, forwarding
+/// it to the node that serves the store. Six stores spread over the partitions take
+/// ingest and debits through all three nodes; one node is SIGKILLed mid-load (its
+/// partitions move, are restored by their new owners, and come back when it
+/// restarts). Afterwards every node answers every store's exact usage total and a
+/// balance of exactly 0 after exactly the balance's worth of debits, the same
+/// bytes for a customer, and a full replica of the topic agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
+    let topic = tally_log::testsuite::unique_topic("tally-split");
+    let flags = kafka_flags(&brokers, &topic);
+    let secret = "cluster-secret-".repeat(3);
+    let admin = "admin-token-".repeat(4);
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let peers = ports
+        .iter()
+        .map(|(prod, _)| format!("http://127.0.0.1:{prod}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut node_flags = flags.to_vec();
+    node_flags.extend([
+        "--cluster",
+        "split",
+        "--peers",
+        &peers,
+        "--cluster-secret",
+        &secret,
+        "--admin-token",
+        &admin,
+        "--no-default-store",
+    ]);
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let start = |i: usize| {
+        serve_on(
+            dirs[i].path(),
+            &format!("127.0.0.1:{}", ports[i].0),
+            &format!("127.0.0.1:{}", ports[i].1),
+            &node_flags,
+        )
+    };
+    let node_a = start(0);
+    let node_b = start(1);
+    let node_c = start(2);
+    let prods: Vec<String> = ports
+        .iter()
+        .map(|(prod, _)| format!("http://127.0.0.1:{prod}"))
+        .collect();
+    let nodes: Vec<String> = ports
+        .iter()
+        .map(|(_, test)| format!("http://127.0.0.1:{test}"))
+        .collect();
+    let http = reqwest::Client::new();
+
+    // The group splits the three partitions: every partition is served, and no
+    // node serves them all.
+    let mut split = false;
+    for _ in 0..300 {
+        let mut all = std::collections::BTreeSet::new();
+        let mut largest = 0;
+        for prod in &prods {
+            let served = serving(&http, prod, &secret).await.unwrap_or_default();
+            largest = largest.max(served.len());
+            all.extend(served);
+        }
+        if all.len() == 3 && largest < 3 {
+            split = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(split, "the cluster never split its partitions");
+    // The status is the cluster's: without the secret it is refused.
+    let refused = http
+        .get(format!("{}/internal/v1/cluster", prods[0]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+
+    const STORES: usize = 6;
+    const BATCHES: usize = 6;
+    const PER_BATCH: usize = 20;
+    const BALANCE: usize = 30;
+    const DEBITS: usize = 50;
+    struct Store {
+        key: String,
+        meter: String,
+        account: String,
+        customer: String,
+    }
+    let mut stores = Vec::new();
+    for s in 0..STORES {
+        let created: Value = http
+            .post(format!("{}/admin/v1/stores", prods[s % 3]))
+            .bearer_auth(&admin)
+            .json(&json!({"name": format!("store {s}")}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let key = created["api_keys"]["test"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{created}"))
+            .to_string();
+        let (status, customer) = post_retrying(
+            &http,
+            &nodes,
+            s,
+            "/v1/customers",
+            &key,
+            &json!({"email": "split@x.io", "external_id": "c"}),
+        )
+        .await;
+        assert_eq!(status, 200, "{customer}");
+        let (status, meter) = post_retrying(&http, &nodes, s + 1, "/v1/meters", &key, &json!({"name": "tokens", "event_name": "call", "aggregation": "sum", "aggregation_property": "n"})).await;
+        assert_eq!(status, 200, "{meter}");
+        let (status, account) = post_retrying(
+            &http,
+            &nodes,
+            s + 2,
+            "/v1/customer-credits/accounts",
+            &key,
+            &json!({"customer_id": customer["id"], "initial_balance": BALANCE.to_string()}),
+        )
+        .await;
+        assert_eq!(status, 200, "{account}");
+        stores.push(Store {
+            key,
+            meter: meter["id"].as_str().unwrap().to_string(),
+            account: account["id"].as_str().unwrap().to_string(),
+            customer: customer["id"].as_str().unwrap().to_string(),
+        });
+    }
+
+    let mut ingest = Vec::new();
+    let mut debits = Vec::new();
+    for (s, store) in stores.iter().enumerate() {
+        for batch in 0..BATCHES {
+            let (http, nodes, key) = (http.clone(), nodes.clone(), store.key.clone());
+            let events: Vec<Value> = (batch * PER_BATCH..(batch + 1) * PER_BATCH)
+                .map(|i| json!({"name": "call", "external_customer_id": "c", "event_id": format!("ev{i}"), "properties": {"n": i}}))
+                .collect();
+            ingest.push(tokio::spawn(async move {
+                post_retrying(
+                    &http,
+                    &nodes,
+                    s + batch,
+                    "/v1/events/ingest",
+                    &key,
+                    &json!({ "events": events }),
+                )
+                .await
+            }));
+        }
+        for debit in 0..DEBITS {
+            let (http, nodes, key) = (http.clone(), nodes.clone(), store.key.clone());
+            let path = format!("/v1/customer-credits/accounts/{}/debit", store.account);
+            debits.push((
+                s,
+                tokio::spawn(async move {
+                    let body = json!({"amount": "1", "idempotency_key": format!("debit-{debit}")});
+                    post_retrying(&http, &nodes, s + debit, &path, &key, &body).await
+                }),
+            ));
+        }
+    }
+    // Mid-load: node C dies; its partitions move to the others after the group's
+    // session timeout, and they restore them from the log.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    node_c.kill();
+
+    for task in ingest {
+        let (status, answer) = task.await.unwrap();
+        assert_eq!(status, 202, "{answer}");
+    }
+    let mut debited = vec![0; STORES];
+    for (s, task) in debits {
+        let (status, answer) = task.await.unwrap();
+        if status == 200 {
+            debited[s] += 1;
+        } else {
+            assert_eq!(answer["error"]["code"], "insufficient_balance", "{answer}");
+        }
+    }
+    assert_eq!(
+        debited,
+        vec![BALANCE; STORES],
+        "exactly the balance is debited"
+    );
+
+    // C comes back on its data dir and its ports.
+    let node_c = start(2);
+    let total: usize = (0..BATCHES * PER_BATCH).sum();
+    for store in &stores {
+        let mut customer_bodies = Vec::new();
+        for node in &nodes {
+            wait_for_usage(&http, node, &store.key, &store.meter, &total.to_string()).await;
+            let (_, balance) = get(
+                &http,
+                &format!("{node}/v1/customer-credits/accounts/{}", store.account),
+                &store.key,
+            )
+            .await;
+            assert_eq!(balance["balance"], "0", "{node}: {balance}");
+            let body = http
+                .get(format!("{node}/v1/customers/{}", store.customer))
+                .header("x-api-key", &store.key)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            customer_bodies.push(body);
+        }
+        assert!(
+            customer_bodies.windows(2).all(|pair| pair[0] == pair[1]),
+            "{customer_bodies:?}"
+        );
+    }
+    for node in [node_a, node_b, node_c] {
+        assert!(node.terminate().success());
+    }
+
+    // A full replica of the topic (a node outside the cluster) agrees.
+    let replica_dir = tempfile::tempdir().unwrap();
+    let mut replica_flags = flags.to_vec();
+    replica_flags.push("--no-default-store");
+    let replica = serve_with(replica_dir.path(), &replica_flags);
+    for store in &stores {
+        wait_for_usage(
+            &http,
+            &replica.test_url,
+            &store.key,
+            &store.meter,
+            &total.to_string(),
+        )
+        .await;
+        let (_, balance) = get(
+            &http,
+            &format!(
+                "{}/v1/customer-credits/accounts/{}",
+                replica.test_url, store.account
+            ),
+            &store.key,
+        )
+        .await;
+        assert_eq!(balance["balance"], "0", "{balance}");
+    }
+    assert!(replica.terminate().success());
 }

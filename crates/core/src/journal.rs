@@ -392,6 +392,16 @@ impl Journal {
     ) -> Result<Decision, EngineError> {
         let (partition, offset) = self.append_with(record, base_updated_at_ms).await?;
         self.wait_applied(partition, offset).await?;
+        if !record.applies_on_every_node()
+            && !self.runtime.ownership().applied_in_full(partition, offset)
+        {
+            // The partition moved to another node of the cluster before this node
+            // applied the record: its owner decides it.
+            return Err(EngineError::Unavailable {
+                code: "partition_moved",
+                message: "the write is durable, but its store moved to another node of the cluster before this one decided it; retry with the same idempotency key",
+            });
+        }
         match self.store.get(&outcome::outcome_key(partition, offset))? {
             None => Ok(Decision::Applied),
             Some(bytes) => match outcome::Outcome::decode(&bytes)? {

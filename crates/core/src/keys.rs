@@ -77,6 +77,7 @@
 //! | `/` | store, mode | ModerationPolicy (proto): the store's moderation policy |
 //! | `[` | sha256(api key) | the key's permissions, one per line (absent: every permission) |
 //! | `]` | store, key_id | sha256(api key), mode byte, revoked byte (the admin API's handle on a key) |
+//! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
 use tally_domain::Mode;
 
@@ -156,6 +157,14 @@ pub const AFFILIATE_LIST: u8 = b'-';
 pub const MODERATION_POLICY: u8 = b'/';
 pub const API_KEY_PERMISSIONS: u8 = b'[';
 pub const API_KEY_ID: u8 = b']';
+pub const PARTITION_SKIPPED: u8 = b'!';
+
+/// The `!` row of a partition.
+pub fn partition_skipped_key(partition: u32) -> Vec<u8> {
+    Key::table(PARTITION_SKIPPED)
+        .uint(u64::from(partition))
+        .into_bytes()
+}
 
 /// The `Z` rows of one meter: one per active product pricing it. Billing's apply
 /// writes them; metering's apply reads them to refuse archiving a priced meter.

@@ -256,8 +256,19 @@ pub struct LedgerEvent {
 }
 
 impl Record {
-    /// The partitioning key: records of one store stay in one order; usage goes by
-    /// customer so one customer's events keep theirs (see ARCHITECTURE.md).
+    /// Whether every node of a cluster applies this record, whoever owns its
+    /// partition: what a node needs to route a request to the owner (a store and
+    /// its API keys), and nothing else.
+    pub fn applies_on_every_node(&self) -> bool {
+        matches!(
+            self,
+            Record::StoreCreated(_) | Record::ApiKeyCreated { .. } | Record::ApiKeyRevoked { .. }
+        )
+    }
+
+    /// The partitioning key: every record of a store goes to one partition, so a
+    /// store's records keep one order and one node can own the store (see
+    /// ARCHITECTURE.md, "Partitions and ownership").
     pub fn partition_key(&self) -> Vec<u8> {
         match self {
             Record::StoreCreated(s) => s.store_id.as_bytes().to_vec(),
@@ -307,12 +318,10 @@ impl Record {
             Record::ModerationPolicySet { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::ApiKeyCreated { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::ApiKeyRevoked { store_id, .. } => store_id.as_bytes().to_vec(),
-            Record::UsageBatch {
-                store_id, events, ..
-            } => match events.first() {
-                Some(e) => format!("{store_id}/{}", e.customer_id).into_bytes(),
-                None => store_id.as_bytes().to_vec(),
-            },
+            // With the store's customers and meters: event ids are deduplicated per
+            // store, so a store's events are decided in one order (and by one node
+            // of a cluster that splits the projection, ARCHITECTURE.md).
+            Record::UsageBatch { store_id, .. } => store_id.as_bytes().to_vec(),
         }
     }
 }

@@ -46,6 +46,7 @@ pub use tally_ledger as ledger;
 pub use tally_ledger::audit;
 pub use tally_metering::{events, meters, usage};
 pub use tally_notifications::{dispatcher, webhooks};
+pub use tally_runtime::Ownership;
 
 /// The directory, as the ports of the contexts that need customers see it.
 struct DirectoryPort(Arc<Directory>);
@@ -280,8 +281,16 @@ impl tally_runtime::Projection for Engine {
     type Fetched = projector::Fetched;
     type Applied = projector::Applied;
 
-    fn decode(&self, entries: Vec<tally_log::LogEntry>) -> Self::Chunk {
-        self.projection.decode(entries)
+    fn decode(
+        &self,
+        entries: Vec<tally_log::LogEntry>,
+        mode: tally_runtime::ChunkMode,
+    ) -> Self::Chunk {
+        self.projection.decode(entries, mode)
+    }
+
+    fn skipped_from(&self, partition: u32) -> Result<Option<u64>, String> {
+        self.projection.skipped_from(partition)
     }
 
     fn plan(&self, chunk: &Self::Chunk) -> Result<Vec<(u32, u64)>, String> {
@@ -319,8 +328,10 @@ impl tally_runtime::Projection for Engine {
         self.journal
             .metrics
             .records_applied(committed.records as u64);
-        self.journal
-            .note_applied(committed.partition, committed.next_offset);
+        if !committed.restored {
+            self.journal
+                .note_applied(committed.partition, committed.next_offset);
+        }
     }
 }
 

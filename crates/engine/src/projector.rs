@@ -31,6 +31,7 @@ use tally_log::LogEntry;
 use tally_metering::apply::BackfillStep;
 use tally_metering::MeteringApplied;
 use tally_projection::{scan_prefix, ProjectionStore, Visit};
+use tally_runtime::ChunkMode;
 
 /// The layout of the projection this build writes. Version 2 keeps stored events in
 /// the log only (the `F` rows and the event index), where version 1 kept a copy of
@@ -68,16 +69,39 @@ pub fn check_projection_format(
     }
 }
 
-/// A chunk of log entries, each decoded once (planning and apply both read them).
+/// A chunk of log entries, each decoded once (planning and apply both read them),
+/// and how it is to be applied.
 pub struct DecodedChunk {
     pub entries: Vec<LogEntry>,
     records: Vec<Result<(Record, RecordMeta), Outcome>>,
+    mode: ChunkMode,
 }
 
 impl DecodedChunk {
+    /// A chunk applied in full.
     pub fn new(entries: Vec<LogEntry>) -> DecodedChunk {
+        DecodedChunk::with_mode(entries, ChunkMode::Full)
+    }
+
+    pub fn with_mode(entries: Vec<LogEntry>, mode: ChunkMode) -> DecodedChunk {
         let records = entries.iter().map(decode_entry).collect();
-        DecodedChunk { entries, records }
+        DecodedChunk {
+            entries,
+            records,
+            mode,
+        }
+    }
+
+    /// Whether `mode` applies the entry at `index` (see `ChunkMode`): a record that
+    /// does not decode is nobody's to share, so it goes with the owner's records.
+    fn applies(&self, index: usize) -> bool {
+        let shared =
+            matches!(&self.records[index], Ok((record, _)) if record.applies_on_every_node());
+        match self.mode {
+            ChunkMode::Full => true,
+            ChunkMode::Shared => shared,
+            ChunkMode::Restore { .. } => !shared,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -191,8 +215,10 @@ pub fn plan_chunk(
     chunk: &DecodedChunk,
 ) -> Result<BTreeSet<(u32, u64)>, EngineError> {
     let mut wanted = BTreeSet::new();
-    for (record, _) in chunk.records.iter().flatten() {
-        tally_metering::apply::plan_record(store, index, record, &mut wanted)?;
+    for (at, record) in chunk.records.iter().enumerate() {
+        if let (true, Ok((record, _))) = (chunk.applies(at), record) {
+            tally_metering::apply::plan_record(store, index, record, &mut wanted)?;
+        }
     }
     // This chunk's own records are read from the chunk.
     for entry in &chunk.entries {
@@ -212,8 +238,8 @@ pub fn apply_chunk(
     let index = state.index.clone();
     let mut overlay = Overlay::new(store, &index, fetched);
     overlay.cache = Some(&mut state.buckets);
-    for (entry, record) in chunk.entries.iter().zip(&chunk.records) {
-        if let Ok((record @ Record::UsageBatch { .. }, _)) = record {
+    for (at, (entry, record)) in chunk.entries.iter().zip(&chunk.records).enumerate() {
+        if let (true, Ok((record @ Record::UsageBatch { .. }, _))) = (chunk.applies(at), record) {
             overlay
                 .chunk
                 .insert((entry.partition, entry.offset), record);
@@ -226,14 +252,38 @@ pub fn apply_chunk(
         overlay.put(stamp, PROJECTION_FORMAT_VERSION.to_be_bytes().to_vec());
         overlay.keep();
     }
-    for (entry, record) in chunk.entries.iter().zip(&chunk.records) {
+    for (at, (entry, record)) in chunk.entries.iter().zip(&chunk.records).enumerate() {
+        if !matches!(chunk.mode, ChunkMode::Restore { .. }) {
+            positions.insert(entry.partition, entry.next_offset);
+        }
+        if !chunk.applies(at) {
+            // Another node's record: remember where skipping began (the restore
+            // starts there when this node gains the partition).
+            let mark = keys::partition_skipped_key(entry.partition);
+            if overlay.get(&mark)?.is_none() {
+                overlay.put(mark, entry.offset.to_be_bytes().to_vec());
+                overlay.keep();
+            }
+            continue;
+        }
         if let Ok((Record::UsageBatch { events, .. }, _)) = record {
             if let Some(received) = events.iter().map(|e| e.received_at_ms).min() {
                 tally_metering::apply::prune_stored_events(&mut overlay, received)?;
             }
         }
         apply_entry(&mut overlay, entry, record, &mut applied)?;
-        positions.insert(entry.partition, entry.next_offset);
+    }
+    if let ChunkMode::Restore { partition, until } = chunk.mode {
+        // The skip mark moves with what is restored, in the same commit: a crash
+        // mid-restore resumes where the last restored chunk ended.
+        let mark = keys::partition_skipped_key(partition);
+        let end = chunk.entries.last().map_or(until, |e| e.next_offset);
+        if end >= until {
+            overlay.delete(mark);
+        } else {
+            overlay.put(mark, end.to_be_bytes().to_vec());
+        }
+        overlay.keep();
     }
     let positions: Vec<(u32, u64)> = positions.into_iter().collect();
     let mut committed = overlay.into_changes()?;
@@ -254,9 +304,20 @@ pub fn apply_chunk_reading(
     store: &dyn ProjectionStore,
     state: &mut ProjectorState,
     entries: &[LogEntry],
+    read: impl FnMut(u32, u64) -> Result<Option<Vec<u8>>, EngineError>,
+) -> Result<Applied, EngineError> {
+    apply_chunk_reading_as(store, state, entries, ChunkMode::Full, read)
+}
+
+/// `apply_chunk_reading` with the chunk applied as `mode` says.
+pub fn apply_chunk_reading_as(
+    store: &dyn ProjectionStore,
+    state: &mut ProjectorState,
+    entries: &[LogEntry],
+    mode: ChunkMode,
     mut read: impl FnMut(u32, u64) -> Result<Option<Vec<u8>>, EngineError>,
 ) -> Result<Applied, EngineError> {
-    let chunk = DecodedChunk::new(entries.to_vec());
+    let chunk = DecodedChunk::with_mode(entries.to_vec(), mode);
     let mut fetched = Fetched::new();
     let mut wanted: Vec<(u32, u64)> = plan_chunk(store, &state.index, &chunk)?
         .into_iter()
@@ -284,7 +345,18 @@ pub fn apply_chunk_in_memory(
     entries: &[LogEntry],
     log: &[LogEntry],
 ) -> Result<Applied, EngineError> {
-    apply_chunk_reading(store, state, entries, |partition, offset| {
+    apply_chunk_in_memory_as(store, state, entries, ChunkMode::Full, log)
+}
+
+/// `apply_chunk_in_memory` with the chunk applied as `mode` says.
+pub fn apply_chunk_in_memory_as(
+    store: &dyn ProjectionStore,
+    state: &mut ProjectorState,
+    entries: &[LogEntry],
+    mode: ChunkMode,
+    log: &[LogEntry],
+) -> Result<Applied, EngineError> {
+    apply_chunk_reading_as(store, state, entries, mode, |partition, offset| {
         Ok(log
             .iter()
             .find(|e| e.partition == partition && e.offset == offset)
@@ -363,11 +435,19 @@ fn apply_keyed(
     entry: &LogEntry,
     applied: &mut Applied,
 ) -> Result<(), ApplyError> {
-    if let Some(request) = &meta.request {
+    // What every node applies (stores, API keys) is applied apart from its store's
+    // other records on a node that does not own the store (ARCHITECTURE.md,
+    // "Partitions and ownership"), so it takes no part in their idempotency keys:
+    // the admin API that writes it sends none, and one in its envelope is ignored.
+    let request = meta
+        .request
+        .as_ref()
+        .filter(|_| !record.applies_on_every_node());
+    if let Some(request) = request {
         idempotency::check(overlay, request, meta.recorded_at_ms)?;
     }
     apply_record(overlay, record, meta, entry, applied)?;
-    if let Some(request) = &meta.request {
+    if let Some(request) = request {
         idempotency::claim(overlay, request, meta.recorded_at_ms)?;
     }
     Ok(())
@@ -678,8 +758,8 @@ impl tally_runtime::Projection for StoreProjection {
     type Fetched = Fetched;
     type Applied = Applied;
 
-    fn decode(&self, entries: Vec<LogEntry>) -> DecodedChunk {
-        DecodedChunk::new(entries)
+    fn decode(&self, entries: Vec<LogEntry>, mode: ChunkMode) -> DecodedChunk {
+        DecodedChunk::with_mode(entries, mode)
     }
 
     fn plan(&self, chunk: &DecodedChunk) -> Result<Vec<(u32, u64)>, String> {
@@ -725,6 +805,28 @@ impl tally_runtime::Projection for StoreProjection {
     }
 
     fn after_commit(&self, _: Applied, _: tally_runtime::Committed) {}
+
+    fn skipped_from(&self, partition: u32) -> Result<Option<u64>, String> {
+        skipped_from(self.store.as_ref(), partition).map_err(|error| error.to_string())
+    }
+}
+
+/// Where the projection began skipping `partition`'s records as another node's
+/// (and has not restored them yet).
+pub fn skipped_from(
+    store: &dyn ProjectionStore,
+    partition: u32,
+) -> Result<Option<u64>, EngineError> {
+    match store.get(&keys::partition_skipped_key(partition))? {
+        None => Ok(None),
+        Some(bytes) => Ok(Some(u64::from_be_bytes(
+            bytes.as_slice().try_into().map_err(|_| {
+                EngineError::Corrupt(format!(
+                    "the skip mark of partition {partition} is not 8 bytes"
+                ))
+            })?,
+        ))),
+    }
 }
 
 /// Applies every partition of the log into `store` (replay, audits' catch-up), from

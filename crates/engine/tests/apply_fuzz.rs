@@ -33,9 +33,10 @@ use tally_domain::Mode;
 use tally_engine::codec;
 use tally_engine::keys;
 use tally_engine::outcome::Outcome;
-use tally_engine::projector::{apply_chunk_in_memory, ProjectorState};
+use tally_engine::projector::{apply_chunk_in_memory, apply_chunk_in_memory_as, ProjectorState};
 use tally_log::LogEntry;
 use tally_projection::{scan_prefix, MemoryStore, ProjectionStore, Visit};
+use tally_runtime::ChunkMode;
 
 const STORE: &str = "st_fuzz";
 const T0: i64 = 1_800_000_000_000;
@@ -171,6 +172,12 @@ enum Op {
     Dispute {
         payment: u8,
     },
+    /// What every node of a cluster applies: a store, an API key created or revoked.
+    Store(u8),
+    Key {
+        id: u8,
+        revoke: bool,
+    },
     Garbage(Vec<u8>),
 }
 
@@ -229,6 +236,15 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(key, fingerprint, status)| Op::Response { key, fingerprint, status }),
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
         3 => billing_op(),
+        1 => shared_op(),
+    ]
+}
+
+/// Stores and API keys: what every node of a cluster applies.
+fn shared_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..2).prop_map(Op::Store),
+        (0u8..3, any::<bool>()).prop_map(|(id, revoke)| Op::Key { id, revoke }),
     ]
 }
 
@@ -883,6 +899,29 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 Record::RefundCreated(billing::refund(i, *payment, *amount))
             }
             Op::Dispute { payment } => Record::DisputeOpened(billing::dispute(i, *payment)),
+            Op::Store(n) => Record::StoreCreated(tally_domain::record::StoreRecord {
+                store_id: format!("st_{n}").into(),
+                name: format!("store {n}"),
+                prod_key_sha256: vec![*n; 32],
+                test_key_sha256: vec![n.wrapping_add(100); 32],
+                created_at_ms: T0,
+            }),
+            Op::Key { id, revoke: false } => Record::ApiKeyCreated {
+                store_id: "st_0".into(),
+                key_id: format!("key_{id}"),
+                mode: Mode::Test,
+                key_sha256: vec![id.wrapping_add(200); 32],
+                permissions: if *id == 0 {
+                    vec![]
+                } else {
+                    vec!["customers:read".into()]
+                },
+                created_at_ms: T0,
+            },
+            Op::Key { id, revoke: true } => Record::ApiKeyRevoked {
+                store_id: "st_0".into(),
+                key_id: format!("key_{id}"),
+            },
             Op::Garbage(bytes) => {
                 garbage.insert(records.len(), bytes.clone());
                 records.push(None);
@@ -936,6 +975,31 @@ fn apply_in_chunks(
         }
     }
     Ok(store)
+}
+
+/// The keys whose values differ between two projections (for failure messages).
+fn differing_keys(a: &MemoryStore, b: &MemoryStore) -> Vec<String> {
+    let all = |store: &MemoryStore| {
+        let mut rows = BTreeMap::new();
+        let _ = store.scan(
+            std::ops::Bound::Unbounded,
+            std::ops::Bound::Unbounded,
+            false,
+            &mut |k, v| {
+                rows.insert(k.to_vec(), v.to_vec());
+                Visit::Continue
+            },
+        );
+        rows
+    };
+    let (a, b) = (all(a), all(b));
+    a.keys()
+        .chain(b.keys())
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
 }
 
 fn check_invariants(store: &MemoryStore) -> Result<(), TestCaseError> {
@@ -1218,6 +1282,60 @@ proptest! {
         check_invariants(&whole)?;
     }
 
+    /// A node of a cluster skips the records of a partition it does not own but
+    /// those every node needs (`ChunkMode::Shared`), and restores them when it gains
+    /// the partition: whatever the ownership changes, restore chunkings and restarts
+    /// (state reloaded from the store) in between, it ends with the projection of a
+    /// node that applied everything, and no skip mark left.
+    #[test]
+    fn skipping_and_restoring_a_partition_ends_at_the_full_projection(
+        ops in proptest::collection::vec((op(), envelope()), 1..60),
+        cuts in proptest::collection::vec(0usize..80, 0..8),
+        owned in proptest::collection::vec(any::<bool>(), 8),
+        restore_step in 1usize..8,
+        restarts in proptest::collection::vec(any::<bool>(), 8),
+    ) {
+        let entries = entries(&payloads(&ops));
+        let whole = apply_in_chunks(&entries, &[])?;
+        let store = Arc::new(MemoryStore::new());
+        let mut state = ProjectorState::empty();
+        let mut points: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
+        points.extend([0, entries.len()]);
+        points.sort_unstable();
+        points.dedup();
+        let apply = |state: &mut ProjectorState, chunk: &[LogEntry], mode| {
+            apply_chunk_in_memory_as(store.as_ref(), state, chunk, mode, &entries)
+                .map(|_| ())
+                .map_err(|e| TestCaseError::fail(format!("apply failed: {e}")))
+        };
+        let mut skipped = false;
+        // The runtime's order: a partition gained is restored before anything new.
+        let restore = |state: &mut ProjectorState, until: usize| -> Result<(), TestCaseError> {
+            while let Some(from) = tally_engine::projector::skipped_from(store.as_ref(), 0).unwrap() {
+                let from = from as usize;
+                prop_assert!(from < until, "the skip mark {} is not below the watermark {}", from, until);
+                let end = (from + restore_step).min(until);
+                apply(state, &entries[from..end], ChunkMode::Restore { partition: 0, until: until as u64 })?;
+            }
+            Ok(())
+        };
+        for (turn, window) in points.windows(2).enumerate() {
+            let owns = owned[turn % owned.len()] || turn + 2 == points.len();
+            if owns {
+                restore(&mut state, window[0])?;
+            }
+            let mode = if owns { ChunkMode::Full } else { ChunkMode::Shared };
+            skipped |= !owns;
+            apply(&mut state, &entries[window[0]..window[1]], mode)?;
+            if restarts[turn % restarts.len()] {
+                state = ProjectorState::load(store.as_ref(), Arc::new(Default::default()))
+                    .map_err(|e| TestCaseError::fail(format!("reload failed: {e}")))?;
+            }
+        }
+        prop_assert_eq!(tally_engine::projector::skipped_from(store.as_ref(), 0).unwrap(), None);
+        prop_assert_eq!(whole.digest().unwrap(), store.digest().unwrap(), "skipped: {}; differing keys: {:?}", skipped, differing_keys(&whole, &store));
+    }
+
     /// Billing alone, where every kind of record often meets the others: any
     /// sequence of discounts, checkouts, completions (concurrent ones are repeats
     /// here), refunds and disputes, in any chunking, keeps the billing invariants.
@@ -1243,7 +1361,7 @@ proptest! {
     }
 }
 
-/// Usage is partitioned by customer, settlements (and bindings and the ledger) by
+/// Logs of earlier builds partitioned usage by customer, settlements (and bindings and the ledger) by
 /// store: whatever order a replay interleaves the two partitions in, even a
 /// settlement before the usage record it settles, the projection is the same, and
 /// the credits billed are the reference's: the period's units above the free

@@ -16,6 +16,7 @@ use dashmap::DashMap;
 use tally_domain::Mode;
 use tally_engine::Engine;
 
+pub mod cluster;
 pub mod error;
 pub mod extract;
 pub mod ingest_body;
@@ -42,6 +43,9 @@ pub struct HttpConfig {
     /// The stores whose webhooks it delivers (all of them, unless the node shares
     /// the work with a cluster).
     pub dispatch_scope: Arc<dyn webhooks::DispatchScope>,
+    /// Set when this node shares the projection with a cluster: requests about
+    /// stores it does not serve are forwarded (`cluster`).
+    pub cluster: Option<Arc<cluster::ClusterRouting>>,
 }
 
 #[derive(Clone)]
@@ -131,6 +135,7 @@ fn open_routes(with_admin: bool) -> OpenApiRouter<AppState> {
 pub fn api_router(with_admin: bool) -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(<openapi::ApiDoc as utoipa::OpenApi>::openapi())
         .merge(open_routes(with_admin))
+        .routes(utoipa_axum::routes!(cluster::status))
         .merge(v1_routes())
 }
 
@@ -139,8 +144,9 @@ pub fn router(state: AppState) -> Router {
     let (v1, _) = v1_routes().split_for_parts();
     let v1 = v1
         .method_not_allowed_fallback(method_not_allowed)
-        // Layers run bottom-up: authenticate, then rate limit, then idempotency,
-        // then the write gate, then the catch-up before a 404.
+        // Layers run bottom-up: authenticate, then forward to the node serving the
+        // store (in a cluster), then rate limit, then idempotency, then the write
+        // gate, then the catch-up before a 404.
         .layer(from_fn_with_state(
             state.clone(),
             middleware::found_after_catching_up,
@@ -148,8 +154,11 @@ pub fn router(state: AppState) -> Router {
         .layer(from_fn_with_state(state.clone(), middleware::write_gate))
         .layer(from_fn_with_state(state.clone(), middleware::idempotency))
         .layer(from_fn_with_state(state.clone(), middleware::rate_limit))
+        .layer(from_fn_with_state(state.clone(), cluster::forward))
         .layer(from_fn_with_state(state.clone(), middleware::authenticate));
-    let (open, _) = open_routes(state.mode == Mode::Prod).split_for_parts();
+    let (open, _) = open_routes(state.mode == Mode::Prod)
+        .routes(utoipa_axum::routes!(cluster::status))
+        .split_for_parts();
     let request_id = axum::http::HeaderName::from_static(middleware::REQUEST_ID_HEADER);
     open.method_not_allowed_fallback(method_not_allowed)
         .merge(v1)

@@ -124,11 +124,27 @@ pub async fn authenticate(
         .get(API_KEY_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    match state
+    let mut verdict = state
         .engine
         .directory()
-        .authenticate(key.as_deref(), state.mode)
-    {
+        .authenticate(key.as_deref(), state.mode);
+    if verdict == Err(AuthError::Unknown) && state.engine.log().shared_between_nodes() {
+        // A key created through another node is durable before its creator answers,
+        // but this node may not have applied it yet: as for a 404
+        // (`found_after_catching_up`), catch up with the log once, then decide.
+        let caught_up = tokio::time::timeout(
+            Duration::from_millis(CATCH_UP_BEFORE_NOT_FOUND_MS),
+            state.engine.wait_caught_up(),
+        )
+        .await;
+        if matches!(caught_up, Ok(Ok(()))) {
+            verdict = state
+                .engine
+                .directory()
+                .authenticate(key.as_deref(), state.mode);
+        }
+    }
+    match verdict {
         Ok(scope) => {
             let digest = key_digest(key.as_deref().unwrap_or(""));
             // A restricted key needs the permission of the resource and method.
@@ -166,6 +182,11 @@ pub async fn authenticate(
             ApiError::new(StatusCode::UNAUTHORIZED, code, message).into_response()
         }
     }
+}
+
+/// Compares two secrets in time that depends on their length only.
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// SHA-256 of the caller's key: identifies the key for rate limits and idempotency
@@ -530,6 +551,12 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
         done,
     };
     let request_id = request_id_of(&parts.extensions);
+    // A request that appends nothing records its response in its store's partition,
+    // where the records of its retries would go (`Record::partition_key`).
+    let store_key = parts
+        .extensions
+        .get::<tally_engine::Scope>()
+        .map(|scope| scope.store_id.as_bytes().to_vec());
     // The handler runs as its own task: a client that disconnects, or stops waiting,
     // does not cancel a write that may already be durable; its final response is
     // recorded for the retry.
@@ -558,7 +585,7 @@ pub async fn idempotency(State(state): State<AppState>, request: Request, next: 
         remember(
             &task_state,
             request_key,
-            partition_key,
+            partition_key.or(store_key),
             response,
             &request_id,
         )
@@ -624,7 +651,7 @@ async fn remember(
     let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
         return ApiError::internal("response body could not be read").into_response();
     };
-    // A request that appended nothing goes with its API key's other responses.
+    // Outside a store's scope, with the API key's other responses.
     let partition_key = partition_key.unwrap_or_else(|| request.api_key_sha256.clone());
     let record = Record::IdempotentResponse(IdempotentResponse {
         request,

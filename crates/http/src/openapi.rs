@@ -210,7 +210,7 @@ impl Modify for Shared {
                     add_missing(
                         operation,
                         "503",
-                        "api_error: not_ready, projector_failed, log_unavailable, projection_lagging, outcome_pending, outcome_unknown",
+                        "api_error: not_ready, projector_failed, log_unavailable, projection_lagging, outcome_pending, outcome_unknown, partition_unavailable, partition_moved",
                     );
                     add_missing(operation, "500", "api_error: internal_error");
                 }

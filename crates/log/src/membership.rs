@@ -46,6 +46,8 @@ type Owned = Arc<RwLock<BTreeSet<u32>>>;
 
 struct MembershipContext {
     owned: Owned,
+    /// The last assignment (kept through a revocation until the next one).
+    assigned: Arc<RwLock<Option<BTreeSet<u32>>>>,
     cluster: String,
     /// What this node owned before the last revocation.
     before_revoke: std::sync::Mutex<Option<BTreeSet<u32>>>,
@@ -83,6 +85,7 @@ impl ConsumerContext for MembershipContext {
             }
         };
         if let Rebalance::Assign(_) = rebalance {
+            *self.assigned.write().unwrap_or_else(|p| p.into_inner()) = Some(owned.clone());
             let before = self
                 .before_revoke
                 .lock()
@@ -100,6 +103,7 @@ impl ConsumerContext for MembershipContext {
 /// This node's membership of a cluster; leaving the group when dropped.
 pub struct Membership {
     owned: Owned,
+    assigned: Arc<RwLock<Option<BTreeSet<u32>>>>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -123,8 +127,10 @@ impl Membership {
     /// second or so), until then this node owns none.
     pub fn join(config: &KafkaConfig, cluster: &str) -> Result<Membership, LogError> {
         let owned: Owned = Arc::default();
+        let assigned: Arc<RwLock<Option<BTreeSet<u32>>>> = Arc::default();
         let context = MembershipContext {
             owned: owned.clone(),
+            assigned: assigned.clone(),
             cluster: cluster.to_string(),
             before_revoke: Default::default(),
             suspect: AtomicBool::new(false),
@@ -185,6 +191,7 @@ impl Membership {
         };
         Ok(Membership {
             owned,
+            assigned,
             stop,
             thread: Some(thread),
         })
@@ -193,6 +200,16 @@ impl Membership {
     /// The partitions this node owns now.
     pub fn owned(&self) -> BTreeSet<u32> {
         self.owned.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The partitions of the last assignment, kept while a rebalance runs (the
+    /// eager protocol revokes everything first): what a node projects stays put
+    /// until the group has decided (`None`: no assignment yet).
+    pub fn last_assignment(&self) -> Option<BTreeSet<u32>> {
+        self.assigned
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn owns(&self, partition: u32) -> bool {

@@ -16,13 +16,21 @@
 //!    runtime moves the partition's watermark, which wakes writers waiting for their
 //!    record (read-your-writes).
 //!
+//! A node that shares the projection with a cluster (ARCHITECTURE.md, "Partitions
+//! and ownership") projects in full only the partitions its [`Ownership`] names; of
+//! the others it applies only what every node needs (`ChunkMode::Shared`), and the
+//! projection remembers where it began skipping. When the node gains such a
+//! partition, its task first restores it (`ChunkMode::Restore`: the skipped records,
+//! in log order, without moving the watermark), then tails it in full.
+//!
 //! It also keeps readiness (caught up with where the log ended at start-up), stops
 //! on failure (a corrupt log, a failed commit: fail-stop, never skip), lets an idle
 //! write-back store checkpoint, commits Kafka group offsets once the projection is
 //! flushed, and replays the log into a store (`replay_log`, partitions in turns).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use tally_log::{Log, LogEntry, LogError};
@@ -43,6 +51,96 @@ pub const KAFKA_COMMIT_INTERVAL_MS: u64 = 1_000;
 /// Consumer group name the runtime commits under (Kafka).
 pub const PROJECTOR_GROUP: &str = "tally-projector";
 
+/// How a chunk is to be applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkMode {
+    /// Every record (a partition this node projects).
+    Full,
+    /// Only the records every node needs whoever owns the partition (what routes a
+    /// request to its owner); the projection notes where it began skipping the
+    /// others (`Projection::skipped_from`). The watermark moves as usual.
+    Shared,
+    /// Records skipped earlier, being caught up with: everything but what `Shared`
+    /// applied. The watermark stays; the projection moves its skip mark to the
+    /// chunk's end, or clears it once that reaches `until` (the watermark).
+    Restore { partition: u32, until: u64 },
+}
+
+/// Which partitions this node projects in full, and how far each partition it
+/// skipped has been caught up with. A node alone projects every partition.
+#[derive(Debug)]
+pub struct Ownership {
+    /// `None`: every partition.
+    projecting: RwLock<Option<BTreeSet<u32>>>,
+    /// Per partition: the first offset whose records were skipped and are not yet
+    /// restored (`NOT_SKIPPED`: none).
+    skipped_from: Vec<AtomicU64>,
+}
+
+const NOT_SKIPPED: u64 = u64::MAX;
+
+impl Ownership {
+    /// Every partition of `partitions` projected in full.
+    pub fn everything(partitions: u32) -> Ownership {
+        Ownership {
+            projecting: RwLock::new(None),
+            skipped_from: (0..partitions)
+                .map(|_| AtomicU64::new(NOT_SKIPPED))
+                .collect(),
+        }
+    }
+
+    /// Projects `partitions` in full from now on (`None`: all of them).
+    pub fn set_projecting(&self, partitions: Option<BTreeSet<u32>>) {
+        *self.projecting.write().unwrap_or_else(|p| p.into_inner()) = partitions;
+    }
+
+    /// Whether this node projects `partition` in full (restored or not).
+    pub fn projects(&self, partition: u32) -> bool {
+        self.projecting
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_none_or(|owned| owned.contains(&partition))
+    }
+
+    /// The partitions projected in full (`None`: all).
+    pub fn projecting(&self) -> Option<BTreeSet<u32>> {
+        self.projecting
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The first offset of `partition` whose records were skipped and are not yet
+    /// restored.
+    pub fn skipped_from(&self, partition: u32) -> Option<u64> {
+        self.skipped_from
+            .get(partition as usize)
+            .map(|s| s.load(Ordering::SeqCst))
+            .filter(|from| *from != NOT_SKIPPED)
+    }
+
+    fn note_skipped_from(&self, partition: u32, from: Option<u64>) {
+        if let Some(slot) = self.skipped_from.get(partition as usize) {
+            slot.store(from.unwrap_or(NOT_SKIPPED), Ordering::SeqCst);
+        }
+    }
+
+    /// Whether `partition` is projected in full and holds every applied record:
+    /// what this node answers about it is complete.
+    pub fn serves(&self, partition: u32) -> bool {
+        self.projects(partition) && self.skipped_from(partition).is_none()
+    }
+
+    /// Whether the record at `offset`, once under the watermark, was applied in
+    /// full here (not skipped as another node's).
+    pub fn applied_in_full(&self, partition: u32, offset: u64) -> bool {
+        self.skipped_from(partition)
+            .is_none_or(|from| offset < from)
+    }
+}
+
 /// Why a chunk was not applied; the runtime retries the first two.
 #[derive(Debug)]
 pub enum ApplyFailure {
@@ -61,19 +159,21 @@ pub struct Committed {
     /// Where the partition's next record starts: the new watermark.
     pub next_offset: u64,
     pub records: usize,
+    /// A restored chunk (`ChunkMode::Restore`): the watermark did not move.
+    pub restored: bool,
 }
 
 /// A projection the runtime drives. `apply` is called from a blocking thread, one
 /// chunk at a time; everything else from the partition's task.
 pub trait Projection: Send + Sync + 'static {
-    /// A chunk of entries, decoded once.
     type Chunk: Send + Sync + 'static;
     /// Records fetched for a chunk.
     type Fetched: Default + Send + 'static;
     /// What a committed chunk changed, for `after_commit`.
     type Applied: Send + 'static;
 
-    fn decode(&self, entries: Vec<LogEntry>) -> Self::Chunk;
+    /// A chunk of entries, decoded once, to be applied as `mode` says.
+    fn decode(&self, entries: Vec<LogEntry>, mode: ChunkMode) -> Self::Chunk;
     /// The positions of the records apply will read back (prefetch).
     fn plan(&self, chunk: &Self::Chunk) -> Result<Vec<(u32, u64)>, String>;
     /// Adds a fetched record (`None`: the log holds none there) to `fetched`.
@@ -93,6 +193,11 @@ pub trait Projection: Send + Sync + 'static {
     ) -> Result<Self::Applied, ApplyFailure>;
     /// After the commit, before the watermark moves.
     fn after_commit(&self, applied: Self::Applied, committed: Committed);
+    /// Where the projection began skipping `partition`'s records (`ChunkMode::Shared`)
+    /// and has not restored them yet; a projection that never skips has none.
+    fn skipped_from(&self, _partition: u32) -> Result<Option<u64>, String> {
+        Ok(None)
+    }
 }
 
 /// Why waiting for a record failed.
@@ -115,6 +220,7 @@ pub struct Runtime {
     failed: AtomicBool,
     /// One chunk is applied at a time, whatever its partition.
     apply_lock: Arc<std::sync::Mutex<()>>,
+    ownership: Arc<Ownership>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -134,6 +240,7 @@ impl Runtime {
     ) -> Result<Runtime, RuntimeError> {
         let mut applied = Vec::new();
         let mut startup_end = Vec::new();
+        let ownership = Arc::new(Ownership::everything(log.partition_count()));
         for partition in 0..log.partition_count() {
             applied.push(watch::channel(store.position(partition)?).0);
             startup_end.push(log.end_offset(partition).await?);
@@ -146,9 +253,16 @@ impl Runtime {
             ready: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             apply_lock: Arc::new(std::sync::Mutex::new(())),
+            ownership,
         };
         runtime.update_readiness(None);
         Ok(runtime)
+    }
+
+    /// Which partitions this node projects in full (every one unless a cluster
+    /// says otherwise through `Ownership::set_projecting`).
+    pub fn ownership(&self) -> &Arc<Ownership> {
+        &self.ownership
     }
 
     /// Where the log ended on `partition` at start-up.
@@ -261,10 +375,28 @@ impl Runtime {
         let mut last_commit = Instant::now();
         let mut committed = 0u64;
         let mut reader = None;
+        match projection.skipped_from(partition) {
+            Ok(from) => self.ownership.note_skipped_from(partition, from),
+            Err(why) => return self.fail(partition, &why),
+        }
         loop {
             if *shutdown.borrow() {
                 break;
             }
+            let projects = self.ownership.projects(partition);
+            if projects && self.ownership.skipped_from(partition).is_some() {
+                // Gained: catch up with what was skipped before applying anything new.
+                if let Err(why) = self.restore(partition, &projection).await {
+                    self.fail(partition, &why);
+                    return;
+                }
+                continue;
+            }
+            let mode = if projects {
+                ChunkMode::Full
+            } else {
+                ChunkMode::Shared
+            };
             let next = self.applied(partition);
             if reader.is_none() {
                 match self.log.reader(partition, next).await {
@@ -306,7 +438,7 @@ impl Runtime {
                     self.fail(partition, "the projection checkpoint could not be written");
                     return;
                 }
-            } else if let Err(why) = self.apply(partition, &projection, entries).await {
+            } else if let Err(why) = self.apply(partition, &projection, entries, mode).await {
                 self.fail(partition, &why);
                 return;
             }
@@ -329,16 +461,91 @@ impl Runtime {
         }
     }
 
-    /// Prefetches, applies and commits one chunk, then moves the watermark.
+    /// Applies the records of `partition` this node skipped, from its skip mark up
+    /// to the watermark, chunk by chunk (each commit moves the mark), while the
+    /// partition stays projected here; the watermark does not move meanwhile.
+    async fn restore<P: Projection>(
+        &self,
+        partition: u32,
+        projection: &Arc<P>,
+    ) -> Result<(), String> {
+        let Some(from) = self.ownership.skipped_from(partition) else {
+            return Ok(());
+        };
+        let until = self.applied(partition);
+        tracing::info!(
+            partition,
+            from,
+            until,
+            "restoring a partition this node now owns"
+        );
+        let started = Instant::now();
+        let mut range = tally_log::RangeReader::open(
+            self.log.as_ref(),
+            partition,
+            from,
+            until,
+            CHUNK_MAX_RECORDS,
+        )
+        .await
+        .map_err(|error| format!("reading the log to restore partition {partition}: {error}"))?;
+        let mut restored = 0usize;
+        while let Some(entries) = range
+            .next_chunk()
+            .await
+            .map_err(|error| format!("reading the log to restore partition {partition}: {error}"))?
+        {
+            restored += entries.len();
+            self.apply(
+                partition,
+                projection,
+                entries,
+                ChunkMode::Restore { partition, until },
+            )
+            .await?;
+            if !self.ownership.projects(partition) {
+                tracing::info!(
+                    partition,
+                    "partition moved away while restoring it; restore paused"
+                );
+                return Ok(());
+            }
+        }
+        // An empty range (nothing was skipped after all) still clears the mark.
+        if self.ownership.skipped_from(partition).is_some() {
+            self.apply(
+                partition,
+                projection,
+                Vec::new(),
+                ChunkMode::Restore { partition, until },
+            )
+            .await?;
+        }
+        tracing::info!(
+            partition,
+            records = restored,
+            seconds = started.elapsed().as_secs_f64(),
+            "partition restored"
+        );
+        Ok(())
+    }
+
+    /// Prefetches, applies and commits one chunk, then moves the watermark (a
+    /// restored chunk moves the partition's skip mark instead).
     async fn apply<P: Projection>(
         &self,
         partition: u32,
         projection: &Arc<P>,
         entries: Vec<LogEntry>,
+        mode: ChunkMode,
     ) -> Result<(), String> {
         let records = entries.len();
-        let next_offset = entries.last().map_or(0, |e| e.next_offset);
-        let chunk = Arc::new(projection.decode(entries));
+        let restored = matches!(mode, ChunkMode::Restore { .. });
+        let next_offset = match entries.last() {
+            Some(entry) => entry.next_offset,
+            None => self.applied(partition),
+        };
+        let chunk = Arc::new(projection.decode(entries, mode));
         let mut fetched = P::Fetched::default();
         let mut wanted = projection.plan(&chunk)?;
         loop {
@@ -372,10 +579,17 @@ impl Runtime {
                         partition,
                         next_offset,
                         records,
+                        restored,
                     };
+                    if mode != ChunkMode::Full {
+                        self.ownership
+                            .note_skipped_from(partition, projection.skipped_from(partition)?);
+                    }
                     projection.after_commit(applied, committed);
-                    self.update_readiness(Some((partition, next_offset)));
-                    self.applied[partition as usize].send_replace(next_offset);
+                    if !restored {
+                        self.update_readiness(Some((partition, next_offset)));
+                        self.applied[partition as usize].send_replace(next_offset);
+                    }
                     return Ok(());
                 }
                 Err(ApplyFailure::NeedRecords(more)) => wanted = more,
@@ -505,7 +719,7 @@ async fn replay_turn<P: Projection>(
     while let Some(entries) = range.next_chunk().await? {
         let next_offset = entries.last().map_or(end, |e| e.next_offset);
         let count = entries.len();
-        let chunk = projection.decode(entries);
+        let chunk = projection.decode(entries, ChunkMode::Full);
         let mut fetched = P::Fetched::default();
         let mut wanted = projection.plan(&chunk).map_err(RuntimeError::Projection)?;
         loop {
@@ -518,6 +732,7 @@ async fn replay_turn<P: Projection>(
                             partition,
                             next_offset,
                             records: count,
+                            restored: false,
                         },
                     );
                     break;

@@ -35,7 +35,7 @@ impl Projection for Summing {
     type Fetched = HashMap<(u32, u64), Option<LogEntry>>;
     type Applied = ();
 
-    fn decode(&self, entries: Vec<LogEntry>) -> Vec<LogEntry> {
+    fn decode(&self, entries: Vec<LogEntry>, _: tally_runtime::ChunkMode) -> Vec<LogEntry> {
         entries
     }
 

@@ -10,12 +10,9 @@ use serde_json::{json, Value};
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Fields, JsonObject};
+use crate::middleware::constant_time_eq;
 use crate::openapi as doc;
 use crate::AppState;
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
 
 /// Checks `Authorization: Bearer <admin token>` (constant time); 404 when no token
 /// is configured (the admin API does not exist then).

@@ -40,6 +40,7 @@ pub fn default_config() -> HttpConfig {
         allow_private_webhooks: false,
         dispatch_webhooks: true,
         dispatch_scope: std::sync::Arc::new(tally_http::webhooks::EveryStore),
+        cluster: None,
     }
 }
 

@@ -1,0 +1,392 @@
+//! Any node answers (ARCHITECTURE.md, "Partitions and ownership"): in a cluster
+//! that splits the projection (`tally serve --cluster NAME --peers ...`), a request
+//! about a store whose partition another node projects is forwarded to that node
+//! and its answer returned unchanged.
+//!
+//! Each node tells its peers which partitions it serves (projected in full and
+//! restored) at `GET /internal/v1/cluster`, behind the cluster's shared secret; every
+//! node polls its peers for it. A forwarded request carries the secret, so the
+//! receiver answers it itself and never forwards it again; a receiver that no
+//! longer serves the partition answers 503 `not_partition_owner` before doing
+//! anything, and the sender asks another node. Only a request that never reached a
+//! node (connection refused) or that a node refused that way is sent again: any
+//! other failure answers 503 and the client retries with its idempotency key, as
+//! after any lost answer.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+use tally_engine::Scope;
+
+use crate::error::ApiError;
+use crate::extract::MAX_BODY_BYTES;
+use crate::AppState;
+
+/// Header carrying the cluster's secret: on the status endpoint, and on a forwarded
+/// request (which marks it as one).
+pub const CLUSTER_SECRET_HEADER: &str = "x-tally-cluster-secret";
+/// Path of a node's status for its peers (not part of `/v1`).
+pub const CLUSTER_STATUS_PATH: &str = "/internal/v1/cluster";
+/// How often a node asks its peers which partitions they serve: how long a moved
+/// partition may be sent to its old owner (who refuses it, and the sender asks
+/// again at once).
+pub const ROUTES_REFRESH_MS: u64 = 500;
+/// How long a peer has to answer a status poll before it counts as serving nothing.
+pub const STATUS_TIMEOUT_MS: u64 = 1_000;
+/// Pause between attempts to find a node serving a partition (none is while the
+/// group moves partitions after a node died: up to the group's session timeout).
+pub const FORWARD_RETRY_MS: u64 = 200;
+/// Fewest characters of the cluster secret: it lets a caller act as a node.
+pub const MIN_CLUSTER_SECRET_CHARS: usize = 32;
+/// Most peers a node is given (each is polled every `ROUTES_REFRESH_MS`).
+pub const MAX_PEERS: usize = 64;
+/// Headers that belong to one connection and are not passed on.
+const HOP_BY_HOP: [&str; 6] = [
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "host",
+];
+
+/// How this node takes part in a cluster that splits the projection.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Shared by every node of the cluster (`--cluster-secret`).
+    pub secret: String,
+    /// Every node's production listener, this one's included or not
+    /// (`--peers http://host:port,...`).
+    pub peers: Vec<url::Url>,
+    /// The log's partition count.
+    pub partitions: u32,
+    /// This node's test listener port, reported to peers: they forward test-mode
+    /// requests there (same host as its production URL).
+    pub test_port: u16,
+}
+
+/// Where a partition is served: a node's two listeners.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Route {
+    prod: url::Url,
+    test: url::Url,
+}
+
+/// The routes this node knows, refreshed from its peers.
+#[derive(Debug)]
+pub struct ClusterRouting {
+    config: ClusterConfig,
+    client: reqwest::Client,
+    /// Partition -> the nodes that reported serving it (usually one; two while a
+    /// partition moves).
+    routes: RwLock<BTreeMap<u32, Vec<Route>>>,
+}
+
+impl ClusterRouting {
+    pub fn new(config: ClusterConfig) -> Result<Arc<ClusterRouting>, String> {
+        if config.secret.chars().count() < MIN_CLUSTER_SECRET_CHARS {
+            return Err(format!(
+                "the cluster secret must be a random secret of at least {MIN_CLUSTER_SECRET_CHARS} characters"
+            ));
+        }
+        if config.peers.len() > MAX_PEERS {
+            return Err(format!("at most {MAX_PEERS} peers"));
+        }
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|error| error.to_string())?;
+        Ok(Arc::new(ClusterRouting {
+            config,
+            client,
+            routes: RwLock::default(),
+        }))
+    }
+
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// Whether `headers` carry this cluster's secret (constant time).
+    fn carries_secret(&self, headers: &HeaderMap) -> bool {
+        headers
+            .get(CLUSTER_SECRET_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|presented| {
+                crate::middleware::constant_time_eq(
+                    presented.as_bytes(),
+                    self.config.secret.as_bytes(),
+                )
+            })
+    }
+
+    /// Asks every peer which partitions it serves, and replaces the routes.
+    pub async fn refresh(&self) {
+        let polls = self.config.peers.iter().map(|peer| self.poll(peer));
+        let answers = futures::future::join_all(polls).await;
+        let mut routes: BTreeMap<u32, Vec<Route>> = BTreeMap::new();
+        for (route, serving) in answers.into_iter().flatten() {
+            for partition in serving {
+                routes.entry(partition).or_default().push(route.clone());
+            }
+        }
+        *self.routes.write().unwrap_or_else(|p| p.into_inner()) = routes;
+    }
+
+    async fn poll(&self, peer: &url::Url) -> Option<(Route, Vec<u32>)> {
+        let url = peer.join(CLUSTER_STATUS_PATH).ok()?;
+        let answer = self
+            .client
+            .get(url)
+            .header(CLUSTER_SECRET_HEADER, &self.config.secret)
+            .timeout(Duration::from_millis(STATUS_TIMEOUT_MS))
+            .send()
+            .await
+            .ok()?;
+        if !answer.status().is_success() {
+            return None;
+        }
+        let status: serde_json::Value = answer.json().await.ok()?;
+        let mut test = peer.clone();
+        let port = status.get("test_port")?.as_u64()?;
+        test.set_port(Some(u16::try_from(port).ok()?)).ok()?;
+        let serving = status
+            .get("serving")?
+            .as_array()?
+            .iter()
+            .filter_map(|p| p.as_u64().and_then(|p| u32::try_from(p).ok()))
+            .filter(|p| *p < self.config.partitions)
+            .collect();
+        Some((
+            Route {
+                prod: peer.clone(),
+                test,
+            },
+            serving,
+        ))
+    }
+
+    /// Keeps the routes fresh for as long as the node runs.
+    pub async fn run(self: Arc<Self>) {
+        loop {
+            self.refresh().await;
+            tokio::time::sleep(Duration::from_millis(ROUTES_REFRESH_MS)).await;
+        }
+    }
+
+    fn owner_url(&self, partition: u32, mode: tally_domain::Mode) -> Option<url::Url> {
+        let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
+        let route = routes.get(&partition)?.first()?;
+        Some(match mode {
+            tally_domain::Mode::Prod => route.prod.clone(),
+            tally_domain::Mode::Test => route.test.clone(),
+        })
+    }
+
+    /// Sends `request` to `base` and returns the answer as it came, or why not
+    /// (`Retry`: it never reached a node that serves the partition).
+    async fn send(
+        &self,
+        base: &url::Url,
+        method: &axum::http::Method,
+        path_and_query: &str,
+        headers: &HeaderMap,
+        body: &axum::body::Bytes,
+    ) -> Result<Response, Failure> {
+        let url = base
+            .join(path_and_query)
+            .map_err(|_| Failure::Fatal("the forwarded path is not a URL"))?;
+        let mut outgoing = self.client.request(method.clone(), url).body(body.clone());
+        for (name, value) in headers {
+            if !HOP_BY_HOP.contains(&name.as_str()) && name.as_str() != CLUSTER_SECRET_HEADER {
+                outgoing = outgoing.header(name, value);
+            }
+        }
+        let answer = outgoing
+            .header(CLUSTER_SECRET_HEADER, &self.config.secret)
+            .send()
+            .await
+            .map_err(|error| {
+                if error.is_connect() {
+                    Failure::Retry
+                } else {
+                    Failure::Fatal("the node that owns the store did not answer")
+                }
+            })?;
+        let status = answer.status();
+        let answer_headers = answer.headers().clone();
+        let bytes = answer
+            .bytes()
+            .await
+            .map_err(|_| Failure::Fatal("the node that owns the store broke off its answer"))?;
+        if status == StatusCode::SERVICE_UNAVAILABLE
+            && serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .is_some_and(|v| {
+                    v.pointer("/error/code").and_then(|c| c.as_str()) == Some(NOT_OWNER)
+                })
+        {
+            return Err(Failure::Retry);
+        }
+        let mut response = Response::new(Body::from(bytes));
+        *response.status_mut() = status;
+        for (name, value) in &answer_headers {
+            if !HOP_BY_HOP.contains(&name.as_str()) && name != axum::http::header::CONTENT_LENGTH {
+                response.headers_mut().append(name.clone(), value.clone());
+            }
+        }
+        Ok(response)
+    }
+}
+
+/// Why a forward failed.
+enum Failure {
+    /// The request reached no node that serves the partition: ask again.
+    Retry,
+    /// It may have been taken: the client decides (503).
+    Fatal(&'static str),
+}
+
+/// The code of a node's refusal of a request forwarded to it for a partition it
+/// does not serve (anymore).
+const NOT_OWNER: &str = "not_partition_owner";
+
+/// `GET /internal/v1/cluster`: the partitions this node serves, for its peers.
+#[utoipa::path(
+    get,
+    path = "/internal/v1/cluster",
+    operation_id = "cluster_status",
+    tag = "cluster",
+    summary = "Which partitions this node serves (for the other nodes of a split cluster; needs the cluster secret)",
+    params(("x-tally-cluster-secret" = String, Header, description = "the cluster's shared secret")),
+    responses(
+        (status = 200, description = "`{\"serving\": [partition, ...], \"test_port\": port}`"),
+        (status = 401, description = "`cluster_secret_invalid`"),
+        (status = 404, description = "`not_in_cluster`: this node is not in a split cluster")
+    )
+)]
+pub async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let Some(cluster) = &state.config.cluster else {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_in_cluster",
+            "this node does not share its projection with a cluster (`tally serve --peers`)",
+        )
+        .into_response();
+    };
+    if !cluster.carries_secret(&headers) {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "cluster_secret_invalid",
+            format!("send the cluster's secret in `{CLUSTER_SECRET_HEADER}`"),
+        )
+        .into_response();
+    }
+    let ownership = state.engine.journal().runtime().ownership().clone();
+    let serving: Vec<u32> = (0..cluster.config.partitions)
+        .filter(|p| ownership.serves(*p))
+        .collect();
+    Json(json!({
+        "serving": serving,
+        "test_port": cluster.config.test_port,
+    }))
+    .into_response()
+}
+
+/// Serves a request about a store this node serves; forwards the others to the node
+/// that does (see the module documentation).
+pub async fn forward(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let Some(cluster) = state.config.cluster.clone() else {
+        return next.run(request).await;
+    };
+    let Some(scope) = request.extensions().get::<Scope>().cloned() else {
+        return next.run(request).await;
+    };
+    let partition = tally_log::partition_of(scope.store_id.as_bytes(), cluster.config.partitions);
+    let ownership = state.engine.journal().runtime().ownership().clone();
+    let deadline = Instant::now() + state.engine.apply_wait();
+    let forwarded = cluster.carries_secret(request.headers());
+    loop {
+        if ownership.serves(partition) {
+            return next.run(request).await;
+        }
+        // Projected here but still being restored: wait for it rather than send it
+        // elsewhere (nobody else serves it).
+        let restoring = ownership.projects(partition);
+        if forwarded && !restoring {
+            return ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                NOT_OWNER,
+                "this node does not serve this store's partition (anymore)",
+            )
+            .into_response();
+        }
+        if restoring || forwarded {
+            if Instant::now() >= deadline {
+                return unavailable("this node is restoring the store's partition; retry shortly");
+            }
+            tokio::time::sleep(Duration::from_millis(FORWARD_RETRY_MS)).await;
+            continue;
+        }
+        break;
+    }
+    let (parts, body) = request.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the body is larger than {MAX_BODY_BYTES} bytes"),
+        )
+        .into_response();
+    };
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    loop {
+        if let Some(base) = cluster.owner_url(partition, scope.mode) {
+            match cluster
+                .send(&base, &parts.method, &path_and_query, &parts.headers, &body)
+                .await
+            {
+                Ok(response) => return response,
+                Err(Failure::Fatal(why)) => {
+                    return unavailable(why);
+                }
+                Err(Failure::Retry) => cluster.refresh().await,
+            }
+        }
+        if ownership.serves(partition) {
+            // The partition came here meanwhile.
+            return next.run(Request::from_parts(parts, Body::from(body))).await;
+        }
+        if Instant::now() >= deadline {
+            return unavailable("no node of the cluster serves this store's partition right now (it is moving); retry shortly");
+        }
+        tokio::time::sleep(Duration::from_millis(FORWARD_RETRY_MS)).await;
+        cluster.refresh().await;
+    }
+}
+
+fn unavailable(message: &'static str) -> Response {
+    let mut response = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "partition_unavailable",
+        message,
+    )
+    .into_response();
+    response.headers_mut().insert(
+        HeaderName::from_static("retry-after"),
+        axum::http::HeaderValue::from_static("1"),
+    );
+    response
+}
