@@ -269,7 +269,14 @@ impl Billing {
     /// once and refuses the repeat.
     pub async fn settle_pending(&self) -> Result<usize, EngineError> {
         self.journal.check_writable()?;
-        let pending = settlement::pending_settlements(self.journal.store().as_ref(), SETTLE_BATCH)?;
+        // Only the stores this node serves: in a split cluster another node's
+        // projection of a store is not current here (ARCHITECTURE.md, "Partitions
+        // and ownership"), and its node settles it.
+        let pending = settlement::pending_settlements(
+            self.journal.store().as_ref(),
+            SETTLE_BATCH,
+            |store| self.journal.serves_store(store),
+        )?;
         let appends = pending.into_iter().map(|settlement| async move {
             self.journal
                 .append_and_decide(&tally_domain::record::Record::UsageSettled(settlement))

@@ -393,12 +393,16 @@ pub fn settlement_totals(
 pub fn pending_settlements(
     store: &dyn tally_projection::ProjectionStore,
     limit: usize,
+    serves: impl Fn(&str) -> bool,
 ) -> Result<Vec<UsageSettlement>, EngineError> {
     collect_prefix(
         store,
         &[keys::SETTLEMENT_PENDING],
         false,
         limit,
-        |_, value| codec::decode_settlement(value).map(Some),
+        |_, value| {
+            codec::decode_settlement(value)
+                .map(|settlement| Some(settlement).filter(|s| serves(&s.store_id)))
+        },
     )
 }

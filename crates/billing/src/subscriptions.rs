@@ -939,7 +939,11 @@ impl Billing {
             &mut |key, _| match lifecycle::read_due(key) {
                 Ok((at, _, _)) if at > horizon => tally_projection::Visit::Stop,
                 Ok((at, store_id, id)) => {
-                    if store.is_none_or(|s| s == store_id) && at <= until(&store_id) {
+                    // A store another node serves is that node's to run.
+                    if store.is_none_or(|s| s == store_id)
+                        && at <= until(&store_id)
+                        && self.journal.serves_store(&store_id)
+                    {
                         due.push((at, store_id, id));
                     }
                     if due.len() >= SCHEDULE_BATCH {

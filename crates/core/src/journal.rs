@@ -294,6 +294,15 @@ impl Journal {
             .events
     }
 
+    /// Whether this node serves the store: it projects the store's partition in
+    /// full and has restored it (always, unless it shares the projection with a
+    /// cluster). Background work acts only on the stores it serves.
+    pub fn serves_store(&self, store_id: &str) -> bool {
+        self.runtime
+            .ownership()
+            .serves(self.log.partition_for(store_id.as_bytes()))
+    }
+
     /// Appends a record; returns (partition, offset) once it is durable.
     pub async fn append(&self, record: &Record) -> Result<(u32, u64), EngineError> {
         self.append_with(record, None).await
