@@ -406,3 +406,46 @@ pub fn pending_settlements(
         },
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_projection::{MemoryStore, ProjectionStore};
+
+    fn pending(store_id: &str, offset: u64) -> UsageSettlement {
+        UsageSettlement {
+            store_id: store_id.into(),
+            mode: Mode::Test,
+            source_partition: 0,
+            source_offset: offset,
+            units: Vec::new(),
+        }
+    }
+
+    /// A split cluster's node settles only the stores it serves, and the others'
+    /// pending settlements do not use up its batch.
+    #[test]
+    fn pending_settlements_of_stores_served_elsewhere_are_left_out() {
+        let store = MemoryStore::new();
+        let rows = (0..6)
+            .map(|offset| {
+                let owner = if offset < 4 {
+                    "st_elsewhere"
+                } else {
+                    "st_here"
+                };
+                (
+                    pending_key(0, offset),
+                    Some(codec::encode_settlement(&pending(owner, offset))),
+                )
+            })
+            .collect();
+        store.apply(rows, &[]).unwrap();
+        let here = pending_settlements(&store, 2, |s| s == "st_here").unwrap();
+        assert_eq!(
+            here.iter().map(|s| s.source_offset).collect::<Vec<_>>(),
+            [4, 5]
+        );
+        assert_eq!(pending_settlements(&store, 10, |_| true).unwrap().len(), 6);
+    }
+}

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tally_log::embedded::EmbeddedLog;
 use tally_log::{Log, LogEntry};
 use tally_projection::{MemoryStore, ProjectionStore};
-use tally_runtime::{ApplyFailure, Committed, Projection, Runtime, WaitError};
+use tally_runtime::{ApplyFailure, ChunkMode, Committed, Projection, Runtime, WaitError};
 
 struct Summing {
     store: Arc<MemoryStore>,
@@ -223,4 +223,179 @@ async fn replay_reaches_the_state_of_the_live_runtime() {
     assert_eq!(last, end);
     assert_eq!(sum(&replayed), sum(&live));
     assert_eq!(replayed.digest().unwrap(), live.digest().unwrap());
+}
+
+/// A projection with two kinds of records, as a split cluster sees them: `add <n>`
+/// (the owner's) and `key` (applied by every node). It honours `ChunkMode` as
+/// `Projection` asks and keeps its skip mark under `skip`.
+struct Sharing {
+    store: Arc<MemoryStore>,
+    committed: Mutex<Vec<Committed>>,
+}
+
+fn read_u64(store: &MemoryStore, key: &[u8]) -> Option<u64> {
+    store
+        .get(key)
+        .unwrap()
+        .map(|b| u64::from_be_bytes(b.try_into().unwrap()))
+}
+
+impl Projection for Sharing {
+    type Chunk = (Vec<LogEntry>, ChunkMode);
+    type Fetched = ();
+    type Applied = ();
+
+    fn decode(&self, entries: Vec<LogEntry>, mode: ChunkMode) -> Self::Chunk {
+        (entries, mode)
+    }
+
+    fn plan(&self, _: &Self::Chunk) -> Result<Vec<(u32, u64)>, String> {
+        Ok(Vec::new())
+    }
+
+    fn add_fetched(&self, _: &mut (), _: u32, _: u64, _: Option<LogEntry>) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn apply(&self, (entries, mode): &Self::Chunk, _: &()) -> Result<(), ApplyFailure> {
+        let mut sum = read_u64(&self.store, b"sum").unwrap_or(0);
+        let mut keys = read_u64(&self.store, b"keys").unwrap_or(0);
+        let mut skip = read_u64(&self.store, b"skip");
+        for entry in entries {
+            let (verb, n) = parse(&entry.payload);
+            let shared = verb == "key";
+            let applies = match mode {
+                ChunkMode::Full => true,
+                ChunkMode::Shared => shared,
+                ChunkMode::Restore { .. } => !shared,
+            };
+            if !applies {
+                skip = skip.or(Some(entry.offset));
+            } else if shared {
+                keys += 1;
+            } else {
+                sum += n;
+            }
+        }
+        if let ChunkMode::Restore { until, .. } = mode {
+            let end = entries.last().map_or(*until, |e| e.next_offset);
+            skip = (end < *until).then_some(end);
+        }
+        let positions: Vec<(u32, u64)> = match (mode, entries.last()) {
+            (ChunkMode::Restore { .. }, _) | (_, None) => Vec::new(),
+            (_, Some(last)) => vec![(0, last.next_offset)],
+        };
+        let changes = vec![
+            (b"sum".to_vec(), Some(sum.to_be_bytes().to_vec())),
+            (b"keys".to_vec(), Some(keys.to_be_bytes().to_vec())),
+            (b"skip".to_vec(), skip.map(|s| s.to_be_bytes().to_vec())),
+        ];
+        self.store
+            .apply(changes, &positions)
+            .map_err(|e| ApplyFailure::Fatal(e.to_string()))
+    }
+
+    fn after_commit(&self, _: (), committed: Committed) {
+        self.committed.lock().unwrap().push(committed);
+    }
+
+    fn skipped_from(&self, _: u32) -> Result<Option<u64>, String> {
+        Ok(read_u64(&self.store, b"skip"))
+    }
+}
+
+/// A node that does not project a partition applies only what every node needs and
+/// marks where it began skipping; once it projects the partition, the runtime first
+/// restores the skipped records (in order, the watermark standing still), then
+/// applies new ones in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_gained_is_restored_before_anything_new_is_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let log: Arc<dyn Log> = Arc::new(EmbeddedLog::open(dir.path()).unwrap());
+    let store = Arc::new(MemoryStore::new());
+    let runtime = Arc::new(Runtime::new(log.clone(), store.clone()).await.unwrap());
+    let ownership = runtime.ownership().clone();
+    ownership.set_projecting(Some(Default::default()));
+    let projection = Arc::new(Sharing {
+        store: store.clone(),
+        committed: Mutex::new(Vec::new()),
+    });
+    let (_stop, shutdown) = tokio::sync::watch::channel(false);
+    let _tasks = runtime.start(projection.clone(), shutdown);
+
+    let key = log.append(b"k", b"key".to_vec()).await.unwrap();
+    let first_add = log.append(b"k", b"add 1".to_vec()).await.unwrap();
+    let mut last = first_add;
+    for payload in ["key", "add 2", "key", "add 3"] {
+        last = log.append(b"k", payload.as_bytes().to_vec()).await.unwrap();
+    }
+    runtime
+        .wait_applied(0, last, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(key < first_add);
+    assert_eq!(
+        read_u64(&store, b"sum"),
+        Some(0),
+        "another node's records are skipped"
+    );
+    assert_eq!(
+        read_u64(&store, b"keys"),
+        Some(3),
+        "what every node needs is applied"
+    );
+    assert_eq!(
+        ownership.skipped_from(0),
+        Some(first_add),
+        "the mark is the first skipped record"
+    );
+    assert!(!ownership.serves(0));
+    assert!(!ownership.applied_in_full(0, first_add));
+    assert!(ownership.applied_in_full(0, key));
+    let watermark = runtime.applied(0);
+
+    // Gained: restored, then served.
+    ownership.set_projecting(None);
+    for _ in 0..200 {
+        if ownership.serves(0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ownership.serves(0), "the partition was never restored");
+    assert_eq!(
+        read_u64(&store, b"sum"),
+        Some(6),
+        "the skipped records, once each"
+    );
+    assert_eq!(
+        read_u64(&store, b"keys"),
+        Some(3),
+        "shared records are not applied twice"
+    );
+    assert_eq!(read_u64(&store, b"skip"), None);
+    assert_eq!(
+        runtime.applied(0),
+        watermark,
+        "a restore does not move the watermark"
+    );
+    let restored: Vec<Committed> = projection
+        .committed
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.restored)
+        .cloned()
+        .collect();
+    assert!(!restored.is_empty());
+    assert!(restored.iter().all(|c| c.next_offset <= watermark));
+
+    // And new records apply in full.
+    let next = log.append(b"k", b"add 10".to_vec()).await.unwrap();
+    runtime
+        .wait_applied(0, next, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(read_u64(&store, b"sum"), Some(16));
+    assert!(ownership.applied_in_full(0, next));
 }
