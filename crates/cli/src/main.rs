@@ -452,6 +452,11 @@ async fn publish_ownership(membership: Arc<Membership>, partitions: u32) {
 
 /// How often what the node projects in full follows the cluster's assignment.
 const PROJECT_ASSIGNED_EVERY_MS: u64 = 100;
+/// How long a node of a split cluster waits for the cluster's first assignment
+/// before it starts its projector (then owning nothing until one arrives): a
+/// group's first rebalance takes a second or two, a rebalance waiting for a dead
+/// member up to its session timeout (`MEMBERSHIP_SESSION_TIMEOUT_MS`).
+const FIRST_ASSIGNMENT_WAIT_MS: u64 = 10_000;
 
 /// Projects in full what the cluster last assigned to this node (a split cluster,
 /// `--peers`): a partition gained is restored first, one lost is skipped from then
@@ -545,18 +550,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
     // The projector stops only after HTTP has drained: in-flight writes wait for
     // their records to be applied, and would otherwise answer 503 while durable.
     let (projector_stop_tx, projector_stop_rx) = tokio::sync::watch::channel(false);
-    let split = !args.peers.is_empty();
-    if split {
-        // Nothing is projected in full before the cluster has assigned partitions:
-        // a partition gained is restored from where its skipping began.
-        engine
-            .journal()
-            .runtime()
-            .ownership()
-            .set_projecting(Some(Default::default()));
-    }
-    let projector = engine.start_projector(projector_stop_rx);
-
     let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
     if let Some(token) = &admin_token {
         if token.chars().count() < MIN_ADMIN_TOKEN_CHARS || token == "change-me" {
@@ -567,17 +560,31 @@ async fn serve(args: ServeArgs) -> Result<()> {
         scope: dispatch_scope,
         membership,
     } = cluster_membership(&args)?;
+    let split = !args.peers.is_empty();
+    if let (true, Some(membership)) = (split, &membership) {
+        // Project in full only what the cluster assigns: the first assignment is
+        // awaited (briefly) so that a restarted node catches up with its own
+        // partitions in full rather than skipping them and restoring them after.
+        let ownership = engine.journal().runtime().ownership().clone();
+        ownership.set_projecting(Some(Default::default()));
+        let waited = std::time::Instant::now();
+        while membership.last_assignment().is_none()
+            && waited.elapsed() < std::time::Duration::from_millis(FIRST_ASSIGNMENT_WAIT_MS)
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(PROJECT_ASSIGNED_EVERY_MS)).await;
+        }
+        if let Some(assigned) = membership.last_assignment() {
+            tracing::info!(partitions = ?assigned, "projecting the partitions the cluster assigned");
+            ownership.set_projecting(Some(assigned));
+        }
+        tokio::spawn(project_assigned(membership.clone(), ownership));
+    }
+    let projector = engine.start_projector(projector_stop_rx);
     if let Some(membership) = &membership {
         tokio::spawn(publish_ownership(
             membership.clone(),
             args.storage.kafka.config().partitions,
         ));
-        if split {
-            tokio::spawn(project_assigned(
-                membership.clone(),
-                engine.journal().runtime().ownership().clone(),
-            ));
-        }
     }
     let prod_listener = tokio::net::TcpListener::bind(args.listen)
         .await
