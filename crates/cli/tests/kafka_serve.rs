@@ -963,6 +963,27 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
             customer_bodies.windows(2).all(|pair| pair[0] == pair[1]),
             "{customer_bodies:?}"
         );
+        // An error answered by another node keeps its one request id: the header
+        // and the body name the same one.
+        for node in &nodes {
+            let answer = http
+                .get(format!("{node}/v1/customers/cus_missing"))
+                .header("x-api-key", &store.key)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(answer.status(), 404);
+            let header = answer.headers()["x-request-id"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            let body: Value = answer.json().await.unwrap();
+            assert_eq!(
+                body["error"]["request_id"],
+                header.as_str(),
+                "{node}: {body}"
+            );
+        }
     }
     for node in [node_a, node_b, node_c] {
         assert!(node.terminate().success());

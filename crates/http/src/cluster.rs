@@ -44,6 +44,10 @@ pub const STATUS_TIMEOUT_MS: u64 = 1_000;
 /// Pause between attempts to find a node serving a partition (none is while the
 /// group moves partitions after a node died: up to the group's session timeout).
 pub const FORWARD_RETRY_MS: u64 = 200;
+/// Longest a request waits for a node to serve its store's partition (while the
+/// cluster moves it, or its new owner restores it) before it answers 503 with
+/// `Retry-After`: well inside a client's timeout, so it learns to retry.
+pub const MAX_FORWARD_WAIT_MS: u64 = 10_000;
 /// Fewest characters of the cluster secret: it lets a caller act as a node.
 pub const MIN_CLUSTER_SECRET_CHARS: usize = 32;
 /// Most peers a node is given (each is polled every `ROUTES_REFRESH_MS`).
@@ -312,7 +316,11 @@ pub async fn forward(State(state): State<AppState>, request: Request, next: Next
     };
     let partition = tally_log::partition_of(scope.store_id.as_bytes(), cluster.config.partitions);
     let ownership = state.engine.journal().runtime().ownership().clone();
-    let deadline = Instant::now() + state.engine.apply_wait();
+    let deadline = Instant::now()
+        + state
+            .engine
+            .apply_wait()
+            .min(Duration::from_millis(MAX_FORWARD_WAIT_MS));
     let forwarded = cluster.carries_secret(request.headers());
     loop {
         if ownership.serves(partition) {

@@ -37,7 +37,7 @@ const MEMBERSHIP_REBALANCE_TIMEOUT_MS: u64 = MEMBERSHIP_SESSION_TIMEOUT_MS + 1_0
 /// (as a clean leave does). A rebalance that truly changes nothing for this node
 /// costs one more rebalance, at most once per cooldown, so members cannot keep
 /// each other rebalancing.
-pub const MEMBERSHIP_REJOIN_COOLDOWN_MS: u64 = 30_000;
+pub const MEMBERSHIP_REJOIN_COOLDOWN_MS: u64 = 10_000;
 /// How often the membership thread serves the group's callbacks (rebalances).
 const MEMBERSHIP_POLL_MS: u64 = 100;
 
@@ -171,8 +171,10 @@ impl Membership {
                         // begun before the pause, and is dropped.
                         let _ = consumer.poll(Duration::from_millis(MEMBERSHIP_POLL_MS));
                         let context = consumer.context();
-                        if context.suspect.swap(false, Ordering::Relaxed)
-                            && last_rejoin.is_none_or(|at| at.elapsed() > cooldown)
+                        // A suspect rebalance during the cooldown is acted on when
+                        // the cooldown ends (the flag stays set until then).
+                        if last_rejoin.is_none_or(|at| at.elapsed() > cooldown)
+                            && context.suspect.swap(false, Ordering::Relaxed)
                         {
                             tracing::info!(cluster = %context.cluster, "a rebalance handed back the same partitions; joining the group again");
                             last_rejoin = Some(std::time::Instant::now());
