@@ -166,6 +166,7 @@ pub struct Committed {
 /// A projection the runtime drives. `apply` is called from a blocking thread, one
 /// chunk at a time; everything else from the partition's task.
 pub trait Projection: Send + Sync + 'static {
+    /// A chunk of entries, decoded once.
     type Chunk: Send + Sync + 'static;
     /// Records fetched for a chunk.
     type Fetched: Default + Send + 'static;
