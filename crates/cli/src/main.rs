@@ -436,8 +436,13 @@ impl DispatchScope for OwnedStores {
 /// How often the ownership gauges are refreshed from the membership.
 const OWNERSHIP_GAUGE_EVERY_MS: u64 = 500;
 
-/// Keeps `/metrics` showing which partitions this node owns in its cluster.
-async fn publish_ownership(membership: Arc<Membership>, partitions: u32) {
+/// Keeps `/metrics` showing which partitions this node owns in its cluster, and
+/// (in a split cluster) which it serves.
+async fn publish_ownership(
+    membership: Arc<Membership>,
+    partitions: u32,
+    serving: Option<Arc<tally_engine::Ownership>>,
+) {
     loop {
         let owned = membership.owned();
         metrics::gauge!("tally_cluster_partitions_owned").set(owned.len() as f64);
@@ -445,6 +450,15 @@ async fn publish_ownership(membership: Arc<Membership>, partitions: u32) {
             let value = if owned.contains(&partition) { 1.0 } else { 0.0 };
             metrics::gauge!("tally_cluster_partition_owned", "partition" => partition.to_string())
                 .set(value);
+            if let Some(ownership) = &serving {
+                let value = if ownership.serves(partition) {
+                    1.0
+                } else {
+                    0.0
+                };
+                metrics::gauge!("tally_cluster_partition_serving", "partition" => partition.to_string())
+                    .set(value);
+            }
         }
         tokio::time::sleep(std::time::Duration::from_millis(OWNERSHIP_GAUGE_EVERY_MS)).await;
     }
@@ -584,6 +598,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         tokio::spawn(publish_ownership(
             membership.clone(),
             args.storage.kafka.config().partitions,
+            split.then(|| engine.journal().runtime().ownership().clone()),
         ));
     }
     let prod_listener = tokio::net::TcpListener::bind(args.listen)

@@ -985,6 +985,26 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
             );
         }
     }
+    // Requests went through nodes that do not serve their store: forwarded.
+    let mut forwarded = 0.0;
+    for prod in &prods {
+        let text = http
+            .get(format!("{prod}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        forwarded += text
+            .lines()
+            .filter(|l| {
+                l.starts_with("tally_cluster_forwarded_requests_total{outcome=\"answered\"}")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    assert!(forwarded > 0.0, "no request was forwarded");
     for node in [node_a, node_b, node_c] {
         assert!(node.terminate().success());
     }

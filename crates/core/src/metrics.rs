@@ -127,6 +127,14 @@ fn describe() {
         "1 when this node owns the partition in its cluster (--cluster), else 0."
     );
     describe_gauge!(
+        "tally_cluster_partition_serving",
+        "1 when this node serves the partition (projects it in full, restored) in a split cluster (--peers), else 0."
+    );
+    describe_counter!(
+        "tally_cluster_forwarded_requests_total",
+        "Requests forwarded to the node serving their store (split cluster), by outcome: answered, unavailable, failed."
+    );
+    describe_gauge!(
         "tally_webhook_queue_depth",
         "Webhook deliveries waiting for an attempt (counted up to a bound)."
     );
@@ -194,6 +202,12 @@ impl Metrics {
         self.ensure();
         histogram!("tally_log_append_duration_seconds", "log" => log_kind)
             .record(elapsed.as_secs_f64());
+    }
+
+    /// Counts a request forwarded to another node of a split cluster.
+    pub fn forwarded(&self, outcome: &'static str) {
+        self.ensure();
+        counter!("tally_cluster_forwarded_requests_total", "outcome" => outcome).increment(1);
     }
 
     pub fn records_applied(&self, records: u64) {

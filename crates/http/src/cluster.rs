@@ -366,8 +366,12 @@ pub async fn forward(State(state): State<AppState>, request: Request, next: Next
                 .send(&base, &parts.method, &path_and_query, &parts.headers, &body)
                 .await
             {
-                Ok(response) => return response,
+                Ok(response) => {
+                    state.engine.metrics().forwarded("answered");
+                    return response;
+                }
                 Err(Failure::Fatal(why)) => {
+                    state.engine.metrics().forwarded("failed");
                     return unavailable(why);
                 }
                 Err(Failure::Retry) => cluster.refresh().await,
@@ -378,6 +382,7 @@ pub async fn forward(State(state): State<AppState>, request: Request, next: Next
             return next.run(Request::from_parts(parts, Body::from(body))).await;
         }
         if Instant::now() >= deadline {
+            state.engine.metrics().forwarded("unavailable");
             return unavailable("no node of the cluster serves this store's partition right now (it is moving); retry shortly");
         }
         tokio::time::sleep(Duration::from_millis(FORWARD_RETRY_MS)).await;

@@ -48,6 +48,8 @@ pub const WAIT_RETRY_MS: u64 = 20;
 pub const READ_RETRY_MS: u64 = 500;
 /// Kafka mode: how often the projection is flushed and the group offsets committed.
 pub const KAFKA_COMMIT_INTERVAL_MS: u64 = 1_000;
+/// How often a long restore logs how far it got.
+pub const RESTORE_PROGRESS_EVERY_MS: u64 = 5_000;
 /// Consumer group name the runtime commits under (Kafka).
 pub const PROJECTOR_GROUP: &str = "tally-projector";
 
@@ -491,12 +493,14 @@ impl Runtime {
         .await
         .map_err(|error| format!("reading the log to restore partition {partition}: {error}"))?;
         let mut restored = 0usize;
+        let mut reported = Instant::now();
         while let Some(entries) = range
             .next_chunk()
             .await
             .map_err(|error| format!("reading the log to restore partition {partition}: {error}"))?
         {
             restored += entries.len();
+            let reached = entries.last().map_or(until, |e| e.next_offset);
             self.apply(
                 partition,
                 projection,
@@ -504,6 +508,10 @@ impl Runtime {
                 ChunkMode::Restore { partition, until },
             )
             .await?;
+            if reported.elapsed() >= Duration::from_millis(RESTORE_PROGRESS_EVERY_MS) {
+                tracing::info!(partition, reached, until, "restoring");
+                reported = Instant::now();
+            }
             if !self.ownership.projects(partition) {
                 tracing::info!(
                     partition,
