@@ -40,7 +40,9 @@ async fn wait_for_usage(
     meter: &str,
     expected: &str,
 ) {
-    for _ in 0..200 {
+    // Up to 30 s: a restarted debug-build node catching up on a shared 2-core
+    // machine may take more than 10.
+    for _ in 0..600 {
         if usage_value(http, base, key, meter).await == expected {
             return;
         }
@@ -364,6 +366,9 @@ async fn two_nodes_decide_keys_uniqueness_and_updates_once() {
     assert!(node_a.terminate().success());
 }
 
+/// How long a client keeps retrying a request on the nodes.
+const RETRY_FOR_SECONDS: u64 = 120;
+
 /// Sends `body` to `nodes[first]`, and on a failure a client retries (no answer, a
 /// 5xx) again to the next node with the same body (the same event ids or
 /// idempotency key), until a node answers; returns that answer.
@@ -375,14 +380,19 @@ async fn post_retrying(
     key: &str,
     body: &Value,
 ) -> (u16, Value) {
-    for attempt in 0..600 {
+    // A bound on the whole, not on attempts: one attempt may wait for a partition
+    // to move (up to the forwarding wait), and a test must fail, never hang CI.
+    let deadline = std::time::Instant::now() + Duration::from_secs(RETRY_FOR_SECONDS);
+    let mut attempt = 0;
+    while std::time::Instant::now() < deadline {
         let node = &nodes[(first + attempt) % nodes.len()];
+        attempt += 1;
         match post(http, &format!("{node}{path}"), key, body.clone()).await {
             Ok((status, answer)) if status < 500 => return (status, answer),
             _ => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
-    panic!("no node answered {path}");
+    panic!("no node answered {path} within {RETRY_FOR_SECONDS} s ({attempt} attempts)");
 }
 
 /// Three nodes on one topic take ingest and debits at once; one is SIGKILLed mid-load
@@ -1035,4 +1045,17 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
         assert_eq!(balance["balance"], "0", "{balance}");
     }
     assert!(replica.terminate().success());
+    // And that replica is the topic's single replay, byte for byte.
+    let output = tally()
+        .args(["replay", "--data-dir"])
+        .arg(replica_dir.path())
+        .args(flags)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("match:"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
