@@ -521,23 +521,9 @@ async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
     // Every node's live projection equals a single replay of the topic.
     let mut digests = Vec::new();
     for dir in &dirs {
-        let output = tally()
-            .args(["replay", "--data-dir"])
-            .arg(dir.path())
-            .args(flags)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(
-            output.status.success() && stdout.contains("match:"),
-            "{stdout}{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let digest = stdout
-            .lines()
-            .find_map(|line| line.strip_prefix("replayed projection digest:"))
-            .map(|digest| digest.trim().to_string());
-        digests.push(digest.expect("a digest line"));
+        let (matched, replayed, live) = replay_with(dir.path(), &flags);
+        assert!(matched, "replayed {replayed}, live {live}");
+        digests.push(replayed);
     }
     assert!(
         digests.windows(2).all(|pair| pair[0] == pair[1]),
@@ -1046,16 +1032,6 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
     }
     assert!(replica.terminate().success());
     // And that replica is the topic's single replay, byte for byte.
-    let output = tally()
-        .args(["replay", "--data-dir"])
-        .arg(replica_dir.path())
-        .args(flags)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && stdout.contains("match:"),
-        "{stdout}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let (matched, replayed, live) = replay_with(replica_dir.path(), &flags);
+    assert!(matched, "replayed {replayed}, live {live}");
 }

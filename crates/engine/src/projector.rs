@@ -252,6 +252,8 @@ pub fn apply_chunk(
         overlay.put(stamp, PROJECTION_FORMAT_VERSION.to_be_bytes().to_vec());
         overlay.keep();
     }
+    // Partitions of the chunk known to hold a skip mark (each looked up once).
+    let mut marked = BTreeSet::new();
     for (at, (entry, record)) in chunk.entries.iter().zip(&chunk.records).enumerate() {
         if !matches!(chunk.mode, ChunkMode::Restore { .. }) {
             positions.insert(entry.partition, entry.next_offset);
@@ -259,10 +261,12 @@ pub fn apply_chunk(
         if !chunk.applies(at) {
             // Another node's record: remember where skipping began (the restore
             // starts there when this node gains the partition).
-            let mark = keys::partition_skipped_key(entry.partition);
-            if overlay.get(&mark)?.is_none() {
-                overlay.put(mark, entry.offset.to_be_bytes().to_vec());
-                overlay.keep();
+            if marked.insert(entry.partition) {
+                let mark = keys::partition_skipped_key(entry.partition);
+                if overlay.get(&mark)?.is_none() {
+                    overlay.put(mark, entry.offset.to_be_bytes().to_vec());
+                    overlay.keep();
+                }
             }
             continue;
         }

@@ -958,16 +958,22 @@ fn entries(payloads: &[Vec<u8>]) -> Vec<LogEntry> {
         .collect()
 }
 
+/// The chunk boundaries `cuts` make in a log of `len` entries, 0 and `len` included.
+fn chunk_points(len: usize, cuts: &[usize]) -> Vec<usize> {
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % (len + 1)).collect();
+    points.extend([0, len]);
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
 fn apply_in_chunks(
     entries: &[LogEntry],
     cuts: &[usize],
 ) -> Result<Arc<MemoryStore>, TestCaseError> {
     let store = Arc::new(MemoryStore::new());
     let mut state = ProjectorState::empty();
-    let mut points: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
-    points.extend([0, entries.len()]);
-    points.sort_unstable();
-    points.dedup();
+    let points = chunk_points(entries.len(), cuts);
     for window in points.windows(2) {
         let chunk = &entries[window[0]..window[1]];
         if let Err(error) = apply_chunk_in_memory(store.as_ref(), &mut state, chunk, entries) {
@@ -1299,10 +1305,7 @@ proptest! {
         let whole = apply_in_chunks(&entries, &[])?;
         let store = Arc::new(MemoryStore::new());
         let mut state = ProjectorState::empty();
-        let mut points: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
-        points.extend([0, entries.len()]);
-        points.sort_unstable();
-        points.dedup();
+        let points = chunk_points(entries.len(), &cuts);
         let apply = |state: &mut ProjectorState, chunk: &[LogEntry], mode| {
             apply_chunk_in_memory_as(store.as_ref(), state, chunk, mode, &entries)
                 .map(|_| ())

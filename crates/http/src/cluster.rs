@@ -337,7 +337,7 @@ pub async fn forward(State(state): State<AppState>, request: Request, next: Next
             )
             .into_response();
         }
-        if restoring || forwarded {
+        if restoring {
             if Instant::now() >= deadline {
                 return unavailable("this node is restoring the store's partition; retry shortly");
             }

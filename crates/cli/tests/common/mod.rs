@@ -162,9 +162,15 @@ pub async fn get(http: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
 /// `tally replay` of a stopped node's data dir: whether it matched, the replayed
 /// digest, the live digest.
 pub fn replay(dir: &std::path::Path) -> (bool, String, String) {
+    replay_with(dir, &[])
+}
+
+/// `replay` with the node's log flags (e.g. its Kafka topic).
+pub fn replay_with(dir: &std::path::Path, flags: &[&str]) -> (bool, String, String) {
     let output = tally()
         .args(["replay", "--data-dir"])
         .arg(dir)
+        .args(flags)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout).to_string();
