@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::{Change, ProjectionStore, StoreError, Visit};
+use crate::{Change, ChangeSource, ProjectionStore, StoreError, Visit};
 
 /// Keys the layer holds before a checkpoint is started. Bounds memory (an entry is
 /// ~200 bytes; the layer being written and the one filling both count) and the
@@ -82,6 +82,21 @@ type Pending = HashMap<Arc<[u8]>, Option<Vec<u8>>, foldhash::fast::RandomState>;
 struct Changes {
     values: HashMap<Arc<[u8]>, Option<Vec<u8>>, foldhash::fast::RandomState>,
     order: BTreeSet<Arc<[u8]>>,
+}
+
+/// A frozen layer is written straight from its maps, in key order.
+impl ChangeSource for Changes {
+    fn change_count(&self) -> usize {
+        self.len()
+    }
+
+    fn visit_changes(
+        &self,
+        visit: &mut dyn FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        self.range(Bound::Unbounded, Bound::Unbounded)
+            .try_for_each(|(key, value)| visit(key, value.as_deref()))
+    }
 }
 
 impl Changes {
@@ -332,13 +347,8 @@ impl<S: ProjectionStore> Shared<S> {
 
     /// Writes a frozen layer as one inner batch, then drops it from the reads.
     fn write(&self, layer: &Layer) -> Result<(), StoreError> {
-        let changes: Vec<Change> = layer
-            .changes
-            .range(Bound::Unbounded, Bound::Unbounded)
-            .map(|(k, v)| (k.to_vec(), v.clone()))
-            .collect();
         let positions: Vec<(u32, u64)> = layer.positions.iter().map(|(p, o)| (*p, *o)).collect();
-        self.inner.apply(changes, &positions)?;
+        self.inner.apply_from(&layer.changes, &positions)?;
         self.lock_write().writing = None;
         *self
             .checkpointed_at

@@ -42,6 +42,35 @@ impl From<sled::Error> for StoreError {
 /// One change: a value to put, or `None` to delete.
 pub type Change = (Vec<u8>, Option<Vec<u8>>);
 
+/// A batch of changes that a store may read more than once without copying it: a
+/// checkpoint's frozen layer is written to the stage file, then key by key, straight
+/// from the layer (a copy of a 200,000-key layer cost the checkpoint thread a sixth
+/// of its time, and as much memory again as the layer).
+pub trait ChangeSource {
+    /// How many changes `visit_changes` visits.
+    fn change_count(&self) -> usize;
+
+    /// Visits every change in key order; an error stops the visit and is returned.
+    fn visit_changes(
+        &self,
+        visit: &mut dyn FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError>;
+}
+
+impl ChangeSource for Vec<Change> {
+    fn change_count(&self) -> usize {
+        self.len()
+    }
+
+    fn visit_changes(
+        &self,
+        visit: &mut dyn FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        self.iter()
+            .try_for_each(|(key, value)| visit(key, value.as_deref()))
+    }
+}
+
 /// Whether a scan continues after a visited entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Visit {
@@ -63,6 +92,21 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
 
     /// Writes `changes` and the new positions `(partition, next_offset)` atomically.
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError>;
+
+    /// `apply` from borrowed changes (a checkpoint's layer). Stores that copy what
+    /// they write anyway read the source directly; the default collects it.
+    fn apply_from(
+        &self,
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
+        let mut owned = Vec::with_capacity(changes.change_count());
+        changes.visit_changes(&mut |key, value| {
+            owned.push((key.to_vec(), value.map(<[u8]>::to_vec)));
+            Ok(())
+        })?;
+        self.apply(owned, positions)
+    }
 
     /// The next log offset to apply for `partition` (0 when nothing was applied).
     fn position(&self, partition: u32) -> Result<u64, StoreError>;
@@ -260,6 +304,13 @@ impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
     }
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
         (**self).apply(changes, positions)
+    }
+    fn apply_from(
+        &self,
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
+        (**self).apply_from(changes, positions)
     }
     fn position(&self, partition: u32) -> Result<u64, StoreError> {
         (**self).position(partition)
