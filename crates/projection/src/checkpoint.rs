@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::{Change, ChangeSource, ProjectionStore, StoreError, Visit};
+use crate::{Change, ChangeSource, ChangeVisit, ProjectionStore, StoreError, Visit};
 
 /// Keys the layer holds before a checkpoint is started. Bounds memory (an entry is
 /// ~200 bytes; the layer being written and the one filling both count) and the
@@ -90,10 +90,7 @@ impl ChangeSource for Changes {
         self.len()
     }
 
-    fn visit_changes(
-        &self,
-        visit: &mut dyn FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
-    ) -> Result<(), StoreError> {
+    fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError> {
         self.range(Bound::Unbounded, Bound::Unbounded)
             .try_for_each(|(key, value)| visit(key, value.as_deref()))
     }

@@ -42,6 +42,10 @@ impl From<sled::Error> for StoreError {
 /// One change: a value to put, or `None` to delete.
 pub type Change = (Vec<u8>, Option<Vec<u8>>);
 
+/// What `ChangeSource::visit_changes` calls per change: its key, and its value or
+/// `None` for a delete.
+pub type ChangeVisit<'a> = dyn FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError> + 'a;
+
 /// A batch of changes that a store may read more than once without copying it: a
 /// checkpoint's frozen layer is written to the stage file, then key by key, straight
 /// from the layer (a copy of a 200,000-key layer cost the checkpoint thread a sixth
@@ -51,10 +55,7 @@ pub trait ChangeSource {
     fn change_count(&self) -> usize;
 
     /// Visits every change in key order; an error stops the visit and is returned.
-    fn visit_changes(
-        &self,
-        visit: &mut dyn FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
-    ) -> Result<(), StoreError>;
+    fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError>;
 }
 
 impl ChangeSource for Vec<Change> {
@@ -62,10 +63,7 @@ impl ChangeSource for Vec<Change> {
         self.len()
     }
 
-    fn visit_changes(
-        &self,
-        visit: &mut dyn FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
-    ) -> Result<(), StoreError> {
+    fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError> {
         self.iter()
             .try_for_each(|(key, value)| visit(key, value.as_deref()))
     }

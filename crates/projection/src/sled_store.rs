@@ -194,7 +194,11 @@ impl SledStore {
     /// the file with a running CRC: a buffer of the whole stage (tens of MB, freshly
     /// allocated and page-faulted in every checkpoint) cost the checkpoint thread a
     /// third of its time.
-    fn stage(&self, changes: &dyn ChangeSource, positions: &[(u32, u64)]) -> Result<(), StoreError> {
+    fn stage(
+        &self,
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
         let partial = self.dir.join(STAGE_FILE_PARTIAL);
         let write = || -> Result<(), StoreError> {
             let file = std::fs::File::create(&partial)
@@ -274,7 +278,8 @@ fn write_stage(
     out.write_all(&(changes.change_count() as u64).to_be_bytes())
         .map_err(io)?;
     changes.visit_changes(&mut |key, value| {
-        out.write_all(&(key.len() as u32).to_be_bytes()).map_err(io)?;
+        out.write_all(&(key.len() as u32).to_be_bytes())
+            .map_err(io)?;
         out.write_all(key).map_err(io)?;
         match value {
             Some(value) => {
