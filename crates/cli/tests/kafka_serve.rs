@@ -531,6 +531,109 @@ async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
     );
 }
 
+/// Three nodes on one topic take 200 concurrent holds of 1 against a balance of 100
+/// and their commits, each through any node: exactly 100 are held and committed,
+/// and every node then shows a balance and an available balance of 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reservations_through_three_nodes_hold_exactly_the_balance() {
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
+    let topic = tally_log::testsuite::unique_topic("tally-holds");
+    let flags = kafka_flags(&brokers, &topic);
+    let mut follower_flags = flags.to_vec();
+    follower_flags.extend(["--no-default-store", "--no-webhook-dispatch"]);
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let node_a = serve_with(dirs[0].path(), &flags);
+    let key = node_a.test_key.clone().expect("keys on first start");
+    let node_b = serve_with(dirs[1].path(), &follower_flags);
+    let node_c = serve_with(dirs[2].path(), &follower_flags);
+    let nodes = vec![
+        node_a.test_url.clone(),
+        node_b.test_url.clone(),
+        node_c.test_url.clone(),
+    ];
+    let http = reqwest::Client::new();
+    let (status, customer) = post_retrying(
+        &http,
+        &nodes,
+        0,
+        "/v1/customers",
+        &key,
+        &json!({"email": "holds@x.io"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{customer}");
+    let (status, account) = post_retrying(
+        &http,
+        &nodes,
+        1,
+        "/v1/customer-credits/accounts",
+        &key,
+        &json!({"customer_id": customer["id"], "initial_balance": "100"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{account}");
+    let account = account["id"].as_str().unwrap().to_string();
+
+    let mut holds = Vec::new();
+    for i in 0..200 {
+        let (http, nodes, key) = (http.clone(), nodes.clone(), key.clone());
+        let path = format!("/v1/customer-credits/accounts/{account}/reservations");
+        holds.push(tokio::spawn(async move {
+            let body = json!({"amount": "1", "idempotency_key": format!("hold-{i}")});
+            post_retrying(&http, &nodes, i, &path, &key, &body).await
+        }));
+    }
+    let mut held = Vec::new();
+    for task in holds {
+        let (status, answer) = task.await.unwrap();
+        if status == 200 {
+            held.push(answer["id"].as_str().unwrap().to_string());
+        } else {
+            assert_eq!(answer["error"]["code"], "insufficient_balance", "{answer}");
+        }
+    }
+    assert_eq!(held.len(), 100, "exactly the balance is held");
+    let mut commits = Vec::new();
+    for (i, id) in held.into_iter().enumerate() {
+        let (http, nodes, key) = (http.clone(), nodes.clone(), key.clone());
+        commits.push(tokio::spawn(async move {
+            let path = format!("/v1/customer-credits/reservations/{id}/commit");
+            post_retrying(&http, &nodes, i + 1, &path, &key, &json!({})).await
+        }));
+    }
+    for task in commits {
+        let (status, answer) = task.await.unwrap();
+        assert_eq!(
+            (status, &answer["status"]),
+            (200, &json!("committed")),
+            "{answer}"
+        );
+    }
+    for node in &nodes {
+        let deadline = std::time::Instant::now() + Duration::from_secs(RETRY_FOR_SECONDS);
+        loop {
+            let (_, body) = get(
+                &http,
+                &format!("{node}/v1/customer-credits/accounts/{account}"),
+                &key,
+            )
+            .await;
+            if body["balance"] == "0" && body["available_balance"] == "0" {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{node}: {body}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    for node in [node_a, node_b, node_c] {
+        assert!(node.terminate().success());
+    }
+    let (matched, replayed, live) = replay_with(dirs[0].path(), &flags);
+    assert!(matched, "replayed {replayed}, live {live}");
+}
+
 /// Whether the node at `base` reports owning `partition` in its cluster (`/metrics`).
 async fn owns_partition(http: &reqwest::Client, base: &str, partition: u32) -> bool {
     let Ok(response) = http.get(format!("{base}/metrics")).send().await else {

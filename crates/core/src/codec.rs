@@ -336,6 +336,58 @@ pub fn decode_decimal(bytes: &[u8]) -> Result<Decimal, EngineError> {
     Ok(Decimal::deserialize(raw))
 }
 
+pub fn encode_reservation(r: &tally_domain::reservation::Reservation) -> Vec<u8> {
+    tally_proto::reservation_to_proto(r).encode_to_vec()
+}
+
+pub fn decode_reservation(
+    bytes: &[u8],
+) -> Result<tally_domain::reservation::Reservation, EngineError> {
+    tally_proto::reservation_from_proto(v1::ReservationState::decode(bytes).map_err(corrupt)?)
+        .map_err(corrupt)
+}
+
+/// An account's live holds: `([id len u16][id][expires_at i64][amount 16 bytes])*`.
+pub fn encode_holds(holds: &[tally_domain::reservation::Hold]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(holds.len() * 56);
+    for hold in holds {
+        let id = hold.reservation_id.as_bytes();
+        // Ids are generated (`rsv_` and 24 characters), far below u16::MAX.
+        out.extend_from_slice(&(id.len().min(usize::from(u16::MAX)) as u16).to_be_bytes());
+        out.extend_from_slice(&id[..id.len().min(usize::from(u16::MAX))]);
+        out.extend_from_slice(&hold.expires_at_ms.to_be_bytes());
+        out.extend_from_slice(&hold.amount.serialize());
+    }
+    out
+}
+
+pub fn decode_holds(mut bytes: &[u8]) -> Result<Vec<tally_domain::reservation::Hold>, EngineError> {
+    fn take<'b>(bytes: &mut &'b [u8], n: usize) -> Result<&'b [u8], EngineError> {
+        if bytes.len() < n {
+            return Err(EngineError::Corrupt(
+                "an account's hold list is cut short".into(),
+            ));
+        }
+        let (head, rest) = bytes.split_at(n);
+        *bytes = rest;
+        Ok(head)
+    }
+    let mut holds = Vec::new();
+    while !bytes.is_empty() {
+        let len = u16::from_be_bytes(take(&mut bytes, 2)?.try_into().expect("2 bytes"));
+        let id = String::from_utf8(take(&mut bytes, usize::from(len))?.to_vec())
+            .map_err(|_| EngineError::Corrupt("a hold's reservation id is not UTF-8".into()))?;
+        let expires_at_ms = i64::from_be_bytes(take(&mut bytes, 8)?.try_into().expect("8 bytes"));
+        let amount = Decimal::deserialize(take(&mut bytes, 16)?.try_into().expect("16 bytes"));
+        holds.push(tally_domain::reservation::Hold {
+            reservation_id: id.into(),
+            amount,
+            expires_at_ms,
+        });
+    }
+    Ok(holds)
+}
+
 pub fn encode_account(a: &tally_domain::ledger::Account) -> Vec<u8> {
     tally_proto::account_to_proto(a).encode_to_vec()
 }

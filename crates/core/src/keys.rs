@@ -77,6 +77,9 @@
 //! | `/` | store, mode | ModerationPolicy (proto): the store's moderation policy |
 //! | `[` | sha256(api key) | the key's permissions, one per line (absent: every permission) |
 //! | `]` | store, key_id | sha256(api key), mode byte, revoked byte (the admin API's handle on a key) |
+//! | `<` | store, mode, reservation_id | ReservationState (proto): a credit reservation |
+//! | `>` | store, mode, account_id | the account's live holds: (reservation id, amount, expiry) each (`codec::encode_holds`) |
+//! | `=` | store, mode, idempotency key | reservation_id (a hold's idempotency key) |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
 use tally_domain::Mode;
@@ -158,6 +161,9 @@ pub const MODERATION_POLICY: u8 = b'/';
 pub const API_KEY_PERMISSIONS: u8 = b'[';
 pub const API_KEY_ID: u8 = b']';
 pub const PARTITION_SKIPPED: u8 = b'!';
+pub const CREDIT_RESERVATION: u8 = b'<';
+pub const CREDIT_HOLDS: u8 = b'>';
+pub const CREDIT_RESERVATION_IDEMPOTENCY: u8 = b'=';
 
 /// The `!` row of a partition.
 pub fn partition_skipped_key(partition: u32) -> Vec<u8> {

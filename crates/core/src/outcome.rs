@@ -45,6 +45,9 @@ pub const OUTCOME_CODES: &[&str] = &[
     "record_format_unsupported",
     "record_undecodable",
     "refund_exceeds_remaining",
+    "reservation_committed",
+    "reservation_expired",
+    "reservation_released",
     "resource_changed",
     "resource_missing",
     "transaction_already_reversed",
@@ -53,6 +56,7 @@ pub const OUTCOME_CODES: &[&str] = &[
     "transaction_not_reversible",
     "transaction_unbalanced",
     "test_clock_backwards",
+    "too_many_reservations",
     "too_many_webhooks",
     "usage_already_settled",
 ];

@@ -189,3 +189,7 @@ id_type!(
     /// An invitation to become an affiliate: `affinv_...`.
     InviteId
 );
+id_type!(
+    /// A hold on an account's credits: `rsv_...`.
+    ReservationId
+);

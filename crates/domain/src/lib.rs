@@ -23,6 +23,7 @@ pub mod mode;
 pub mod moderation;
 pub mod product;
 pub mod record;
+pub mod reservation;
 pub mod settlement;
 pub mod subscription;
 pub mod time;

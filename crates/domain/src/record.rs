@@ -137,6 +137,8 @@ pub enum Record {
         store_id: StoreId,
         key_id: String,
     },
+    /// A credit reservation's hold, commit or release (decided in apply).
+    CreditReservation(crate::reservation::ReservationStep),
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -322,6 +324,8 @@ impl Record {
             // store, so a store's events are decided in one order (and by one node
             // of a cluster that splits the projection, ARCHITECTURE.md).
             Record::UsageBatch { store_id, .. } => store_id.as_bytes().to_vec(),
+            // With the store's ledger steps: holds and debits see one order.
+            Record::CreditReservation(step) => step.store_id().as_bytes().to_vec(),
         }
     }
 }

@@ -683,6 +683,19 @@ fn apply_record(
                 transaction.as_ref(),
                 events,
                 base,
+                meta.recorded_at_ms,
+            )?;
+            let heads: Vec<_> = events
+                .iter()
+                .map(tally_notifications::EventHead::ledger)
+                .collect();
+            tally_notifications::schedule_deliveries(overlay, &heads, entry.offset)?;
+        }
+        Record::CreditReservation(step) => {
+            let events = tally_ledger::reservations::apply_reservation_step(
+                overlay,
+                step,
+                meta.recorded_at_ms,
             )?;
             let heads: Vec<_> = events
                 .iter()

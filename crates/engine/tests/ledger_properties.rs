@@ -1,19 +1,21 @@
 //! Property tests of the credits ledger through the engine (real embedded log, real
 //! sled, restarts included): for any sequence of credit, debit, reverse, freeze,
-//! unfreeze and close,
+//! unfreeze, close, and reservations (hold, commit, release, expiry as time passes),
 //! - accept/refuse decisions and balances equal an independent reference model;
 //! - every transaction's entries sum to zero and no balance ever goes negative
 //!   (checked by the audit replay of the log);
+//! - the available balance (balance less live holds) never goes negative;
 //! - replaying the log into an empty store gives the live projection's digest.
 
 use std::sync::Arc;
 
 use proptest::prelude::*;
 use rust_decimal::Decimal;
+use tally_domain::clock::Clock;
 use tally_domain::clock::ManualClock;
 use tally_domain::ledger::{AccountStatus, TransactionKind};
 use tally_domain::Mode;
-use tally_engine::ledger::{AccountInput, MovementInput};
+use tally_engine::ledger::{AccountInput, MovementInput, ReservationInput};
 use tally_engine::{Engine, EngineError, Scope};
 use tally_log::embedded::EmbeddedLog;
 use tally_projection::{MemoryStore, ProjectionStore, SledStore};
@@ -26,8 +28,18 @@ enum Op {
     Freeze(usize),
     Unfreeze(usize),
     Close(usize),
+    /// A hold on an account: amount (tenths), and an index into `HOLD_SECONDS`.
+    Reserve(usize, i64, usize),
+    /// Commit a hold picked by index: all of it, or this many tenths (at most all).
+    Commit(usize, Option<i64>),
+    Release(usize),
+    /// Time passes (ms): holds expire.
+    Advance(i64),
     Restart,
 }
+
+/// Hold lengths the test picks from (seconds).
+const HOLD_SECONDS: [i64; 3] = [1, 60, 300];
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
@@ -37,6 +49,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..3).prop_map(Op::Freeze),
         1 => (0usize..3).prop_map(Op::Unfreeze),
         1 => (0usize..3).prop_map(Op::Close),
+        3 => (0usize..3, 1i64..500, 0usize..3).prop_map(|(a, n, s)| Op::Reserve(a, n, s)),
+        2 => (0usize..20, prop::option::of(1i64..500)).prop_map(|(p, n)| Op::Commit(p, n)),
+        1 => (0usize..20).prop_map(Op::Release),
+        1 => (1i64..120_000).prop_map(Op::Advance),
         1 => Just(Op::Restart),
     ]
 }
@@ -48,6 +64,32 @@ struct Model {
     statuses: Vec<AccountStatus>,
     /// (engine transaction id, account, signed delta, reversible, reversed)
     transactions: Vec<(String, usize, Decimal, bool, bool)>,
+    holds: Vec<ModelHold>,
+}
+
+#[derive(Debug, Clone)]
+struct ModelHold {
+    id: String,
+    account: usize,
+    amount: Decimal,
+    expires_at_ms: i64,
+    /// `held`, `committed` or `released` (expiry is read from the time).
+    status: &'static str,
+    transaction: Option<String>,
+}
+
+impl Model {
+    fn held(&self, account: usize, now_ms: i64) -> Decimal {
+        self.holds
+            .iter()
+            .filter(|h| h.account == account && h.status == "held" && now_ms < h.expires_at_ms)
+            .map(|h| h.amount)
+            .sum()
+    }
+
+    fn available(&self, account: usize, now_ms: i64) -> Decimal {
+        self.balances[account] - self.held(account, now_ms)
+    }
 }
 
 /// A running engine: the engine, its projector's shutdown switch and tasks.
@@ -186,7 +228,9 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                 let expected = match model.statuses[a] {
                     AccountStatus::Frozen => Some("account_frozen"),
                     AccountStatus::Closed => Some("account_closed"),
-                    AccountStatus::Active if debit && model.balances[a] < amount => {
+                    AccountStatus::Active
+                        if debit && model.available(a, h.clock.now_ms()) < amount =>
+                    {
                         Some("insufficient_balance")
                     }
                     AccountStatus::Active => None,
@@ -219,7 +263,10 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                     match model.statuses[a] {
                         AccountStatus::Frozen => Some("account_frozen"),
                         AccountStatus::Closed => Some("account_closed"),
-                        AccountStatus::Active if model.balances[a] - delta < Decimal::ZERO => {
+                        AccountStatus::Active
+                            if delta > Decimal::ZERO
+                                && model.available(a, h.clock.now_ms()) - delta < Decimal::ZERO =>
+                        {
                             Some("insufficient_balance")
                         }
                         AccountStatus::Active => None,
@@ -264,7 +311,114 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                     .unwrap();
                 model.statuses[a] = AccountStatus::Closed;
                 model.balances[a] = Decimal::ZERO;
+                let now = h.clock.now_ms();
+                for hold in model.holds.iter_mut() {
+                    if hold.account == a && hold.status == "held" && now < hold.expires_at_ms {
+                        hold.status = "released";
+                    }
+                }
             }
+            Op::Reserve(a, n, s) => {
+                key += 1;
+                let amount = Decimal::new(n, 1);
+                let result = h
+                    .engine()
+                    .ledger()
+                    .reserve(
+                        &scope,
+                        &accounts[a],
+                        &ReservationInput {
+                            amount: Some(amount.to_string()),
+                            idempotency_key: Some(format!("r{key}")),
+                            expires_in_seconds: Some(HOLD_SECONDS[s]),
+                        },
+                    )
+                    .await;
+                let now = h.clock.now_ms();
+                let expected = match model.statuses[a] {
+                    AccountStatus::Frozen => Some("account_frozen"),
+                    AccountStatus::Closed => Some("account_closed"),
+                    AccountStatus::Active if model.available(a, now) < amount => {
+                        Some("insufficient_balance")
+                    }
+                    AccountStatus::Active => None,
+                };
+                prop_assert_eq!(code(&result), expected, "{:?}", op);
+                if let Ok(reservation) = result {
+                    prop_assert_eq!(reservation.expires_at_ms, now + HOLD_SECONDS[s] * 1000);
+                    model.holds.push(ModelHold {
+                        id: reservation.id.to_string(),
+                        account: a,
+                        amount,
+                        expires_at_ms: reservation.expires_at_ms,
+                        status: "held",
+                        transaction: None,
+                    });
+                }
+            }
+            Op::Commit(pick, part) => {
+                if model.holds.is_empty() {
+                    continue;
+                }
+                let index = pick % model.holds.len();
+                let hold = model.holds[index].clone();
+                let amount = part
+                    .map(|n| Decimal::new(n, 1).min(hold.amount))
+                    .unwrap_or(hold.amount);
+                let result = h
+                    .engine()
+                    .ledger()
+                    .commit_reservation(&scope, &hold.id, Some(&amount.to_string()))
+                    .await;
+                let now = h.clock.now_ms();
+                let expected = match hold.status {
+                    "committed" => None,
+                    "released" => Some("reservation_released"),
+                    _ if now >= hold.expires_at_ms => Some("reservation_expired"),
+                    _ => match model.statuses[hold.account] {
+                        AccountStatus::Frozen => Some("account_frozen"),
+                        AccountStatus::Closed => Some("account_closed"),
+                        AccountStatus::Active => None,
+                    },
+                };
+                prop_assert_eq!(code(&result), expected, "{:?} of {:?}", op, hold);
+                if let Ok(reservation) = result {
+                    let tx = reservation.transaction_id.map(|t| t.to_string());
+                    if hold.status == "committed" {
+                        prop_assert_eq!(tx, hold.transaction, "committing again: the same");
+                    } else {
+                        model.balances[hold.account] -= amount;
+                        model.holds[index].status = "committed";
+                        model.holds[index].transaction = tx.clone();
+                        model.transactions.push((
+                            tx.expect("a committed reservation names its debit"),
+                            hold.account,
+                            -amount,
+                            true,
+                            false,
+                        ));
+                    }
+                }
+            }
+            Op::Release(pick) => {
+                if model.holds.is_empty() {
+                    continue;
+                }
+                let index = pick % model.holds.len();
+                let hold = model.holds[index].clone();
+                let result = h
+                    .engine()
+                    .ledger()
+                    .release_reservation(&scope, &hold.id)
+                    .await;
+                let expected = (hold.status == "committed").then_some("reservation_committed");
+                prop_assert_eq!(code(&result), expected, "{:?} of {:?}", op, hold);
+                if result.is_ok() && hold.status == "held" && h.clock.now_ms() < hold.expires_at_ms
+                {
+                    model.holds[index].status = "released";
+                }
+            }
+            Op::Advance(ms) => h.clock.advance_ms(ms),
             Op::Restart => {
                 h.stop().await;
                 h.start().await;
@@ -281,6 +435,18 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
         prop_assert_eq!(
             h.engine().ledger().get_account(&scope, id).unwrap().status,
             model.statuses[i]
+        );
+        let held = h.engine().ledger().held(&scope, id).unwrap();
+        prop_assert_eq!(
+            held,
+            model.held(i, h.clock.now_ms()),
+            "held on account {}",
+            i
+        );
+        prop_assert!(
+            model.available(i, h.clock.now_ms()) >= Decimal::ZERO,
+            "available balance of account {} is negative",
+            i
         );
     }
     let log = h.engine().log().clone();

@@ -648,6 +648,45 @@ pub struct CreditAccount {
     pub status: String,
     /// A decimal string.
     pub balance: String,
+    /// `balance` less what live reservations hold (what a debit or a new
+    /// reservation may take). With `at`, the balance at that instant: holds are not
+    /// kept as history.
+    pub available_balance: String,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+#[derive(ToSchema)]
+pub struct ReservationCreate {
+    /// A decimal string > 0: what to hold.
+    pub amount: String,
+    pub idempotency_key: String,
+    /// 1 to 86400; default 300.
+    pub expires_in_seconds: Option<i64>,
+}
+
+#[derive(ToSchema)]
+pub struct ReservationCommit {
+    /// A decimal string, at most what is held; default: all of it.
+    pub amount: Option<String>,
+}
+
+#[derive(ToSchema)]
+pub struct CreditReservation {
+    /// `rsv_...`
+    pub id: String,
+    pub object: String,
+    pub mode: String,
+    pub account_id: String,
+    /// What the reservation holds (or held).
+    pub amount: String,
+    /// `held`, `committed`, `released` or `expired`.
+    pub status: String,
+    pub idempotency_key: String,
+    pub expires_at: String,
+    /// The debit a commit made.
+    pub transaction_id: Option<String>,
+    pub committed_amount: Option<String>,
     pub created_at: String,
     pub updated_at: String,
 }

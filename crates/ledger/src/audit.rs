@@ -12,6 +12,7 @@ use rust_decimal::Decimal;
 use sha2::{Digest, Sha256};
 use tally_domain::ledger::{Account, SystemAccount, Transaction};
 use tally_domain::record::Record;
+use tally_domain::reservation::ReservationStep;
 use tally_domain::usage::canonical_decimal;
 use tally_log::Log;
 use tally_projection::ProjectionStore;
@@ -176,6 +177,14 @@ pub async fn replay_ledger(
                             replay.apply(&transaction);
                             visit(&transaction, replay.accounts.get(&transaction.account_id));
                         }
+                    }
+                    // A committed reservation's debit (a hold itself moves no money).
+                    if let Record::CreditReservation(ReservationStep::Commit {
+                        transaction, ..
+                    }) = &record
+                    {
+                        replay.apply(transaction);
+                        visit(transaction, replay.accounts.get(&transaction.account_id));
                     }
                     if let Record::CreditLedger {
                         account,

@@ -109,6 +109,7 @@ pub fn apply_ledger_step(
     transaction: Option<&Transaction>,
     events: &[LedgerEvent],
     base_updated_at_ms: Option<i64>,
+    recorded_at_ms: i64,
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
     // The status the transaction is checked against: the account's before this step.
     let mut status_before = None;
@@ -171,12 +172,14 @@ pub fn apply_ledger_step(
     }
     let mut events = events.to_vec();
     if let Some(tx) = transaction {
-        let (holder, balance_after) = apply_transaction(overlay, tx, status_before, account)?;
+        let (holder, balance_after) =
+            apply_transaction(overlay, tx, status_before, account, recorded_at_ms)?;
         if events.is_empty() {
             events = movement_events(tx, &holder, balance_after);
         }
     }
     if let Some(account) = account.filter(|a| a.status == AccountStatus::Closed) {
+        crate::reservations::release_all(overlay, account, recorded_at_ms)?;
         let key = balance_key(&account.store_id, account.mode, &account.id);
         let left = match overlay.get(&key)? {
             Some(bytes) => codec::decode_decimal(&bytes)?,
@@ -196,7 +199,7 @@ pub fn apply_ledger_step(
 
 /// Keeps a step's webhook events (table `W`) and notes an announced exhaustion, so
 /// usage settlement announces an empty account once, not on every shortfall.
-fn store_events(overlay: &mut Overlay<'_>, events: &[LedgerEvent]) {
+pub(crate) fn store_events(overlay: &mut Overlay<'_>, events: &[LedgerEvent]) {
     for event in events {
         let (store, mode) = (&event.account.store_id, event.account.mode);
         overlay.put(
@@ -264,7 +267,10 @@ pub fn apply_usage_debit(
         Some(bytes) => codec::decode_decimal(&bytes)?,
         None => Decimal::ZERO,
     };
-    let take = debit.amount.min(balance);
+    // Only what no reservation holds (docs/api.md, "Reservations").
+    let held = crate::reservations::held(overlay, store, mode, &account_id, debit.created_at_ms)?;
+    let available = (balance - held).max(Decimal::ZERO);
+    let take = debit.amount.min(available);
     if take <= Decimal::ZERO {
         let marker = exhausted_key(store, mode, &account_id);
         if overlay.contains(&marker)? {
@@ -323,7 +329,7 @@ pub fn apply_usage_debit(
         reverses: None,
         created_at_ms: debit.created_at_ms,
     };
-    let (holder, balance_after) = apply_transaction(overlay, &tx, None, None)?;
+    let (holder, balance_after) = apply_transaction(overlay, &tx, None, None, debit.created_at_ms)?;
     let events = movement_events(&tx, &holder, balance_after);
     store_events(overlay, &events);
     Ok((take, events))
@@ -332,7 +338,7 @@ pub fn apply_usage_debit(
 /// The webhook events of a transaction that left its account at `balance_after`:
 /// `credits.granted` when it added, `credits.consumed` when it took (and
 /// `customer_credits.exhausted` when that left exactly 0); none for a close.
-fn movement_events(
+pub(crate) fn movement_events(
     tx: &Transaction,
     account: &Account,
     balance_after: Decimal,
@@ -360,11 +366,15 @@ fn movement_events(
 
 /// One transaction of a ledger step; `status_before` is the account's status before
 /// the step when the step carries the account (created or changed), else read here.
-fn apply_transaction(
+/// A transaction that takes from the account (other than a close) must leave at
+/// least what its live holds at record time `at_ms` take (docs/api.md,
+/// "Reservations").
+pub(crate) fn apply_transaction(
     overlay: &mut Overlay<'_>,
     tx: &Transaction,
     status_before: Option<AccountStatus>,
     account_in_step: Option<&Account>,
+    at_ms: i64,
 ) -> Result<(Account, Decimal), ApplyError> {
     let (store, mode) = (&tx.store_id, tx.mode);
     let stored = match account_in_step.filter(|a| a.id == tx.account_id) {
@@ -439,7 +449,14 @@ fn apply_transaction(
     }
     let balance_before = |id: &str| balances_before.get(id).copied().unwrap_or_default();
     // Checked against the final balances; each entry is then posted in order.
-    balances_after(tx, &balance_before).map_err(refused)?;
+    let after = balances_after(tx, &balance_before).map_err(refused)?;
+    if tx.kind != TransactionKind::Close && tx.delta_for(&tx.account_id) < Decimal::ZERO {
+        let held = crate::reservations::held(overlay, store, mode, &tx.account_id, at_ms)?;
+        let left = after.get(&tx.account_id).copied().unwrap_or_default();
+        if left < held {
+            return Err(refused(Rejection::InsufficientBalance));
+        }
+    }
     overlay.put(
         Key::scoped(keys::CREDIT_TRANSACTION, store, mode)
             .text(&tx.id)
@@ -625,7 +642,7 @@ impl Ledger {
     }
 
     /// A transaction of `kind` on `account_id` with the given entries, created now.
-    fn new_transaction(
+    pub(crate) fn new_transaction(
         &self,
         scope: &Scope,
         kind: TransactionKind,
@@ -952,7 +969,11 @@ impl Ledger {
             }
             return Ok(view);
         }
-        let balance = self.balance(scope, account_id)?;
+        let mut balance = self.balance(scope, account_id)?;
+        if kind == TransactionKind::Debit {
+            // What reservations hold is not there to take (apply decides again).
+            balance -= self.held(scope, account_id)?;
+        }
         let entries = post(
             kind,
             &account.id,

@@ -1,7 +1,7 @@
 //! The credits ledger context: credits accounts, double-entry transactions and their
 //! entries (docs/api.md, "Customer credits"), with the same inner shape as every
-//! context: its record (`CreditLedger`), keys (tables `a`, `b`, `n`, `l`, `k`, `T`, `r`, `i`, `L`, `j`,
-//! `h`, `q` of the core key space), apply ([`ledger::apply_ledger_step`]: every posting rule
+//! context: its records (`CreditLedger`, `CreditReservation`), keys (tables `a`, `b`, `n`, `l`, `k`, `T`, `r`, `i`, `L`, `j`,
+//! `h`, `q`, and for reservations `<`, `>`, `=`, of the core key space), apply ([`ledger::apply_ledger_step`]: every posting rule
 //! decided in log order), services and queries ([`Ledger`]), and the independent
 //! audit ([`audit`]).
 //!
@@ -14,8 +14,10 @@ use tally_core::{EngineError, Journal, Scope};
 
 pub mod audit;
 pub mod ledger;
+pub mod reservations;
 
 pub use ledger::*;
+pub use reservations::ReservationInput;
 
 /// What the ledger asks of the directory: it owns this port, the composition root
 /// implements it.

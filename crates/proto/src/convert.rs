@@ -10,6 +10,7 @@ use tally_domain::meter::{
     Aggregation, Conjunction, FilterClause, FilterValue, Meter, MeterFilter, MeterStatus, Operator,
 };
 use tally_domain::record::{LedgerEvent, WebhookAttempt};
+use tally_domain::reservation::{Reservation, ReservationStatus, ReservationStep};
 use tally_domain::usage::{canonical_decimal, parse_decimal, PropertyValue, UsageEvent};
 use tally_domain::webhook::{DeliveryMode, WebhookEndpoint};
 use tally_domain::Mode;
@@ -330,6 +331,95 @@ pub fn transaction_to_proto(t: &Transaction) -> v1::CreditTransaction {
     }
 }
 
+pub fn reservation_to_proto(r: &Reservation) -> v1::ReservationState {
+    v1::ReservationState {
+        id: r.id.to_string(),
+        store_id: r.store_id.to_string(),
+        mode: mode_to_proto(r.mode),
+        account_id: r.account_id.to_string(),
+        amount: canonical_decimal(r.amount),
+        status: r.status.as_str().to_string(),
+        idempotency_key: r.idempotency_key.clone(),
+        expires_at_ms: r.expires_at_ms,
+        created_at_ms: r.created_at_ms,
+        updated_at_ms: r.updated_at_ms,
+        transaction_id: r.transaction_id.as_ref().map(|t| t.to_string()),
+        committed_amount: r.committed_amount.map(canonical_decimal),
+    }
+}
+
+pub fn reservation_from_proto(r: v1::ReservationState) -> Result<Reservation, DecodeError> {
+    Ok(Reservation {
+        mode: mode_from_proto(r.mode)?,
+        amount: decimal_from_text(&r.amount, "reservation.amount")?,
+        status: ReservationStatus::parse(&r.status)
+            .ok_or(DecodeError::BadField("reservation.status"))?,
+        committed_amount: r
+            .committed_amount
+            .map(|a| decimal_from_text(&a, "reservation.committed_amount"))
+            .transpose()?,
+        id: r.id.into(),
+        store_id: r.store_id.into(),
+        account_id: r.account_id.into(),
+        idempotency_key: r.idempotency_key,
+        expires_at_ms: r.expires_at_ms,
+        created_at_ms: r.created_at_ms,
+        updated_at_ms: r.updated_at_ms,
+        transaction_id: r.transaction_id.map(Into::into),
+    })
+}
+
+fn reservation_step_to_proto(step: &ReservationStep) -> v1::CreditReservation {
+    use v1::credit_reservation::Step;
+    let step = match step {
+        ReservationStep::Hold(r) => Step::Hold(reservation_to_proto(r)),
+        ReservationStep::Commit {
+            store_id,
+            mode,
+            reservation_id,
+            transaction,
+        } => Step::Commit(v1::ReservationCommit {
+            store_id: store_id.to_string(),
+            mode: mode_to_proto(*mode),
+            reservation_id: reservation_id.to_string(),
+            transaction: Some(transaction_to_proto(transaction)),
+        }),
+        ReservationStep::Release {
+            store_id,
+            mode,
+            reservation_id,
+        } => Step::Release(v1::ReservationRelease {
+            store_id: store_id.to_string(),
+            mode: mode_to_proto(*mode),
+            reservation_id: reservation_id.to_string(),
+        }),
+    };
+    v1::CreditReservation { step: Some(step) }
+}
+
+fn reservation_step_from_proto(r: v1::CreditReservation) -> Result<ReservationStep, DecodeError> {
+    use v1::credit_reservation::Step;
+    Ok(
+        match r.step.ok_or(DecodeError::BadField("reservation.step"))? {
+            Step::Hold(state) => ReservationStep::Hold(reservation_from_proto(state)?),
+            Step::Commit(c) => ReservationStep::Commit {
+                store_id: c.store_id.into(),
+                mode: mode_from_proto(c.mode)?,
+                reservation_id: c.reservation_id.into(),
+                transaction: transaction_from_proto(
+                    c.transaction
+                        .ok_or(DecodeError::BadField("reservation.transaction"))?,
+                )?,
+            },
+            Step::Release(r) => ReservationStep::Release {
+                store_id: r.store_id.into(),
+                mode: mode_from_proto(r.mode)?,
+                reservation_id: r.reservation_id.into(),
+            },
+        },
+    )
+}
+
 pub fn transaction_from_proto(t: v1::CreditTransaction) -> Result<Transaction, DecodeError> {
     Ok(Transaction {
         mode: mode_from_proto(t.mode)?,
@@ -638,6 +728,7 @@ pub fn encode_record_with(
             transaction: transaction.as_ref().map(transaction_to_proto),
             events: events.iter().map(ledger_event_to_proto).collect(),
         }),
+        Record::CreditReservation(step) => Kind::CreditReservation(reservation_step_to_proto(step)),
     };
     v1::LogRecord {
         recorded_at_ms: meta.recorded_at_ms,
@@ -794,6 +885,7 @@ pub fn decode_record(
                 .map(ledger_event_from_proto)
                 .collect::<Result<_, _>>()?,
         },
+        Kind::CreditReservation(r) => Record::CreditReservation(reservation_step_from_proto(r)?),
     };
     let meta = RecordMeta {
         recorded_at_ms: record.recorded_at_ms,

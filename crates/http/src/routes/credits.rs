@@ -1,4 +1,5 @@
-//! `/v1/customer-credits`: accounts, credit/debit, reversal, transactions, entries.
+//! `/v1/customer-credits`: accounts, credit/debit, reversal, transactions, entries,
+//! reservations.
 
 use axum::extract::State;
 use axum::{Extension, Json};
@@ -6,10 +7,11 @@ use rust_decimal::Decimal;
 use serde_json::{json, Map, Value};
 use tally_domain::customer::Patch;
 use tally_domain::ledger::{Account, TransactionKind};
+use tally_domain::reservation::Reservation;
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::canonical_decimal;
 use tally_engine::codec::StoredEntry;
-use tally_engine::ledger::{AccountInput, MovementInput, TransactionView};
+use tally_engine::ledger::{AccountInput, MovementInput, ReservationInput, TransactionView};
 use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
@@ -33,6 +35,46 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(entries))
         .routes(routes!(get_transaction))
         .routes(routes!(reverse))
+        .routes(routes!(reserve))
+        .routes(routes!(get_reservation))
+        .routes(routes!(commit_reservation))
+        .routes(routes!(release_reservation))
+}
+
+/// An account as the API shows it: with `available_balance`, the balance less
+/// what its live reservations hold (`held`).
+fn account_view(account: &Account, balance: Decimal, held: Decimal) -> Value {
+    let mut value = account_json(account, balance);
+    value["available_balance"] = json!(canonical_decimal((balance - held).max(Decimal::ZERO)));
+    value
+}
+
+/// `account_view` now.
+fn current_account(
+    state: &AppState,
+    scope: &Scope,
+    account: &Account,
+    balance: Decimal,
+) -> ApiResult<Value> {
+    let held = state.engine.ledger().held(scope, &account.id)?;
+    Ok(account_view(account, balance, held))
+}
+
+pub fn reservation_json(r: &Reservation) -> Value {
+    json!({
+        "id": r.id,
+        "object": "credit_reservation",
+        "mode": r.mode.as_str(),
+        "account_id": r.account_id,
+        "amount": canonical_decimal(r.amount),
+        "status": r.status.as_str(),
+        "idempotency_key": r.idempotency_key,
+        "expires_at": format_iso8601_ms(r.expires_at_ms),
+        "transaction_id": r.transaction_id,
+        "committed_amount": r.committed_amount.map(canonical_decimal),
+        "created_at": format_iso8601_ms(r.created_at_ms),
+        "updated_at": format_iso8601_ms(r.updated_at_ms),
+    })
 }
 
 pub fn account_json(account: &Account, balance: Decimal) -> Value {
@@ -124,7 +166,7 @@ pub async fn create_account(
         initial_balance: decimal_string(&fields, "initial_balance")?,
     };
     let (account, balance) = state.engine.ledger().create_account(&scope, &input).await?;
-    Ok(Json(account_json(&account, balance)))
+    Ok(Json(account_view(&account, balance, Decimal::ZERO)))
 }
 
 #[utoipa::path(
@@ -147,7 +189,16 @@ pub async fn list_accounts(
         .engine
         .ledger()
         .list_accounts(&scope, query.get("customer_id"), &page)?;
-    Ok(Json(wire::list(&page, |(a, b)| account_json(a, *b))))
+    let mut held = std::collections::HashMap::new();
+    for (account, _) in &page.data {
+        held.insert(
+            account.id.clone(),
+            state.engine.ledger().held(&scope, &account.id)?,
+        );
+    }
+    Ok(Json(wire::list(&page, |(a, b)| {
+        account_view(a, *b, held.get(&a.id).copied().unwrap_or_default())
+    })))
 }
 
 #[utoipa::path(
@@ -166,14 +217,21 @@ pub async fn get_account(
     query: QueryParams,
 ) -> ApiResult<Json<Value>> {
     let account = state.engine.ledger().get_account(&scope, &id)?;
-    let balance = match query.get("at") {
-        Some(at) => state
-            .engine
-            .ledger()
-            .balance_at(&scope, &id, parse_instant("at", at)?)?,
-        None => state.engine.ledger().balance(&scope, &id)?,
-    };
-    Ok(Json(account_json(&account, balance)))
+    match query.get("at") {
+        // Holds are not kept as history: at an instant, all of the balance.
+        Some(at) => {
+            let balance =
+                state
+                    .engine
+                    .ledger()
+                    .balance_at(&scope, &id, parse_instant("at", at)?)?;
+            Ok(Json(account_view(&account, balance, Decimal::ZERO)))
+        }
+        None => {
+            let balance = state.engine.ledger().balance(&scope, &id)?;
+            Ok(Json(current_account(&state, &scope, &account, balance)?))
+        }
+    }
 }
 
 #[utoipa::path(
@@ -197,7 +255,7 @@ pub async fn freeze(
         .ledger()
         .set_account_frozen(&scope, &id, true)
         .await?;
-    Ok(Json(account_json(&account, balance)))
+    Ok(Json(current_account(&state, &scope, &account, balance)?))
 }
 
 #[utoipa::path(
@@ -221,7 +279,7 @@ pub async fn unfreeze(
         .ledger()
         .set_account_frozen(&scope, &id, false)
         .await?;
-    Ok(Json(account_json(&account, balance)))
+    Ok(Json(current_account(&state, &scope, &account, balance)?))
 }
 
 #[utoipa::path(
@@ -241,7 +299,7 @@ pub async fn close(
     JsonObject(_): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let (account, balance) = state.engine.ledger().close_account(&scope, &id).await?;
-    Ok(Json(account_json(&account, balance)))
+    Ok(Json(current_account(&state, &scope, &account, balance)?))
 }
 
 fn movement(body: &Map<String, Value>) -> Result<MovementInput, ApiError> {
@@ -367,4 +425,106 @@ pub async fn reverse(
             .reverse_transaction(&scope, &id)
             .await?,
     )))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}/reservations",
+    operation_id = "credits_reserve",
+    tag = "customer-credits",
+    summary = "Hold credits until a commit, a release or the expiry",
+    params(doc::IdParam),
+    request_body(content = doc::ReservationCreate, content_type = "application/json", example = json!({"amount": "25", "idempotency_key": "job-77", "expires_in_seconds": 600})),
+    responses((status = 200, description = "The reservation, held (or the one this idempotency_key made)", body = doc::CreditReservation), (status = 409, description = "insufficient_balance, account_frozen, account_closed, idempotency_key_reused, too_many_reservations", body = doc::ErrorBody))
+)]
+pub async fn reserve(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let input = ReservationInput {
+        amount: decimal_string(&fields, "amount")?,
+        idempotency_key: fields.string("idempotency_key")?,
+        expires_in_seconds: match fields.map.get("expires_in_seconds") {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(value.as_i64().ok_or_else(|| {
+                ApiError::invalid_param(
+                    "expires_in_seconds",
+                    "`expires_in_seconds` must be an integer number of seconds",
+                )
+            })?),
+        },
+    };
+    let reservation = state.engine.ledger().reserve(&scope, &id, &input).await?;
+    Ok(Json(reservation_json(&reservation)))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/customer-credits/reservations/{id}",
+    operation_id = "credits_get_reservation",
+    tag = "customer-credits",
+    summary = "Get a credit reservation",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a credit reservation", body = doc::CreditReservation))
+)]
+pub async fn get_reservation(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(reservation_json(
+        &state.engine.ledger().get_reservation(&scope, &id)?,
+    )))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/reservations/{id}/commit",
+    operation_id = "credits_commit_reservation",
+    tag = "customer-credits",
+    summary = "Debit what a reservation holds (or part of it) and release the rest",
+    params(doc::IdParam),
+    request_body(content = doc::ReservationCommit, content_type = "application/json", example = json!({"amount": "20"})),
+    responses((status = 200, description = "The reservation, committed, with the debit's transaction_id (committing again returns the same)", body = doc::CreditReservation), (status = 409, description = "reservation_expired, reservation_released, account_frozen, account_closed", body = doc::ErrorBody))
+)]
+pub async fn commit_reservation(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let amount = decimal_string(&Fields::new(&body), "amount")?;
+    let reservation = state
+        .engine
+        .ledger()
+        .commit_reservation(&scope, &id, amount.as_deref())
+        .await?;
+    Ok(Json(reservation_json(&reservation)))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/reservations/{id}/release",
+    operation_id = "credits_release_reservation",
+    tag = "customer-credits",
+    summary = "Release a reservation without a debit",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "The reservation, released (an expired or released one as it is)", body = doc::CreditReservation), (status = 409, description = "reservation_committed", body = doc::ErrorBody))
+)]
+pub async fn release_reservation(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(_): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let reservation = state
+        .engine
+        .ledger()
+        .release_reservation(&scope, &id)
+        .await?;
+    Ok(Json(reservation_json(&reservation)))
 }
