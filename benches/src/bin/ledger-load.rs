@@ -1,6 +1,7 @@
 //! Credits ledger benchmark (README "Credits ledger"): debit transactions per second over HTTP
 //! against a running `tally serve` it starts itself, (a) spread over many accounts and
-//! (b) all on one hot account, with latency percentiles.
+//! (b) all on one hot account, with latency percentiles; then (c) reserve + commit
+//! pairs spread over the same accounts, against (a) in the same run.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,6 +26,36 @@ struct Args {
     seconds: f64,
 }
 
+/// What one step of a scenario sends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Work {
+    /// One debit of 1.
+    Debit,
+    /// A hold of 1, then its commit: one debit through a reservation.
+    ReserveCommit,
+}
+
+/// POSTs `body` and insists on a 200; answers the body.
+async fn post_ok(
+    http: &reqwest::Client,
+    url: String,
+    key: &str,
+    body: serde_json::Value,
+) -> serde_json::Value {
+    let r = http
+        .post(url)
+        .header("x-api-key", key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap_or_default();
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).unwrap_or_default()
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn scenario(
     http: &reqwest::Client,
     base: &str,
@@ -33,6 +64,7 @@ async fn scenario(
     connections: usize,
     seconds: f64,
     tag: &str,
+    work: Work,
 ) -> (f64, Vec<Duration>) {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
@@ -55,22 +87,36 @@ async fn scenario(
                 let account = accounts[rand::rng().random_range(0..accounts.len())].clone();
                 n += 1;
                 let t = Instant::now();
-                let r = http
-                    .post(format!(
-                        "{base}/v1/customer-credits/accounts/{account}/debit"
-                    ))
-                    .header("x-api-key", &key)
-                    .json(&json!({"amount": "1", "idempotency_key": format!("{tag}-{c}-{n}")}))
-                    .send()
-                    .await
-                    .unwrap();
-                assert_eq!(
-                    r.status().as_u16(),
-                    200,
-                    "{}",
-                    r.text().await.unwrap_or_default()
-                );
-                let _ = r.bytes().await;
+                let idempotency_key = format!("{tag}-{c}-{n}");
+                let accounts = format!("{base}/v1/customer-credits/accounts/{account}");
+                match work {
+                    Work::Debit => {
+                        post_ok(
+                            &http,
+                            format!("{accounts}/debit"),
+                            &key,
+                            json!({"amount": "1", "idempotency_key": idempotency_key}),
+                        )
+                        .await;
+                    }
+                    Work::ReserveCommit => {
+                        let held = post_ok(
+                            &http,
+                            format!("{accounts}/reservations"),
+                            &key,
+                            json!({"amount": "1", "idempotency_key": idempotency_key}),
+                        )
+                        .await;
+                        let id = held["id"].as_str().unwrap_or_default();
+                        post_ok(
+                            &http,
+                            format!("{base}/v1/customer-credits/reservations/{id}/commit"),
+                            &key,
+                            json!({}),
+                        )
+                        .await;
+                    }
+                }
                 latencies.push(t.elapsed());
                 done.fetch_add(1, Ordering::Relaxed);
             }
@@ -138,10 +184,11 @@ async fn main() -> anyhow::Result<()> {
         &http,
         &base,
         &key,
-        spread,
+        spread.clone(),
         args.connections,
         args.seconds,
         "spread",
+        Work::Debit,
     )
     .await;
     let (hot_rate, hot_lat) = scenario(
@@ -152,6 +199,18 @@ async fn main() -> anyhow::Result<()> {
         args.connections,
         args.seconds,
         "hot",
+        Work::Debit,
+    )
+    .await;
+    let (reserved_rate, reserved_lat) = scenario(
+        &http,
+        &base,
+        &key,
+        spread,
+        args.connections,
+        args.seconds,
+        "reserve",
+        Work::ReserveCommit,
     )
     .await;
     let _ = Command::new("kill")
@@ -168,6 +227,12 @@ async fn main() -> anyhow::Result<()> {
         "(b) one hot account:          {hot_rate:.0} debits/s, p50 {:.2?}, p99 {:.2?}",
         percentile(&hot_lat, 50.0),
         percentile(&hot_lat, 99.0)
+    );
+    println!(
+        "(c) reserve + commit, spread: {reserved_rate:.0} debits/s ({:.2} of (a)), p50 {:.2?}, p99 {:.2?} per pair",
+        reserved_rate / spread_rate,
+        percentile(&reserved_lat, 50.0),
+        percentile(&reserved_lat, 99.0)
     );
     println!(
         "({} connections, {} s per scenario)",
