@@ -129,6 +129,16 @@ pub fn held_at(holds: &[Hold], at_ms: i64) -> Option<Decimal> {
         .try_fold(Decimal::ZERO, |sum, h| exact_add(sum, h.amount))
 }
 
+/// What a debit or a new hold may take: the balance less what is held, never below
+/// zero (checked: bounded inputs cannot overflow, and an impossible overflow reads
+/// as nothing available rather than a panic).
+pub fn available(balance: Decimal, held: Decimal) -> Decimal {
+    balance
+        .checked_sub(held)
+        .unwrap_or(Decimal::ZERO)
+        .max(Decimal::ZERO)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -269,7 +269,7 @@ pub fn apply_usage_debit(
     };
     // Only what no reservation holds (docs/api.md, "Reservations").
     let held = crate::reservations::held(overlay, store, mode, &account_id, debit.created_at_ms)?;
-    let available = (balance - held).max(Decimal::ZERO);
+    let available = tally_domain::reservation::available(balance, held);
     let take = debit.amount.min(available);
     if take <= Decimal::ZERO {
         let marker = exhausted_key(store, mode, &account_id);
@@ -972,7 +972,7 @@ impl Ledger {
         let mut balance = self.balance(scope, account_id)?;
         if kind == TransactionKind::Debit {
             // What reservations hold is not there to take (apply decides again).
-            balance -= self.held(scope, account_id)?;
+            balance = tally_domain::reservation::available(balance, self.held(scope, account_id)?);
         }
         let entries = post(
             kind,

@@ -16,8 +16,8 @@ use tally_domain::ledger::{
 };
 use tally_domain::record::{LedgerEvent, Record};
 use tally_domain::reservation::{
-    held_at, Hold, Reservation, ReservationStatus, ReservationStep, DEFAULT_RESERVATION_SECONDS,
-    MAX_HELD_RESERVATIONS_PER_ACCOUNT, MAX_RESERVATION_SECONDS,
+    available, held_at, Hold, Reservation, ReservationStatus, ReservationStep,
+    DEFAULT_RESERVATION_SECONDS, MAX_HELD_RESERVATIONS_PER_ACCOUNT, MAX_RESERVATION_SECONDS,
 };
 use tally_domain::{FieldError, Mode};
 
@@ -304,7 +304,7 @@ fn apply_hold(
     let mut holds = stored_holds(overlay, store, mode, &account.id)?;
     holds.retain(|h| h.expires_at_ms > at_ms);
     let held = held_at(&holds, at_ms).ok_or_else(|| refused(Rejection::AmountOutOfRange))?;
-    if balance - held < reservation.amount {
+    if available(balance, held) < reservation.amount {
         return Err(refused(Rejection::InsufficientBalance));
     }
     if holds.len() >= MAX_HELD_RESERVATIONS_PER_ACCOUNT {
@@ -445,8 +445,11 @@ impl Ledger {
         }
         // The fast check; apply decides again in log order.
         check_open(account.status).map_err(|r| EngineError::conflict(r.code(), r.message()))?;
-        let available = self.balance(scope, account_id)? - self.held(scope, account_id)?;
-        if available < amount {
+        let free = available(
+            self.balance(scope, account_id)?,
+            self.held(scope, account_id)?,
+        );
+        if free < amount {
             let r = Rejection::InsufficientBalance;
             return Err(EngineError::conflict(r.code(), r.message()));
         }

@@ -45,7 +45,9 @@ pub fn router() -> OpenApiRouter<AppState> {
 /// what its live reservations hold (`held`).
 fn account_view(account: &Account, balance: Decimal, held: Decimal) -> Value {
     let mut value = account_json(account, balance);
-    value["available_balance"] = json!(canonical_decimal((balance - held).max(Decimal::ZERO)));
+    value["available_balance"] = json!(canonical_decimal(tally_domain::reservation::available(
+        balance, held
+    )));
     value
 }
 
