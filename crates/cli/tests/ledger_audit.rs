@@ -199,6 +199,7 @@ fn transaction(
                 id: format!("{id}-{i}"),
                 account_id: (*account).into(),
                 amount: Decimal::from(*amount),
+                grant_id: None,
             })
             .collect(),
         idempotency_key: None,
@@ -206,6 +207,7 @@ fn transaction(
         metadata: Default::default(),
         reverses: None,
         created_at_ms: 2,
+        grant_terms: None,
     }
 }
 

@@ -388,6 +388,71 @@ pub fn decode_holds(mut bytes: &[u8]) -> Result<Vec<tally_domain::reservation::H
     Ok(holds)
 }
 
+pub fn encode_grant(g: &tally_domain::grant::Grant) -> Vec<u8> {
+    tally_proto::grant_to_proto(g).encode_to_vec()
+}
+
+pub fn decode_grant(bytes: &[u8]) -> Result<tally_domain::grant::Grant, EngineError> {
+    tally_proto::grant_from_proto(v1::CreditGrant::decode(bytes).map_err(corrupt)?).map_err(corrupt)
+}
+
+/// An account's active grants: `([id len u16][id][remaining 16 bytes][priority u32]
+/// [has expiry u8][expires_at i64][seq u64])*`.
+pub fn encode_active_grants(grants: &[tally_domain::grant::ActiveGrant]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(grants.len() * 64);
+    for grant in grants {
+        let id = grant.id.as_bytes();
+        let len = id.len().min(usize::from(u16::MAX));
+        out.extend_from_slice(&(len as u16).to_be_bytes());
+        out.extend_from_slice(&id[..len]);
+        out.extend_from_slice(&grant.remaining.serialize());
+        out.extend_from_slice(&grant.priority.to_be_bytes());
+        out.push(u8::from(grant.expires_at_ms.is_some()));
+        out.extend_from_slice(&grant.expires_at_ms.unwrap_or(0).to_be_bytes());
+        out.extend_from_slice(&grant.seq.to_be_bytes());
+    }
+    out
+}
+
+pub fn decode_active_grants(
+    mut bytes: &[u8],
+) -> Result<Vec<tally_domain::grant::ActiveGrant>, EngineError> {
+    fn take<'b>(bytes: &mut &'b [u8], n: usize) -> Result<&'b [u8], EngineError> {
+        if bytes.len() < n {
+            return Err(EngineError::Corrupt(
+                "an account's active grant list is cut short".into(),
+            ));
+        }
+        let (head, rest) = bytes.split_at(n);
+        *bytes = rest;
+        Ok(head)
+    }
+    let mut grants = Vec::new();
+    while !bytes.is_empty() {
+        let len = u16::from_be_bytes(take(&mut bytes, 2)?.try_into().expect("2 bytes"));
+        let id = String::from_utf8(take(&mut bytes, usize::from(len))?.to_vec())
+            .map_err(|_| EngineError::Corrupt("a grant id is not UTF-8".into()))?;
+        let remaining = Decimal::deserialize(take(&mut bytes, 16)?.try_into().expect("16 bytes"));
+        let priority = u32::from_be_bytes(take(&mut bytes, 4)?.try_into().expect("4 bytes"));
+        let has_expiry = take(&mut bytes, 1)?[0];
+        let expires = i64::from_be_bytes(take(&mut bytes, 8)?.try_into().expect("8 bytes"));
+        let seq = u64::from_be_bytes(take(&mut bytes, 8)?.try_into().expect("8 bytes"));
+        let expires_at_ms = match has_expiry {
+            0 => None,
+            1 => Some(expires),
+            _ => return Err(EngineError::Corrupt("a grant's expiry flag is not 0 or 1".into())),
+        };
+        grants.push(tally_domain::grant::ActiveGrant {
+            id: id.into(),
+            remaining,
+            priority,
+            expires_at_ms,
+            seq,
+        });
+    }
+    Ok(grants)
+}
+
 pub fn encode_account(a: &tally_domain::ledger::Account) -> Vec<u8> {
     tally_proto::account_to_proto(a).encode_to_vec()
 }
@@ -415,6 +480,7 @@ pub struct StoredEntry {
     pub amount: Decimal,
     pub created_at_ms: i64,
     pub balance_after: Decimal,
+    pub grant_id: Option<String>,
 }
 
 pub fn encode_entry(e: &StoredEntry) -> Vec<u8> {
@@ -425,6 +491,7 @@ pub fn encode_entry(e: &StoredEntry) -> Vec<u8> {
         amount: tally_domain::usage::canonical_decimal(e.amount),
         created_at_ms: e.created_at_ms,
         balance_after: tally_domain::usage::canonical_decimal(e.balance_after),
+        grant_id: e.grant_id.clone(),
     }
     .encode_to_vec()
 }
@@ -442,5 +509,6 @@ pub fn decode_entry(bytes: &[u8]) -> Result<StoredEntry, EngineError> {
         transaction_id: e.transaction_id,
         account_id: e.account_id,
         created_at_ms: e.created_at_ms,
+        grant_id: e.grant_id,
     })
 }

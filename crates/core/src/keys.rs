@@ -80,6 +80,10 @@
 //! | `<` | store, mode, reservation_id | ReservationState (proto): a credit reservation |
 //! | `>` | store, mode, account_id | the account's live holds: (reservation id, amount, expiry) each (`codec::encode_holds`) |
 //! | `=` | store, mode, idempotency key | reservation_id (a hold's idempotency key) |
+//! | `{` | store, mode, grant_id | CreditGrant (proto): a credit grant |
+//! | `}` | store, mode, account_id | the account's active grants in draw order (`codec::encode_active_grants`) |
+//! | `~` | store, mode, account_id, created_at, grant_id | (empty) grant listing per account |
+//! | `^` | store, mode, account_id | the account's grant count (8-byte int): the next grant's `seq` |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
 use tally_domain::Mode;
@@ -164,6 +168,10 @@ pub const PARTITION_SKIPPED: u8 = b'!';
 pub const CREDIT_RESERVATION: u8 = b'<';
 pub const CREDIT_HOLDS: u8 = b'>';
 pub const CREDIT_RESERVATION_IDEMPOTENCY: u8 = b'=';
+pub const CREDIT_GRANT: u8 = b'{';
+pub const CREDIT_GRANTS_ACTIVE: u8 = b'}';
+pub const CREDIT_GRANT_LIST: u8 = b'~';
+pub const CREDIT_GRANT_SEQ: u8 = b'^';
 
 /// The `!` row of a partition.
 pub fn partition_skipped_key(partition: u32) -> Vec<u8> {

@@ -193,3 +193,7 @@ id_type!(
     /// A hold on an account's credits: `rsv_...`.
     ReservationId
 );
+id_type!(
+    /// A credit grant: `grt_...`.
+    GrantId
+);

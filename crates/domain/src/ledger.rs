@@ -111,6 +111,10 @@ pub enum TransactionKind {
     Reversal,
     /// Moves the remaining balance to `forfeit` when an account closes.
     Close,
+    /// Moves what a grant has left to `forfeit` at its expiry instant.
+    Expiry,
+    /// Moves what a voided grant has left to `forfeit`.
+    GrantVoid,
 }
 
 impl TransactionKind {
@@ -121,6 +125,8 @@ impl TransactionKind {
             TransactionKind::Debit => "debit",
             TransactionKind::Reversal => "reversal",
             TransactionKind::Close => "close",
+            TransactionKind::Expiry => "expiry",
+            TransactionKind::GrantVoid => "grant_void",
         }
     }
 
@@ -131,6 +137,8 @@ impl TransactionKind {
             TransactionKind::Debit,
             TransactionKind::Reversal,
             TransactionKind::Close,
+            TransactionKind::Expiry,
+            TransactionKind::GrantVoid,
         ]
         .into_iter()
         .find(|k| k.as_str() == text)
@@ -143,6 +151,9 @@ pub struct Entry {
     pub account_id: AccountId,
     /// Signed: + credits the account, - debits it.
     pub amount: Decimal,
+    /// A customer account's entry: the grant it gave to or drew from (decided in
+    /// apply; docs/api.md, "Credit grants"). `None` on system accounts' entries.
+    pub grant_id: Option<crate::ids::GrantId>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -162,6 +173,9 @@ pub struct Transaction {
     /// For a reversal: the transaction it reverses.
     pub reverses: Option<TransactionId>,
     pub created_at_ms: i64,
+    /// A credit made through the grants endpoint: its grant's priority and expiry
+    /// (other credits make a grant with the default terms).
+    pub grant_terms: Option<crate::grant::GrantTerms>,
 }
 
 impl Transaction {
@@ -321,11 +335,13 @@ fn pair(
             id: new_entry_id(),
             account_id: account_id.clone(),
             amount: signed,
+            grant_id: None,
         },
         Entry {
             id: new_entry_id(),
             account_id: other.account_id().into(),
             amount: -signed,
+            grant_id: None,
         },
     ]
 }
@@ -365,7 +381,10 @@ pub fn post(
             SystemAccount::Forfeit,
             new_entry_id,
         )),
-        TransactionKind::Reversal => Err(Rejection::NotReversible),
+        // Built by the ledger's apply (expiry) or for one grant (void), never here.
+        TransactionKind::Reversal | TransactionKind::Expiry | TransactionKind::GrantVoid => {
+            Err(Rejection::NotReversible)
+        }
     }
 }
 
@@ -401,6 +420,7 @@ pub fn post_reversal(
             id: new_entry_id(),
             account_id: e.account_id.clone(),
             amount: -e.amount,
+            grant_id: None,
         })
         .collect())
 }
@@ -480,6 +500,7 @@ mod tests {
                     id: format!("ce_{i}"),
                     account_id: (*account).into(),
                     amount: amount.parse().unwrap(),
+                    grant_id: None,
                 })
                 .collect(),
             idempotency_key: None,
@@ -487,6 +508,7 @@ mod tests {
             metadata: Default::default(),
             reverses: None,
             created_at_ms: 0,
+            grant_terms: None,
         }
     }
 

@@ -14,7 +14,7 @@ use crate::ids::{EndpointId, StoreId};
 use crate::mode::Mode;
 
 /// Every event type an endpoint may subscribe to (docs/api.md).
-pub const EVENT_TYPES: [&str; 17] = [
+pub const EVENT_TYPES: [&str; 18] = [
     "checkout.completed",
     "refund.created",
     "dispute.created",
@@ -32,6 +32,7 @@ pub const EVENT_TYPES: [&str; 17] = [
     "credits.granted",
     "credits.consumed",
     "credits.auto_recharged",
+    "credits.expired",
 ];
 
 /// Retries after the first attempt (docs/api.md): 5 attempts in all.

@@ -38,9 +38,10 @@ use tally_runtime::ChunkMode;
 /// each in the projection; version 3 keeps a customer's distinct values per minute
 /// in one set (`u`) instead of a key each; version 5 adds usage settlement (tables
 /// `1`-`7`: a purchase applied by version 4 bound no usage) and the checkout listing
-/// (`8`); a projection of another version is refused at start-up (it is rebuilt
+/// (`8`); version 6 adds credit grants (tables `{`, `}`, `~`, `^`: every credit
+/// unit belongs to a grant); a projection of another version is refused at start-up (it is rebuilt
 /// from the log by deleting it).
-pub const PROJECTION_FORMAT_VERSION: u32 = 5;
+pub const PROJECTION_FORMAT_VERSION: u32 = 6;
 
 /// Refuses a projection of another layout: one that holds applied records but no
 /// (or another) format version.

@@ -546,6 +546,7 @@ fn transaction(
         metadata: Default::default(),
         reverses: None,
         created_at_ms: T0,
+        grant_terms: None,
     }
 }
 
@@ -554,6 +555,7 @@ fn entry(i: usize, account: &str, amount: Decimal) -> Entry {
         id: format!("ce_{i}_{account}"),
         account_id: account.into(),
         amount,
+        grant_id: None,
     }
 }
 

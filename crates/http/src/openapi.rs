@@ -657,6 +657,42 @@ pub struct CreditAccount {
 }
 
 #[derive(ToSchema)]
+pub struct GrantCreate {
+    /// A decimal string > 0.
+    pub amount: String,
+    pub idempotency_key: String,
+    /// ISO 8601, in the future; none: the grant never expires.
+    pub expires_at: Option<String>,
+    /// 0 (drawn first) to 100; default 50.
+    pub priority: Option<i64>,
+    pub description: Option<String>,
+    pub metadata: Option<BTreeMap<String, Value>>,
+}
+
+#[derive(ToSchema)]
+pub struct CreditGrant {
+    /// `grt_...`
+    pub id: String,
+    pub object: String,
+    pub mode: String,
+    pub account_id: String,
+    /// What the grant gave.
+    pub amount: String,
+    /// What it has left.
+    pub remaining: String,
+    pub priority: i64,
+    pub expires_at: Option<String>,
+    /// `active`, `consumed`, `expired` or `voided`.
+    pub status: String,
+    /// The transaction that made it.
+    pub transaction_id: String,
+    pub description: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+#[derive(ToSchema)]
 pub struct ReservationCreate {
     /// A decimal string > 0: what to hold.
     pub amount: String,
@@ -719,6 +755,8 @@ pub struct CreditEntry {
     pub account_id: String,
     /// Signed decimal string.
     pub amount: String,
+    /// A customer account's entry: the grant it gave to or drew from.
+    pub grant_id: Option<String>,
     /// In account listings only.
     pub balance_after: Option<String>,
     pub created_at: String,

@@ -36,6 +36,7 @@ use crate::Ledger;
 pub const EVENT_CREDITS_GRANTED: &str = "credits.granted";
 pub const EVENT_CREDITS_CONSUMED: &str = "credits.consumed";
 pub const EVENT_CREDITS_EXHAUSTED: &str = "customer_credits.exhausted";
+pub const EVENT_CREDITS_EXPIRED: &str = "credits.expired";
 
 /// Input of `POST /v1/customer-credits/accounts`, as the edge parsed it.
 #[derive(Debug, Clone, Default)]
@@ -172,11 +173,14 @@ pub fn apply_ledger_step(
     }
     let mut events = events.to_vec();
     if let Some(tx) = transaction {
-        let (holder, balance_after) =
-            apply_transaction(overlay, tx, status_before, account, recorded_at_ms)?;
-        if events.is_empty() {
-            events = movement_events(tx, &holder, balance_after);
-        }
+        let posted = apply_transaction(overlay, tx, status_before, account, recorded_at_ms)?;
+        let mut decided = posted.expired;
+        decided.extend(if events.is_empty() {
+            movement_events(&posted.transaction, &posted.account, posted.balance_after)
+        } else {
+            std::mem::take(&mut events)
+        });
+        events = decided;
     }
     if let Some(account) = account.filter(|a| a.status == AccountStatus::Closed) {
         crate::reservations::release_all(overlay, account, recorded_at_ms)?;
@@ -263,6 +267,9 @@ pub fn apply_usage_debit(
     if account.status != AccountStatus::Active {
         return Ok((Decimal::ZERO, Vec::new()));
     }
+    // Grants expired by the record's time hold nothing to take.
+    let expired = crate::grants::book_expiries(overlay, &account, debit.created_at_ms)?;
+    store_events(overlay, &expired);
     let balance = match overlay.get(&balance_key(store, mode, &account_id))? {
         Some(bytes) => codec::decode_decimal(&bytes)?,
         None => Decimal::ZERO,
@@ -274,9 +281,10 @@ pub fn apply_usage_debit(
     if take <= Decimal::ZERO {
         let marker = exhausted_key(store, mode, &account_id);
         if overlay.contains(&marker)? {
-            return Ok((Decimal::ZERO, Vec::new()));
+            return Ok((Decimal::ZERO, expired));
         }
-        let events = vec![LedgerEvent {
+        let mut events = expired;
+        let exhausted = vec![LedgerEvent {
             id: tally_core::ids::derived_id(
                 "whevt",
                 &format!("{}:exhausted", debit.transaction_id),
@@ -287,7 +295,8 @@ pub fn apply_usage_debit(
             account,
             balance,
         }];
-        store_events(overlay, &events);
+        store_events(overlay, &exhausted);
+        events.extend(exhausted);
         return Ok((Decimal::ZERO, events));
     }
     let mut n = 0;
@@ -328,10 +337,15 @@ pub fn apply_usage_debit(
         metadata,
         reverses: None,
         created_at_ms: debit.created_at_ms,
+        grant_terms: None,
     };
-    let (holder, balance_after) = apply_transaction(overlay, &tx, None, None, debit.created_at_ms)?;
-    let events = movement_events(&tx, &holder, balance_after);
-    store_events(overlay, &events);
+    let posted = apply_transaction(overlay, &tx, None, None, debit.created_at_ms)?;
+    let moved = movement_events(&posted.transaction, &posted.account, posted.balance_after);
+    store_events(overlay, &posted.expired);
+    store_events(overlay, &moved);
+    let mut events = expired;
+    events.extend(posted.expired);
+    events.extend(moved);
     Ok((take, events))
 }
 
@@ -353,7 +367,8 @@ pub(crate) fn movement_events(
         balance: balance_after,
     };
     match tx.kind {
-        TransactionKind::Close => Vec::new(),
+        TransactionKind::Close | TransactionKind::GrantVoid => Vec::new(),
+        TransactionKind::Expiry => vec![event(EVENT_CREDITS_EXPIRED, "e")],
         _ if delta > Decimal::ZERO => vec![event(EVENT_CREDITS_GRANTED, "g")],
         _ if delta < Decimal::ZERO && balance_after.is_zero() => vec![
             event(EVENT_CREDITS_CONSUMED, "c"),
@@ -375,7 +390,7 @@ pub(crate) fn apply_transaction(
     status_before: Option<AccountStatus>,
     account_in_step: Option<&Account>,
     at_ms: i64,
-) -> Result<(Account, Decimal), ApplyError> {
+) -> Result<Posted, ApplyError> {
     let (store, mode) = (&tx.store_id, tx.mode);
     let stored = match account_in_step.filter(|a| a.id == tx.account_id) {
         Some(account) => account.clone(),
@@ -438,19 +453,70 @@ pub(crate) fn apply_transaction(
         }
         overlay.put(key, tx.id.as_bytes().to_vec());
     }
-    let mut balances_before = std::collections::HashMap::new();
+    // Grants are decided here, in log order: expiries due at the record's time are
+    // booked first (a debit recorded after an expiry cannot use it), then the
+    // transaction's account side is given its grants (docs/api.md, "Credit grants").
+    let expired = crate::grants::book_expiries(overlay, &stored, at_ms)?;
+    // The balances it leaves are checked before grants are assigned, so a step past
+    // a limit is refused as that (`amount_out_of_range`), whatever its grants.
+    let before = balances_before(overlay, tx)?;
+    balances_after(tx, &|id: &str| before.get(id).copied().unwrap_or_default())
+        .map_err(refused)?;
+    let mut decided = tx.clone();
+    crate::grants::assign(overlay, &mut decided, at_ms)?;
+    let balance_after = post_transaction(overlay, &decided, at_ms)?;
+    Ok(Posted {
+        account: stored,
+        balance_after,
+        transaction: decided,
+        expired,
+    })
+}
+
+/// What applying one transaction decided: the transaction as posted (its grants
+/// assigned), the account's balance after it, and the expiries booked before it.
+pub(crate) struct Posted {
+    pub account: Account,
+    pub balance_after: Decimal,
+    pub transaction: Transaction,
+    pub expired: Vec<LedgerEvent>,
+}
+
+/// The balances of the accounts a transaction's entries touch, before it.
+fn balances_before(
+    overlay: &Overlay<'_>,
+    tx: &Transaction,
+) -> Result<std::collections::HashMap<tally_domain::ids::AccountId, Decimal>, EngineError> {
+    let mut balances = std::collections::HashMap::new();
     for entry in &tx.entries {
-        let key = balance_key(store, mode, &entry.account_id);
+        let key = balance_key(&tx.store_id, tx.mode, &entry.account_id);
         let balance = match overlay.get(&key)? {
             Some(bytes) => codec::decode_decimal(&bytes)?,
             None => Decimal::ZERO,
         };
-        balances_before.insert(entry.account_id.clone(), balance);
+        balances.insert(entry.account_id.clone(), balance);
     }
+    Ok(balances)
+}
+
+/// Posts a transaction whose entries are final: checks the balances it leaves (and,
+/// for one that takes from the account, what the account's live holds need), stores
+/// it and its entries. Returns the account's balance after it.
+pub(crate) fn post_transaction(
+    overlay: &mut Overlay<'_>,
+    tx: &Transaction,
+    at_ms: i64,
+) -> Result<Decimal, ApplyError> {
+    let (store, mode) = (&tx.store_id, tx.mode);
+    let balances_before = balances_before(overlay, tx)?;
     let balance_before = |id: &str| balances_before.get(id).copied().unwrap_or_default();
     // Checked against the final balances; each entry is then posted in order.
     let after = balances_after(tx, &balance_before).map_err(refused)?;
-    if tx.kind != TransactionKind::Close && tx.delta_for(&tx.account_id) < Decimal::ZERO {
+    let takes_spendable = matches!(
+        tx.kind,
+        TransactionKind::Debit | TransactionKind::Reversal
+    );
+    if takes_spendable && tx.delta_for(&tx.account_id) < Decimal::ZERO {
         let held = crate::reservations::held(overlay, store, mode, &tx.account_id, at_ms)?;
         let left = after.get(&tx.account_id).copied().unwrap_or_default();
         if left < held {
@@ -483,7 +549,7 @@ pub(crate) fn apply_transaction(
         // Holding credits again: the next time it runs dry is announced again.
         overlay.delete(exhausted_key(store, mode, &tx.account_id));
     }
-    Ok((stored, balance_after))
+    Ok(balance_after)
 }
 
 /// The customer-visible side of one entry: sequence, entry, id pointer, history.
@@ -514,6 +580,7 @@ fn post_entry(
         amount: entry.amount,
         created_at_ms: tx.created_at_ms,
         balance_after: balance,
+        grant_id: entry.grant_id.as_ref().map(|g| g.to_string()),
     };
     overlay.put(
         Key::scoped(keys::CREDIT_ENTRY, store, mode)
@@ -550,7 +617,9 @@ fn movement_matches_kind(tx: &Transaction) -> bool {
     let in_range = tx.amount > Decimal::ZERO && tx.amount <= MAX_AMOUNT;
     match tx.kind {
         TransactionKind::Credit | TransactionKind::InitialBalance => in_range && delta == tx.amount,
-        TransactionKind::Debit => in_range && delta == -tx.amount,
+        TransactionKind::Debit | TransactionKind::GrantVoid => in_range && delta == -tx.amount,
+        // Built by apply itself, never appended.
+        TransactionKind::Expiry => false,
         TransactionKind::Close => delta <= Decimal::ZERO,
         TransactionKind::Reversal => tx.reverses.is_some(),
     }
@@ -604,13 +673,40 @@ impl Ledger {
         }
     }
 
-    /// The balance of an account (customer or `system:*`) now.
+    /// The balance of an account (customer or `system:*`) now: a grant whose expiry
+    /// has passed holds nothing, whether or not a record has booked its expiry yet.
     pub fn balance(&self, scope: &Scope, account_id: &str) -> Result<Decimal, EngineError> {
         let key = Key::scoped(keys::CREDIT_BALANCE, &scope.store_id, scope.mode).text(account_id);
-        match self.journal.store().get(key.as_bytes())? {
-            Some(bytes) => codec::decode_decimal(&bytes),
-            None => Ok(Decimal::ZERO),
+        let booked = match self.journal.store().get(key.as_bytes())? {
+            Some(bytes) => codec::decode_decimal(&bytes)?,
+            None => Decimal::ZERO,
+        };
+        self.less_unbooked_expiries(scope, account_id, booked, self.journal.now_ms())
+    }
+
+    /// `booked` less what grants expired by `at_ms` but not yet booked have left. No
+    /// step of the account happened since such a grant expired (a step books it
+    /// first), so what it has left now is what it had at any instant since.
+    fn less_unbooked_expiries(
+        &self,
+        scope: &Scope,
+        account_id: &str,
+        booked: Decimal,
+        at_ms: i64,
+    ) -> Result<Decimal, EngineError> {
+        let key = crate::grants::active_key(&scope.store_id, scope.mode, account_id);
+        let Some(bytes) = self.journal.store().get(&key)? else {
+            return Ok(booked);
+        };
+        let mut balance = booked;
+        for grant in codec::decode_active_grants(&bytes)? {
+            if !grant.live_at(at_ms) {
+                balance = balance.checked_sub(grant.remaining).ok_or_else(|| {
+                    EngineError::Corrupt("a grant's remainder passes the decimal range".into())
+                })?;
+            }
         }
+        Ok(balance)
     }
 
     /// The balance as of `at_ms` (inclusive): the balance after the last entry at or
@@ -635,10 +731,11 @@ impl Ledger {
                 tally_projection::Visit::Stop
             },
         )?;
-        match found {
-            Some(bytes) => codec::decode_decimal(&bytes),
-            None => Ok(Decimal::ZERO),
-        }
+        let booked = match found {
+            Some(bytes) => codec::decode_decimal(&bytes)?,
+            None => Decimal::ZERO,
+        };
+        self.less_unbooked_expiries(scope, account_id, booked, at_ms)
     }
 
     /// A transaction of `kind` on `account_id` with the given entries, created now.
@@ -663,6 +760,7 @@ impl Ledger {
             metadata: Default::default(),
             reverses: None,
             created_at_ms: self.journal.now_ms(),
+            grant_terms: None,
         }
     }
 
@@ -671,7 +769,7 @@ impl Ledger {
     /// an earlier transaction with the same idempotency key (that transaction is
     /// returned). The balance it leaves, and so its webhook events, are decided in
     /// apply.
-    async fn commit_movement(
+    pub(crate) async fn commit_movement(
         &self,
         scope: &Scope,
         tx: Transaction,
@@ -685,10 +783,8 @@ impl Ledger {
             })
             .await?;
         match decision {
-            Decision::Applied => Ok(TransactionView {
-                transaction: tx,
-                reversed_by: None,
-            }),
+            // Apply decided the grants (the entries as posted): read it back.
+            Decision::Applied => self.get_transaction(scope, &tx.id),
             Decision::SameAs(id) => self.get_transaction(scope, &id),
         }
     }
@@ -923,6 +1019,19 @@ impl Ledger {
         kind: TransactionKind,
         input: &MovementInput,
     ) -> Result<TransactionView, EngineError> {
+        self.move_credits_with_terms(scope, account_id, kind, input, None)
+            .await
+    }
+
+    /// `move_credits`; a credit's grant gets `terms` (docs/api.md, "Credit grants").
+    pub(crate) async fn move_credits_with_terms(
+        &self,
+        scope: &Scope,
+        account_id: &str,
+        kind: TransactionKind,
+        input: &MovementInput,
+        terms: Option<tally_domain::grant::GrantTerms>,
+    ) -> Result<TransactionView, EngineError> {
         let amount_text = input
             .amount
             .as_deref()
@@ -987,6 +1096,7 @@ impl Ledger {
         tx.idempotency_key = Some(idempotency_key);
         tx.description = input.description.clone();
         tx.metadata = input.metadata.clone();
+        tx.grant_terms = terms;
         self.commit_movement(scope, tx).await
     }
 

@@ -13,10 +13,12 @@ use std::sync::Arc;
 use tally_core::{EngineError, Journal, Scope};
 
 pub mod audit;
+pub mod grants;
 pub mod ledger;
 pub mod reservations;
 
 pub use ledger::*;
+pub use grants::GrantInput;
 pub use reservations::ReservationInput;
 
 /// What the ledger asks of the directory: it owns this port, the composition root

@@ -189,10 +189,7 @@ pub fn apply_reservation_step(
     at_ms: i64,
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
     match step {
-        ReservationStep::Hold(reservation) => {
-            apply_hold(overlay, reservation, at_ms)?;
-            Ok(Vec::new())
-        }
+        ReservationStep::Hold(reservation) => apply_hold(overlay, reservation, at_ms),
         ReservationStep::Commit {
             store_id,
             mode,
@@ -230,9 +227,13 @@ pub fn apply_reservation_step(
             );
             // The hold is gone, so the debit sees the balance less the other holds:
             // it fits, as the hold guaranteed (unless the account was frozen since).
-            let (holder, balance_after) =
-                apply_transaction(overlay, transaction, None, None, at_ms)?;
-            let events = movement_events(transaction, &holder, balance_after);
+            let posted = apply_transaction(overlay, transaction, None, None, at_ms)?;
+            let mut events = posted.expired;
+            events.extend(movement_events(
+                &posted.transaction,
+                &posted.account,
+                posted.balance_after,
+            ));
             store_events(overlay, &events);
             Ok(events)
         }
@@ -271,7 +272,7 @@ fn apply_hold(
     overlay: &mut Overlay<'_>,
     reservation: &Reservation,
     at_ms: i64,
-) -> Result<(), ApplyError> {
+) -> Result<Vec<LedgerEvent>, ApplyError> {
     let (store, mode) = (reservation.store_id.as_str(), reservation.mode);
     let idempotency = idempotency_row(store, mode, &reservation.idempotency_key);
     if let Some(existing) = overlay.get(&idempotency)? {
@@ -293,6 +294,9 @@ fn apply_hold(
     }
     let account = load_account(overlay, store, mode, &reservation.account_id)?;
     check_open(account.status).map_err(refused)?;
+    // Grants expired by the record's time hold nothing to reserve.
+    let expired = crate::grants::book_expiries(overlay, &account, at_ms)?;
+    store_events(overlay, &expired);
     let balance = match overlay.get(
         &Key::scoped(keys::CREDIT_BALANCE, store, mode)
             .text(&account.id)
@@ -323,7 +327,7 @@ fn apply_hold(
         reservation_key(store, mode, &reservation.id),
         codec::encode_reservation(reservation),
     );
-    Ok(())
+    Ok(expired)
 }
 
 /// Whether a hold repeats an earlier one with the same idempotency key.

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use rust_decimal::Decimal;
 use tally_domain::customer::Customer;
+use tally_domain::grant::{Grant, GrantStatus, GrantTerms};
 use tally_domain::ledger::{Account, AccountStatus, Entry, Transaction, TransactionKind};
 use tally_domain::meter::{
     Aggregation, Conjunction, FilterClause, FilterValue, Meter, MeterFilter, MeterStatus, Operator,
@@ -321,6 +322,7 @@ pub fn transaction_to_proto(t: &Transaction) -> v1::CreditTransaction {
                 id: e.id.clone(),
                 account_id: e.account_id.to_string(),
                 amount: canonical_decimal(e.amount),
+                grant_id: e.grant_id.as_ref().map(|g| g.to_string()),
             })
             .collect(),
         idempotency_key: t.idempotency_key.clone(),
@@ -328,7 +330,60 @@ pub fn transaction_to_proto(t: &Transaction) -> v1::CreditTransaction {
         metadata: t.metadata.clone(),
         reverses: t.reverses.as_ref().map(|r| r.to_string()),
         created_at_ms: t.created_at_ms,
+        grant_terms: t.grant_terms.map(grant_terms_to_proto),
     }
+}
+
+fn grant_terms_to_proto(t: GrantTerms) -> v1::GrantTerms {
+    v1::GrantTerms {
+        priority: t.priority,
+        expires_at_ms: t.expires_at_ms,
+    }
+}
+
+fn grant_terms_from_proto(t: v1::GrantTerms) -> GrantTerms {
+    GrantTerms {
+        priority: t.priority,
+        expires_at_ms: t.expires_at_ms,
+    }
+}
+
+pub fn grant_to_proto(g: &Grant) -> v1::CreditGrant {
+    v1::CreditGrant {
+        id: g.id.to_string(),
+        store_id: g.store_id.to_string(),
+        mode: mode_to_proto(g.mode),
+        account_id: g.account_id.to_string(),
+        amount: canonical_decimal(g.amount),
+        remaining: canonical_decimal(g.remaining),
+        terms: Some(grant_terms_to_proto(g.terms)),
+        status: g.status.as_str().to_string(),
+        transaction_id: g.transaction_id.to_string(),
+        description: g.description.clone(),
+        metadata: g.metadata.clone(),
+        created_at_ms: g.created_at_ms,
+        updated_at_ms: g.updated_at_ms,
+        seq: g.seq,
+    }
+}
+
+pub fn grant_from_proto(g: v1::CreditGrant) -> Result<Grant, DecodeError> {
+    Ok(Grant {
+        mode: mode_from_proto(g.mode)?,
+        amount: decimal_from_text(&g.amount, "grant.amount")?,
+        remaining: decimal_from_text(&g.remaining, "grant.remaining")?,
+        terms: grant_terms_from_proto(g.terms.ok_or(DecodeError::BadField("grant.terms"))?),
+        status: GrantStatus::parse(&g.status).ok_or(DecodeError::BadField("grant.status"))?,
+        id: g.id.into(),
+        store_id: g.store_id.into(),
+        account_id: g.account_id.into(),
+        transaction_id: g.transaction_id.into(),
+        description: g.description,
+        metadata: g.metadata,
+        created_at_ms: g.created_at_ms,
+        updated_at_ms: g.updated_at_ms,
+        seq: g.seq,
+    })
 }
 
 pub fn reservation_to_proto(r: &Reservation) -> v1::ReservationState {
@@ -433,6 +488,7 @@ pub fn transaction_from_proto(t: v1::CreditTransaction) -> Result<Transaction, D
                     amount: decimal_from_text(&e.amount, "entry.amount")?,
                     id: e.id,
                     account_id: e.account_id.into(),
+                    grant_id: e.grant_id.map(Into::into),
                 })
             })
             .collect::<Result<_, DecodeError>>()?,
@@ -444,6 +500,7 @@ pub fn transaction_from_proto(t: v1::CreditTransaction) -> Result<Transaction, D
         metadata: t.metadata,
         reverses: t.reverses.map(Into::into),
         created_at_ms: t.created_at_ms,
+        grant_terms: t.grant_terms.map(grant_terms_from_proto),
     })
 }
 

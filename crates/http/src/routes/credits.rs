@@ -1,5 +1,5 @@
 //! `/v1/customer-credits`: accounts, credit/debit, reversal, transactions, entries,
-//! reservations.
+//! grants, reservations.
 
 use axum::extract::State;
 use axum::{Extension, Json};
@@ -7,11 +7,14 @@ use rust_decimal::Decimal;
 use serde_json::{json, Map, Value};
 use tally_domain::customer::Patch;
 use tally_domain::ledger::{Account, TransactionKind};
+use tally_domain::grant::{Grant, GrantStatus};
 use tally_domain::reservation::Reservation;
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::canonical_decimal;
 use tally_engine::codec::StoredEntry;
-use tally_engine::ledger::{AccountInput, MovementInput, ReservationInput, TransactionView};
+use tally_engine::ledger::{
+    AccountInput, GrantInput, MovementInput, ReservationInput, TransactionView,
+};
 use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
@@ -35,6 +38,9 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(entries))
         .routes(routes!(get_transaction))
         .routes(routes!(reverse))
+        .routes(routes!(list_grants, create_grant))
+        .routes(routes!(get_grant))
+        .routes(routes!(void_grant))
         .routes(routes!(reserve))
         .routes(routes!(get_reservation))
         .routes(routes!(commit_reservation))
@@ -115,6 +121,7 @@ pub fn transaction_json(view: &TransactionView) -> Value {
             "transaction_id": tx.id,
             "account_id": e.account_id,
             "amount": canonical_decimal(e.amount),
+            "grant_id": e.grant_id,
             "created_at": format_iso8601_ms(tx.created_at_ms),
         })).collect::<Vec<_>>(),
         "created_at": format_iso8601_ms(tx.created_at_ms),
@@ -129,7 +136,27 @@ fn entry_json(entry: &StoredEntry) -> Value {
         "account_id": entry.account_id,
         "amount": canonical_decimal(entry.amount),
         "balance_after": canonical_decimal(entry.balance_after),
+        "grant_id": entry.grant_id,
         "created_at": format_iso8601_ms(entry.created_at_ms),
+    })
+}
+
+pub fn grant_json(g: &Grant) -> Value {
+    json!({
+        "id": g.id,
+        "object": "credit_grant",
+        "mode": g.mode.as_str(),
+        "account_id": g.account_id,
+        "amount": canonical_decimal(g.amount),
+        "remaining": canonical_decimal(g.remaining),
+        "priority": g.terms.priority,
+        "expires_at": g.terms.expires_at_ms.map(format_iso8601_ms),
+        "status": g.status.as_str(),
+        "transaction_id": g.transaction_id,
+        "description": g.description,
+        "metadata": g.metadata,
+        "created_at": format_iso8601_ms(g.created_at_ms),
+        "updated_at": format_iso8601_ms(g.updated_at_ms),
     })
 }
 
@@ -529,4 +556,110 @@ pub async fn release_reservation(
         .release_reservation(&scope, &id)
         .await?;
     Ok(Json(reservation_json(&reservation)))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}/grants",
+    operation_id = "credits_create_grant",
+    tag = "customer-credits",
+    summary = "Credit an account through a grant with a priority and an expiry",
+    params(doc::IdParam),
+    request_body(content = doc::GrantCreate, content_type = "application/json", example = json!({"amount": "100", "idempotency_key": "promo-2026-11", "expires_at": "2026-12-31T23:59:59Z", "priority": 10, "description": "November promotion"})),
+    responses((status = 200, description = "The grant (or the one this idempotency_key made)", body = doc::CreditGrant), (status = 409, description = "account_frozen, account_closed, amount_out_of_range, idempotency_key_reused, too_many_grants", body = doc::ErrorBody))
+)]
+pub async fn create_grant(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let priority = match fields.map.get("priority") {
+        None | Some(Value::Null) => None,
+        Some(value) => Some(value.as_i64().ok_or_else(|| {
+            ApiError::invalid_param("priority", "`priority` must be an integer from 0 to 100")
+        })?),
+    };
+    let expires_at_ms = match fields.string("expires_at")? {
+        None => None,
+        Some(text) => Some(parse_instant("expires_at", &text)?),
+    };
+    let input = GrantInput {
+        movement: movement(&body)?,
+        priority,
+        expires_at_ms,
+    };
+    let grant = state.engine.ledger().create_grant(&scope, &id, &input).await?;
+    Ok(Json(grant_json(&grant)))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/customer-credits/accounts/{id}/grants",
+    operation_id = "credits_list_grants",
+    tag = "customer-credits",
+    summary = "List an account's grants, newest first",
+    params(doc::IdParam, doc::CursorParams, ("status" = Option<String>, Query, description = "active, consumed, expired or voided")),
+    responses((status = 200, description = "List an account's grants, newest first", body = doc::List<doc::CreditGrant>))
+)]
+pub async fn list_grants(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    query: QueryParams,
+) -> ApiResult<Json<Value>> {
+    let page = page_request(&query)?;
+    let status = match query.get("status") {
+        None => None,
+        Some(text) => Some(GrantStatus::parse(text).ok_or_else(|| {
+            ApiError::invalid_param(
+                "status",
+                "`status` must be one of active, consumed, expired, voided",
+            )
+        })?),
+    };
+    let page = state
+        .engine
+        .ledger()
+        .list_grants(&scope, &id, status, &page)?;
+    Ok(Json(wire::list(&page, grant_json)))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/customer-credits/grants/{id}",
+    operation_id = "credits_get_grant",
+    tag = "customer-credits",
+    summary = "Get a credit grant",
+    params(doc::IdParam),
+    responses((status = 200, description = "Get a credit grant", body = doc::CreditGrant))
+)]
+pub async fn get_grant(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(grant_json(&state.engine.ledger().get_grant(&scope, &id)?)))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/grants/{id}/void",
+    operation_id = "credits_void_grant",
+    tag = "customer-credits",
+    summary = "Void a grant: what it has left moves to forfeit now",
+    params(doc::IdParam),
+    request_body(content = doc::NoBody, content_type = "application/json"),
+    responses((status = 200, description = "The grant, voided", body = doc::CreditGrant), (status = 409, description = "grant_not_active, account_frozen, account_closed, resource_changed", body = doc::ErrorBody))
+)]
+pub async fn void_grant(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(_): JsonObject,
+) -> ApiResult<Json<Value>> {
+    Ok(Json(grant_json(
+        &state.engine.ledger().void_grant(&scope, &id).await?,
+    )))
 }
