@@ -440,7 +440,11 @@ pub fn decode_active_grants(
         let expires_at_ms = match has_expiry {
             0 => None,
             1 => Some(expires),
-            _ => return Err(EngineError::Corrupt("a grant's expiry flag is not 0 or 1".into())),
+            _ => {
+                return Err(EngineError::Corrupt(
+                    "a grant's expiry flag is not 0 or 1".into(),
+                ))
+            }
         };
         grants.push(tally_domain::grant::ActiveGrant {
             id: id.into(),

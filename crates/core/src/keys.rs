@@ -84,6 +84,7 @@
 //! | `}` | store, mode, account_id | the account's active grants in draw order (`codec::encode_active_grants`) |
 //! | `~` | store, mode, account_id, created_at, grant_id | (empty) grant listing per account |
 //! | `^` | store, mode, account_id | the account's grant count (8-byte int): the next grant's `seq` |
+//! | `#` | partition, offset | the ids of the expiry transactions the record at that position booked, one per line (the ledger audit replays them) |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
 use tally_domain::Mode;
@@ -172,6 +173,15 @@ pub const CREDIT_GRANT: u8 = b'{';
 pub const CREDIT_GRANTS_ACTIVE: u8 = b'}';
 pub const CREDIT_GRANT_LIST: u8 = b'~';
 pub const CREDIT_GRANT_SEQ: u8 = b'^';
+pub const LEDGER_BOOKED: u8 = b'#';
+
+/// The `#` row of the record at a position: the expiries its apply booked.
+pub fn ledger_booked_key(partition: u32, offset: u64) -> Vec<u8> {
+    Key::table(LEDGER_BOOKED)
+        .uint(u64::from(partition))
+        .uint(offset)
+        .into_bytes()
+}
 
 /// The `!` row of a partition.
 pub fn partition_skipped_key(partition: u32) -> Vec<u8> {

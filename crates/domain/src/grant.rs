@@ -165,7 +165,13 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn grant(id: &str, remaining: i64, priority: u32, expires: Option<i64>, seq: u64) -> ActiveGrant {
+    fn grant(
+        id: &str,
+        remaining: i64,
+        priority: u32,
+        expires: Option<i64>,
+        seq: u64,
+    ) -> ActiveGrant {
         ActiveGrant {
             id: id.into(),
             remaining: Decimal::from(remaining),
@@ -196,7 +202,10 @@ mod tests {
             ]
         );
         // Expired at the instant: skipped.
-        let mut grants = vec![grant("soon", 5, 0, Some(1_000), 0), grant("b", 5, 50, None, 1)];
+        let mut grants = vec![
+            grant("soon", 5, 0, Some(1_000), 0),
+            grant("b", 5, 50, None, 1),
+        ];
         assert_eq!(
             draw(&mut grants, Decimal::from(3), 1_000).unwrap(),
             vec![("b".into(), Decimal::from(3))]

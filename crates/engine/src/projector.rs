@@ -644,11 +644,7 @@ fn apply_record(
                     Ok(taken)
                 },
             )?;
-            let heads: Vec<_> = events
-                .iter()
-                .map(tally_notifications::EventHead::ledger)
-                .collect();
-            tally_notifications::schedule_deliveries(overlay, &heads, entry.offset)?;
+            schedule_ledger_events(overlay, &events, entry)?;
         }
         Record::MeterBackfill {
             store_id,
@@ -686,11 +682,7 @@ fn apply_record(
                 base,
                 meta.recorded_at_ms,
             )?;
-            let heads: Vec<_> = events
-                .iter()
-                .map(tally_notifications::EventHead::ledger)
-                .collect();
-            tally_notifications::schedule_deliveries(overlay, &heads, entry.offset)?;
+            schedule_ledger_events(overlay, &events, entry)?;
         }
         Record::CreditReservation(step) => {
             let events = tally_ledger::reservations::apply_reservation_step(
@@ -698,11 +690,7 @@ fn apply_record(
                 step,
                 meta.recorded_at_ms,
             )?;
-            let heads: Vec<_> = events
-                .iter()
-                .map(tally_notifications::EventHead::ledger)
-                .collect();
-            tally_notifications::schedule_deliveries(overlay, &heads, entry.offset)?;
+            schedule_ledger_events(overlay, &events, entry)?;
         }
         Record::WebhookEndpointUpserted(endpoint) => {
             tally_notifications::apply_endpoint(overlay, endpoint, base)?
@@ -718,6 +706,32 @@ fn apply_record(
         }
     }
     Ok(())
+}
+
+/// The ledger's events leave as data: the notifications context schedules them, and
+/// the expiries the record booked (apply builds those transactions itself; no record
+/// carries them) are named under its position for the audit (`#`).
+fn schedule_ledger_events(
+    overlay: &mut Overlay<'_>,
+    events: &[tally_domain::record::LedgerEvent],
+    entry: &LogEntry,
+) -> Result<(), EngineError> {
+    let booked: Vec<&str> = events
+        .iter()
+        .filter(|e| e.event_type == tally_ledger::EVENT_CREDITS_EXPIRED)
+        .filter_map(|e| e.transaction_id.as_deref())
+        .collect();
+    if !booked.is_empty() {
+        overlay.put(
+            keys::ledger_booked_key(entry.partition, entry.offset),
+            booked.join("\n").into_bytes(),
+        );
+    }
+    let heads: Vec<_> = events
+        .iter()
+        .map(tally_notifications::EventHead::ledger)
+        .collect();
+    tally_notifications::schedule_deliveries(overlay, &heads, entry.offset)
 }
 
 /// Billing's events leave as data; the notifications context schedules them.

@@ -75,7 +75,13 @@ async fn assert_balance_is_the_active_grants(api: &Api, account: &str) {
     let left: rust_decimal::Decimal = grants(api, account, "&status=active")
         .await
         .iter()
-        .map(|g| g["remaining"].as_str().unwrap().parse::<rust_decimal::Decimal>().unwrap())
+        .map(|g| {
+            g["remaining"]
+                .as_str()
+                .unwrap()
+                .parse::<rust_decimal::Decimal>()
+                .unwrap()
+        })
         .sum();
     assert_eq!(balance(api, account).await, left.normalize().to_string());
 }
@@ -92,14 +98,29 @@ async fn debits_draw_by_priority_then_expiry_then_age_naming_each_grant() {
     let initial_id = initial[0]["id"].as_str().unwrap().to_string();
     assert!(initial_id.starts_with("grt_"));
 
-    let first = grant(&api, &account, json!({"amount": "5", "idempotency_key": "a", "priority": 10, "description": "promo"})).await;
+    let first = grant(
+        &api,
+        &account,
+        json!({"amount": "5", "idempotency_key": "a", "priority": 10, "description": "promo"}),
+    )
+    .await;
     assert_eq!(first["status"], "active");
     assert_eq!(first["description"], "promo");
     let soon = format_iso8601_ms(server.clock.now_ms() + 60_000);
-    let expiring = grant(&api, &account, json!({"amount": "5", "idempotency_key": "b", "expires_at": soon})).await;
+    let expiring = grant(
+        &api,
+        &account,
+        json!({"amount": "5", "idempotency_key": "b", "expires_at": soon}),
+    )
+    .await;
     assert_eq!(expiring["expires_at"], soon.as_str());
     // The same idempotency key answers the same grant.
-    let again = grant(&api, &account, json!({"amount": "5", "idempotency_key": "a", "priority": 10})).await;
+    let again = grant(
+        &api,
+        &account,
+        json!({"amount": "5", "idempotency_key": "a", "priority": 10}),
+    )
+    .await;
     assert_eq!(again["id"], first["id"]);
     assert_eq!(balance(&api, &account).await, "20");
 
@@ -121,7 +142,10 @@ async fn debits_draw_by_priority_then_expiry_then_age_naming_each_grant() {
         mine,
         vec![
             (first["id"].as_str().unwrap().to_string(), "-5".to_string()),
-            (expiring["id"].as_str().unwrap().to_string(), "-5".to_string()),
+            (
+                expiring["id"].as_str().unwrap().to_string(),
+                "-5".to_string()
+            ),
             (initial_id.clone(), "-2".to_string()),
         ]
     );
@@ -129,7 +153,13 @@ async fn debits_draw_by_priority_then_expiry_then_age_naming_each_grant() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|e| e["amount"].as_str().unwrap().parse::<rust_decimal::Decimal>().unwrap())
+        .map(|e| {
+            e["amount"]
+                .as_str()
+                .unwrap()
+                .parse::<rust_decimal::Decimal>()
+                .unwrap()
+        })
         .sum();
     assert!(sum.is_zero(), "entries sum to zero");
     let consumed = grants(&api, &account, "&status=consumed").await;
@@ -142,13 +172,17 @@ async fn debits_draw_by_priority_then_expiry_then_age_naming_each_grant() {
     );
     // The account's entries name their grants too.
     let entries = api
-        .get(&format!("/v1/customer-credits/accounts/{account}/entries?limit=100"))
+        .get(&format!(
+            "/v1/customer-credits/accounts/{account}/entries?limit=100"
+        ))
         .await;
     assert!(entries.body["data"]
         .as_array()
         .unwrap()
         .iter()
-        .all(|e| e["grant_id"].as_str().is_some_and(|g| g.starts_with("grt_"))));
+        .all(|e| e["grant_id"]
+            .as_str()
+            .is_some_and(|g| g.starts_with("grt_"))));
     assert_balance_is_the_active_grants(&api, &account).await;
     server.stop().await;
 }
@@ -184,7 +218,9 @@ async fn a_grant_expires_at_its_instant_by_record_time() {
     assert_eq!(taken.status, 200, "{}", taken.body);
     // The expiry is booked before it: an `expiry` transaction moved 4 to forfeit.
     let entries = api
-        .get(&format!("/v1/customer-credits/accounts/{account}/entries?limit=100"))
+        .get(&format!(
+            "/v1/customer-credits/accounts/{account}/entries?limit=100"
+        ))
         .await;
     let expiry = entries.body["data"]
         .as_array()
@@ -210,7 +246,12 @@ async fn a_grant_expires_at_its_instant_by_record_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn voids_and_bad_input() {
     let (_g, server, api, account) = setup("2").await;
-    let voidable = grant(&api, &account, json!({"amount": "3", "idempotency_key": "v"})).await;
+    let voidable = grant(
+        &api,
+        &account,
+        json!({"amount": "3", "idempotency_key": "v"}),
+    )
+    .await;
     let id = voidable["id"].as_str().unwrap().to_string();
     let voided = api
         .post(&format!("/v1/customer-credits/grants/{id}/void"), json!({}))
@@ -230,11 +271,26 @@ async fn voids_and_bad_input() {
     for (body, param) in [
         (json!({"idempotency_key": "k"}), "amount"),
         (json!({"amount": "1"}), "idempotency_key"),
-        (json!({"amount": "1", "idempotency_key": "k", "priority": 101}), "priority"),
-        (json!({"amount": "1", "idempotency_key": "k", "priority": -1}), "priority"),
-        (json!({"amount": "1", "idempotency_key": "k", "priority": "1"}), "priority"),
-        (json!({"amount": "1", "idempotency_key": "k", "expires_at": past}), "expires_at"),
-        (json!({"amount": "1", "idempotency_key": "k", "expires_at": "soon"}), "expires_at"),
+        (
+            json!({"amount": "1", "idempotency_key": "k", "priority": 101}),
+            "priority",
+        ),
+        (
+            json!({"amount": "1", "idempotency_key": "k", "priority": -1}),
+            "priority",
+        ),
+        (
+            json!({"amount": "1", "idempotency_key": "k", "priority": "1"}),
+            "priority",
+        ),
+        (
+            json!({"amount": "1", "idempotency_key": "k", "expires_at": past}),
+            "expires_at",
+        ),
+        (
+            json!({"amount": "1", "idempotency_key": "k", "expires_at": "soon"}),
+            "expires_at",
+        ),
     ] {
         let answer = api
             .post(
@@ -258,7 +314,9 @@ async fn voids_and_bad_input() {
         "status"
     );
     assert_eq!(
-        api.get("/v1/customer-credits/grants/grt_missing").await.status,
+        api.get("/v1/customer-credits/grants/grt_missing")
+            .await
+            .status,
         404
     );
     assert_eq!(

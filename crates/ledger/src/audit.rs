@@ -145,6 +145,18 @@ pub async fn replay_ledger(
                     let (record, _) = tally_proto::decode_record(&entry.payload).map_err(|e| {
                         EngineError::Corrupt(format!("record at {}: {e}", entry.offset))
                     })?;
+                    // Expiries the record's apply booked before its own step (apply
+                    // builds them; the `#` row names them), replayed first.
+                    if let Some(booked) = projection.get(&tally_core::keys::ledger_booked_key(
+                        entry.partition,
+                        entry.offset,
+                    ))? {
+                        for id in tally_core::keys::settlement_transactions(&booked) {
+                            let transaction = booked_transaction(projection, &record, &id)?;
+                            replay.apply(&transaction);
+                            visit(&transaction, replay.accounts.get(&transaction.account_id));
+                        }
+                    }
                     // Usage settled in credits: apply decided how much each debit
                     // took (the balance at that point of the log); the settlement's
                     // claim names the transactions, replayed here like any other.
@@ -216,6 +228,49 @@ pub async fn replay_ledger(
     Ok(replay)
 }
 
+/// A transaction apply booked while applying `record` (an expiry), read from the
+/// projection in the record's store.
+fn booked_transaction(
+    projection: &dyn ProjectionStore,
+    record: &Record,
+    id: &str,
+) -> Result<Transaction, EngineError> {
+    let scope = record_scope(record).ok_or_else(|| {
+        EngineError::Corrupt(format!("expiry {id} was booked by a record of no store"))
+    })?;
+    let key =
+        tally_core::keys::Key::scoped(tally_core::keys::CREDIT_TRANSACTION, &scope.0, scope.1)
+            .text(id)
+            .into_bytes();
+    let bytes = projection
+        .get(&key)?
+        .ok_or_else(|| EngineError::Corrupt(format!("booked expiry {id} is missing")))?;
+    tally_core::codec::decode_transaction(&bytes)
+}
+
+/// The store and mode of a record that can book expiries.
+fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
+    match record {
+        Record::CreditLedger {
+            account,
+            transaction,
+            ..
+        } => account
+            .as_ref()
+            .map(|a| (a.store_id.to_string(), a.mode))
+            .or(transaction
+                .as_ref()
+                .map(|t| (t.store_id.to_string(), t.mode))),
+        Record::CreditReservation(step) => Some(match step {
+            ReservationStep::Hold(r) => (r.store_id.to_string(), r.mode),
+            ReservationStep::Commit { store_id, mode, .. }
+            | ReservationStep::Release { store_id, mode, .. } => (store_id.to_string(), *mode),
+        }),
+        Record::UsageSettled(s) => Some((s.store_id.to_string(), s.mode)),
+        _ => None,
+    }
+}
+
 impl Ledger {
     /// Compares replayed balances with the projection; adds violations.
     pub fn check_projected_balances(&self, replay: &mut LedgerReplay) -> Result<(), EngineError> {
@@ -225,7 +280,7 @@ impl Ledger {
                 store_id: store.clone().into(),
                 mode: tally_core::keys::read_mode(*mode as u8, "a replayed ledger account")?,
             };
-            let projected = self.balance(&scope, account)?;
+            let projected = self.booked_balance(&scope, account)?;
             if projected != *replayed {
                 mismatches.push(format!(
                     "account {account}: projected balance {projected} differs from the replayed {replayed}"

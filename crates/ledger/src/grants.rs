@@ -23,7 +23,9 @@ use tally_domain::grant::{
     draw, live_total, sort_for_draw, ActiveGrant, Grant, GrantStatus, MAX_ACTIVE_GRANTS_PER_ACCOUNT,
 };
 use tally_domain::ids::GrantId;
-use tally_domain::ledger::{Account, Entry, Rejection, SystemAccount, Transaction, TransactionKind};
+use tally_domain::ledger::{
+    Account, Entry, Rejection, SystemAccount, Transaction, TransactionKind,
+};
 use tally_domain::record::LedgerEvent;
 use tally_domain::Mode;
 
@@ -90,7 +92,12 @@ fn save_active(
     }
 }
 
-fn load_grant(overlay: &Overlay<'_>, store: &str, mode: Mode, id: &str) -> Result<Grant, ApplyError> {
+fn load_grant(
+    overlay: &Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    id: &str,
+) -> Result<Grant, ApplyError> {
     match overlay.get(&grant_key(store, mode, id))? {
         Some(bytes) => Ok(codec::decode_grant(&bytes)?),
         None => Err(EngineError::Corrupt(format!("active grant {id} has no state")).into()),
@@ -167,7 +174,11 @@ pub(crate) fn book_expiries(
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
     let (store, mode) = (account.store_id.as_str(), account.mode);
     let mut active = load_active(overlay, store, mode, &account.id)?;
-    let mut due: Vec<ActiveGrant> = active.iter().filter(|g| !g.live_at(at_ms)).cloned().collect();
+    let mut due: Vec<ActiveGrant> = active
+        .iter()
+        .filter(|g| !g.live_at(at_ms))
+        .cloned()
+        .collect();
     if due.is_empty() {
         return Ok(Vec::new());
     }
@@ -404,18 +415,15 @@ const VOID_ATTEMPTS: usize = 5;
 impl crate::Ledger {
     /// A grant as it is now: one past its expiry reads `expired` with nothing left,
     /// whether or not a record has booked the expiry yet.
-    pub fn get_grant(
-        &self,
-        scope: &tally_core::Scope,
-        id: &str,
-    ) -> Result<Grant, EngineError> {
+    pub fn get_grant(&self, scope: &tally_core::Scope, id: &str) -> Result<Grant, EngineError> {
         let key = grant_key(&scope.store_id, scope.mode, id);
         let mut grant = match self.journal.store().get(&key)? {
             Some(bytes) => codec::decode_grant(&bytes)?,
             None => return Err(EngineError::not_found("credit grant", id)),
         };
         let now = self.journal.now_ms();
-        if grant.status == GrantStatus::Active && grant.terms.expires_at_ms.is_some_and(|e| e <= now)
+        if grant.status == GrantStatus::Active
+            && grant.terms.expires_at_ms.is_some_and(|e| e <= now)
         {
             grant.status = GrantStatus::Expired;
             grant.remaining = Decimal::ZERO;
@@ -448,7 +456,9 @@ impl crate::Ledger {
             .expires_at_ms
             .is_some_and(|e| e <= self.journal.now_ms())
         {
-            return Err(FieldError::invalid("expires_at", "`expires_at` must be in the future").into());
+            return Err(
+                FieldError::invalid("expires_at", "`expires_at` must be in the future").into(),
+            );
         }
         let terms = GrantTerms {
             priority,
@@ -555,7 +565,10 @@ impl crate::Ledger {
             tx.description = Some(format!("void of grant {id}"));
             match self.commit_movement(scope, tx).await {
                 Ok(_) => return self.get_grant(scope, id),
-                Err(EngineError::Conflict { code, .. }) if code == "resource_changed" => continue,
+                Err(EngineError::Conflict {
+                    code: "resource_changed",
+                    ..
+                }) => continue,
                 Err(error) => return Err(error),
             }
         }

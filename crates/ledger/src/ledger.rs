@@ -460,8 +460,7 @@ pub(crate) fn apply_transaction(
     // The balances it leaves are checked before grants are assigned, so a step past
     // a limit is refused as that (`amount_out_of_range`), whatever its grants.
     let before = balances_before(overlay, tx)?;
-    balances_after(tx, &|id: &str| before.get(id).copied().unwrap_or_default())
-        .map_err(refused)?;
+    balances_after(tx, &|id: &str| before.get(id).copied().unwrap_or_default()).map_err(refused)?;
     let mut decided = tx.clone();
     crate::grants::assign(overlay, &mut decided, at_ms)?;
     let balance_after = post_transaction(overlay, &decided, at_ms)?;
@@ -512,10 +511,7 @@ pub(crate) fn post_transaction(
     let balance_before = |id: &str| balances_before.get(id).copied().unwrap_or_default();
     // Checked against the final balances; each entry is then posted in order.
     let after = balances_after(tx, &balance_before).map_err(refused)?;
-    let takes_spendable = matches!(
-        tx.kind,
-        TransactionKind::Debit | TransactionKind::Reversal
-    );
+    let takes_spendable = matches!(tx.kind, TransactionKind::Debit | TransactionKind::Reversal);
     if takes_spendable && tx.delta_for(&tx.account_id) < Decimal::ZERO {
         let held = crate::reservations::held(overlay, store, mode, &tx.account_id, at_ms)?;
         let left = after.get(&tx.account_id).copied().unwrap_or_default();
@@ -682,6 +678,16 @@ impl Ledger {
             None => Decimal::ZERO,
         };
         self.less_unbooked_expiries(scope, account_id, booked, self.journal.now_ms())
+    }
+
+    /// The balance as the posted entries leave it (expiries not yet booked still
+    /// count): what the audit replays.
+    pub fn booked_balance(&self, scope: &Scope, account_id: &str) -> Result<Decimal, EngineError> {
+        let key = Key::scoped(keys::CREDIT_BALANCE, &scope.store_id, scope.mode).text(account_id);
+        match self.journal.store().get(key.as_bytes())? {
+            Some(bytes) => codec::decode_decimal(&bytes),
+            None => Ok(Decimal::ZERO),
+        }
     }
 
     /// `booked` less what grants expired by `at_ms` but not yet booked have left. No

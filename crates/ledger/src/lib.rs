@@ -17,8 +17,8 @@ pub mod grants;
 pub mod ledger;
 pub mod reservations;
 
-pub use ledger::*;
 pub use grants::GrantInput;
+pub use ledger::*;
 pub use reservations::ReservationInput;
 
 /// What the ledger asks of the directory: it owns this port, the composition root

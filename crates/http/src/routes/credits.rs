@@ -6,8 +6,8 @@ use axum::{Extension, Json};
 use rust_decimal::Decimal;
 use serde_json::{json, Map, Value};
 use tally_domain::customer::Patch;
-use tally_domain::ledger::{Account, TransactionKind};
 use tally_domain::grant::{Grant, GrantStatus};
+use tally_domain::ledger::{Account, TransactionKind};
 use tally_domain::reservation::Reservation;
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::canonical_decimal;
@@ -590,7 +590,11 @@ pub async fn create_grant(
         priority,
         expires_at_ms,
     };
-    let grant = state.engine.ledger().create_grant(&scope, &id, &input).await?;
+    let grant = state
+        .engine
+        .ledger()
+        .create_grant(&scope, &id, &input)
+        .await?;
     Ok(Json(grant_json(&grant)))
 }
 
@@ -640,7 +644,9 @@ pub async fn get_grant(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    Ok(Json(grant_json(&state.engine.ledger().get_grant(&scope, &id)?)))
+    Ok(Json(grant_json(
+        &state.engine.ledger().get_grant(&scope, &id)?,
+    )))
 }
 
 #[utoipa::path(
