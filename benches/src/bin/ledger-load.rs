@@ -1,7 +1,8 @@
 //! Credits ledger benchmark (README "Credits ledger"): debit transactions per second over HTTP
 //! against a running `tally serve` it starts itself, (a) spread over many accounts and
 //! (b) all on one hot account, with latency percentiles; then (c) reserve + commit
-//! pairs spread over the same accounts, against (a) in the same run.
+//! pairs spread over the same accounts, and (d) debits spread over accounts holding
+//! 20 active grants each, both against (a) in the same run.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,6 +13,9 @@ use clap::Parser;
 use rand::Rng;
 use serde_json::json;
 use tally_benches::{percentile, start_server};
+
+/// Accounts of scenario (d), each holding 20 active grants.
+const GRANTED_ACCOUNTS: usize = 1_000;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -178,6 +182,35 @@ async fn main() -> anyhow::Result<()> {
     for t in tasks {
         accounts.extend(t.await??);
     }
+    // (d)'s accounts: 19 grants each besides the initial balance's, of mixed
+    // priorities and expiries far ahead, so a debit reads and draws from 20.
+    let granted: Vec<String> = accounts.iter().take(GRANTED_ACCOUNTS).cloned().collect();
+    eprintln!("granting 19 more grants to each of {} accounts...", granted.len());
+    let mut tasks = Vec::new();
+    for (w, chunk) in granted.chunks(granted.len().div_ceil(32).max(1)).enumerate() {
+        let (http, base, key, chunk) = (http.clone(), base.clone(), key.clone(), chunk.to_vec());
+        tasks.push(tokio::spawn(async move {
+            for account in chunk {
+                for g in 0..19 {
+                    let mut body = json!({"amount": "1000000", "idempotency_key": format!("grant-{w}-{account}-{g}"), "priority": (g * 5) % 101});
+                    if g % 2 == 0 {
+                        body["expires_at"] = json!("2099-01-01T00:00:00Z");
+                    }
+                    post_ok(
+                        &http,
+                        format!("{base}/v1/customer-credits/accounts/{account}/grants"),
+                        &key,
+                        body,
+                    )
+                    .await;
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    let granted = Arc::new(granted);
     let hot = Arc::new(vec![accounts[0].clone()]);
     let spread = Arc::new(accounts);
     let (spread_rate, spread_lat) = scenario(
@@ -213,6 +246,17 @@ async fn main() -> anyhow::Result<()> {
         Work::ReserveCommit,
     )
     .await;
+    let (granted_rate, granted_lat) = scenario(
+        &http,
+        &base,
+        &key,
+        granted,
+        args.connections,
+        args.seconds,
+        "granted",
+        Work::Debit,
+    )
+    .await;
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
@@ -233,6 +277,12 @@ async fn main() -> anyhow::Result<()> {
         reserved_rate / spread_rate,
         percentile(&reserved_lat, 50.0),
         percentile(&reserved_lat, 99.0)
+    );
+    println!(
+        "(d) spread over {GRANTED_ACCOUNTS} accounts of 20 grants: {granted_rate:.0} debits/s ({:.2} of (a)), p50 {:.2?}, p99 {:.2?}",
+        granted_rate / spread_rate,
+        percentile(&granted_lat, 50.0),
+        percentile(&granted_lat, 99.0)
     );
     println!(
         "({} connections, {} s per scenario)",
