@@ -185,9 +185,15 @@ async fn main() -> anyhow::Result<()> {
     // (d)'s accounts: 19 grants each besides the initial balance's, of mixed
     // priorities and expiries far ahead, so a debit reads and draws from 20.
     let granted: Vec<String> = accounts.iter().take(GRANTED_ACCOUNTS).cloned().collect();
-    eprintln!("granting 19 more grants to each of {} accounts...", granted.len());
+    eprintln!(
+        "granting 19 more grants to each of {} accounts...",
+        granted.len()
+    );
     let mut tasks = Vec::new();
-    for (w, chunk) in granted.chunks(granted.len().div_ceil(32).max(1)).enumerate() {
+    for (w, chunk) in granted
+        .chunks(granted.len().div_ceil(32).max(1))
+        .enumerate()
+    {
         let (http, base, key, chunk) = (http.clone(), base.clone(), key.clone(), chunk.to_vec());
         tasks.push(tokio::spawn(async move {
             for account in chunk {
