@@ -336,6 +336,8 @@ documented! {
         pub status: String,
         /// A decimal string.
         pub balance: String,
+        /// `balance` less what live reservations hold.
+        pub available_balance: String,
         pub created_at: String,
         pub updated_at: String,
     }
@@ -373,6 +375,9 @@ documented! {
         pub transaction_id: String,
         pub account_id: String,
         pub amount: String,
+        /// A customer account's entry: the grant it gave to or drew from.
+        #[serde(default)]
+        pub grant_id: Option<String>,
         #[serde(default)]
         pub balance_after: Option<String>,
         pub created_at: String,
