@@ -84,6 +84,7 @@
 //! | `}` | store, mode, account_id | the account's active grants in draw order (`codec::encode_active_grants`) |
 //! | `~` | store, mode, account_id, created_at, grant_id | (empty) grant listing per account |
 //! | `^` | store, mode, account_id | the account's grant count (8-byte int): the next grant's `seq` |
+//! | `?` | mode, expires_at, store, account_id, grant_id | (empty) an active grant's expiry, soonest first (the expiry sweep's index) |
 //! | `#` | partition, offset | the ids of the expiry transactions the record at that position booked, one per line (the ledger audit replays them) |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
@@ -174,6 +175,38 @@ pub const CREDIT_GRANTS_ACTIVE: u8 = b'}';
 pub const CREDIT_GRANT_LIST: u8 = b'~';
 pub const CREDIT_GRANT_SEQ: u8 = b'^';
 pub const LEDGER_BOOKED: u8 = b'#';
+pub const GRANT_DUE: u8 = b'?';
+
+/// The `?` row of an active grant's expiry.
+pub fn grant_due_key(
+    mode: Mode,
+    expires_at_ms: i64,
+    store_id: &str,
+    account_id: &str,
+    grant_id: &str,
+) -> Vec<u8> {
+    Key::table(GRANT_DUE)
+        .mode(mode)
+        .int(expires_at_ms)
+        .text(store_id)
+        .text(account_id)
+        .text(grant_id)
+        .into_bytes()
+}
+
+/// The `?` rows of one mode, soonest first.
+pub fn grant_due_prefix(mode: Mode) -> Vec<u8> {
+    Key::table(GRANT_DUE).mode(mode).into_bytes()
+}
+
+/// A `?` row read back: (expires at, store, account id).
+pub fn read_grant_due(key: &[u8]) -> Result<(i64, String, String), EngineError> {
+    let bad = || EngineError::Corrupt("a grant expiry row does not decode".into());
+    let at = key.get(2..10).map(read_int).ok_or_else(bad)?;
+    let (store, next) = read_text(key, 10).ok_or_else(bad)?;
+    let (account, _) = read_text(key, next).ok_or_else(bad)?;
+    Ok((at, store.to_string(), account.to_string()))
+}
 
 /// The `#` row of the record at a position: the expiries its apply booked.
 pub fn ledger_booked_key(partition: u32, offset: u64) -> Vec<u8> {

@@ -139,6 +139,13 @@ pub enum Record {
     },
     /// A credit reservation's hold, commit or release (decided in apply).
     CreditReservation(crate::reservation::ReservationStep),
+    /// An account's grants reached their expiry: apply books what is due at the
+    /// record's time (the expiry sweep appends it).
+    CreditExpiriesDue {
+        store_id: StoreId,
+        mode: Mode,
+        account_id: crate::ids::AccountId,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -326,6 +333,7 @@ impl Record {
             Record::UsageBatch { store_id, .. } => store_id.as_bytes().to_vec(),
             // With the store's ledger steps: holds and debits see one order.
             Record::CreditReservation(step) => step.store_id().as_bytes().to_vec(),
+            Record::CreditExpiriesDue { store_id, .. } => store_id.as_bytes().to_vec(),
         }
     }
 }

@@ -625,6 +625,12 @@ impl Engine {
         tasks.push(tokio::spawn(
             self.billing.clone().run_settler(shutdown.clone()),
         ));
+        // Grants past their expiry instant, booked even when nothing else touches
+        // their account.
+        tasks.push(tokio::spawn(tally_ledger::grants::run_expiry_sweep(
+            self.journal.clone(),
+            shutdown.clone(),
+        )));
         // Renewals, trial ends, retries and scheduled cancels, on the stores' clocks.
         tasks.push(tokio::spawn(self.billing.clone().run_scheduler(shutdown)));
         tasks

@@ -684,6 +684,20 @@ fn apply_record(
             )?;
             schedule_ledger_events(overlay, &events, entry)?;
         }
+        Record::CreditExpiriesDue {
+            store_id,
+            mode,
+            account_id,
+        } => {
+            let events = tally_ledger::grants::apply_expiries_due(
+                overlay,
+                store_id,
+                *mode,
+                account_id,
+                meta.recorded_at_ms,
+            )?;
+            schedule_ledger_events(overlay, &events, entry)?;
+        }
         Record::CreditReservation(step) => {
             let events = tally_ledger::reservations::apply_reservation_step(
                 overlay,

@@ -343,3 +343,65 @@ async fn voids_and_bad_input() {
     assert!(grants(&api, &account, "&status=active").await.is_empty());
     server.stop().await;
 }
+
+/// With nothing else touching the account, the expiry sweep books an expiry at its
+/// instant and `credits.expired` is delivered with the expiry transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_books_an_expiry_at_its_instant_and_announces_it() {
+    let (_g, server, api, account) = setup("0").await;
+    let endpoint = api
+        .post(
+            "/v1/webhooks",
+            json!({"delivery_mode": "cli", "events": ["credits.expired"]}),
+        )
+        .await
+        .body;
+    let hook = endpoint["id"].as_str().unwrap().to_string();
+    let at = server.clock.now_ms() + 60_000;
+    let expiring = grant(
+        &api,
+        &account,
+        json!({"amount": "7", "idempotency_key": "x", "expires_at": format_iso8601_ms(at)}),
+    )
+    .await;
+    server.clock.set_ms(at + 5);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let items = loop {
+        let feed = api
+            .get(&format!("/v1/webhooks/{hook}/events/pending"))
+            .await;
+        let items = feed.body["items"].as_array().cloned().unwrap_or_default();
+        if !items.is_empty() {
+            break items;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no credits.expired within 20 s: {}",
+            feed.body
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0]["event_type"], "credits.expired");
+    let envelope: Value = serde_json::from_str(items[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(envelope["object"]["type"], "expiry");
+    assert_eq!(envelope["object"]["amount"], "7");
+    assert_eq!(
+        envelope["object"]["created_at"],
+        format_iso8601_ms(at).as_str()
+    );
+    let entries = envelope["object"]["entries"].as_array().unwrap().clone();
+    assert!(entries
+        .iter()
+        .any(|e| e["grant_id"] == expiring["id"] && e["amount"] == "-7"));
+    assert_eq!(balance(&api, &account).await, "0");
+    // Booked, so the audit's view (the posted balance) agrees too: no step ran.
+    let read = api
+        .get(&format!(
+            "/v1/customer-credits/grants/{}",
+            expiring["id"].as_str().unwrap()
+        ))
+        .await;
+    assert_eq!(read.body["status"], "expired");
+    server.stop().await;
+}

@@ -267,6 +267,7 @@ fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
             | ReservationStep::Release { store_id, mode, .. } => (store_id.to_string(), *mode),
         }),
         Record::UsageSettled(s) => Some((s.store_id.to_string(), s.mode)),
+        Record::CreditExpiriesDue { store_id, mode, .. } => Some((store_id.to_string(), *mode)),
         _ => None,
     }
 }

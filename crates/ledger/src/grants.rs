@@ -49,6 +49,13 @@ pub(crate) fn grant_key(store: &str, mode: Mode, id: &str) -> Vec<u8> {
         .into_bytes()
 }
 
+/// The `?` row of an active grant with an expiry (none without one).
+fn due_row(store: &str, mode: Mode, account_id: &str, grant: &ActiveGrant) -> Option<Vec<u8>> {
+    grant
+        .expires_at_ms
+        .map(|at| keys::grant_due_key(mode, at, store, account_id, &grant.id))
+}
+
 fn seq_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
     Key::scoped(keys::CREDIT_GRANT_SEQ, store, mode)
         .text(account_id)
@@ -187,6 +194,9 @@ pub(crate) fn book_expiries(
     save_active(overlay, store, mode, &account.id, &active);
     let mut events = Vec::new();
     for grant in &due {
+        if let Some(row) = due_row(store, mode, &account.id, grant) {
+            overlay.delete(row);
+        }
         let instant = grant.expires_at_ms.unwrap_or(at_ms);
         let id = format!("ctx_x{}", grant.id.trim_start_matches("grt_"));
         events.extend(forfeit(
@@ -199,6 +209,27 @@ pub(crate) fn book_expiries(
             id,
         )?);
     }
+    Ok(events)
+}
+
+/// `CreditExpiriesDue`: books the account's expiries due at record time `at_ms`. An
+/// account gone or closed has nothing to book (its grants ended with it).
+pub fn apply_expiries_due(
+    overlay: &mut Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+    at_ms: i64,
+) -> Result<Vec<LedgerEvent>, ApplyError> {
+    let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
+        .text(account_id)
+        .into_bytes();
+    let Some(bytes) = overlay.get(&key)? else {
+        return Ok(Vec::new());
+    };
+    let account = codec::decode_account(&bytes)?;
+    let events = book_expiries(overlay, &account, at_ms)?;
+    crate::ledger::store_events(overlay, &events);
     Ok(events)
 }
 
@@ -231,6 +262,9 @@ pub(crate) fn assign(
             }
             let gone = active.remove(position);
             save_active(overlay, &store, mode, &account_id, &active);
+            if let Some(row) = due_row(&store, mode, &account_id, &gone) {
+                overlay.delete(row);
+            }
             let mut grant = load_grant(overlay, &store, mode, &gone.id)?;
             grant.status = GrantStatus::Voided;
             grant.remaining = Decimal::ZERO;
@@ -292,13 +326,17 @@ pub(crate) fn assign(
                 ),
                 Vec::new(),
             );
-            active.push(ActiveGrant {
+            let made = ActiveGrant {
                 id: id.clone(),
                 remaining: delta,
                 priority: terms.priority,
                 expires_at_ms: terms.expires_at_ms,
                 seq,
-            });
+            };
+            if let Some(row) = due_row(&store, mode, &account_id, &made) {
+                overlay.put(row, Vec::new());
+            }
+            active.push(made);
             sort_for_draw(&mut active);
             save_active(overlay, &store, mode, &account_id, &active);
             for entry in tx.entries.iter_mut().filter(|e| e.account_id == account_id) {
@@ -338,6 +376,11 @@ pub(crate) fn assign(
                 }
                 grant.updated_at_ms = at_ms;
                 put_grant(overlay, &grant);
+            }
+            for emptied in active.iter().filter(|g| g.remaining <= Decimal::ZERO) {
+                if let Some(row) = due_row(&store, mode, &account_id, emptied) {
+                    overlay.delete(row);
+                }
             }
             active.retain(|g| g.remaining > Decimal::ZERO);
             save_active(overlay, &store, mode, &account_id, &active);
@@ -576,5 +619,87 @@ impl crate::Ledger {
             "resource_changed",
             "the grant kept changing while it was being voided; retry",
         ))
+    }
+}
+
+/// How often the expiry sweep looks for grants past their instant: an expiry (and
+/// its `credits.expired`) is written at most about this long after it.
+pub const EXPIRY_SWEEP_POLL_MS: u64 = 1_000;
+/// Accounts one pass of the sweep books before it looks again (bounds one pass).
+pub const EXPIRY_SWEEP_BATCH: usize = 100;
+
+/// Appends a `CreditExpiriesDue` for each account (of a store this node serves)
+/// with a grant past its instant; answers how many it appended.
+pub async fn sweep_expiries(
+    journal: &tally_core::Journal,
+    mode: Mode,
+) -> Result<usize, EngineError> {
+    let now = journal.now_ms();
+    let mut due = std::collections::BTreeSet::new();
+    let mut failure = None;
+    tally_projection::scan_prefix(
+        journal.store().as_ref(),
+        &keys::grant_due_prefix(mode),
+        false,
+        &mut |key, _| match keys::read_grant_due(key) {
+            Ok((at, _, _)) if at > now => tally_projection::Visit::Stop,
+            Ok((_, store, account)) => {
+                if journal.serves_store(&store) {
+                    due.insert((store, account));
+                }
+                if due.len() >= EXPIRY_SWEEP_BATCH {
+                    tally_projection::Visit::Stop
+                } else {
+                    tally_projection::Visit::Continue
+                }
+            }
+            Err(error) => {
+                failure = Some(error);
+                tally_projection::Visit::Stop
+            }
+        },
+    )?;
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    let appended = due.len();
+    for (store, account) in due {
+        journal
+            .append_and_decide(&tally_domain::record::Record::CreditExpiriesDue {
+                store_id: store.into(),
+                mode,
+                account_id: account.into(),
+            })
+            .await?;
+    }
+    Ok(appended)
+}
+
+/// The expiry sweep (docs/api.md, "Credit grants"): books expiries at their
+/// instant even when nothing else touches the account.
+pub async fn run_expiry_sweep(
+    journal: std::sync::Arc<tally_core::Journal>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            _ = tokio::time::sleep(std::time::Duration::from_millis(EXPIRY_SWEEP_POLL_MS)) => {}
+        }
+        if journal.check_writable().is_err() {
+            continue;
+        }
+        for mode in [Mode::Prod, Mode::Test] {
+            loop {
+                match sweep_expiries(&journal, mode).await {
+                    Ok(n) if n >= EXPIRY_SWEEP_BATCH => continue,
+                    Ok(_) => break,
+                    Err(error) => {
+                        tracing::warn!(%error, "grant expiries deferred; the sweep retries");
+                        break;
+                    }
+                }
+            }
+        }
     }
 }

@@ -786,6 +786,15 @@ pub fn encode_record_with(
             events: events.iter().map(ledger_event_to_proto).collect(),
         }),
         Record::CreditReservation(step) => Kind::CreditReservation(reservation_step_to_proto(step)),
+        Record::CreditExpiriesDue {
+            store_id,
+            mode,
+            account_id,
+        } => Kind::CreditExpiriesDue(v1::CreditExpiriesDue {
+            store_id: store_id.to_string(),
+            mode: mode_to_proto(*mode),
+            account_id: account_id.to_string(),
+        }),
     };
     v1::LogRecord {
         recorded_at_ms: meta.recorded_at_ms,
@@ -943,6 +952,11 @@ pub fn decode_record(
                 .collect::<Result<_, _>>()?,
         },
         Kind::CreditReservation(r) => Record::CreditReservation(reservation_step_from_proto(r)?),
+        Kind::CreditExpiriesDue(d) => Record::CreditExpiriesDue {
+            store_id: d.store_id.into(),
+            mode: mode_from_proto(d.mode)?,
+            account_id: d.account_id.into(),
+        },
     };
     let meta = RecordMeta {
         recorded_at_ms: record.recorded_at_ms,
