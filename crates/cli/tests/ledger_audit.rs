@@ -176,6 +176,8 @@ fn account(id: &str) -> Account {
         status: AccountStatus::Active,
         created_at_ms: 1,
         updated_at_ms: 1,
+        low_balance_threshold: None,
+        auto_recharge: None,
     }
 }
 

@@ -338,6 +338,10 @@ documented! {
         pub balance: String,
         /// `balance` less what live reservations hold.
         pub available_balance: String,
+        #[serde(default)]
+        pub low_balance_threshold: Option<String>,
+        #[serde(default)]
+        pub auto_recharge: Option<Value>,
         pub created_at: String,
         pub updated_at: String,
     }

@@ -85,6 +85,7 @@
 //! | `~` | store, mode, account_id, created_at, grant_id | (empty) grant listing per account |
 //! | `^` | store, mode, account_id | the account's grant count (8-byte int): the next grant's `seq` |
 //! | `?` | mode, expires_at, store, account_id, grant_id | (empty) an active grant's expiry, soonest first (the expiry sweep's index) |
+//! | `;` | store, mode, account_id | (empty) the account's available balance is below its low-balance threshold (announced once per crossing) |
 //! | `#` | partition, offset | the ids of the expiry transactions the record at that position booked, one per line (the ledger audit replays them) |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
@@ -176,6 +177,7 @@ pub const CREDIT_GRANT_LIST: u8 = b'~';
 pub const CREDIT_GRANT_SEQ: u8 = b'^';
 pub const LEDGER_BOOKED: u8 = b'#';
 pub const GRANT_DUE: u8 = b'?';
+pub const CREDIT_BALANCE_LOW: u8 = b';';
 
 /// The `?` row of an active grant's expiry.
 pub fn grant_due_key(

@@ -34,6 +34,25 @@ pub enum Patch<T> {
     Set(T),
 }
 
+impl<T> Patch<T> {
+    /// On a create: the value given, if any (`Keep` and `Clear` both mean none).
+    pub fn into_option(self) -> Option<T> {
+        match self {
+            Patch::Set(value) => Some(value),
+            Patch::Keep | Patch::Clear => None,
+        }
+    }
+
+    /// On an update: the new value given `current`.
+    pub fn apply_to(self, current: Option<T>) -> Option<T> {
+        match self {
+            Patch::Keep => current,
+            Patch::Clear => None,
+            Patch::Set(value) => Some(value),
+        }
+    }
+}
+
 /// Create or update input as the edge parsed it. On create, `Keep` means "not given".
 #[derive(Debug, Clone, Default)]
 pub struct CustomerInput {

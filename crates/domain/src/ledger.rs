@@ -99,6 +99,18 @@ pub struct Account {
     pub status: AccountStatus,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
+    /// `credits.balance_low` fires each time the available balance crosses below it
+    /// (docs/api.md, "Thresholds and auto-recharge").
+    pub low_balance_threshold: Option<Decimal>,
+    /// After a debit that leaves the balance below `threshold`, a grant of `amount`
+    /// is booked right after it.
+    pub auto_recharge: Option<AutoRecharge>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AutoRecharge {
+    pub threshold: Decimal,
+    pub amount: Decimal,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

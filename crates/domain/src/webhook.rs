@@ -14,7 +14,7 @@ use crate::ids::{EndpointId, StoreId};
 use crate::mode::Mode;
 
 /// Every event type an endpoint may subscribe to (docs/api.md).
-pub const EVENT_TYPES: [&str; 18] = [
+pub const EVENT_TYPES: [&str; 19] = [
     "checkout.completed",
     "refund.created",
     "dispute.created",
@@ -33,6 +33,7 @@ pub const EVENT_TYPES: [&str; 18] = [
     "credits.consumed",
     "credits.auto_recharged",
     "credits.expired",
+    "credits.balance_low",
 ];
 
 /// Retries after the first attempt (docs/api.md): 5 attempts in all.

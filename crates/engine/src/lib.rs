@@ -135,6 +135,7 @@ impl tally_billing::Credits for LedgerPort {
                         name: Some(grant.account_name.to_string()),
                         unit_label: Some(grant.unit_label.to_string()),
                         initial_balance: None,
+                        ..Default::default()
                     };
                     match ledger.create_account(scope, &input).await {
                         Ok((account, _)) => account.id.to_string(),

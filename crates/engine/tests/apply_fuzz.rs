@@ -328,6 +328,8 @@ fn product(id: u8, meters: &[u8], archived: bool) -> Product {
         custom_fields: Vec::new(),
         created_at_ms: T0,
         updated_at_ms: T0,
+        low_balance_threshold: None,
+        auto_recharge: None,
     }
 }
 

@@ -261,6 +261,7 @@ async fn run(ops: Vec<Op>, seeds: [i64; 3]) -> Result<(), TestCaseError> {
                     name: Some(format!("a{i}")),
                     unit_label: None,
                     initial_balance: Some(seed.to_string()),
+                    ..Default::default()
                 },
             )
             .await
@@ -657,6 +658,7 @@ async fn the_audit_skips_what_apply_refused() {
                 name: Some("main".into()),
                 unit_label: None,
                 initial_balance: Some("10".into()),
+                ..Default::default()
             },
         )
         .await

@@ -648,6 +648,11 @@ pub struct CreditAccount {
     pub status: String,
     /// A decimal string.
     pub balance: String,
+    /// A decimal string or null: `credits.balance_low` fires each time the
+    /// available balance crosses below it.
+    pub low_balance_threshold: Option<String>,
+    /// `{"threshold", "amount"}` or null.
+    pub auto_recharge: Option<AutoRechargeTerms>,
     /// `balance` less what live reservations hold (what a debit or a new
     /// reservation may take). With `at`, the balance at that instant: holds are not
     /// kept as history.
@@ -734,6 +739,25 @@ pub struct AccountCreate {
     pub unit_label: Option<String>,
     /// A decimal string, >= 0.
     pub initial_balance: Option<String>,
+    /// A decimal string, >= 0.
+    pub low_balance_threshold: Option<String>,
+    pub auto_recharge: Option<AutoRechargeTerms>,
+}
+
+#[derive(ToSchema)]
+pub struct AutoRechargeTerms {
+    /// A decimal string, >= 0: a debit that leaves the balance below it recharges.
+    pub threshold: String,
+    /// A decimal string, > 0: the grant booked right after that debit.
+    pub amount: String,
+}
+
+#[derive(ToSchema)]
+pub struct AccountUpdate {
+    /// A decimal string >= 0, or null to clear; absent keeps it.
+    pub low_balance_threshold: Option<String>,
+    /// An object, or null to clear; absent keeps it.
+    pub auto_recharge: Option<AutoRechargeTerms>,
 }
 
 #[derive(ToSchema)]

@@ -228,8 +228,17 @@ pub fn apply_expiries_due(
         return Ok(Vec::new());
     };
     let account = codec::decode_account(&bytes)?;
-    let events = book_expiries(overlay, &account, at_ms)?;
+    let mut events = book_expiries(overlay, &account, at_ms)?;
     crate::ledger::store_events(overlay, &events);
+    events.extend(crate::thresholds::after_step(
+        overlay,
+        store,
+        mode,
+        account_id,
+        at_ms,
+        None,
+        &format!("{account_id}:{at_ms}:expiry"),
+    )?);
     Ok(events)
 }
 

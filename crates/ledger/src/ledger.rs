@@ -45,6 +45,9 @@ pub struct AccountInput {
     pub name: Option<String>,
     pub unit_label: Option<String>,
     pub initial_balance: Option<String>,
+    /// Parsed by the edge (`parse_amount`, zero allowed).
+    pub low_balance_threshold: Option<Decimal>,
+    pub auto_recharge: Option<tally_domain::ledger::AutoRecharge>,
 }
 
 /// Input of credit and debit.
@@ -172,6 +175,7 @@ pub fn apply_ledger_step(
         overlay.put(key, codec::encode_account(account));
     }
     let mut events = events.to_vec();
+    let mut debit = None;
     if let Some(tx) = transaction {
         let posted = apply_transaction(overlay, tx, status_before, account, recorded_at_ms)?;
         let mut decided = posted.expired;
@@ -181,6 +185,32 @@ pub fn apply_ledger_step(
             std::mem::take(&mut events)
         });
         events = decided;
+        debit = Some(posted.transaction).filter(|t| t.kind == TransactionKind::Debit);
+    }
+    // Thresholds and auto-recharge, right after the step (docs/api.md).
+    let subject = transaction
+        .map(|t| {
+            (
+                t.store_id.clone(),
+                t.mode,
+                t.account_id.clone(),
+                t.id.to_string(),
+            )
+        })
+        .or(account.map(|a| {
+            let cause = format!("{}:{recorded_at_ms}", a.id);
+            (a.store_id.clone(), a.mode, a.id.clone(), cause)
+        }));
+    if let Some((store, mode, account_id, cause)) = subject {
+        events.extend(crate::thresholds::after_step(
+            overlay,
+            &store,
+            mode,
+            &account_id,
+            recorded_at_ms,
+            debit.as_ref(),
+            &cause,
+        )?);
     }
     if let Some(account) = account.filter(|a| a.status == AccountStatus::Closed) {
         crate::reservations::release_all(overlay, account, recorded_at_ms)?;
@@ -343,9 +373,19 @@ pub fn apply_usage_debit(
     let moved = movement_events(&posted.transaction, &posted.account, posted.balance_after);
     store_events(overlay, &posted.expired);
     store_events(overlay, &moved);
+    let after = crate::thresholds::after_step(
+        overlay,
+        store,
+        mode,
+        &account_id,
+        debit.created_at_ms,
+        Some(&posted.transaction),
+        &posted.transaction.id,
+    )?;
     let mut events = expired;
     events.extend(posted.expired);
     events.extend(moved);
+    events.extend(after);
     Ok((take, events))
 }
 
@@ -837,6 +877,8 @@ impl Ledger {
             status: AccountStatus::Active,
             created_at_ms: now,
             updated_at_ms: now,
+            low_balance_threshold: input.low_balance_threshold,
+            auto_recharge: input.auto_recharge,
         };
         let transaction = if initial > Decimal::ZERO {
             let entries = post(
@@ -934,6 +976,47 @@ impl Ledger {
                     return Ok(Update::Unchanged(account));
                 }
                 account.status = target;
+                let base = self.journal.restamp(&mut account.updated_at_ms);
+                Ok(Update::Write {
+                    record: Record::CreditLedger {
+                        account: Some(account.clone()),
+                        transaction: None,
+                        events: Vec::new(),
+                    },
+                    base_updated_at_ms: base,
+                    result: account,
+                })
+            })
+            .await?;
+        let balance = self.balance(scope, id)?;
+        Ok((account, balance))
+    }
+
+    /// Sets or clears the account's low-balance threshold and auto-recharge
+    /// (docs/api.md, "Thresholds and auto-recharge"); a closed account refuses.
+    pub async fn update_thresholds(
+        &self,
+        scope: &Scope,
+        id: &str,
+        threshold: tally_domain::customer::Patch<Decimal>,
+        recharge: tally_domain::customer::Patch<tally_domain::ledger::AutoRecharge>,
+    ) -> Result<(Account, Decimal), EngineError> {
+        let account = self
+            .journal
+            .update(|| {
+                let mut account = self.get_account(scope, id)?;
+                if account.status == AccountStatus::Closed {
+                    return Err(rejected(Rejection::AccountClosed));
+                }
+                let next_threshold = threshold.clone().apply_to(account.low_balance_threshold);
+                let next_recharge = recharge.clone().apply_to(account.auto_recharge);
+                if next_threshold == account.low_balance_threshold
+                    && next_recharge == account.auto_recharge
+                {
+                    return Ok(Update::Unchanged(account));
+                }
+                account.low_balance_threshold = next_threshold;
+                account.auto_recharge = next_recharge;
                 let base = self.journal.restamp(&mut account.updated_at_ms);
                 Ok(Update::Write {
                     record: Record::CreditLedger {

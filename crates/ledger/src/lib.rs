@@ -16,6 +16,7 @@ pub mod audit;
 pub mod grants;
 pub mod ledger;
 pub mod reservations;
+pub mod thresholds;
 
 pub use grants::GrantInput;
 pub use ledger::*;

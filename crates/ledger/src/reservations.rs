@@ -189,7 +189,19 @@ pub fn apply_reservation_step(
     at_ms: i64,
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
     match step {
-        ReservationStep::Hold(reservation) => apply_hold(overlay, reservation, at_ms),
+        ReservationStep::Hold(reservation) => {
+            let mut events = apply_hold(overlay, reservation, at_ms)?;
+            events.extend(crate::thresholds::after_step(
+                overlay,
+                &reservation.store_id,
+                reservation.mode,
+                &reservation.account_id,
+                at_ms,
+                None,
+                &format!("{}:hold", reservation.id),
+            )?);
+            Ok(events)
+        }
         ReservationStep::Commit {
             store_id,
             mode,
@@ -235,6 +247,15 @@ pub fn apply_reservation_step(
                 posted.balance_after,
             ));
             store_events(overlay, &events);
+            events.extend(crate::thresholds::after_step(
+                overlay,
+                store,
+                mode,
+                &posted.account.id,
+                at_ms,
+                Some(&posted.transaction),
+                &posted.transaction.id,
+            )?);
             Ok(events)
         }
         ReservationStep::Release {
@@ -263,7 +284,15 @@ pub fn apply_reservation_step(
                 reservation_key(store, mode, &reservation.id),
                 codec::encode_reservation(&reservation),
             );
-            Ok(Vec::new())
+            crate::thresholds::after_step(
+                overlay,
+                store,
+                mode,
+                &reservation.account_id,
+                at_ms,
+                None,
+                &format!("{}:release", reservation.id),
+            )
         }
     }
 }

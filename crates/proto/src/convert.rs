@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use rust_decimal::Decimal;
 use tally_domain::customer::Customer;
 use tally_domain::grant::{Grant, GrantStatus, GrantTerms};
-use tally_domain::ledger::{Account, AccountStatus, Entry, Transaction, TransactionKind};
+use tally_domain::ledger::{
+    Account, AccountStatus, AutoRecharge, Entry, Transaction, TransactionKind,
+};
 use tally_domain::meter::{
     Aggregation, Conjunction, FilterClause, FilterValue, Meter, MeterFilter, MeterStatus, Operator,
 };
@@ -285,12 +287,30 @@ pub fn account_to_proto(a: &Account) -> v1::CreditAccount {
         status: a.status.as_str().to_string(),
         created_at_ms: a.created_at_ms,
         updated_at_ms: a.updated_at_ms,
+        low_balance_threshold: a.low_balance_threshold.map(canonical_decimal),
+        auto_recharge: a.auto_recharge.map(|r| v1::AutoRecharge {
+            threshold: canonical_decimal(r.threshold),
+            amount: canonical_decimal(r.amount),
+        }),
     }
 }
 
 pub fn account_from_proto(a: v1::CreditAccount) -> Result<Account, DecodeError> {
     Ok(Account {
         mode: mode_from_proto(a.mode)?,
+        low_balance_threshold: a
+            .low_balance_threshold
+            .map(|t| decimal_from_text(&t, "account.low_balance_threshold"))
+            .transpose()?,
+        auto_recharge: a
+            .auto_recharge
+            .map(|r| {
+                Ok::<_, DecodeError>(AutoRecharge {
+                    threshold: decimal_from_text(&r.threshold, "account.auto_recharge.threshold")?,
+                    amount: decimal_from_text(&r.amount, "account.auto_recharge.amount")?,
+                })
+            })
+            .transpose()?,
         status: match a.status.as_str() {
             "active" => AccountStatus::Active,
             "frozen" => AccountStatus::Frozen,

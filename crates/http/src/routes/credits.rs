@@ -7,7 +7,7 @@ use rust_decimal::Decimal;
 use serde_json::{json, Map, Value};
 use tally_domain::customer::Patch;
 use tally_domain::grant::{Grant, GrantStatus};
-use tally_domain::ledger::{Account, TransactionKind};
+use tally_domain::ledger::{parse_amount, Account, AutoRecharge, TransactionKind};
 use tally_domain::reservation::Reservation;
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::canonical_decimal;
@@ -29,7 +29,7 @@ use utoipa_axum::routes;
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(list_accounts, create_account))
-        .routes(routes!(get_account))
+        .routes(routes!(get_account, update_account))
         .routes(routes!(freeze))
         .routes(routes!(unfreeze))
         .routes(routes!(close))
@@ -96,6 +96,11 @@ pub fn account_json(account: &Account, balance: Decimal) -> Value {
         "unit_label": account.unit_label,
         "status": account.status.as_str(),
         "balance": canonical_decimal(balance),
+        "low_balance_threshold": account.low_balance_threshold.map(canonical_decimal),
+        "auto_recharge": account.auto_recharge.map(|r| json!({
+            "threshold": canonical_decimal(r.threshold),
+            "amount": canonical_decimal(r.amount),
+        })),
         "created_at": format_iso8601_ms(account.created_at_ms),
         "updated_at": format_iso8601_ms(account.updated_at_ms),
     })
@@ -160,6 +165,44 @@ pub fn grant_json(g: &Grant) -> Value {
     })
 }
 
+/// `low_balance_threshold` and `auto_recharge` of an account create or update:
+/// absent keeps, `null` clears (docs/api.md, "Thresholds and auto-recharge").
+fn threshold_fields(
+    fields: &Fields<'_>,
+) -> Result<(Patch<Decimal>, Patch<AutoRecharge>), ApiError> {
+    let amount =
+        |param: &str, value: Option<&Value>, allow_zero: bool| -> Result<Decimal, ApiError> {
+            match value {
+                Some(Value::String(text)) => Ok(parse_amount(param, text, allow_zero)?),
+                Some(_) => Err(ApiError::invalid_param(
+                    param,
+                    format!("`{param}` must be a decimal string, e.g. \"12.5\""),
+                )),
+                None => Err(tally_domain::FieldError::missing(param).into()),
+            }
+        };
+    let threshold = match fields.map.get("low_balance_threshold") {
+        None => Patch::Keep,
+        Some(Value::Null) => Patch::Clear,
+        value => Patch::Set(amount("low_balance_threshold", value, true)?),
+    };
+    let recharge = match fields.map.get("auto_recharge") {
+        None => Patch::Keep,
+        Some(Value::Null) => Patch::Clear,
+        Some(Value::Object(object)) => Patch::Set(AutoRecharge {
+            threshold: amount("auto_recharge.threshold", object.get("threshold"), true)?,
+            amount: amount("auto_recharge.amount", object.get("amount"), false)?,
+        }),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "auto_recharge",
+                "`auto_recharge` must be an object {\"threshold\", \"amount\"} or null",
+            ))
+        }
+    };
+    Ok((threshold, recharge))
+}
+
 /// Amounts must be JSON strings: a JSON number would have passed through a float in
 /// many clients.
 fn decimal_string(fields: &Fields<'_>, name: &str) -> Result<Option<String>, ApiError> {
@@ -188,11 +231,14 @@ pub async fn create_account(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let fields = Fields::new(&body);
+    let (low_balance_threshold, auto_recharge) = threshold_fields(&fields)?;
     let input = AccountInput {
         customer_id: fields.string("customer_id")?,
         name: fields.string("name")?,
         unit_label: fields.string("unit_label")?,
         initial_balance: decimal_string(&fields, "initial_balance")?,
+        low_balance_threshold: low_balance_threshold.into_option(),
+        auto_recharge: auto_recharge.into_option(),
     };
     let (account, balance) = state.engine.ledger().create_account(&scope, &input).await?;
     Ok(Json(account_view(&account, balance, Decimal::ZERO)))
@@ -668,4 +714,29 @@ pub async fn void_grant(
     Ok(Json(grant_json(
         &state.engine.ledger().void_grant(&scope, &id).await?,
     )))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/customer-credits/accounts/{id}",
+    operation_id = "credits_update_account",
+    tag = "customer-credits",
+    summary = "Set or clear an account's low-balance threshold and auto-recharge",
+    params(doc::IdParam),
+    request_body(content = doc::AccountUpdate, content_type = "application/json", example = json!({"low_balance_threshold": "20", "auto_recharge": {"threshold": "10", "amount": "100"}})),
+    responses((status = 200, description = "The account", body = doc::CreditAccount), (status = 409, description = "account_closed", body = doc::ErrorBody))
+)]
+pub async fn update_account(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let (threshold, recharge) = threshold_fields(&Fields::new(&body))?;
+    let (account, balance) = state
+        .engine
+        .ledger()
+        .update_thresholds(&scope, &id, threshold, recharge)
+        .await?;
+    Ok(Json(current_account(&state, &scope, &account, balance)?))
 }

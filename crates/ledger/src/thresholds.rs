@@ -1,0 +1,191 @@
+//! Low-balance thresholds and auto-recharge (docs/api.md, "Thresholds and
+//! auto-recharge"), decided in apply after every step of an account, in log order:
+//!
+//! - `credits.balance_low` fires once each time the available balance (balance less
+//!   live holds) crosses below the account's `low_balance_threshold`: a marker (table
+//!   `;`) remembers that it is below, and is cleared when it is at or above again.
+//! - After a debit that leaves the balance below `auto_recharge.threshold`, a credit
+//!   of `auto_recharge.amount` (a grant, description `auto_recharge`) is booked in the
+//!   same record, right after the debit, and `credits.auto_recharged` fires: at most
+//!   one per debit. A recharge that would break a limit is not booked (the debit
+//!   stands).
+
+use std::collections::BTreeMap;
+
+use rust_decimal::Decimal;
+use tally_domain::grant::MAX_ACTIVE_GRANTS_PER_ACCOUNT;
+use tally_domain::ledger::{
+    balances_after, Account, AccountStatus, Entry, SystemAccount, Transaction, TransactionKind,
+};
+use tally_domain::record::LedgerEvent;
+use tally_domain::Mode;
+
+use tally_core::codec;
+use tally_core::error::EngineError;
+use tally_core::keys::{self, Key};
+use tally_core::overlay::{ApplyError, Overlay};
+
+use crate::ledger::store_events;
+
+pub const EVENT_CREDITS_BALANCE_LOW: &str = "credits.balance_low";
+pub const EVENT_CREDITS_AUTO_RECHARGED: &str = "credits.auto_recharged";
+/// The description of a recharge's grant.
+pub const AUTO_RECHARGE_DESCRIPTION: &str = "auto_recharge";
+
+fn low_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
+    Key::scoped(keys::CREDIT_BALANCE_LOW, store, mode)
+        .text(account_id)
+        .into_bytes()
+}
+
+fn stored_balance(
+    overlay: &Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+) -> Result<Decimal, EngineError> {
+    let key = Key::scoped(keys::CREDIT_BALANCE, store, mode)
+        .text(account_id)
+        .into_bytes();
+    match overlay.get(&key)? {
+        Some(bytes) => codec::decode_decimal(&bytes),
+        None => Ok(Decimal::ZERO),
+    }
+}
+
+fn load_account(
+    overlay: &Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+) -> Result<Option<Account>, EngineError> {
+    let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
+        .text(account_id)
+        .into_bytes();
+    overlay
+        .get(&key)?
+        .map(|bytes| codec::decode_account(&bytes))
+        .transpose()
+}
+
+/// Runs after a step of the account decided at record time `at_ms`: `debit` is the
+/// step's debit, when it was one; `cause` is a unique name of the step (event ids
+/// derive from it). Stores and answers the events.
+pub(crate) fn after_step(
+    overlay: &mut Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+    at_ms: i64,
+    debit: Option<&Transaction>,
+    cause: &str,
+) -> Result<Vec<LedgerEvent>, ApplyError> {
+    let Some(account) = load_account(overlay, store, mode, account_id)? else {
+        return Ok(Vec::new());
+    };
+    let mut events = Vec::new();
+    if let (Some(debit), Some(recharge), AccountStatus::Active) =
+        (debit, account.auto_recharge, account.status)
+    {
+        let balance = stored_balance(overlay, store, mode, account_id)?;
+        if balance < recharge.threshold {
+            events.extend(recharge_after(
+                overlay,
+                &account,
+                debit,
+                recharge.amount,
+                at_ms,
+            )?);
+        }
+    }
+    let marker = low_key(store, mode, account_id);
+    let below = match (account.low_balance_threshold, account.status) {
+        (Some(threshold), AccountStatus::Active | AccountStatus::Frozen) => {
+            let balance = stored_balance(overlay, store, mode, account_id)?;
+            let held = crate::reservations::held(overlay, store, mode, account_id, at_ms)?;
+            tally_domain::reservation::available(balance, held) < threshold
+        }
+        _ => false,
+    };
+    let marked = overlay.contains(&marker)?;
+    if below && !marked {
+        overlay.put(marker, Vec::new());
+        let balance = stored_balance(overlay, store, mode, account_id)?;
+        events.push(LedgerEvent {
+            id: tally_core::ids::derived_id("whevt", &format!("{cause}:balance_low")),
+            event_type: EVENT_CREDITS_BALANCE_LOW.to_string(),
+            created_at_ms: at_ms,
+            transaction_id: None,
+            account: account.clone(),
+            balance,
+        });
+    } else if !below && marked {
+        overlay.delete(marker);
+    }
+    store_events(overlay, &events);
+    Ok(events)
+}
+
+/// The credit an auto-recharge books right after `debit` (none when it would break
+/// a limit: the account's active grants or a balance's range).
+fn recharge_after(
+    overlay: &mut Overlay<'_>,
+    account: &Account,
+    debit: &Transaction,
+    amount: Decimal,
+    at_ms: i64,
+) -> Result<Vec<LedgerEvent>, ApplyError> {
+    let (store, mode) = (account.store_id.as_str(), account.mode);
+    let active = crate::grants::load_active(overlay, store, mode, &account.id)?;
+    if active.len() >= MAX_ACTIVE_GRANTS_PER_ACCOUNT {
+        return Ok(Vec::new());
+    }
+    let id = format!("ctx_r{}", debit.id.trim_start_matches("ctx_"));
+    let entry_base = id.replacen("ctx_", "ce_", 1);
+    let mut tx = Transaction {
+        id: id.into(),
+        store_id: account.store_id.clone(),
+        mode,
+        kind: TransactionKind::Credit,
+        account_id: account.id.clone(),
+        amount,
+        entries: vec![
+            Entry {
+                id: format!("{entry_base}_1"),
+                account_id: account.id.clone(),
+                amount,
+                grant_id: None,
+            },
+            Entry {
+                id: format!("{entry_base}_2"),
+                account_id: SystemAccount::Issuance.account_id().into(),
+                amount: -amount,
+                grant_id: None,
+            },
+        ],
+        idempotency_key: None,
+        description: Some(AUTO_RECHARGE_DESCRIPTION.to_string()),
+        metadata: BTreeMap::from([("debit_id".to_string(), debit.id.to_string())]),
+        reverses: None,
+        created_at_ms: debit.created_at_ms,
+        grant_terms: None,
+    };
+    let balance_of = |id: &str| {
+        stored_balance(overlay, store, mode, id)
+            .ok()
+            .unwrap_or_default()
+    };
+    if balances_after(&tx, &balance_of).is_err() {
+        return Ok(Vec::new());
+    }
+    crate::grants::assign(overlay, &mut tx, at_ms)?;
+    let balance_after = crate::ledger::post_transaction(overlay, &tx, at_ms)?;
+    Ok(vec![LedgerEvent {
+        id: format!("whevt_{}a", tx.id.trim_start_matches("ctx_")),
+        event_type: EVENT_CREDITS_AUTO_RECHARGED.to_string(),
+        created_at_ms: tx.created_at_ms,
+        transaction_id: Some(tx.id.clone()),
+        account: account.clone(),
+        balance: balance_after,
+    }])
+}
