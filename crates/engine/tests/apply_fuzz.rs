@@ -328,8 +328,6 @@ fn product(id: u8, meters: &[u8], archived: bool) -> Product {
         custom_fields: Vec::new(),
         created_at_ms: T0,
         updated_at_ms: T0,
-        low_balance_threshold: None,
-        auto_recharge: None,
     }
 }
 
@@ -525,6 +523,8 @@ fn account(n: u8, name: u8, status: AccountStatus) -> Account {
         status,
         created_at_ms: T0,
         updated_at_ms: T0,
+        low_balance_threshold: None,
+        auto_recharge: None,
     }
 }
 
