@@ -689,7 +689,7 @@ fn apply_record(
             mode,
             account_id,
         } => {
-            let events = tally_ledger::grants::apply_expiries_due(
+            let events = tally_ledger::apply::apply_expiries_due(
                 overlay,
                 store_id,
                 *mode,

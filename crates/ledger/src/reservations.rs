@@ -29,7 +29,9 @@ use tally_core::outcome::Outcome;
 use tally_core::overlay::{ApplyError, Overlay};
 use tally_core::{Decision, Scope};
 
-use crate::ledger::{apply_transaction, movement_events, store_events};
+use crate::apply::apply_transaction;
+use crate::holds::{load, reservation_key, stored_holds, write_holds};
+use crate::posting::{movement_events, refused, store_events};
 use crate::Ledger;
 
 /// Input of `POST /v1/customer-credits/accounts/{id}/reservations`, as the edge
@@ -41,67 +43,10 @@ pub struct ReservationInput {
     pub expires_in_seconds: Option<i64>,
 }
 
-pub(crate) fn holds_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
-    Key::scoped(keys::CREDIT_HOLDS, store, mode)
-        .text(account_id)
-        .into_bytes()
-}
-
-fn reservation_key(store: &str, mode: Mode, id: &str) -> Vec<u8> {
-    Key::scoped(keys::CREDIT_RESERVATION, store, mode)
-        .text(id)
-        .into_bytes()
-}
-
 fn idempotency_row(store: &str, mode: Mode, key: &str) -> Vec<u8> {
     Key::scoped(keys::CREDIT_RESERVATION_IDEMPOTENCY, store, mode)
         .tail(key.as_bytes())
         .into_bytes()
-}
-
-/// The account's hold list as stored (live and not yet pruned).
-pub(crate) fn stored_holds(
-    overlay: &Overlay<'_>,
-    store: &str,
-    mode: Mode,
-    account_id: &str,
-) -> Result<Vec<Hold>, EngineError> {
-    match overlay.get(&holds_key(store, mode, account_id))? {
-        Some(bytes) => codec::decode_holds(&bytes),
-        None => Ok(Vec::new()),
-    }
-}
-
-/// What the account's live holds take at `at_ms`.
-pub(crate) fn held(
-    overlay: &Overlay<'_>,
-    store: &str,
-    mode: Mode,
-    account_id: &str,
-    at_ms: i64,
-) -> Result<Decimal, ApplyError> {
-    let holds = stored_holds(overlay, store, mode, account_id)?;
-    held_at(&holds, at_ms).ok_or_else(|| refused(Rejection::AmountOutOfRange))
-}
-
-fn refused(rejection: Rejection) -> ApplyError {
-    ApplyError::Refused(Outcome::rejected(rejection.code(), rejection.message()))
-}
-
-fn load(
-    overlay: &Overlay<'_>,
-    store: &str,
-    mode: Mode,
-    id: &str,
-) -> Result<Reservation, ApplyError> {
-    match overlay.get(&reservation_key(store, mode, id))? {
-        Some(bytes) => Ok(codec::decode_reservation(&bytes)?),
-        None => Err(Outcome::rejected(
-            "resource_missing",
-            format!("no such credit reservation: '{id}'"),
-        )
-        .into()),
-    }
 }
 
 fn load_account(
@@ -121,64 +66,6 @@ fn load_account(
         )
         .into()),
     }
-}
-
-/// Rewrites the account's hold list: `keep` the live holds, and every hold expired
-/// at `at_ms` is dropped and its reservation stored as `expired`.
-fn write_holds(
-    overlay: &mut Overlay<'_>,
-    store: &str,
-    mode: Mode,
-    account_id: &str,
-    holds: Vec<Hold>,
-    at_ms: i64,
-) -> Result<(), ApplyError> {
-    let mut live = Vec::with_capacity(holds.len());
-    for hold in holds {
-        if hold.expires_at_ms > at_ms {
-            live.push(hold);
-            continue;
-        }
-        let mut expired = load(overlay, store, mode, &hold.reservation_id)?;
-        if expired.status == ReservationStatus::Held {
-            expired.status = ReservationStatus::Expired;
-            expired.updated_at_ms = expired.expires_at_ms;
-            overlay.put(
-                reservation_key(store, mode, &expired.id),
-                codec::encode_reservation(&expired),
-            );
-        }
-    }
-    let key = holds_key(store, mode, account_id);
-    if live.is_empty() {
-        overlay.delete(key);
-    } else {
-        overlay.put(key, codec::encode_holds(&live));
-    }
-    Ok(())
-}
-
-/// Ends every hold of a closing account: its balance is forfeited, so nothing is
-/// left to hold.
-pub(crate) fn release_all(
-    overlay: &mut Overlay<'_>,
-    account: &Account,
-    at_ms: i64,
-) -> Result<(), ApplyError> {
-    let (store, mode) = (account.store_id.as_str(), account.mode);
-    let holds = stored_holds(overlay, store, mode, &account.id)?;
-    for hold in &holds {
-        let mut reservation = load(overlay, store, mode, &hold.reservation_id)?;
-        if reservation.status_at(at_ms) == ReservationStatus::Held {
-            reservation.status = ReservationStatus::Released;
-            reservation.updated_at_ms = at_ms;
-            overlay.put(
-                reservation_key(store, mode, &reservation.id),
-                codec::encode_reservation(&reservation),
-            );
-        }
-    }
-    write_holds(overlay, store, mode, &account.id, Vec::new(), at_ms)
 }
 
 /// Folds one reservation step, decided at record time `at_ms`. Returns the webhook
@@ -405,16 +292,6 @@ fn too_many_reservations() -> Outcome {
 
 impl Ledger {
     /// What the account's live holds take now.
-    pub fn held(&self, scope: &Scope, account_id: &str) -> Result<Decimal, EngineError> {
-        let key = holds_key(&scope.store_id, scope.mode, account_id);
-        let holds = match self.journal.store().get(&key)? {
-            Some(bytes) => codec::decode_holds(&bytes)?,
-            None => Vec::new(),
-        };
-        held_at(&holds, self.journal.now_ms())
-            .ok_or_else(|| EngineError::Corrupt("an account's holds pass the decimal range".into()))
-    }
-
     /// A reservation as it is now (a hold past its expiry reads `expired`).
     pub fn get_reservation(&self, scope: &Scope, id: &str) -> Result<Reservation, EngineError> {
         let key = reservation_key(&scope.store_id, scope.mode, id);

@@ -25,7 +25,7 @@ use tally_core::error::EngineError;
 use tally_core::keys::{self, Key};
 use tally_core::overlay::{ApplyError, Overlay};
 
-use crate::ledger::store_events;
+use crate::posting::store_events;
 
 pub const EVENT_CREDITS_BALANCE_LOW: &str = "credits.balance_low";
 pub const EVENT_CREDITS_AUTO_RECHARGED: &str = "credits.auto_recharged";
@@ -102,7 +102,7 @@ pub(crate) fn after_step(
     let below = match (account.low_balance_threshold, account.status) {
         (Some(threshold), AccountStatus::Active | AccountStatus::Frozen) => {
             let balance = stored_balance(overlay, store, mode, account_id)?;
-            let held = crate::reservations::held(overlay, store, mode, account_id, at_ms)?;
+            let held = crate::holds::held(overlay, store, mode, account_id, at_ms)?;
             tally_domain::reservation::available(balance, held) < threshold
         }
         _ => false,
@@ -179,7 +179,7 @@ fn recharge_after(
         return Ok(Vec::new());
     }
     crate::grants::assign(overlay, &mut tx, at_ms)?;
-    let balance_after = crate::ledger::post_transaction(overlay, &tx, at_ms)?;
+    let balance_after = crate::posting::post_transaction(overlay, &tx, at_ms)?;
     Ok(vec![LedgerEvent {
         id: format!("whevt_{}a", tx.id.trim_start_matches("ctx_")),
         event_type: EVENT_CREDITS_AUTO_RECHARGED.to_string(),

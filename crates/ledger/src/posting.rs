@@ -1,0 +1,221 @@
+//! Posting: the ledger's lowest layer in apply. A transaction whose entries are final
+//! is checked against the balances it leaves (and the account's live holds) and
+//! written with its entries, balance history and webhook events. Everything that
+//! decides a transaction (grants, holds, thresholds, the rules of each step) sits
+//! above and calls down here.
+
+use rust_decimal::Decimal;
+use tally_domain::exact::exact_add;
+use tally_domain::ledger::{
+    balances_after, Account, Rejection, SystemAccount, Transaction, TransactionKind,
+};
+use tally_domain::record::LedgerEvent;
+use tally_domain::Mode;
+
+use tally_core::codec::{self, StoredEntry};
+use tally_core::error::EngineError;
+use tally_core::keys::{self, Key};
+use tally_core::outcome::Outcome;
+use tally_core::overlay::{ApplyError, Overlay};
+
+pub const EVENT_CREDITS_GRANTED: &str = "credits.granted";
+pub const EVENT_CREDITS_CONSUMED: &str = "credits.consumed";
+pub const EVENT_CREDITS_EXHAUSTED: &str = "customer_credits.exhausted";
+pub const EVENT_CREDITS_EXPIRED: &str = "credits.expired";
+
+pub(crate) fn refused(rejection: Rejection) -> ApplyError {
+    ApplyError::Refused(Outcome::rejected(rejection.code(), rejection.message()))
+}
+
+pub(crate) fn balance_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
+    Key::scoped(keys::CREDIT_BALANCE, store, mode)
+        .text(account_id)
+        .into_bytes()
+}
+
+/// Keeps a step's webhook events (table `W`) and notes an announced exhaustion, so
+/// usage settlement announces an empty account once, not on every shortfall.
+pub(crate) fn store_events(overlay: &mut Overlay<'_>, events: &[LedgerEvent]) {
+    for event in events {
+        let (store, mode) = (&event.account.store_id, event.account.mode);
+        overlay.put(
+            Key::scoped(keys::WEBHOOK_EVENT, store, mode)
+                .int(event.created_at_ms)
+                .text(&event.id)
+                .into_bytes(),
+            tally_proto::Message::encode_to_vec(&tally_proto::ledger_event_to_proto(event)),
+        );
+        if event.event_type == EVENT_CREDITS_EXHAUSTED {
+            overlay.put(exhausted_key(store, mode, &event.account.id), Vec::new());
+        }
+    }
+}
+
+pub(crate) fn exhausted_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
+    Key::scoped(keys::CREDIT_EXHAUSTED, store, mode)
+        .text(account_id)
+        .into_bytes()
+}
+
+/// The webhook events of a transaction that left its account at `balance_after`:
+/// `credits.granted` when it added, `credits.consumed` when it took (and
+/// `customer_credits.exhausted` when that left exactly 0); none for a close.
+pub(crate) fn movement_events(
+    tx: &Transaction,
+    account: &Account,
+    balance_after: Decimal,
+) -> Vec<LedgerEvent> {
+    let delta = tx.delta_for(&tx.account_id);
+    let event = |event_type: &str, suffix: &str| LedgerEvent {
+        id: format!("whevt_{}{suffix}", tx.id.trim_start_matches("ctx_")),
+        event_type: event_type.to_string(),
+        created_at_ms: tx.created_at_ms,
+        transaction_id: Some(tx.id.clone()),
+        account: account.clone(),
+        balance: balance_after,
+    };
+    match tx.kind {
+        TransactionKind::Close | TransactionKind::GrantVoid => Vec::new(),
+        TransactionKind::Expiry => vec![event(EVENT_CREDITS_EXPIRED, "e")],
+        _ if delta > Decimal::ZERO => vec![event(EVENT_CREDITS_GRANTED, "g")],
+        _ if delta < Decimal::ZERO && balance_after.is_zero() => vec![
+            event(EVENT_CREDITS_CONSUMED, "c"),
+            event(EVENT_CREDITS_EXHAUSTED, "x"),
+        ],
+        _ if delta < Decimal::ZERO => vec![event(EVENT_CREDITS_CONSUMED, "c")],
+        _ => Vec::new(),
+    }
+}
+
+/// What applying one transaction decided: the transaction as posted (its grants
+/// assigned), the account's balance after it, and the expiries booked before it.
+pub(crate) struct Posted {
+    pub account: Account,
+    pub balance_after: Decimal,
+    pub transaction: Transaction,
+    pub expired: Vec<LedgerEvent>,
+}
+
+/// The balances of the accounts a transaction's entries touch, before it.
+pub(crate) fn balances_before(
+    overlay: &Overlay<'_>,
+    tx: &Transaction,
+) -> Result<std::collections::HashMap<tally_domain::ids::AccountId, Decimal>, EngineError> {
+    let mut balances = std::collections::HashMap::new();
+    for entry in &tx.entries {
+        let key = balance_key(&tx.store_id, tx.mode, &entry.account_id);
+        let balance = match overlay.get(&key)? {
+            Some(bytes) => codec::decode_decimal(&bytes)?,
+            None => Decimal::ZERO,
+        };
+        balances.insert(entry.account_id.clone(), balance);
+    }
+    Ok(balances)
+}
+
+/// Posts a transaction whose entries are final: checks the balances it leaves (and,
+/// for one that takes from the account, what the account's live holds need), stores
+/// it and its entries. Returns the account's balance after it.
+pub(crate) fn post_transaction(
+    overlay: &mut Overlay<'_>,
+    tx: &Transaction,
+    at_ms: i64,
+) -> Result<Decimal, ApplyError> {
+    let (store, mode) = (&tx.store_id, tx.mode);
+    let balances_before = balances_before(overlay, tx)?;
+    let balance_before = |id: &str| balances_before.get(id).copied().unwrap_or_default();
+    // Checked against the final balances; each entry is then posted in order.
+    let after = balances_after(tx, &balance_before).map_err(refused)?;
+    let takes_spendable = matches!(tx.kind, TransactionKind::Debit | TransactionKind::Reversal);
+    if takes_spendable && tx.delta_for(&tx.account_id) < Decimal::ZERO {
+        let held = crate::holds::held(overlay, store, mode, &tx.account_id, at_ms)?;
+        let left = after.get(&tx.account_id).copied().unwrap_or_default();
+        if left < held {
+            return Err(refused(Rejection::InsufficientBalance));
+        }
+    }
+    overlay.put(
+        Key::scoped(keys::CREDIT_TRANSACTION, store, mode)
+            .text(&tx.id)
+            .into_bytes(),
+        codec::encode_transaction(tx),
+    );
+    let mut running = balances_before;
+    for entry in &tx.entries {
+        let before = running.get(&entry.account_id).copied().unwrap_or_default();
+        let balance =
+            exact_add(before, entry.amount).ok_or_else(|| refused(Rejection::AmountOutOfRange))?;
+        running.insert(entry.account_id.clone(), balance);
+        overlay.put(
+            balance_key(store, mode, &entry.account_id),
+            codec::encode_decimal(balance),
+        );
+        if SystemAccount::from_account_id(&entry.account_id).is_some() {
+            continue;
+        }
+        post_entry(overlay, tx, entry, balance)?;
+    }
+    let balance_after = running.get(&tx.account_id).copied().unwrap_or_default();
+    if balance_after > Decimal::ZERO && tx.delta_for(&tx.account_id) > Decimal::ZERO {
+        // Holding credits again: the next time it runs dry is announced again.
+        overlay.delete(exhausted_key(store, mode, &tx.account_id));
+    }
+    Ok(balance_after)
+}
+
+/// The customer-visible side of one entry: sequence, entry, id pointer, history.
+fn post_entry(
+    overlay: &mut Overlay<'_>,
+    tx: &Transaction,
+    entry: &tally_domain::ledger::Entry,
+    balance: Decimal,
+) -> Result<(), ApplyError> {
+    let (store, mode) = (&tx.store_id, tx.mode);
+    let seq_key = Key::scoped(keys::CREDIT_ENTRY_SEQ, store, mode)
+        .text(&entry.account_id)
+        .into_bytes();
+    let seq = match overlay.get(&seq_key)? {
+        Some(bytes) => u64::from_be_bytes(
+            bytes
+                .as_slice()
+                .try_into()
+                .map_err(|_| EngineError::Corrupt("entry seq".into()))?,
+        ),
+        None => 0,
+    };
+    overlay.put(seq_key, (seq + 1).to_be_bytes().to_vec());
+    let stored = StoredEntry {
+        id: entry.id.clone(),
+        transaction_id: tx.id.to_string(),
+        account_id: entry.account_id.to_string(),
+        amount: entry.amount,
+        created_at_ms: tx.created_at_ms,
+        balance_after: balance,
+        grant_id: entry.grant_id.as_ref().map(|g| g.to_string()),
+    };
+    overlay.put(
+        Key::scoped(keys::CREDIT_ENTRY, store, mode)
+            .text(&entry.account_id)
+            .uint(seq)
+            .into_bytes(),
+        codec::encode_entry(&stored),
+    );
+    let mut pointer = entry.account_id.as_bytes().to_vec();
+    pointer.push(0);
+    pointer.extend_from_slice(&seq.to_be_bytes());
+    overlay.put(
+        Key::scoped(keys::CREDIT_ENTRY_ID, store, mode)
+            .text(&entry.id)
+            .into_bytes(),
+        pointer,
+    );
+    overlay.put(
+        Key::scoped(keys::CREDIT_BALANCE_HISTORY, store, mode)
+            .text(&entry.account_id)
+            .int(tx.created_at_ms)
+            .uint(seq)
+            .into_bytes(),
+        codec::encode_decimal(balance),
+    );
+    Ok(())
+}
