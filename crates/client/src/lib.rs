@@ -38,7 +38,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Every operation this client calls: (HTTP method, documented path, operationId).
 /// The crate's tests hold it to docs/openapi.json.
-pub const OPERATIONS: [(&str, &str, &str); 21] = [
+pub const OPERATIONS: [(&str, &str, &str); 25] = [
     ("post", "/admin/v1/stores", "create_store"),
     ("post", "/admin/v1/stores/{id}/keys", "create_key"),
     (
@@ -65,6 +65,26 @@ pub const OPERATIONS: [(&str, &str, &str); 21] = [
         "post",
         "/v1/customer-credits/accounts/{id}/debit",
         "credits_debit",
+    ),
+    (
+        "post",
+        "/v1/customer-credits/accounts/{id}/grants",
+        "credits_create_grant",
+    ),
+    (
+        "post",
+        "/v1/customer-credits/accounts/{id}/reservations",
+        "credits_reserve",
+    ),
+    (
+        "post",
+        "/v1/customer-credits/reservations/{id}/commit",
+        "credits_commit_reservation",
+    ),
+    (
+        "post",
+        "/v1/customer-credits/reservations/{id}/release",
+        "credits_release_reservation",
     ),
     ("post", "/v1/webhooks", "webhooks_create"),
     (
@@ -339,6 +359,49 @@ impl Client {
         self.post(
             &format!("/v1/customer-credits/accounts/{account_id}/debit"),
             movement,
+        )
+        .await
+    }
+
+    /// Credits the account through a grant with a priority and an expiry.
+    pub async fn create_grant(&self, account_id: &str, input: &GrantCreate) -> Result<CreditGrant> {
+        self.post(
+            &format!("/v1/customer-credits/accounts/{account_id}/grants"),
+            input,
+        )
+        .await
+    }
+
+    /// Holds credits until a commit, a release or the expiry.
+    pub async fn reserve(
+        &self,
+        account_id: &str,
+        input: &ReservationCreate,
+    ) -> Result<CreditReservation> {
+        self.post(
+            &format!("/v1/customer-credits/accounts/{account_id}/reservations"),
+            input,
+        )
+        .await
+    }
+
+    /// Debits `amount` of what the reservation holds (all of it when `None`).
+    pub async fn commit_reservation(
+        &self,
+        id: &str,
+        amount: Option<&str>,
+    ) -> Result<CreditReservation> {
+        self.post(
+            &format!("/v1/customer-credits/reservations/{id}/commit"),
+            &serde_json::json!({ "amount": amount }),
+        )
+        .await
+    }
+
+    pub async fn release_reservation(&self, id: &str) -> Result<CreditReservation> {
+        self.post(
+            &format!("/v1/customer-credits/reservations/{id}/release"),
+            &serde_json::json!({}),
         )
         .await
     }

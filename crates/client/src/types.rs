@@ -50,6 +50,10 @@ pub fn documented() -> Vec<(&'static str, &'static [&'static str], bool)> {
         entry::<Movement>(),
         entry::<CreditTransaction>(),
         entry::<CreditEntry>(),
+        entry::<GrantCreate>(),
+        entry::<CreditGrant>(),
+        entry::<ReservationCreate>(),
+        entry::<CreditReservation>(),
         entry::<Webhook>(),
         entry::<WebhookInput>(),
         entry::<PendingEvents>(),
@@ -369,6 +373,78 @@ documented! {
         pub description: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
         pub metadata: Option<BTreeMap<String, String>>,
+    }
+}
+
+documented! {
+    request pub struct GrantCreate {
+        /// A decimal string.
+        pub amount: String,
+        pub idempotency_key: String,
+        /// ISO 8601, in the future.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub expires_at: Option<String>,
+        /// 0 (drawn first) to 100; default 50.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub priority: Option<i64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub description: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub metadata: Option<BTreeMap<String, String>>,
+    }
+}
+
+documented! {
+    response pub struct CreditGrant {
+        pub id: String,
+        pub object: String,
+        pub mode: String,
+        pub account_id: String,
+        pub amount: String,
+        pub remaining: String,
+        pub priority: i64,
+        #[serde(default)]
+        pub expires_at: Option<String>,
+        /// `active`, `consumed`, `expired` or `voided`.
+        pub status: String,
+        pub transaction_id: String,
+        #[serde(default)]
+        pub description: Option<String>,
+        #[serde(default)]
+        pub metadata: BTreeMap<String, String>,
+        pub created_at: String,
+        pub updated_at: String,
+    }
+}
+
+documented! {
+    request pub struct ReservationCreate {
+        /// A decimal string.
+        pub amount: String,
+        pub idempotency_key: String,
+        /// 1 to 86400; default 300.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub expires_in_seconds: Option<i64>,
+    }
+}
+
+documented! {
+    response pub struct CreditReservation {
+        pub id: String,
+        pub object: String,
+        pub mode: String,
+        pub account_id: String,
+        pub amount: String,
+        /// `held`, `committed`, `released` or `expired`.
+        pub status: String,
+        pub idempotency_key: String,
+        pub expires_at: String,
+        #[serde(default)]
+        pub transaction_id: Option<String>,
+        #[serde(default)]
+        pub committed_amount: Option<String>,
+        pub created_at: String,
+        pub updated_at: String,
     }
 }
 

@@ -168,5 +168,77 @@ async fn every_client_operation_works_against_the_server() {
     assert_eq!(open.healthz().await.unwrap().status, "ok");
     assert_eq!(open.readyz().await.unwrap().status, "ready");
     assert_eq!(open.openapi().await.unwrap()["openapi"], "3.1.0");
+    // Grants and reservations.
+    let grant = tally
+        .create_grant(
+            &account.id,
+            &GrantCreate {
+                amount: "5".into(),
+                idempotency_key: "g1".into(),
+                priority: Some(10),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (grant.object.as_str(), grant.priority),
+        ("credit_grant", 10)
+    );
+    let held = tally
+        .reserve(
+            &account.id,
+            &ReservationCreate {
+                amount: "3".into(),
+                idempotency_key: "r1".into(),
+                expires_in_seconds: Some(60),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(held.status, "held");
+    assert_eq!(
+        tally
+            .get_account(&account.id)
+            .await
+            .unwrap()
+            .available_balance,
+        "10.5"
+    );
+    let committed = tally.commit_reservation(&held.id, Some("2")).await.unwrap();
+    assert_eq!(committed.status, "committed");
+    assert!(committed.transaction_id.is_some());
+    let other = tally
+        .reserve(
+            &account.id,
+            &ReservationCreate {
+                amount: "1".into(),
+                idempotency_key: "r2".into(),
+                expires_in_seconds: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        tally.release_reservation(&other.id).await.unwrap().status,
+        "released"
+    );
+    let too_much = tally
+        .reserve(
+            &account.id,
+            &ReservationCreate {
+                amount: "100".into(),
+                idempotency_key: "r3".into(),
+                expires_in_seconds: None,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(too_much.code(), Some("insufficient_balance"));
+    assert_eq!(
+        tally.get_account(&account.id).await.unwrap().balance,
+        "11.5"
+    );
+
     server.stop().await;
 }
