@@ -131,7 +131,9 @@ enum LedgerCommand {
     /// Prints account and transaction counts, totals and a digest; exit code 1 on any
     /// violation, naming it.
     Verify(ReplayArgs),
-    /// Write every ledger entry (customer and system accounts) for finance.
+    /// Write every ledger entry (customer and system accounts) for finance: one row
+    /// per entry as posted (a debit drawn from several grants has one customer
+    /// entry per grant, each naming its `grant_id`).
     Export(ExportArgs),
 }
 
@@ -862,7 +864,7 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
     if args.format == ExportFormat::Csv {
         writeln!(
             out,
-            "transaction_id,type,created_at,store_id,mode,entry_id,account_id,customer_id,amount"
+            "transaction_id,type,created_at,store_id,mode,entry_id,account_id,customer_id,amount,grant_id"
         )?;
     }
     let mut failure: Option<std::io::Error> = None;
@@ -880,6 +882,7 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
                     ""
                 };
                 let amount = tally_domain::usage::canonical_decimal(entry.amount);
+                let grant = entry.grant_id.as_deref().unwrap_or("");
                 let line = match args.format {
                     ExportFormat::Csv => [
                         tx.id.as_str(),
@@ -891,6 +894,7 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
                         &entry.account_id,
                         customer,
                         &amount,
+                        grant,
                     ]
                     .iter()
                     .map(|f| csv_field(f))
@@ -900,6 +904,7 @@ async fn ledger_export(args: ExportArgs) -> Result<()> {
                         "transaction_id": tx.id, "type": tx.kind.as_str(), "created_at": created_at,
                         "store_id": tx.store_id, "mode": tx.mode.as_str(), "entry_id": entry.id,
                         "account_id": entry.account_id, "customer_id": customer, "amount": amount,
+                        "grant_id": entry.grant_id,
                     })
                     .to_string(),
                 };

@@ -142,14 +142,22 @@ async fn verify_passes_on_a_real_ledger_and_export_lists_every_entry() {
     let rows: Vec<&str> = text.lines().collect();
     assert_eq!(
         rows[0],
-        "transaction_id,type,created_at,store_id,mode,entry_id,account_id,customer_id,amount"
+        "transaction_id,type,created_at,store_id,mode,entry_id,account_id,customer_id,amount,grant_id"
     );
-    assert_eq!(rows.len(), 1 + 12, "two entries per transaction");
+    // Two entries per transaction, and the close's account entry split in two: it
+    // drew from the credit's grant and from the grant the reversal gave back.
+    assert_eq!(rows.len(), 1 + 13, "two entries per transaction, one split");
     let sum: Decimal = rows[1..]
         .iter()
-        .map(|r| r.rsplit(',').next().unwrap().parse::<Decimal>().unwrap())
+        .map(|r| r.split(',').nth(8).unwrap().parse::<Decimal>().unwrap())
         .sum();
     assert!(sum.is_zero(), "all entries sum to zero");
+    // A customer account's entries name the grant they gave to or drew from, as
+    // `GET /v1/customer-credits/transactions/{id}` shows them.
+    assert!(rows[1..]
+        .iter()
+        .filter(|r| r.split(',').nth(6).is_some_and(|a| a.starts_with("ca_")))
+        .all(|r| r.rsplit(',').next().is_some_and(|g| g.starts_with("grt_"))));
     let jsonl = tally()
         .args(["ledger", "export", "--format", "jsonl", "--data-dir"])
         .arg(dir.path())
@@ -159,7 +167,7 @@ async fn verify_passes_on_a_real_ledger_and_export_lists_every_entry() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 12);
+    assert_eq!(lines.len(), 13);
     assert!(lines
         .iter()
         .any(|l| l["account_id"] == "system:forfeit" && l["amount"] == "7"));

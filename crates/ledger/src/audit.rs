@@ -195,8 +195,9 @@ pub async fn replay_ledger(
                         transaction, ..
                     }) = &record
                     {
-                        replay.apply(transaction);
-                        visit(transaction, replay.accounts.get(&transaction.account_id));
+                        let transaction = as_posted(projection, transaction.clone())?;
+                        replay.apply(&transaction);
+                        visit(&transaction, replay.accounts.get(&transaction.account_id));
                     }
                     if let Record::CreditLedger {
                         account,
@@ -213,6 +214,7 @@ pub async fn replay_ledger(
                             replay.accounts.insert(account.id.clone(), account);
                         }
                         if let Some(transaction) = transaction {
+                            let transaction = as_posted(projection, transaction)?;
                             replay.apply(&transaction);
                             visit(&transaction, replay.accounts.get(&transaction.account_id));
                         }
@@ -226,6 +228,35 @@ pub async fn replay_ledger(
         .await?;
     }
     Ok(replay)
+}
+
+/// A transaction as apply posted it: the same movement per account as the record's,
+/// with the account's entry split per grant drawn (docs/api.md, "Credit grants"),
+/// so an export lists the entries `GET /v1/customer-credits/transactions/{id}`
+/// shows. A record whose transaction was never stored keeps its own.
+fn as_posted(
+    projection: &dyn ProjectionStore,
+    transaction: Transaction,
+) -> Result<Transaction, EngineError> {
+    let key = tally_core::keys::Key::scoped(
+        tally_core::keys::CREDIT_TRANSACTION,
+        &transaction.store_id,
+        transaction.mode,
+    )
+    .text(&transaction.id)
+    .into_bytes();
+    let Some(bytes) = projection.get(&key)? else {
+        return Ok(transaction);
+    };
+    let posted = tally_core::codec::decode_transaction(&bytes)?;
+    // The audit's arithmetic stays its own: only a posting of the same movement
+    // replaces the record's (a different one is the projection's fault, reported
+    // by the balance comparison, not hidden here).
+    let same = posted.account_id == transaction.account_id
+        && posted.amount == transaction.amount
+        && posted.kind == transaction.kind
+        && posted.delta_for(&posted.account_id) == transaction.delta_for(&transaction.account_id);
+    Ok(if same { posted } else { transaction })
 }
 
 /// A transaction apply booked while applying `record` (an expiry), read from the
