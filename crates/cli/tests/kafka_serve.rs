@@ -395,6 +395,46 @@ async fn post_retrying(
     panic!("no node answered {path} within {RETRY_FOR_SECONDS} s ({attempt} attempts)");
 }
 
+/// Three full-replica nodes on a new topic: the first creates the default store, the
+/// others follow it (no default store, no webhook dispatch).
+struct Replicas {
+    brokers: String,
+    topic: String,
+    dirs: Vec<tempfile::TempDir>,
+    key: String,
+}
+
+impl Replicas {
+    /// Starts them; `None` without a test broker.
+    fn start(topic_prefix: &str) -> Option<(Replicas, [Served; 3])> {
+        let brokers = tally_log::testsuite::test_brokers()?;
+        let topic = tally_log::testsuite::unique_topic(topic_prefix);
+        let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+        let mut replicas = Replicas {
+            brokers,
+            topic,
+            dirs,
+            key: String::new(),
+        };
+        let node_a = serve_with(replicas.dirs[0].path(), &replicas.flags());
+        replicas.key = node_a.test_key.clone().expect("keys on first start");
+        let node_b = replicas.follower(1);
+        let node_c = replicas.follower(2);
+        Some((replicas, [node_a, node_b, node_c]))
+    }
+
+    fn flags(&self) -> Vec<&str> {
+        kafka_flags(&self.brokers, &self.topic).to_vec()
+    }
+
+    /// (Re)starts follower `n` on its data dir.
+    fn follower(&self, n: usize) -> Served {
+        let mut flags = self.flags();
+        flags.extend(["--no-default-store", "--no-webhook-dispatch"]);
+        serve_with(self.dirs[n].path(), &flags)
+    }
+}
+
 /// Three nodes on one topic take ingest and debits at once; one is SIGKILLed mid-load
 /// and restarted. Clients retry what failed on another node with the same event ids
 /// and idempotency keys. Afterwards every node answers the same exact usage total
@@ -402,18 +442,10 @@ async fn post_retrying(
 /// succeeded), and the topic replays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
-    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+    let Some((replicas, [node_a, node_b, node_c])) = Replicas::start("tally-three") else {
         return;
     };
-    let topic = tally_log::testsuite::unique_topic("tally-three");
-    let flags = kafka_flags(&brokers, &topic);
-    let mut follower_flags = flags.to_vec();
-    follower_flags.extend(["--no-default-store", "--no-webhook-dispatch"]);
-    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let node_a = serve_with(dirs[0].path(), &flags);
-    let key = node_a.test_key.clone().expect("keys on first start");
-    let node_b = serve_with(dirs[1].path(), &follower_flags);
-    let node_c = serve_with(dirs[2].path(), &follower_flags);
+    let key = replicas.key.clone();
     let nodes = vec![
         node_a.test_url.clone(),
         node_b.test_url.clone(),
@@ -486,7 +518,7 @@ async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
     assert_eq!(debited, 100, "exactly the balance is debited");
 
     // C comes back on its data dir and catches up with the topic.
-    let node_c = serve_with(dirs[2].path(), &follower_flags);
+    let node_c = replicas.follower(2);
     let nodes = vec![nodes[0].clone(), nodes[1].clone(), node_c.test_url.clone()];
     let total: usize = (0..BATCHES * PER_BATCH).sum();
     for node in &nodes {
@@ -520,8 +552,8 @@ async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
     }
     // Every node's live projection equals a single replay of the topic.
     let mut digests = Vec::new();
-    for dir in &dirs {
-        let (matched, replayed, live) = replay_with(dir.path(), &flags);
+    for dir in &replicas.dirs {
+        let (matched, replayed, live) = replay_with(dir.path(), &replicas.flags());
         assert!(matched, "replayed {replayed}, live {live}");
         digests.push(replayed);
     }
@@ -536,18 +568,10 @@ async fn three_nodes_survive_a_sigkill_under_load_and_agree() {
 /// and every node then shows a balance and an available balance of 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reservations_through_three_nodes_hold_exactly_the_balance() {
-    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+    let Some((replicas, [node_a, node_b, node_c])) = Replicas::start("tally-holds") else {
         return;
     };
-    let topic = tally_log::testsuite::unique_topic("tally-holds");
-    let flags = kafka_flags(&brokers, &topic);
-    let mut follower_flags = flags.to_vec();
-    follower_flags.extend(["--no-default-store", "--no-webhook-dispatch"]);
-    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let node_a = serve_with(dirs[0].path(), &flags);
-    let key = node_a.test_key.clone().expect("keys on first start");
-    let node_b = serve_with(dirs[1].path(), &follower_flags);
-    let node_c = serve_with(dirs[2].path(), &follower_flags);
+    let key = replicas.key.clone();
     let nodes = vec![
         node_a.test_url.clone(),
         node_b.test_url.clone(),
@@ -630,7 +654,7 @@ async fn reservations_through_three_nodes_hold_exactly_the_balance() {
     for node in [node_a, node_b, node_c] {
         assert!(node.terminate().success());
     }
-    let (matched, replayed, live) = replay_with(dirs[0].path(), &flags);
+    let (matched, replayed, live) = replay_with(replicas.dirs[0].path(), &replicas.flags());
     assert!(matched, "replayed {replayed}, live {live}");
 }
 

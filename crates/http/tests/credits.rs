@@ -8,21 +8,6 @@ use serde_json::{json, Value};
 use tally_domain::clock::Clock;
 use tally_domain::time::format_iso8601_ms;
 
-async fn setup() -> (tempfile::TempDir, Server, Api, String) {
-    let (guard, dir) = temp_dir();
-    let server = Server::start(&dir, default_config()).await;
-    let keys = create_store(&server, "acme").await;
-    let api = Api::new(&server.test_url, &keys.test);
-    let customer = api
-        .post("/v1/customers", json!({"email": "c@x.io"}))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    (guard, server, api, customer)
-}
-
 async fn account(api: &Api, body: Value) -> Value {
     let answer = api.post("/v1/customer-credits/accounts", body).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
@@ -56,7 +41,7 @@ async fn balance(api: &Api, account: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accounts_validate_default_and_seed_atomically() {
-    let (_g, server, api, customer) = setup().await;
+    let (_g, server, api, customer) = with_customer().await;
     let created = account(&api, json!({"customer_id": customer})).await;
     assert_eq!(created["object"], "customer_credits_account");
     assert_eq!(created["name"], "default");
@@ -143,7 +128,7 @@ async fn accounts_validate_default_and_seed_atomically() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credits_debits_idempotency_and_refusals() {
-    let (_g, server, api, customer) = setup().await;
+    let (_g, server, api, customer) = with_customer().await;
     let id = account(&api, json!({"customer_id": customer})).await["id"]
         .as_str()
         .unwrap()
@@ -305,7 +290,7 @@ async fn credits_debits_idempotency_and_refusals() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reversals_mirror_once_and_balances_at_instants() {
-    let (_g, server, api, customer) = setup().await;
+    let (_g, server, api, customer) = with_customer().await;
     let id = account(
         &api,
         json!({"customer_id": customer, "initial_balance": "50"}),
@@ -435,7 +420,7 @@ async fn reversals_mirror_once_and_balances_at_instants() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listings_paginate_exactly_and_hide_system_accounts() {
-    let (_g, server, api, customer) = setup().await;
+    let (_g, server, api, customer) = with_customer().await;
     let id = account(&api, json!({"customer_id": customer})).await["id"]
         .as_str()
         .unwrap()
@@ -571,7 +556,7 @@ async fn listings_paginate_exactly_and_hide_system_accounts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_concurrent_debits_against_one_hundred() {
-    let (_g, server, api, customer) = setup().await;
+    let (_g, server, api, customer) = with_customer().await;
     let id = account(
         &api,
         json!({"customer_id": customer, "initial_balance": "100"}),

@@ -9,29 +9,6 @@ use serde_json::{json, Value};
 use tally_domain::clock::Clock;
 use tally_domain::time::format_iso8601_ms;
 
-async fn setup(initial: &str) -> (tempfile::TempDir, Server, Api, String) {
-    let (guard, dir) = temp_dir();
-    let server = Server::start(&dir, default_config()).await;
-    let keys = create_store(&server, "acme").await;
-    let api = Api::new(&server.test_url, &keys.test);
-    let customer = api
-        .post("/v1/customers", json!({"email": "c@x.io"}))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let account = api
-        .post(
-            "/v1/customer-credits/accounts",
-            json!({"customer_id": customer, "initial_balance": initial}),
-        )
-        .await;
-    assert_eq!(account.status, 200, "{}", account.body);
-    let id = account.body["id"].as_str().unwrap().to_string();
-    (guard, server, api, id)
-}
-
 async fn grant(api: &Api, account: &str, body: Value) -> Value {
     let answer = api
         .post(
@@ -88,7 +65,7 @@ async fn assert_balance_is_the_active_grants(api: &Api, account: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debits_draw_by_priority_then_expiry_then_age_naming_each_grant() {
-    let (_g, server, api, account) = setup("10").await;
+    let (_g, server, api, account) = with_account("10").await;
     let initial = grants(&api, &account, "").await;
     assert_eq!(initial.len(), 1);
     assert_eq!(initial[0]["object"], "credit_grant");
@@ -189,7 +166,7 @@ async fn debits_draw_by_priority_then_expiry_then_age_naming_each_grant() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_expires_at_its_instant_by_record_time() {
-    let (_g, server, api, account) = setup("1").await;
+    let (_g, server, api, account) = with_account("1").await;
     let at = server.clock.now_ms() + 60_000;
     let expiring = grant(&api, &account, json!({"amount": "4", "idempotency_key": "e", "priority": 0, "expires_at": format_iso8601_ms(at)})).await;
     let id = expiring["id"].as_str().unwrap().to_string();
@@ -245,7 +222,7 @@ async fn a_grant_expires_at_its_instant_by_record_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn voids_and_bad_input() {
-    let (_g, server, api, account) = setup("2").await;
+    let (_g, server, api, account) = with_account("2").await;
     let voidable = grant(
         &api,
         &account,
@@ -348,7 +325,7 @@ async fn voids_and_bad_input() {
 /// instant and `credits.expired` is delivered with the expiry transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweep_books_an_expiry_at_its_instant_and_announces_it() {
-    let (_g, server, api, account) = setup("0").await;
+    let (_g, server, api, account) = with_account("0").await;
     let endpoint = api
         .post(
             "/v1/webhooks",

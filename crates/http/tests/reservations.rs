@@ -7,29 +7,6 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 
-async fn setup(initial: &str) -> (tempfile::TempDir, Server, Api, String) {
-    let (guard, dir) = temp_dir();
-    let server = Server::start(&dir, default_config()).await;
-    let keys = create_store(&server, "acme").await;
-    let api = Api::new(&server.test_url, &keys.test);
-    let customer = api
-        .post("/v1/customers", json!({"email": "c@x.io"}))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let account = api
-        .post(
-            "/v1/customer-credits/accounts",
-            json!({"customer_id": customer, "initial_balance": initial}),
-        )
-        .await;
-    assert_eq!(account.status, 200, "{}", account.body);
-    let id = account.body["id"].as_str().unwrap().to_string();
-    (guard, server, api, id)
-}
-
 async fn reserve(api: &Api, account: &str, body: Value) -> Answer {
     api.post(
         &format!("/v1/customer-credits/accounts/{account}/reservations"),
@@ -56,7 +33,7 @@ fn id_of(answer: &Answer) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_takes_from_the_available_balance_until_commit_or_release() {
-    let (_g, server, api, account) = setup("100").await;
+    let (_g, server, api, account) = with_account("100").await;
     let held = reserve(
         &api,
         &account,
@@ -206,7 +183,7 @@ async fn a_hold_takes_from_the_available_balance_until_commit_or_release() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_expires_at_its_instant_and_then_holds_nothing() {
-    let (_g, server, api, account) = setup("10").await;
+    let (_g, server, api, account) = with_account("10").await;
     let rsv = id_of(
         &reserve(
             &api,
@@ -261,7 +238,7 @@ async fn a_hold_expires_at_its_instant_and_then_holds_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_naming_the_field() {
-    let (_g, server, api, account) = setup("10").await;
+    let (_g, server, api, account) = with_account("10").await;
     for (body, param) in [
         (json!({"idempotency_key": "k"}), "amount"),
         (json!({"amount": "0", "idempotency_key": "k"}), "amount"),
@@ -344,7 +321,7 @@ async fn bad_input_is_refused_naming_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_concurrent_holds_of_one_against_one_hundred() {
-    let (_g, server, api, account) = setup("100").await;
+    let (_g, server, api, account) = with_account("100").await;
     let mut tasks = Vec::new();
     for i in 0..200 {
         let (api, account) = (api.clone(), account.clone());

@@ -7,21 +7,6 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 
-async fn setup() -> (tempfile::TempDir, Server, Api, String) {
-    let (guard, dir) = temp_dir();
-    let server = Server::start(&dir, default_config()).await;
-    let keys = create_store(&server, "acme").await;
-    let api = Api::new(&server.test_url, &keys.test);
-    let customer = api
-        .post("/v1/customers", json!({"email": "c@x.io"}))
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    (guard, server, api, customer)
-}
-
 async fn debit(api: &Api, account: &str, amount: &str, key: &str) -> Value {
     let answer = api
         .post(
@@ -41,7 +26,7 @@ async fn account(api: &Api, id: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crossings_announce_once_and_a_debit_below_recharges() {
-    let (_g, server, api, customer) = setup().await;
+    let (_g, server, api, customer) = with_customer().await;
     let hook = api
         .post(
             "/v1/webhooks",
@@ -129,7 +114,7 @@ async fn crossings_announce_once_and_a_debit_below_recharges() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_thresholds_are_refused_naming_the_field() {
-    let (_g, server, api, customer) = setup().await;
+    let (_g, server, api, customer) = with_customer().await;
     for (extra, param) in [
         (json!({"low_balance_threshold": 5}), "low_balance_threshold"),
         (

@@ -17,8 +17,9 @@ use tally_core::outcome::Outcome;
 use tally_core::overlay::{ApplyError, Overlay};
 
 use crate::posting::{
-    balance_key, balances_before, exhausted_key, movement_events, post_transaction, refused,
-    store_events, Posted, EVENT_CREDITS_EXHAUSTED,
+    account_missing, balance_key, balances_before, exhausted_key, movement_events,
+    post_transaction, refused, store_events, stored_account, stored_balance, Posted,
+    EVENT_CREDITS_EXHAUSTED,
 };
 
 /// Folds one ledger step into the projection (called by the projector), after
@@ -188,23 +189,16 @@ pub fn apply_usage_debit(
         return Ok((Decimal::ZERO, Vec::new()));
     };
     let account_id = String::from_utf8_lossy(&account_id).into_owned();
-    let account_key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
-        .text(&account_id)
-        .into_bytes();
-    let Some(bytes) = overlay.get(&account_key)? else {
+    let Some(account) = stored_account(overlay, store, mode, &account_id)? else {
         return Err(EngineError::Corrupt(format!("account {account_id} named but missing")).into());
     };
-    let account = codec::decode_account(&bytes)?;
     if account.status != AccountStatus::Active {
         return Ok((Decimal::ZERO, Vec::new()));
     }
     // Grants expired by the record's time hold nothing to take.
     let expired = crate::grants::book_expiries(overlay, &account, debit.created_at_ms)?;
     store_events(overlay, &expired);
-    let balance = match overlay.get(&balance_key(store, mode, &account_id))? {
-        Some(bytes) => codec::decode_decimal(&bytes)?,
-        None => Decimal::ZERO,
-    };
+    let balance = stored_balance(overlay, store, mode, &account_id)?;
     // Only what no reservation holds (docs/api.md, "Reservations").
     let held = crate::holds::held(overlay, store, mode, &account_id, debit.created_at_ms)?;
     let available = tally_domain::reservation::available(balance, held);
@@ -305,21 +299,8 @@ pub(crate) fn apply_transaction(
     let (store, mode) = (&tx.store_id, tx.mode);
     let stored = match account_in_step.filter(|a| a.id == tx.account_id) {
         Some(account) => account.clone(),
-        None => {
-            let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
-                .text(&tx.account_id)
-                .into_bytes();
-            match overlay.get(&key)? {
-                Some(bytes) => codec::decode_account(&bytes)?,
-                None => {
-                    return Err(Outcome::rejected(
-                        "resource_missing",
-                        format!("no such customer credits account: '{}'", tx.account_id),
-                    )
-                    .into())
-                }
-            }
-        }
+        None => stored_account(overlay, store, mode, &tx.account_id)?
+            .ok_or_else(|| account_missing(&tx.account_id))?,
     };
     let status = status_before.unwrap_or(stored.status);
     // A close posts against a frozen account too; everything else needs it active.
@@ -430,13 +411,9 @@ pub fn apply_expiries_due(
     account_id: &str,
     at_ms: i64,
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
-    let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
-        .text(account_id)
-        .into_bytes();
-    let Some(bytes) = overlay.get(&key)? else {
+    let Some(account) = stored_account(overlay, store, mode, account_id)? else {
         return Ok(Vec::new());
     };
-    let account = codec::decode_account(&bytes)?;
     let mut events = crate::grants::book_expiries(overlay, &account, at_ms)?;
     store_events(overlay, &events);
     events.extend(crate::thresholds::after_step(

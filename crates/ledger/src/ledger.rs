@@ -64,6 +64,22 @@ fn rejected(rejection: Rejection) -> EngineError {
     EngineError::conflict(rejection.code(), rejection.message())
 }
 
+/// The body's `idempotency_key` of a credits step: required, trimmed, at most
+/// `MAX_IDEMPOTENCY_KEY_CHARS`.
+pub(crate) fn idempotency_key_field(value: Option<&str>) -> Result<String, FieldError> {
+    let key = value
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| FieldError::missing("idempotency_key"))?;
+    if key.chars().count() > MAX_IDEMPOTENCY_KEY_CHARS {
+        return Err(FieldError::invalid(
+            "idempotency_key",
+            format!("`idempotency_key` is at most {MAX_IDEMPOTENCY_KEY_CHARS} characters"),
+        ));
+    }
+    Ok(key.to_string())
+}
+
 fn text_field(param: &str, value: Option<&String>, default: &str) -> Result<String, FieldError> {
     match value {
         None => Ok(default.to_string()),
@@ -533,20 +549,7 @@ impl Ledger {
             .as_deref()
             .ok_or_else(|| FieldError::missing("amount"))?;
         let amount = parse_amount("amount", amount_text, false)?;
-        let idempotency_key = input
-            .idempotency_key
-            .as_deref()
-            .map(str::trim)
-            .filter(|k| !k.is_empty())
-            .ok_or_else(|| FieldError::missing("idempotency_key"))?
-            .to_string();
-        if idempotency_key.chars().count() > MAX_IDEMPOTENCY_KEY_CHARS {
-            return Err(FieldError::invalid(
-                "idempotency_key",
-                "`idempotency_key` is at most 255 characters",
-            )
-            .into());
-        }
+        let idempotency_key = idempotency_key_field(input.idempotency_key.as_deref())?;
         if input
             .description
             .as_ref()

@@ -33,6 +33,44 @@ pub(crate) fn balance_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> 
         .into_bytes()
 }
 
+/// An account's balance as posted (0 before its first entry).
+pub(crate) fn stored_balance(
+    overlay: &Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+) -> Result<Decimal, EngineError> {
+    match overlay.get(&balance_key(store, mode, account_id))? {
+        Some(bytes) => codec::decode_decimal(&bytes),
+        None => Ok(Decimal::ZERO),
+    }
+}
+
+/// A customer account as stored, if there is one.
+pub(crate) fn stored_account(
+    overlay: &Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+) -> Result<Option<Account>, EngineError> {
+    let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
+        .text(account_id)
+        .into_bytes();
+    overlay
+        .get(&key)?
+        .map(|bytes| codec::decode_account(&bytes))
+        .transpose()
+}
+
+/// The refusal of a step on an account that does not exist.
+pub(crate) fn account_missing(account_id: &str) -> ApplyError {
+    Outcome::rejected(
+        "resource_missing",
+        format!("no such customer credits account: '{account_id}'"),
+    )
+    .into()
+}
+
 /// Keeps a step's webhook events (table `W`) and notes an announced exhaustion, so
 /// usage settlement announces an empty account once, not on every shortfall.
 pub(crate) fn store_events(overlay: &mut Overlay<'_>, events: &[LedgerEvent]) {

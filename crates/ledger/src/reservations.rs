@@ -11,9 +11,7 @@
 //! stored as `expired` then, so a replay stores the same states at the same records.
 
 use rust_decimal::Decimal;
-use tally_domain::ledger::{
-    check_open, parse_amount, post, Account, Rejection, TransactionKind, MAX_IDEMPOTENCY_KEY_CHARS,
-};
+use tally_domain::ledger::{check_open, parse_amount, post, Rejection, TransactionKind};
 use tally_domain::record::{LedgerEvent, Record};
 use tally_domain::reservation::{
     available, held_at, Hold, Reservation, ReservationStatus, ReservationStep,
@@ -31,7 +29,9 @@ use tally_core::{Decision, Scope};
 
 use crate::apply::apply_transaction;
 use crate::holds::{load, reservation_key, stored_holds, write_holds};
-use crate::posting::{movement_events, refused, store_events};
+use crate::posting::{
+    account_missing, movement_events, refused, store_events, stored_account, stored_balance,
+};
 use crate::Ledger;
 
 /// Input of `POST /v1/customer-credits/accounts/{id}/reservations`, as the edge
@@ -47,25 +47,6 @@ fn idempotency_row(store: &str, mode: Mode, key: &str) -> Vec<u8> {
     Key::scoped(keys::CREDIT_RESERVATION_IDEMPOTENCY, store, mode)
         .tail(key.as_bytes())
         .into_bytes()
-}
-
-fn load_account(
-    overlay: &Overlay<'_>,
-    store: &str,
-    mode: Mode,
-    id: &str,
-) -> Result<Account, ApplyError> {
-    let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
-        .text(id)
-        .into_bytes();
-    match overlay.get(&key)? {
-        Some(bytes) => Ok(codec::decode_account(&bytes)?),
-        None => Err(Outcome::rejected(
-            "resource_missing",
-            format!("no such customer credits account: '{id}'"),
-        )
-        .into()),
-    }
 }
 
 /// Folds one reservation step, decided at record time `at_ms`. Returns the webhook
@@ -208,19 +189,13 @@ fn apply_hold(
     if !valid {
         return Err(refused(Rejection::Unbalanced));
     }
-    let account = load_account(overlay, store, mode, &reservation.account_id)?;
+    let account = stored_account(overlay, store, mode, &reservation.account_id)?
+        .ok_or_else(|| account_missing(&reservation.account_id))?;
     check_open(account.status).map_err(refused)?;
     // Grants expired by the record's time hold nothing to reserve.
     let expired = crate::grants::book_expiries(overlay, &account, at_ms)?;
     store_events(overlay, &expired);
-    let balance = match overlay.get(
-        &Key::scoped(keys::CREDIT_BALANCE, store, mode)
-            .text(&account.id)
-            .into_bytes(),
-    )? {
-        Some(bytes) => codec::decode_decimal(&bytes)?,
-        None => Decimal::ZERO,
-    };
+    let balance = stored_balance(overlay, store, mode, &account.id)?;
     let mut holds = stored_holds(overlay, store, mode, &account.id)?;
     holds.retain(|h| h.expires_at_ms > at_ms);
     let held = held_at(&holds, at_ms).ok_or_else(|| refused(Rejection::AmountOutOfRange))?;
@@ -317,20 +292,8 @@ impl Ledger {
             .as_deref()
             .ok_or_else(|| FieldError::missing("amount"))?;
         let amount = parse_amount("amount", amount_text, false)?;
-        let idempotency_key = input
-            .idempotency_key
-            .as_deref()
-            .map(str::trim)
-            .filter(|k| !k.is_empty())
-            .ok_or_else(|| FieldError::missing("idempotency_key"))?
-            .to_string();
-        if idempotency_key.chars().count() > MAX_IDEMPOTENCY_KEY_CHARS {
-            return Err(FieldError::invalid(
-                "idempotency_key",
-                format!("`idempotency_key` is at most {MAX_IDEMPOTENCY_KEY_CHARS} characters"),
-            )
-            .into());
-        }
+        let idempotency_key =
+            crate::ledger::idempotency_key_field(input.idempotency_key.as_deref())?;
         let seconds = input
             .expires_in_seconds
             .unwrap_or(DEFAULT_RESERVATION_SECONDS);

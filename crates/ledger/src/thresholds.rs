@@ -20,12 +20,10 @@ use tally_domain::ledger::{
 use tally_domain::record::LedgerEvent;
 use tally_domain::Mode;
 
-use tally_core::codec;
-use tally_core::error::EngineError;
 use tally_core::keys::{self, Key};
 use tally_core::overlay::{ApplyError, Overlay};
 
-use crate::posting::store_events;
+use crate::posting::{store_events, stored_account, stored_balance};
 
 pub const EVENT_CREDITS_BALANCE_LOW: &str = "credits.balance_low";
 pub const EVENT_CREDITS_AUTO_RECHARGED: &str = "credits.auto_recharged";
@@ -36,36 +34,6 @@ fn low_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
     Key::scoped(keys::CREDIT_BALANCE_LOW, store, mode)
         .text(account_id)
         .into_bytes()
-}
-
-fn stored_balance(
-    overlay: &Overlay<'_>,
-    store: &str,
-    mode: Mode,
-    account_id: &str,
-) -> Result<Decimal, EngineError> {
-    let key = Key::scoped(keys::CREDIT_BALANCE, store, mode)
-        .text(account_id)
-        .into_bytes();
-    match overlay.get(&key)? {
-        Some(bytes) => codec::decode_decimal(&bytes),
-        None => Ok(Decimal::ZERO),
-    }
-}
-
-fn load_account(
-    overlay: &Overlay<'_>,
-    store: &str,
-    mode: Mode,
-    account_id: &str,
-) -> Result<Option<Account>, EngineError> {
-    let key = Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
-        .text(account_id)
-        .into_bytes();
-    overlay
-        .get(&key)?
-        .map(|bytes| codec::decode_account(&bytes))
-        .transpose()
 }
 
 /// Runs after a step of the account decided at record time `at_ms`: `debit` is the
@@ -80,7 +48,7 @@ pub(crate) fn after_step(
     debit: Option<&Transaction>,
     cause: &str,
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
-    let Some(account) = load_account(overlay, store, mode, account_id)? else {
+    let Some(account) = stored_account(overlay, store, mode, account_id)? else {
         return Ok(Vec::new());
     };
     let mut events = Vec::new();
@@ -170,12 +138,8 @@ fn recharge_after(
         created_at_ms: debit.created_at_ms,
         grant_terms: None,
     };
-    let balance_of = |id: &str| {
-        stored_balance(overlay, store, mode, id)
-            .ok()
-            .unwrap_or_default()
-    };
-    if balances_after(&tx, &balance_of).is_err() {
+    let before = crate::posting::balances_before(overlay, &tx)?;
+    if balances_after(&tx, &|id: &str| before.get(id).copied().unwrap_or_default()).is_err() {
         return Ok(Vec::new());
     }
     crate::grants::assign(overlay, &mut tx, at_ms)?;

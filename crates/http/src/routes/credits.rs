@@ -522,15 +522,7 @@ pub async fn reserve(
     let input = ReservationInput {
         amount: decimal_string(&fields, "amount")?,
         idempotency_key: fields.string("idempotency_key")?,
-        expires_in_seconds: match fields.map.get("expires_in_seconds") {
-            None | Some(Value::Null) => None,
-            Some(value) => Some(value.as_i64().ok_or_else(|| {
-                ApiError::invalid_param(
-                    "expires_in_seconds",
-                    "`expires_in_seconds` must be an integer number of seconds",
-                )
-            })?),
-        },
+        expires_in_seconds: fields.small_uint("expires_in_seconds")?.map(i64::from),
     };
     let reservation = state.engine.ledger().reserve(&scope, &id, &input).await?;
     Ok(Json(reservation_json(&reservation)))
@@ -621,12 +613,7 @@ pub async fn create_grant(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let fields = Fields::new(&body);
-    let priority = match fields.map.get("priority") {
-        None | Some(Value::Null) => None,
-        Some(value) => Some(value.as_i64().ok_or_else(|| {
-            ApiError::invalid_param("priority", "`priority` must be an integer from 0 to 100")
-        })?),
-    };
+    let priority = fields.small_uint("priority")?.map(i64::from);
     let expires_at_ms = match fields.string("expires_at")? {
         None => None,
         Some(text) => Some(parse_instant("expires_at", &text)?),

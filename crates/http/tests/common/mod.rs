@@ -278,3 +278,32 @@ pub fn temp_dir() -> (tempfile::TempDir, PathBuf) {
     let path = dir.path().to_path_buf();
     (dir, path)
 }
+
+/// A server with one store ("acme"), its test API, and one customer's id.
+pub async fn with_customer() -> (tempfile::TempDir, Server, Api, String) {
+    let (guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let answer = api
+        .post("/v1/customers", serde_json::json!({"email": "c@x.io"}))
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let customer = answer.body["id"].as_str().unwrap().to_string();
+    (guard, server, api, customer)
+}
+
+/// `with_customer`, and the id of a credits account of that customer holding
+/// `initial`.
+pub async fn with_account(initial: &str) -> (tempfile::TempDir, Server, Api, String) {
+    let (guard, server, api, customer) = with_customer().await;
+    let account = api
+        .post(
+            "/v1/customer-credits/accounts",
+            serde_json::json!({"customer_id": customer, "initial_balance": initial}),
+        )
+        .await;
+    assert_eq!(account.status, 200, "{}", account.body);
+    let id = account.body["id"].as_str().unwrap().to_string();
+    (guard, server, api, id)
+}
