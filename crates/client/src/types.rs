@@ -220,7 +220,8 @@ documented! {
     request pub struct MeterCreate {
         pub name: String,
         pub event_name: String,
-        /// `count`, `sum`, `average`, `min`, `max`, `unique`.
+        /// `count`, `sum`, `average`, `min`, `max`, `unique`, `latest`,
+        /// `time_weighted_sum`.
         pub aggregation: String,
         #[serde(skip_serializing_if = "Option::is_none")]
         pub aggregation_property: Option<String>,

@@ -325,6 +325,56 @@ mod tests {
     }
 }
 
+/// A `latest` bucket (`@`): timestamp (8 bytes), value (16), then the event id.
+pub fn encode_latest(point: &tally_domain::gauge::LatestPoint) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(24 + point.event_id.len());
+    bytes.extend_from_slice(&point.timestamp_ms.to_be_bytes());
+    bytes.extend_from_slice(&point.value.serialize());
+    bytes.extend_from_slice(point.event_id.as_bytes());
+    bytes
+}
+
+pub fn decode_latest(bytes: &[u8]) -> Result<tally_domain::gauge::LatestPoint, EngineError> {
+    let bad = || EngineError::Corrupt("a latest point does not decode".into());
+    if bytes.len() < 24 {
+        return Err(bad());
+    }
+    Ok(tally_domain::gauge::LatestPoint {
+        timestamp_ms: i64::from_be_bytes(bytes[0..8].try_into().map_err(|_| bad())?),
+        value: decode_decimal(&bytes[8..24])?,
+        event_id: String::from_utf8(bytes[24..].to_vec()).map_err(|_| bad())?,
+    })
+}
+
+/// A time-weighted bucket (`|`): delta (16 bytes), delta_ms (16), and one more
+/// byte when the bucket overflowed.
+pub fn encode_weighted(bucket: &tally_domain::gauge::WeightedBucket) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(33);
+    bytes.extend_from_slice(&bucket.delta.serialize());
+    bytes.extend_from_slice(&bucket.delta_ms.serialize());
+    if bucket.overflowed {
+        bytes.push(1);
+    }
+    bytes
+}
+
+pub fn decode_weighted(bytes: &[u8]) -> Result<tally_domain::gauge::WeightedBucket, EngineError> {
+    let overflowed = match bytes.len() {
+        32 => false,
+        33 if bytes[32] == 1 => true,
+        _ => {
+            return Err(EngineError::Corrupt(
+                "a time-weighted bucket of wrong size".into(),
+            ))
+        }
+    };
+    Ok(tally_domain::gauge::WeightedBucket {
+        delta: decode_decimal(&bytes[0..16])?,
+        delta_ms: decode_decimal(&bytes[16..32])?,
+        overflowed,
+    })
+}
+
 pub fn encode_decimal(value: Decimal) -> Vec<u8> {
     value.serialize().to_vec()
 }

@@ -87,6 +87,9 @@
 //! | `?` | mode, expires_at, store, account_id, grant_id | (empty) an active grant's expiry, soonest first (the expiry sweep's index) |
 //! | `;` | store, mode, account_id | (empty) the account's available balance is below its low-balance threshold (announced once per crossing) |
 //! | `#` | partition, offset | the ids of the expiry transactions the record at that position booked, one per line (the ledger audit replays them) |
+//! | `@` | store, mode, meter, customer ("" = all), minute | LatestPoint of a `latest` meter's bucket: timestamp, value, event id (codec.rs) |
+//! | `\|` | store, mode, meter, customer ("" = all), minute | WeightedBucket of a `time_weighted_sum` meter: the changes of the held value in that minute (codec.rs, domain `gauge`) |
+//! | `:` | store, mode, meter, customer, timestamp, event_id | the event's value (16-byte decimal): a `time_weighted_sum` meter's events in time order, to find the value before and after an event that arrives out of order |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
 use tally_domain::Mode;
@@ -178,6 +181,38 @@ pub const CREDIT_GRANT_SEQ: u8 = b'^';
 pub const LEDGER_BOOKED: u8 = b'#';
 pub const GRANT_DUE: u8 = b'?';
 pub const CREDIT_BALANCE_LOW: u8 = b';';
+pub const LATEST: u8 = b'@';
+pub const WEIGHTED: u8 = b'|';
+pub const WEIGHTED_POINT: u8 = b':';
+
+/// The `:` row of one event of a `time_weighted_sum` meter.
+pub fn weighted_point_key(bucket_prefix: &[u8], timestamp_ms: i64, event_id: &str) -> Vec<u8> {
+    Key(bucket_prefix.to_vec())
+        .int(timestamp_ms)
+        .text(event_id)
+        .into_bytes()
+}
+
+/// The prefix of the `:` rows of one meter and customer.
+pub fn weighted_points_prefix(
+    store_id: &str,
+    mode: Mode,
+    meter_id: &str,
+    customer: &str,
+) -> Vec<u8> {
+    Key::scoped(WEIGHTED_POINT, store_id, mode)
+        .text(meter_id)
+        .text(customer)
+        .into_bytes()
+}
+
+/// The timestamp of a `:` row whose meter and customer prefix is `prefix`.
+pub fn weighted_point_timestamp(prefix: &[u8], key: &[u8]) -> Result<i64, EngineError> {
+    key.get(prefix.len()..prefix.len() + 8)
+        .filter(|_| key.starts_with(prefix))
+        .map(read_int)
+        .ok_or_else(|| EngineError::Corrupt("a time-weighted event key does not decode".into()))
+}
 
 /// The `?` row of an active grant's expiry.
 pub fn grant_due_key(
@@ -455,11 +490,11 @@ impl BucketKey {
         key
     }
 
-    /// A bucket key (`A`), a distinct-set key (`u`), or a distinct-value key (`U`)
-    /// with its value.
+    /// A bucket key (`A`, `@`, `|`), a distinct-set key (`u`), or a distinct-value
+    /// key (`U`) with its value.
     pub fn decode(bytes: &[u8]) -> Result<(BucketKey, BucketPart<'_>), EngineError> {
         let table = match bytes.first() {
-            Some(&table @ (AGGREGATE | DISTINCT_SET | UNIQUE)) => table,
+            Some(&table @ (AGGREGATE | DISTINCT_SET | UNIQUE | LATEST | WEIGHTED)) => table,
             _ => AGGREGATE,
         };
         let mut key = KeyReader::new(bytes, table, "a usage bucket key")?;
@@ -474,10 +509,11 @@ impl BucketKey {
             return Ok((bucket, BucketPart::Distinct(&bytes[key.at..])));
         }
         key.end()?;
-        let part = if table == DISTINCT_SET {
-            BucketPart::DistinctSet
-        } else {
-            BucketPart::Aggregate
+        let part = match table {
+            DISTINCT_SET => BucketPart::DistinctSet,
+            LATEST => BucketPart::Latest,
+            WEIGHTED => BucketPart::Weighted,
+            _ => BucketPart::Aggregate,
         };
         Ok((bucket, part))
     }
@@ -492,6 +528,10 @@ pub enum BucketPart<'k> {
     DistinctSet,
     /// `U`: one distinct value (the key's tail).
     Distinct(&'k [u8]),
+    /// `@`: a `latest` meter's latest point.
+    Latest,
+    /// `|`: a `time_weighted_sum` meter's changes.
+    Weighted,
 }
 
 /// A webhook delivery due over HTTP (`Q`): due time first, so the dispatcher scans

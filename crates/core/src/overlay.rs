@@ -100,6 +100,13 @@ pub struct Overlay<'a> {
     pub pruned: Vec<StoredRow>,
 }
 
+/// The entries on either side of a key (see `Overlay::neighbours`).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Neighbours {
+    pub before: Option<(Vec<u8>, Vec<u8>)>,
+    pub after: Option<(Vec<u8>, Vec<u8>)>,
+}
+
 /// One overwritten value of the overlay (`None`: the key was not in the overlay).
 enum Undo {
     Change(Vec<u8>, Option<Option<Vec<u8>>>),
@@ -505,6 +512,69 @@ impl<'a> Overlay<'a> {
             };
         }
         Ok(entries.into_iter().take(limit).collect())
+    }
+
+    /// The entries nearest `key` under `prefix` on each side (`key` itself left
+    /// out), this chunk's writes included: what an event arriving out of order sits
+    /// between in a time-ordered table.
+    pub fn neighbours(&self, prefix: &[u8], key: &[u8]) -> Result<Neighbours, EngineError> {
+        let end = tally_projection::prefix_end(prefix);
+        let end_bound = match &end {
+            Some(end) => std::ops::Bound::Excluded(end.as_slice()),
+            None => std::ops::Bound::Unbounded,
+        };
+        let live = |k: &[u8]| !matches!(self.changes.get(k), Some(None));
+        let mut before = None;
+        self.store.scan(
+            std::ops::Bound::Included(prefix),
+            std::ops::Bound::Excluded(key),
+            true,
+            &mut |k, v| {
+                if live(k) {
+                    before = Some((k.to_vec(), v.to_vec()));
+                    Visit::Stop
+                } else {
+                    Visit::Continue
+                }
+            },
+        )?;
+        let mut after = None;
+        self.store.scan(
+            std::ops::Bound::Excluded(key),
+            end_bound,
+            false,
+            &mut |k, v| {
+                if live(k) {
+                    after = Some((k.to_vec(), v.to_vec()));
+                    Visit::Stop
+                } else {
+                    Visit::Continue
+                }
+            },
+        )?;
+        let pending_before = self
+            .changes
+            .range::<[u8], _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Excluded(key),
+            ))
+            .rev()
+            .find_map(|(k, v)| v.as_ref().map(|v| (k.clone(), v.clone())));
+        let pending_after = self
+            .changes
+            .range::<[u8], _>((std::ops::Bound::Excluded(key), end_bound))
+            .find_map(|(k, v)| v.as_ref().map(|v| (k.clone(), v.clone())));
+        // `b` is this chunk's: it wins over the store's entry of the same key.
+        let nearer = |a: Option<(Vec<u8>, Vec<u8>)>, b: Option<(Vec<u8>, Vec<u8>)>, later: bool| {
+            match (a, b) {
+                (Some(a), Some(b)) if a.0 != b.0 && (a.0 > b.0) == later => Some(a),
+                (a, b) => b.or(a),
+            }
+        };
+        Ok(Neighbours {
+            before: nearer(before, pending_before, true),
+            after: nearer(after, pending_after, false),
+        })
     }
 
     pub fn contains(&self, key: &[u8]) -> Result<bool, EngineError> {

@@ -101,7 +101,7 @@ impl Aggregate {
     }
 
     /// The meter value of this (merged) bucket. `distinct_values` is used by
-    /// `unique`. `None` when min/max/average have no data point, and for sum and
+    /// `unique`; `latest` and `time_weighted_sum` have none here (see `gauge`). `None` when min/max/average have no data point, and for sum and
     /// average when the exact sum does not fit 28 significant digits.
     pub fn value(&self, aggregation: Aggregation, distinct_values: u64) -> Option<Decimal> {
         match aggregation {
@@ -117,6 +117,8 @@ impl Aggregate {
             Aggregation::Min => self.min,
             Aggregation::Max => self.max,
             Aggregation::Unique => Some(Decimal::from(distinct_values)),
+            // Not a function of the counts: their folds are in `gauge`.
+            Aggregation::Latest | Aggregation::TimeWeightedSum => None,
         }
     }
 }

@@ -20,6 +20,14 @@ pub fn exact_add(a: Decimal, b: Decimal) -> Option<Decimal> {
     (a.is_zero() || b.is_zero() || sum.scale() >= a.scale().max(b.scale())).then_some(sum)
 }
 
+/// `a * n` when it is representable exactly; `None` on overflow or rounding.
+/// rust_decimal keeps the scale of `a` for an integer factor unless the mantissa
+/// does not fit, exactly when it would round.
+pub fn exact_mul_int(a: Decimal, n: i64) -> Option<Decimal> {
+    let product = a.checked_mul(Decimal::from(n))?;
+    (a.is_zero() || n == 0 || product.scale() >= a.scale()).then_some(product)
+}
+
 /// The exact sum of `values`, or `None` when any partial sum is not exact.
 pub fn exact_sum(values: impl IntoIterator<Item = Decimal>) -> Option<Decimal> {
     values.into_iter().try_fold(Decimal::ZERO, exact_add)

@@ -15,6 +15,7 @@ pub mod clock;
 pub mod customer;
 pub mod error;
 pub mod exact;
+pub mod gauge;
 pub mod grant;
 pub mod ids;
 pub mod ledger;

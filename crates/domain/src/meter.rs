@@ -23,16 +23,24 @@ pub enum Aggregation {
     Min,
     Max,
     Unique,
+    /// The value of the event with the greatest timestamp (ties: the greater
+    /// event id); see `gauge`.
+    Latest,
+    /// Each customer's latest value held until their next event, integrated over
+    /// time in value x hours; see `gauge`.
+    TimeWeightedSum,
 }
 
 impl Aggregation {
-    pub const ALL: [Aggregation; 6] = [
+    pub const ALL: [Aggregation; 8] = [
         Aggregation::Count,
         Aggregation::Sum,
         Aggregation::Average,
         Aggregation::Min,
         Aggregation::Max,
         Aggregation::Unique,
+        Aggregation::Latest,
+        Aggregation::TimeWeightedSum,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -43,7 +51,14 @@ impl Aggregation {
             Aggregation::Min => "min",
             Aggregation::Max => "max",
             Aggregation::Unique => "unique",
+            Aggregation::Latest => "latest",
+            Aggregation::TimeWeightedSum => "time_weighted_sum",
         }
+    }
+
+    /// Every aggregation's name, comma-separated (for messages).
+    pub fn names() -> String {
+        Aggregation::ALL.map(Aggregation::as_str).join(", ")
     }
 
     pub fn parse(text: &str) -> Option<Aggregation> {
@@ -54,7 +69,12 @@ impl Aggregation {
     pub fn is_numeric(self) -> bool {
         matches!(
             self,
-            Aggregation::Sum | Aggregation::Average | Aggregation::Min | Aggregation::Max
+            Aggregation::Sum
+                | Aggregation::Average
+                | Aggregation::Min
+                | Aggregation::Max
+                | Aggregation::Latest
+                | Aggregation::TimeWeightedSum
         )
     }
 }
@@ -458,7 +478,7 @@ pub fn validate_meter(input: &MeterInput) -> Result<MeterDefinition, FieldError>
     let aggregation = Aggregation::parse(aggregation_text).ok_or_else(|| {
         FieldError::invalid(
             "aggregation",
-            "`aggregation` must be one of count, sum, average, min, max, unique",
+            format!("`aggregation` must be one of {}", Aggregation::names()),
         )
     })?;
     let aggregation_property = match (aggregation, &input.aggregation_property) {

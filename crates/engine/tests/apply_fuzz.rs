@@ -215,7 +215,7 @@ fn request_key(key: u8, fingerprint: u8) -> RequestKey {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         1 => (0u8..4, proptest::option::of(0u8..3)).prop_map(|(id, external)| Op::Customer { id, external }),
-        1 => (0u8..4, 0u8..3, 0u8..6, proptest::bool::weighted(0.3))
+        1 => (0u8..4, 0u8..3, 0u8..8, proptest::bool::weighted(0.3))
             .prop_map(|(id, name, aggregation, archived)| Op::Meter { id, name, aggregation, archived }),
         1 => (0u8..3, proptest::collection::vec(0u8..6, 0..3), proptest::bool::weighted(0.3))
             .prop_map(|(id, meters, archived)| Op::Product { id, meters, archived }),
@@ -569,7 +569,9 @@ fn meter(id: u8, name: u8, aggregation: u8) -> Meter {
         Aggregation::Max,
         Aggregation::Unique,
         Aggregation::Average,
-    ][aggregation as usize % 6];
+        Aggregation::Latest,
+        Aggregation::TimeWeightedSum,
+    ][aggregation as usize % 8];
     Meter {
         id: format!("mtr_{id}").into(),
         store_id: STORE.into(),

@@ -33,6 +33,8 @@ fn meters() -> Vec<Meter> {
         Aggregation::Max,
         Aggregation::Unique,
         Aggregation::Average,
+        Aggregation::Latest,
+        Aggregation::TimeWeightedSum,
     ]
     .into_iter()
     .enumerate()
@@ -59,18 +61,32 @@ struct GenEvent {
     id: u8,
     customer: u8,
     minute: i64,
+    /// Seconds into the minute: few, so timestamps tie (ordered by event id).
+    second: i64,
     value: Option<i64>,
 }
 
+impl GenEvent {
+    fn timestamp_ms(&self) -> i64 {
+        T0 + self.minute * 60_000 + self.second * 1_000
+    }
+}
+
 fn gen_event() -> impl Strategy<Value = GenEvent> {
-    (0u8..30, 0u8..3, 0i64..5, proptest::option::of(-50i64..50)).prop_map(
-        |(id, customer, minute, value)| GenEvent {
+    (
+        0u8..30,
+        0u8..3,
+        0i64..5,
+        prop_oneof![Just(0i64), Just(1), Just(59)],
+        proptest::option::of(-50i64..50),
+    )
+        .prop_map(|(id, customer, minute, second, value)| GenEvent {
             id,
             customer,
             minute,
+            second,
             value,
-        },
-    )
+        })
 }
 
 fn usage_event(e: &GenEvent, meter_ids: &[MeterId]) -> UsageEvent {
@@ -83,7 +99,7 @@ fn usage_event(e: &GenEvent, meter_ids: &[MeterId]) -> UsageEvent {
         name: "e".into(),
         customer_id: format!("cus_{}", e.customer).into(),
         external_customer_id: None,
-        timestamp_ms: T0 + e.minute * 60_000 + 1_000,
+        timestamp_ms: e.timestamp_ms(),
         properties,
         received_at_ms: T0,
         matched_meter_ids: meter_ids.to_vec(),
@@ -138,6 +154,15 @@ fn reference(
         .iter()
         .filter_map(|e| e.value.map(|v| Decimal::new(v, 1)))
         .collect();
+    // The events with a value, in time order (ties: the greater event id last).
+    let mut points: Vec<(i64, String, u8, Decimal)> = kept
+        .iter()
+        .filter_map(|e| {
+            let value = Decimal::new(e.value?, 1);
+            Some((e.timestamp_ms(), format!("ev{}", e.id), e.customer, value))
+        })
+        .collect();
+    points.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
     match aggregation {
         Aggregation::Count => Some(Decimal::from(kept.len())),
         Aggregation::Sum => Some(numbers.iter().copied().sum()),
@@ -152,6 +177,19 @@ fn reference(
                 .collect::<HashSet<_>>()
                 .len(),
         )),
+        Aggregation::Latest => points.last().map(|p| p.3),
+        Aggregation::TimeWeightedSum => {
+            // Each customer's value holds until their next event, to the range's end.
+            let mut area = Decimal::ZERO;
+            for customer in 0u8..3 {
+                let own: Vec<_> = points.iter().filter(|p| p.2 == customer).collect();
+                for (i, point) in own.iter().enumerate() {
+                    let until = own.get(i + 1).map_or(T0 + 3_600_000, |next| next.0);
+                    area += point.3 * Decimal::from(until - point.0);
+                }
+            }
+            Some(area / Decimal::from(3_600_000))
+        }
     }
 }
 
@@ -383,6 +421,7 @@ fn the_first_event_wins_whatever_comes_later() {
                 id: 1,
                 customer,
                 minute: 0,
+                second: 1,
                 value: Some(value),
             };
             records.push(Record::UsageBatch {
@@ -484,6 +523,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
         id: 1,
         customer: 0,
         minute: 0,
+        second: 1,
         value: Some(1),
     };
     let ids: Vec<MeterId> = meters().iter().map(|m| m.id.clone()).collect();
@@ -594,6 +634,7 @@ fn distinct_values_past_the_inline_set_stay_exact() {
                 id: 0,
                 customer: 0,
                 minute: 0,
+                second: 1,
                 // Each value once, then 40 repeats of values already seen.
                 value: Some((i % distinct) as i64),
             };

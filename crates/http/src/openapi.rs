@@ -440,7 +440,8 @@ pub struct Meter {
     pub mode: String,
     pub name: String,
     pub event_name: String,
-    /// `count`, `sum`, `average`, `min`, `max`, `unique`.
+    /// `count`, `sum`, `average`, `min`, `max`, `unique`, `latest`,
+    /// `time_weighted_sum`.
     pub aggregation: String,
     pub aggregation_property: Option<String>,
     pub filter: MeterFilter,
@@ -501,7 +502,8 @@ pub struct MeterPreviewRequest {
 pub struct UsageWindow {
     pub start: String,
     pub end: String,
-    /// A decimal string; null for `average`, `min`, `max` without a data point.
+    /// A decimal string; null for `average`, `min`, `max`, `latest` without a data
+    /// point.
     pub value: Option<String>,
 }
 

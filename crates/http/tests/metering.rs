@@ -962,3 +962,170 @@ async fn event_listing_walks_batches_in_both_directions() {
     );
     server.stop().await;
 }
+
+/// `latest` and `time_weighted_sum` over HTTP: events sent out of order, a value
+/// held into a range from before it, ties on the timestamp, windows, groups and a
+/// preview that reads the events before its range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latest_and_time_weighted_sum_hold_values_until_they_change() {
+    let (_g, server, api) = setup().await;
+    let a = customer(&api, "a").await;
+    let b = customer(&api, "b").await;
+    let missing = api
+        .post(
+            "/v1/meters",
+            json!({"name": "x", "event_name": "seats", "aggregation": "time_weighted_sum"}),
+        )
+        .await;
+    assert_eq!(
+        assert_error(&missing, 400, "invalid_request_error")["param"],
+        "aggregation_property"
+    );
+    let unknown = api
+        .post(
+            "/v1/meters",
+            json!({"name": "x", "event_name": "seats", "aggregation": "gauge", "aggregation_property": "n"}),
+        )
+        .await;
+    let message = assert_error(&unknown, 400, "invalid_request_error")["message"].clone();
+    assert!(
+        message
+            .as_str()
+            .unwrap()
+            .contains("latest, time_weighted_sum"),
+        "{message}"
+    );
+    let weighted = meter(&api, json!({"name": "seat hours", "event_name": "seats", "aggregation": "time_weighted_sum", "aggregation_property": "n"})).await;
+    let latest = meter(&api, json!({"name": "seats now", "event_name": "seats", "aggregation": "latest", "aggregation_property": "n"})).await;
+    assert_eq!(weighted["aggregation"], "time_weighted_sum");
+    assert_eq!(latest["aggregation"], "latest");
+    let (weighted, latest) = (
+        weighted["id"].as_str().unwrap().to_string(),
+        latest["id"].as_str().unwrap().to_string(),
+    );
+
+    // Whole hours after the meters' creation, so that hour windows are whole.
+    const HOUR: i64 = 3_600_000;
+    let base = (server.clock.now_ms() / HOUR + 1) * HOUR;
+    server.clock.set_ms(base + 3 * HOUR);
+    let at = |minutes: i64| format_iso8601_ms(base + minutes * 60_000);
+    let event = |customer: &str, id: &str, minutes: i64, n: i64| json!({"name": "seats", "customer_id": customer, "event_id": id, "timestamp": at(minutes), "properties": {"n": n}});
+    // a: 2 from 0:00, 0 from 0:30, 4 from 1:30, sent last first.
+    // b: 10 and 7 at 1:00 (the same instant: "b2" is later by id).
+    for batch in [
+        vec![event(&a, "a3", 90, 4), event(&b, "b2", 60, 7)],
+        vec![event(&a, "a1", 0, 2), event(&b, "b1", 60, 10)],
+        vec![event(&a, "a2", 30, 0)],
+    ] {
+        let ingested = api
+            .post("/v1/events/ingest", json!({"events": batch}))
+            .await;
+        assert_eq!(ingested.status, 202, "{}", ingested.body);
+    }
+    server.engine.wait_caught_up().await.unwrap();
+    let usage = |id: &str, query: String| {
+        let api = api.clone();
+        let path = format!("/v1/meters/{id}/usage?{query}");
+        async move {
+            let answer = api.get(&path).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            answer.body
+        }
+    };
+    let range = |from: i64, to: i64| {
+        format!(
+            "start={}&end={}",
+            at(from).replace(':', "%3A"),
+            at(to).replace(':', "%3A")
+        )
+    };
+
+    // a over 0:00-2:00: 2 x 0.5 h + 0 x 1 h + 4 x 0.5 h.
+    let for_a = usage(&weighted, format!("customer_id={a}&{}", range(0, 120))).await;
+    assert_eq!(for_a["value"], "3");
+    let for_b = usage(&weighted, format!("customer_id={b}&{}", range(0, 180))).await;
+    assert_eq!(for_b["value"], "14", "7 (not 10) held for two hours");
+    let hourly = usage(
+        &weighted,
+        format!("customer_id={a}&window=hour&{}", range(0, 180)),
+    )
+    .await;
+    let values: Vec<&Value> = hourly["windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| &w["value"])
+        .collect();
+    assert_eq!(values, ["1", "2", "4"], "{hourly}");
+    assert_eq!(hourly["value"], "7");
+    // A range after the last event: the value held from before it counts.
+    let late = range(120, 180);
+    assert_eq!(
+        usage(&weighted, format!("customer_id={a}&{late}")).await["value"],
+        "4"
+    );
+    let all = usage(&weighted, format!("group_by=customer_id&{late}")).await;
+    assert_eq!(all["value"], "11");
+    let groups = all["groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 2, "{all}");
+    let group = |id: &str| groups.iter().find(|g| g["customer_id"] == id).unwrap()["value"].clone();
+    assert_eq!((group(&a), group(&b)), (json!("4"), json!("7")));
+    // A quarter of an hour of 2: not a whole number of hours.
+    assert_eq!(
+        usage(&weighted, format!("customer_id={a}&{}", range(15, 30))).await["value"],
+        "0.5"
+    );
+    assert_eq!(
+        usage(&weighted, format!("customer_id={a}&{}", range(1, 2))).await["value"],
+        "0.0333333333333333333333333333",
+        "one minute of 2, in hours, rounded past 28 digits"
+    );
+
+    // latest: a's 0 at 0:30 is later than its 2 at 0:00; a's 4 at 1:30 is the
+    // latest of all; b's tie goes to "b2".
+    let latest_a = usage(
+        &latest,
+        format!("customer_id={a}&window=hour&{}", range(0, 180)),
+    )
+    .await;
+    assert_eq!(latest_a["value"], "4");
+    let values: Vec<&Value> = latest_a["windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| &w["value"])
+        .collect();
+    assert_eq!(
+        values,
+        ["0", "4"],
+        "the third hour has no event: {latest_a}"
+    );
+    assert_eq!(
+        usage(&latest, format!("customer_id={b}&{}", range(0, 180))).await["value"],
+        "7"
+    );
+    assert_eq!(usage(&latest, range(0, 180)).await["value"], "4");
+    assert_eq!(usage(&latest, range(0, 75)).await["value"], "7");
+    assert_eq!(
+        usage(&latest, format!("customer_id={a}&{late}")).await["value"],
+        Value::Null
+    );
+
+    // A preview integrates stored events, reading those before its range too.
+    let preview = api
+        .post(
+            &format!("/v1/meters/{weighted}/preview"),
+            json!({"start": at(120), "end": at(180)}),
+        )
+        .await;
+    assert_eq!(preview.status, 200, "{}", preview.body);
+    assert_eq!(preview.body["value"], "11");
+    let preview = api
+        .post(
+            "/v1/meters/preview",
+            json!({"event_name": "seats", "aggregation": "latest", "aggregation_property": "n", "start": at(0), "end": at(75)}),
+        )
+        .await;
+    assert_eq!(preview.status, 200, "{}", preview.body);
+    assert_eq!(preview.body["value"], "7");
+}

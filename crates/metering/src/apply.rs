@@ -14,6 +14,7 @@ use tally_core::event_index::{
 use tally_core::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CUSTOMERS};
 use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, Overlay, StoredRow};
 use tally_domain::aggregate::{contribution, Contribution};
+use tally_domain::gauge::{keep_latest, offset_in_minute, LatestPoint};
 use tally_domain::ids::MeterId;
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
@@ -373,6 +374,103 @@ pub fn fold_event(
             }
         }
     }
+    match (&contribution, meter.aggregation) {
+        (
+            Contribution::Event {
+                number: Some(value),
+            },
+            Aggregation::Latest,
+        ) => fold_latest(overlay, meter, event, *value),
+        (
+            Contribution::Event {
+                number: Some(value),
+            },
+            Aggregation::TimeWeightedSum,
+        ) => fold_weighted(overlay, meter, event, *value),
+        _ => Ok(()),
+    }
+}
+
+/// `latest`: the event replaces its minute's point (per customer and for all
+/// customers) when it is later (domain `gauge`).
+fn fold_latest(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    value: Decimal,
+) -> Result<(), EngineError> {
+    let point = LatestPoint {
+        timestamp_ms: event.timestamp_ms,
+        event_id: event.event_id.clone(),
+        value,
+    };
+    let minute = minute_bucket(event.timestamp_ms);
+    for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+        let key = BucketKey::from_minute(
+            keys::LATEST,
+            &meter.store_id,
+            meter.mode,
+            &meter.id,
+            customer,
+            minute,
+        );
+        let mut held = overlay
+            .get(&key)?
+            .map(|bytes| codec::decode_latest(&bytes))
+            .transpose()?;
+        if keep_latest(&mut held, &point) {
+            overlay.put(key, codec::encode_latest(&point));
+        }
+    }
+    Ok(())
+}
+
+/// `time_weighted_sum`: the event changes the held value by its value minus the
+/// value of the customer's event just before it in time, and its successor's change
+/// by the opposite (domain `gauge`). Per customer and for all customers.
+fn fold_weighted(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    value: Decimal,
+) -> Result<(), EngineError> {
+    let (store_id, mode, meter_id) = (&meter.store_id, meter.mode, &meter.id);
+    let prefix = keys::weighted_points_prefix(store_id, mode, meter_id, &event.customer_id);
+    let key = keys::weighted_point_key(&prefix, event.timestamp_ms, &event.event_id);
+    let around = overlay.neighbours(&prefix, &key)?;
+    let before = match &around.before {
+        Some((_, bytes)) => codec::decode_decimal(bytes)?,
+        None => Decimal::ZERO,
+    };
+    let change = value.checked_sub(before);
+    let mut steps = vec![(event.timestamp_ms, change)];
+    if let Some((next, _)) = &around.after {
+        let next_ms = keys::weighted_point_timestamp(&prefix, next)?;
+        steps.push((next_ms, change.map(|c| -c)));
+    }
+    for (at_ms, change) in steps {
+        for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+            let bucket_key = BucketKey::from_minute(
+                keys::WEIGHTED,
+                store_id,
+                mode,
+                meter_id,
+                customer,
+                minute_bucket(at_ms),
+            );
+            let mut bucket = overlay
+                .get(&bucket_key)?
+                .map(|bytes| codec::decode_weighted(&bytes))
+                .transpose()?
+                .unwrap_or_default();
+            match change {
+                Some(change) => bucket.add_change(offset_in_minute(at_ms), change),
+                None => bucket.overflowed = true,
+            }
+            overlay.put(bucket_key, codec::encode_weighted(&bucket));
+        }
+    }
+    overlay.put(key, codec::encode_decimal(value));
     Ok(())
 }
 

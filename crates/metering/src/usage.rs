@@ -3,11 +3,15 @@
 //!
 //! Usage resolution is one minute: a range is widened to whole minutes.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Bound;
 
 use rust_decimal::Decimal;
 use tally_domain::aggregate::{contribution, Aggregate, Contribution};
+use tally_domain::exact::exact_add;
+use tally_domain::gauge::{
+    self, keep_latest, ms_to_hours, LatestPoint, WeightedBucket, WeightedWindow,
+};
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterDefinition};
 use tally_domain::time::{Window, MINUTE_MS};
 use tally_domain::FieldError;
@@ -68,6 +72,16 @@ struct WindowFold {
     aggregates: Vec<Aggregate>,
     distinct: Vec<HashSet<Vec<u8>>>,
     all_distinct: HashSet<Vec<u8>>,
+    /// `latest`: each window's latest point.
+    latest: Vec<Option<LatestPoint>>,
+    /// `time_weighted_sum`: each window's changes, and the value held when the
+    /// range begins (the changes of every earlier minute; `None` past the exact
+    /// range).
+    weighted: Vec<WeightedWindow>,
+    held_at_start: Option<Decimal>,
+    /// `time_weighted_sum` over single events (a preview): each window's area in
+    /// value x ms, integrated from the events themselves.
+    areas: Option<Vec<Option<Decimal>>>,
 }
 
 impl WindowFold {
@@ -98,7 +112,92 @@ impl WindowFold {
             aggregates: vec![Aggregate::default(); count],
             distinct: vec![HashSet::new(); count],
             all_distinct: HashSet::new(),
+            latest: vec![None; count],
+            weighted: vec![WeightedWindow::default(); count],
+            held_at_start: Some(Decimal::ZERO),
+            areas: None,
         })
+    }
+
+    fn add_latest(&mut self, minute_ms: i64, point: &LatestPoint) {
+        if let Some(i) = self.window_of(minute_ms) {
+            keep_latest(&mut self.latest[i], point);
+        }
+    }
+
+    /// A time-weighted bucket: inside a window it adds to it; before the range it
+    /// adds to the value held when the range begins.
+    fn add_weighted(&mut self, minute_ms: i64, bucket: &WeightedBucket) {
+        let before_range = self
+            .windows
+            .first()
+            .is_some_and(|(start, _)| minute_ms < *start);
+        if before_range {
+            self.held_at_start = match self.held_at_start {
+                Some(held) if !bucket.overflowed => exact_add(held, bucket.delta),
+                _ => None,
+            };
+        } else if let Some(i) = self.window_of(minute_ms) {
+            let end = self.windows[i].1;
+            self.weighted[i].add(end, minute_ms, bucket);
+        }
+    }
+
+    /// A preview's time-weighted areas, integrated from each customer's events.
+    fn set_areas_from_events(
+        &mut self,
+        customers: impl Iterator<Item = Vec<(i64, String, Decimal)>>,
+    ) {
+        let mut areas = vec![Some(Decimal::ZERO); self.windows.len()];
+        for mut events in customers {
+            events.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+            let points: Vec<(i64, Decimal)> = events.iter().map(|(at, _, v)| (*at, *v)).collect();
+            for (sum, area) in areas
+                .iter_mut()
+                .zip(gauge::integrate(&points, &self.windows))
+            {
+                *sum = sum.zip(area).and_then(|(sum, area)| exact_add(sum, area));
+            }
+        }
+        self.areas = Some(areas);
+    }
+
+    /// Each window's time-weighted area (value x ms), in order.
+    fn weighted_areas(&mut self) -> Vec<Option<Decimal>> {
+        if let Some(areas) = self.areas.take() {
+            return areas;
+        }
+        let mut held = self.held_at_start;
+        let mut areas = Vec::with_capacity(self.windows.len());
+        for (i, (start, end)) in self.windows.iter().enumerate() {
+            let (area, next) = self.weighted[i].close(held, *start, *end);
+            areas.push(area);
+            held = next;
+        }
+        areas
+    }
+
+    /// The values of `latest` and `time_weighted_sum`, per window and in total.
+    fn gauge_values(&mut self) -> (Vec<Option<Decimal>>, Option<Decimal>) {
+        if self.aggregation == Aggregation::Latest {
+            let mut total: Option<LatestPoint> = None;
+            for point in self.latest.iter().flatten() {
+                keep_latest(&mut total, point);
+            }
+            let values = self
+                .latest
+                .iter()
+                .map(|p| p.as_ref().map(|p| p.value))
+                .collect();
+            return (values, total.map(|p| p.value));
+        }
+        let areas = self.weighted_areas();
+        let total = areas
+            .iter()
+            .try_fold(Decimal::ZERO, |sum, area| exact_add(sum, (*area)?))
+            .and_then(ms_to_hours);
+        let values = areas.into_iter().map(|a| a.and_then(ms_to_hours)).collect();
+        (values, total)
     }
 
     fn window_of(&self, at_ms: i64) -> Option<usize> {
@@ -136,6 +235,12 @@ impl WindowFold {
     }
 
     fn finish(self, customer_id: Option<String>) -> UsageSeries {
+        if matches!(
+            self.aggregation,
+            Aggregation::Latest | Aggregation::TimeWeightedSum
+        ) {
+            return self.finish_gauge(customer_id);
+        }
         let mut total = Aggregate::default();
         let mut windows = Vec::with_capacity(self.windows.len());
         for (i, (start, end)) in self.windows.iter().enumerate() {
@@ -163,6 +268,34 @@ impl WindowFold {
     }
 }
 
+impl WindowFold {
+    /// `finish` for `latest` and `time_weighted_sum`: a window is listed when it
+    /// holds events or, time-weighted, when a value held through it adds to it.
+    fn finish_gauge(mut self, customer_id: Option<String>) -> UsageSeries {
+        let (values, total) = self.gauge_values();
+        let single = self.windows.len() == 1;
+        let windows = self
+            .windows
+            .iter()
+            .zip(values)
+            .zip(&self.aggregates)
+            .filter(|((_, value), aggregate)| {
+                single || aggregate.events > 0 || value.is_some_and(|v| !v.is_zero())
+            })
+            .map(|(((start, end), value), _)| WindowValue {
+                start_ms: *start,
+                end_ms: *end,
+                value: value.map(|v| v.normalize()),
+            })
+            .collect();
+        UsageSeries {
+            customer_id,
+            value: total.map(|v| v.normalize()),
+            windows,
+        }
+    }
+}
+
 /// Widens a range to whole minutes and checks it.
 pub fn minute_range(start_ms: i64, end_ms: i64) -> Result<(i64, i64), FieldError> {
     if end_ms <= start_ms {
@@ -185,6 +318,13 @@ impl Metering {
         let mut fold = WindowFold::new(meter.aggregation, start_ms, end_ms, window)?;
         let (first, last) = (start_ms.div_euclid(MINUTE_MS), end_ms.div_euclid(MINUTE_MS));
         let bounds = |table| {
+            // A time-weighted value at the range's start is the sum of every change
+            // before it: its buckets are read from the beginning.
+            let first = if table == keys::WEIGHTED {
+                i64::MIN
+            } else {
+                first
+            };
             let at = |minute| {
                 BucketKey::from_minute(
                     table,
@@ -200,8 +340,11 @@ impl Metering {
         // Buckets carry counts and numbers; for `unique`, the distinct values are keys
         // of their own beside them.
         let mut tables = vec![keys::AGGREGATE];
-        if meter.aggregation == Aggregation::Unique {
-            tables.extend([keys::DISTINCT_SET, keys::UNIQUE]);
+        match meter.aggregation {
+            Aggregation::Unique => tables.extend([keys::DISTINCT_SET, keys::UNIQUE]),
+            Aggregation::Latest => tables.push(keys::LATEST),
+            Aggregation::TimeWeightedSum => tables.push(keys::WEIGHTED),
+            _ => {}
         }
         for table in tables {
             let (from, to) = bounds(table);
@@ -212,7 +355,7 @@ impl Metering {
                 false,
                 &mut |key, value| {
                     let folded = BucketKey::decode(key).and_then(|(bucket, part)| {
-                        let minute_ms = bucket.minute * MINUTE_MS;
+                        let minute_ms = bucket.minute.saturating_mul(MINUTE_MS);
                         match part {
                             BucketPart::Distinct(distinct) => {
                                 fold.add_distinct(minute_ms, distinct)
@@ -224,6 +367,12 @@ impl Metering {
                             }
                             BucketPart::Aggregate => {
                                 fold.add_bucket(minute_ms, &codec::decode_aggregate(value)?)
+                            }
+                            BucketPart::Latest => {
+                                fold.add_latest(minute_ms, &codec::decode_latest(value)?)
+                            }
+                            BucketPart::Weighted => {
+                                fold.add_weighted(minute_ms, &codec::decode_weighted(value)?)
                             }
                         }
                         Ok(())
@@ -253,7 +402,11 @@ impl Metering {
         end_ms: i64,
     ) -> Result<BTreeSet<String>, EngineError> {
         let prefix = BucketKey::meter_prefix(&meter.store_id, meter.mode, &meter.id);
-        let (first, last) = (start_ms.div_euclid(MINUTE_MS), end_ms.div_euclid(MINUTE_MS));
+        let (mut first, last) = (start_ms.div_euclid(MINUTE_MS), end_ms.div_euclid(MINUTE_MS));
+        if meter.aggregation == Aggregation::TimeWeightedSum {
+            // A value held from before the range counts in it.
+            first = i64::MIN;
+        }
         let mut customers = BTreeSet::new();
         let mut failure = None;
         scan_prefix(
@@ -357,8 +510,13 @@ impl Metering {
             return Err(FieldError::invalid("end", "`end` must be after `start`").into());
         }
         let mut fold = WindowFold::new(definition.aggregation, start_ms, end_ms, window)?;
-        // Only rows received when an event of the range could be.
-        let (lower, upper) = crate::events::received_between(scope, Some(start_ms), Some(end_ms));
+        let weighted = definition.aggregation == Aggregation::TimeWeightedSum;
+        // Only rows received when an event of the range could be; a time-weighted
+        // value also holds from earlier events.
+        let from = (!weighted).then_some(start_ms);
+        let (lower, upper) = crate::events::received_between(scope, from, Some(end_ms));
+        // time_weighted_sum: each customer's events up to the range's end.
+        let mut points: HashMap<String, Vec<(i64, String, Decimal)>> = HashMap::new();
         let (mut scanned, mut matched, mut truncated) = (0usize, 0usize, false);
         self.scan_stored_events(scope, lower, upper, false, |_, events| {
             for (_, event) in events {
@@ -367,7 +525,8 @@ impl Metering {
                     truncated = true;
                     return Visit::Stop;
                 }
-                if event.timestamp_ms < start_ms
+                let before_range = event.timestamp_ms < start_ms;
+                if (before_range && !weighted)
                     || event.timestamp_ms >= end_ms
                     || customer_id.is_some_and(|c| event.customer_id != *c)
                     || event.name != definition.event_name
@@ -380,20 +539,42 @@ impl Metering {
                     properties: &event.properties,
                 };
                 if definition.filter.matches(&view) {
-                    matched += 1;
                     let value = definition
                         .aggregation_property
                         .as_ref()
                         .and_then(|p| event.properties.get(p));
-                    fold.add_event(
-                        event.timestamp_ms,
-                        &contribution(definition.aggregation, value),
-                    );
+                    let contribution = contribution(definition.aggregation, value);
+                    if let (true, Contribution::Event { number: Some(n) }) =
+                        (weighted, &contribution)
+                    {
+                        points
+                            .entry(event.customer_id.to_string())
+                            .or_default()
+                            .push((event.timestamp_ms, event.event_id.clone(), *n));
+                    }
+                    if before_range {
+                        continue;
+                    }
+                    matched += 1;
+                    if let (Aggregation::Latest, Contribution::Event { number: Some(n) }) =
+                        (definition.aggregation, &contribution)
+                    {
+                        let point = LatestPoint {
+                            timestamp_ms: event.timestamp_ms,
+                            event_id: event.event_id.clone(),
+                            value: *n,
+                        };
+                        fold.add_latest(event.timestamp_ms, &point);
+                    }
+                    fold.add_event(event.timestamp_ms, &contribution);
                 }
             }
             Visit::Continue
         })
         .await?;
+        if weighted {
+            fold.set_areas_from_events(points.into_values());
+        }
         Ok((
             fold.finish(customer_id.map(str::to_string)),
             scanned.min(MAX_PREVIEW_SCAN_EVENTS),

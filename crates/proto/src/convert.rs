@@ -93,6 +93,8 @@ fn aggregation_to_proto(a: Aggregation) -> i32 {
         Aggregation::Min => v1::Aggregation::Min,
         Aggregation::Max => v1::Aggregation::Max,
         Aggregation::Unique => v1::Aggregation::Unique,
+        Aggregation::Latest => v1::Aggregation::Latest,
+        Aggregation::TimeWeightedSum => v1::Aggregation::TimeWeightedSum,
     }) as i32
 }
 
@@ -104,6 +106,8 @@ fn aggregation_from_proto(value: i32) -> Result<Aggregation, DecodeError> {
         Ok(v1::Aggregation::Min) => Aggregation::Min,
         Ok(v1::Aggregation::Max) => Aggregation::Max,
         Ok(v1::Aggregation::Unique) => Aggregation::Unique,
+        Ok(v1::Aggregation::Latest) => Aggregation::Latest,
+        Ok(v1::Aggregation::TimeWeightedSum) => Aggregation::TimeWeightedSum,
         _ => return Err(DecodeError::BadField("aggregation")),
     })
 }
