@@ -89,7 +89,7 @@
 //! | `#` | partition, offset | the ids of the expiry transactions the record at that position booked, one per line (the ledger audit replays them) |
 //! | `@` | store, mode, meter, customer ("" = all), minute | LatestPoint of a `latest` meter's bucket: timestamp, value, event id (codec.rs) |
 //! | `\|` | store, mode, meter, customer ("" = all), minute | WeightedBucket of a `time_weighted_sum` meter: the changes of the held value in that minute (codec.rs, domain `gauge`) |
-//! | `:` | store, mode, meter, customer, timestamp, event_id | the event's value (16-byte decimal): a `time_weighted_sum` meter's events in time order, to find the value before and after an event that arrives out of order |
+//! | `:` | store, mode, meter, customer, timestamp, event_id | the event's value (16-byte decimal): a `time_weighted_sum` meter's events in time order, to find the value before and after an event that arrives out of order; pruned past the stored-event retention (metering `prune_weighted_points`) |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
 use tally_domain::Mode;

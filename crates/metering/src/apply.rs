@@ -425,6 +425,34 @@ fn fold_latest(
     Ok(())
 }
 
+/// Old points of a time-weighted series pruned per event folded: bounds the work
+/// of one event; a series is pruned down over the events that follow.
+pub const WEIGHTED_PRUNE_PER_EVENT: usize = 64;
+
+/// Deletes the points older than `before_key` (the point an event was folded after)
+/// when that point lies before the retention cut of `received_ms`: every event
+/// folded later (ingested, or backfilled from stored events) is newer than the cut,
+/// so its predecessor is `before_key` or later, and the older points are never read
+/// again. The buckets keep their integral; only the lookup table shrinks.
+fn prune_weighted_points(
+    overlay: &mut Overlay<'_>,
+    prefix: &[u8],
+    before_key: &[u8],
+    received_ms: i64,
+) -> Result<(), EngineError> {
+    let cut = received_ms.saturating_sub(STORED_EVENTS_RETENTION_MS);
+    if keys::weighted_point_timestamp(prefix, before_key)? >= cut {
+        return Ok(());
+    }
+    for (old, _) in overlay.first_entries(prefix, WEIGHTED_PRUNE_PER_EVENT)? {
+        if old.as_slice() >= before_key {
+            break;
+        }
+        overlay.delete(old);
+    }
+    Ok(())
+}
+
 /// `time_weighted_sum`: the event changes the held value by its value minus the
 /// value of the customer's event just before it in time, and its successor's change
 /// by the opposite (domain `gauge`). Per customer and for all customers.
@@ -439,7 +467,10 @@ fn fold_weighted(
     let key = keys::weighted_point_key(&prefix, event.timestamp_ms, &event.event_id);
     let around = overlay.neighbours(&prefix, &key)?;
     let before = match &around.before {
-        Some((_, bytes)) => codec::decode_decimal(bytes)?,
+        Some((before_key, bytes)) => {
+            prune_weighted_points(overlay, &prefix, before_key, event.received_at_ms)?;
+            codec::decode_decimal(bytes)?
+        }
         None => Decimal::ZERO,
     };
     let change = value.checked_sub(before);
