@@ -266,9 +266,7 @@ impl WindowFold {
             windows,
         }
     }
-}
 
-impl WindowFold {
     /// `finish` for `latest` and `time_weighted_sum`: a window is listed when it
     /// holds events or, time-weighted, when a value held through it adds to it.
     fn finish_gauge(mut self, customer_id: Option<String>) -> UsageSeries {
@@ -338,7 +336,8 @@ impl Metering {
             (at(first), at(last))
         };
         // Buckets carry counts and numbers; for `unique`, the distinct values are keys
-        // of their own beside them.
+        // of their own beside them, and `latest` and `time_weighted_sum` have a
+        // table each beside them too.
         let mut tables = vec![keys::AGGREGATE];
         match meter.aggregation {
             Aggregation::Unique => tables.extend([keys::DISTINCT_SET, keys::UNIQUE]),
