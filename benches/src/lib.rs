@@ -155,15 +155,21 @@ pub fn start_server_on(
 /// The 20 meters of the ingest benchmarks: per event name a count, a filtered sum,
 /// a filtered numeric aggregation and a filtered unique count.
 pub fn meter_definitions() -> Vec<serde_json::Value> {
+    meter_definitions_with(&["max", "min", "average", "sum"])
+}
+
+/// `meter_definitions` with the filtered numeric aggregation of each event name
+/// taken in turn from `numeric` (e.g. `latest` and `time_weighted_sum`, to measure
+/// what they cost against the plain folds).
+pub fn meter_definitions_with(numeric: &[&str]) -> Vec<serde_json::Value> {
     let mut meters = Vec::new();
-    let numeric = ["max", "min", "average", "sum"];
     for (i, name) in EVENT_NAMES.iter().enumerate() {
         meters.push(
             serde_json::json!({"name": format!("{name} count"), "event_name": name, "aggregation": "count"}),
         );
         meters.push(serde_json::json!({"name": format!("{name} tokens eu"), "event_name": name, "aggregation": "sum", "aggregation_property": "tokens",
             "filter": {"conjunction": "and", "clauses": [{"property": "region", "operator": "eq", "value": "eu"}]}}));
-        meters.push(serde_json::json!({"name": format!("{name} max bytes large"), "event_name": name, "aggregation": numeric[i % 4], "aggregation_property": "bytes",
+        meters.push(serde_json::json!({"name": format!("{name} max bytes large"), "event_name": name, "aggregation": numeric[i % numeric.len()], "aggregation_property": "bytes",
             "filter": {"conjunction": "or", "clauses": [{"property": "model", "operator": "in", "value": ["large", "medium"]}, {"property": "tokens", "operator": "gt", "value": 4000}]}}));
         meters.push(serde_json::json!({"name": format!("{name} unique users"), "event_name": name, "aggregation": "unique", "aggregation_property": "user",
             "filter": {"conjunction": "and", "clauses": [{"property": "user", "operator": "like", "value": "user_"}]}}));

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rand::Rng;
 use tally_benches::{
-    batch_body, cpu_seconds, meter_definitions, percentile, start_server, usage_record_bytes,
+    batch_body, cpu_seconds, meter_definitions_with, percentile, start_server, usage_record_bytes,
 };
 use tally_log::Log;
 
@@ -43,6 +43,11 @@ struct Args {
     /// Where the server keeps its data (default: a fresh temp dir).
     #[arg(long)]
     data_dir: Option<String>,
+    /// Make the filtered numeric meter of each event name a `latest` or a
+    /// `time_weighted_sum` meter (alternately) instead of max/min/average/sum: what
+    /// the gauge folds cost on the same load.
+    #[arg(long)]
+    gauges: bool,
 }
 
 fn rss_kib(pid: u32, field: &str) -> u64 {
@@ -103,10 +108,16 @@ async fn main() -> anyhow::Result<()> {
         .pool_max_idle_per_host(args.connections + 8)
         .build()?;
 
+    let numeric: &[&str] = if args.gauges {
+        &["latest", "time_weighted_sum"]
+    } else {
+        &["max", "min", "average", "sum"]
+    };
+    let meters = meter_definitions_with(numeric);
     eprintln!(
         "setup: {} customers, {} meters",
         args.customers,
-        meter_definitions().len()
+        meters.len()
     );
     let setup = Instant::now();
     // Setup and usage queries go through the typed client; the ingest loop sends
@@ -136,7 +147,7 @@ async fn main() -> anyhow::Result<()> {
         customer_ids.extend(t.await??);
     }
     let mut meter_ids = Vec::new();
-    for m in meter_definitions() {
+    for m in meters {
         let meter = tally
             .create_meter(&serde_json::from_value::<tally_client::MeterCreate>(m)?)
             .await?;
