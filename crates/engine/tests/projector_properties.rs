@@ -295,6 +295,57 @@ async fn engine_over(store: Arc<MemoryStore>) -> (Arc<tally_engine::Engine>, tem
     (engine, dir)
 }
 
+/// A usage record of one event received at `received_ms`.
+fn batch_received(event: &GenEvent, received_ms: i64, meter_ids: &[MeterId]) -> Record {
+    Record::UsageBatch {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        events: vec![UsageEvent {
+            received_at_ms: received_ms,
+            ..usage_event(event, meter_ids)
+        }],
+        settles: false,
+    }
+}
+
+/// How many keys of `store` begin with `prefix`.
+fn rows_under(store: &MemoryStore, prefix: &[u8]) -> usize {
+    let mut rows = 0;
+    tally_projection::scan_prefix(store, prefix, false, &mut |_, _| {
+        rows += 1;
+        tally_projection::Visit::Continue
+    })
+    .unwrap();
+    rows
+}
+
+/// All customers' usage of `meter_id` from `T0` to `end_ms`, read from `store`.
+fn total_usage(store: Arc<MemoryStore>, meter_id: &str, end_ms: i64) -> Option<Decimal> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (engine, _dir) = runtime.block_on(engine_over(store));
+    let scope = tally_engine::Scope {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+    };
+    let query = UsageQuery {
+        meter_id: meter_id.into(),
+        customer_id: None,
+        start_ms: T0,
+        end_ms,
+        window: Window::None,
+        group_by_customer: false,
+    };
+    engine
+        .metering()
+        .query_usage(&scope, &query)
+        .unwrap()
+        .total
+        .value
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
 
@@ -528,15 +579,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
     };
     let ids: Vec<MeterId> = meters().iter().map(|m| m.id.clone()).collect();
     let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
-    let batch = |event: &GenEvent, received: i64| Record::UsageBatch {
-        store_id: STORE.into(),
-        mode: Mode::Test,
-        events: vec![UsageEvent {
-            received_at_ms: received,
-            ..usage_event(event, &ids)
-        }],
-        settles: false,
-    };
+    let batch = |event: &GenEvent, received: i64| batch_received(event, received, &ids);
     records.push(batch(&old, T0));
     // Received just inside the retention of the first: nothing is pruned yet.
     let inside = T0 + STORED_EVENTS_RETENTION_MS;
@@ -556,15 +599,7 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
         inside + 2 * PRUNE_STEP_MS,
     ));
     let entries = entries_of(&records);
-    let stored_rows = |store: &MemoryStore| {
-        let mut rows = 0;
-        tally_projection::scan_prefix(store, b"F", false, &mut |_, _| {
-            rows += 1;
-            tally_projection::Visit::Continue
-        })
-        .unwrap();
-        rows
-    };
+    let stored_rows = |store: &MemoryStore| rows_under(store, b"F");
     let meters_end = meters().len();
     let mut digests = Vec::new();
     for cuts in [
@@ -581,31 +616,8 @@ fn stored_events_past_the_retention_are_pruned_at_the_same_records() {
         );
         assert_eq!(stored_rows(&store), 2);
         digests.push(store.digest().unwrap());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let (engine, _dir) = runtime.block_on(engine_over(store));
-        let scope = tally_engine::Scope {
-            store_id: STORE.into(),
-            mode: Mode::Test,
-        };
-        let count = engine
-            .metering()
-            .query_usage(
-                &scope,
-                &UsageQuery {
-                    meter_id: "mtr_0".into(),
-                    customer_id: None,
-                    start_ms: T0,
-                    end_ms: T0 + 3_600_000,
-                    window: Window::None,
-                    group_by_customer: false,
-                },
-            )
-            .unwrap();
         assert_eq!(
-            count.total.value,
+            total_usage(store, "mtr_0", T0 + 3_600_000),
             Some(Decimal::from(3)),
             "pruned events stay counted"
         );
@@ -701,23 +713,15 @@ fn time_weighted_points_before_the_retention_are_pruned_and_the_integral_stays()
         .find(|m| m.aggregation == Aggregation::TimeWeightedSum)
         .unwrap();
     let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
-    let batch = |id: u8, minute: i64, value: i64, received: i64| Record::UsageBatch {
-        store_id: STORE.into(),
-        mode: Mode::Test,
-        events: vec![UsageEvent {
-            received_at_ms: received,
-            ..usage_event(
-                &GenEvent {
-                    id,
-                    customer: 0,
-                    minute,
-                    second: 0,
-                    value: Some(value),
-                },
-                &ids,
-            )
-        }],
-        settles: false,
+    let batch = |id: u8, minute: i64, value: i64, received: i64| {
+        let event = GenEvent {
+            id,
+            customer: 0,
+            minute,
+            second: 0,
+            value: Some(value),
+        };
+        batch_received(&event, received, &ids)
     };
     for minute in 0..3 {
         records.push(batch(minute as u8, minute, 10 * (minute + 1), T0));
@@ -726,15 +730,7 @@ fn time_weighted_points_before_the_retention_are_pruned_and_the_integral_stays()
     assert!(later > STORED_EVENTS_RETENTION_MS + 2 * 60_000);
     records.push(batch(10, later / 60_000, 40, T0 + later));
     let entries = entries_of(&records);
-    let points = |store: &MemoryStore| {
-        let mut rows = 0;
-        tally_projection::scan_prefix(store, b":", false, &mut |_, _| {
-            rows += 1;
-            tally_projection::Visit::Continue
-        })
-        .unwrap();
-        rows
-    };
+    let points = |store: &MemoryStore| rows_under(store, b":");
     let meters_end = meters().len();
     let mut digests = Vec::new();
     for cuts in [
@@ -749,29 +745,7 @@ fn time_weighted_points_before_the_retention_are_pruned_and_the_integral_stays()
             "the last point before the cut and the new one"
         );
         digests.push(store.digest().unwrap());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let (engine, _dir) = runtime.block_on(engine_over(store));
-        let scope = tally_engine::Scope {
-            store_id: STORE.into(),
-            mode: Mode::Test,
-        };
-        let total = engine
-            .metering()
-            .query_usage(
-                &scope,
-                &UsageQuery {
-                    meter_id: weighted.id.to_string(),
-                    customer_id: None,
-                    start_ms: T0,
-                    end_ms: T0 + later + 60_000,
-                    window: Window::None,
-                    group_by_customer: false,
-                },
-            )
-            .unwrap();
+        let total = total_usage(store, &weighted.id, T0 + later + 60_000);
         // 1 for a minute, 2 for a minute, 3 until `later`, then 4 for a minute
         // (`usage_event` reads values in tenths).
         let area = Decimal::from(60_000)
@@ -779,7 +753,7 @@ fn time_weighted_points_before_the_retention_are_pruned_and_the_integral_stays()
             + Decimal::from(3 * (later - 2 * 60_000))
             + Decimal::from(4 * 60_000);
         assert_eq!(
-            total.total.value,
+            total,
             Some((area / Decimal::from(3_600_000)).normalize()),
             "cuts {cuts:?}"
         );

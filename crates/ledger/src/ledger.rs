@@ -388,31 +388,12 @@ impl Ledger {
         } else {
             AccountStatus::Active
         };
-        let account = self
-            .journal
-            .update(|| {
-                let mut account = self.get_account(scope, id)?;
-                if account.status == AccountStatus::Closed {
-                    return Err(rejected(Rejection::AccountClosed));
-                }
-                if account.status == target {
-                    return Ok(Update::Unchanged(account));
-                }
-                account.status = target;
-                let base = self.journal.restamp(&mut account.updated_at_ms);
-                Ok(Update::Write {
-                    record: Record::CreditLedger {
-                        account: Some(account.clone()),
-                        transaction: None,
-                        events: Vec::new(),
-                    },
-                    base_updated_at_ms: base,
-                    result: account,
-                })
-            })
-            .await?;
-        let balance = self.balance(scope, id)?;
-        Ok((account, balance))
+        self.change_account(scope, id, |account| {
+            let changed = account.status != target;
+            account.status = target;
+            changed
+        })
+        .await
     }
 
     /// Sets or clears the account's low-balance threshold and auto-recharge
@@ -424,6 +405,28 @@ impl Ledger {
         threshold: tally_domain::customer::Patch<Decimal>,
         recharge: tally_domain::customer::Patch<tally_domain::ledger::AutoRecharge>,
     ) -> Result<(Account, Decimal), EngineError> {
+        self.change_account(scope, id, |account| {
+            let next_threshold = threshold.clone().apply_to(account.low_balance_threshold);
+            let next_recharge = recharge.clone().apply_to(account.auto_recharge);
+            let changed = next_threshold != account.low_balance_threshold
+                || next_recharge != account.auto_recharge;
+            account.low_balance_threshold = next_threshold;
+            account.auto_recharge = next_recharge;
+            changed
+        })
+        .await
+    }
+
+    /// One change to an account's own fields, as a `CreditLedger` record without a
+    /// transaction: `change` edits the account and says whether anything changed
+    /// (nothing changed: the account is returned as it is, nothing is written). A
+    /// closed account refuses every change.
+    async fn change_account(
+        &self,
+        scope: &Scope,
+        id: &str,
+        change: impl Fn(&mut Account) -> bool,
+    ) -> Result<(Account, Decimal), EngineError> {
         let account = self
             .journal
             .update(|| {
@@ -431,15 +434,9 @@ impl Ledger {
                 if account.status == AccountStatus::Closed {
                     return Err(rejected(Rejection::AccountClosed));
                 }
-                let next_threshold = threshold.clone().apply_to(account.low_balance_threshold);
-                let next_recharge = recharge.clone().apply_to(account.auto_recharge);
-                if next_threshold == account.low_balance_threshold
-                    && next_recharge == account.auto_recharge
-                {
+                if !change(&mut account) {
                     return Ok(Update::Unchanged(account));
                 }
-                account.low_balance_threshold = next_threshold;
-                account.auto_recharge = next_recharge;
                 let base = self.journal.restamp(&mut account.updated_at_ms);
                 Ok(Update::Write {
                     record: Record::CreditLedger {

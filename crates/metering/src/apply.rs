@@ -474,12 +474,14 @@ fn fold_weighted(
         None => Decimal::ZERO,
     };
     let change = value.checked_sub(before);
-    let mut steps = vec![(event.timestamp_ms, change)];
-    if let Some((next, _)) = &around.after {
-        let next_ms = keys::weighted_point_timestamp(&prefix, next)?;
-        steps.push((next_ms, change.map(|c| -c)));
-    }
-    for (at_ms, change) in steps {
+    let successor = match &around.after {
+        Some((next, _)) => Some((
+            keys::weighted_point_timestamp(&prefix, next)?,
+            change.map(|c| -c),
+        )),
+        None => None,
+    };
+    for (at_ms, change) in std::iter::once((event.timestamp_ms, change)).chain(successor) {
         for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
             let bucket_key = BucketKey::from_minute(
                 keys::WEIGHTED,
