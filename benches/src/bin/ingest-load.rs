@@ -11,6 +11,10 @@
 //!   the server's CPU time (user + system) per event, from the first batch until the
 //!   projection caught up: steadier than a rate on a shared machine, and it counts
 //!   every part (HTTP edge, apply, checkpoints).
+//!   With `--voids N`, after catching up it also voids N stored events picked at
+//!   random (requests of 100 ids, one at a time) and reports each request's
+//!   latency: a void answers once applied, so it is reflected in every usage query
+//!   by then.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,6 +52,10 @@ struct Args {
     /// the gauge folds cost on the same load.
     #[arg(long)]
     gauges: bool,
+    /// After the load, void this many stored events (random ones, 100 per request)
+    /// and time the requests.
+    #[arg(long, default_value_t = 0)]
+    voids: usize,
 }
 
 fn rss_kib(pid: u32, field: &str) -> u64 {
@@ -171,6 +179,7 @@ async fn main() -> anyhow::Result<()> {
         let (customers, target) = (args.customers, args.events);
         senders.push(tokio::spawn(async move {
             let mut batch = 0u64;
+            let mut acked_batches = 0u64;
             let mut last_ok = Instant::now();
             while !stop.load(Ordering::Relaxed) && acked.load(Ordering::Relaxed) < target {
                 let body = batch_body(&mut rand::rng(), connection, batch, customers);
@@ -186,6 +195,7 @@ async fn main() -> anyhow::Result<()> {
                     Ok(r) if r.status().as_u16() == 202 => {
                         let _ = r.bytes().await;
                         acked.fetch_add(100, Ordering::Relaxed);
+                        acked_batches = batch;
                         last_ok = Instant::now();
                     }
                     Ok(r) => panic!(
@@ -196,7 +206,7 @@ async fn main() -> anyhow::Result<()> {
                     Err(e) => panic!("ingest failed: {e}"),
                 }
             }
-            last_ok
+            (last_ok, acked_batches)
         }));
     }
     let query_stop = Arc::new(AtomicBool::new(false));
@@ -245,8 +255,12 @@ async fn main() -> anyhow::Result<()> {
     }
     stop.store(true, Ordering::Relaxed);
     let mut last_ack = started;
+    // Batches each connection had acknowledged: their events are stored.
+    let mut stored_batches = Vec::new();
     for s in senders {
-        last_ack = last_ack.max(s.await?);
+        let (last_ok, batches) = s.await?;
+        last_ack = last_ack.max(last_ok);
+        stored_batches.push(batches);
     }
     let load_seconds = last_ack.duration_since(started).as_secs_f64();
     let total = acked.load(Ordering::Relaxed);
@@ -276,6 +290,40 @@ async fn main() -> anyhow::Result<()> {
     };
     let cpu_per_event = (cpu_seconds(pid)? - cpu_before) / total as f64;
     query_stop.store(true, Ordering::Relaxed);
+    let mut void_latencies = Vec::new();
+    let mut voided = 0;
+    while voided < args.voids {
+        let ids: Vec<String> = {
+            let mut rng = rand::rng();
+            (0..100.min(args.voids - voided))
+                .filter_map(|_| {
+                    let connection = rng.random_range(0..stored_batches.len());
+                    let batches = stored_batches[connection];
+                    (batches > 0).then(|| {
+                        let batch = rng.random_range(0..batches);
+                        format!("c{connection}-{batch}-{}", rng.random_range(0..100))
+                    })
+                })
+                .collect()
+        };
+        anyhow::ensure!(!ids.is_empty(), "no stored events to void");
+        voided += ids.len();
+        let t = Instant::now();
+        let answer = http
+            .post(format!("{base}/v1/events/void"))
+            .header("x-api-key", &key)
+            .json(&serde_json::json!({"event_ids": ids, "reason": "benchmark"}))
+            .send()
+            .await?;
+        anyhow::ensure!(
+            answer.status().is_success(),
+            "void answered {}: {}",
+            answer.status(),
+            answer.text().await.unwrap_or_default()
+        );
+        void_latencies.push(t.elapsed());
+    }
+    void_latencies.sort();
     let mut latencies = querier.await?;
     latencies.sort();
     peak_rss = peak_rss.max(rss_kib(pid, "VmHWM:"));
@@ -329,5 +377,15 @@ async fn main() -> anyhow::Result<()> {
         "(h) server CPU per event:         {:.1} µs (user + system, until caught up)",
         cpu_per_event * 1e6
     );
+    if !void_latencies.is_empty() {
+        let sum: Duration = void_latencies.iter().sum();
+        println!(
+            "(v) voids of 100 events:          {} requests, p50 {:.2?}, p99 {:.2?}, {:.2?} in all",
+            void_latencies.len(),
+            percentile(&void_latencies, 50.0),
+            percentile(&void_latencies, 99.0),
+            sum
+        );
+    }
     Ok(())
 }

@@ -38,7 +38,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Every operation this client calls: (HTTP method, documented path, operationId).
 /// The crate's tests hold it to docs/openapi.json.
-pub const OPERATIONS: [(&str, &str, &str); 25] = [
+pub const OPERATIONS: [(&str, &str, &str); 26] = [
     ("post", "/admin/v1/stores", "create_store"),
     ("post", "/admin/v1/stores/{id}/keys", "create_key"),
     (
@@ -54,6 +54,7 @@ pub const OPERATIONS: [(&str, &str, &str); 25] = [
     ("get", "/v1/meters/{id}/usage", "meters_usage"),
     ("post", "/v1/events/ingest", "events_ingest"),
     ("get", "/v1/events/{event_id}", "events_get"),
+    ("post", "/v1/events/void", "events_void"),
     ("post", "/v1/customer-credits/accounts", "create_account"),
     ("get", "/v1/customer-credits/accounts/{id}", "get_account"),
     (
@@ -334,6 +335,11 @@ impl Client {
 
     pub async fn get_event(&self, event_id: &str) -> Result<UsageEvent> {
         self.get(&format!("/v1/events/{event_id}")).await
+    }
+
+    /// Voids stored events (all or nothing; docs/api.md, "Voiding events").
+    pub async fn void_events(&self, request: &VoidRequest) -> Result<EventVoid> {
+        self.post("/v1/events/void", request).await
     }
 
     // ---- customer credits ----

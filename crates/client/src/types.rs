@@ -45,6 +45,8 @@ pub fn documented() -> Vec<(&'static str, &'static [&'static str], bool)> {
         entry::<IngestReport>(),
         entry::<Warning>(),
         entry::<UsageEvent>(),
+        entry::<VoidRequest>(),
+        entry::<EventVoid>(),
         entry::<CreditAccount>(),
         entry::<AccountCreate>(),
         entry::<Movement>(),
@@ -326,6 +328,26 @@ documented! {
         pub properties: BTreeMap<String, Value>,
         pub received_at: String,
         pub matched_meters: Vec<String>,
+        /// A voided event counts in no meter.
+        pub voided: bool,
+        pub void_reason: Option<String>,
+        pub voided_at: Option<String>,
+    }
+}
+
+documented! {
+    request pub struct VoidRequest {
+        /// 1 to 100 ids of stored events.
+        pub event_ids: Vec<String>,
+        pub reason: String,
+    }
+}
+
+documented! {
+    response pub struct EventVoid {
+        pub object: String,
+        pub voided: Vec<String>,
+        pub already_voided: Vec<String>,
     }
 }
 

@@ -291,6 +291,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn minute_events_and_void_marks_round_trip_and_refuse_garbage() {
+        let events = [(0, "cus_a".to_string()), (99, String::new())];
+        let mut row = Vec::new();
+        for (index, customer) in &events {
+            push_minute_event(&mut row, *index, customer);
+        }
+        assert_eq!(decode_minute_events(&row).unwrap(), events);
+        assert!(decode_minute_events(&row[..row.len() - 1]).is_err());
+        assert!(decode_minute_events(&[0]).is_err());
+        let mark = VoidMark {
+            voided_at_ms: -5,
+            partition: 3,
+            offset: 12,
+            reason: "duplicate — sent twice".into(),
+        };
+        assert_eq!(decode_void(&encode_void(&mark)).unwrap(), mark);
+        assert!(decode_void(&encode_void(&mark)[..19]).is_err());
+    }
+
+    #[test]
     fn distinct_sets_round_trip_and_refuse_garbage() {
         let values: std::collections::BTreeSet<Vec<u8>> =
             [b"s:a".to_vec(), Vec::new(), b"n:1.5".to_vec()]
@@ -372,6 +392,67 @@ pub fn decode_weighted(bytes: &[u8]) -> Result<tally_domain::gauge::WeightedBuck
         delta: decode_decimal(&bytes[0..16])?,
         delta_ms: decode_decimal(&bytes[16..32])?,
         overflowed,
+    })
+}
+
+/// Appends one event to a `z` row's value: its index in the record (below
+/// `MAX_EVENTS_PER_BATCH`, so two bytes hold it) and its customer's id, ended by a
+/// 0 byte (ids never hold one).
+pub fn push_minute_event(row: &mut Vec<u8>, index: u32, customer_id: &str) {
+    row.extend_from_slice(&(index as u16).to_be_bytes());
+    row.extend_from_slice(customer_id.as_bytes());
+    row.push(0);
+}
+
+/// A `z` row's events: (index in the record, customer id) each.
+pub fn decode_minute_events(mut bytes: &[u8]) -> Result<Vec<(u32, String)>, EngineError> {
+    let corrupt = || EngineError::Corrupt("a minute-events row does not decode".into());
+    let mut events = Vec::new();
+    while !bytes.is_empty() {
+        let index = bytes.get(..2).ok_or_else(corrupt)?;
+        let index = u32::from(u16::from_be_bytes(index.try_into().expect("2")));
+        let end = bytes[2..]
+            .iter()
+            .position(|b| *b == 0)
+            .ok_or_else(corrupt)?;
+        let customer = std::str::from_utf8(&bytes[2..2 + end]).map_err(|_| corrupt())?;
+        events.push((index, customer.to_string()));
+        bytes = &bytes[2 + end + 1..];
+    }
+    Ok(events)
+}
+
+/// A voided event's mark (table `.`): when it was voided, by the record at which
+/// position, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VoidMark {
+    pub voided_at_ms: i64,
+    pub partition: u32,
+    pub offset: u64,
+    pub reason: String,
+}
+
+pub fn encode_void(mark: &VoidMark) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(20 + mark.reason.len());
+    bytes.extend_from_slice(&mark.voided_at_ms.to_be_bytes());
+    bytes.extend_from_slice(&mark.partition.to_be_bytes());
+    bytes.extend_from_slice(&mark.offset.to_be_bytes());
+    bytes.extend_from_slice(mark.reason.as_bytes());
+    bytes
+}
+
+pub fn decode_void(bytes: &[u8]) -> Result<VoidMark, EngineError> {
+    if bytes.len() < 20 {
+        return Err(EngineError::Corrupt(
+            "a void mark is shorter than 20 bytes".into(),
+        ));
+    }
+    Ok(VoidMark {
+        voided_at_ms: i64::from_be_bytes(bytes[..8].try_into().expect("8")),
+        partition: u32::from_be_bytes(bytes[8..12].try_into().expect("4")),
+        offset: u64::from_be_bytes(bytes[12..20].try_into().expect("8")),
+        reason: String::from_utf8(bytes[20..].to_vec())
+            .map_err(|_| EngineError::Corrupt("a void reason is not UTF-8".into()))?,
     })
 }
 

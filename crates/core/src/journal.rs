@@ -399,6 +399,25 @@ impl Journal {
         record: &Record,
         base_updated_at_ms: Option<i64>,
     ) -> Result<Decision, EngineError> {
+        self.decide_at(record, base_updated_at_ms)
+            .await
+            .map(|(decision, _)| decision)
+    }
+
+    /// `append_and_decide`, with the record's position: a caller that reads back
+    /// what apply recorded under it.
+    pub async fn append_and_decide_at(
+        &self,
+        record: &Record,
+    ) -> Result<(Decision, (u32, u64)), EngineError> {
+        self.decide_at(record, None).await
+    }
+
+    async fn decide_at(
+        &self,
+        record: &Record,
+        base_updated_at_ms: Option<i64>,
+    ) -> Result<(Decision, (u32, u64)), EngineError> {
         let (partition, offset) = self.append_with(record, base_updated_at_ms).await?;
         self.wait_applied(partition, offset).await?;
         if !record.applies_on_every_node()
@@ -411,13 +430,14 @@ impl Journal {
                 message: "the write is durable, but its store moved to another node of the cluster before this one decided it; retry with the same idempotency key",
             });
         }
-        match self.store.get(&outcome::outcome_key(partition, offset))? {
-            None => Ok(Decision::Applied),
+        let decision = match self.store.get(&outcome::outcome_key(partition, offset))? {
+            None => Decision::Applied,
             Some(bytes) => match outcome::Outcome::decode(&bytes)? {
-                outcome::Outcome::SameAs { id } => Ok(Decision::SameAs(id)),
-                rejected => Err(rejected.into()),
+                outcome::Outcome::SameAs { id } => Decision::SameAs(id),
+                rejected => return Err(rejected.into()),
             },
-        }
+        };
+        Ok((decision, (partition, offset)))
     }
 
     /// Runs an update without any lock (ARCHITECTURE.md "Decisions in apply"):

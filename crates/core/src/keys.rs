@@ -90,6 +90,9 @@
 //! | `@` | store, mode, meter, customer ("" = all), minute | LatestPoint of a `latest` meter's bucket: timestamp, value, event id (codec.rs) |
 //! | `\|` | store, mode, meter, customer ("" = all), minute | WeightedBucket of a `time_weighted_sum` meter: the changes of the held value in that minute (codec.rs, domain `gauge`) |
 //! | `:` | store, mode, meter, customer, timestamp, event_id | the event's value (16-byte decimal): a `time_weighted_sum` meter's events in time order, to find the value before and after an event that arrives out of order; pruned past the stored-event retention (metering `prune_weighted_points`) |
+//! | `z` | minute, store, mode, partition, offset | the events of the usage record at that position whose timestamps fall in that minute: (index in the record, customer id) each (`codec::push_minute_event`); a void rebuilds a customer's bucket from these, and finds the customers whose buckets make the all-customers one; pruned past what can still be voided |
+//! | `.` | store, mode, event_id | VoidMark (`codec::encode_void`): the stored event is voided: when, by which record, why |
+//! | `_` | store, mode, meter_id, event_id | (empty) the event matched the meter but was not folded (the meter was not active when its record applied) |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 
 use tally_domain::Mode;
@@ -184,6 +187,67 @@ pub const CREDIT_BALANCE_LOW: u8 = b';';
 pub const LATEST: u8 = b'@';
 pub const WEIGHTED: u8 = b'|';
 pub const WEIGHTED_POINT: u8 = b':';
+pub const MINUTE_EVENTS: u8 = b'z';
+pub const VOIDED_EVENT: u8 = b'.';
+pub const FOLD_SKIPPED: u8 = b'_';
+
+/// The `z` row of one usage record's events in one minute.
+pub fn minute_events_key(
+    minute: i64,
+    store_id: &str,
+    mode: Mode,
+    partition: u32,
+    offset: u64,
+) -> Vec<u8> {
+    Key(minute_events_prefix(minute, store_id, mode))
+        .tail(&partition.to_be_bytes())
+        .uint(offset)
+        .into_bytes()
+}
+
+/// The record position a `z` row is of (its last 12 bytes).
+pub fn minute_events_position(key: &[u8]) -> Result<(u32, u64), EngineError> {
+    let at = key
+        .len()
+        .checked_sub(12)
+        .filter(|_| key.first() == Some(&MINUTE_EVENTS))
+        .ok_or_else(|| EngineError::Corrupt("a minute-events key does not decode".into()))?;
+    let partition = u32::from_be_bytes(key[at..at + 4].try_into().expect("4"));
+    let offset = u64::from_be_bytes(key[at + 4..].try_into().expect("8"));
+    Ok((partition, offset))
+}
+
+/// The prefix of the `z` rows of a scope in one minute.
+pub fn minute_events_prefix(minute: i64, store_id: &str, mode: Mode) -> Vec<u8> {
+    Key::table(MINUTE_EVENTS)
+        .int(minute)
+        .text(store_id)
+        .mode(mode)
+        .into_bytes()
+}
+
+/// The minute of a `z` row.
+pub fn minute_events_minute(key: &[u8]) -> Result<i64, EngineError> {
+    key.get(1..9)
+        .filter(|_| key.first() == Some(&MINUTE_EVENTS))
+        .map(read_int)
+        .ok_or_else(|| EngineError::Corrupt("a minute-events key does not decode".into()))
+}
+
+/// The `.` row of a voided event.
+pub fn voided_event_key(store_id: &str, mode: Mode, event_id: &str) -> Vec<u8> {
+    Key::scoped(VOIDED_EVENT, store_id, mode)
+        .tail(event_id.as_bytes())
+        .into_bytes()
+}
+
+/// The `_` row of an event its meter matched but did not fold.
+pub fn fold_skipped_key(store_id: &str, mode: Mode, meter_id: &str, event_id: &str) -> Vec<u8> {
+    Key::scoped(FOLD_SKIPPED, store_id, mode)
+        .text(meter_id)
+        .tail(event_id.as_bytes())
+        .into_bytes()
+}
 
 /// The `:` row of one event of a `time_weighted_sum` meter.
 pub fn weighted_point_key(bucket_prefix: &[u8], timestamp_ms: i64, event_id: &str) -> Vec<u8> {

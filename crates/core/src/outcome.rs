@@ -31,6 +31,7 @@ pub const OUTCOME_CODES: &[&str] = &[
     "discount_not_active",
     "discount_not_applicable",
     "dispute_exists",
+    "event_not_found",
     "external_id_taken",
     "grant_not_active",
     "idempotency_key_in_use",
@@ -79,6 +80,10 @@ pub const INVALID_REQUEST_OUTCOMES: &[&str] = &[
     "transaction_not_disputable",
     "transaction_not_refundable",
 ];
+
+/// Outcome codes that name something the request points at that does not exist
+/// (a voided event id no longer stored): answered 404.
+pub const NOT_FOUND_OUTCOMES: &[&str] = &["event_not_found"];
 
 /// What became of a record the projector did not apply as written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

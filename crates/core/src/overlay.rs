@@ -117,6 +117,8 @@ enum Undo {
     /// A value added to the distinct set at this index of `distinct_sets` (sets
     /// are never removed from the overlay before the commit, so indexes hold).
     DistinctAdded(usize, Vec<u8>),
+    /// The distinct set at this index held these values before it was cleared.
+    DistinctCleared(usize, BTreeSet<Vec<u8>>),
 }
 
 /// What adding a value to a bucket's inline distinct set did.
@@ -437,6 +439,11 @@ impl<'a> Overlay<'a> {
                         set.remove(&value);
                     }
                 }
+                Undo::DistinctCleared(index, values) => {
+                    if let Some((_, set)) = self.distinct_sets.get_index_mut(index) {
+                        *set = values;
+                    }
+                }
             }
         }
     }
@@ -594,6 +601,48 @@ impl<'a> Overlay<'a> {
         self.journal.push(Undo::Change(key, previous));
     }
 
+    /// The bucket at `key` as this chunk sees it (no change made).
+    pub fn aggregate(&mut self, key: &[u8]) -> Result<Aggregate, EngineError> {
+        if let Some(aggregate) = self.aggregates.get(key) {
+            return Ok(*aggregate);
+        }
+        if let Some(aggregate) = self.cache.as_deref().and_then(|c| c.buckets.get(key)) {
+            return Ok(*aggregate);
+        }
+        if self.absent_from_store(key)? {
+            return Ok(Aggregate::default());
+        }
+        match self.store.get(key)? {
+            Some(bytes) => codec::decode_aggregate(&bytes),
+            None => Ok(Aggregate::default()),
+        }
+    }
+
+    /// The inline distinct set at `key` as this chunk sees it (a copy; no change
+    /// made, so a set only read is not written back).
+    pub fn distinct_values(&mut self, key: &[u8]) -> Result<BTreeSet<Vec<u8>>, EngineError> {
+        if let Some(set) = self.distinct_sets.get(key) {
+            return Ok(set.clone());
+        }
+        let stored = match self.changes.get(key) {
+            Some(value) => value.clone(),
+            None => {
+                if let Some(set) = self.cache.as_deref().and_then(|c| c.distinct.get(key)) {
+                    return Ok(set.clone());
+                }
+                if self.absent_from_store(key)? {
+                    None
+                } else {
+                    self.store.get(key)?
+                }
+            }
+        };
+        match stored {
+            Some(bytes) => codec::decode_distinct_set(&bytes),
+            None => Ok(BTreeSet::new()),
+        }
+    }
+
     pub fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
         let (index, previous) = match self.aggregates.get_full(&key) {
             Some((index, _, aggregate)) => (index, Some(*aggregate)),
@@ -661,7 +710,37 @@ impl<'a> Overlay<'a> {
     /// Adds `value` to the inline distinct set at `key` (a `u` key), unless it is
     /// there or the set is full.
     pub fn add_distinct(&mut self, key: Vec<u8>, value: &[u8]) -> Result<DistinctAdd, EngineError> {
-        let index = match self.distinct_sets.get_index_of(&key) {
+        let index = self.distinct_set_index(key)?;
+        let (_, set) = self
+            .distinct_sets
+            .get_index_mut(index)
+            .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
+        if set.contains(value) {
+            return Ok(DistinctAdd::Present);
+        }
+        if set.len() >= codec::INLINE_DISTINCT_MAX {
+            return Ok(DistinctAdd::Full);
+        }
+        set.insert(value.to_vec());
+        self.journal
+            .push(Undo::DistinctAdded(index, value.to_vec()));
+        Ok(DistinctAdd::Added)
+    }
+
+    /// Empties the inline distinct set at `key` (a void rebuilding its bucket); an
+    /// emptied set is deleted at the commit.
+    pub fn clear_distinct(&mut self, key: Vec<u8>) -> Result<(), EngineError> {
+        let index = self.distinct_set_index(key)?;
+        if let Some((_, set)) = self.distinct_sets.get_index_mut(index) {
+            let values = std::mem::take(set);
+            self.journal.push(Undo::DistinctCleared(index, values));
+        }
+        Ok(())
+    }
+
+    /// The index in `distinct_sets` of the set at `key`, loaded first if needed.
+    fn distinct_set_index(&mut self, key: Vec<u8>) -> Result<usize, EngineError> {
+        Ok(match self.distinct_sets.get_index_of(&key) {
             Some(index) => index,
             None => {
                 // The chunk's own write, if any, is newer than the committed cache. The
@@ -691,21 +770,7 @@ impl<'a> Overlay<'a> {
                 };
                 self.distinct_sets.insert_full(key, current).0
             }
-        };
-        let (_, set) = self
-            .distinct_sets
-            .get_index_mut(index)
-            .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
-        if set.contains(value) {
-            return Ok(DistinctAdd::Present);
-        }
-        if set.len() >= codec::INLINE_DISTINCT_MAX {
-            return Ok(DistinctAdd::Full);
-        }
-        set.insert(value.to_vec());
-        self.journal
-            .push(Undo::DistinctAdded(index, value.to_vec()));
-        Ok(DistinctAdd::Added)
+        })
     }
 
     /// The batch to commit, and what the caches learn from it.
@@ -727,13 +792,19 @@ impl<'a> Overlay<'a> {
         let mut changes: Vec<(Vec<u8>, Option<Vec<u8>>)> = self.changes.into_iter().collect();
         changes.reserve(self.aggregates.len() + self.distinct_sets.len());
         for (key, aggregate) in &self.aggregates {
-            changes.push((key.clone(), Some(codec::encode_aggregate(aggregate))));
+            // Empty: a void took its last event out; no row, as if it never had one.
+            let value =
+                (*aggregate != Aggregate::default()).then(|| codec::encode_aggregate(aggregate));
+            changes.push((key.clone(), value));
         }
         let mut distinct_sets = self.distinct_sets;
-        distinct_sets.retain(|_, set| !set.is_empty());
         for (key, set) in &distinct_sets {
-            changes.push((key.clone(), Some(codec::encode_distinct_set(set))));
+            // An empty set is one a void emptied (or a refused record's new one): no
+            // row, as for a bucket that never had a value.
+            let value = (!set.is_empty()).then(|| codec::encode_distinct_set(set));
+            changes.push((key.clone(), value));
         }
+        distinct_sets.retain(|_, set| !set.is_empty());
         Ok(Committed {
             changes,
             buckets: self.aggregates,

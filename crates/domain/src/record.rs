@@ -146,6 +146,14 @@ pub enum Record {
         mode: Mode,
         account_id: crate::ids::AccountId,
     },
+    /// Stored usage events voided: all of them or, when one is not a stored event,
+    /// none (decided in apply; the record's time is the void's time).
+    EventsVoided {
+        store_id: StoreId,
+        mode: Mode,
+        event_ids: Vec<String>,
+        reason: String,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -334,6 +342,8 @@ impl Record {
             // With the store's ledger steps: holds and debits see one order.
             Record::CreditReservation(step) => step.store_id().as_bytes().to_vec(),
             Record::CreditExpiriesDue { store_id, .. } => store_id.as_bytes().to_vec(),
+            // With the store's usage records: a void sees every event stored before it.
+            Record::EventsVoided { store_id, .. } => store_id.as_bytes().to_vec(),
         }
     }
 }

@@ -44,7 +44,7 @@ pub use tally_directory::{customers, stores};
 pub use tally_ingest as ingest;
 pub use tally_ledger as ledger;
 pub use tally_ledger::audit;
-pub use tally_metering::{events, meters, usage};
+pub use tally_metering::{events, meters, usage, voids};
 pub use tally_notifications::{dispatcher, webhooks};
 pub use tally_runtime::Ownership;
 

@@ -39,9 +39,10 @@ use tally_runtime::ChunkMode;
 /// in one set (`u`) instead of a key each; version 5 adds usage settlement (tables
 /// `1`-`7`: a purchase applied by version 4 bound no usage) and the checkout listing
 /// (`8`); version 6 adds credit grants (tables `{`, `}`, `~`, `^`: every credit
-/// unit belongs to a grant); a projection of another version is refused at start-up (it is rebuilt
+/// unit belongs to a grant); version 7 adds where each event of a minute is (`z`,
+/// which voids rebuild buckets from: an older projection lacks its events); a projection of another version is refused at start-up (it is rebuilt
 /// from the log by deleting it).
-pub const PROJECTION_FORMAT_VERSION: u32 = 6;
+pub const PROJECTION_FORMAT_VERSION: u32 = 7;
 
 /// Refuses a projection of another layout: one that holds applied records but no
 /// (or another) format version.
@@ -684,6 +685,23 @@ fn apply_record(
             )?;
             schedule_ledger_events(overlay, &events, entry)?;
         }
+        Record::EventsVoided {
+            store_id,
+            mode,
+            event_ids,
+            reason,
+        } => tally_metering::voids::apply_void(
+            overlay,
+            tally_metering::voids::VoidStep {
+                store_id,
+                mode: *mode,
+                event_ids,
+                reason,
+                at_ms: meta.recorded_at_ms,
+                partition: entry.partition,
+                offset: entry.offset,
+            },
+        )?,
         Record::CreditExpiriesDue {
             store_id,
             mode,

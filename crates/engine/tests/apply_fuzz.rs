@@ -81,6 +81,10 @@ enum Op {
         /// The gateway found a purchase settling it in credits.
         settles: bool,
     },
+    /// A void of stored events (or of ids never stored: refused whole).
+    Void {
+        events: Vec<u8>,
+    },
     /// A usage settlement as any writer could append it: of a position that holds a
     /// usage record or not, repeated, before its record, any quantity.
     Settle {
@@ -232,6 +236,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(account, amounts)| Op::Forged { account, amounts }),
         1 => (0u8..4, proptest::collection::vec(0u8..8, 0..4), any::<bool>())
             .prop_map(|(meter, events, finish)| Op::Backfill { meter, events, finish }),
+        1 => proptest::collection::vec(0u8..9, 0..3).prop_map(|events| Op::Void { events }),
         1 => (0u8..3, 0u8..2, prop_oneof![Just(200u16), Just(400u16)])
             .prop_map(|(key, fingerprint, status)| Op::Response { key, fingerprint, status }),
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
@@ -923,6 +928,12 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                     vec!["customers:read".into()]
                 },
                 created_at_ms: T0,
+            },
+            Op::Void { events } => Record::EventsVoided {
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                event_ids: events.iter().map(|e| format!("ev{e}")).collect(),
+                reason: "fuzz".into(),
             },
             Op::Key { id, revoke: true } => Record::ApiKeyRevoked {
                 store_id: "st_0".into(),

@@ -115,6 +115,8 @@ impl From<EngineError> for ApiError {
             } => {
                 let status = if tally_engine::outcome::INVALID_REQUEST_OUTCOMES.contains(&code) {
                     StatusCode::BAD_REQUEST
+                } else if tally_engine::outcome::NOT_FOUND_OUTCOMES.contains(&code) {
+                    StatusCode::NOT_FOUND
                 } else {
                     StatusCode::CONFLICT
                 };

@@ -632,6 +632,29 @@ pub struct UsageEvent {
     pub properties: BTreeMap<String, Value>,
     pub received_at: String,
     pub matched_meters: Vec<String>,
+    /// Voided events count in no meter; they are listed only with `include_voided=true`.
+    pub voided: bool,
+    pub void_reason: Option<String>,
+    /// ISO 8601 (the time the void was recorded).
+    pub voided_at: Option<String>,
+}
+
+#[derive(ToSchema)]
+pub struct VoidRequest {
+    /// 1 to 100 ids of stored events; repeats count once.
+    pub event_ids: Vec<String>,
+    /// 1 to 500 characters.
+    pub reason: String,
+}
+
+#[derive(ToSchema)]
+pub struct EventVoid {
+    /// `event_void`
+    pub object: String,
+    /// Ids this request voided.
+    pub voided: Vec<String>,
+    /// Ids that were voided before (left as they were).
+    pub already_voided: Vec<String>,
 }
 
 // ---- customer credits ----

@@ -14,6 +14,7 @@ use tally_domain::usage::{canonical_decimal, PropertyValue, UsageEvent};
 use tally_engine::ingest::{EventReport, IngestOutcome, Warning};
 use tally_engine::pagination::Page;
 use tally_engine::usage::{UsageResult, UsageSeries};
+use tally_engine::voids::EventVoid;
 use tally_engine::Scope;
 
 fn decimal_number(value: Decimal) -> Value {
@@ -89,7 +90,7 @@ fn properties(properties: &std::collections::BTreeMap<String, PropertyValue>) ->
     Value::Object(map)
 }
 
-pub fn usage_event(e: &UsageEvent, scope: &Scope) -> Value {
+pub fn usage_event(e: &UsageEvent, scope: &Scope, void: Option<&EventVoid>) -> Value {
     json!({
         "id": e.event_id,
         "object": "usage_event",
@@ -102,6 +103,9 @@ pub fn usage_event(e: &UsageEvent, scope: &Scope) -> Value {
         "properties": properties(&e.properties),
         "received_at": format_iso8601_ms(e.received_at_ms),
         "matched_meters": e.matched_meter_ids,
+        "voided": void.is_some(),
+        "void_reason": void.map(|v| v.reason.as_str()),
+        "voided_at": void.map(|v| format_iso8601_ms(v.voided_at_ms)),
     })
 }
 

@@ -97,6 +97,29 @@ async fn every_client_operation_works_against_the_server() {
         .await
         .unwrap();
     assert_eq!(usage.value.as_deref(), Some("13"));
+    // A void through the client: e2 leaves the sum, and reads back voided.
+    let voided = tally
+        .void_events(&VoidRequest {
+            event_ids: vec!["e2".into()],
+            reason: "sent by mistake".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(voided.voided, ["e2"]);
+    let e2 = tally.get_event("e2").await.unwrap();
+    assert!(e2.voided);
+    assert_eq!(e2.void_reason.as_deref(), Some("sent by mistake"));
+    let usage = tally
+        .meter_usage(
+            &meter.id,
+            &UsageQuery {
+                customer_id: Some(customer.id.clone()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(usage.value.as_deref(), Some("6"));
     let invalid = tally
         .ingest(&IngestRequest {
             events: vec![EventInput {

@@ -15,17 +15,6 @@ async fn setup() -> (tempfile::TempDir, Server, Api) {
     (guard, server, api)
 }
 
-async fn customer(api: &Api, external_id: &str) -> String {
-    let answer = api
-        .post(
-            "/v1/customers",
-            json!({"email": format!("{external_id}@example.com"), "external_id": external_id}),
-        )
-        .await;
-    assert_eq!(answer.status, 200, "{}", answer.body);
-    answer.body["id"].as_str().unwrap().to_string()
-}
-
 async fn meter(api: &Api, body: Value) -> Value {
     let answer = api.post("/v1/meters", body).await;
     assert_eq!(answer.status, 200, "{}", answer.body);

@@ -3,7 +3,7 @@
 //! an event id wins), and so are meter names and limits (ARCHITECTURE.md,
 //! "Decisions in apply").
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use rust_decimal::Decimal;
 use tally_core::codec;
@@ -16,6 +16,7 @@ use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, Overlay, Stored
 use tally_domain::aggregate::{contribution, Contribution};
 use tally_domain::gauge::{keep_latest, offset_in_minute, LatestPoint};
 use tally_domain::ids::MeterId;
+use tally_domain::limits::MAX_EVENT_AGE_MS;
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::time::minute_bucket;
@@ -62,6 +63,16 @@ pub fn plan_record(
                 locate(wanted, store_id, *mode, &event.event_id);
             }
         }
+        Record::EventsVoided {
+            store_id,
+            mode,
+            event_ids,
+            ..
+        } => {
+            for event_id in event_ids {
+                locate(wanted, store_id, *mode, event_id);
+            }
+        }
         Record::MeterBackfill {
             store_id,
             mode,
@@ -99,6 +110,9 @@ pub fn apply_usage_batch(
 ) -> Result<(), ApplyError> {
     let mut meters: HashMap<MeterId, Meter> = HashMap::new();
     let mut stored = Vec::new();
+    // The stored events by minute (`z` rows, one per minute the record's events fall
+    // in): what a void rebuilds a bucket from.
+    let mut minute_rows: BTreeMap<i64, Vec<u8>> = BTreeMap::new();
     for (index, event) in events.iter().enumerate() {
         // Exact dedup: the first record carrying an id wins, whatever came later
         // (an earlier event of this same record included).
@@ -117,13 +131,27 @@ pub fn apply_usage_batch(
         };
         overlay.note_stored(key, location);
         stored.push((index as u32, print));
+        codec::push_minute_event(
+            minute_rows
+                .entry(minute_bucket(event.timestamp_ms))
+                .or_default(),
+            index as u32,
+            &event.customer_id,
+        );
         for meter_id in &event.matched_meter_ids {
             if !meters.contains_key(meter_id) {
                 let meter = load_meter(overlay, store_id, mode, meter_id)?;
                 meters.insert(meter_id.clone(), meter);
             }
             let meter = &meters[meter_id];
-            if meter.accrues(event.timestamp_ms) {
+            if meter.status != MeterStatus::Active {
+                // Matched when it was ingested, not folded: a void must know (see
+                // `voids::was_folded`).
+                overlay.put(
+                    keys::fold_skipped_key(store_id, mode, meter_id, &event.event_id),
+                    Vec::new(),
+                );
+            } else if meter.accrues(event.timestamp_ms) {
                 fold_event(overlay, meter, event)?;
                 if let Some(counted) = counted.as_deref_mut() {
                     if let Some(quantity) = settled_quantity(meter, event) {
@@ -136,6 +164,12 @@ pub fn apply_usage_batch(
                 }
             }
         }
+    }
+    for (minute, row) in minute_rows {
+        overlay.put(
+            keys::minute_events_key(minute, store_id, mode, partition, offset),
+            row,
+        );
     }
     if !stored.is_empty() {
         let key = StoredEventsKey {
@@ -334,13 +368,44 @@ pub fn fold_event(
     meter: &Meter,
     event: &UsageEvent,
 ) -> Result<(), EngineError> {
+    let contribution = fold_minute(
+        overlay,
+        meter,
+        event,
+        &[event.customer_id.as_str(), ALL_CUSTOMERS],
+    )?;
+    match (&contribution, meter.aggregation) {
+        (
+            Contribution::Event {
+                number: Some(value),
+            },
+            Aggregation::TimeWeightedSum,
+        ) => fold_weighted(overlay, meter, event, *value),
+        _ => Ok(()),
+    }
+}
+
+/// What an event contributes to a meter (its aggregation property's value).
+pub fn contribution_of(meter: &Meter, event: &UsageEvent) -> Contribution {
     let value = meter
         .aggregation_property
         .as_ref()
         .and_then(|p| event.properties.get(p));
+    contribution(meter.aggregation, value)
+}
+
+/// Folds one event into the minute buckets of `slots` (its customer, and
+/// `ALL_CUSTOMERS` for the meter-wide bucket): everything but `time_weighted_sum`,
+/// whose fold is not local to a minute. A void rebuilds one slot with this.
+pub fn fold_minute(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    slots: &[&str],
+) -> Result<Contribution, EngineError> {
     let minute = minute_bucket(event.timestamp_ms);
-    let contribution = contribution(meter.aggregation, value);
-    for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+    let contribution = contribution_of(meter, event);
+    for customer in slots.iter().copied() {
         // Built from borrowed parts (no owned `BucketKey`): this runs per event, per
         // matched meter, twice.
         let (store_id, mode, meter_id) = (&meter.store_id, meter.mode, &meter.id);
@@ -374,30 +439,26 @@ pub fn fold_event(
             }
         }
     }
-    match (&contribution, meter.aggregation) {
-        (
-            Contribution::Event {
-                number: Some(value),
-            },
-            Aggregation::Latest,
-        ) => fold_latest(overlay, meter, event, *value),
-        (
-            Contribution::Event {
-                number: Some(value),
-            },
-            Aggregation::TimeWeightedSum,
-        ) => fold_weighted(overlay, meter, event, *value),
-        _ => Ok(()),
+    if let (
+        Contribution::Event {
+            number: Some(value),
+        },
+        Aggregation::Latest,
+    ) = (&contribution, meter.aggregation)
+    {
+        fold_latest(overlay, meter, event, *value, slots)?;
     }
+    Ok(contribution)
 }
 
-/// `latest`: the event replaces its minute's point (per customer and for all
-/// customers) when it is later (domain `gauge`).
+/// `latest`: the event replaces its minute's point (in each slot: its customer's,
+/// all customers') when it is later (domain `gauge`).
 fn fold_latest(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     event: &UsageEvent,
     value: Decimal,
+    slots: &[&str],
 ) -> Result<(), EngineError> {
     let point = LatestPoint {
         timestamp_ms: event.timestamp_ms,
@@ -405,7 +466,7 @@ fn fold_latest(
         value,
     };
     let minute = minute_bucket(event.timestamp_ms);
-    for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+    for customer in slots.iter().copied() {
         let key = BucketKey::from_minute(
             keys::LATEST,
             &meter.store_id,
@@ -429,18 +490,25 @@ fn fold_latest(
 /// of one event; a series is pruned down over the events that follow.
 pub const WEIGHTED_PRUNE_PER_EVENT: usize = 64;
 
+/// How long a time-weighted point is kept, counted back from the receipt of the
+/// event being folded: any event that may still be voided (received within the
+/// stored-event retention, its timestamp at most the oldest ingestible age before
+/// that) keeps its point and its predecessor's, which a void needs.
+pub const WEIGHTED_POINTS_RETENTION_MS: i64 = STORED_EVENTS_RETENTION_MS + MAX_EVENT_AGE_MS;
+
 /// Deletes the points older than `before_key` (the point an event was folded after)
 /// when that point lies before the retention cut of `received_ms`: every event
 /// folded later (ingested, or backfilled from stored events) is newer than the cut,
 /// so its predecessor is `before_key` or later, and the older points are never read
-/// again. The buckets keep their integral; only the lookup table shrinks.
+/// again; nor does a void, which only reaches events within the retention. The
+/// buckets keep their integral; only the lookup table shrinks.
 fn prune_weighted_points(
     overlay: &mut Overlay<'_>,
     prefix: &[u8],
     before_key: &[u8],
     received_ms: i64,
 ) -> Result<(), EngineError> {
-    let cut = received_ms.saturating_sub(STORED_EVENTS_RETENTION_MS);
+    let cut = received_ms.saturating_sub(WEIGHTED_POINTS_RETENTION_MS);
     if keys::weighted_point_timestamp(prefix, before_key)? >= cut {
         return Ok(());
     }
@@ -481,15 +549,33 @@ fn fold_weighted(
         )),
         None => None,
     };
-    for (at_ms, change) in std::iter::once((event.timestamp_ms, change)).chain(successor) {
-        for customer in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+    let own = (event.timestamp_ms, change);
+    match successor {
+        Some(next) => add_weighted_changes(overlay, meter, &event.customer_id, &[own, next])?,
+        None => add_weighted_changes(overlay, meter, &event.customer_id, &[own])?,
+    }
+    overlay.put(key, codec::encode_decimal(value));
+    Ok(())
+}
+
+/// Adds changes of a customer's held value, each at its instant (`None`: it did
+/// not fit 28 digits, and the bucket says so), to the `time_weighted_sum` buckets of
+/// their minutes, the customer's and the all-customers one (domain `gauge`).
+pub fn add_weighted_changes(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    customer: &str,
+    changes: &[(i64, Option<Decimal>)],
+) -> Result<(), EngineError> {
+    for (at_ms, change) in changes {
+        for slot in [customer, ALL_CUSTOMERS] {
             let bucket_key = BucketKey::from_minute(
                 keys::WEIGHTED,
-                store_id,
-                mode,
-                meter_id,
-                customer,
-                minute_bucket(at_ms),
+                &meter.store_id,
+                meter.mode,
+                &meter.id,
+                slot,
+                minute_bucket(*at_ms),
             );
             let mut bucket = overlay
                 .get(&bucket_key)?
@@ -497,13 +583,12 @@ fn fold_weighted(
                 .transpose()?
                 .unwrap_or_default();
             match change {
-                Some(change) => bucket.add_change(offset_in_minute(at_ms), change),
+                Some(change) => bucket.add_change(offset_in_minute(*at_ms), *change),
                 None => bucket.overflowed = true,
             }
             overlay.put(bucket_key, codec::encode_weighted(&bucket));
         }
     }
-    overlay.put(key, codec::encode_decimal(value));
     Ok(())
 }
 
@@ -538,6 +623,14 @@ fn backfill_event(
     };
     let in_range = event.timestamp_ms >= start_ms && event.timestamp_ms < meter.counts_from_ms;
     if !in_range || !meter.matches(&view) {
+        return Ok(());
+    }
+    // A voided event counts nowhere, in a meter backfilled later included.
+    if overlay.contains(&keys::voided_event_key(
+        &meter.store_id,
+        meter.mode,
+        &event.event_id,
+    ))? {
         return Ok(());
     }
     let marker = Key::scoped(keys::BACKFILLED, &meter.store_id, meter.mode)
@@ -629,10 +722,41 @@ pub fn prune_stored_events(overlay: &mut Overlay<'_>, received_ms: i64) -> Resul
         overlay.delete(key.encode());
         overlay.pruned.push((key, stored));
     }
+    prune_minute_rows(overlay, cut)?;
     overlay.put(mark, Key::table(0).int(cut).into_bytes()[1..].to_vec());
     overlay.keep();
     Ok(())
 }
+
+/// Deletes the `z` rows no void can need any more: an event of a minute is received
+/// at most the oldest ingestible age after it, and can be voided until the
+/// stored-event retention after its receipt, whose cut is `stored_cut_ms`. The
+/// rows are ordered by minute first, so this reads little more than it deletes.
+fn prune_minute_rows(overlay: &mut Overlay<'_>, stored_cut_ms: i64) -> Result<(), EngineError> {
+    let before = minute_bucket(
+        stored_cut_ms
+            .saturating_sub(MAX_EVENT_AGE_MS)
+            .saturating_sub(tally_domain::time::MINUTE_MS),
+    );
+    loop {
+        let rows = overlay.first_entries(&[keys::MINUTE_EVENTS], MINUTE_ROWS_PRUNE_STEP)?;
+        let fetched = rows.len();
+        let mut deleted = 0;
+        for (key, _) in rows {
+            if keys::minute_events_minute(&key)? >= before {
+                return Ok(());
+            }
+            overlay.delete(key);
+            deleted += 1;
+        }
+        if deleted < MINUTE_ROWS_PRUNE_STEP || fetched == 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// `z` rows read per step of their pruning (bounds one read's memory).
+const MINUTE_ROWS_PRUNE_STEP: usize = 4_096;
 
 /// The `F` rows of a scope received at or after `from_ms`, in receipt order.
 fn stored_rows_from(

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use tally_core::error::EngineError;
 use tally_core::event_index::{decode_stored, EventLocation};
-use tally_core::keys::StoredEventsKey;
+use tally_core::keys::{self, StoredEventsKey};
 use tally_core::overlay::StoredBatch;
 use tally_core::pagination::{Page, PageRequest};
 use tally_core::Scope;
@@ -34,6 +34,8 @@ pub struct EventFilter {
     pub meter_id: Option<String>,
     pub start_ms: Option<i64>,
     pub end_ms: Option<i64>,
+    /// Voided events are left out unless this is set.
+    pub include_voided: bool,
 }
 
 fn bound_ref(bound: &Bound<Vec<u8>>) -> Bound<&[u8]> {
@@ -307,6 +309,9 @@ impl Metering {
         }
         let limit = page.limit;
         let mut items = Vec::with_capacity(limit + 1);
+        let skip_voided = !filter.include_voided && self.any_voided(scope)?;
+        let store = self.journal.store().clone();
+        let mut failure = None;
         self.scan_stored_events(scope, lower, upper, !towards_newer, |row, events| {
             for (index, event) in events {
                 if let Some((older, (cursor_row, cursor_index))) = &cursor {
@@ -328,6 +333,19 @@ impl Metering {
                         .is_none_or(|m| event.matched_meter_ids.iter().any(|id| id == m))
                     && filter.start_ms.is_none_or(|s| event.timestamp_ms >= s)
                     && filter.end_ms.is_none_or(|e| event.timestamp_ms < e);
+                let voided = || {
+                    let key = keys::voided_event_key(&scope.store_id, scope.mode, &event.event_id);
+                    store.get(&key).map(|found| found.is_some())
+                };
+                let keep = keep
+                    && (!skip_voided
+                        || match voided() {
+                            Ok(voided) => !voided,
+                            Err(error) => {
+                                failure = Some(error);
+                                return Visit::Stop;
+                            }
+                        });
                 if keep {
                     items.push(event.clone());
                     if items.len() > limit {
@@ -338,6 +356,9 @@ impl Metering {
             Visit::Continue
         })
         .await?;
+        if let Some(error) = failure {
+            return Err(error.into());
+        }
         Ok(Page::from_scan(items, limit, towards_newer))
     }
 

@@ -1,10 +1,12 @@
 //! The metering context: meters, usage folded into per-minute buckets, usage
-//! queries and previews, stored events (read back from the log) and backfills.
+//! queries and previews, stored events (read back from the log), backfills and
+//! voids.
 //!
 //! Same inner shape as every context: its records (`MeterUpserted`, `UsageBatch`,
-//! `MeterBackfill`), keys (tables `M`, `N`, `m`, `F`, `G`, `A`, `u`, `U`, `B` of the
-//! core key space), apply ([`apply`]: exact dedup and meter rules decided in log
-//! order), services ([`meters`]) and queries ([`usage`], [`events`]), and the caches
+//! `MeterBackfill`, `EventsVoided`), keys (tables `M`, `N`, `m`, `F`, `G`, `A`, `u`,
+//! `U`, `B`, `@`, `|`, `:`, `z`, `.`, `_` of the core key space), apply ([`apply`],
+//! [`voids`]: exact dedup, meter rules and voids decided in log order), services
+//! ([`meters`], [`voids`]) and queries ([`usage`], [`events`]), and the caches
 //! the ingest gateway reads (meters by scope, in-flight event ids, the event index,
 //! recently read records), kept current by [`Metering::after_commit`].
 //!
@@ -23,6 +25,7 @@ pub mod events;
 pub mod meters;
 pub mod recent;
 pub mod usage;
+pub mod voids;
 
 pub use apply::MeteringApplied;
 

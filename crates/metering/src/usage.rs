@@ -517,6 +517,9 @@ impl Metering {
         // time_weighted_sum: each customer's events up to the range's end.
         let mut points: HashMap<String, Vec<(i64, String, Decimal)>> = HashMap::new();
         let (mut scanned, mut matched, mut truncated) = (0usize, 0usize, false);
+        // Voided events count nowhere, in a preview neither.
+        let skip_voided = self.any_voided(scope)?;
+        let mut failure = None;
         self.scan_stored_events(scope, lower, upper, false, |_, events| {
             for (_, event) in events {
                 scanned += 1;
@@ -531,6 +534,16 @@ impl Metering {
                     || event.name != definition.event_name
                 {
                     continue;
+                }
+                if skip_voided {
+                    match self.event_void(scope, &event.event_id) {
+                        Ok(Some(_)) => continue,
+                        Ok(None) => {}
+                        Err(error) => {
+                            failure = Some(error);
+                            return Visit::Stop;
+                        }
+                    }
                 }
                 let view = EventView {
                     name: &event.name,
@@ -571,6 +584,9 @@ impl Metering {
             Visit::Continue
         })
         .await?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
         if weighted {
             fold.set_areas_from_events(points.into_values());
         }

@@ -743,6 +743,17 @@ pub fn encode_record_with(
             permissions: permissions.clone(),
             created_at_ms: *created_at_ms,
         }),
+        Record::EventsVoided {
+            store_id,
+            mode,
+            event_ids,
+            reason,
+        } => Kind::EventsVoided(v1::EventsVoided {
+            store_id: store_id.to_string(),
+            mode: mode_to_proto(*mode),
+            event_ids: event_ids.clone(),
+            reason: reason.clone(),
+        }),
         Record::ApiKeyRevoked { store_id, key_id } => Kind::ApiKeyRevoked(v1::ApiKeyRevoked {
             store_id: store_id.to_string(),
             key_id: key_id.clone(),
@@ -923,6 +934,12 @@ pub fn decode_record(
             key_sha256: k.key_sha256,
             permissions: k.permissions,
             created_at_ms: k.created_at_ms,
+        },
+        Kind::EventsVoided(v) => Record::EventsVoided {
+            store_id: v.store_id.into(),
+            mode: mode_from_proto(v.mode)?,
+            event_ids: v.event_ids,
+            reason: v.reason,
         },
         Kind::ApiKeyRevoked(k) => Record::ApiKeyRevoked {
             store_id: k.store_id.into(),

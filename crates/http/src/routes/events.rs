@@ -1,4 +1,4 @@
-//! `/v1/events`: ingest, preview, list, get.
+//! `/v1/events`: ingest, preview, list, get, void.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -8,7 +8,7 @@ use tally_engine::events::EventFilter;
 use tally_engine::Scope;
 
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{page_request, parse_instant, PathId, QueryParams};
+use crate::extract::{page_request, parse_instant, Fields, JsonObject, PathId, QueryParams};
 use crate::ingest_body::UsageEvents;
 use crate::openapi as doc;
 use crate::{wire, AppState};
@@ -23,6 +23,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(ingest))
         .routes(routes!(preview))
         .routes(routes!(get))
+        .routes(routes!(void))
 }
 
 #[utoipa::path(
@@ -79,8 +80,41 @@ pub async fn get(
     Extension(scope): Extension<Scope>,
     PathId(event_id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let event = state.engine.metering().get_event(&scope, &event_id).await?;
-    Ok(Json(wire::usage_event(&event, &scope)))
+    let metering = state.engine.metering();
+    let event = metering.get_event(&scope, &event_id).await?;
+    let void = metering.event_void(&scope, &event_id)?;
+    Ok(Json(wire::usage_event(&event, &scope, void.as_ref())))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/events/void",
+    operation_id = "events_void",
+    tag = "events",
+    summary = "Void stored usage events (all or nothing)",
+    request_body(content = doc::VoidRequest, content_type = "application/json", example = json!({"event_ids": ["req_8f2c"], "reason": "sent twice by a retry bug"})),
+    responses((status = 200, description = "Void stored usage events (all or nothing)", body = doc::EventVoid), (status = 400, description = "parameter_missing / parameter_invalid (param `event_ids`, `event_ids[N]` or `reason`)", body = doc::ErrorBody), (status = 404, description = "event_not_found (param `event_ids[N]`): nothing was voided", body = doc::ErrorBody))
+)]
+pub async fn void(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let event_ids = fields
+        .strings("event_ids")?
+        .ok_or_else(|| tally_domain::FieldError::missing("event_ids"))?;
+    let reason = fields.required_string("reason")?;
+    let result = state
+        .engine
+        .metering()
+        .void_events(&scope, &event_ids, &reason)
+        .await?;
+    Ok(Json(json!({
+        "object": "event_void",
+        "voided": result.voided,
+        "already_voided": result.already_voided,
+    })))
 }
 
 #[utoipa::path(
@@ -89,7 +123,7 @@ pub async fn get(
     operation_id = "events_list",
     tag = "events",
     summary = "List stored usage events, newest received first",
-    params(doc::CursorParams, ("customer_id" = Option<String>, Query, description = "one customer"), ("external_customer_id" = Option<String>, Query, description = "one customer, by external id"), ("name" = Option<String>, Query, description = "the event name"), ("meter_id" = Option<String>, Query, description = "events a meter matched"), ("start" = Option<String>, Query, description = "ISO 8601, on the event timestamp"), ("end" = Option<String>, Query, description = "ISO 8601, on the event timestamp")),
+    params(doc::CursorParams, ("customer_id" = Option<String>, Query, description = "one customer"), ("external_customer_id" = Option<String>, Query, description = "one customer, by external id"), ("name" = Option<String>, Query, description = "the event name"), ("meter_id" = Option<String>, Query, description = "events a meter matched"), ("start" = Option<String>, Query, description = "ISO 8601, on the event timestamp"), ("end" = Option<String>, Query, description = "ISO 8601, on the event timestamp"), ("include_voided" = Option<bool>, Query, description = "`true`: voided events too (left out by default)")),
     responses((status = 200, description = "List stored usage events, newest received first", body = doc::List<doc::UsageEvent>), (status = 404, description = "resource_missing: the customer named by `customer_id` or `external_customer_id`", body = doc::ErrorBody))
 )]
 pub async fn list(
@@ -139,11 +173,32 @@ pub async fn list(
             .get("end")
             .map(|s| parse_instant("end", s))
             .transpose()?,
+        include_voided: match query.get("include_voided") {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "include_voided",
+                    "`include_voided` is `true` or `false`",
+                ))
+            }
+        },
     };
     let page = state
         .engine
         .metering()
         .list_events(&scope, &filter, &page)
         .await?;
-    Ok(Json(wire::list(&page, |e| wire::usage_event(e, &scope))))
+    let metering = state.engine.metering();
+    let mut voids = std::collections::HashMap::new();
+    if filter.include_voided {
+        for event in &page.data {
+            if let Some(void) = metering.event_void(&scope, &event.event_id)? {
+                voids.insert(event.event_id.clone(), void);
+            }
+        }
+    }
+    Ok(Json(wire::list(&page, |e| {
+        wire::usage_event(e, &scope, voids.get(&e.event_id))
+    })))
 }

@@ -261,6 +261,18 @@ impl Api {
 }
 
 /// Asserts the error body of docs/api.md and returns its `error` object.
+/// A customer with this external id (and an email made from it): its id.
+pub async fn customer(api: &Api, external_id: &str) -> String {
+    let answer = api
+        .post(
+            "/v1/customers",
+            serde_json::json!({"email": format!("{external_id}@example.com"), "external_id": external_id}),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body["id"].as_str().unwrap().to_string()
+}
+
 pub fn assert_error(answer: &Answer, status: u16, error_type: &str) -> Value {
     assert_eq!(answer.status, status, "body: {}", answer.body);
     let error = &answer.body["error"];

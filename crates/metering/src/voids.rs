@@ -1,0 +1,580 @@
+//! Voiding stored usage events (docs/api.md, "Voiding events"): the service checks
+//! the request and appends one `EventsVoided` record; apply decides it in log order
+//! and takes the events out of every meter they counted in, exactly.
+//!
+//! How a void subtracts (ARCHITECTURE.md, "Voids"):
+//! - `count`, `sum` and `average` are sums: the meter-wide bucket subtracts the
+//!   event's contribution; so do `min`, `max` and `latest` when the event is not
+//!   the bucket's extreme or held point (its value then stays).
+//! - Otherwise `min`, `max`, `unique` and `latest` cannot be un-folded: the bucket
+//!   is rebuilt from the events that remain in it, read back from the log through the `z`
+//!   rows (per minute, each usage record's events in it, with a tag of their
+//!   customer). A customer's bucket always is (it reads only events with its tag);
+//!   the meter-wide bucket reads every event of its minute.
+//! - `time_weighted_sum` is linear in the changes of the held value: the event's
+//!   change is taken out and its successor's grows by as much (domain `gauge`).
+//!
+//! Which meters an event counted in is a function of what is stored: the meters
+//! matched at ingest that were active and counting at its timestamp (a `_` row
+//! marks one that was not active), and those a backfill folded it into (`B` rows).
+
+use std::collections::{BTreeSet, HashMap};
+
+use tally_core::codec::{self, VoidMark};
+use tally_core::error::EngineError;
+use tally_core::event_index::EventLocation;
+use tally_core::keys::{self, BucketKey, Key, ALL_CUSTOMERS};
+use tally_core::outcome::Outcome;
+use tally_core::overlay::{ApplyError, Overlay};
+use tally_core::Scope;
+use tally_domain::aggregate::{Aggregate, Contribution};
+use tally_domain::exact::exact_add;
+use tally_domain::gauge::{keep_latest, LatestPoint};
+use tally_domain::limits::{MAX_EVENT_ID_CHARS, MAX_REASON_CHARS};
+use tally_domain::meter::{Aggregation, Meter};
+use tally_domain::record::Record;
+use tally_domain::time::minute_bucket;
+use tally_domain::usage::UsageEvent;
+use tally_domain::{FieldError, Mode};
+
+use crate::apply::{add_weighted_changes, contribution_of, fold_minute};
+use crate::Metering;
+
+/// Event ids one void may name: one log record, and a bounded rebuild.
+pub const MAX_VOID_EVENTS: usize = 100;
+
+/// The record's content, as apply reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct VoidStep<'a> {
+    pub store_id: &'a str,
+    pub mode: Mode,
+    pub event_ids: &'a [String],
+    pub reason: &'a str,
+    /// The record's time: the void's `voided_at`.
+    pub at_ms: i64,
+    pub partition: u32,
+    pub offset: u64,
+}
+
+/// `EventsVoided`: every id must name a stored event of the scope (else nothing is
+/// voided); those not voided before are marked and taken out of their meters.
+pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), ApplyError> {
+    let VoidStep { store_id, mode, .. } = step;
+    let mut fresh = Vec::new();
+    let mut seen = BTreeSet::new();
+    for (at, event_id) in step.event_ids.iter().enumerate() {
+        if !seen.insert(event_id.as_str()) {
+            continue;
+        }
+        let Some(event) = overlay.stored_event(store_id, mode, event_id)? else {
+            return Err(event_not_found(event_id, at).into());
+        };
+        if !overlay.contains(&keys::voided_event_key(store_id, mode, event_id))? {
+            fresh.push(event);
+        }
+    }
+    let mark = codec::encode_void(&VoidMark {
+        voided_at_ms: step.at_ms,
+        partition: step.partition,
+        offset: step.offset,
+        reason: step.reason.to_string(),
+    });
+    for event in &fresh {
+        overlay.put(
+            keys::voided_event_key(store_id, mode, &event.event_id),
+            mark.clone(),
+        );
+    }
+    let meters = scope_meters(overlay, store_id, mode)?;
+    // Buckets to rebuild, each once: customers' (meter, customer, minute) first,
+    // then the all-customers ones (meter, minute), which merge the customers'.
+    let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
+    let mut all_rebuilds: BTreeSet<(usize, i64)> = BTreeSet::new();
+    for event in &fresh {
+        let minute = minute_bucket(event.timestamp_ms);
+        for (at, meter) in meters.iter().enumerate() {
+            if meter.event_name != event.name || !was_folded(overlay, meter, event)? {
+                continue;
+            }
+            if meter.aggregation == Aggregation::TimeWeightedSum {
+                unfold_weighted(overlay, meter, event)?;
+                continue;
+            }
+            let unique = meter.aggregation == Aggregation::Unique;
+            if unique || !subtract(overlay, meter, event, minute, &event.customer_id)? {
+                customer_rebuilds.insert((at, event.customer_id.to_string(), minute));
+            }
+            if unique || !subtract(overlay, meter, event, minute, ALL_CUSTOMERS)? {
+                all_rebuilds.insert((at, minute));
+            }
+        }
+    }
+    let mut minutes = MinuteEvents::default();
+    // Every record the customers' rebuilds read, asked for at once.
+    let mut missing = Vec::new();
+    for (_, customer, minute) in &customer_rebuilds {
+        for location in minutes.of(overlay, store_id, mode, *minute, Some(customer))? {
+            if let Err(EngineError::RecordsNeeded(more)) =
+                overlay.batch_at(location.partition, location.offset)
+            {
+                missing.extend(more);
+            }
+        }
+    }
+    if !missing.is_empty() {
+        missing.sort_unstable();
+        missing.dedup();
+        return Err(EngineError::RecordsNeeded(missing).into());
+    }
+    for (at, customer, minute) in &customer_rebuilds {
+        let locations = minutes.of(overlay, store_id, mode, *minute, Some(customer))?;
+        rebuild_customer(overlay, &meters[*at], customer, *minute, &locations)?;
+    }
+    for (at, minute) in &all_rebuilds {
+        let customers = minutes.customers(overlay, store_id, mode, *minute)?;
+        rebuild_all(overlay, &meters[*at], *minute, &customers)?;
+    }
+    Ok(())
+}
+
+/// The `z` rows of the minutes a void touches, read once each: every stored event
+/// of the minute, with its customer.
+#[derive(Default)]
+struct MinuteEvents {
+    minutes: HashMap<i64, Vec<(EventLocation, String)>>,
+}
+
+impl MinuteEvents {
+    fn load(
+        &mut self,
+        overlay: &Overlay<'_>,
+        store_id: &str,
+        mode: Mode,
+        minute: i64,
+    ) -> Result<&[(EventLocation, String)], EngineError> {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.minutes.entry(minute) {
+            let mut events = Vec::new();
+            let prefix = keys::minute_events_prefix(minute, store_id, mode);
+            for (key, row) in overlay.prefix_entries(&prefix)? {
+                let (partition, offset) = keys::minute_events_position(&key)?;
+                for (index, customer) in codec::decode_minute_events(&row)? {
+                    let location = EventLocation {
+                        partition,
+                        offset,
+                        index,
+                    };
+                    events.push((location, customer));
+                }
+            }
+            slot.insert(events);
+        }
+        Ok(self.minutes.get(&minute).map(Vec::as_slice).unwrap_or(&[]))
+    }
+
+    /// Where the minute's events of `customer` (or every customer's) are.
+    fn of(
+        &mut self,
+        overlay: &Overlay<'_>,
+        store_id: &str,
+        mode: Mode,
+        minute: i64,
+        customer: Option<&str>,
+    ) -> Result<Vec<EventLocation>, EngineError> {
+        Ok(self
+            .load(overlay, store_id, mode, minute)?
+            .iter()
+            .filter(|(_, c)| customer.is_none_or(|customer| c == customer))
+            .map(|(location, _)| *location)
+            .collect())
+    }
+
+    /// The customers with stored events in the minute.
+    fn customers(
+        &mut self,
+        overlay: &Overlay<'_>,
+        store_id: &str,
+        mode: Mode,
+        minute: i64,
+    ) -> Result<BTreeSet<String>, EngineError> {
+        Ok(self
+            .load(overlay, store_id, mode, minute)?
+            .iter()
+            .map(|(_, customer)| customer.clone())
+            .collect())
+    }
+}
+
+fn event_not_found(event_id: &str, at: usize) -> Outcome {
+    Outcome::rejected(
+        "event_not_found",
+        format!(
+            "no stored event '{event_id}' in this environment (an event can be voided while GET /v1/events/{{event_id}} returns it); nothing was voided"
+        ),
+    )
+    .with_param(&format!("event_ids[{at}]"))
+}
+
+/// Every meter of a scope, archived ones included (they keep their usage).
+fn scope_meters(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+) -> Result<Vec<Meter>, EngineError> {
+    overlay
+        .prefix_entries(&Key::scoped(keys::METER, store_id, mode).into_bytes())?
+        .values()
+        .map(|bytes| codec::decode_meter(bytes))
+        .collect()
+}
+
+/// Whether `event` counted in `meter`: matched at ingest, the meter active when its
+/// record applied (no `_` row) and counting from at or before its timestamp, or
+/// folded by a backfill (a `B` row). The counting start only moves back, by a
+/// backfill that folds what it uncovers, so the start now decides as the start then.
+pub fn was_folded(
+    overlay: &Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+) -> Result<bool, EngineError> {
+    let backfilled = Key::scoped(keys::BACKFILLED, &meter.store_id, meter.mode)
+        .text(&meter.id)
+        .tail(event.event_id.as_bytes())
+        .into_bytes();
+    if overlay.contains(&backfilled)? {
+        return Ok(true);
+    }
+    let matched = event.matched_meter_ids.contains(&meter.id);
+    if !matched || event.timestamp_ms < meter.counts_from_ms {
+        return Ok(false);
+    }
+    let skipped = keys::fold_skipped_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
+    Ok(!overlay.contains(&skipped)?)
+}
+
+/// Takes an event out of a bucket of its minute (`slot`: its customer's, or
+/// `ALL_CUSTOMERS`) by subtraction, where that is exact: always for `count`, `sum`
+/// and `average`; for `min`, `max` and `latest` when the event is not the bucket's
+/// extreme or held point (the bucket's value stays, its counts drop), which in a
+/// busy bucket is nearly always. `false` when it is, or when the sum overflowed:
+/// then the bucket is rebuilt.
+fn subtract(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    minute: i64,
+    slot: &str,
+) -> Result<bool, EngineError> {
+    let number = match contribution_of(meter, event) {
+        Contribution::Skipped | Contribution::Distinct(_) => return Ok(true),
+        Contribution::Event { number } => number,
+    };
+    if meter.aggregation == Aggregation::Latest {
+        let point = BucketKey::from_minute(
+            keys::LATEST,
+            &meter.store_id,
+            meter.mode,
+            &meter.id,
+            slot,
+            minute,
+        );
+        let held = overlay
+            .get(&point)?
+            .map(|bytes| codec::decode_latest(&bytes))
+            .transpose()?;
+        if held.is_none_or(|held| held.event_id == event.event_id) {
+            return Ok(false);
+        }
+    }
+    let key = BucketKey::from_minute(
+        keys::AGGREGATE,
+        &meter.store_id,
+        meter.mode,
+        &meter.id,
+        slot,
+        minute,
+    );
+    let bucket = overlay.aggregate_mut(key)?;
+    let extreme = match meter.aggregation {
+        Aggregation::Min => bucket.min,
+        Aggregation::Max => bucket.max,
+        _ => None,
+    };
+    if bucket.overflowed || (extreme.is_some() && extreme == number) {
+        return Ok(false);
+    }
+    let events = bucket.events.checked_sub(1);
+    let (numeric_events, sum) = match number {
+        Some(n) => (
+            bucket.numeric_events.checked_sub(1),
+            exact_add(bucket.sum, -n),
+        ),
+        None => (Some(bucket.numeric_events), Some(bucket.sum)),
+    };
+    match (events, numeric_events, sum) {
+        // Its last event gone, the bucket is empty (and not stored).
+        (Some(0), _, _) => {
+            *bucket = Aggregate::default();
+            Ok(true)
+        }
+        (Some(events), Some(numeric_events), Some(sum)) => {
+            bucket.events = events;
+            bucket.numeric_events = numeric_events;
+            bucket.sum = sum;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// Rebuilds a customer's bucket of `meter` in `minute` from the events that still
+/// count in it (`locations`: the customer's events of the minute, already fetched).
+fn rebuild_customer(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    customer: &str,
+    minute: i64,
+    locations: &[EventLocation],
+) -> Result<(), EngineError> {
+    let (store_id, mode, meter_id) = (meter.store_id.as_str(), meter.mode, meter.id.as_str());
+    let mut events = Vec::with_capacity(locations.len());
+    for location in locations {
+        let batch = overlay.batch_at(location.partition, location.offset)?;
+        match batch.events.get(location.index as usize) {
+            Some(event) => events.push(event.clone()),
+            None => {
+                return Err(EngineError::Corrupt(format!(
+                    "a minute-events row points at event {} of the record at partition {} offset {}, which has fewer",
+                    location.index, location.partition, location.offset
+                )))
+            }
+        }
+    }
+    let bucket = |table| BucketKey::from_minute(table, store_id, mode, meter_id, customer, minute);
+    // Empty the bucket, then fold what remains.
+    *overlay.aggregate_mut(bucket(keys::AGGREGATE))? = Aggregate::default();
+    if meter.aggregation == Aggregation::Unique {
+        overlay.clear_distinct(bucket(keys::DISTINCT_SET))?;
+        for key in overlay.prefix_entries(&bucket(keys::UNIQUE))?.into_keys() {
+            overlay.delete(key);
+        }
+    }
+    if meter.aggregation == Aggregation::Latest {
+        overlay.delete(bucket(keys::LATEST));
+    }
+    for event in &events {
+        if event.name != meter.event_name
+            || overlay.contains(&keys::voided_event_key(store_id, mode, &event.event_id))?
+            || !was_folded(overlay, meter, event)?
+        {
+            continue;
+        }
+        fold_minute(overlay, meter, event, &[customer])?;
+    }
+    Ok(())
+}
+
+/// Rebuilds the all-customers bucket of `meter` in `minute` from the (rebuilt)
+/// buckets of the customers with events in it: it is their merge, as folding
+/// makes it; `unique` keeps the values some customer still holds.
+fn rebuild_all(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    minute: i64,
+    customers: &BTreeSet<String>,
+) -> Result<(), EngineError> {
+    let (store_id, mode, meter_id) = (meter.store_id.as_str(), meter.mode, meter.id.as_str());
+    let bucket = |table, customer: &str| {
+        BucketKey::from_minute(table, store_id, mode, meter_id, customer, minute)
+    };
+    let mut total = Aggregate::default();
+    let mut latest: Option<LatestPoint> = None;
+    let mut values: BTreeSet<Vec<u8>> = BTreeSet::new();
+    for customer in customers {
+        total.merge(&overlay.aggregate(&bucket(keys::AGGREGATE, customer))?);
+        match meter.aggregation {
+            Aggregation::Latest => {
+                if let Some(bytes) = overlay.get(&bucket(keys::LATEST, customer))? {
+                    keep_latest(&mut latest, &codec::decode_latest(&bytes)?);
+                }
+            }
+            Aggregation::Unique => {
+                values.extend(overlay.distinct_values(&bucket(keys::DISTINCT_SET, customer))?);
+                let prefix = bucket(keys::UNIQUE, customer);
+                for key in overlay.prefix_entries(&prefix)?.into_keys() {
+                    values.insert(key[prefix.len()..].to_vec());
+                }
+            }
+            _ => {}
+        }
+    }
+    *overlay.aggregate_mut(bucket(keys::AGGREGATE, ALL_CUSTOMERS))? = total;
+    match (meter.aggregation, latest) {
+        (Aggregation::Latest, Some(point)) => overlay.put(
+            bucket(keys::LATEST, ALL_CUSTOMERS),
+            codec::encode_latest(&point),
+        ),
+        (Aggregation::Latest, None) => overlay.delete(bucket(keys::LATEST, ALL_CUSTOMERS)),
+        _ => {}
+    }
+    if meter.aggregation == Aggregation::Unique {
+        let prefix = bucket(keys::UNIQUE, ALL_CUSTOMERS);
+        let held = overlay.prefix_entries(&prefix)?;
+        for key in held.keys() {
+            if !values.contains(&key[prefix.len()..]) {
+                overlay.delete(key.clone());
+            }
+        }
+        for value in values {
+            let mut key = prefix.clone();
+            key.extend_from_slice(&value);
+            if !held.contains_key(&key) {
+                overlay.put(key, Vec::new());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Takes a `time_weighted_sum` event out: its change of the held value (its value
+/// minus its predecessor's) leaves its minute, and its successor's change grows by
+/// as much, per customer and for all customers; its point is deleted.
+fn unfold_weighted(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+) -> Result<(), EngineError> {
+    let (store_id, mode, meter_id) = (&meter.store_id, meter.mode, &meter.id);
+    let prefix = keys::weighted_points_prefix(store_id, mode, meter_id, &event.customer_id);
+    let key = keys::weighted_point_key(&prefix, event.timestamp_ms, &event.event_id);
+    let Some(bytes) = overlay.get(&key)? else {
+        // No numeric value: it never changed the held value.
+        return Ok(());
+    };
+    let value = codec::decode_decimal(&bytes)?;
+    let around = overlay.neighbours(&prefix, &key)?;
+    let before = match &around.before {
+        Some((_, bytes)) => codec::decode_decimal(bytes)?,
+        None => rust_decimal::Decimal::ZERO,
+    };
+    let change = value.checked_sub(before);
+    let mut changes = vec![(event.timestamp_ms, change.map(|c| -c))];
+    if let Some((next, _)) = &around.after {
+        changes.push((keys::weighted_point_timestamp(&prefix, next)?, change));
+    }
+    add_weighted_changes(overlay, meter, &event.customer_id, &changes)?;
+    overlay.delete(key);
+    Ok(())
+}
+
+/// What a void request did: the ids it voided, and those voided before.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VoidResult {
+    pub voided: Vec<String>,
+    pub already_voided: Vec<String>,
+}
+
+/// A stored event's void, as `GET /v1/events/{id}` shows it.
+pub type EventVoid = VoidMark;
+
+/// The ids of a void request, checked: 1 to `MAX_VOID_EVENTS`, each a valid event
+/// id; repeats are voided once.
+pub fn check_void_request(event_ids: &[String], reason: &str) -> Result<(), FieldError> {
+    if event_ids.is_empty() || event_ids.len() > MAX_VOID_EVENTS {
+        return Err(FieldError::invalid(
+            "event_ids",
+            format!("give 1 to {MAX_VOID_EVENTS} event ids"),
+        ));
+    }
+    for (at, id) in event_ids.iter().enumerate() {
+        if id.is_empty() || id.chars().count() > MAX_EVENT_ID_CHARS {
+            return Err(FieldError::invalid(
+                format!("event_ids[{at}]"),
+                format!("an event id is 1 to {MAX_EVENT_ID_CHARS} characters"),
+            ));
+        }
+    }
+    let chars = reason.trim().chars().count();
+    if chars == 0 || reason.chars().count() > MAX_REASON_CHARS {
+        return Err(FieldError::invalid(
+            "reason",
+            format!("give a reason of 1 to {MAX_REASON_CHARS} characters"),
+        ));
+    }
+    Ok(())
+}
+
+impl Metering {
+    /// `POST /v1/events/void`: every id must be a stored event of the scope (the
+    /// first that is not is a 404 naming it, and nothing is voided). Decided in
+    /// apply; the answer says which ids this request voided.
+    pub async fn void_events(
+        &self,
+        scope: &Scope,
+        event_ids: &[String],
+        reason: &str,
+    ) -> Result<VoidResult, EngineError> {
+        check_void_request(event_ids, reason)?;
+        for (at, event_id) in event_ids.iter().enumerate() {
+            if self.find_stored_event(scope, event_id).await?.is_none() {
+                return Err(event_not_found(event_id, at).into());
+            }
+        }
+        let record = Record::EventsVoided {
+            store_id: scope.store_id.clone(),
+            mode: scope.mode,
+            event_ids: event_ids.to_vec(),
+            reason: reason.to_string(),
+        };
+        let (_, (partition, offset)) = self.journal.append_and_decide_at(&record).await?;
+        let mut result = VoidResult::default();
+        let mut seen = BTreeSet::new();
+        for event_id in event_ids {
+            if !seen.insert(event_id.as_str()) {
+                continue;
+            }
+            let mine = self
+                .event_void(scope, event_id)?
+                .is_some_and(|mark| (mark.partition, mark.offset) == (partition, offset));
+            if mine {
+                result.voided.push(event_id.clone());
+            } else {
+                result.already_voided.push(event_id.clone());
+            }
+        }
+        Ok(result)
+    }
+
+    /// The void of a stored event, if it is voided.
+    pub fn event_void(
+        &self,
+        scope: &Scope,
+        event_id: &str,
+    ) -> Result<Option<EventVoid>, EngineError> {
+        self.journal
+            .store()
+            .get(&keys::voided_event_key(
+                &scope.store_id,
+                scope.mode,
+                event_id,
+            ))?
+            .map(|bytes| codec::decode_void(&bytes))
+            .transpose()
+    }
+
+    /// Whether any event of the scope is voided (listings skip the per-event look
+    /// up while none is).
+    pub fn any_voided(&self, scope: &Scope) -> Result<bool, EngineError> {
+        let prefix = Key::scoped(keys::VOIDED_EVENT, &scope.store_id, scope.mode).into_bytes();
+        let mut any = false;
+        self.journal.store().scan(
+            std::ops::Bound::Included(&prefix),
+            std::ops::Bound::Unbounded,
+            false,
+            &mut |key, _| {
+                any = key.starts_with(&prefix);
+                tally_projection::Visit::Stop
+            },
+        )?;
+        Ok(any)
+    }
+}
