@@ -3,14 +3,15 @@
 //! and takes the events out of every meter they counted in, exactly.
 //!
 //! How a void subtracts (ARCHITECTURE.md, "Voids"):
-//! - `count`, `sum` and `average` are sums: the meter-wide bucket subtracts the
-//!   event's contribution; so do `min`, `max` and `latest` when the event is not
-//!   the bucket's extreme or held point (its value then stays).
-//! - Otherwise `min`, `max`, `unique` and `latest` cannot be un-folded: the bucket
-//!   is rebuilt from the events that remain in it, read back from the log through the `z`
-//!   rows (per minute, each usage record's events in it, with a tag of their
-//!   customer). A customer's bucket always is (it reads only events with its tag);
-//!   the meter-wide bucket reads every event of its minute.
+//! - `count`, `sum` and `average` are sums: the event's buckets (its customer's and
+//!   the meter-wide one) subtract its contribution; so do `min`, `max` and `latest`
+//!   when the event is not the bucket's extreme or held point (its value then
+//!   stays).
+//! - Otherwise, and always for `unique`, a fold cannot be undone: a customer's
+//!   bucket is rebuilt from its events that remain, read back from the log through
+//!   the `z` rows (per minute, each usage record's events in it with their
+//!   customer), and the meter-wide bucket is rebuilt by merging the buckets of the
+//!   customers with events in that minute (no events are read for it).
 //! - `time_weighted_sum` is linear in the changes of the held value: the event's
 //!   change is taken out and its successor's grows by as much (domain `gauge`).
 //!
