@@ -241,6 +241,14 @@ pub fn voided_event_key(store_id: &str, mode: Mode, event_id: &str) -> Vec<u8> {
         .into_bytes()
 }
 
+/// The `B` row of an event a backfill folded into a meter.
+pub fn backfilled_key(store_id: &str, mode: Mode, meter_id: &str, event_id: &str) -> Vec<u8> {
+    Key::scoped(BACKFILLED, store_id, mode)
+        .text(meter_id)
+        .tail(event_id.as_bytes())
+        .into_bytes()
+}
+
 /// The `_` row of an event its meter matched but did not fold.
 pub fn fold_skipped_key(store_id: &str, mode: Mode, meter_id: &str, event_id: &str) -> Vec<u8> {
     Key::scoped(FOLD_SKIPPED, store_id, mode)

@@ -603,9 +603,14 @@ impl<'a> Overlay<'a> {
 
     /// The bucket at `key` as this chunk sees it (no change made).
     pub fn aggregate(&mut self, key: &[u8]) -> Result<Aggregate, EngineError> {
-        if let Some(aggregate) = self.aggregates.get(key) {
-            return Ok(*aggregate);
+        match self.aggregates.get(key) {
+            Some(aggregate) => Ok(*aggregate),
+            None => self.committed_aggregate(key),
         }
+    }
+
+    /// The bucket at `key` as committed: the cache's, else the store's.
+    fn committed_aggregate(&mut self, key: &[u8]) -> Result<Aggregate, EngineError> {
         if let Some(aggregate) = self.cache.as_deref().and_then(|c| c.buckets.get(key)) {
             return Ok(*aggregate);
         }
@@ -647,19 +652,7 @@ impl<'a> Overlay<'a> {
         let (index, previous) = match self.aggregates.get_full(&key) {
             Some((index, _, aggregate)) => (index, Some(*aggregate)),
             None => {
-                let cached = self
-                    .cache
-                    .as_deref()
-                    .and_then(|c| c.buckets.get(&key))
-                    .copied();
-                let current = match cached {
-                    Some(aggregate) => aggregate,
-                    None if self.absent_from_store(&key)? => Aggregate::default(),
-                    None => match self.store.get(&key)? {
-                        Some(bytes) => codec::decode_aggregate(&bytes)?,
-                        None => Aggregate::default(),
-                    },
-                };
+                let current = self.committed_aggregate(&key)?;
                 (self.aggregates.insert_full(key, current).0, None)
             }
         };

@@ -633,10 +633,7 @@ fn backfill_event(
     ))? {
         return Ok(());
     }
-    let marker = Key::scoped(keys::BACKFILLED, &meter.store_id, meter.mode)
-        .text(&meter.id)
-        .tail(event.event_id.as_bytes())
-        .into_bytes();
+    let marker = keys::backfilled_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
     if overlay.contains(&marker)? {
         return Ok(());
     }

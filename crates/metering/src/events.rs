@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use tally_core::error::EngineError;
 use tally_core::event_index::{decode_stored, EventLocation};
-use tally_core::keys::{self, StoredEventsKey};
+use tally_core::keys::StoredEventsKey;
 use tally_core::overlay::StoredBatch;
 use tally_core::pagination::{Page, PageRequest};
 use tally_core::Scope;
@@ -310,7 +310,6 @@ impl Metering {
         let limit = page.limit;
         let mut items = Vec::with_capacity(limit + 1);
         let skip_voided = !filter.include_voided && self.any_voided(scope)?;
-        let store = self.journal.store().clone();
         let mut failure = None;
         self.scan_stored_events(scope, lower, upper, !towards_newer, |row, events| {
             for (index, event) in events {
@@ -333,14 +332,10 @@ impl Metering {
                         .is_none_or(|m| event.matched_meter_ids.iter().any(|id| id == m))
                     && filter.start_ms.is_none_or(|s| event.timestamp_ms >= s)
                     && filter.end_ms.is_none_or(|e| event.timestamp_ms < e);
-                let voided = || {
-                    let key = keys::voided_event_key(&scope.store_id, scope.mode, &event.event_id);
-                    store.get(&key).map(|found| found.is_some())
-                };
                 let keep = keep
                     && (!skip_voided
-                        || match voided() {
-                            Ok(voided) => !voided,
+                        || match self.event_void(scope, &event.event_id) {
+                            Ok(void) => void.is_none(),
                             Err(error) => {
                                 failure = Some(error);
                                 return Visit::Stop;
@@ -357,7 +352,7 @@ impl Metering {
         })
         .await?;
         if let Some(error) = failure {
-            return Err(error.into());
+            return Err(error);
         }
         Ok(Page::from_scan(items, limit, towards_newer))
     }

@@ -114,7 +114,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
     // Every record the customers' rebuilds read, asked for at once.
     let mut missing = Vec::new();
     for (_, customer, minute) in &customer_rebuilds {
-        for location in minutes.of(overlay, store_id, mode, *minute, Some(customer))? {
+        for location in minutes.of(overlay, store_id, mode, *minute, customer)? {
             if let Err(EngineError::RecordsNeeded(more)) =
                 overlay.batch_at(location.partition, location.offset)
             {
@@ -128,7 +128,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         return Err(EngineError::RecordsNeeded(missing).into());
     }
     for (at, customer, minute) in &customer_rebuilds {
-        let locations = minutes.of(overlay, store_id, mode, *minute, Some(customer))?;
+        let locations = minutes.of(overlay, store_id, mode, *minute, customer)?;
         rebuild_customer(overlay, &meters[*at], customer, *minute, &locations)?;
     }
     for (at, minute) in &all_rebuilds {
@@ -172,19 +172,19 @@ impl MinuteEvents {
         Ok(self.minutes.get(&minute).map(Vec::as_slice).unwrap_or(&[]))
     }
 
-    /// Where the minute's events of `customer` (or every customer's) are.
+    /// Where the minute's events of `customer` are.
     fn of(
         &mut self,
         overlay: &Overlay<'_>,
         store_id: &str,
         mode: Mode,
         minute: i64,
-        customer: Option<&str>,
+        customer: &str,
     ) -> Result<Vec<EventLocation>, EngineError> {
         Ok(self
             .load(overlay, store_id, mode, minute)?
             .iter()
-            .filter(|(_, c)| customer.is_none_or(|customer| c == customer))
+            .filter(|(_, c)| c == customer)
             .map(|(location, _)| *location)
             .collect())
     }
@@ -237,10 +237,7 @@ pub fn was_folded(
     meter: &Meter,
     event: &UsageEvent,
 ) -> Result<bool, EngineError> {
-    let backfilled = Key::scoped(keys::BACKFILLED, &meter.store_id, meter.mode)
-        .text(&meter.id)
-        .tail(event.event_id.as_bytes())
-        .into_bytes();
+    let backfilled = keys::backfilled_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
     if overlay.contains(&backfilled)? {
         return Ok(true);
     }
@@ -494,8 +491,7 @@ pub fn check_void_request(event_ids: &[String], reason: &str) -> Result<(), Fiel
             ));
         }
     }
-    let chars = reason.trim().chars().count();
-    if chars == 0 || reason.chars().count() > MAX_REASON_CHARS {
+    if reason.trim().is_empty() || reason.chars().count() > MAX_REASON_CHARS {
         return Err(FieldError::invalid(
             "reason",
             format!("give a reason of 1 to {MAX_REASON_CHARS} characters"),
@@ -567,12 +563,12 @@ impl Metering {
     pub fn any_voided(&self, scope: &Scope) -> Result<bool, EngineError> {
         let prefix = Key::scoped(keys::VOIDED_EVENT, &scope.store_id, scope.mode).into_bytes();
         let mut any = false;
-        self.journal.store().scan(
-            std::ops::Bound::Included(&prefix),
-            std::ops::Bound::Unbounded,
+        tally_projection::scan_prefix(
+            self.journal.store().as_ref(),
+            &prefix,
             false,
-            &mut |key, _| {
-                any = key.starts_with(&prefix);
+            &mut |_, _| {
+                any = true;
                 tally_projection::Visit::Stop
             },
         )?;
