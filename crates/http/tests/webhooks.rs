@@ -699,8 +699,9 @@ async fn webhook_lists_keep_the_cursor_contract() {
         credit_event(&api, "1", &format!("k{i}")).await;
     }
     receiver.wait_for(3).await;
-    server.engine.wait_caught_up().await.unwrap();
     let path = format!("/v1/webhooks/{}/deliveries", ids[0]);
+    // The receiver sees a POST before the dispatcher appends its attempt record.
+    recorded_attempts(&api, &path, 3).await;
     let page = api.get(&format!("{path}?limit=2")).await.body;
     assert_eq!(page["data"].as_array().unwrap().len(), 2, "{page}");
     assert_eq!(page["has_more"], true);
@@ -719,4 +720,23 @@ async fn webhook_lists_keep_the_cursor_contract() {
     );
     assert_eq!(unknown["param"], "starting_after");
     server.stop().await;
+}
+
+/// Waits until `path` lists `n` recorded attempts: the dispatcher records an attempt
+/// in the log after the endpoint answered, so the receiver can count a delivery the
+/// list does not show yet.
+async fn recorded_attempts(api: &Api, path: &str, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed = api.get(&format!("{path}?limit=100")).await.body;
+        let count = listed["data"].as_array().map_or(0, Vec::len);
+        if count >= n {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{count} of {n} attempts recorded: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
