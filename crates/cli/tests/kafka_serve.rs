@@ -187,7 +187,8 @@ async fn serving_on_kafka_is_exact_and_survives_restarts() {
     assert_eq!(replayed["accepted"], 0, "every id is known after the crash");
 
     // A void on Kafka: the largest two events leave the sum and the maximum (which
-    // is rebuilt from records read back from the topic), and stay gone on restart.
+    // is rebuilt from records read back from the topic), and stay gone on restart;
+    // so does an amendment.
     let (status, voided) = post(
         &http,
         &format!("{base}/v1/events/void"),
@@ -200,11 +201,24 @@ async fn serving_on_kafka_is_exact_and_survives_restarts() {
     assert_eq!(voided["voided"], json!(["ev99", "ev98"]));
     wait_for_usage(&http, &base, &key, &meter, "4753").await;
     wait_for_usage(&http, &base, &key, &max, "97").await;
+    // An amendment on Kafka: ev97 (the maximum now) is replaced by a larger value.
+    let (status, amended) = post(
+        &http,
+        &format!("{base}/v1/events/ev97/amend"),
+        &key,
+        json!({"event": {"event_id": "ev97b", "properties": {"n": 200}}, "reason": "test"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{amended}");
+    assert_eq!(amended["replacement"]["event_id"], "ev97b");
+    wait_for_usage(&http, &base, &key, &meter, "4856").await;
+    wait_for_usage(&http, &base, &key, &max, "200").await;
     assert!(served.terminate().success());
     let served = serve_with(dir.path(), &flags);
     let base = served.test_url.clone();
-    assert_eq!(usage_value(&http, &base, &key, &meter).await, "4753");
-    assert_eq!(usage_value(&http, &base, &key, &max).await, "97");
+    assert_eq!(usage_value(&http, &base, &key, &meter).await, "4856");
+    assert_eq!(usage_value(&http, &base, &key, &max).await, "200");
     assert!(served.terminate().success());
 }
 

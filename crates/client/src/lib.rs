@@ -38,7 +38,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Every operation this client calls: (HTTP method, documented path, operationId).
 /// The crate's tests hold it to docs/openapi.json.
-pub const OPERATIONS: [(&str, &str, &str); 26] = [
+pub const OPERATIONS: [(&str, &str, &str); 27] = [
     ("post", "/admin/v1/stores", "create_store"),
     ("post", "/admin/v1/stores/{id}/keys", "create_key"),
     (
@@ -55,6 +55,7 @@ pub const OPERATIONS: [(&str, &str, &str); 26] = [
     ("post", "/v1/events/ingest", "events_ingest"),
     ("get", "/v1/events/{event_id}", "events_get"),
     ("post", "/v1/events/void", "events_void"),
+    ("post", "/v1/events/{event_id}/amend", "events_amend"),
     ("post", "/v1/customer-credits/accounts", "create_account"),
     ("get", "/v1/customer-credits/accounts/{id}", "get_account"),
     (
@@ -340,6 +341,17 @@ impl Client {
     /// Voids stored events (all or nothing; docs/api.md, "Voiding events").
     pub async fn void_events(&self, request: &VoidRequest) -> Result<EventVoid> {
         self.post("/v1/events/void", request).await
+    }
+
+    /// Amends a stored event: voids it and stores its replacement, in one record
+    /// (docs/api.md, "Amending an event").
+    pub async fn amend_event(
+        &self,
+        event_id: &str,
+        request: &AmendRequest,
+    ) -> Result<EventAmendment> {
+        self.post(&format!("/v1/events/{event_id}/amend"), request)
+            .await
     }
 
     // ---- customer credits ----

@@ -47,6 +47,9 @@ pub fn documented() -> Vec<(&'static str, &'static [&'static str], bool)> {
         entry::<UsageEvent>(),
         entry::<VoidRequest>(),
         entry::<EventVoid>(),
+        entry::<EventChanges>(),
+        entry::<AmendRequest>(),
+        entry::<EventAmendment>(),
         entry::<CreditAccount>(),
         entry::<AccountCreate>(),
         entry::<Movement>(),
@@ -348,6 +351,35 @@ documented! {
         pub object: String,
         pub voided: Vec<String>,
         pub already_voided: Vec<String>,
+    }
+}
+
+documented! {
+    /// What an amendment changes; the customer never changes.
+    request pub struct EventChanges {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub event_id: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub name: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub timestamp: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub properties: Option<BTreeMap<String, Value>>,
+    }
+}
+
+documented! {
+    request pub struct AmendRequest {
+        pub event: EventChanges,
+        pub reason: String,
+    }
+}
+
+documented! {
+    response pub struct EventAmendment {
+        pub object: String,
+        pub voided: String,
+        pub replacement: UsageEvent,
     }
 }
 

@@ -331,10 +331,9 @@ impl Journal {
         // Outside a counting scope there is nothing to count.
         let _ = APPENDED.try_with(|appended| appended.set(appended.get() + 1));
         self.metrics.log_append(self.log.kind(), started.elapsed());
-        let events = match record {
-            Record::UsageBatch { events, .. } => events.len(),
-            _ => 0,
-        };
+        let events = record
+            .stored_events()
+            .map_or(0, |(_, _, events)| events.len());
         let mut unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
         if self.runtime.applied(partition) <= offset {
             unapplied.partitions[partition as usize].insert(offset, (Instant::now(), events));
@@ -418,7 +417,18 @@ impl Journal {
         record: &Record,
         base_updated_at_ms: Option<i64>,
     ) -> Result<(Decision, (u32, u64)), EngineError> {
-        let (partition, offset) = self.append_with(record, base_updated_at_ms).await?;
+        let position = self.append_with(record, base_updated_at_ms).await?;
+        Ok((self.decision(record, position).await?, position))
+    }
+
+    /// What apply decided about `record`, appended at `(partition, offset)`: waits
+    /// for it to be applied (for a caller that had to act between the append and the
+    /// wait, as ingest hands its in-flight reservations over).
+    pub async fn decision(
+        &self,
+        record: &Record,
+        (partition, offset): (u32, u64),
+    ) -> Result<Decision, EngineError> {
         self.wait_applied(partition, offset).await?;
         if !record.applies_on_every_node()
             && !self.runtime.ownership().applied_in_full(partition, offset)
@@ -437,7 +447,7 @@ impl Journal {
                 rejected => return Err(rejected.into()),
             },
         };
-        Ok((decision, (partition, offset)))
+        Ok(decision)
     }
 
     /// Runs an update without any lock (ARCHITECTURE.md "Decisions in apply"):

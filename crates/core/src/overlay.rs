@@ -28,7 +28,8 @@ pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 /// its index instead of holding a copy of its key (a copy per event and bucket).
 pub type FastIndexMap<K, V> = indexmap::IndexMap<K, V, foldhash::fast::RandomState>;
 
-/// A usage record read back from the log for apply or a query.
+/// A record that stores usage events (a usage batch, or an amendment with its
+/// replacement at index 0), read back from the log for apply or a query.
 #[derive(Debug)]
 pub struct StoredBatch {
     pub store_id: String,
@@ -37,7 +38,7 @@ pub struct StoredBatch {
 }
 
 impl StoredBatch {
-    /// The usage record in `payload`, or `None` when it holds another record.
+    /// The stored events of the record in `payload`, or `None` when it stores none.
     pub fn decode(payload: &[u8]) -> Result<Option<StoredBatch>, EngineError> {
         match tally_proto::decode_record(payload) {
             Ok((
@@ -52,6 +53,19 @@ impl StoredBatch {
                 store_id: store_id.to_string(),
                 mode,
                 events,
+            })),
+            Ok((
+                Record::EventAmended {
+                    store_id,
+                    mode,
+                    replacement,
+                    ..
+                },
+                _,
+            )) => Ok(Some(StoredBatch {
+                store_id: store_id.to_string(),
+                mode,
+                events: vec![replacement],
             })),
             Ok(_) => Ok(None),
             Err(error) => Err(EngineError::Corrupt(format!(
@@ -331,16 +345,14 @@ impl<'a> Overlay<'a> {
 
     /// The usage record at a position: one of this chunk's, or one fetched for it.
     pub fn batch_at(&self, partition: u32, offset: u64) -> Result<StoredRef<'_>, EngineError> {
-        if let Some(Record::UsageBatch {
-            store_id,
-            mode,
-            events,
-            ..
-        }) = self.chunk.get(&(partition, offset)).copied()
+        if let Some((store_id, mode, events)) = self
+            .chunk
+            .get(&(partition, offset))
+            .and_then(|record| record.stored_events())
         {
             return Ok(StoredRef {
                 store_id,
-                mode: *mode,
+                mode,
                 events,
             });
         }

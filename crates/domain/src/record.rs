@@ -154,6 +154,16 @@ pub enum Record {
         event_ids: Vec<String>,
         reason: String,
     },
+    /// A stored usage event amended: voided and replaced by `replacement`, in one
+    /// record so one never lands without the other (decided in apply; refused whole
+    /// when the event is not stored, already voided, or the replacement's id taken).
+    EventAmended {
+        store_id: StoreId,
+        mode: Mode,
+        event_id: String,
+        reason: String,
+        replacement: crate::usage::UsageEvent,
+    },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -283,6 +293,26 @@ impl Record {
         )
     }
 
+    /// The usage events this record stores, if it stores any: a usage batch's, or an
+    /// amendment's replacement (what the event index and `F` rows point at).
+    pub fn stored_events(&self) -> Option<(&StoreId, Mode, &[crate::usage::UsageEvent])> {
+        match self {
+            Record::UsageBatch {
+                store_id,
+                mode,
+                events,
+                ..
+            } => Some((store_id, *mode, events)),
+            Record::EventAmended {
+                store_id,
+                mode,
+                replacement,
+                ..
+            } => Some((store_id, *mode, std::slice::from_ref(replacement))),
+            _ => None,
+        }
+    }
+
     /// The partitioning key: every record of a store goes to one partition, so a
     /// store's records keep one order and one node can own the store (see
     /// ARCHITECTURE.md, "Partitions and ownership").
@@ -344,6 +374,7 @@ impl Record {
             Record::CreditExpiriesDue { store_id, .. } => store_id.as_bytes().to_vec(),
             // With the store's usage records: a void sees every event stored before it.
             Record::EventsVoided { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::EventAmended { store_id, .. } => store_id.as_bytes().to_vec(),
         }
     }
 }

@@ -140,6 +140,70 @@ pub struct ValidatedEvent {
     pub properties: BTreeMap<String, PropertyValue>,
 }
 
+/// What an amendment changes of a stored event (docs/api.md, "Amending an event"):
+/// each field given replaces the original's (`properties` whole); the customer
+/// never changes.
+#[derive(Debug, Clone, Default)]
+pub struct EventChanges {
+    pub event_id: Option<String>,
+    pub name: Option<String>,
+    pub timestamp: Option<String>,
+    pub properties: Option<Vec<(String, RawPropertyValue)>>,
+}
+
+/// The replacement an amendment makes of `original`, validated as ingest validates
+/// an event received at `now_ms` (a replacement is a new event); errors name the
+/// field under `event.`.
+pub fn amended_event(
+    original: &UsageEvent,
+    changes: &EventChanges,
+    now_ms: i64,
+) -> Result<ValidatedEvent, FieldError> {
+    let properties = match &changes.properties {
+        Some(given) => given.clone(),
+        None => original
+            .properties
+            .iter()
+            .map(|(key, value)| {
+                let raw = match value {
+                    PropertyValue::String(s) => RawPropertyValue::String(s.clone()),
+                    PropertyValue::Number(n) => RawPropertyValue::Number(n.to_string()),
+                };
+                (key.clone(), raw)
+            })
+            .collect(),
+    };
+    let raw = RawUsageEvent {
+        name: Some(
+            changes
+                .name
+                .clone()
+                .unwrap_or_else(|| original.name.clone()),
+        ),
+        customer_id: Some(original.customer_id.to_string()),
+        external_customer_id: None,
+        event_id: changes.event_id.clone(),
+        timestamp: Some(
+            changes
+                .timestamp
+                .clone()
+                .unwrap_or_else(|| crate::time::format_iso8601_ms(original.timestamp_ms)),
+        ),
+        properties,
+    };
+    validate_event(&raw, now_ms).map_err(|error| {
+        let message = if error.param == "timestamp" && changes.timestamp.is_none() {
+            format!(
+                "the event's timestamp, which the replacement keeps, is not ingestible now ({}); give a `timestamp`, or void the event instead",
+                error.message
+            )
+        } else {
+            error.message
+        };
+        FieldError::new(error.code, format!("event.{}", error.param), message)
+    })
+}
+
 /// Validates one event. Errors name the field relative to the event (`timestamp`);
 /// callers prefix `events[N]`.
 pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent, FieldError> {
@@ -302,6 +366,78 @@ mod tests {
             customer_id: Some("cus_1".into()),
             ..Default::default()
         }
+    }
+
+    fn stored(timestamp_ms: i64) -> UsageEvent {
+        UsageEvent {
+            event_id: "e1".into(),
+            name: "api_call".into(),
+            customer_id: "cus_1".into(),
+            external_customer_id: Some("ext".into()),
+            timestamp_ms,
+            properties: [
+                ("n".to_string(), PropertyValue::Number(Decimal::new(125, 2))),
+                ("s".to_string(), PropertyValue::String("x".into())),
+            ]
+            .into_iter()
+            .collect(),
+            received_at_ms: timestamp_ms,
+            matched_meter_ids: Vec::new(),
+            event_id_assigned: false,
+        }
+    }
+
+    #[test]
+    fn an_amendment_keeps_what_it_does_not_change() {
+        let original = stored(NOW - 60_000);
+        let kept = amended_event(&original, &EventChanges::default(), NOW).unwrap();
+        assert_eq!(kept.name, original.name);
+        assert_eq!(kept.timestamp_ms, original.timestamp_ms);
+        assert_eq!(kept.properties, original.properties);
+        assert_eq!(kept.customer, CustomerRef::Id("cus_1".into()));
+        assert_eq!(kept.event_id, None);
+        let changes = EventChanges {
+            event_id: Some(" e2 ".into()),
+            name: Some("other".into()),
+            properties: Some(vec![("m".into(), RawPropertyValue::Number("2".into()))]),
+            ..Default::default()
+        };
+        let changed = amended_event(&original, &changes, NOW).unwrap();
+        assert_eq!(changed.event_id.as_deref(), Some("e2"));
+        assert_eq!(changed.name, "other");
+        assert_eq!(
+            changed.properties.keys().collect::<Vec<_>>(),
+            ["m"],
+            "properties are replaced whole"
+        );
+    }
+
+    #[test]
+    fn an_amendment_names_fields_under_event() {
+        let original = stored(NOW - 60_000);
+        let bad = EventChanges {
+            properties: Some(vec![("n".into(), RawPropertyValue::Other("a boolean"))]),
+            ..Default::default()
+        };
+        let error = amended_event(&original, &bad, NOW).unwrap_err();
+        assert_eq!(error.param, "event.properties.n");
+        // A kept timestamp that is too old now says so, and how to go on.
+        let old = stored(NOW - MAX_EVENT_AGE_MS - 1);
+        let error = amended_event(&old, &EventChanges::default(), NOW).unwrap_err();
+        assert_eq!(error.param, "event.timestamp");
+        assert!(
+            error.message.contains("void the event"),
+            "{}",
+            error.message
+        );
+        let given = EventChanges {
+            timestamp: Some(crate::time::format_iso8601_ms(NOW - 1_000)),
+            ..Default::default()
+        };
+        assert_eq!(
+            amended_event(&old, &given, NOW).unwrap().timestamp_ms,
+            NOW - 1_000
+        );
     }
 
     #[test]

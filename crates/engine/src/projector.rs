@@ -241,7 +241,10 @@ pub fn apply_chunk(
     let mut overlay = Overlay::new(store, &index, fetched);
     overlay.cache = Some(&mut state.buckets);
     for (at, (entry, record)) in chunk.entries.iter().zip(&chunk.records).enumerate() {
-        if let (true, Ok((record @ Record::UsageBatch { .. }, _))) = (chunk.applies(at), record) {
+        if let (true, Ok((record, _))) = (chunk.applies(at), record) {
+            if record.stored_events().is_none() {
+                continue;
+            }
             overlay
                 .chunk
                 .insert((entry.partition, entry.offset), record);
@@ -272,7 +275,7 @@ pub fn apply_chunk(
             }
             continue;
         }
-        if let Ok((Record::UsageBatch { events, .. }, _)) = record {
+        if let Some((_, _, events)) = record.as_ref().ok().and_then(|(r, _)| r.stored_events()) {
             if let Some(received) = events.iter().map(|e| e.received_at_ms).min() {
                 tally_metering::apply::prune_stored_events(&mut overlay, received)?;
             }
@@ -383,18 +386,12 @@ fn apply_entry<'a>(
     let refused = match record {
         Err(outcome) => outcome.clone(),
         Ok((record, meta)) => {
-            if let Record::UsageBatch {
-                store_id,
-                mode,
-                events,
-                ..
-            } = &record
-            {
+            if let Some((store_id, mode, events)) = record.stored_events() {
                 // Reservations end with the record, applied or refused.
                 applied.metering.event_keys.extend(
                     events
                         .iter()
-                        .map(|event| inflight_key(store_id, *mode, &event.event_id)),
+                        .map(|event| inflight_key(store_id, mode, &event.event_id)),
                 );
             }
             let mut effects = Applied::default();
@@ -701,6 +698,25 @@ fn apply_record(
                 partition: entry.partition,
                 offset: entry.offset,
             },
+        )?,
+        Record::EventAmended {
+            store_id,
+            mode,
+            event_id,
+            reason,
+            replacement,
+        } => tally_metering::voids::apply_amend(
+            overlay,
+            tally_metering::voids::VoidStep {
+                store_id,
+                mode: *mode,
+                event_ids: std::slice::from_ref(event_id),
+                reason,
+                at_ms: meta.recorded_at_ms,
+                partition: entry.partition,
+                offset: entry.offset,
+            },
+            replacement,
         )?,
         Record::CreditExpiriesDue {
             store_id,

@@ -85,6 +85,14 @@ enum Op {
     Void {
         events: Vec<u8>,
     },
+    /// An amendment of an event (stored or not, voided or not) by a replacement
+    /// whose id may be taken and whose customer may differ.
+    Amend {
+        event: u8,
+        replacement: u8,
+        customer: u8,
+        value: Decimal,
+    },
     /// A usage settlement as any writer could append it: of a position that holds a
     /// usage record or not, repeated, before its record, any quantity.
     Settle {
@@ -237,6 +245,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4, proptest::collection::vec(0u8..8, 0..4), any::<bool>())
             .prop_map(|(meter, events, finish)| Op::Backfill { meter, events, finish }),
         1 => proptest::collection::vec(0u8..9, 0..3).prop_map(|events| Op::Void { events }),
+        1 => (0u8..9, 0u8..12, 0u8..4, decimal())
+            .prop_map(|(event, replacement, customer, value)| Op::Amend { event, replacement, customer, value }),
         1 => (0u8..3, 0u8..2, prop_oneof![Just(200u16), Just(400u16)])
             .prop_map(|(key, fingerprint, status)| Op::Response { key, fingerprint, status }),
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
@@ -934,6 +944,30 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 mode: Mode::Test,
                 event_ids: events.iter().map(|e| format!("ev{e}")).collect(),
                 reason: "fuzz".into(),
+            },
+            Op::Amend {
+                event,
+                replacement,
+                customer,
+                value,
+            } => Record::EventAmended {
+                store_id: STORE.into(),
+                mode: Mode::Test,
+                event_id: format!("ev{event}"),
+                reason: "fuzz".into(),
+                replacement: UsageEvent {
+                    event_id: format!("ev{replacement}"),
+                    name: "e".into(),
+                    customer_id: format!("cus_{customer}").into(),
+                    external_customer_id: None,
+                    timestamp_ms: T0 + 61_000,
+                    properties: [("v".to_string(), PropertyValue::Number(*value))]
+                        .into_iter()
+                        .collect(),
+                    received_at_ms: T0 + 60_000,
+                    matched_meter_ids: (0..4).map(|m| format!("mtr_{m}").into()).collect(),
+                    event_id_assigned: false,
+                },
             },
             Op::Key { id, revoke: true } => Record::ApiKeyRevoked {
                 store_id: "st_0".into(),

@@ -416,17 +416,21 @@ proptest! {
     }
 }
 
-/// One step of a stream with voids: a usage record, or a void of some ids.
+/// One step of a stream with voids: a usage record, a void of some ids, or an
+/// amendment of one id (its replacement: the generated event, kept with the
+/// amended event's customer).
 #[derive(Debug, Clone)]
 enum Step {
     Batch(Vec<GenEvent>),
     Void(Vec<u8>),
+    Amend(u8, GenEvent),
 }
 
 fn gen_step() -> impl Strategy<Value = Step> {
     prop_oneof![
         3 => proptest::collection::vec(gen_event(), 1..12).prop_map(Step::Batch),
         2 => proptest::collection::vec(0u8..30, 1..4).prop_map(Step::Void),
+        2 => (0u8..30, gen_event()).prop_map(|(id, replacement)| Step::Amend(id, replacement)),
     ]
 }
 
@@ -468,6 +472,29 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>) {
                     reason: "test".into(),
                 });
             }
+            Step::Amend(id, replacement) => {
+                let mut replacement = replacement.clone();
+                let original = stored.iter().find(|s| s.id == *id);
+                if let Some(original) = original {
+                    replacement.customer = original.customer;
+                }
+                // Applied when the event is stored and not voided, and the
+                // replacement's id is new (voided ids stay taken).
+                let applies = original.is_some()
+                    && !voided.contains(id)
+                    && !stored.iter().any(|s| s.id == replacement.id);
+                if applies {
+                    voided.insert(*id);
+                    stored.push(replacement.clone());
+                }
+                records.push(Record::EventAmended {
+                    store_id: STORE.into(),
+                    mode: Mode::Test,
+                    event_id: format!("ev{id}"),
+                    reason: "test".into(),
+                    replacement: usage_event(&replacement, &ids),
+                });
+            }
         }
     }
     stored.retain(|e| !voided.contains(&e.id));
@@ -477,8 +504,8 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>) {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
 
-    /// Voids subtract exactly, for every aggregation, per customer and for all
-    /// customers, however the records are chunked and whatever the checkpoint and
+    /// Voids subtract exactly (and amendments replace exactly), for every
+    /// aggregation, per customer and for all customers, however the records are chunked and whatever the checkpoint and
     /// crash points: the state is the reference fold of the events that count.
     #[test]
     fn voided_events_leave_every_aggregation_as_if_never_stored(

@@ -325,28 +325,38 @@ impl<'de> Visitor<'de> for EventVisitor {
     }
 }
 
+/// An event's `properties` in their raw shape (values typed, not yet validated);
+/// absent or null reads as `None`.
+pub fn raw_properties(
+    value: Option<Value>,
+) -> Result<Option<Vec<(String, RawPropertyValue)>>, FieldError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(props)) => Ok(Some(
+            props
+                .into_iter()
+                .map(|(k, v)| {
+                    let value = match v {
+                        Value::String(s) => RawPropertyValue::String(s),
+                        Value::Number(n) => RawPropertyValue::Number(number_text(&n)),
+                        Value::Bool(_) => RawPropertyValue::Other("a boolean"),
+                        Value::Null => RawPropertyValue::Other("null"),
+                        Value::Array(_) => RawPropertyValue::Other("an array"),
+                        Value::Object(_) => RawPropertyValue::Other("an object"),
+                    };
+                    (k, value)
+                })
+                .collect(),
+        )),
+        Some(_) => Err(invalid("properties", "`properties` must be an object")),
+    }
+}
+
 /// One event's fields (in `EVENT_FIELDS` order) into its raw shape; type errors name
 /// the field, the first wrong one in that order.
 fn raw_event(fields: [Option<Value>; 6]) -> Result<RawUsageEvent, FieldError> {
     let [properties, name, customer_id, external_customer_id, event_id, timestamp] = fields;
-    let properties = match properties {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Object(props)) => props
-            .into_iter()
-            .map(|(k, v)| {
-                let value = match v {
-                    Value::String(s) => RawPropertyValue::String(s),
-                    Value::Number(n) => RawPropertyValue::Number(number_text(&n)),
-                    Value::Bool(_) => RawPropertyValue::Other("a boolean"),
-                    Value::Null => RawPropertyValue::Other("null"),
-                    Value::Array(_) => RawPropertyValue::Other("an array"),
-                    Value::Object(_) => RawPropertyValue::Other("an object"),
-                };
-                (k, value)
-            })
-            .collect(),
-        Some(_) => return Err(invalid("properties", "`properties` must be an object")),
-    };
+    let properties = raw_properties(properties)?.unwrap_or_default();
     let text = |value: Option<Value>, name: &str| match value {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),

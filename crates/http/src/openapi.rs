@@ -657,6 +657,35 @@ pub struct EventVoid {
     pub already_voided: Vec<String>,
 }
 
+#[derive(ToSchema)]
+pub struct AmendRequest {
+    pub event: EventChanges,
+    /// 1 to 500 characters.
+    pub reason: String,
+}
+
+/// What the replacement changes; each field given replaces the original's, the
+/// customer never changes (`customer_id` or `external_customer_id` here is a 400).
+#[derive(ToSchema)]
+pub struct EventChanges {
+    /// A new id (a taken one is a 409 `event_id_taken`); omitted: one is assigned.
+    pub event_id: Option<String>,
+    pub name: Option<String>,
+    /// ISO 8601; omitted: the original's (it must still be ingestible).
+    pub timestamp: Option<String>,
+    /// Replaces the original's properties whole.
+    pub properties: Option<std::collections::BTreeMap<String, serde_json::Value>>,
+}
+
+#[derive(ToSchema)]
+pub struct EventAmendment {
+    /// `event_amendment`
+    pub object: String,
+    /// The amended event's id, now voided.
+    pub voided: String,
+    pub replacement: UsageEvent,
+}
+
 // ---- customer credits ----
 
 #[derive(ToSchema)]

@@ -120,6 +120,34 @@ async fn every_client_operation_works_against_the_server() {
         .await
         .unwrap();
     assert_eq!(usage.value.as_deref(), Some("6"));
+    // An amendment: e3 (1 token) is replaced by e3b (4 tokens).
+    let amended = tally
+        .amend_event(
+            "e3",
+            &AmendRequest {
+                event: EventChanges {
+                    event_id: Some("e3b".into()),
+                    properties: Some([("tokens".to_string(), serde_json::json!(4))].into()),
+                    ..Default::default()
+                },
+                reason: "undercounted".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(amended.voided, "e3");
+    assert_eq!(amended.replacement, tally.get_event("e3b").await.unwrap());
+    let usage = tally
+        .meter_usage(
+            &meter.id,
+            &UsageQuery {
+                customer_id: Some(customer.id.clone()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(usage.value.as_deref(), Some("9"));
     let invalid = tally
         .ingest(&IngestRequest {
             events: vec![EventInput {

@@ -17,6 +17,8 @@
 //! stored events) and asks the directory for customers and billing whether usage is
 //! settled in credits through its own ports, [`Customers`] and [`Settlements`].
 
+pub mod amend;
+
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;

@@ -73,6 +73,16 @@ pub fn plan_record(
                 locate(wanted, store_id, *mode, event_id);
             }
         }
+        Record::EventAmended {
+            store_id,
+            mode,
+            event_id,
+            replacement,
+            ..
+        } => {
+            locate(wanted, store_id, *mode, event_id);
+            locate(wanted, store_id, *mode, &replacement.event_id);
+        }
         Record::MeterBackfill {
             store_id,
             mode,

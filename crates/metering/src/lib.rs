@@ -1,11 +1,11 @@
 //! The metering context: meters, usage folded into per-minute buckets, usage
-//! queries and previews, stored events (read back from the log), backfills and
-//! voids.
+//! queries and previews, stored events (read back from the log), backfills, voids
+//! and amendments.
 //!
 //! Same inner shape as every context: its records (`MeterUpserted`, `UsageBatch`,
-//! `MeterBackfill`, `EventsVoided`), keys (tables `M`, `N`, `m`, `F`, `G`, `A`, `u`,
+//! `MeterBackfill`, `EventsVoided`, `EventAmended`), keys (tables `M`, `N`, `m`, `F`, `G`, `A`, `u`,
 //! `U`, `B`, `@`, `|`, `:`, `z`, `.`, `_` of the core key space), apply ([`apply`],
-//! [`voids`]: exact dedup, meter rules and voids decided in log order), services
+//! [`voids`]: exact dedup, meter rules, voids and amendments decided in log order), services
 //! ([`meters`], [`voids`]) and queries ([`usage`], [`events`]), and the caches
 //! the ingest gateway reads (meters by scope, in-flight event ids, the event index,
 //! recently read records), kept current by [`Metering::after_commit`].

@@ -138,6 +138,78 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
     Ok(())
 }
 
+/// `EventAmended`: the event must be stored and not voided, and the replacement's id
+/// new (else nothing is applied); the event is voided as `apply_void` does, then
+/// the replacement is stored and folded as a usage record's event at index 0 of this
+/// record. Corrections settle nothing in credits (docs/api.md, "Amending an event").
+pub fn apply_amend(
+    overlay: &mut Overlay<'_>,
+    step: VoidStep<'_>,
+    replacement: &UsageEvent,
+) -> Result<(), ApplyError> {
+    let VoidStep { store_id, mode, .. } = step;
+    let [event_id] = step.event_ids else {
+        return Err(Outcome::rejected("parameter_invalid", "an amendment names one event").into());
+    };
+    let Some(event) = overlay.stored_event(store_id, mode, event_id)? else {
+        return Err(amended_not_found(event_id).into());
+    };
+    if overlay.contains(&keys::voided_event_key(store_id, mode, event_id))? {
+        return Err(event_voided(event_id).into());
+    }
+    if replacement.customer_id != event.customer_id {
+        return Err(Outcome::rejected(
+            "parameter_invalid",
+            "a replacement keeps the amended event's customer",
+        )
+        .with_param("event.customer_id")
+        .into());
+    }
+    if overlay
+        .stored_event(store_id, mode, &replacement.event_id)?
+        .is_some()
+    {
+        return Err(event_id_taken(&replacement.event_id).into());
+    }
+    apply_void(overlay, step)?;
+    crate::apply::apply_usage_batch(
+        overlay,
+        store_id,
+        mode,
+        std::slice::from_ref(replacement),
+        step.partition,
+        step.offset,
+        None,
+    )
+}
+
+/// An amendment of an event that is not stored.
+pub fn amended_not_found(event_id: &str) -> Outcome {
+    Outcome::rejected(
+        "event_not_found",
+        format!("no stored event '{event_id}' in this environment; nothing was amended"),
+    )
+    .with_param("event_id")
+}
+
+/// An amendment of an event already voided (by a void, or an earlier amendment).
+pub fn event_voided(event_id: &str) -> Outcome {
+    Outcome::rejected(
+        "event_voided",
+        format!("event '{event_id}' is voided; a voided event cannot be amended"),
+    )
+}
+
+/// An amendment whose replacement names an id a stored event holds (voided ones
+/// included: an id is never reused).
+pub fn event_id_taken(event_id: &str) -> Outcome {
+    Outcome::rejected(
+        "event_id_taken",
+        format!("event id '{event_id}' is taken by a stored event (voided ones included); give a new one, or none to have one assigned"),
+    )
+    .with_param("event.event_id")
+}
+
 /// The `z` rows of the minutes a void touches, read once each: every stored event
 /// of the minute, with its customer.
 #[derive(Default)]
@@ -491,6 +563,11 @@ pub fn check_void_request(event_ids: &[String], reason: &str) -> Result<(), Fiel
             ));
         }
     }
+    check_reason(reason)
+}
+
+/// The reason of a void or an amendment: 1 to `MAX_REASON_CHARS` characters.
+pub fn check_reason(reason: &str) -> Result<(), FieldError> {
     if reason.trim().is_empty() || reason.chars().count() > MAX_REASON_CHARS {
         return Err(FieldError::invalid(
             "reason",

@@ -754,6 +754,19 @@ pub fn encode_record_with(
             event_ids: event_ids.clone(),
             reason: reason.clone(),
         }),
+        Record::EventAmended {
+            store_id,
+            mode,
+            event_id,
+            reason,
+            replacement,
+        } => Kind::EventAmended(v1::EventAmended {
+            store_id: store_id.to_string(),
+            mode: mode_to_proto(*mode),
+            event_id: event_id.clone(),
+            reason: reason.clone(),
+            replacement: Some(usage_event_to_proto(replacement)),
+        }),
         Record::ApiKeyRevoked { store_id, key_id } => Kind::ApiKeyRevoked(v1::ApiKeyRevoked {
             store_id: store_id.to_string(),
             key_id: key_id.clone(),
@@ -940,6 +953,15 @@ pub fn decode_record(
             mode: mode_from_proto(v.mode)?,
             event_ids: v.event_ids,
             reason: v.reason,
+        },
+        Kind::EventAmended(a) => Record::EventAmended {
+            store_id: a.store_id.into(),
+            mode: mode_from_proto(a.mode)?,
+            event_id: a.event_id,
+            reason: a.reason,
+            replacement: usage_event_from_proto(
+                a.replacement.ok_or(DecodeError::BadField("replacement"))?,
+            )?,
         },
         Kind::ApiKeyRevoked(k) => Record::ApiKeyRevoked {
             store_id: k.store_id.into(),

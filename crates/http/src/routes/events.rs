@@ -1,4 +1,4 @@
-//! `/v1/events`: ingest, preview, list, get, void.
+//! `/v1/events`: ingest, preview, list, get, void, amend.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -24,6 +24,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(preview))
         .routes(routes!(get))
         .routes(routes!(void))
+        .routes(routes!(amend))
 }
 
 #[utoipa::path(
@@ -114,6 +115,54 @@ pub async fn void(
         "object": "event_void",
         "voided": result.voided,
         "already_voided": result.already_voided,
+    })))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/events/{event_id}/amend",
+    operation_id = "events_amend",
+    tag = "events",
+    summary = "Amend a stored usage event: void it and store its replacement, in one record",
+    params(("event_id" = String, Path, description = "the event to amend")),
+    request_body(content = doc::AmendRequest, content_type = "application/json", example = json!({"event": {"properties": {"tokens": 125}}, "reason": "tokens were counted ten times"})),
+    responses((status = 200, description = "The amended event's id (now voided) and its replacement", body = doc::EventAmendment), (status = 400, description = "parameter_missing / parameter_invalid / invalid_usage_event (param `reason`, `event`, `event.<field>`)", body = doc::ErrorBody), (status = 404, description = "event_not_found: nothing was amended", body = doc::ErrorBody), (status = 409, description = "event_voided (the event is voided) / event_id_taken (param `event.event_id`)", body = doc::ErrorBody))
+)]
+pub async fn amend(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(event_id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let event = fields
+        .object("event")?
+        .ok_or_else(|| tally_domain::FieldError::missing("event"))?;
+    for customer in ["customer_id", "external_customer_id"] {
+        if event.has(customer) {
+            return Err(tally_engine::ingest::amend::refuse_customer_change(customer).into());
+        }
+    }
+    let under = |e: tally_domain::FieldError| {
+        tally_domain::FieldError::new(e.code, format!("event.{}", e.param), e.message)
+    };
+    let changes = tally_domain::usage::EventChanges {
+        event_id: event.string("event_id").map_err(under)?,
+        name: event.string("name").map_err(under)?,
+        timestamp: event.string("timestamp").map_err(under)?,
+        properties: crate::ingest_body::raw_properties(event.map.get("properties").cloned())
+            .map_err(under)?,
+    };
+    let reason = fields.required_string("reason")?;
+    let replacement = state
+        .engine
+        .gateway()
+        .amend_event(&scope, &event_id, &changes, &reason)
+        .await?;
+    Ok(Json(json!({
+        "object": "event_amendment",
+        "voided": event_id,
+        "replacement": wire::usage_event(&replacement, &scope, None),
     })))
 }
 
