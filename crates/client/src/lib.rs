@@ -38,7 +38,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Every operation this client calls: (HTTP method, documented path, operationId).
 /// The crate's tests hold it to docs/openapi.json.
-pub const OPERATIONS: [(&str, &str, &str); 27] = [
+pub const OPERATIONS: [(&str, &str, &str); 28] = [
     ("post", "/admin/v1/stores", "create_store"),
     ("post", "/admin/v1/stores/{id}/keys", "create_key"),
     (
@@ -52,6 +52,7 @@ pub const OPERATIONS: [(&str, &str, &str); 27] = [
     ("post", "/v1/meters", "meters_create"),
     ("get", "/v1/meters/{id}", "meters_get"),
     ("get", "/v1/meters/{id}/usage", "meters_usage"),
+    ("post", "/v1/meters/{id}/revisions", "meters_revise"),
     ("post", "/v1/events/ingest", "events_ingest"),
     ("get", "/v1/events/{event_id}", "events_get"),
     ("post", "/v1/events/void", "events_void"),
@@ -313,6 +314,17 @@ impl Client {
 
     pub async fn get_meter(&self, id: &str) -> Result<Meter> {
         self.get(&format!("/v1/meters/{id}")).await
+    }
+
+    /// Revises a meter's filter or aggregation property (docs/api.md, "Meter
+    /// revisions"); a dry run only says which customers' usage would change.
+    pub async fn revise_meter(
+        &self,
+        id: &str,
+        request: &MeterRevisionRequest,
+    ) -> Result<MeterRevision> {
+        self.post(&format!("/v1/meters/{id}/revisions"), request)
+            .await
     }
 
     pub async fn meter_usage(&self, meter_id: &str, query: &UsageQuery) -> Result<MeterUsage> {

@@ -48,6 +48,9 @@ pub fn documented() -> Vec<(&'static str, &'static [&'static str], bool)> {
         entry::<VoidRequest>(),
         entry::<EventVoid>(),
         entry::<EventChanges>(),
+        entry::<MeterRevisionRequest>(),
+        entry::<RevisionChange>(),
+        entry::<MeterRevision>(),
         entry::<AmendRequest>(),
         entry::<EventAmendment>(),
         entry::<CreditAccount>(),
@@ -216,8 +219,40 @@ documented! {
         pub unit_label: String,
         pub status: String,
         pub counts_from: String,
+        /// 1 when created; each revision adds one.
+        pub revision: u32,
         pub created_at: String,
         pub updated_at: String,
+    }
+}
+
+documented! {
+    /// A revision: fields given replace the meter's (`Some(None)` sends null).
+    request pub struct MeterRevisionRequest {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub filter: Option<Option<MeterFilter>>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub aggregation_property: Option<Option<String>>,
+        pub dry_run: bool,
+    }
+}
+
+documented! {
+    response pub struct RevisionChange {
+        pub customer_id: String,
+        pub before: Option<String>,
+        pub after: Option<String>,
+    }
+}
+
+documented! {
+    response pub struct MeterRevision {
+        pub object: String,
+        pub dry_run: bool,
+        pub revision: u32,
+        pub changes: Vec<RevisionChange>,
+        #[serde(default)]
+        pub meter: Option<Meter>,
     }
 }
 

@@ -190,6 +190,25 @@ pub const WEIGHTED_POINT: u8 = b':';
 pub const MINUTE_EVENTS: u8 = b'z';
 pub const VOIDED_EVENT: u8 = b'.';
 pub const FOLD_SKIPPED: u8 = b'_';
+pub const REVISED_METER: u8 = b'`';
+
+/// The `` ` `` row of a revised meter: apply decides its events from its definition
+/// (docs/api.md, "Meter revisions").
+pub fn revised_meter_key(store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8> {
+    Key::scoped(REVISED_METER, store_id, mode)
+        .text(meter_id)
+        .into_bytes()
+}
+
+/// The meter id of a `` ` `` row's key.
+pub fn revised_meter_id(key: &[u8]) -> Result<&str, EngineError> {
+    let mut reader = KeyReader::new(key, REVISED_METER, "a revised-meter key")?;
+    reader.text()?;
+    reader.mode()?;
+    let id = reader.text()?;
+    reader.end()?;
+    Ok(id)
+}
 
 /// The `z` row of one usage record's events in one minute.
 pub fn minute_events_key(

@@ -413,12 +413,23 @@ pub struct Meter {
     pub updated_at_ms: i64,
     /// Events at or after this instant count: `created_at` unless backfilled.
     pub counts_from_ms: i64,
+    /// 1 when created; each revision of the definition (filter, aggregation
+    /// property) adds one (docs/api.md, "Meter revisions").
+    pub revision: u32,
 }
 
 impl Meter {
     /// Whether this meter consumes the event (name and filter; not status or time).
     pub fn matches(&self, event: &EventView<'_>) -> bool {
         self.event_name == event.name && self.filter.matches(event)
+    }
+
+    /// Whether a stored event counts in this meter as revised (revision > 1): a
+    /// revised meter is re-derived from its definition, so an event counts when the
+    /// definition matches it and the meter counts from its timestamp (or a backfill
+    /// folded it), unless it was applied while the meter was archived (`skipped`).
+    pub fn counts_revised(&self, event: &EventView<'_>, backfilled: bool, skipped: bool) -> bool {
+        (backfilled || event.timestamp_ms >= self.counts_from_ms) && self.matches(event) && !skipped
     }
 
     /// Whether an event at `timestamp_ms` accrues usage on this meter now.
@@ -436,6 +447,49 @@ pub struct MeterInput {
     pub aggregation_property: Option<String>,
     pub filter: Option<RawMeterFilter>,
     pub unit_label: Option<String>,
+}
+
+/// What a revision changes (docs/api.md, "Meter revisions"): each field given
+/// (`Some`) replaces the meter's; `Some(None)` removes it.
+#[derive(Debug, Clone, Default)]
+pub struct RevisionInput {
+    pub filter: Option<Option<RawMeterFilter>>,
+    pub aggregation_property: Option<Option<String>>,
+}
+
+/// The meter as `input` revises it, validated as a meter is at creation; its
+/// revision is the next one.
+pub fn revise_meter(meter: &Meter, input: &RevisionInput) -> Result<Meter, FieldError> {
+    if input.filter.is_none() && input.aggregation_property.is_none() {
+        return Err(FieldError::new(
+            "parameter_missing",
+            "filter",
+            "give `filter`, `aggregation_property` or both: what the revision changes",
+        ));
+    }
+    let definition = validate_meter(&MeterInput {
+        name: Some(meter.name.clone()),
+        event_name: Some(meter.event_name.clone()),
+        aggregation: Some(meter.aggregation.as_str().to_string()),
+        aggregation_property: match &input.aggregation_property {
+            Some(given) => given.clone(),
+            None => meter.aggregation_property.clone(),
+        },
+        filter: input.filter.clone().flatten(),
+        unit_label: Some(meter.unit_label.clone()),
+    })?;
+    let mut revised = meter.clone();
+    revised.aggregation_property = definition.aggregation_property;
+    if input.filter.is_some() {
+        revised.filter = definition.filter;
+    }
+    revised.revision = meter.revision.checked_add(1).ok_or_else(|| {
+        FieldError::invalid(
+            "filter",
+            "this meter has been revised as often as it can be",
+        )
+    })?;
+    Ok(revised)
 }
 
 /// A validated meter definition (everything but identity and timestamps).

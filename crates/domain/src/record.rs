@@ -154,6 +154,14 @@ pub enum Record {
         event_ids: Vec<String>,
         reason: String,
     },
+    /// A step of a meter revision (docs/api.md, "Meter revisions"): the first step
+    /// switches the meter to `meter`'s definition (its revision is the meter's
+    /// next); every step re-derives the meter's buckets of `minutes` from the
+    /// stored events (decided in apply; a step of a superseded revision is refused).
+    MeterRevised {
+        meter: crate::meter::Meter,
+        minutes: Vec<i64>,
+    },
     /// A stored usage event amended: voided and replaced by `replacement`, in one
     /// record so one never lands without the other (decided in apply; refused whole
     /// when the event is not stored, already voided, or the replacement's id taken).
@@ -375,6 +383,7 @@ impl Record {
             // With the store's usage records: a void sees every event stored before it.
             Record::EventsVoided { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::EventAmended { store_id, .. } => store_id.as_bytes().to_vec(),
+            Record::MeterRevised { meter, .. } => meter.store_id.as_bytes().to_vec(),
         }
     }
 }

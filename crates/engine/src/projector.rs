@@ -699,6 +699,13 @@ fn apply_record(
                 offset: entry.offset,
             },
         )?,
+        Record::MeterRevised { meter, minutes } => tally_metering::revisions::apply_revision(
+            overlay,
+            meter,
+            minutes,
+            meta.recorded_at_ms,
+            &mut applied.metering,
+        )?,
         Record::EventAmended {
             store_id,
             mode,

@@ -85,6 +85,14 @@ enum Op {
     Void {
         events: Vec<u8>,
     },
+    /// A revision step of a meter (existing or not, any aggregation, any revision
+    /// number, the minutes of the usage ops or others).
+    Revise {
+        meter: u8,
+        aggregation: u8,
+        revision: u32,
+        minutes: Vec<i64>,
+    },
     /// An amendment of an event (stored or not, voided or not) by a replacement
     /// whose id may be taken and whose customer may differ.
     Amend {
@@ -247,6 +255,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => proptest::collection::vec(0u8..9, 0..3).prop_map(|events| Op::Void { events }),
         1 => (0u8..9, 0u8..12, 0u8..4, decimal())
             .prop_map(|(event, replacement, customer, value)| Op::Amend { event, replacement, customer, value }),
+        1 => (0u8..4, 0u8..8, 0u32..4, proptest::collection::vec(-1i64..3, 0..3))
+            .prop_map(|(meter, aggregation, revision, minutes)| Op::Revise { meter, aggregation, revision, minutes }),
         1 => (0u8..3, 0u8..2, prop_oneof![Just(200u16), Just(400u16)])
             .prop_map(|(key, fingerprint, status)| Op::Response { key, fingerprint, status }),
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
@@ -601,6 +611,7 @@ fn meter(id: u8, name: u8, aggregation: u8) -> Meter {
         created_at_ms: T0,
         updated_at_ms: T0,
         counts_from_ms: T0,
+        revision: 1,
     }
 }
 
@@ -945,6 +956,21 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 event_ids: events.iter().map(|e| format!("ev{e}")).collect(),
                 reason: "fuzz".into(),
             },
+            Op::Revise {
+                meter: id,
+                aggregation,
+                revision,
+                minutes,
+            } => {
+                let mut revised = meter(*id, 0, *aggregation);
+                revised.revision = *revision;
+                revised.aggregation_property = Some("w".into());
+                let first = T0.div_euclid(60_000);
+                Record::MeterRevised {
+                    meter: revised,
+                    minutes: minutes.iter().map(|m| first + m).collect(),
+                }
+            }
             Op::Amend {
                 event,
                 replacement,

@@ -52,6 +52,7 @@ fn meters() -> Vec<Meter> {
         created_at_ms: T0,
         updated_at_ms: T0,
         counts_from_ms: T0,
+        revision: 1,
     })
     .collect()
 }
@@ -424,6 +425,22 @@ enum Step {
     Batch(Vec<GenEvent>),
     Void(Vec<u8>),
     Amend(u8, GenEvent),
+    /// A revision of every meter but the time-weighted one to count only events
+    /// with `v > 0`, in two steps split at a minute (later batches still carry
+    /// the matches of the old definition, as a gateway that had not seen it yet).
+    Revise(i64),
+}
+
+/// The filter revisions switch to: `v > 0`.
+fn positive_only() -> MeterFilter {
+    MeterFilter {
+        conjunction: tally_domain::meter::Conjunction::And,
+        clauses: vec![tally_domain::meter::FilterClause {
+            property: "v".into(),
+            operator: tally_domain::meter::Operator::Gt,
+            value: tally_domain::meter::FilterValue::Number(Decimal::ZERO),
+        }],
+    }
 }
 
 fn gen_step() -> impl Strategy<Value = Step> {
@@ -431,20 +448,42 @@ fn gen_step() -> impl Strategy<Value = Step> {
         3 => proptest::collection::vec(gen_event(), 1..12).prop_map(Step::Batch),
         2 => proptest::collection::vec(0u8..30, 1..4).prop_map(Step::Void),
         2 => (0u8..30, gen_event()).prop_map(|(id, replacement)| Step::Amend(id, replacement)),
+        1 => (0i64..6).prop_map(Step::Revise),
     ]
 }
 
 /// The log of a stream with voids, and the reference's view of it: the stored
-/// events (first id wins) less those a void took out; a void naming an id not
-/// stored yet voids nothing.
-fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>) {
-    let meters = meters();
-    let ids: Vec<MeterId> = meters.iter().map(|m| m.id.clone()).collect();
-    let mut records: Vec<Record> = meters.into_iter().map(Record::MeterUpserted).collect();
+/// events (first id wins) less those a void took out (a void naming an id not
+/// stored yet voids nothing), and whether the meters were revised.
+fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>, bool) {
+    let created = meters();
+    let ids: Vec<MeterId> = created.iter().map(|m| m.id.clone()).collect();
+    let mut records: Vec<Record> = created.iter().cloned().map(Record::MeterUpserted).collect();
     let mut stored: Vec<GenEvent> = Vec::new();
     let mut voided = HashSet::new();
+    let mut revised = false;
     for step in steps {
         match step {
+            Step::Revise(split) => {
+                revised = true;
+                let first = T0.div_euclid(60_000);
+                let minutes: Vec<i64> = (first..first + 5).collect();
+                let (early, late) = minutes.split_at(*split.min(&5) as usize);
+                for meter in &created {
+                    if meter.aggregation == Aggregation::TimeWeightedSum {
+                        continue;
+                    }
+                    let mut meter = meter.clone();
+                    meter.filter = positive_only();
+                    meter.revision = 2;
+                    for part in [early, late] {
+                        records.push(Record::MeterRevised {
+                            meter: meter.clone(),
+                            minutes: part.to_vec(),
+                        });
+                    }
+                }
+            }
             Step::Batch(events) => {
                 for e in events {
                     if !stored.iter().any(|s| s.id == e.id) {
@@ -498,14 +537,15 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>) {
         }
     }
     stored.retain(|e| !voided.contains(&e.id));
-    (entries_of(&records), stored)
+    (entries_of(&records), stored, revised)
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
 
-    /// Voids subtract exactly (and amendments replace exactly), for every
-    /// aggregation, per customer and for all customers, however the records are chunked and whatever the checkpoint and
+    /// Voids subtract exactly (and amendments replace exactly, and revisions
+    /// re-derive exactly), for every aggregation, per customer and for all
+    /// customers, however the records are chunked and whatever the checkpoint and
     /// crash points: the state is the reference fold of the events that count.
     #[test]
     fn voided_events_leave_every_aggregation_as_if_never_stored(
@@ -514,7 +554,7 @@ proptest! {
         checkpoints in proptest::collection::vec(any::<bool>(), 0..8),
         crashes in proptest::collection::vec(any::<bool>(), 0..8),
     ) {
-        let (entries, counted) = log_with_voids(&steps);
+        let (entries, counted, revised) = log_with_voids(&steps);
         let whole = Arc::new(MemoryStore::new());
         apply_chunk_in_memory(whole.as_ref(), &mut ProjectorState::empty(), &entries, &entries).unwrap();
         let chunked = apply_in_chunks(&entries, &cuts);
@@ -522,10 +562,18 @@ proptest! {
         let recovered = apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes, 7);
         prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
 
-        let counted: Vec<&GenEvent> = counted.iter().collect();
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let (engine, _dir) = runtime.block_on(engine_over(chunked));
         for meter in meters() {
+            // A revised meter counts what its new definition matches, of every event.
+            let counted: Vec<&GenEvent> = counted
+                .iter()
+                .filter(|e| {
+                    !revised
+                        || meter.aggregation == Aggregation::TimeWeightedSum
+                        || e.value.is_some_and(|v| v > 0)
+                })
+                .collect();
             for customer in [None, Some(0u8), Some(1), Some(2)] {
                 let result = usage_of(&engine, &meter, customer, T0 + 3_600_000, Window::None);
                 let expected = reference_of(&counted, customer, meter.aggregation).map(|d| d.normalize());

@@ -449,8 +449,41 @@ pub struct Meter {
     /// `active` or `archived`.
     pub status: String,
     pub counts_from: String,
+    /// 1 when created; each revision adds one.
+    pub revision: u32,
     pub created_at: String,
     pub updated_at: String,
+}
+
+#[derive(ToSchema)]
+pub struct MeterRevisionRequest {
+    /// Replaces the filter (null: no filter); absent keeps it.
+    pub filter: Option<MeterFilter>,
+    /// Replaces the aggregation property (null only for `count`); absent keeps it.
+    pub aggregation_property: Option<String>,
+    /// `true`: only say which customers' usage would change.
+    pub dry_run: bool,
+}
+
+#[derive(ToSchema)]
+pub struct RevisionChange {
+    pub customer_id: String,
+    /// Decimal string, or null where the aggregation has no value.
+    pub before: Option<String>,
+    pub after: Option<String>,
+}
+
+#[derive(ToSchema)]
+pub struct MeterRevision {
+    /// `meter_revision`
+    pub object: String,
+    pub dry_run: bool,
+    /// The revision the meter has (or, on a dry run, would have).
+    pub revision: u32,
+    /// Customers whose usage over the last 35 days changes, with their values.
+    pub changes: Vec<RevisionChange>,
+    /// The revised meter (not on a dry run).
+    pub meter: Option<Meter>,
 }
 
 #[derive(ToSchema)]

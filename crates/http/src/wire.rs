@@ -73,6 +73,7 @@ pub fn meter(m: &Meter) -> Value {
         "unit_label": m.unit_label,
         "status": m.status.as_str(),
         "counts_from": format_iso8601_ms(m.counts_from_ms),
+        "revision": m.revision,
         "created_at": format_iso8601_ms(m.created_at_ms),
         "updated_at": format_iso8601_ms(m.updated_at_ms),
     })

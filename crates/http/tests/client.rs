@@ -148,6 +148,30 @@ async fn every_client_operation_works_against_the_server() {
         .await
         .unwrap();
     assert_eq!(usage.value.as_deref(), Some("9"));
+    // A revision through the client: a dry run, then applied.
+    let mut revision = MeterRevisionRequest {
+        aggregation_property: Some(Some("cached_tokens".into())),
+        dry_run: true,
+        ..Default::default()
+    };
+    let dry = tally.revise_meter(&meter.id, &revision).await.unwrap();
+    assert_eq!((dry.dry_run, dry.revision, dry.meter), (true, 2, None));
+    assert_eq!(
+        dry.changes,
+        [RevisionChange {
+            customer_id: customer.id.clone(),
+            before: Some("9".into()),
+            after: Some("0".into()),
+        }]
+    );
+    revision.dry_run = false;
+    let applied = tally.revise_meter(&meter.id, &revision).await.unwrap();
+    assert_eq!(applied.changes, dry.changes);
+    assert_eq!(
+        applied.meter,
+        Some(tally.get_meter(&meter.id).await.unwrap())
+    );
+    assert_eq!(tally.get_meter(&meter.id).await.unwrap().revision, 2);
     let invalid = tally
         .ingest(&IngestRequest {
             events: vec![EventInput {

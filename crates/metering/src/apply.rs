@@ -119,6 +119,7 @@ pub fn apply_usage_batch(
     mut counted: Option<&mut Vec<Counted>>,
 ) -> Result<(), ApplyError> {
     let mut meters: HashMap<MeterId, Meter> = HashMap::new();
+    let revised = revised_meters(overlay, store_id, mode)?;
     let mut stored = Vec::new();
     // The stored events by minute (`z` rows, one per minute the record's events fall
     // in): what a void rebuilds a bucket from.
@@ -149,30 +150,30 @@ pub fn apply_usage_batch(
             &event.customer_id,
         );
         for meter_id in &event.matched_meter_ids {
+            if revised.iter().any(|m| m.id == *meter_id) {
+                continue;
+            }
             if !meters.contains_key(meter_id) {
                 let meter = load_meter(overlay, store_id, mode, meter_id)?;
                 meters.insert(meter_id.clone(), meter);
             }
-            let meter = &meters[meter_id];
-            if meter.status != MeterStatus::Active {
-                // Matched when it was ingested, not folded: a void must know (see
-                // `voids::was_folded`).
-                overlay.put(
-                    keys::fold_skipped_key(store_id, mode, meter_id, &event.event_id),
-                    Vec::new(),
-                );
-            } else if meter.accrues(event.timestamp_ms) {
-                fold_event(overlay, meter, event)?;
-                if let Some(counted) = counted.as_deref_mut() {
-                    if let Some(quantity) = settled_quantity(meter, event) {
-                        counted.push(Counted {
-                            event: index as u32,
-                            meter_id: meter_id.clone(),
-                            quantity,
-                        });
-                    }
-                }
-            }
+            fold_matched(
+                overlay,
+                &meters[meter_id],
+                event,
+                index,
+                counted.as_deref_mut(),
+            )?;
+        }
+        // A revised meter decides from its definition, whatever ingest matched with
+        // the definition it knew (docs/api.md, "Meter revisions").
+        let view = EventView {
+            name: &event.name,
+            timestamp_ms: event.timestamp_ms,
+            properties: &event.properties,
+        };
+        for meter in revised.iter().filter(|m| m.matches(&view)) {
+            fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
         }
     }
     for (minute, row) in minute_rows {
@@ -192,6 +193,49 @@ pub fn apply_usage_batch(
         overlay.put(key.encode(), event_index::encode_stored(&stored));
     }
     Ok(())
+}
+
+/// Folds a new event into a meter that matches it, if the meter is active and counts
+/// from its timestamp; a matching meter that is not active gets the event's `_` row
+/// (a void must know it was not folded, see `voids::was_folded`).
+fn fold_matched(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    index: usize,
+    counted: Option<&mut Vec<Counted>>,
+) -> Result<(), EngineError> {
+    if meter.status != MeterStatus::Active {
+        overlay.put(
+            keys::fold_skipped_key(&meter.store_id, meter.mode, &meter.id, &event.event_id),
+            Vec::new(),
+        );
+    } else if meter.accrues(event.timestamp_ms) {
+        fold_event(overlay, meter, event)?;
+        if let (Some(counted), Some(quantity)) = (counted, settled_quantity(meter, event)) {
+            counted.push(Counted {
+                event: index as u32,
+                meter_id: meter.id.clone(),
+                quantity,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The revised meters of a scope (revision > 1), read from their `` ` `` rows: none
+/// in most scopes, so one empty prefix read per usage record.
+pub fn revised_meters(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+) -> Result<Vec<Meter>, EngineError> {
+    let prefix = Key::scoped(keys::REVISED_METER, store_id, mode).into_bytes();
+    overlay
+        .prefix_entries(&prefix)?
+        .keys()
+        .map(|key| load_meter(overlay, store_id, mode, keys::revised_meter_id(key)?))
+        .collect()
 }
 
 /// One new event's contribution to one meter, as usage settlement charges it
@@ -343,11 +387,17 @@ pub fn apply_meter(
             return Err(crate::meters::meter_in_use().into());
         }
     }
-    // The counting start belongs to backfills (applied in log order): an update
-    // derived before one finished must not move it back.
+    // The counting start belongs to backfills and the definition to revisions
+    // (applied in log order): an update derived before one finished must not
+    // move them back.
     let mut meter = meter.clone();
     if let Some(old) = &previous {
         meter.counts_from_ms = old.counts_from_ms;
+        meter.filter.clone_from(&old.filter);
+        meter
+            .aggregation_property
+            .clone_from(&old.aggregation_property);
+        meter.revision = old.revision;
     }
     overlay.put(name_key(&meter.name), meter.id.as_bytes().to_vec());
     overlay.put(key, codec::encode_meter(&meter));

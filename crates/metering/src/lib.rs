@@ -1,14 +1,16 @@
 //! The metering context: meters, usage folded into per-minute buckets, usage
-//! queries and previews, stored events (read back from the log), backfills, voids
-//! and amendments.
+//! queries and previews, stored events (read back from the log), backfills, voids,
+//! amendments and meter revisions.
 //!
 //! Same inner shape as every context: its records (`MeterUpserted`, `UsageBatch`,
-//! `MeterBackfill`, `EventsVoided`, `EventAmended`), keys (tables `M`, `N`, `m`, `F`, `G`, `A`, `u`,
-//! `U`, `B`, `@`, `|`, `:`, `z`, `.`, `_` of the core key space), apply ([`apply`],
-//! [`voids`]: exact dedup, meter rules, voids and amendments decided in log order), services
-//! ([`meters`], [`voids`]) and queries ([`usage`], [`events`]), and the caches
-//! the ingest gateway reads (meters by scope, in-flight event ids, the event index,
-//! recently read records), kept current by [`Metering::after_commit`].
+//! `MeterBackfill`, `EventsVoided`, `EventAmended`, `MeterRevised`), keys (tables
+//! `M`, `N`, `m`, `F`, `G`, `A`, `u`, `U`, `B`, `@`, `|`, `:`, `z`, `.`, `_`, `` ` ``
+//! of the core key space), apply ([`apply`], [`voids`], [`revisions`]: exact dedup,
+//! meter rules, voids, amendments and revisions decided in log order), services
+//! ([`meters`], [`voids`], [`revisions`]) and queries ([`usage`], [`events`]), and
+//! the caches the ingest gateway reads (meters by scope, in-flight event ids, the
+//! event index, recently read records), kept current by
+//! [`Metering::after_commit`].
 //!
 //! Billing decides whether a meter may be archived (it may not while priced on a
 //! product being sold); metering asks through its own port, [`Pricing`].
@@ -24,6 +26,7 @@ pub mod apply;
 pub mod events;
 pub mod meters;
 pub mod recent;
+pub mod revisions;
 pub mod usage;
 pub mod voids;
 

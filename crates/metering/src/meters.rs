@@ -196,6 +196,7 @@ impl Metering {
             created_at_ms: now,
             updated_at_ms: now,
             counts_from_ms: now,
+            revision: 1,
         };
         self.journal
             .append_and_apply(&Record::MeterUpserted(meter.clone()))
@@ -213,7 +214,7 @@ impl Metering {
             return Err(FieldError::new(
                 "meter_field_immutable",
                 field.clone(),
-                format!("`{field}` cannot change after a meter is created; only `name` and `unit_label` can"),
+                format!("`{field}` cannot change by an update; only `name` and `unit_label` can (a filter or aggregation property changes by POST /v1/meters/{{id}}/revisions)"),
             )
             .into());
         }

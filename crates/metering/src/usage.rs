@@ -493,6 +493,106 @@ impl Metering {
         })
     }
 
+    /// Each customer's value of `meter` (a revised definition, not stored yet) over
+    /// the stored events with timestamps in the range, counted as the revision will
+    /// count them (`Meter::counts_revised`): a revision's dry run. Not for
+    /// `time_weighted_sum`, which is not revised.
+    pub(crate) async fn preview_by_customer(
+        &self,
+        scope: &Scope,
+        meter: &Meter,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<std::collections::BTreeMap<String, Option<Decimal>>, EngineError> {
+        let (lower, upper) = crate::events::received_between(scope, Some(start_ms), Some(end_ms));
+        let mut folds: HashMap<String, WindowFold> = HashMap::new();
+        let store = self.journal.store();
+        let mut failure = None;
+        self.scan_stored_events(scope, lower, upper, false, |_, events| {
+            for (_, event) in events {
+                if event.timestamp_ms < start_ms
+                    || event.timestamp_ms >= end_ms
+                    || event.name != meter.event_name
+                {
+                    continue;
+                }
+                let view = EventView {
+                    name: &event.name,
+                    timestamp_ms: event.timestamp_ms,
+                    properties: &event.properties,
+                };
+                let marks = (|| -> Result<Option<(bool, bool)>, EngineError> {
+                    let (store_id, mode) = (&scope.store_id, scope.mode);
+                    if store
+                        .get(&keys::voided_event_key(store_id, mode, &event.event_id))?
+                        .is_some()
+                    {
+                        return Ok(None);
+                    }
+                    let backfilled =
+                        keys::backfilled_key(store_id, mode, &meter.id, &event.event_id);
+                    let skipped =
+                        keys::fold_skipped_key(store_id, mode, &meter.id, &event.event_id);
+                    Ok(Some((
+                        store.get(&backfilled)?.is_some(),
+                        store.get(&skipped)?.is_some(),
+                    )))
+                })();
+                let (backfilled, skipped) = match marks {
+                    Ok(Some(marks)) => marks,
+                    Ok(None) => continue,
+                    Err(error) => {
+                        failure = Some(error);
+                        return Visit::Stop;
+                    }
+                };
+                if !meter.counts_revised(&view, backfilled, skipped) {
+                    continue;
+                }
+                let fold = match folds.entry(event.customer_id.to_string()) {
+                    std::collections::hash_map::Entry::Occupied(fold) => fold.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(slot) => {
+                        match WindowFold::new(meter.aggregation, start_ms, end_ms, Window::None) {
+                            Ok(fold) => slot.insert(fold),
+                            Err(error) => {
+                                failure = Some(error);
+                                return Visit::Stop;
+                            }
+                        }
+                    }
+                };
+                let value = meter
+                    .aggregation_property
+                    .as_ref()
+                    .and_then(|p| event.properties.get(p));
+                let contribution = contribution(meter.aggregation, value);
+                if let (Aggregation::Latest, Contribution::Event { number: Some(n) }) =
+                    (meter.aggregation, &contribution)
+                {
+                    let point = LatestPoint {
+                        timestamp_ms: event.timestamp_ms,
+                        event_id: event.event_id.clone(),
+                        value: *n,
+                    };
+                    fold.add_latest(event.timestamp_ms, &point);
+                }
+                fold.add_event(event.timestamp_ms, &contribution);
+            }
+            Visit::Continue
+        })
+        .await?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        Ok(folds
+            .into_iter()
+            .map(|(customer, fold)| {
+                let value = fold.finish(Some(customer.clone())).value;
+                (customer, value)
+            })
+            .collect())
+    }
+
     /// `POST /v1/meters/preview` and `/v1/meters/{id}/preview`: runs a definition over
     /// stored events with timestamps in the range. Returns the series, the events
     /// scanned and matched, and whether the scan stopped at its limit.

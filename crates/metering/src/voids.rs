@@ -17,7 +17,9 @@
 //!
 //! Which meters an event counted in is a function of what is stored: the meters
 //! matched at ingest that were active and counting at its timestamp (a `_` row
-//! marks one that was not active), and those a backfill folded it into (`B` rows).
+//! marks one that was not active), and those a backfill folded it into (`B` rows);
+//! for a revised meter, what its definition matches (docs/api.md, "Meter
+//! revisions").
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -32,7 +34,7 @@ use tally_domain::aggregate::{Aggregate, Contribution};
 use tally_domain::exact::exact_add;
 use tally_domain::gauge::{keep_latest, LatestPoint};
 use tally_domain::limits::{MAX_EVENT_ID_CHARS, MAX_REASON_CHARS};
-use tally_domain::meter::{Aggregation, Meter};
+use tally_domain::meter::{Aggregation, EventView, Meter};
 use tally_domain::record::Record;
 use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
@@ -213,7 +215,7 @@ pub fn event_id_taken(event_id: &str) -> Outcome {
 /// The `z` rows of the minutes a void touches, read once each: every stored event
 /// of the minute, with its customer.
 #[derive(Default)]
-struct MinuteEvents {
+pub(crate) struct MinuteEvents {
     minutes: HashMap<i64, Vec<(EventLocation, String)>>,
 }
 
@@ -245,7 +247,7 @@ impl MinuteEvents {
     }
 
     /// Where the minute's events of `customer` are.
-    fn of(
+    pub(crate) fn of(
         &mut self,
         overlay: &Overlay<'_>,
         store_id: &str,
@@ -262,7 +264,7 @@ impl MinuteEvents {
     }
 
     /// The customers with stored events in the minute.
-    fn customers(
+    pub(crate) fn customers(
         &mut self,
         overlay: &Overlay<'_>,
         store_id: &str,
@@ -310,6 +312,21 @@ pub fn was_folded(
     event: &UsageEvent,
 ) -> Result<bool, EngineError> {
     let backfilled = keys::backfilled_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
+    let skipped = keys::fold_skipped_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
+    if meter.revision > 1 {
+        // A revised meter counts what its definition matches, whatever ingest
+        // matched (apply decides its events from the definition too).
+        let view = EventView {
+            name: &event.name,
+            timestamp_ms: event.timestamp_ms,
+            properties: &event.properties,
+        };
+        return Ok(meter.counts_revised(
+            &view,
+            overlay.contains(&backfilled)?,
+            overlay.contains(&skipped)?,
+        ));
+    }
     if overlay.contains(&backfilled)? {
         return Ok(true);
     }
@@ -317,7 +334,6 @@ pub fn was_folded(
     if !matched || event.timestamp_ms < meter.counts_from_ms {
         return Ok(false);
     }
-    let skipped = keys::fold_skipped_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
     Ok(!overlay.contains(&skipped)?)
 }
 
@@ -398,7 +414,7 @@ fn subtract(
 
 /// Rebuilds a customer's bucket of `meter` in `minute` from the events that still
 /// count in it (`locations`: the customer's events of the minute, already fetched).
-fn rebuild_customer(
+pub(crate) fn rebuild_customer(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     customer: &str,
@@ -446,7 +462,7 @@ fn rebuild_customer(
 /// Rebuilds the all-customers bucket of `meter` in `minute` from the (rebuilt)
 /// buckets of the customers with events in it: it is their merge, as folding
 /// makes it; `unique` keeps the values some customer still holds.
-fn rebuild_all(
+pub(crate) fn rebuild_all(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     minute: i64,

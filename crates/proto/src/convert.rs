@@ -174,6 +174,7 @@ pub fn meter_to_proto(m: &Meter) -> v1::Meter {
         created_at_ms: m.created_at_ms,
         updated_at_ms: m.updated_at_ms,
         counts_from_ms: m.counts_from_ms,
+        revision: m.revision,
     }
 }
 
@@ -219,6 +220,7 @@ pub fn meter_from_proto(m: v1::Meter) -> Result<Meter, DecodeError> {
         created_at_ms: m.created_at_ms,
         updated_at_ms: m.updated_at_ms,
         counts_from_ms: m.counts_from_ms,
+        revision: m.revision.max(1),
     })
 }
 
@@ -754,6 +756,10 @@ pub fn encode_record_with(
             event_ids: event_ids.clone(),
             reason: reason.clone(),
         }),
+        Record::MeterRevised { meter, minutes } => Kind::MeterRevised(v1::MeterRevised {
+            meter: Some(meter_to_proto(meter)),
+            minutes: minutes.clone(),
+        }),
         Record::EventAmended {
             store_id,
             mode,
@@ -954,6 +960,10 @@ pub fn decode_record(
             event_ids: v.event_ids,
             reason: v.reason,
         },
+        Kind::MeterRevised(r) => Record::MeterRevised {
+            meter: meter_from_proto(r.meter.ok_or(DecodeError::BadField("meter"))?)?,
+            minutes: r.minutes,
+        },
         Kind::EventAmended(a) => Record::EventAmended {
             store_id: a.store_id.into(),
             mode: mode_from_proto(a.mode)?,
@@ -1061,6 +1071,7 @@ mod tests {
             created_at_ms: 1,
             updated_at_ms: 2,
             counts_from_ms: 1,
+            revision: 1,
         };
         let bytes = meter_to_proto(&meter).encode_to_vec();
         let back = meter_from_proto(v1::Meter::decode(bytes.as_slice()).unwrap()).unwrap();

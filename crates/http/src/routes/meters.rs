@@ -1,11 +1,11 @@
-//! `/v1/meters`: create, list, get, update, archive, unarchive, backfill, usage and
-//! previews.
+//! `/v1/meters`: create, list, get, update, archive, unarchive, backfill, revisions,
+//! usage and previews.
 
 use axum::extract::State;
 use axum::{Extension, Json};
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 use tally_domain::meter::{
-    validate_meter, FilterValue, MeterInput, RawFilterClause, RawMeterFilter,
+    validate_meter, FilterValue, MeterInput, RawFilterClause, RawMeterFilter, RevisionInput,
 };
 use tally_domain::time::Window;
 use tally_domain::usage::parse_decimal;
@@ -34,19 +34,21 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(archive))
         .routes(routes!(unarchive))
         .routes(routes!(backfill))
+        .routes(routes!(revise))
         .routes(routes!(preview_existing))
         .routes(routes!(usage))
 }
 
 /// Fields of a meter that no update changes and that are not definition fields
 /// (those answer `meter_field_immutable`).
-const NOT_UPDATABLE_METER_FIELDS: [&str; 8] = [
+const NOT_UPDATABLE_METER_FIELDS: [&str; 9] = [
     "id",
     "object",
     "store_id",
     "mode",
     "status",
     "counts_from",
+    "revision",
     "created_at",
     "updated_at",
 ];
@@ -331,6 +333,66 @@ pub async fn backfill(
             .backfill_meter(&scope, &id, start_ms)
             .await?,
     )))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/meters/{id}/revisions",
+    operation_id = "meters_revise",
+    tag = "meters",
+    summary = "Revise a meter's filter or aggregation property, re-deriving its usage from the stored events",
+    params(doc::IdParam),
+    request_body(content = doc::MeterRevisionRequest, content_type = "application/json", example = json!({"filter": {"conjunction": "and", "clauses": [{"property": "model", "operator": "eq", "value": "gpt-x"}]}, "dry_run": true})),
+    responses((status = 200, description = "The customers whose usage changes (dry run) or changed", body = doc::MeterRevision), (status = 400, description = "parameter_missing / parameter_invalid (`dry_run`, `filter`, `aggregation_property`)", body = doc::ErrorBody), (status = 409, description = "meter_not_active, meter_revision_unsupported (time_weighted_sum), resource_changed (revised meanwhile)", body = doc::ErrorBody))
+)]
+pub async fn revise(
+    State(state): State<AppState>,
+    Extension(scope): Extension<Scope>,
+    PathId(id): PathId,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let fields = Fields::new(&body);
+    let dry_run = fields
+        .boolean("dry_run")?
+        .ok_or_else(|| FieldError::missing("dry_run"))?;
+    let input = RevisionInput {
+        filter: match body.get("filter") {
+            None => None,
+            Some(Value::Null) => Some(None),
+            Some(value) => Some(Some(raw_filter(value)?)),
+        },
+        aggregation_property: match body.get("aggregation_property") {
+            None => None,
+            Some(Value::Null) => Some(None),
+            Some(_) => Some(fields.string("aggregation_property")?),
+        },
+    };
+    let result = state
+        .engine
+        .metering()
+        .revise_meter(&scope, &id, &input, dry_run)
+        .await?;
+    let changes: Vec<Value> = result
+        .changes
+        .iter()
+        .map(|c| {
+            json!({
+                "customer_id": c.customer_id,
+                "before": c.before.map(|d| d.normalize().to_string()),
+                "after": c.after.map(|d| d.normalize().to_string()),
+            })
+        })
+        .collect();
+    let mut answer = json!({
+        "object": "meter_revision",
+        "dry_run": result.dry_run,
+        "revision": result.meter.revision + u32::from(result.dry_run),
+        "changes": changes,
+    });
+    if !result.dry_run {
+        answer["meter"] = wire::meter(&result.meter);
+    }
+    Ok(Json(answer))
 }
 
 fn window_param(text: Option<&str>) -> Result<(Window, String), FieldError> {

@@ -1,0 +1,337 @@
+//! Meter revisions (docs/api.md, "Meter revisions"): a meter's filter or
+//! aggregation property changes explicitly, and its usage is re-derived from the
+//! stored events for every minute an event can still be ingested into.
+//!
+//! The service appends `MeterRevised` steps; apply decides them in log order. The
+//! first step switches the meter to the new definition (revision + 1, and a `` ` ``
+//! row so that apply decides the meter's new events from its definition, whatever
+//! ingest matched); every step rebuilds the meter's buckets of its minutes as a void
+//! rebuilds one (each customer's from its events of the minute, read back through
+//! the `z` rows; the all-customers bucket by merging the customers'). Minutes are
+//! rebuilt from the log's truth, so events applied meanwhile (already folded by the
+//! new definition) are neither lost nor counted twice. Steps are bounded by the `z`
+//! rows (records read back) their minutes hold.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Bound;
+
+use rust_decimal::Decimal;
+use tally_core::codec;
+use tally_core::error::EngineError;
+use tally_core::keys::{self, Key};
+use tally_core::outcome::Outcome;
+use tally_core::overlay::{ApplyError, Overlay};
+use tally_core::Scope;
+use tally_domain::limits::{MAX_EVENT_AGE_MS, MAX_EVENT_FUTURE_SKEW_MS};
+use tally_domain::meter::{revise_meter, Aggregation, Meter, MeterStatus, RevisionInput};
+use tally_domain::record::Record;
+use tally_domain::time::{minute_bucket, Window, MINUTE_MS};
+use tally_projection::Visit;
+
+use crate::apply::{load_meter, MeteringApplied};
+use crate::usage::UsageQuery;
+use crate::voids::{rebuild_all, rebuild_customer, MinuteEvents};
+use crate::Metering;
+
+/// `z` rows (usage records to read back) one step's minutes may hold, at least one
+/// minute per step: bounds the records one apply reads and holds.
+pub const REVISION_ROWS_PER_STEP: usize = 256;
+
+/// Steps between two progress lines in the server's log.
+const REVISION_PROGRESS_EVERY: usize = 100;
+
+/// A customer whose usage a revision changes (over the re-derived history).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RevisionChange {
+    pub customer_id: String,
+    pub before: Option<Decimal>,
+    pub after: Option<Decimal>,
+}
+
+/// What a revision request did (or, on a dry run, would do).
+#[derive(Debug, Clone)]
+pub struct RevisionResult {
+    pub dry_run: bool,
+    /// The meter: revised, or as it is on a dry run.
+    pub meter: Meter,
+    pub changes: Vec<RevisionChange>,
+}
+
+/// Why a meter cannot be revised: archived, or aggregated as `time_weighted_sum`
+/// (whose held values span minutes, so one minute cannot be rebuilt alone).
+pub fn check_revisable(meter: &Meter) -> Result<(), Outcome> {
+    if meter.status != MeterStatus::Active {
+        return Err(Outcome::rejected(
+            "meter_not_active",
+            "an archived meter cannot be revised; unarchive it first",
+        ));
+    }
+    if meter.aggregation == Aggregation::TimeWeightedSum {
+        return Err(Outcome::rejected(
+            "meter_revision_unsupported",
+            "a time_weighted_sum meter cannot be revised; create a new meter with the definition and backfill it",
+        ));
+    }
+    Ok(())
+}
+
+fn superseded() -> Outcome {
+    Outcome::rejected(
+        "resource_changed",
+        "the meter was revised meanwhile by another request; read it and send the revision again",
+    )
+}
+
+/// A `MeterRevised` step: switches the meter on its first step, then rebuilds its
+/// buckets of `minutes`.
+pub fn apply_revision(
+    overlay: &mut Overlay<'_>,
+    revised: &Meter,
+    minutes: &[i64],
+    at_ms: i64,
+    applied: &mut MeteringApplied,
+) -> Result<(), ApplyError> {
+    let (store_id, mode) = (revised.store_id.as_str(), revised.mode);
+    let mut meter = load_meter(overlay, store_id, mode, &revised.id)?;
+    if meter.revision.checked_add(1) == Some(revised.revision) {
+        check_revisable(&meter)?;
+        meter.filter = revised.filter.clone();
+        meter.aggregation_property = revised.aggregation_property.clone();
+        meter.revision = revised.revision;
+        // A newer version: an update derived from the one before is refused (and
+        // derived again), so it cannot put the old definition back.
+        meter.updated_at_ms = at_ms.max(meter.updated_at_ms.saturating_add(1));
+        overlay.put(
+            Key::scoped(keys::METER, store_id, mode)
+                .text(&meter.id)
+                .into_bytes(),
+            codec::encode_meter(&meter),
+        );
+        overlay.put(
+            keys::revised_meter_key(store_id, mode, &meter.id),
+            Vec::new(),
+        );
+        applied.meters.push(meter.clone());
+    } else if meter.revision != revised.revision
+        || meter.filter != revised.filter
+        || meter.aggregation_property != revised.aggregation_property
+    {
+        return Err(superseded().into());
+    }
+    let mut events = MinuteEvents::default();
+    // Every record the rebuilds read, asked for at once.
+    let mut missing = Vec::new();
+    for &minute in minutes {
+        for customer in events.customers(overlay, store_id, mode, minute)? {
+            for location in events.of(overlay, store_id, mode, minute, &customer)? {
+                if let Err(EngineError::RecordsNeeded(more)) =
+                    overlay.batch_at(location.partition, location.offset)
+                {
+                    missing.extend(more);
+                }
+            }
+        }
+    }
+    if !missing.is_empty() {
+        missing.sort_unstable();
+        missing.dedup();
+        return Err(EngineError::RecordsNeeded(missing).into());
+    }
+    for &minute in minutes {
+        let customers = events.customers(overlay, store_id, mode, minute)?;
+        for customer in &customers {
+            let locations = events.of(overlay, store_id, mode, minute, customer)?;
+            rebuild_customer(overlay, &meter, customer, minute, &locations)?;
+        }
+        rebuild_all(overlay, &meter, minute, &customers)?;
+    }
+    Ok(())
+}
+
+/// The value a customer without usage has: zero for additive aggregations, none
+/// for the others (as usage queries answer).
+fn empty_value(aggregation: Aggregation) -> Option<Decimal> {
+    match aggregation {
+        Aggregation::Count
+        | Aggregation::Sum
+        | Aggregation::Unique
+        | Aggregation::TimeWeightedSum => Some(Decimal::ZERO),
+        Aggregation::Min | Aggregation::Max | Aggregation::Average | Aggregation::Latest => None,
+    }
+}
+
+/// The customers whose value differs between `before` and `after`.
+fn changes(
+    aggregation: Aggregation,
+    before: &BTreeMap<String, Option<Decimal>>,
+    after: &BTreeMap<String, Option<Decimal>>,
+) -> Vec<RevisionChange> {
+    let customers: BTreeSet<&String> = before.keys().chain(after.keys()).collect();
+    let value = |values: &BTreeMap<String, Option<Decimal>>, customer: &str| {
+        values
+            .get(customer)
+            .copied()
+            .unwrap_or_else(|| empty_value(aggregation))
+            .map(|d| d.normalize())
+    };
+    customers
+        .into_iter()
+        .filter_map(|customer| {
+            let (was, will) = (value(before, customer), value(after, customer));
+            (was != will).then(|| RevisionChange {
+                customer_id: customer.clone(),
+                before: was,
+                after: will,
+            })
+        })
+        .collect()
+}
+
+impl Metering {
+    /// `POST /v1/meters/{id}/revisions`: on a dry run, the customers whose usage the
+    /// revision would change (their buckets now against the stored events run
+    /// through the new definition); otherwise the revision, applied step by step,
+    /// and the customers whose usage it changed.
+    pub async fn revise_meter(
+        &self,
+        scope: &Scope,
+        id: &str,
+        input: &RevisionInput,
+        dry_run: bool,
+    ) -> Result<RevisionResult, EngineError> {
+        let meter = self.get_meter(scope, id)?;
+        let revised = revise_meter(&meter, input)?;
+        check_revisable(&meter)?;
+        self.journal.wait_caught_up().await?;
+        let (start_ms, end_ms) = self.revised_history(scope);
+        let before = self.values_by_customer(scope, id, start_ms, end_ms)?;
+        if dry_run {
+            let after = self
+                .preview_by_customer(scope, &revised, start_ms, end_ms)
+                .await?;
+            return Ok(RevisionResult {
+                dry_run,
+                changes: changes(meter.aggregation, &before, &after),
+                meter,
+            });
+        }
+        tracing::info!(
+            meter_id = id,
+            revision = revised.revision,
+            "revision started"
+        );
+        let (mut from, mut steps, mut first) = (minute_bucket(start_ms), 0usize, true);
+        loop {
+            let (minutes, next) = self.revision_minutes(scope, from, minute_bucket(end_ms))?;
+            if first || !minutes.is_empty() {
+                let step = Record::MeterRevised {
+                    meter: revised.clone(),
+                    minutes,
+                };
+                self.journal.append_and_decide(&step).await?;
+                first = false;
+                steps += 1;
+                if steps.is_multiple_of(REVISION_PROGRESS_EVERY) {
+                    tracing::info!(meter_id = id, steps, "revision in progress");
+                }
+            }
+            match next {
+                Some(minute) => from = minute,
+                None => break,
+            }
+        }
+        tracing::info!(meter_id = id, steps, "revision finished");
+        let after = self.values_by_customer(scope, id, start_ms, end_ms)?;
+        Ok(RevisionResult {
+            dry_run,
+            changes: changes(meter.aggregation, &before, &after),
+            meter: self.get_meter(scope, id)?,
+        })
+    }
+
+    /// The history a revision re-derives: every minute an event can be ingested
+    /// into now (all of its events are stored), in the scope's business time.
+    fn revised_history(&self, scope: &Scope) -> (i64, i64) {
+        let now = self.journal.now_in(scope);
+        let start = (now - MAX_EVENT_AGE_MS).div_euclid(MINUTE_MS) * MINUTE_MS;
+        let end = (now + MAX_EVENT_FUTURE_SKEW_MS).div_euclid(MINUTE_MS) * MINUTE_MS + MINUTE_MS;
+        (start, end)
+    }
+
+    /// Each customer's value of the meter over the range, from its buckets.
+    fn values_by_customer(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<BTreeMap<String, Option<Decimal>>, EngineError> {
+        let result = self.query_usage(
+            scope,
+            &UsageQuery {
+                meter_id: meter_id.to_string(),
+                customer_id: None,
+                start_ms,
+                end_ms,
+                window: Window::None,
+                group_by_customer: true,
+            },
+        )?;
+        Ok(result
+            .groups
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|group| Some((group.customer_id?, group.value)))
+            .collect())
+    }
+
+    /// The minutes (`minute_bucket` numbers) of one step, from `from` on (before
+    /// `end`): the scope's minutes with `z` rows, until they hold
+    /// `REVISION_ROWS_PER_STEP` rows; and where the next step begins, if anything
+    /// is left.
+    fn revision_minutes(
+        &self,
+        scope: &Scope,
+        from: i64,
+        end: i64,
+    ) -> Result<(Vec<i64>, Option<i64>), EngineError> {
+        let lower = Key::table(keys::MINUTE_EVENTS).int(from).into_bytes();
+        let upper = Key::table(keys::MINUTE_EVENTS).int(end).into_bytes();
+        let (mut minutes, mut rows, mut next) = (Vec::<i64>::new(), 0usize, None);
+        let mut failure = None;
+        self.journal.store().scan(
+            Bound::Included(&lower),
+            Bound::Excluded(&upper),
+            false,
+            &mut |key, _| {
+                let minute = match keys::minute_events_minute(key) {
+                    Ok(minute) => minute,
+                    Err(error) => {
+                        failure = Some(error);
+                        return Visit::Stop;
+                    }
+                };
+                if !key.starts_with(&keys::minute_events_prefix(
+                    minute,
+                    &scope.store_id,
+                    scope.mode,
+                )) {
+                    return Visit::Continue;
+                }
+                if minutes.last() != Some(&minute) {
+                    if rows >= REVISION_ROWS_PER_STEP {
+                        next = Some(minute);
+                        return Visit::Stop;
+                    }
+                    minutes.push(minute);
+                }
+                rows += 1;
+                Visit::Continue
+            },
+        )?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok((minutes, next)),
+        }
+    }
+}
