@@ -28,7 +28,7 @@ use tally_domain::billing::{
 use tally_domain::record::Record;
 use tally_domain::subscription::{
     after_declined, after_paid, after_period_end, cancel, charge_lines, charge_plan, discount_off,
-    invoiced_prices, late_usage_amount, pause, period_amount, resume, BilledUsage, CancelMode,
+    invoiced_prices, pause, period_amount, resume, usage_adjustment, BilledUsage, CancelMode,
     ChargePlan, DueKind, InvalidTransition, OnExecute, PaymentLine,
 };
 use tally_domain::subscription::{proration_line, ExtraItem, StoreSettings, UpdateBehavior};
@@ -782,12 +782,19 @@ impl Billing {
                 entry.period_end_ms,
             )?;
             let mut kept = entry.clone();
-            if let Some(current) = current.filter(|c| *c > entry.quantity) {
+            // More than was billed: late usage; less: a correction took usage out
+            // (docs/api.md, "Late usage and corrections"), credited on this charge.
+            if let Some(current) = current.filter(|c| *c != entry.quantity) {
                 let (quantity, amount) =
-                    late_usage_amount(entry.quantity, current, price).ok_or_else(too_large)?;
+                    usage_adjustment(entry.quantity, current, price).ok_or_else(too_large)?;
+                let what = if current > entry.quantity {
+                    "late usage"
+                } else {
+                    "usage correction"
+                };
                 lines.push(PaymentLine {
                     description: format!(
-                        "late usage of meter {} ({} to {})",
+                        "{what} of meter {} ({} to {})",
                         entry.meter_id,
                         tally_domain::time::format_iso8601_ms(entry.period_start_ms),
                         tally_domain::time::format_iso8601_ms(entry.period_end_ms)

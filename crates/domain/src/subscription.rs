@@ -228,10 +228,12 @@ pub fn invoice_usage_amount(usage: Decimal, price: &UsagePrice) -> Option<(Decim
     Some((billable, i64::try_from(amount).ok()?))
 }
 
-/// Minor units for usage that arrived after its period was billed: the period's
-/// charge with the meter's value now, less its charge with the value billed (so
-/// allowance and cap apply to the period as a whole). `None` past `i64`.
-pub fn late_usage_amount(
+/// The adjustment of a billed period whose usage changed since it was billed: the
+/// period's charge with the meter's value now, less its charge with the value
+/// billed (so allowance and cap apply to the period as a whole), as (billable
+/// units, minor units). Positive for usage that arrived late, negative for usage a
+/// correction (a void, an amendment, a meter revision) took out. `None` past `i64`.
+pub fn usage_adjustment(
     billed: Decimal,
     now: Decimal,
     price: &UsagePrice,
@@ -239,8 +241,8 @@ pub fn late_usage_amount(
     let (units_now, amount_now) = invoice_usage_amount(now, price)?;
     let (units_then, amount_then) = invoice_usage_amount(billed, price)?;
     Some((
-        (units_now - units_then).max(Decimal::ZERO),
-        amount_now.checked_sub(amount_then)?.max(0),
+        units_now.checked_sub(units_then)?,
+        amount_now.checked_sub(amount_then)?,
     ))
 }
 

@@ -699,3 +699,97 @@ async fn updates_and_upgrades_are_prorated_by_the_time_left() {
     );
     server.stop().await;
 }
+
+/// A correction of usage already billed (a void, an amendment) is credited on the
+/// next charge, one `usage correction` line naming the meter and the period, and
+/// the upcoming charge shows it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrections_of_billed_usage_are_credited_on_the_next_charge() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let calls = id(&api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+        )
+        .await);
+    let prod = product(
+        &api,
+        json!({"usage_prices": [{"meter_id": calls, "unit_price": "2.5", "free_allowance": 2,
+            "settlement_mode": "invoice"}]}),
+    )
+    .await;
+    let (sub, cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    let end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+    // Six calls in the first period: 6 - 2 free = 4 x 2.5 = 10.
+    let events: Vec<Value> = (0..6)
+        .map(|i| json!({"name": "api_call", "customer_id": cus, "event_id": format!("c{i}")}))
+        .collect();
+    let ingested = api
+        .post("/v1/events/ingest", json!({"events": events}))
+        .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
+    advance(&api, end + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 2, "{txs:?}");
+    assert_eq!(txs[1]["amount"], 1010, "{}", txs[1]);
+
+    // Two of the billed calls were sent by mistake, one more was sent twice under
+    // another id and is amended away (renamed out of the meter).
+    let voided = api
+        .post(
+            "/v1/events/void",
+            json!({"event_ids": ["c0", "c1"], "reason": "test traffic"}),
+        )
+        .await;
+    assert_eq!(voided.status, 200, "{}", voided.body);
+    let amended = api
+        .post(
+            "/v1/events/c2/amend",
+            json!({"event": {"name": "api_call.retry"}, "reason": "a retry"}),
+        )
+        .await;
+    assert_eq!(amended.status, 200, "{}", amended.body);
+    server.engine.wait_caught_up().await.unwrap();
+    // 3 calls now: 1 billable, 2.5 -> 3; billed 10: 7 back, 3 units fewer.
+    let upcoming = api.get(&format!("/v1/subscriptions/{sub}/upcoming")).await;
+    assert_eq!(upcoming.status, 200, "{}", upcoming.body);
+    let correction = upcoming.body["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| {
+            l["description"]
+                .as_str()
+                .unwrap()
+                .starts_with("usage correction of meter")
+        })
+        .cloned()
+        .unwrap_or_else(|| panic!("no correction line: {}", upcoming.body));
+    assert_eq!(correction["meter_id"], calls.as_str());
+    assert_eq!(correction["quantity"], "-3");
+    assert_eq!(correction["amount"], -7);
+    assert!(
+        correction["description"]
+            .as_str()
+            .unwrap()
+            .contains(&format_iso8601_ms(end)),
+        "names the period: {correction}"
+    );
+    assert_eq!(upcoming.body["amount"], 993, "{}", upcoming.body);
+
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    let next_end = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+    advance(&api, next_end + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 3, "{txs:?}");
+    assert_eq!(txs[2]["amount"], 993, "{}", txs[2]);
+    // Credited once: the charge after it has no correction.
+    let s = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+    let later = parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap();
+    advance(&api, later + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 4, "{txs:?}");
+    assert_eq!(txs[3]["amount"], 1000, "{}", txs[3]);
+    server.stop().await;
+}
