@@ -696,6 +696,111 @@ async fn reservations_through_three_nodes_hold_exactly_the_balance() {
     assert!(matched, "replayed {replayed}, live {live}");
 }
 
+/// Corrections through three nodes on one topic: a void and an amendment of one
+/// event racing through two nodes, and two amendments of another, are decided once
+/// in log order (each outcome answered as it was decided); a revision through a
+/// third node; every node then shows the same usage, the one the outcomes imply,
+/// and a replay of the topic reproduces the projection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn corrections_through_three_nodes_are_decided_once() {
+    let Some((replicas, [node_a, node_b, node_c])) = Replicas::start("tally-fixes") else {
+        return;
+    };
+    let key = replicas.key.clone();
+    let nodes = vec![
+        node_a.test_url.clone(),
+        node_b.test_url.clone(),
+        node_c.test_url.clone(),
+    ];
+    let http = reqwest::Client::new();
+    let meter = |name: &str, aggregation: &str| json!({"name": name, "event_name": "e", "aggregation": aggregation, "aggregation_property": "n"});
+    let (_, sum) = post_retrying(&http, &nodes, 0, "/v1/meters", &key, &meter("sum", "sum")).await;
+    let (_, max) = post_retrying(&http, &nodes, 0, "/v1/meters", &key, &meter("max", "max")).await;
+    let (sum, max) = (sum["id"].as_str().unwrap(), max["id"].as_str().unwrap());
+    let customer = json!({"email": "k@x.io", "external_id": "k"});
+    let (status, created) = post_retrying(&http, &nodes, 0, "/v1/customers", &key, &customer).await;
+    assert_eq!(status, 200, "{created}");
+    let events: Vec<Value> = (0..10)
+        .map(|i| json!({"name": "e", "external_customer_id": "k", "event_id": format!("ev{i}"), "properties": {"n": i, "model": if i % 2 == 0 { "x" } else { "y" }}}))
+        .collect();
+    let (status, ingested) = post_retrying(
+        &http,
+        &nodes,
+        0,
+        "/v1/events/ingest",
+        &key,
+        &json!({"events": events}),
+    )
+    .await;
+    assert_eq!(
+        (status, &ingested["accepted"]),
+        (202, &json!(10)),
+        "{ingested}"
+    );
+    for node in &nodes {
+        wait_for_usage(&http, node, &key, sum, "45").await;
+    }
+
+    // A void of ev9 through B races an amendment of it (n = 100) through C.
+    let void = json!({"event_ids": ["ev9"], "reason": "race"});
+    let amend = json!({"event": {"event_id": "ev9b", "properties": {"n": 100, "model": "y"}}, "reason": "race"});
+    let ((void_status, voided), (amend_status, amended)) = tokio::join!(
+        post_retrying(&http, &nodes, 1, "/v1/events/void", &key, &void),
+        post_retrying(&http, &nodes, 2, "/v1/events/ev9/amend", &key, &amend),
+    );
+    assert_eq!(void_status, 200, "{voided}");
+    if amend_status == 200 {
+        // The amendment came first: the void found ev9 voided already.
+        assert_eq!(voided["already_voided"], json!(["ev9"]), "{voided}");
+    } else {
+        assert_eq!(
+            (amend_status, &amended["error"]["code"]),
+            (409, &json!("event_voided")),
+            "{amended}"
+        );
+        assert_eq!(voided["voided"], json!(["ev9"]), "{voided}");
+    }
+    // Two amendments of ev8 through B and C: exactly one lands.
+    let to_50 = json!({"event": {"properties": {"n": 50, "model": "x"}}, "reason": "one"});
+    let to_60 = json!({"event": {"properties": {"n": 60, "model": "x"}}, "reason": "two"});
+    let (first, second) = tokio::join!(
+        post_retrying(&http, &nodes, 1, "/v1/events/ev8/amend", &key, &to_50),
+        post_retrying(&http, &nodes, 2, "/v1/events/ev8/amend", &key, &to_60),
+    );
+    let mut statuses = [first.0, second.0];
+    statuses.sort();
+    assert_eq!(statuses, [200, 409], "{} / {}", first.1, second.1);
+    let landed = if first.0 == 200 { 50 } else { 60 };
+    // A revision through A: only model "x" counts from now on, in all history.
+    let only_x = json!({"filter": {"conjunction": "and", "clauses": [{"property": "model", "operator": "eq", "value": "x"}]}, "dry_run": false});
+    let (status, revised) = post_retrying(
+        &http,
+        &nodes,
+        0,
+        &format!("/v1/meters/{sum}/revisions"),
+        &key,
+        &only_x,
+    )
+    .await;
+    assert_eq!(status, 200, "{revised}");
+    // x: ev0, ev2, ev4, ev6 and ev8's replacement.
+    let expected_x = 12 + landed;
+    let expected_max = if amend_status == 200 {
+        100
+    } else {
+        7.max(landed)
+    };
+    for node in &nodes {
+        wait_for_usage(&http, node, &key, sum, &expected_x.to_string()).await;
+        wait_for_usage(&http, node, &key, max, &expected_max.to_string()).await;
+    }
+    for node in [node_a, node_b, node_c] {
+        assert!(node.terminate().success());
+    }
+    let (matched, replayed, live) = replay_with(replicas.dirs[0].path(), &replicas.flags());
+    assert!(matched, "replayed {replayed}, live {live}");
+}
+
 /// Whether the node at `base` reports owning `partition` in its cluster (`/metrics`).
 async fn owns_partition(http: &reqwest::Client, base: &str, partition: u32) -> bool {
     let Ok(response) = http.get(format!("{base}/metrics")).send().await else {
