@@ -180,14 +180,29 @@ pub fn meter_definitions_with(numeric: &[&str]) -> Vec<serde_json::Value> {
 /// A body of 100 realistic events for `POST /v1/events/ingest`, with event ids unique
 /// per connection and batch, for customers `customer-0..customers`.
 pub fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: usize) -> String {
+    batch_body_at(rng, connection, batch, customers, None)
+}
+
+/// `batch_body` whose events all carry `timestamp` (ISO 8601), as a batch sent at
+/// one moment of a store's history does.
+pub fn batch_body_at(
+    rng: &mut impl Rng,
+    connection: usize,
+    batch: u64,
+    customers: usize,
+    timestamp: Option<&str>,
+) -> String {
     let mut body = String::with_capacity(20_000);
     body.push_str("{\"events\":[");
+    let at = timestamp
+        .map(|t| format!("\"timestamp\":\"{t}\","))
+        .unwrap_or_default();
     for i in 0..100 {
         if i > 0 {
             body.push(',');
         }
         body.push_str(&format!(
-            "{{\"name\":\"{}\",\"external_customer_id\":\"customer-{}\",\"event_id\":\"c{connection}-{batch}-{i}\",\"properties\":{{\"region\":\"{}\",\"model\":\"{}\",\"tokens\":{},\"bytes\":{}.{:02},\"user\":\"user_{}\"}}}}",
+            "{{{at}\"name\":\"{}\",\"external_customer_id\":\"customer-{}\",\"event_id\":\"c{connection}-{batch}-{i}\",\"properties\":{{\"region\":\"{}\",\"model\":\"{}\",\"tokens\":{},\"bytes\":{}.{:02},\"user\":\"user_{}\"}}}}",
             EVENT_NAMES[rng.random_range(0..5)],
             rng.random_range(0..customers),
             REGIONS[rng.random_range(0..4)],

@@ -14,7 +14,9 @@
 //!   With `--voids N`, after catching up it also voids N stored events picked at
 //!   random (requests of 100 ids, one at a time) and reports each request's
 //!   latency: a void answers once applied, so it is reflected in every usage query
-//!   by then.
+//!   by then. With `--spread-days D` the events lie over the last D days (each
+//!   batch at one random instant, as a store's history is ingested), so a void's
+//!   events fall in minutes all over that history.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,7 +26,8 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rand::Rng;
 use tally_benches::{
-    batch_body, cpu_seconds, meter_definitions_with, percentile, start_server, usage_record_bytes,
+    batch_body_at, cpu_seconds, meter_definitions_with, percentile, start_server,
+    usage_record_bytes,
 };
 use tally_log::Log;
 
@@ -56,6 +59,12 @@ struct Args {
     /// and time the requests.
     #[arg(long, default_value_t = 0)]
     voids: usize,
+    /// Spread the events over the last this many days (at most 35): each batch is
+    /// sent as a moment of the store's history (all its events at one random
+    /// instant), and the meters are backfilled to count from then, so voids touch
+    /// minutes all over the history.
+    #[arg(long, default_value_t = 0)]
+    spread_days: u32,
 }
 
 fn rss_kib(pid: u32, field: &str) -> u64 {
@@ -161,6 +170,29 @@ async fn main() -> anyhow::Result<()> {
             .await?;
         meter_ids.push(meter.id);
     }
+    // Spread: the meters count from the first instant events get, before any event
+    // exists (a backfill with nothing to fold).
+    let spread_ms = i64::from(args.spread_days) * 86_400_000;
+    anyhow::ensure!(args.spread_days <= 35, "--spread-days is at most 35");
+    let load_start_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as i64;
+    if spread_ms > 0 {
+        let from = tally_domain::time::format_iso8601_ms(load_start_ms - spread_ms);
+        for meter in &meter_ids {
+            let answer = http
+                .post(format!("{base}/v1/meters/{meter}/backfill"))
+                .header("x-api-key", &key)
+                .json(&serde_json::json!({"start": from}))
+                .send()
+                .await?;
+            anyhow::ensure!(
+                answer.status().is_success(),
+                "backfill answered {}",
+                answer.status()
+            );
+        }
+    }
     eprintln!("setup took {:.1?}; loading...", setup.elapsed());
 
     let acked = Arc::new(AtomicU64::new(0));
@@ -182,7 +214,14 @@ async fn main() -> anyhow::Result<()> {
             let mut acked_batches = 0u64;
             let mut last_ok = Instant::now();
             while !stop.load(Ordering::Relaxed) && acked.load(Ordering::Relaxed) < target {
-                let body = batch_body(&mut rand::rng(), connection, batch, customers);
+                let body = {
+                    let mut rng = rand::rng();
+                    let at = (spread_ms > 0).then(|| {
+                        let ms = load_start_ms - rng.random_range(0..spread_ms);
+                        tally_domain::time::format_iso8601_ms(ms)
+                    });
+                    batch_body_at(&mut rng, connection, batch, customers, at.as_deref())
+                };
                 batch += 1;
                 let response = http
                     .post(format!("{base}/v1/events/ingest"))
