@@ -423,6 +423,10 @@ proptest! {
 #[derive(Debug, Clone)]
 enum Step {
     Batch(Vec<GenEvent>),
+    /// Events in records of their own: minutes whose events lie in many records
+    /// (a void then merges the all-customers bucket from the customers' buckets
+    /// rather than rebuilding it from the events).
+    Singles(Vec<GenEvent>),
     Void(Vec<u8>),
     Amend(u8, GenEvent),
     /// A revision of every meter but the time-weighted one to count only events
@@ -446,6 +450,7 @@ fn positive_only() -> MeterFilter {
 fn gen_step() -> impl Strategy<Value = Step> {
     prop_oneof![
         3 => proptest::collection::vec(gen_event(), 1..12).prop_map(Step::Batch),
+        1 => proptest::collection::vec(gen_event(), 5..12).prop_map(Step::Singles),
         2 => proptest::collection::vec(0u8..30, 1..4).prop_map(Step::Void),
         2 => (0u8..30, gen_event()).prop_map(|(id, replacement)| Step::Amend(id, replacement)),
         1 => (0i64..6).prop_map(Step::Revise),
@@ -496,6 +501,19 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>, bool) {
                     events: events.iter().map(|e| usage_event(e, &ids)).collect(),
                     settles: false,
                 });
+            }
+            Step::Singles(events) => {
+                for e in events {
+                    if !stored.iter().any(|s| s.id == e.id) {
+                        stored.push(e.clone());
+                    }
+                    records.push(Record::UsageBatch {
+                        store_id: STORE.into(),
+                        mode: Mode::Test,
+                        events: vec![usage_event(e, &ids)],
+                        settles: false,
+                    });
+                }
             }
             Step::Void(event_ids) => {
                 if event_ids

@@ -7,7 +7,7 @@
 //! row so that apply decides the meter's new events from its definition, whatever
 //! ingest matched); every step rebuilds the meter's buckets of its minutes as a void
 //! rebuilds one (each customer's from its events of the minute, read back through
-//! the `z` rows; the all-customers bucket by merging the customers'). Minutes are
+//! the `z` rows; then the all-customers bucket, as a void does). Minutes are
 //! rebuilt from the log's truth, so events applied meanwhile (already folded by the
 //! new definition) are neither lost nor counted twice. Steps are bounded by the `z`
 //! rows (records read back) their minutes hold.
@@ -30,7 +30,7 @@ use tally_projection::Visit;
 
 use crate::apply::{load_meter, MeteringApplied};
 use crate::usage::UsageQuery;
-use crate::voids::{rebuild_all, rebuild_customer, MinuteEvents};
+use crate::voids::{fetch, rebuild_customer, rebuild_minute_total, MinuteEvents};
 use crate::Metering;
 
 /// `z` rows (usage records to read back) one step's minutes may hold, at least one
@@ -119,31 +119,22 @@ pub fn apply_revision(
         return Err(superseded().into());
     }
     let mut events = MinuteEvents::default();
-    // Every record the rebuilds read, asked for at once.
-    let mut missing = Vec::new();
+    // Every record the rebuilds read (each customer's events: the whole minute),
+    // asked for at once.
+    let mut wanted = Vec::new();
     for &minute in minutes {
         for customer in events.customers(overlay, store_id, mode, minute)? {
-            for location in events.of(overlay, store_id, mode, minute, &customer)? {
-                if let Err(EngineError::RecordsNeeded(more)) =
-                    overlay.batch_at(location.partition, location.offset)
-                {
-                    missing.extend(more);
-                }
-            }
+            wanted.extend(events.of(overlay, store_id, mode, minute, &customer)?);
         }
     }
-    if !missing.is_empty() {
-        missing.sort_unstable();
-        missing.dedup();
-        return Err(EngineError::RecordsNeeded(missing).into());
-    }
+    fetch(overlay, &wanted)?;
     for &minute in minutes {
         let customers = events.customers(overlay, store_id, mode, minute)?;
         for customer in &customers {
             let locations = events.of(overlay, store_id, mode, minute, customer)?;
             rebuild_customer(overlay, &meter, customer, minute, &locations)?;
         }
-        rebuild_all(overlay, &meter, minute, &customers)?;
+        rebuild_minute_total(overlay, &mut events, &meter, minute)?;
     }
     Ok(())
 }

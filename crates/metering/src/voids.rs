@@ -10,8 +10,9 @@
 //! - Otherwise, and always for `unique`, a fold cannot be undone: a customer's
 //!   bucket is rebuilt from its events that remain, read back from the log through
 //!   the `z` rows (per minute, each usage record's events in it with their
-//!   customer), and the meter-wide bucket is rebuilt by merging the buckets of the
-//!   customers with events in that minute (no events are read for it).
+//!   customer), and the meter-wide bucket is rebuilt from the minute's events when
+//!   they lie in few records, else by merging the buckets of the customers with
+//!   events in that minute.
 //! - `time_weighted_sum` is linear in the changes of the held value: the event's
 //!   change is taken out and its successor's grows by as much (domain `gauge`).
 //!
@@ -45,6 +46,14 @@ use crate::Metering;
 
 /// Event ids one void may name: one log record, and a bounded rebuild.
 pub const MAX_VOID_EVENTS: usize = 100;
+
+/// Records (of up to 100 events each) a minute's events may lie in for its
+/// all-customers bucket to be rebuilt from them; past that, it is merged from its
+/// customers' buckets. A minute of a store's history (a few batches) has a
+/// hundred customers or more: reading its one or two records is cheaper than
+/// reading each customer's bucket. A busy live minute holds thousands of
+/// records: merging is cheaper there.
+pub const REBUILD_FROM_EVENTS_MAX_RECORDS: usize = 4;
 
 /// The record's content, as apply reads it.
 #[derive(Debug, Clone, Copy)]
@@ -113,31 +122,64 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         }
     }
     let mut minutes = MinuteEvents::default();
-    // Every record the customers' rebuilds read, asked for at once.
-    let mut missing = Vec::new();
+    // Every record the rebuilds read, asked for at once: the customers', and the
+    // whole minute's where the all-customers bucket is rebuilt from its events.
+    let mut wanted = Vec::new();
     for (_, customer, minute) in &customer_rebuilds {
-        for location in minutes.of(overlay, store_id, mode, *minute, customer)? {
-            if let Err(EngineError::RecordsNeeded(more)) =
-                overlay.batch_at(location.partition, location.offset)
-            {
-                missing.extend(more);
-            }
+        wanted.extend(minutes.of(overlay, store_id, mode, *minute, customer)?);
+    }
+    for (_, minute) in &all_rebuilds {
+        if let Some(all) = minutes.few_records(overlay, store_id, mode, *minute)? {
+            wanted.extend(all);
         }
     }
-    if !missing.is_empty() {
-        missing.sort_unstable();
-        missing.dedup();
-        return Err(EngineError::RecordsNeeded(missing).into());
-    }
+    fetch(overlay, &wanted)?;
     for (at, customer, minute) in &customer_rebuilds {
         let locations = minutes.of(overlay, store_id, mode, *minute, customer)?;
         rebuild_customer(overlay, &meters[*at], customer, *minute, &locations)?;
     }
     for (at, minute) in &all_rebuilds {
-        let customers = minutes.customers(overlay, store_id, mode, *minute)?;
-        rebuild_all(overlay, &meters[*at], *minute, &customers)?;
+        rebuild_minute_total(overlay, &mut minutes, &meters[*at], *minute)?;
     }
     Ok(())
+}
+
+/// Asks for the records at `locations` that neither the chunk nor its fetch holds.
+pub(crate) fn fetch(overlay: &Overlay<'_>, locations: &[EventLocation]) -> Result<(), EngineError> {
+    let mut missing = Vec::new();
+    for location in locations {
+        if let Err(EngineError::RecordsNeeded(more)) =
+            overlay.batch_at(location.partition, location.offset)
+        {
+            missing.extend(more);
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    missing.sort_unstable();
+    missing.dedup();
+    Err(EngineError::RecordsNeeded(missing))
+}
+
+/// Rebuilds the all-customers bucket of `meter` in `minute`, after its customers'
+/// buckets are right: from the minute's events when they lie in few records
+/// (`few_records`: cheaper than reading every customer's bucket), else by merging
+/// the customers' buckets.
+pub(crate) fn rebuild_minute_total(
+    overlay: &mut Overlay<'_>,
+    minutes: &mut MinuteEvents,
+    meter: &Meter,
+    minute: i64,
+) -> Result<(), EngineError> {
+    let (store_id, mode) = (meter.store_id.as_str(), meter.mode);
+    match minutes.few_records(overlay, store_id, mode, minute)? {
+        Some(all) => rebuild_customer(overlay, meter, ALL_CUSTOMERS, minute, &all),
+        None => {
+            let customers = minutes.customers(overlay, store_id, mode, minute)?;
+            rebuild_all(overlay, meter, minute, &customers)
+        }
+    }
 }
 
 /// `EventAmended`: the event must be stored and not voided, and the replacement's id
@@ -261,6 +303,24 @@ impl MinuteEvents {
             .filter(|(_, c)| c == customer)
             .map(|(location, _)| *location)
             .collect())
+    }
+
+    /// Every stored event of the minute, when they lie in at most
+    /// `REBUILD_FROM_EVENTS_MAX_RECORDS` records; `None` past that.
+    pub(crate) fn few_records(
+        &mut self,
+        overlay: &Overlay<'_>,
+        store_id: &str,
+        mode: Mode,
+        minute: i64,
+    ) -> Result<Option<Vec<EventLocation>>, EngineError> {
+        let events = self.load(overlay, store_id, mode, minute)?;
+        let records: BTreeSet<(u32, u64)> = events
+            .iter()
+            .map(|(l, _)| (l.partition, l.offset))
+            .collect();
+        Ok((records.len() <= REBUILD_FROM_EVENTS_MAX_RECORDS)
+            .then(|| events.iter().map(|(location, _)| *location).collect()))
     }
 
     /// The customers with stored events in the minute.
@@ -413,7 +473,8 @@ fn subtract(
 }
 
 /// Rebuilds a customer's bucket of `meter` in `minute` from the events that still
-/// count in it (`locations`: the customer's events of the minute, already fetched).
+/// count in it (`locations`: the customer's events of the minute, already fetched);
+/// with `ALL_CUSTOMERS` and every event of the minute, the all-customers bucket.
 pub(crate) fn rebuild_customer(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
