@@ -457,6 +457,26 @@ fn gen_step() -> impl Strategy<Value = Step> {
     ]
 }
 
+/// One usage record of `events`; the reference stores those whose id is new.
+fn push_batch(
+    records: &mut Vec<Record>,
+    stored: &mut Vec<GenEvent>,
+    events: &[GenEvent],
+    ids: &[MeterId],
+) {
+    for e in events {
+        if !stored.iter().any(|s| s.id == e.id) {
+            stored.push(e.clone());
+        }
+    }
+    records.push(Record::UsageBatch {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        events: events.iter().map(|e| usage_event(e, ids)).collect(),
+        settles: false,
+    });
+}
+
 /// The log of a stream with voids, and the reference's view of it: the stored
 /// events (first id wins) less those a void took out (a void naming an id not
 /// stored yet voids nothing), and whether the meters were revised.
@@ -489,30 +509,10 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>, bool) {
                     }
                 }
             }
-            Step::Batch(events) => {
-                for e in events {
-                    if !stored.iter().any(|s| s.id == e.id) {
-                        stored.push(e.clone());
-                    }
-                }
-                records.push(Record::UsageBatch {
-                    store_id: STORE.into(),
-                    mode: Mode::Test,
-                    events: events.iter().map(|e| usage_event(e, &ids)).collect(),
-                    settles: false,
-                });
-            }
+            Step::Batch(events) => push_batch(&mut records, &mut stored, events, &ids),
             Step::Singles(events) => {
                 for e in events {
-                    if !stored.iter().any(|s| s.id == e.id) {
-                        stored.push(e.clone());
-                    }
-                    records.push(Record::UsageBatch {
-                        store_id: STORE.into(),
-                        mode: Mode::Test,
-                        events: vec![usage_event(e, &ids)],
-                        settles: false,
-                    });
+                    push_batch(&mut records, &mut stored, std::slice::from_ref(e), &ids);
                 }
             }
             Step::Void(event_ids) => {
