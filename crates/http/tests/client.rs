@@ -86,17 +86,21 @@ async fn every_client_operation_works_against_the_server() {
     .unwrap();
     assert_eq!(tally.ingest_raw(raw).await.unwrap().accepted, 1);
     assert_eq!(tally.get_event("e2").await.unwrap().properties["tokens"], 7);
-    let usage = tally
-        .meter_usage(
-            &meter.id,
-            &UsageQuery {
-                customer_id: Some(customer.id.clone()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    assert_eq!(usage.value.as_deref(), Some("13"));
+    // The customer's usage of the meter, as the client reads it.
+    let customer_usage = || async {
+        tally
+            .meter_usage(
+                &meter.id,
+                &UsageQuery {
+                    customer_id: Some(customer.id.clone()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .value
+    };
+    assert_eq!(customer_usage().await.as_deref(), Some("13"));
     // A void through the client: e2 leaves the sum, and reads back voided.
     let voided = tally
         .void_events(&VoidRequest {
@@ -109,17 +113,7 @@ async fn every_client_operation_works_against_the_server() {
     let e2 = tally.get_event("e2").await.unwrap();
     assert!(e2.voided);
     assert_eq!(e2.void_reason.as_deref(), Some("sent by mistake"));
-    let usage = tally
-        .meter_usage(
-            &meter.id,
-            &UsageQuery {
-                customer_id: Some(customer.id.clone()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    assert_eq!(usage.value.as_deref(), Some("6"));
+    assert_eq!(customer_usage().await.as_deref(), Some("6"));
     // An amendment: e3 (1 token) is replaced by e3b (4 tokens).
     let amended = tally
         .amend_event(
@@ -137,17 +131,7 @@ async fn every_client_operation_works_against_the_server() {
         .unwrap();
     assert_eq!(amended.voided, "e3");
     assert_eq!(amended.replacement, tally.get_event("e3b").await.unwrap());
-    let usage = tally
-        .meter_usage(
-            &meter.id,
-            &UsageQuery {
-                customer_id: Some(customer.id.clone()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    assert_eq!(usage.value.as_deref(), Some("9"));
+    assert_eq!(customer_usage().await.as_deref(), Some("9"));
     // A revision through the client: a dry run, then applied.
     let mut revision = MeterRevisionRequest {
         aggregation_property: Some(Some("cached_tokens".into())),

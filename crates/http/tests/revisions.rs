@@ -14,39 +14,6 @@ use tally_domain::time::format_iso8601_ms;
 /// Every aggregation a meter can be revised in (not `time_weighted_sum`).
 const AGGREGATIONS: [&str; 7] = ["count", "sum", "max", "min", "average", "unique", "latest"];
 
-async fn create_meter(api: &Api, name: &str, aggregation: &str, filter: Value) -> String {
-    let property = match aggregation {
-        "count" => Value::Null,
-        "unique" => json!("s"),
-        _ => json!("n"),
-    };
-    let answer = api
-        .post(
-            "/v1/meters",
-            json!({"name": name, "event_name": "calls", "aggregation": aggregation,
-                "aggregation_property": property, "filter": filter}),
-        )
-        .await;
-    assert_eq!(answer.status, 200, "{}", answer.body);
-    answer.body["id"].as_str().unwrap().to_string()
-}
-
-/// A meter's usage for `who` ("" for all customers) in minute windows.
-async fn usage(api: &Api, meter: &str, who: &str, range: &str) -> Value {
-    let customer = if who.is_empty() {
-        String::new()
-    } else {
-        format!("customer_id={who}&")
-    };
-    let answer = api
-        .get(&format!(
-            "/v1/meters/{meter}/usage?{customer}window=minute&{range}"
-        ))
-        .await;
-    assert_eq!(answer.status, 200, "{}", answer.body);
-    json!({"value": answer.body["value"], "windows": answer.body["windows"]})
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     let (guard, dir) = temp_dir();
@@ -62,7 +29,7 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     for aggregation in AGGREGATIONS {
         revised.push((
             aggregation,
-            create_meter(&api, aggregation, aggregation, Value::Null).await,
+            calls_meter(&api, aggregation, aggregation, Value::Null).await,
         ));
     }
     server.clock.set_ms(base + 4 * MINUTE);
@@ -133,7 +100,7 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
         assert_error(&update, 400, "invalid_request_error")["code"],
         "meter_field_immutable"
     );
-    let weighted = create_meter(&api, "weighted", "time_weighted_sum", Value::Null).await;
+    let weighted = calls_meter(&api, "weighted", "time_weighted_sum", Value::Null).await;
     let unsupported = api
         .post(
             &format!("/v1/meters/{weighted}/revisions"),
@@ -144,7 +111,7 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
         assert_error(&unsupported, 409, "invalid_request_error")["code"],
         "meter_revision_unsupported"
     );
-    let archived = create_meter(&api, "archived", "sum", Value::Null).await;
+    let archived = calls_meter(&api, "archived", "sum", Value::Null).await;
     assert_eq!(
         api.post_without_body(&format!("/v1/meters/{archived}/archive"))
             .await
@@ -168,7 +135,7 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     let before: Vec<Value> = {
         let mut all = Vec::new();
         for (_, id) in &revised {
-            all.push(usage(&api, id, &a, &range).await);
+            all.push(minute_usage(&api, id, &a, &range).await);
         }
         all
     };
@@ -208,7 +175,7 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     }
     let mut twins = Vec::new();
     for (aggregation, _) in &revised {
-        let twin = create_meter(
+        let twin = calls_meter(
             &api,
             &format!("twin {aggregation}"),
             aggregation,
@@ -235,8 +202,8 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
             for ((aggregation, id), twin) in revised.iter().zip(twins) {
                 for who in [a.as_str(), b.as_str(), ""] {
                     assert_eq!(
-                        usage(api, id, who, range).await,
-                        usage(api, twin, who, range).await,
+                        minute_usage(api, id, who, range).await,
+                        minute_usage(api, twin, who, range).await,
                         "{label}: {aggregation} for {who:?}"
                     );
                 }
@@ -247,7 +214,7 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     let after: Vec<Value> = {
         let mut all = Vec::new();
         for (_, id) in &revised {
-            all.push(usage(&api, id, &a, &range).await);
+            all.push(minute_usage(&api, id, &a, &range).await);
         }
         all
     };
@@ -288,11 +255,11 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
         second.body["meter"]["filter"]["clauses"][0]["value"], "x",
         "kept"
     );
-    assert_eq!(usage(&api, sum, "", &range).await["value"], "0");
+    assert_eq!(minute_usage(&api, sum, "", &range).await["value"], "0");
     let all_now: Vec<Value> = {
         let mut all = Vec::new();
         for (_, id) in &revised {
-            all.push(usage(&api, id, "", &range).await);
+            all.push(minute_usage(&api, id, "", &range).await);
         }
         all
     };
@@ -301,7 +268,7 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     let api = Api::new(&server.test_url, &keys.test);
     server.engine.wait_caught_up().await.unwrap();
     for ((_, id), expected) in revised.iter().zip(&all_now) {
-        assert_eq!(usage(&api, id, "", &range).await, *expected);
+        assert_eq!(minute_usage(&api, id, "", &range).await, *expected);
     }
     assert_eq!(
         api.get(&format!("/v1/meters/{sum}")).await.body["revision"],

@@ -21,24 +21,14 @@ const AGGREGATIONS: [&str; 8] = [
     "time_weighted_sum",
 ];
 
-/// One meter per aggregation over event `calls` (`unique` over `s`, the others
-/// over `n`), by aggregation.
+/// One meter per aggregation over event `calls`, by aggregation.
 async fn meters(api: &Api) -> Vec<(&'static str, String)> {
     let mut ids = Vec::new();
     for aggregation in AGGREGATIONS {
-        let property = match aggregation {
-            "count" => Value::Null,
-            "unique" => json!("s"),
-            _ => json!("n"),
-        };
-        let answer = api
-            .post(
-                "/v1/meters",
-                json!({"name": aggregation, "event_name": "calls", "aggregation": aggregation, "aggregation_property": property}),
-            )
-            .await;
-        assert_eq!(answer.status, 200, "{}", answer.body);
-        ids.push((aggregation, answer.body["id"].as_str().unwrap().to_string()));
+        ids.push((
+            aggregation,
+            calls_meter(api, aggregation, aggregation, Value::Null).await,
+        ));
     }
     ids
 }
@@ -48,24 +38,9 @@ async fn meters(api: &Api) -> Vec<(&'static str, String)> {
 async fn usage_of(api: &Api, meters: &[(&str, String)], who: &str, range: &str) -> Vec<Value> {
     let mut all = Vec::new();
     for (aggregation, id) in meters {
-        let customer = if who.is_empty() {
-            String::new()
-        } else {
-            format!("customer_id={who}&")
-        };
-        let answer = api
-            .get(&format!(
-                "/v1/meters/{id}/usage?{customer}window=minute&{range}"
-            ))
-            .await;
-        assert_eq!(answer.status, 200, "{}", answer.body);
-        let windows: Vec<Value> = answer.body["windows"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| json!([w["start"], w["value"]]))
-            .collect();
-        all.push(json!({"meter": aggregation, "value": answer.body["value"], "windows": windows}));
+        let mut usage = minute_usage(api, id, who, range).await;
+        usage["meter"] = json!(aggregation);
+        all.push(usage);
     }
     all
 }

@@ -14,6 +14,7 @@ use tally_domain::gauge::{
 };
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterDefinition};
 use tally_domain::time::{Window, MINUTE_MS};
+use tally_domain::usage::UsageEvent;
 use tally_domain::FieldError;
 use tally_projection::{scan_prefix, Visit};
 
@@ -117,6 +118,21 @@ impl WindowFold {
             held_at_start: Some(Decimal::ZERO),
             areas: None,
         })
+    }
+
+    /// One stored event (a preview's): its contribution, and for `latest` its point.
+    fn add_single(&mut self, event: &UsageEvent, contribution: &Contribution) {
+        if let (Aggregation::Latest, Contribution::Event { number: Some(n) }) =
+            (self.aggregation, contribution)
+        {
+            let point = LatestPoint {
+                timestamp_ms: event.timestamp_ms,
+                event_id: event.event_id.clone(),
+                value: *n,
+            };
+            self.add_latest(event.timestamp_ms, &point);
+        }
+        self.add_event(event.timestamp_ms, contribution);
     }
 
     fn add_latest(&mut self, minute_ms: i64, point: &LatestPoint) {
@@ -561,22 +577,7 @@ impl Metering {
                         }
                     }
                 };
-                let value = meter
-                    .aggregation_property
-                    .as_ref()
-                    .and_then(|p| event.properties.get(p));
-                let contribution = contribution(meter.aggregation, value);
-                if let (Aggregation::Latest, Contribution::Event { number: Some(n) }) =
-                    (meter.aggregation, &contribution)
-                {
-                    let point = LatestPoint {
-                        timestamp_ms: event.timestamp_ms,
-                        event_id: event.event_id.clone(),
-                        value: *n,
-                    };
-                    fold.add_latest(event.timestamp_ms, &point);
-                }
-                fold.add_event(event.timestamp_ms, &contribution);
+                fold.add_single(event, &crate::apply::contribution_of(meter, event));
             }
             Visit::Continue
         })
@@ -668,17 +669,7 @@ impl Metering {
                         continue;
                     }
                     matched += 1;
-                    if let (Aggregation::Latest, Contribution::Event { number: Some(n) }) =
-                        (definition.aggregation, &contribution)
-                    {
-                        let point = LatestPoint {
-                            timestamp_ms: event.timestamp_ms,
-                            event_id: event.event_id.clone(),
-                            value: *n,
-                        };
-                        fold.add_latest(event.timestamp_ms, &point);
-                    }
-                    fold.add_event(event.timestamp_ms, &contribution);
+                    fold.add_single(event, &contribution);
                 }
             }
             Visit::Continue

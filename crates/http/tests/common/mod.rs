@@ -273,6 +273,48 @@ pub async fn customer(api: &Api, external_id: &str) -> String {
     answer.body["id"].as_str().unwrap().to_string()
 }
 
+/// A meter over events named `calls`: `unique` over property `s`, `count` over
+/// none, the others over `n` (the correction tests' meters).
+pub async fn calls_meter(api: &Api, name: &str, aggregation: &str, filter: Value) -> String {
+    let property = match aggregation {
+        "count" => Value::Null,
+        "unique" => serde_json::json!("s"),
+        _ => serde_json::json!("n"),
+    };
+    let answer = api
+        .post(
+            "/v1/meters",
+            serde_json::json!({"name": name, "event_name": "calls", "aggregation": aggregation,
+                "aggregation_property": property, "filter": filter}),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body["id"].as_str().unwrap().to_string()
+}
+
+/// A meter's usage over `range` (query text) in minute windows, for `who` (a
+/// customer id, or "" for all customers): `{"value", "windows": [[start, value]]}`.
+pub async fn minute_usage(api: &Api, meter: &str, who: &str, range: &str) -> Value {
+    let customer = if who.is_empty() {
+        String::new()
+    } else {
+        format!("customer_id={who}&")
+    };
+    let answer = api
+        .get(&format!(
+            "/v1/meters/{meter}/usage?{customer}window=minute&{range}"
+        ))
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let windows: Vec<Value> = answer.body["windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| serde_json::json!([w["start"], w["value"]]))
+        .collect();
+    serde_json::json!({"value": answer.body["value"], "windows": windows})
+}
+
 pub fn assert_error(answer: &Answer, status: u16, error_type: &str) -> Value {
     assert_eq!(answer.status, status, "body: {}", answer.body);
     let error = &answer.body["error"];
