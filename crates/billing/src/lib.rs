@@ -35,6 +35,9 @@ pub mod subscriptions;
 pub struct MeterInfo {
     pub status: MeterStatus,
     pub aggregation: tally_domain::meter::Aggregation,
+    /// How many times its definition was revised, plus one (docs/api.md, "Meter
+    /// revisions").
+    pub revision: u32,
 }
 
 /// What billing asks of metering: it owns this port, the composition root
@@ -54,6 +57,17 @@ pub trait Meters: Send + Sync {
         start_ms: i64,
         end_ms: i64,
     ) -> Result<Option<Decimal>, EngineError>;
+
+    /// The customer's events in the same minutes as `period_usage` that the meter
+    /// stopped counting because they were voided or amended.
+    fn period_voided_events(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        customer_id: &str,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<u64, EngineError>;
 }
 
 /// What billing asks of the directory.

@@ -27,9 +27,9 @@ use tally_domain::billing::{
 };
 use tally_domain::record::Record;
 use tally_domain::subscription::{
-    after_declined, after_paid, after_period_end, cancel, charge_lines, charge_plan, discount_off,
-    invoiced_prices, pause, period_amount, resume, usage_adjustment, BilledUsage, CancelMode,
-    ChargePlan, DueKind, InvalidTransition, OnExecute, PaymentLine,
+    adjustment_description, after_declined, after_paid, after_period_end, cancel, charge_lines,
+    charge_plan, discount_off, invoiced_prices, pause, period_amount, resume, usage_adjustment,
+    BilledUsage, CancelMode, ChargePlan, DueKind, InvalidTransition, OnExecute, PaymentLine,
 };
 use tally_domain::subscription::{proration_line, ExtraItem, StoreSettings, UpdateBehavior};
 use tally_domain::time::parse_iso8601_ms;
@@ -732,6 +732,28 @@ impl Billing {
         Ok((country, rate))
     }
 
+    /// What a billed period's corrections are now: the events its meter stopped
+    /// counting (voided or amended) and the meter's revision (0: the meter is gone).
+    fn corrections(
+        &self,
+        scope: &Scope,
+        sub: &Subscription,
+        billed: &BilledUsage,
+    ) -> Result<(u64, u32), EngineError> {
+        let voided = self.meters.period_voided_events(
+            scope,
+            &billed.meter_id,
+            &sub.customer_id,
+            billed.period_start_ms,
+            billed.period_end_ms,
+        )?;
+        let revision = self
+            .meters
+            .meter_info(scope, &billed.meter_id)?
+            .map_or(0, |meter| meter.revision);
+        Ok((voided, revision))
+    }
+
     /// Prices a charge `plan` makes on `sub`: its lines (usage counted up to
     /// `usage_until` instead of the plan's end, for a preview), the discount while it
     /// lasts, the customer's tax rate.
@@ -787,17 +809,13 @@ impl Billing {
             if let Some(current) = current.filter(|c| *c != entry.quantity) {
                 let (quantity, amount) =
                     usage_adjustment(entry.quantity, current, price).ok_or_else(too_large)?;
-                let what = if current > entry.quantity {
-                    "late usage"
-                } else {
-                    "usage correction"
-                };
+                let (voided_events, meter_revision) = self.corrections(scope, sub, entry)?;
                 lines.push(PaymentLine {
-                    description: format!(
-                        "{what} of meter {} ({} to {})",
-                        entry.meter_id,
-                        tally_domain::time::format_iso8601_ms(entry.period_start_ms),
-                        tally_domain::time::format_iso8601_ms(entry.period_end_ms)
+                    description: adjustment_description(
+                        entry,
+                        current > entry.quantity,
+                        voided_events,
+                        meter_revision,
                     ),
                     meter_id: Some(entry.meter_id.clone()),
                     quantity,
@@ -805,6 +823,8 @@ impl Billing {
                     amount,
                 });
                 kept.quantity = current;
+                kept.voided_events = voided_events;
+                kept.meter_revision = meter_revision;
             }
             // Past the horizon no event of the period can arrive any more.
             if kept.period_end_ms >= horizon {
@@ -813,13 +833,18 @@ impl Billing {
         }
         if let Some((start, end)) = plan.usage {
             for (price, value) in &usage {
-                billed_usage.push(BilledUsage {
+                let mut billed = BilledUsage {
                     price_id: price.id.clone(),
                     meter_id: price.meter_id.clone(),
                     period_start_ms: start,
                     period_end_ms: end,
                     quantity: value.unwrap_or_default(),
-                });
+                    voided_events: 0,
+                    meter_revision: 0,
+                };
+                (billed.voided_events, billed.meter_revision) =
+                    self.corrections(scope, sub, &billed)?;
+                billed_usage.push(billed);
             }
         }
         let base = match plan.base {

@@ -207,6 +207,18 @@ fn put_optional(bytes: &mut Vec<u8>, value: Option<Decimal>) {
     }
 }
 
+/// A count (a `'` row): eight bytes, big-endian.
+pub fn encode_count(count: u64) -> Vec<u8> {
+    count.to_be_bytes().to_vec()
+}
+
+pub fn decode_count(bytes: &[u8]) -> Result<u64, EngineError> {
+    let raw: [u8; 8] = bytes
+        .try_into()
+        .map_err(|_| EngineError::Corrupt("a count of wrong size".into()))?;
+    Ok(u64::from_be_bytes(raw))
+}
+
 pub fn encode_aggregate(a: &Aggregate) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(AGGREGATE_BYTES);
     bytes.extend_from_slice(&a.events.to_be_bytes());

@@ -191,6 +191,7 @@ pub const MINUTE_EVENTS: u8 = b'z';
 pub const VOIDED_EVENT: u8 = b'.';
 pub const FOLD_SKIPPED: u8 = b'_';
 pub const REVISED_METER: u8 = b'`';
+pub const VOIDED_COUNT: u8 = b'\'';
 
 /// The `` ` `` row of a revised meter: apply decides its events from its definition
 /// (docs/api.md, "Meter revisions").
@@ -258,6 +259,28 @@ pub fn voided_event_key(store_id: &str, mode: Mode, event_id: &str) -> Vec<u8> {
     Key::scoped(VOIDED_EVENT, store_id, mode)
         .tail(event_id.as_bytes())
         .into_bytes()
+}
+
+/// The `'` row counting the events of one customer and minute a meter no longer
+/// counts because they were voided (an amendment voids too): what a correction of
+/// billed usage names (docs/api.md, "Late usage and corrections").
+pub fn voided_count_key(
+    store_id: &str,
+    mode: Mode,
+    meter_id: &str,
+    customer_id: &str,
+    minute: i64,
+) -> Vec<u8> {
+    voided_count_prefix(store_id, mode, meter_id, customer_id)
+        .int(minute)
+        .into_bytes()
+}
+
+/// The `'` rows of one meter and customer, before their minute.
+pub fn voided_count_prefix(store_id: &str, mode: Mode, meter_id: &str, customer_id: &str) -> Key {
+    Key::scoped(VOIDED_COUNT, store_id, mode)
+        .text(meter_id)
+        .text(customer_id)
 }
 
 /// The `B` row of an event a backfill folded into a meter.

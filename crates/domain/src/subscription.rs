@@ -76,6 +76,11 @@ pub struct BilledUsage {
     pub period_end_ms: i64,
     /// The meter's value over the period when it was last billed.
     pub quantity: Decimal,
+    /// The period's events the meter had stopped counting then (voided or amended):
+    /// a later correction names how many more it took out.
+    pub voided_events: u64,
+    /// The meter's revision then: a later correction says when it was revised.
+    pub meter_revision: u32,
 }
 
 /// An item of a subscription besides its main product.
@@ -244,6 +249,45 @@ pub fn usage_adjustment(
         units_now.checked_sub(units_then)?,
         amount_now.checked_sub(amount_then)?,
     ))
+}
+
+/// The description of the line adjusting a billed period whose usage changed
+/// (docs/api.md, "Late usage and corrections"): late usage or a correction, of which
+/// meter and period, then what corrected it since it was billed: how many of its
+/// events were voided or amended (`voided_now` against the billed count), and
+/// whether the meter was revised (`revision_now` against the billed one; 0 is
+/// unknown).
+pub fn adjustment_description(
+    billed: &BilledUsage,
+    late: bool,
+    voided_now: u64,
+    revision_now: u32,
+) -> String {
+    let what = if late {
+        "late usage"
+    } else {
+        "usage correction"
+    };
+    let mut description = format!(
+        "{what} of meter {} ({} to {})",
+        billed.meter_id,
+        crate::time::format_iso8601_ms(billed.period_start_ms),
+        crate::time::format_iso8601_ms(billed.period_end_ms)
+    );
+    let mut causes = Vec::new();
+    match voided_now.saturating_sub(billed.voided_events) {
+        0 => {}
+        1 => causes.push("1 event voided".to_string()),
+        n => causes.push(format!("{n} events voided")),
+    }
+    if billed.meter_revision != 0 && revision_now > billed.meter_revision {
+        causes.push(format!("meter revised to revision {revision_now}"));
+    }
+    if !causes.is_empty() {
+        description.push_str(": ");
+        description.push_str(&causes.join(", "));
+    }
+    description
 }
 
 /// The lines of a charge: the base price x units for the period ahead, then one
@@ -523,4 +567,43 @@ pub fn resume(sub: &Subscription, at_ms: i64) -> Result<Subscription, InvalidTra
     next.paused_at_ms = None;
     next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
     Ok(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn billed(voided_events: u64, meter_revision: u32) -> BilledUsage {
+        BilledUsage {
+            price_id: "price_1".into(),
+            meter_id: "mtr_1".to_string().into(),
+            period_start_ms: 0,
+            period_end_ms: 60_000,
+            quantity: Decimal::TEN,
+            voided_events,
+            meter_revision,
+        }
+    }
+
+    #[test]
+    fn an_adjustment_names_its_meter_period_and_what_corrected_it() {
+        let period = "of meter mtr_1 (1970-01-01T00:00:00.000Z to 1970-01-01T00:01:00.000Z)";
+        assert_eq!(
+            adjustment_description(&billed(0, 1), true, 0, 1),
+            format!("late usage {period}")
+        );
+        assert_eq!(
+            adjustment_description(&billed(2, 1), false, 3, 1),
+            format!("usage correction {period}: 1 event voided")
+        );
+        assert_eq!(
+            adjustment_description(&billed(2, 1), false, 7, 3),
+            format!("usage correction {period}: 5 events voided, meter revised to revision 3")
+        );
+        // A period billed before revisions were recorded (0) claims none.
+        assert_eq!(
+            adjustment_description(&billed(0, 0), false, 0, 2),
+            format!("usage correction {period}")
+        );
+    }
 }

@@ -213,6 +213,7 @@ impl tally_billing::Meters for MeteringPort {
             Ok(meter) => Ok(Some(tally_billing::MeterInfo {
                 status: meter.status,
                 aggregation: meter.aggregation,
+                revision: meter.revision,
             })),
             Err(EngineError::NotFound { .. }) => Ok(None),
             Err(error) => Err(error),
@@ -234,6 +235,18 @@ impl tally_billing::Meters for MeteringPort {
             Err(EngineError::NotFound { .. }) => Ok(None),
             other => other,
         }
+    }
+
+    fn period_voided_events(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        customer_id: &str,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<u64, EngineError> {
+        self.0
+            .period_voided_events(scope, meter_id, customer_id, start_ms, end_ms)
     }
 }
 

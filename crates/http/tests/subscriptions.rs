@@ -769,12 +769,15 @@ async fn corrections_of_billed_usage_are_credited_on_the_next_charge() {
     assert_eq!(correction["meter_id"], calls.as_str());
     assert_eq!(correction["quantity"], "-3");
     assert_eq!(correction["amount"], -7);
+    let description = correction["description"].as_str().unwrap();
     assert!(
-        correction["description"]
-            .as_str()
-            .unwrap()
-            .contains(&format_iso8601_ms(end)),
+        description.contains(&format_iso8601_ms(end)),
         "names the period: {correction}"
+    );
+    // Two voids and one amendment: three events of the period taken out.
+    assert!(
+        description.ends_with(": 3 events voided"),
+        "names the corrected events: {correction}"
     );
     assert_eq!(upcoming.body["amount"], 993, "{}", upcoming.body);
 

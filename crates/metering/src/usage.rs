@@ -472,6 +472,45 @@ impl Metering {
         Ok(series.value)
     }
 
+    /// The events of a customer in the same whole minutes as `period_usage` that a
+    /// meter stopped counting because they were voided or amended (docs/api.md,
+    /// "Late usage and corrections").
+    pub fn period_voided_events(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        customer_id: &str,
+        start_ms: i64,
+        end_ms: i64,
+    ) -> Result<u64, EngineError> {
+        let prefix = keys::voided_count_prefix(&scope.store_id, scope.mode, meter_id, customer_id);
+        let from = prefix
+            .clone()
+            .int(start_ms.div_euclid(MINUTE_MS))
+            .into_bytes();
+        let to = prefix.int(end_ms.div_euclid(MINUTE_MS)).into_bytes();
+        let (mut total, mut failure) = (0u64, None);
+        self.journal.store().scan(
+            Bound::Included(&from),
+            Bound::Excluded(&to),
+            false,
+            &mut |_, value| match codec::decode_count(value) {
+                Ok(count) => {
+                    total = total.saturating_add(count);
+                    Visit::Continue
+                }
+                Err(error) => {
+                    failure = Some(error);
+                    Visit::Stop
+                }
+            },
+        )?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(total),
+        }
+    }
+
     /// `GET /v1/meters/{id}/usage`.
     pub fn query_usage(
         &self,

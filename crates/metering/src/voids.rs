@@ -108,6 +108,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
             if meter.event_name != event.name || !was_folded(overlay, meter, event)? {
                 continue;
             }
+            count_voided(overlay, meter, event, minute)?;
             if meter.aggregation == Aggregation::TimeWeightedSum {
                 unfold_weighted(overlay, meter, event)?;
                 continue;
@@ -141,6 +142,30 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
     for (at, minute) in &all_rebuilds {
         rebuild_minute_total(overlay, &mut minutes, &meters[*at], *minute)?;
     }
+    Ok(())
+}
+
+/// One more event of the customer's `minute` that `meter` no longer counts (the
+/// `'` row a correction line of billed usage names).
+fn count_voided(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    minute: i64,
+) -> Result<(), EngineError> {
+    let key = keys::voided_count_key(
+        &meter.store_id,
+        meter.mode,
+        &meter.id,
+        &event.customer_id,
+        minute,
+    );
+    let count = match overlay.get(&key)? {
+        Some(bytes) => codec::decode_count(&bytes)?,
+        None => 0,
+    };
+    // A minute holds far fewer than u64::MAX events: saturating never bites.
+    overlay.put(key, codec::encode_count(count.saturating_add(1)));
     Ok(())
 }
 

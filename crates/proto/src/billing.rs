@@ -249,6 +249,8 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
                 period_start_ms: b.period_start_ms,
                 period_end_ms: b.period_end_ms,
                 quantity: canonical_decimal(b.quantity),
+                voided_events: b.voided_events,
+                meter_revision: b.meter_revision,
             })
             .collect(),
         extra_items: s
@@ -328,6 +330,8 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
                     period_start_ms: b.period_start_ms,
                     period_end_ms: b.period_end_ms,
                     quantity: decimal(&b.quantity, "billed usage")?,
+                    voided_events: b.voided_events,
+                    meter_revision: b.meter_revision,
                 })
             })
             .collect::<Result<_, DecodeError>>()?,
