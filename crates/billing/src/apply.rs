@@ -309,6 +309,24 @@ pub(crate) fn put_payment(overlay: &mut Overlay<'_>, payment: &Payment, new: boo
     );
 }
 
+/// The payment of an auto-recharge whose grant the ledger booked in the same
+/// record (docs/api.md, "Thresholds and auto-recharge"); a payment id taken is
+/// refused (ids are fresh: it would be a corrupt record).
+pub fn apply_recharge_payment(
+    overlay: &mut Overlay<'_>,
+    payment: &Payment,
+) -> Result<(), ApplyError> {
+    if overlay.contains(&payment_key(&payment.store_id, payment.mode, &payment.id))? {
+        return Err(Outcome::rejected(
+            "resource_changed",
+            format!("transaction {} exists already", payment.id),
+        )
+        .into());
+    }
+    put_payment(overlay, payment, true);
+    Ok(())
+}
+
 /// The ids of the events of one object: derived, so a replay emits the same ones.
 fn event(event_type: &str, at_ms: i64, object: BillingObject, object_id: &str) -> BillingEvent {
     BillingEvent {

@@ -27,6 +27,7 @@ pub mod discounts;
 pub mod lifecycle;
 pub mod payments;
 pub mod products;
+pub mod recharges;
 pub mod settlement;
 pub mod subscriptions;
 
@@ -97,10 +98,37 @@ pub struct Grant<'a> {
     pub key: String,
 }
 
+/// A priced auto-recharge waiting for its charge (docs/api.md, "Thresholds and
+/// auto-recharge"), as billing asks the ledger for them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RechargeDue {
+    pub scope: Scope,
+    pub account_id: String,
+    pub customer_id: String,
+    /// The debit that left the balance below the threshold.
+    pub debit_id: String,
+    /// The credits one recharge books.
+    pub amount: Decimal,
+    pub unit_label: String,
+    pub price: tally_domain::ledger::RechargePrice,
+}
+
 /// What billing asks of the credits ledger.
 #[async_trait::async_trait]
 pub trait Credits: Send + Sync {
     async fn grant(&self, scope: &Scope, grant: Grant<'_>) -> Result<(), EngineError>;
+
+    /// Up to `limit` priced auto-recharges waiting for their charge, of the stores
+    /// this node serves.
+    fn recharges_due(&self, limit: usize) -> Result<Vec<RechargeDue>, EngineError>;
+}
+
+/// A card a customer paid with, charged again later (a renewal, an auto-recharge).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CardOnFile {
+    pub last4: String,
+    /// It pays its first charge and declines every later one (a test card).
+    pub declines_later: bool,
 }
 
 /// A charge a payment provider accepted.
@@ -124,11 +152,11 @@ pub trait PaymentProvider: Send + Sync {
         currency: &str,
     ) -> Result<Charged, EngineError>;
 
-    /// Charges the card on file of a subscription (a renewal or a retry). A
-    /// decline is `EngineError::CardDeclined`.
+    /// Charges a card on file (a subscription's renewal or retry, an
+    /// auto-recharge). A decline is `EngineError::CardDeclined`.
     fn charge_on_file(
         &self,
-        subscription: &tally_domain::billing::Subscription,
+        card: &CardOnFile,
         amount_minor: i64,
         currency: &str,
     ) -> Result<(), EngineError>;
@@ -164,16 +192,16 @@ impl PaymentProvider for TestCards {
 
     fn charge_on_file(
         &self,
-        subscription: &tally_domain::billing::Subscription,
+        card: &CardOnFile,
         _amount_minor: i64,
         _currency: &str,
     ) -> Result<(), EngineError> {
-        if subscription.card_declines_renewals {
+        if card.declines_later {
             return Err(EngineError::CardDeclined {
                 code: "card_declined",
                 message: format!(
                     "the card ending {} was declined (card_declined); nothing was charged",
-                    subscription.card_last4
+                    card.last4
                 ),
             });
         }

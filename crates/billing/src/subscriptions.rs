@@ -446,7 +446,7 @@ impl Billing {
         let charge = price_charge(line.amount, 0, sub.product.tax_mode, rate)?;
         match self.provider(scope.mode) {
             Some(provider) => {
-                provider.charge_on_file(sub, charge.amount_paid, &sub.product.currency)?
+                provider.charge_on_file(&card_of(sub), charge.amount_paid, &sub.product.currency)?
             }
             None => {
                 return Err(FieldError::new(
@@ -480,6 +480,7 @@ impl Billing {
             reason: None,
             disputed: false,
             card_last4: Some(sub.card_last4.clone()),
+            card_declines_later: sub.card_declines_renewals,
             affiliate_id: None,
             affiliate_commission: 0,
             lines: vec![line],
@@ -633,7 +634,11 @@ impl Billing {
             let paid = match self.provider(scope.mode) {
                 _ if charge.amount_paid == 0 => true,
                 Some(provider) => {
-                    match provider.charge_on_file(&sub, charge.amount_paid, &sub.product.currency) {
+                    match provider.charge_on_file(
+                        &card_of(&sub),
+                        charge.amount_paid,
+                        &sub.product.currency,
+                    ) {
                         Ok(()) => true,
                         Err(EngineError::CardDeclined { .. }) => false,
                         Err(error) => return Err(error),
@@ -670,6 +675,7 @@ impl Billing {
                     reason: None,
                     disputed: false,
                     card_last4: Some(sub.card_last4.clone()),
+                    card_declines_later: sub.card_declines_renewals,
                     affiliate_id: None,
                     affiliate_commission: 0,
                     lines,
@@ -1145,6 +1151,17 @@ impl Billing {
                     }
                 }
             }
+            // Priced auto-recharges wait for their charge here too.
+            loop {
+                match self.charge_recharges().await {
+                    Ok(n) if n >= crate::recharges::RECHARGE_BATCH => continue,
+                    Ok(_) => break,
+                    Err(error) => {
+                        tracing::warn!(%error, "auto-recharge charges deferred; they are retried");
+                        break;
+                    }
+                }
+            }
         }
     }
 }
@@ -1165,6 +1182,14 @@ fn proration(
     let new = period_amount(next).ok_or_else(too_large)?;
     let period = (sub.current_period_start_ms, sub.current_period_end_ms);
     Ok(proration_line(old, new, period, now, "items changed"))
+}
+
+/// The card a subscription renews on.
+fn card_of(sub: &Subscription) -> crate::CardOnFile {
+    crate::CardOnFile {
+        last4: sub.card_last4.clone(),
+        declines_later: sub.card_declines_renewals,
+    }
 }
 
 /// A priced charge.

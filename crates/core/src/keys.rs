@@ -192,6 +192,25 @@ pub const VOIDED_EVENT: u8 = b'.';
 pub const FOLD_SKIPPED: u8 = b'_';
 pub const REVISED_METER: u8 = b'`';
 pub const VOIDED_COUNT: u8 = b'\'';
+pub const RECHARGE_PENDING: u8 = b'"';
+
+/// The `"` row of an account whose priced auto-recharge waits for its charge
+/// (docs/api.md, "Thresholds and auto-recharge"); its value is the debit's id.
+pub fn recharge_pending_key(store_id: &str, mode: Mode, account_id: &str) -> Vec<u8> {
+    Key::scoped(RECHARGE_PENDING, store_id, mode)
+        .text(account_id)
+        .into_bytes()
+}
+
+/// The store, mode and account of a `"` row's key.
+pub fn recharge_pending_of(key: &[u8]) -> Result<(&str, Mode, &str), EngineError> {
+    let mut reader = KeyReader::new(key, RECHARGE_PENDING, "a pending-recharge key")?;
+    let store = reader.text()?;
+    let mode = reader.mode()?;
+    let account = reader.text()?;
+    reader.end()?;
+    Ok((store, mode, account))
+}
 
 /// The `` ` `` row of a revised meter: apply decides its events from its definition
 /// (docs/api.md, "Meter revisions").

@@ -47,6 +47,7 @@ pub const OUTCOME_CODES: &[&str] = &[
     "meter_revision_unsupported",
     "parameter_invalid",
     "product_not_active",
+    "recharge_not_pending",
     "record_format_unsupported",
     "record_undecodable",
     "refund_exceeds_remaining",

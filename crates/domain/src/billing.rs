@@ -557,6 +557,9 @@ pub struct Payment {
     pub disputed: bool,
     /// Last four digits of the card charged.
     pub card_last4: Option<String>,
+    /// The card charged pays now and declines every later charge (a test card):
+    /// what a later charge on file meets (an auto-recharge).
+    pub card_declines_later: bool,
     /// What it charges, line by line (the lines' amounts add up to `amount` before
     /// tax for an exclusive price).
     pub lines: Vec<crate::subscription::PaymentLine>,

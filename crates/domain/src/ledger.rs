@@ -107,10 +107,23 @@ pub struct Account {
     pub auto_recharge: Option<AutoRecharge>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AutoRecharge {
     pub threshold: Decimal,
     pub amount: Decimal,
+    /// What one recharge costs, charged on the customer's last successful payment
+    /// method before its grant is booked; `None`: the grant is free and booked
+    /// right after the debit (docs/api.md, "Thresholds and auto-recharge").
+    pub price: Option<RechargePrice>,
+}
+
+/// The money one auto-recharge costs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RechargePrice {
+    /// Minor units, 1..=`MAX_PRICE_MINOR`.
+    pub amount: i64,
+    /// ISO 4217, upper case.
+    pub currency: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

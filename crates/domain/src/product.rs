@@ -523,6 +523,26 @@ pub(crate) fn parse_integer(
         })
 }
 
+/// An auto-recharge's price (docs/api.md, "Thresholds and auto-recharge"):
+/// `auto_recharge.price` minor units (at least 1) in `auto_recharge.currency`.
+pub fn parse_recharge_price(
+    price: &str,
+    currency: Option<&str>,
+) -> Result<crate::ledger::RechargePrice, FieldError> {
+    const PRICE: &str = "auto_recharge.price";
+    const CURRENCY: &str = "auto_recharge.currency";
+    let amount = parse_integer(PRICE, price, 1, MAX_PRICE_MINOR)?;
+    let currency = currency.ok_or_else(|| FieldError::missing(CURRENCY))?;
+    let currency = parse_currency(currency).map_err(|error| FieldError {
+        param: CURRENCY.into(),
+        message: error
+            .message
+            .replace("`currency`", &format!("`{CURRENCY}`")),
+        ..error
+    })?;
+    Ok(crate::ledger::RechargePrice { amount, currency })
+}
+
 /// An ISO 4217 code: three letters, kept upper case.
 pub fn parse_currency(text: &str) -> Result<String, FieldError> {
     let code = text.trim().to_ascii_uppercase();

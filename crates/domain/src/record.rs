@@ -172,6 +172,32 @@ pub enum Record {
         reason: String,
         replacement: crate::usage::UsageEvent,
     },
+    /// A priced auto-recharge charged (or declined) on the customer's last
+    /// successful payment method (docs/api.md, "Thresholds and auto-recharge"):
+    /// apply books its grant, or clears the account's `auto_recharge` on a decline.
+    AutoRechargeSettled(RechargeSettled),
+}
+
+/// The charge of a priced auto-recharge, as the billing scheduler made it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RechargeSettled {
+    pub store_id: StoreId,
+    pub mode: Mode,
+    pub account_id: crate::ids::AccountId,
+    /// The debit that left the balance below the threshold: the pending recharge
+    /// this settles (apply refuses any other).
+    pub debit_id: crate::ids::TransactionId,
+    /// The credits the charge bought.
+    pub amount: rust_decimal::Decimal,
+    pub outcome: RechargeOutcome,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RechargeOutcome {
+    /// Charged: the payment, stored with the grant.
+    Paid(crate::billing::Payment),
+    /// Declined, or no payment method to charge: why.
+    Declined { message: String },
 }
 
 /// What a usage record charges the credit accounts its events are bound to.
@@ -384,6 +410,7 @@ impl Record {
             Record::EventsVoided { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::EventAmended { store_id, .. } => store_id.as_bytes().to_vec(),
             Record::MeterRevised { meter, .. } => meter.store_id.as_bytes().to_vec(),
+            Record::AutoRechargeSettled(settled) => settled.store_id.as_bytes().to_vec(),
         }
     }
 }

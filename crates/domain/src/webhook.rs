@@ -14,7 +14,7 @@ use crate::ids::{EndpointId, StoreId};
 use crate::mode::Mode;
 
 /// Every event type an endpoint may subscribe to (docs/api.md).
-pub const EVENT_TYPES: [&str; 19] = [
+pub const EVENT_TYPES: [&str; 20] = [
     "checkout.completed",
     "refund.created",
     "dispute.created",
@@ -32,6 +32,7 @@ pub const EVENT_TYPES: [&str; 19] = [
     "credits.granted",
     "credits.consumed",
     "credits.auto_recharged",
+    "credits.auto_recharge_failed",
     "credits.expired",
     "credits.balance_low",
 ];

@@ -168,6 +168,28 @@ impl tally_billing::Credits for LedgerPort {
             .await?;
         Ok(())
     }
+
+    fn recharges_due(&self, limit: usize) -> Result<Vec<tally_billing::RechargeDue>, EngineError> {
+        Ok(self
+            .0
+            .pending_recharges(limit)?
+            .into_iter()
+            .filter_map(|pending| {
+                // Its terms are read now: a recharge whose price was removed
+                // meanwhile was dropped by that update.
+                let recharge = pending.account.auto_recharge?;
+                Some(tally_billing::RechargeDue {
+                    scope: pending.scope,
+                    account_id: pending.account.id.to_string(),
+                    customer_id: pending.account.customer_id.to_string(),
+                    debit_id: pending.debit_id,
+                    amount: recharge.amount,
+                    unit_label: pending.account.unit_label,
+                    price: recharge.price?,
+                })
+            })
+            .collect())
+    }
 }
 
 /// The gateway's `Settlements` port, answered by billing.

@@ -26,7 +26,7 @@ pub use tally_core::overlay::{
     MAX_CACHED_BUCKETS,
 };
 use tally_directory::DirectoryApplied;
-use tally_domain::record::{Record, RecordMeta};
+use tally_domain::record::{RechargeOutcome, Record, RecordMeta};
 use tally_log::LogEntry;
 use tally_metering::apply::BackfillStep;
 use tally_metering::MeteringApplied;
@@ -699,6 +699,19 @@ fn apply_record(
                 offset: entry.offset,
             },
         )?,
+        Record::AutoRechargeSettled(settled) => {
+            // The ledger decides (the pending recharge, the grant); billing keeps
+            // the payment only with the grant it paid for.
+            let (events, booked) = tally_ledger::thresholds::apply_recharge_settled(
+                overlay,
+                settled,
+                meta.recorded_at_ms,
+            )?;
+            if let (true, RechargeOutcome::Paid(payment)) = (booked, &settled.outcome) {
+                tally_billing::apply::apply_recharge_payment(overlay, payment)?;
+            }
+            schedule_ledger_events(overlay, &events, entry)?;
+        }
         Record::MeterRevised { meter, minutes } => tally_metering::revisions::apply_revision(
             overlay,
             meter,

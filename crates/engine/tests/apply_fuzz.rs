@@ -124,6 +124,13 @@ enum Op {
         tx: u8,
         account: u8,
     },
+    /// A priced auto-recharge's charge settled (paid or declined), for a debit
+    /// that left one pending or not, perhaps twice.
+    Recharge {
+        account: u8,
+        debit: u8,
+        paid: bool,
+    },
     Status {
         account: u8,
         status: u8,
@@ -247,6 +254,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u8..4, any::<bool>(), decimal(), 0u8..6)
             .prop_map(|(account, debit, amount, key)| Op::Move { account, debit, amount, key }),
         1 => (0u8..12, 0u8..4).prop_map(|(tx, account)| Op::Reverse { tx, account }),
+        2 => (2u8..4, 0u8..60, any::<bool>()).prop_map(|(account, debit, paid)| Op::Recharge { account, debit, paid }),
         1 => (0u8..4, 0u8..3).prop_map(|(account, status)| Op::Status { account, status }),
         1 => (0u8..4, proptest::collection::vec((0u8..6, decimal()), 0..4))
             .prop_map(|(account, amounts)| Op::Forged { account, amounts }),
@@ -262,6 +270,19 @@ fn op() -> impl Strategy<Value = Op> {
         1 => proptest::collection::vec(any::<u8>(), 0..40).prop_map(Op::Garbage),
         3 => billing_op(),
         1 => shared_op(),
+    ]
+}
+
+/// Priced auto-recharges (account 3 recharges 10 for a price below 50): debits
+/// that leave it pending, charges settled for the right debit or another, paid or
+/// declined, twice, with the account frozen, closed or re-credited in between.
+fn recharge_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => (30i64..120).prop_map(|initial| Op::OpenAccount { account: 3, name: 0, initial: Decimal::from(initial) }),
+        4 => (any::<bool>(), 1i64..40, 0u8..6)
+            .prop_map(|(debit, amount, key)| Op::Move { account: 3, debit: debit || amount > 5, amount: Decimal::from(amount), key }),
+        3 => (0u8..60, proptest::bool::weighted(0.7)).prop_map(|(debit, paid)| Op::Recharge { account: 3, debit, paid }),
+        1 => (0u8..3).prop_map(|status| Op::Status { account: 3, status }),
     ]
 }
 
@@ -445,12 +466,36 @@ mod billing {
             reason: None,
             disputed: false,
             card_last4: None,
+            card_declines_later: false,
             affiliate_id: None,
             affiliate_commission: 0,
             lines: Vec::new(),
             created_at_ms: T0,
             updated_at_ms: T0,
         }
+    }
+
+    /// The outcome of charging the recharge that move op `debit` left pending (or
+    /// never left) on account `n`: its payment, or a decline.
+    pub fn recharge(i: usize, n: u8, debit: usize, paid: bool) -> Record {
+        Record::AutoRechargeSettled(tally_domain::record::RechargeSettled {
+            store_id: STORE.into(),
+            mode: Mode::Test,
+            account_id: format!("ca_{n}").into(),
+            debit_id: format!("ctx_{debit}").into(),
+            amount: Decimal::TEN,
+            outcome: if paid {
+                tally_domain::record::RechargeOutcome::Paid(payment(
+                    format!("txn_ar{i}"),
+                    format!("cus_{}", n % 2),
+                    100,
+                ))
+            } else {
+                tally_domain::record::RechargeOutcome::Declined {
+                    message: "declined".into(),
+                }
+            },
+        })
     }
 
     /// Completes checkout `id` as last created before this op (or a fresh one).
@@ -712,7 +757,18 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                 name,
                 initial,
             } => {
-                let a = account(*n, *name, AccountStatus::Active);
+                let mut a = account(*n, *name, AccountStatus::Active);
+                // Accounts 2 and 3 recharge below 50: for free, and for a price.
+                if *n >= 2 {
+                    a.auto_recharge = Some(tally_domain::ledger::AutoRecharge {
+                        threshold: Decimal::from(50),
+                        amount: Decimal::TEN,
+                        price: (*n == 3).then(|| tally_domain::ledger::RechargePrice {
+                            amount: 100,
+                            currency: "USD".into(),
+                        }),
+                    });
+                }
                 let seed = transaction(
                     format!("ctx_{i}"),
                     TransactionKind::InitialBalance,
@@ -756,6 +812,22 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                     transaction: Some(tx),
                     events: vec![],
                 }
+            }
+            Op::Recharge {
+                account: n,
+                debit,
+                paid,
+            } => {
+                // Mostly the latest debit of the account before it (the one a
+                // pending recharge most likely waits for), else any op's id.
+                let latest = ops[..i].iter().enumerate().rev().find_map(|(j, (op, _))| {
+                    matches!(op, Op::Move { account, debit: true, .. } if account == n).then_some(j)
+                });
+                let debit = match latest {
+                    Some(j) if *debit < 45 => j,
+                    _ => usize::from(*debit),
+                };
+                billing::recharge(i, *n, debit, *paid)
             }
             Op::Reverse { tx, account: n } => {
                 let mut reversal = transaction(
@@ -1264,6 +1336,30 @@ fn check_billing(store: &MemoryStore) -> Result<(), TestCaseError> {
         // A discount re-created by a later upsert starts from its record's count.
         prop_assert!(discount.redeem_count as usize <= completed);
     }
+    // An auto-recharge's payment is kept only with the grant it paid for, and a
+    // grant names the payment that paid for it.
+    let mut paid_by = Vec::new();
+    scan_prefix(
+        store,
+        &[keys::CREDIT_TRANSACTION],
+        false,
+        &mut |_, value| {
+            let tx = codec::decode_transaction(value).unwrap();
+            if let Some(payment) = tx.metadata.get("payment_id") {
+                paid_by.push(payment.clone());
+            }
+            Visit::Continue
+        },
+    )
+    .unwrap();
+    let mut recharge_payments: Vec<String> = payments
+        .iter()
+        .filter(|p| p.id.starts_with("txn_ar"))
+        .map(|p| p.id.to_string())
+        .collect();
+    recharge_payments.sort();
+    paid_by.sort();
+    prop_assert_eq!(recharge_payments, paid_by);
     use tally_domain::billing::PaymentType;
     let (mut paid, mut refunded, mut kept) = (0i64, 0i64, 0i64);
     for payment in &payments {
@@ -1299,7 +1395,7 @@ fn check_billing(store: &MemoryStore) -> Result<(), TestCaseError> {
         .count();
     let payment_count = payments
         .iter()
-        .filter(|p| p.payment_type == PaymentType::Payment)
+        .filter(|p| p.payment_type == PaymentType::Payment && p.checkout_id.is_some())
         .count();
     prop_assert_eq!(
         completed,
@@ -1357,6 +1453,22 @@ proptest! {
     fn apply_never_fails_and_replays_exactly(
         ops in proptest::collection::vec((op(), envelope()), 1..60),
         cuts in proptest::collection::vec(0usize..80, 0..6),
+    ) {
+        let entries = entries(&payloads(&ops));
+        let whole = apply_in_chunks(&entries, &[])?;
+        let chunked = apply_in_chunks(&entries, &cuts)?;
+        prop_assert_eq!(whole.digest().unwrap(), chunked.digest().unwrap());
+        check_invariants(&whole)?;
+    }
+
+    /// Priced auto-recharges: whatever the order of debits, charges (paid or
+    /// declined, for the pending debit or another, repeated) and status changes,
+    /// apply keeps a recharge's payment exactly with the grant it paid for, the
+    /// ledger's invariants hold, and any chunking replays the same.
+    #[test]
+    fn priced_recharges_keep_payment_and_grant_together(
+        ops in proptest::collection::vec((recharge_op(), envelope()), 1..40),
+        cuts in proptest::collection::vec(0usize..50, 0..4),
     ) {
         let entries = entries(&payloads(&ops));
         let whole = apply_in_chunks(&entries, &[])?;

@@ -837,6 +837,12 @@ pub struct AutoRechargeTerms {
     pub threshold: String,
     /// A decimal string, > 0: the grant booked right after that debit.
     pub amount: String,
+    /// Integer minor units, 1..=10,000,000,000, or null: what one recharge costs,
+    /// charged on the customer's last successful payment method before the grant
+    /// is booked (a decline clears `auto_recharge`). Null: the grant is free.
+    pub price: Option<i64>,
+    /// ISO 4217 code, required with `price`.
+    pub currency: Option<String>,
 }
 
 #[derive(ToSchema)]

@@ -96,6 +96,13 @@ pub fn apply_ledger_step(
                     return Err(refused(Rejection::AccountClosed));
                 }
                 status_before = Some(before.status);
+                // A recharge waiting for its charge is dropped when its terms change
+                // or the account stops being active: it was asked for under others.
+                if before.auto_recharge != account.auto_recharge
+                    || account.status != AccountStatus::Active
+                {
+                    overlay.delete(keys::recharge_pending_key(store, mode, &account.id));
+                }
             }
         }
         overlay.put(key, codec::encode_account(account));

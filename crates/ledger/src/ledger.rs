@@ -96,7 +96,71 @@ fn text_field(param: &str, value: Option<&String>, default: &str) -> Result<Stri
     }
 }
 
+/// A priced auto-recharge waiting for its charge (docs/api.md, "Thresholds and
+/// auto-recharge").
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingRecharge {
+    pub scope: Scope,
+    /// The account as it is now (its `auto_recharge` holds the price).
+    pub account: Account,
+    /// The debit that left its balance below the threshold.
+    pub debit_id: String,
+}
+
 impl Ledger {
+    /// Up to `limit` pending recharges of the stores this node serves.
+    pub fn pending_recharges(&self, limit: usize) -> Result<Vec<PendingRecharge>, EngineError> {
+        let mut found = Vec::new();
+        let mut failure = None;
+        tally_projection::scan_prefix(
+            self.journal.store().as_ref(),
+            &[keys::RECHARGE_PENDING],
+            false,
+            &mut |key, value| {
+                let read = keys::recharge_pending_of(key).map(|(store, mode, account)| {
+                    (
+                        Scope {
+                            store_id: store.into(),
+                            mode,
+                        },
+                        account.to_string(),
+                        String::from_utf8_lossy(value).into_owned(),
+                    )
+                });
+                match read {
+                    Ok(pending) => {
+                        if self.journal.serves_store(&pending.0.store_id) {
+                            found.push(pending);
+                        }
+                        if found.len() >= limit {
+                            tally_projection::Visit::Stop
+                        } else {
+                            tally_projection::Visit::Continue
+                        }
+                    }
+                    Err(error) => {
+                        failure = Some(error);
+                        tally_projection::Visit::Stop
+                    }
+                }
+            },
+        )?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        found
+            .into_iter()
+            .map(|(scope, account_id, debit_id)| {
+                let account = self.get_account(&scope, &account_id)?;
+                Ok(PendingRecharge {
+                    scope,
+                    account,
+                    debit_id,
+                })
+            })
+            .collect()
+    }
+
     pub fn held(&self, scope: &Scope, account_id: &str) -> Result<Decimal, EngineError> {
         let key = crate::holds::holds_key(&scope.store_id, scope.mode, account_id);
         let holds = match self.journal.store().get(&key)? {
@@ -301,7 +365,7 @@ impl Ledger {
             created_at_ms: now,
             updated_at_ms: now,
             low_balance_threshold: input.low_balance_threshold,
-            auto_recharge: input.auto_recharge,
+            auto_recharge: input.auto_recharge.clone(),
         };
         let transaction = if initial > Decimal::ZERO {
             let entries = post(
@@ -407,7 +471,7 @@ impl Ledger {
     ) -> Result<(Account, Decimal), EngineError> {
         self.change_account(scope, id, |account| {
             let next_threshold = threshold.clone().apply_to(account.low_balance_threshold);
-            let next_recharge = recharge.clone().apply_to(account.auto_recharge);
+            let next_recharge = recharge.clone().apply_to(account.auto_recharge.clone());
             let changed = next_threshold != account.low_balance_threshold
                 || next_recharge != account.auto_recharge;
             account.low_balance_threshold = next_threshold;

@@ -9,15 +9,22 @@
 //!   same record, right after the debit, and `credits.auto_recharged` fires: at most
 //!   one per debit. A recharge that would break a limit is not booked (the debit
 //!   stands).
+//! - A priced auto-recharge is charged first: the debit leaves a pending recharge
+//!   (table `"`, one per account at a time) that billing's scheduler charges on
+//!   the customer's last successful payment method, then settles with an
+//!   `AutoRechargeSettled` record: paid, the grant is booked as above (naming the
+//!   payment); declined, nothing is booked, `auto_recharge` is cleared and
+//!   `credits.auto_recharge_failed` fires.
 
 use std::collections::BTreeMap;
 
 use rust_decimal::Decimal;
+use tally_core::outcome::Outcome;
 use tally_domain::grant::MAX_ACTIVE_GRANTS_PER_ACCOUNT;
 use tally_domain::ledger::{
     balances_after, Account, AccountStatus, Entry, SystemAccount, Transaction, TransactionKind,
 };
-use tally_domain::record::LedgerEvent;
+use tally_domain::record::{LedgerEvent, RechargeOutcome, RechargeSettled};
 use tally_domain::Mode;
 
 use tally_core::keys::{self, Key};
@@ -27,6 +34,7 @@ use crate::posting::{store_events, stored_account, stored_balance};
 
 pub const EVENT_CREDITS_BALANCE_LOW: &str = "credits.balance_low";
 pub const EVENT_CREDITS_AUTO_RECHARGED: &str = "credits.auto_recharged";
+pub const EVENT_CREDITS_AUTO_RECHARGE_FAILED: &str = "credits.auto_recharge_failed";
 /// The description of a recharge's grant.
 pub const AUTO_RECHARGE_DESCRIPTION: &str = "auto_recharge";
 
@@ -53,17 +61,30 @@ pub(crate) fn after_step(
     };
     let mut events = Vec::new();
     if let (Some(debit), Some(recharge), AccountStatus::Active) =
-        (debit, account.auto_recharge, account.status)
+        (debit, account.auto_recharge.as_ref(), account.status)
     {
         let balance = stored_balance(overlay, store, mode, account_id)?;
         if balance < recharge.threshold {
-            events.extend(recharge_after(
-                overlay,
-                &account,
-                debit,
-                recharge.amount,
-                at_ms,
-            )?);
+            match recharge.price {
+                None => events.extend(recharge_after(
+                    overlay,
+                    &account,
+                    Recharge {
+                        debit_id: &debit.id,
+                        created_at_ms: debit.created_at_ms,
+                        amount: recharge.amount,
+                        payment_id: None,
+                    },
+                    at_ms,
+                )?),
+                // Charged first; one at a time per account.
+                Some(_) => {
+                    let pending = keys::recharge_pending_key(store, mode, account_id);
+                    if !overlay.contains(&pending)? {
+                        overlay.put(pending, debit.id.as_bytes().to_vec());
+                    }
+                }
+            }
         }
     }
     let marker = low_key(store, mode, account_id);
@@ -94,21 +115,109 @@ pub(crate) fn after_step(
     Ok(events)
 }
 
-/// The credit an auto-recharge books right after `debit` (none when it would break
-/// a limit: the account's active grants or a balance's range).
+/// `AutoRechargeSettled`: settles the recharge `debit_id` left pending (else it is
+/// refused: settled already, or never pending). Paid: its grant is booked (none
+/// when it would break a limit: then `Ok(false)`, and billing stores no payment);
+/// declined: the account's `auto_recharge` is cleared. Answers the events and
+/// whether a grant was booked.
+pub fn apply_recharge_settled(
+    overlay: &mut Overlay<'_>,
+    settled: &RechargeSettled,
+    at_ms: i64,
+) -> Result<(Vec<LedgerEvent>, bool), ApplyError> {
+    let (store, mode, account_id) = (settled.store_id.as_str(), settled.mode, &settled.account_id);
+    let pending = keys::recharge_pending_key(store, mode, account_id);
+    if overlay.get(&pending)?.as_deref() != Some(settled.debit_id.as_bytes()) {
+        return Err(Outcome::rejected(
+            "recharge_not_pending",
+            format!(
+                "no auto-recharge of account {account_id} waits for debit {}",
+                settled.debit_id
+            ),
+        )
+        .into());
+    }
+    overlay.delete(pending);
+    let Some(mut account) = stored_account(overlay, store, mode, account_id)? else {
+        return Err(crate::posting::account_missing(account_id));
+    };
+    let (mut events, booked) = match &settled.outcome {
+        RechargeOutcome::Paid(payment) if account.status == AccountStatus::Active => {
+            let recharge = Recharge {
+                debit_id: &settled.debit_id,
+                created_at_ms: at_ms,
+                amount: settled.amount,
+                payment_id: Some(&payment.id),
+            };
+            let events = recharge_after(overlay, &account, recharge, at_ms)?;
+            let booked = !events.is_empty();
+            (events, booked)
+        }
+        // A frozen or closed account takes no grant: the charge is not kept.
+        RechargeOutcome::Paid(_) => (Vec::new(), false),
+        RechargeOutcome::Declined { .. } => {
+            account.auto_recharge = None;
+            account.updated_at_ms = account.updated_at_ms.max(at_ms);
+            overlay.put(
+                Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
+                    .text(account_id)
+                    .into_bytes(),
+                tally_core::codec::encode_account(&account),
+            );
+            let balance = stored_balance(overlay, store, mode, account_id)?;
+            let event = LedgerEvent {
+                id: format!("whevt_rf{}", settled.debit_id.trim_start_matches("ctx_")),
+                event_type: EVENT_CREDITS_AUTO_RECHARGE_FAILED.to_string(),
+                created_at_ms: at_ms,
+                transaction_id: None,
+                account: account.clone(),
+                balance,
+            };
+            (vec![event], false)
+        }
+    };
+    store_events(overlay, &events);
+    events.extend(after_step(
+        overlay,
+        store,
+        mode,
+        account_id,
+        at_ms,
+        None,
+        &format!("{}:recharge", settled.debit_id),
+    )?);
+    Ok((events, booked))
+}
+
+/// A recharge to book: after which debit, when, how much, paid by which payment
+/// (none: a free grant).
+struct Recharge<'a> {
+    debit_id: &'a str,
+    created_at_ms: i64,
+    amount: Decimal,
+    payment_id: Option<&'a str>,
+}
+
+/// The credit an auto-recharge books right after its debit (none when it would
+/// break a limit: the account's active grants or a balance's range).
 fn recharge_after(
     overlay: &mut Overlay<'_>,
     account: &Account,
-    debit: &Transaction,
-    amount: Decimal,
+    recharge: Recharge<'_>,
     at_ms: i64,
 ) -> Result<Vec<LedgerEvent>, ApplyError> {
+    let Recharge {
+        debit_id,
+        created_at_ms,
+        amount,
+        payment_id,
+    } = recharge;
     let (store, mode) = (account.store_id.as_str(), account.mode);
     let active = crate::grants::load_active(overlay, store, mode, &account.id)?;
     if active.len() >= MAX_ACTIVE_GRANTS_PER_ACCOUNT {
         return Ok(Vec::new());
     }
-    let id = format!("ctx_r{}", debit.id.trim_start_matches("ctx_"));
+    let id = format!("ctx_r{}", debit_id.trim_start_matches("ctx_"));
     let entry_base = id.replacen("ctx_", "ce_", 1);
     let mut tx = Transaction {
         id: id.into(),
@@ -133,9 +242,13 @@ fn recharge_after(
         ],
         idempotency_key: None,
         description: Some(AUTO_RECHARGE_DESCRIPTION.to_string()),
-        metadata: BTreeMap::from([("debit_id".to_string(), debit.id.to_string())]),
+        metadata: BTreeMap::from_iter(
+            [("debit_id", Some(debit_id)), ("payment_id", payment_id)]
+                .into_iter()
+                .filter_map(|(k, v)| Some((k.to_string(), v?.to_string()))),
+        ),
         reverses: None,
-        created_at_ms: debit.created_at_ms,
+        created_at_ms,
         grant_terms: None,
     };
     let before = crate::posting::balances_before(overlay, &tx)?;

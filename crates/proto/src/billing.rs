@@ -156,6 +156,7 @@ pub fn payment_to_proto(p: &Payment) -> v1::Payment {
         reason: p.reason.clone(),
         disputed: p.disputed,
         card_last4: p.card_last4.clone(),
+        card_declines_later: p.card_declines_later,
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
         lines: p.lines.iter().map(line_to_proto).collect(),
@@ -188,6 +189,7 @@ pub fn payment_from_proto(p: v1::Payment) -> Result<Payment, DecodeError> {
         reason: p.reason,
         disputed: p.disputed,
         card_last4: p.card_last4,
+        card_declines_later: p.card_declines_later,
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
         lines: p

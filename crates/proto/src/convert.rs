@@ -7,12 +7,12 @@ use rust_decimal::Decimal;
 use tally_domain::customer::Customer;
 use tally_domain::grant::{Grant, GrantStatus, GrantTerms};
 use tally_domain::ledger::{
-    Account, AccountStatus, AutoRecharge, Entry, Transaction, TransactionKind,
+    Account, AccountStatus, AutoRecharge, Entry, RechargePrice, Transaction, TransactionKind,
 };
 use tally_domain::meter::{
     Aggregation, Conjunction, FilterClause, FilterValue, Meter, MeterFilter, MeterStatus, Operator,
 };
-use tally_domain::record::{LedgerEvent, WebhookAttempt};
+use tally_domain::record::{LedgerEvent, RechargeOutcome, RechargeSettled, WebhookAttempt};
 use tally_domain::reservation::{Reservation, ReservationStatus, ReservationStep};
 use tally_domain::usage::{canonical_decimal, parse_decimal, PropertyValue, UsageEvent};
 use tally_domain::webhook::{DeliveryMode, WebhookEndpoint};
@@ -294,9 +294,15 @@ pub fn account_to_proto(a: &Account) -> v1::CreditAccount {
         created_at_ms: a.created_at_ms,
         updated_at_ms: a.updated_at_ms,
         low_balance_threshold: a.low_balance_threshold.map(canonical_decimal),
-        auto_recharge: a.auto_recharge.map(|r| v1::AutoRecharge {
+        auto_recharge: a.auto_recharge.as_ref().map(|r| v1::AutoRecharge {
             threshold: canonical_decimal(r.threshold),
             amount: canonical_decimal(r.amount),
+            price: r.price.as_ref().map_or(0, |p| p.amount),
+            currency: r
+                .price
+                .as_ref()
+                .map(|p| p.currency.clone())
+                .unwrap_or_default(),
         }),
     }
 }
@@ -314,6 +320,10 @@ pub fn account_from_proto(a: v1::CreditAccount) -> Result<Account, DecodeError> 
                 Ok::<_, DecodeError>(AutoRecharge {
                     threshold: decimal_from_text(&r.threshold, "account.auto_recharge.threshold")?,
                     amount: decimal_from_text(&r.amount, "account.auto_recharge.amount")?,
+                    price: (r.price != 0).then_some(RechargePrice {
+                        amount: r.price,
+                        currency: r.currency,
+                    }),
                 })
             })
             .transpose()?,
@@ -760,6 +770,21 @@ pub fn encode_record_with(
             meter: Some(meter_to_proto(meter)),
             minutes: minutes.clone(),
         }),
+        Record::AutoRechargeSettled(s) => Kind::AutoRechargeSettled(v1::AutoRechargeSettled {
+            store_id: s.store_id.to_string(),
+            mode: mode_to_proto(s.mode),
+            account_id: s.account_id.to_string(),
+            debit_id: s.debit_id.to_string(),
+            amount: canonical_decimal(s.amount),
+            payment: match &s.outcome {
+                RechargeOutcome::Paid(payment) => Some(crate::payment_to_proto(payment)),
+                RechargeOutcome::Declined { .. } => None,
+            },
+            decline_message: match &s.outcome {
+                RechargeOutcome::Paid(_) => None,
+                RechargeOutcome::Declined { message } => Some(message.clone()),
+            },
+        }),
         Record::EventAmended {
             store_id,
             mode,
@@ -964,6 +989,18 @@ pub fn decode_record(
             meter: meter_from_proto(r.meter.ok_or(DecodeError::BadField("meter"))?)?,
             minutes: r.minutes,
         },
+        Kind::AutoRechargeSettled(s) => Record::AutoRechargeSettled(RechargeSettled {
+            store_id: s.store_id.into(),
+            mode: mode_from_proto(s.mode)?,
+            account_id: s.account_id.into(),
+            debit_id: s.debit_id.into(),
+            amount: decimal_from_text(&s.amount, "auto_recharge_settled.amount")?,
+            outcome: match (s.payment, s.decline_message) {
+                (Some(payment), None) => RechargeOutcome::Paid(crate::payment_from_proto(payment)?),
+                (None, Some(message)) => RechargeOutcome::Declined { message },
+                _ => return Err(DecodeError::BadField("auto_recharge_settled.outcome")),
+            },
+        }),
         Kind::EventAmended(a) => Record::EventAmended {
             store_id: a.store_id.into(),
             mode: mode_from_proto(a.mode)?,

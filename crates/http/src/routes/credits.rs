@@ -7,7 +7,8 @@ use rust_decimal::Decimal;
 use serde_json::{json, Map, Value};
 use tally_domain::customer::Patch;
 use tally_domain::grant::{Grant, GrantStatus};
-use tally_domain::ledger::{parse_amount, Account, AutoRecharge, TransactionKind};
+use tally_domain::ledger::{parse_amount, Account, AutoRecharge, RechargePrice, TransactionKind};
+use tally_domain::product::parse_recharge_price;
 use tally_domain::reservation::Reservation;
 use tally_domain::time::format_iso8601_ms;
 use tally_domain::usage::canonical_decimal;
@@ -97,9 +98,11 @@ pub fn account_json(account: &Account, balance: Decimal) -> Value {
         "status": account.status.as_str(),
         "balance": canonical_decimal(balance),
         "low_balance_threshold": account.low_balance_threshold.map(canonical_decimal),
-        "auto_recharge": account.auto_recharge.map(|r| json!({
+        "auto_recharge": account.auto_recharge.as_ref().map(|r| json!({
             "threshold": canonical_decimal(r.threshold),
             "amount": canonical_decimal(r.amount),
+            "price": r.price.as_ref().map(|p| p.amount),
+            "currency": r.price.as_ref().map(|p| p.currency.as_str()),
         })),
         "created_at": format_iso8601_ms(account.created_at_ms),
         "updated_at": format_iso8601_ms(account.updated_at_ms),
@@ -192,15 +195,47 @@ fn threshold_fields(
         Some(Value::Object(object)) => Patch::Set(AutoRecharge {
             threshold: amount("auto_recharge.threshold", object.get("threshold"), true)?,
             amount: amount("auto_recharge.amount", object.get("amount"), false)?,
+            price: recharge_price(object)?,
         }),
         Some(_) => {
             return Err(ApiError::invalid_param(
                 "auto_recharge",
-                "`auto_recharge` must be an object {\"threshold\", \"amount\"} or null",
+                "`auto_recharge` must be an object {\"threshold\", \"amount\", \"price\"?, \"currency\"?} or null",
             ))
         }
     };
     Ok((threshold, recharge))
+}
+
+/// `auto_recharge.price` (integer minor units) and `auto_recharge.currency`: what a
+/// recharge costs; absent or null, it is a free grant.
+fn recharge_price(
+    object: &serde_json::Map<String, Value>,
+) -> Result<Option<RechargePrice>, ApiError> {
+    let currency = match object.get("currency") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(text)) => Some(text.as_str()),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "auto_recharge.currency",
+                "`auto_recharge.currency` must be a three-letter ISO 4217 code, e.g. USD",
+            ))
+        }
+    };
+    match object.get("price") {
+        None | Some(Value::Null) if currency.is_some() => {
+            Err(tally_domain::FieldError::missing("auto_recharge.price").into())
+        }
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(number)) => Ok(Some(parse_recharge_price(
+            &crate::extract::number_text(number),
+            currency,
+        )?)),
+        Some(_) => Err(ApiError::invalid_param(
+            "auto_recharge.price",
+            "`auto_recharge.price` must be an integer of minor units, e.g. 1000",
+        )),
+    }
 }
 
 /// Amounts must be JSON strings: a JSON number would have passed through a float in

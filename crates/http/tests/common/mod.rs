@@ -193,6 +193,11 @@ impl Api {
         }
     }
 
+    /// The API key it sends.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
     /// Sends a hand-built request and reads the answer.
     pub async fn finish_raw(request: reqwest::RequestBuilder) -> Answer {
         Self::finish(request.send().await.unwrap()).await
