@@ -44,7 +44,6 @@ pub const OUTCOME_CODES: &[&str] = &[
     "meter_limit_reached",
     "meter_name_taken",
     "meter_not_active",
-    "meter_revision_unsupported",
     "parameter_invalid",
     "product_not_active",
     "recharge_not_pending",

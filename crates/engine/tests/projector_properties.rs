@@ -429,9 +429,9 @@ enum Step {
     Singles(Vec<GenEvent>),
     Void(Vec<u8>),
     Amend(u8, GenEvent),
-    /// A revision of every meter but the time-weighted one to count only events
-    /// with `v > 0`, in two steps split at a minute (later batches still carry
-    /// the matches of the old definition, as a gateway that had not seen it yet).
+    /// A revision of every meter to count only events with `v > 0`, in two steps
+    /// split at a minute (later batches still carry the matches of the old
+    /// definition, as a gateway that had not seen it yet).
     Revise(i64),
 }
 
@@ -495,9 +495,6 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>, bool) {
                 let minutes: Vec<i64> = (first..first + 5).collect();
                 let (early, late) = minutes.split_at(*split.min(&5) as usize);
                 for meter in &created {
-                    if meter.aggregation == Aggregation::TimeWeightedSum {
-                        continue;
-                    }
                     let mut meter = meter.clone();
                     meter.filter = positive_only();
                     meter.revision = 2;
@@ -586,11 +583,7 @@ proptest! {
             // A revised meter counts what its new definition matches, of every event.
             let counted: Vec<&GenEvent> = counted
                 .iter()
-                .filter(|e| {
-                    !revised
-                        || meter.aggregation == Aggregation::TimeWeightedSum
-                        || e.value.is_some_and(|v| v > 0)
-                })
+                .filter(|e| !revised || e.value.is_some_and(|v| v > 0))
                 .collect();
             for customer in [None, Some(0u8), Some(1), Some(2)] {
                 let result = usage_of(&engine, &meter, customer, T0 + 3_600_000, Window::None);

@@ -11,8 +11,17 @@ use serde_json::{json, Value};
 use tally_domain::clock::Clock;
 use tally_domain::time::format_iso8601_ms;
 
-/// Every aggregation a meter can be revised in (not `time_weighted_sum`).
-const AGGREGATIONS: [&str; 7] = ["count", "sum", "max", "min", "average", "unique", "latest"];
+/// Every aggregation (each can be revised).
+const AGGREGATIONS: [&str; 8] = [
+    "count",
+    "sum",
+    "max",
+    "min",
+    "average",
+    "unique",
+    "latest",
+    "time_weighted_sum",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
@@ -99,17 +108,6 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     assert_eq!(
         assert_error(&update, 400, "invalid_request_error")["code"],
         "meter_field_immutable"
-    );
-    let weighted = calls_meter(&api, "weighted", "time_weighted_sum", Value::Null).await;
-    let unsupported = api
-        .post(
-            &format!("/v1/meters/{weighted}/revisions"),
-            json!({"filter": only_x, "dry_run": true}),
-        )
-        .await;
-    assert_eq!(
-        assert_error(&unsupported, 409, "invalid_request_error")["code"],
-        "meter_revision_unsupported"
     );
     let archived = calls_meter(&api, "archived", "sum", Value::Null).await;
     assert_eq!(
@@ -274,6 +272,83 @@ async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
         api.get(&format!("/v1/meters/{sum}")).await.body["revision"],
         3
     );
+    server.stop().await;
+    drop(guard);
+}
+
+/// A `time_weighted_sum` revision re-derives the last 35 days and keeps what a
+/// customer held when they begin: the dry run counts that held value as the
+/// revision does, and the revised meter is its twin over the days re-derived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_time_weighted_revision_keeps_the_value_held_before_its_history() {
+    let (guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "acme").await;
+    let api = Api::new(&server.test_url, &keys.test);
+    let a = customer(&api, "a").await;
+    const MINUTE: i64 = 60_000;
+    const HOUR: i64 = 60 * MINUTE;
+    const DAY: i64 = 24 * HOUR;
+    let only_x = json!({"conjunction": "and", "clauses": [{"property": "model", "operator": "eq", "value": "x"}]});
+    let meter = calls_meter(&api, "seats", "time_weighted_sum", Value::Null).await;
+    let base = (server.clock.now_ms() / MINUTE + 1) * MINUTE;
+    let event = |id: &str, at: i64, n: i64, model: &str| json!({"name": "calls", "customer_id": a, "event_id": id, "timestamp": format_iso8601_ms(at), "properties": {"n": n, "model": model}});
+    server.clock.set_ms(base + MINUTE);
+    let old = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [event("old", base, 4, "x")]}),
+        )
+        .await;
+    assert_eq!(old.status, 202, "{}", old.body);
+    server.engine.wait_caught_up().await.unwrap();
+    // 36 days on: `old` is before the history a revision re-derives.
+    let now = base + 36 * DAY;
+    server.clock.set_ms(now);
+    let recent = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [
+                event("y1", now - HOUR, 10, "y"),
+                event("x1", now - 30 * MINUTE, 6, "x"),
+            ]}),
+        )
+        .await;
+    assert_eq!(recent.status, 202, "{}", recent.body);
+    server.engine.wait_caught_up().await.unwrap();
+    let value = |api: &Api| {
+        let path = format!(
+            "/v1/meters/{meter}/usage?customer_id={a}&start={}&end={}",
+            format_iso8601_ms(now - 2 * HOUR).replace(':', "%3A"),
+            format_iso8601_ms(now).replace(':', "%3A")
+        );
+        let api = api.clone();
+        async move { api.get(&path).await.body["value"].clone() }
+    };
+    // 4 for an hour, 10 for half an hour, 6 for half an hour.
+    assert_eq!(value(&api).await, "12");
+    let path = format!("/v1/meters/{meter}/revisions");
+    let dry = api
+        .post(&path, json!({"filter": only_x, "dry_run": true}))
+        .await;
+    assert_eq!(dry.status, 200, "{}", dry.body);
+    let applied = api
+        .post(&path, json!({"filter": only_x, "dry_run": false}))
+        .await;
+    assert_eq!(applied.status, 200, "{}", applied.body);
+    assert_eq!(dry.body["changes"], applied.body["changes"]);
+    let changes = applied.body["changes"].as_array().unwrap();
+    assert_eq!(changes.len(), 1, "{}", applied.body);
+    assert_eq!(changes[0]["customer_id"], a.as_str());
+    // `y1` no longer counts: 4 held for an hour and a half, until `x1`.
+    assert_eq!(value(&api).await, "9");
+    // A restart keeps it.
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    server.clock.set_ms(now);
+    let api = Api::new(&server.test_url, &keys.test);
+    server.engine.wait_caught_up().await.unwrap();
+    assert_eq!(value(&api).await, "9");
     server.stop().await;
     drop(guard);
 }

@@ -584,7 +584,7 @@ fn prune_weighted_points(
 /// `time_weighted_sum`: the event changes the held value by its value minus the
 /// value of the customer's event just before it in time, and its successor's change
 /// by the opposite (domain `gauge`). Per customer and for all customers.
-fn fold_weighted(
+pub(crate) fn fold_weighted(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     event: &UsageEvent,

@@ -7,7 +7,10 @@
 //! row so that apply decides the meter's new events from its definition, whatever
 //! ingest matched); every step rebuilds the meter's buckets of its minutes as a void
 //! rebuilds one (each customer's from its events of the minute, read back through
-//! the `z` rows; then the all-customers bucket, as a void does). Minutes are
+//! the `z` rows; then the all-customers bucket, as a void does; a
+//! `time_weighted_sum` meter's held values span minutes, so each event's point is
+//! set to what the new definition makes it, linearly, as ingest and voids change
+//! them). Minutes are
 //! rebuilt from the log's truth, so events applied meanwhile (already folded by the
 //! new definition) are neither lost nor counted twice. Steps are bounded by the `z`
 //! rows (records read back) their minutes hold.
@@ -57,19 +60,12 @@ pub struct RevisionResult {
     pub changes: Vec<RevisionChange>,
 }
 
-/// Why a meter cannot be revised: archived, or aggregated as `time_weighted_sum`
-/// (whose held values span minutes, so one minute cannot be rebuilt alone).
+/// Why a meter cannot be revised: archived.
 pub fn check_revisable(meter: &Meter) -> Result<(), Outcome> {
     if meter.status != MeterStatus::Active {
         return Err(Outcome::rejected(
             "meter_not_active",
             "an archived meter cannot be revised; unarchive it first",
-        ));
-    }
-    if meter.aggregation == Aggregation::TimeWeightedSum {
-        return Err(Outcome::rejected(
-            "meter_revision_unsupported",
-            "a time_weighted_sum meter cannot be revised; create a new meter with the definition and backfill it",
         ));
     }
     Ok(())
@@ -197,8 +193,9 @@ impl Metering {
         let (start_ms, end_ms) = self.revised_history(scope);
         let before = self.values_by_customer(scope, id, start_ms, end_ms)?;
         if dry_run {
+            let holders = before.keys().cloned().collect();
             let after = self
-                .preview_by_customer(scope, &revised, start_ms, end_ms)
+                .preview_by_customer(scope, &revised, start_ms, end_ms, &holders)
                 .await?;
             return Ok(RevisionResult {
                 dry_run,

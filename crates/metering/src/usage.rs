@@ -550,16 +550,21 @@ impl Metering {
 
     /// Each customer's value of `meter` (a revised definition, not stored yet) over
     /// the stored events with timestamps in the range, counted as the revision will
-    /// count them (`Meter::counts_revised`): a revision's dry run. Not for
-    /// `time_weighted_sum`, which is not revised.
+    /// count them (`Meter::counts_revised`): a revision's dry run. For
+    /// `time_weighted_sum` the value each customer held when the range begins counts
+    /// too (it is not re-derived), for `holders` as well (customers the meter counts
+    /// now, who may have no event in the range).
     pub(crate) async fn preview_by_customer(
         &self,
         scope: &Scope,
         meter: &Meter,
         start_ms: i64,
         end_ms: i64,
+        holders: &BTreeSet<String>,
     ) -> Result<std::collections::BTreeMap<String, Option<Decimal>>, EngineError> {
         let (lower, upper) = crate::events::received_between(scope, Some(start_ms), Some(end_ms));
+        let weighted = meter.aggregation == Aggregation::TimeWeightedSum;
+        let mut points: HashMap<String, Vec<(i64, String, Decimal)>> = HashMap::new();
         let mut folds: HashMap<String, WindowFold> = HashMap::new();
         let store = self.journal.store();
         let mut failure = None;
@@ -604,6 +609,17 @@ impl Metering {
                 if !meter.counts_revised(&view, backfilled, skipped) {
                     continue;
                 }
+                if weighted {
+                    if let Contribution::Event { number: Some(n) } =
+                        crate::apply::contribution_of(meter, event)
+                    {
+                        points
+                            .entry(event.customer_id.to_string())
+                            .or_default()
+                            .push((event.timestamp_ms, event.event_id.clone(), n));
+                    }
+                    continue;
+                }
                 let fold = match folds.entry(event.customer_id.to_string()) {
                     std::collections::hash_map::Entry::Occupied(fold) => fold.into_mut(),
                     std::collections::hash_map::Entry::Vacant(slot) => {
@@ -624,6 +640,22 @@ impl Metering {
         if let Some(error) = failure {
             return Err(error);
         }
+        if weighted {
+            let customers: BTreeSet<String> = points.keys().chain(holders).cloned().collect();
+            let mut values = std::collections::BTreeMap::new();
+            for customer in customers {
+                let mut series = points.remove(&customer).unwrap_or_default();
+                // Sorted before any event at the range's start ("" is the least id).
+                if let Some(held) = self.held_before(scope, &meter.id, &customer, start_ms)? {
+                    series.push((start_ms, String::new(), held));
+                }
+                let mut fold = WindowFold::new(meter.aggregation, start_ms, end_ms, Window::None)?;
+                fold.set_areas_from_events(std::iter::once(series));
+                let value = fold.finish(Some(customer.clone())).value;
+                values.insert(customer, value);
+            }
+            return Ok(values);
+        }
         Ok(folds
             .into_iter()
             .map(|(customer, fold)| {
@@ -631,6 +663,32 @@ impl Metering {
                 (customer, value)
             })
             .collect())
+    }
+
+    /// The value a customer's `time_weighted_sum` series holds just before `at_ms`:
+    /// its latest point before then (never pruned: a point is dropped only when a
+    /// later one before the retention cut holds instead).
+    fn held_before(
+        &self,
+        scope: &Scope,
+        meter_id: &str,
+        customer_id: &str,
+        at_ms: i64,
+    ) -> Result<Option<Decimal>, EngineError> {
+        let prefix =
+            keys::weighted_points_prefix(&scope.store_id, scope.mode, meter_id, customer_id);
+        let upper = keys::weighted_point_key(&prefix, at_ms, "");
+        let mut held = None;
+        self.journal.store().scan(
+            Bound::Included(&prefix),
+            Bound::Excluded(&upper),
+            true,
+            &mut |_, value| {
+                held = Some(codec::decode_decimal(value));
+                Visit::Stop
+            },
+        )?;
+        held.transpose()
     }
 
     /// `POST /v1/meters/preview` and `/v1/meters/{id}/preview`: runs a definition over

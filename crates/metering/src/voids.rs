@@ -41,7 +41,7 @@ use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
 use tally_domain::{FieldError, Mode};
 
-use crate::apply::{add_weighted_changes, contribution_of, fold_minute};
+use crate::apply::{add_weighted_changes, contribution_of, fold_minute, fold_weighted};
 use crate::Metering;
 
 /// Event ids one void may name: one log record, and a bounded rebuild.
@@ -533,14 +533,51 @@ pub(crate) fn rebuild_customer(
     if meter.aggregation == Aggregation::Latest {
         overlay.delete(bucket(keys::LATEST));
     }
+    let weighted = meter.aggregation == Aggregation::TimeWeightedSum && customer != ALL_CUSTOMERS;
     for event in &events {
-        if event.name != meter.event_name
-            || overlay.contains(&keys::voided_event_key(store_id, mode, &event.event_id))?
-            || !was_folded(overlay, meter, event)?
-        {
-            continue;
+        let counted = event.name == meter.event_name
+            && !overlay.contains(&keys::voided_event_key(store_id, mode, &event.event_id))?
+            && was_folded(overlay, meter, event)?;
+        if counted {
+            let contribution = fold_minute(overlay, meter, event, &[customer])?;
+            if weighted {
+                let value = match contribution {
+                    Contribution::Event { number } => number,
+                    _ => None,
+                };
+                set_weighted_point(overlay, meter, event, value)?;
+            }
+        } else if weighted {
+            set_weighted_point(overlay, meter, event, None)?;
         }
-        fold_minute(overlay, meter, event, &[customer])?;
+    }
+    Ok(())
+}
+
+/// `time_weighted_sum` (a revision): makes the event's point hold `value` (`None`:
+/// no point), taking out the one it holds when that differs. Folds are linear in
+/// the points, so the buckets end as if the series had always been this one,
+/// whatever order a minute's events are set in; the event's minute is all this
+/// touches that is not already its neighbours' (docs/api.md, "Meter revisions").
+fn set_weighted_point(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    value: Option<rust_decimal::Decimal>,
+) -> Result<(), EngineError> {
+    let prefix =
+        keys::weighted_points_prefix(&meter.store_id, meter.mode, &meter.id, &event.customer_id);
+    let key = keys::weighted_point_key(&prefix, event.timestamp_ms, &event.event_id);
+    let held = overlay
+        .get(&key)?
+        .map(|bytes| codec::decode_decimal(&bytes))
+        .transpose()?;
+    if held == value {
+        return Ok(());
+    }
+    unfold_weighted(overlay, meter, event)?;
+    if let Some(value) = value {
+        fold_weighted(overlay, meter, event, value)?;
     }
     Ok(())
 }

@@ -343,7 +343,7 @@ pub async fn backfill(
     summary = "Revise a meter's filter or aggregation property, re-deriving its usage from the stored events",
     params(doc::IdParam),
     request_body(content = doc::MeterRevisionRequest, content_type = "application/json", example = json!({"filter": {"conjunction": "and", "clauses": [{"property": "model", "operator": "eq", "value": "gpt-x"}]}, "dry_run": true})),
-    responses((status = 200, description = "The customers whose usage changes (dry run) or changed", body = doc::MeterRevision), (status = 400, description = "parameter_missing / parameter_invalid (`dry_run`, `filter`, `aggregation_property`)", body = doc::ErrorBody), (status = 409, description = "meter_not_active, meter_revision_unsupported (time_weighted_sum), resource_changed (revised meanwhile)", body = doc::ErrorBody))
+    responses((status = 200, description = "The customers whose usage changes (dry run) or changed", body = doc::MeterRevision), (status = 400, description = "parameter_missing / parameter_invalid (`dry_run`, `filter`, `aggregation_property`)", body = doc::ErrorBody), (status = 409, description = "meter_not_active, resource_changed (revised meanwhile)", body = doc::ErrorBody))
 )]
 pub async fn revise(
     State(state): State<AppState>,
