@@ -344,6 +344,10 @@ impl tally_runtime::Projection for Engine {
             .add_fetched(fetched, partition, offset, entry)
     }
 
+    fn fetch_cached(&self, fetched: &mut Self::Fetched, partition: u32, offset: u64) -> bool {
+        self.projection.fetch_cached(fetched, partition, offset)
+    }
+
     fn apply(
         &self,
         chunk: &Self::Chunk,
@@ -456,7 +460,9 @@ impl Engine {
             }
         }
         let index = Arc::new(index);
-        let projection = projector::StoreProjection::load(store.clone(), index.clone())?;
+        let recent = Arc::new(tally_metering::recent::RecentRecords::default());
+        let projection =
+            projector::StoreProjection::load(store.clone(), index.clone(), recent.clone())?;
         let runtime = Arc::new(
             tally_runtime::Runtime::new(log.clone(), store.clone())
                 .await
@@ -468,7 +474,12 @@ impl Engine {
         }
         let directory = Arc::new(Directory::load(journal.clone())?);
         let pricing = Arc::new(BillingPort::default());
-        let metering = Arc::new(Metering::load(journal.clone(), index, pricing.clone())?);
+        let metering = Arc::new(Metering::load(
+            journal.clone(),
+            index,
+            recent,
+            pricing.clone(),
+        )?);
         let port = Arc::new(DirectoryPort(directory.clone()));
         let billing = Arc::new(Billing::new(
             journal.clone(),

@@ -29,6 +29,7 @@ use tally_directory::DirectoryApplied;
 use tally_domain::record::{RechargeOutcome, Record, RecordMeta};
 use tally_log::LogEntry;
 use tally_metering::apply::BackfillStep;
+use tally_metering::recent::RecentRecords;
 use tally_metering::MeteringApplied;
 use tally_projection::{scan_prefix, ProjectionStore, Visit};
 use tally_runtime::ChunkMode;
@@ -831,6 +832,9 @@ fn schedule_billing_events(
 pub struct StoreProjection {
     store: Arc<dyn ProjectionStore>,
     state: std::sync::Mutex<ProjectorState>,
+    /// Usage records read back recently, decoded once for apply and queries alike
+    /// (a void's gateway reads the records apply then rebuilds from).
+    recent: Arc<RecentRecords>,
 }
 
 impl std::fmt::Debug for StoreProjection {
@@ -840,15 +844,18 @@ impl std::fmt::Debug for StoreProjection {
 }
 
 impl StoreProjection {
-    /// The projection over `store`, its event index loaded into `index`.
+    /// The projection over `store`, its event index loaded into `index`; records
+    /// it reads back go through `recent` (shared with metering's queries).
     pub fn load(
         store: Arc<dyn ProjectionStore>,
         index: Arc<EventIndex>,
+        recent: Arc<RecentRecords>,
     ) -> Result<StoreProjection, EngineError> {
         let state = ProjectorState::load(store.as_ref(), index)?;
         Ok(StoreProjection {
             store,
             state: std::sync::Mutex::new(state),
+            recent,
         })
     }
 }
@@ -882,13 +889,30 @@ impl tally_runtime::Projection for StoreProjection {
         entry: Option<LogEntry>,
     ) -> Result<(), String> {
         let batch = match entry {
-            Some(entry) => StoredBatch::decode(&entry.payload)
-                .map_err(|error| error.to_string())?
-                .map(Arc::new),
+            Some(entry) => {
+                let batch = StoredBatch::decode(&entry.payload)
+                    .map_err(|error| error.to_string())?
+                    .map(Arc::new);
+                if let Some(batch) = &batch {
+                    self.recent
+                        .put(partition, offset, entry.payload.len(), batch.clone());
+                }
+                batch
+            }
             None => None,
         };
         fetched.insert((partition, offset), batch);
         Ok(())
+    }
+
+    fn fetch_cached(&self, fetched: &mut Fetched, partition: u32, offset: u64) -> bool {
+        match self.recent.get(partition, offset) {
+            Some(batch) => {
+                fetched.insert((partition, offset), Some(batch));
+                true
+            }
+            None => false,
+        }
     }
 
     fn apply(
@@ -937,7 +961,11 @@ pub async fn replay_log(
     store: Arc<dyn ProjectionStore>,
     progress: impl FnMut(u32, u64, u64),
 ) -> Result<u64, EngineError> {
-    let projection = StoreProjection::load(store.clone(), Arc::new(EventIndex::default()))?;
+    let projection = StoreProjection::load(
+        store.clone(),
+        Arc::new(EventIndex::default()),
+        Arc::default(),
+    )?;
     tally_runtime::replay_log(log, store.as_ref(), &projection, progress)
         .await
         .map_err(EngineError::from)
@@ -951,7 +979,11 @@ pub async fn replay_partition(
     partition: u32,
     progress: impl FnMut(u64, u64),
 ) -> Result<u64, EngineError> {
-    let projection = StoreProjection::load(store.clone(), Arc::new(EventIndex::default()))?;
+    let projection = StoreProjection::load(
+        store.clone(),
+        Arc::new(EventIndex::default()),
+        Arc::default(),
+    )?;
     tally_runtime::replay_partition(log, store.as_ref(), &projection, partition, progress)
         .await
         .map_err(EngineError::from)

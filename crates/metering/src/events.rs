@@ -124,6 +124,45 @@ impl Metering {
         Ok(None)
     }
 
+    /// Whether each of `event_ids` is a stored event of the scope: their records read
+    /// at once (one pass over the log, through the cache), not one by one.
+    pub async fn are_stored(
+        &self,
+        scope: &Scope,
+        event_ids: &[String],
+    ) -> Result<Vec<bool>, EngineError> {
+        let index = &self.caches.events;
+        let candidates: Vec<Vec<EventLocation>> = event_ids
+            .iter()
+            .map(|id| index.candidates(index.fingerprint(&scope.store_id, scope.mode, id)))
+            .collect();
+        let mut positions: Vec<(u32, u64)> = candidates
+            .iter()
+            .flatten()
+            .map(|l| (l.partition, l.offset))
+            .collect();
+        positions.sort_unstable();
+        positions.dedup();
+        let batches = self.read_batches(&positions).await?;
+        Ok(event_ids
+            .iter()
+            .zip(&candidates)
+            .map(|(id, locations)| {
+                locations.iter().any(|l| {
+                    batches
+                        .get(&(l.partition, l.offset))
+                        .and_then(|batch| batch.as_ref())
+                        .is_some_and(|batch| {
+                            batch
+                                .view()
+                                .event_if(&scope.store_id, scope.mode, id, l.index)
+                                .is_some()
+                        })
+                })
+            })
+            .collect())
+    }
+
     /// The usage record at a position the index or an `F` row names (see
     /// `read_batches`).
     pub async fn read_batch(

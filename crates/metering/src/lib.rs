@@ -57,7 +57,7 @@ pub struct MeteringCaches {
     /// (event_index.rs). The projector updates it after each commit.
     pub events: Arc<EventIndex>,
     /// Usage records recently read back from the log (events.rs).
-    pub recent_records: recent::RecentRecords,
+    pub recent_records: Arc<recent::RecentRecords>,
 }
 
 pub struct Metering {
@@ -78,6 +78,7 @@ impl Metering {
     pub fn load(
         journal: Arc<Journal>,
         index: Arc<EventIndex>,
+        recent_records: Arc<recent::RecentRecords>,
         pricing: Arc<dyn Pricing>,
     ) -> Result<Metering, EngineError> {
         let all = pagination::collect_prefix(
@@ -89,6 +90,7 @@ impl Metering {
         )?;
         let caches = MeteringCaches {
             events: index,
+            recent_records,
             ..MeteringCaches::default()
         };
         let mut meters: std::collections::HashMap<Scope, Vec<Meter>> = Default::default();

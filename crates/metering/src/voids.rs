@@ -98,6 +98,28 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         );
     }
     let meters = scope_meters(overlay, store_id, mode)?;
+    let mut minutes = MinuteEvents::default();
+    // The records a rebuild may read, asked for before any work: a chunk that lacks
+    // one is applied again once it is fetched, so learning it late would do the
+    // work twice. Only for events of a meter whose fold cannot always be undone.
+    let mut wanted = Vec::new();
+    for event in &fresh {
+        let may_rebuild = meters.iter().any(|m| {
+            m.event_name == event.name
+                && matches!(
+                    m.aggregation,
+                    Aggregation::Unique | Aggregation::Min | Aggregation::Max | Aggregation::Latest
+                )
+        });
+        if may_rebuild {
+            let minute = minute_bucket(event.timestamp_ms);
+            wanted.extend(minutes.of(overlay, store_id, mode, minute, &event.customer_id)?);
+            if let Some(all) = minutes.few_records(overlay, store_id, mode, minute)? {
+                wanted.extend(all);
+            }
+        }
+    }
+    fetch(overlay, &wanted)?;
     // Buckets to rebuild, each once: customers' (meter, customer, minute) first,
     // then the all-customers ones (meter, minute), which merge the customers'.
     let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
@@ -122,9 +144,9 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
             }
         }
     }
-    let mut minutes = MinuteEvents::default();
-    // Every record the rebuilds read, asked for at once: the customers', and the
-    // whole minute's where the all-customers bucket is rebuilt from its events.
+    // Every record the rebuilds read (those asked for above, unless a sum
+    // overflowed): the customers', and the whole minute's where the all-customers
+    // bucket is rebuilt from its events.
     let mut wanted = Vec::new();
     for (_, customer, minute) in &customer_rebuilds {
         wanted.extend(minutes.of(overlay, store_id, mode, *minute, customer)?);
@@ -727,10 +749,9 @@ impl Metering {
         reason: &str,
     ) -> Result<VoidResult, EngineError> {
         check_void_request(event_ids, reason)?;
-        for (at, event_id) in event_ids.iter().enumerate() {
-            if self.find_stored_event(scope, event_id).await?.is_none() {
-                return Err(event_not_found(event_id, at).into());
-            }
+        let stored = self.are_stored(scope, event_ids).await?;
+        if let Some(at) = stored.iter().position(|stored| !stored) {
+            return Err(event_not_found(&event_ids[at], at).into());
         }
         let record = Record::EventsVoided {
             store_id: scope.store_id.clone(),

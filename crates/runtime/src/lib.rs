@@ -179,6 +179,12 @@ pub trait Projection: Send + Sync + 'static {
     fn decode(&self, entries: Vec<LogEntry>, mode: ChunkMode) -> Self::Chunk;
     /// The positions of the records apply will read back (prefetch).
     fn plan(&self, chunk: &Self::Chunk) -> Result<Vec<(u32, u64)>, String>;
+    /// Adds the record at a position to `fetched` from records the projection
+    /// already holds decoded (read back recently, by apply or a query), if it
+    /// holds it: then the log is not read for it.
+    fn fetch_cached(&self, _fetched: &mut Self::Fetched, _partition: u32, _offset: u64) -> bool {
+        false
+    }
     /// Adds a fetched record (`None`: the log holds none there) to `fetched`.
     fn add_fetched(
         &self,
@@ -624,7 +630,9 @@ async fn fetch<P: Projection>(
 ) -> Result<(), RuntimeError> {
     let mut by_partition: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
     for (partition, offset) in wanted {
-        by_partition.entry(*partition).or_default().push(*offset);
+        if !projection.fetch_cached(fetched, *partition, *offset) {
+            by_partition.entry(*partition).or_default().push(*offset);
+        }
     }
     for (partition, offsets) in by_partition {
         let entries = log.read_many(partition, &offsets).await?;
