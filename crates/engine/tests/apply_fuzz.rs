@@ -485,9 +485,10 @@ mod billing {
             debit_id: format!("ctx_{debit}").into(),
             amount: Decimal::TEN,
             outcome: if paid {
+                // Every fifth names another customer's payment: refused whole.
                 tally_domain::record::RechargeOutcome::Paid(payment(
                     format!("txn_ar{i}"),
-                    format!("cus_{}", n % 2),
+                    format!("cus_{}", (n + u8::from(i % 5 == 4)) % 2),
                     100,
                 ))
             } else {
@@ -1339,6 +1340,7 @@ fn check_billing(store: &MemoryStore) -> Result<(), TestCaseError> {
     // An auto-recharge's payment is kept only with the grant it paid for, and a
     // grant names the payment that paid for it.
     let mut paid_by = Vec::new();
+    let mut payers = Vec::new();
     scan_prefix(
         store,
         &[keys::CREDIT_TRANSACTION],
@@ -1347,6 +1349,9 @@ fn check_billing(store: &MemoryStore) -> Result<(), TestCaseError> {
             let tx = codec::decode_transaction(value).unwrap();
             if let Some(payment) = tx.metadata.get("payment_id") {
                 paid_by.push(payment.clone());
+                // Account `ca_n` is customer `cus_{n % 2}`'s: so must its payment be.
+                let n: u8 = tx.account_id.trim_start_matches("ca_").parse().unwrap();
+                payers.push((payment.clone(), format!("cus_{}", n % 2)));
             }
             Visit::Continue
         },
@@ -1360,6 +1365,13 @@ fn check_billing(store: &MemoryStore) -> Result<(), TestCaseError> {
     recharge_payments.sort();
     paid_by.sort();
     prop_assert_eq!(recharge_payments, paid_by);
+    for (payment_id, customer) in &payers {
+        let payment = payments
+            .iter()
+            .find(|p| p.id.as_str() == payment_id)
+            .unwrap();
+        prop_assert_eq!(payment.customer_id.as_str(), customer.as_str());
+    }
     use tally_domain::billing::PaymentType;
     let (mut paid, mut refunded, mut kept) = (0i64, 0i64, 0i64);
     for payment in &payments {

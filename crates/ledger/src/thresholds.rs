@@ -141,6 +141,20 @@ pub fn apply_recharge_settled(
     let Some(mut account) = stored_account(overlay, store, mode, account_id)? else {
         return Err(crate::posting::account_missing(account_id));
     };
+    if let RechargeOutcome::Paid(payment) = &settled.outcome {
+        // The payment must be the account customer's, of this scope, and paid.
+        let theirs = payment.customer_id == account.customer_id
+            && payment.store_id == account.store_id
+            && payment.mode == mode
+            && payment.amount_paid > 0;
+        if !theirs {
+            return Err(Outcome::rejected(
+                "parameter_invalid",
+                "an auto-recharge's payment is not a payment of the account's customer",
+            )
+            .into());
+        }
+    }
     let (mut events, booked) = match &settled.outcome {
         RechargeOutcome::Paid(payment) if account.status == AccountStatus::Active => {
             let recharge = Recharge {
