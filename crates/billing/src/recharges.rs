@@ -15,6 +15,7 @@ use tally_core::codec;
 use tally_core::error::EngineError;
 use tally_core::ids::new_id;
 use tally_core::keys::ListingKey;
+use tally_core::pagination::collect_prefix;
 use tally_core::Scope;
 use tally_domain::billing::{Payment, PaymentStatus, PaymentType};
 use tally_domain::record::{RechargeOutcome, RechargeSettled, Record};
@@ -107,30 +108,13 @@ impl Billing {
             scope.mode,
             Some(customer_id),
         );
-        let mut ids = Vec::new();
-        let mut failure = None;
-        tally_projection::scan_prefix(
+        let ids = collect_prefix(
             self.journal.store().as_ref(),
             &prefix,
             true,
-            &mut |key, _| match ListingKey::id_in(&prefix, key) {
-                Ok(id) => {
-                    ids.push(id.to_string());
-                    if ids.len() >= MAX_PAYMENTS_SEARCHED {
-                        tally_projection::Visit::Stop
-                    } else {
-                        tally_projection::Visit::Continue
-                    }
-                }
-                Err(error) => {
-                    failure = Some(error);
-                    tally_projection::Visit::Stop
-                }
-            },
+            MAX_PAYMENTS_SEARCHED,
+            |key, _| ListingKey::id_in(&prefix, key).map(|id| Some(id.to_string())),
         )?;
-        if let Some(error) = failure {
-            return Err(error);
-        }
         for id in ids {
             let Some(bytes) =
                 self.journal
@@ -140,13 +124,7 @@ impl Billing {
                 continue;
             };
             let payment = codec::decode_payment(&bytes)?;
-            let paid = matches!(
-                payment.status,
-                PaymentStatus::Paid | PaymentStatus::PartiallyRefunded
-            );
-            if let (PaymentType::Payment, true, Some(last4)) =
-                (payment.payment_type, paid, payment.card_last4)
-            {
+            if let (true, Some(last4)) = (payment.succeeded(), payment.card_last4) {
                 return Ok(Some(CardOnFile {
                     last4,
                     declines_later: payment.card_declines_later,

@@ -577,14 +577,19 @@ impl Payment {
         self.amount_paid.saturating_sub(self.refunded_amount).max(0)
     }
 
-    /// Whether a refund of `amount` may be taken from this payment now.
-    pub fn check_refund(&self, amount: i64) -> Result<(), FieldError> {
-        if self.payment_type != PaymentType::Payment
-            || !matches!(
+    /// A payment that went through (refunded in part or not): what can be refunded,
+    /// and whose card can be charged again.
+    pub fn succeeded(&self) -> bool {
+        self.payment_type == PaymentType::Payment
+            && matches!(
                 self.status,
                 PaymentStatus::Paid | PaymentStatus::PartiallyRefunded
             )
-        {
+    }
+
+    /// Whether a refund of `amount` may be taken from this payment now.
+    pub fn check_refund(&self, amount: i64) -> Result<(), FieldError> {
+        if !self.succeeded() {
             return Err(FieldError::new(
                 "transaction_not_refundable",
                 "transaction_id",

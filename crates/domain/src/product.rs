@@ -533,25 +533,24 @@ pub fn parse_recharge_price(
     const CURRENCY: &str = "auto_recharge.currency";
     let amount = parse_integer(PRICE, price, 1, MAX_PRICE_MINOR)?;
     let currency = currency.ok_or_else(|| FieldError::missing(CURRENCY))?;
-    let currency = parse_currency(currency).map_err(|error| FieldError {
-        param: CURRENCY.into(),
-        message: error
-            .message
-            .replace("`currency`", &format!("`{CURRENCY}`")),
-        ..error
-    })?;
+    let currency = parse_currency_as(CURRENCY, currency)?;
     Ok(crate::ledger::RechargePrice { amount, currency })
 }
 
 /// An ISO 4217 code: three letters, kept upper case.
 pub fn parse_currency(text: &str) -> Result<String, FieldError> {
+    parse_currency_as("currency", text)
+}
+
+/// `parse_currency` of the field `param`.
+pub fn parse_currency_as(param: &str, text: &str) -> Result<String, FieldError> {
     let code = text.trim().to_ascii_uppercase();
     if code.len() == 3 && code.chars().all(|c| c.is_ascii_uppercase()) {
         Ok(code)
     } else {
         Err(FieldError::invalid(
-            "currency",
-            "`currency` must be a three-letter ISO 4217 code, e.g. USD",
+            param,
+            format!("`{param}` must be a three-letter ISO 4217 code, e.g. USD"),
         ))
     }
 }

@@ -11,18 +11,6 @@ use serde_json::{json, Value};
 use tally_domain::clock::Clock;
 use tally_domain::time::format_iso8601_ms;
 
-/// Every aggregation (each can be revised).
-const AGGREGATIONS: [&str; 8] = [
-    "count",
-    "sum",
-    "max",
-    "min",
-    "average",
-    "unique",
-    "latest",
-    "time_weighted_sum",
-];
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revised_meter_is_the_meter_its_definition_would_have_been() {
     let (guard, dir) = temp_dir();

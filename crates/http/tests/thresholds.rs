@@ -19,6 +19,18 @@ async fn debit(api: &Api, account: &str, amount: &str, key: &str) -> Value {
     answer.body
 }
 
+/// A `cli` webhook endpoint subscribed to `events`: its id.
+async fn cli_hook(api: &Api, events: &[&str]) -> String {
+    let answer = api
+        .post(
+            "/v1/webhooks",
+            json!({"delivery_mode": "cli", "events": events}),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body["id"].as_str().unwrap().to_string()
+}
+
 async fn account(api: &Api, id: &str) -> Value {
     api.get(&format!("/v1/customer-credits/accounts/{id}"))
         .await
@@ -28,16 +40,7 @@ async fn account(api: &Api, id: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crossings_announce_once_and_a_debit_below_recharges() {
     let (_g, server, api, customer) = with_customer().await;
-    let hook = api
-        .post(
-            "/v1/webhooks",
-            json!({"delivery_mode": "cli", "events": ["credits.balance_low", "credits.auto_recharged"]}),
-        )
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let hook = cli_hook(&api, &["credits.balance_low", "credits.auto_recharged"]).await;
     let created = api
         .post(
             "/v1/customer-credits/accounts",
@@ -284,16 +287,11 @@ async fn customer_transactions(api: &Api, customer: &str) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_priced_recharge_is_charged_on_the_last_card_then_granted() {
     let (guard, server, api, _) = with_customer().await;
-    let hook = api
-        .post(
-            "/v1/webhooks",
-            json!({"delivery_mode": "cli", "events": ["credits.auto_recharged", "credits.auto_recharge_failed"]}),
-        )
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let hook = cli_hook(
+        &api,
+        &["credits.auto_recharged", "credits.auto_recharge_failed"],
+    )
+    .await;
     let customer = customer_who_paid(&api, "4242424242424242").await;
     let (id, below) = priced_account_below(&api, &customer, "p1").await;
     // Charged first: nothing is booked with the debit itself.
@@ -374,16 +372,11 @@ async fn a_priced_recharge_is_charged_on_the_last_card_then_granted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_declined_or_missing_card_books_nothing_and_clears_the_recharge() {
     let (_g, server, api, unpaid) = with_customer().await;
-    let hook = api
-        .post(
-            "/v1/webhooks",
-            json!({"delivery_mode": "cli", "events": ["credits.auto_recharged", "credits.auto_recharge_failed"]}),
-        )
-        .await
-        .body["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let hook = cli_hook(
+        &api,
+        &["credits.auto_recharged", "credits.auto_recharge_failed"],
+    )
+    .await;
     // The card that pays once and declines every later charge, and a customer who
     // never paid.
     let declining = customer_who_paid(&api, "4000000000000341").await;

@@ -10,17 +10,6 @@ use serde_json::{json, Value};
 use tally_domain::clock::Clock;
 use tally_domain::time::format_iso8601_ms;
 
-const AGGREGATIONS: [&str; 8] = [
-    "count",
-    "sum",
-    "max",
-    "min",
-    "average",
-    "unique",
-    "latest",
-    "time_weighted_sum",
-];
-
 /// One meter per aggregation over event `calls`, by aggregation.
 async fn meters(api: &Api) -> Vec<(&'static str, String)> {
     let mut ids = Vec::new();

@@ -26,7 +26,7 @@ use tally_core::error::EngineError;
 use tally_core::ids::new_id;
 use tally_core::journal::Update;
 use tally_core::keys::{self, Key, ListingKey};
-use tally_core::pagination::{cursor_from, paginate, Page, PageRequest};
+use tally_core::pagination::{collect_prefix, cursor_from, paginate, Page, PageRequest};
 use tally_core::{Decision, Scope};
 
 use crate::apply::{account_name_taken, idempotency_key_reused};
@@ -110,44 +110,23 @@ pub struct PendingRecharge {
 impl Ledger {
     /// Up to `limit` pending recharges of the stores this node serves.
     pub fn pending_recharges(&self, limit: usize) -> Result<Vec<PendingRecharge>, EngineError> {
-        let mut found = Vec::new();
-        let mut failure = None;
-        tally_projection::scan_prefix(
+        let found = collect_prefix(
             self.journal.store().as_ref(),
             &[keys::RECHARGE_PENDING],
             false,
-            &mut |key, value| {
-                let read = keys::recharge_pending_of(key).map(|(store, mode, account)| {
-                    (
-                        Scope {
-                            store_id: store.into(),
-                            mode,
-                        },
-                        account.to_string(),
-                        String::from_utf8_lossy(value).into_owned(),
-                    )
-                });
-                match read {
-                    Ok(pending) => {
-                        if self.journal.serves_store(&pending.0.store_id) {
-                            found.push(pending);
-                        }
-                        if found.len() >= limit {
-                            tally_projection::Visit::Stop
-                        } else {
-                            tally_projection::Visit::Continue
-                        }
-                    }
-                    Err(error) => {
-                        failure = Some(error);
-                        tally_projection::Visit::Stop
-                    }
-                }
+            limit,
+            |key, value| {
+                let (store, mode, account) = keys::recharge_pending_of(key)?;
+                let scope = Scope {
+                    store_id: store.into(),
+                    mode,
+                };
+                Ok(self.journal.serves_store(&scope.store_id).then(|| {
+                    let debit = String::from_utf8_lossy(value).into_owned();
+                    (scope, account.to_string(), debit)
+                }))
             },
         )?;
-        if let Some(error) = failure {
-            return Err(error);
-        }
         found
             .into_iter()
             .map(|(scope, account_id, debit_id)| {

@@ -171,7 +171,9 @@ pub fn apply_recharge_settled(
         RechargeOutcome::Paid(_) => (Vec::new(), false),
         RechargeOutcome::Declined { .. } => {
             account.auto_recharge = None;
-            account.updated_at_ms = account.updated_at_ms.max(at_ms);
+            // A newer version: an update derived from the one before is refused
+            // (and derived again), so it cannot put the declined terms back.
+            account.updated_at_ms = at_ms.max(account.updated_at_ms.saturating_add(1));
             overlay.put(
                 Key::scoped(keys::CREDIT_ACCOUNT, store, mode)
                     .text(account_id)

@@ -278,6 +278,18 @@ pub async fn customer(api: &Api, external_id: &str) -> String {
     answer.body["id"].as_str().unwrap().to_string()
 }
 
+/// Every aggregation a meter can have.
+pub const AGGREGATIONS: [&str; 8] = [
+    "count",
+    "sum",
+    "max",
+    "min",
+    "average",
+    "unique",
+    "latest",
+    "time_weighted_sum",
+];
+
 /// A meter over events named `calls`: `unique` over property `s`, `count` over
 /// none, the others over `n` (the correction tests' meters).
 pub async fn calls_meter(api: &Api, name: &str, aggregation: &str, filter: Value) -> String {
