@@ -239,6 +239,11 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
             std::thread::Builder::new()
                 .name("tally-checkpoint".into())
                 .spawn(move || {
+                    // Nothing waits on a checkpoint but the next one; requests
+                    // come first (`priority`).
+                    if let Err(why) = crate::priority::run_as_background_thread() {
+                        tracing::warn!("the checkpoint runs at normal priority: {why}");
+                    }
                     let layer = shared.read().writing.clone();
                     if let Some(layer) = layer {
                         // A panic in the inner store must not leave `writing` set

@@ -16,6 +16,7 @@ use std::ops::Bound;
 
 pub mod checkpoint;
 pub mod memory;
+pub mod priority;
 pub mod sled_store;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testsuite;

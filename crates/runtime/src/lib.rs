@@ -165,7 +165,7 @@ pub struct Committed {
     pub restored: bool,
 }
 
-/// A projection the runtime drives. `apply` is called from a blocking thread, one
+/// A projection the runtime drives. `apply` is called on the runtime's apply thread, one
 /// chunk at a time; everything else from the partition's task.
 pub trait Projection: Send + Sync + 'static {
     /// A chunk of entries, decoded once.
@@ -218,6 +218,56 @@ pub enum WaitError {
     Timeout,
 }
 
+/// The thread every chunk is applied on: one, so chunks apply one at a time
+/// whatever their partition, and at background priority
+/// (`tally_projection::priority`), so that on a saturated machine requests get the
+/// CPU before apply does. The blocking pool would not do: it also runs queries,
+/// and a pool thread once lowered cannot be raised back.
+struct ApplyThread {
+    jobs: std::sync::mpsc::Sender<ApplyJob>,
+}
+
+type ApplyJob = Box<dyn FnOnce() + Send>;
+
+impl ApplyThread {
+    fn start() -> Result<ApplyThread, RuntimeError> {
+        let (jobs, queue) = std::sync::mpsc::channel::<ApplyJob>();
+        std::thread::Builder::new()
+            .name("tally-apply".into())
+            .spawn(move || {
+                if let Err(why) = tally_projection::priority::run_as_background_thread() {
+                    tracing::warn!("apply runs at normal priority: {why}");
+                }
+                // Ends when the runtime is dropped (the sender with it).
+                for job in queue {
+                    // A panicking apply drops its answer, which its caller reports;
+                    // the thread stays for the next chunk.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+            })
+            .map_err(|error| {
+                RuntimeError::Projection(format!("starting the apply thread: {error}"))
+            })?;
+        Ok(ApplyThread { jobs })
+    }
+
+    /// Runs `work` on the apply thread and waits for its answer.
+    async fn run<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        self.jobs
+            .send(Box::new(move || {
+                let _ = answer.send(work());
+            }))
+            .map_err(|_| "the apply thread has stopped".to_string())?;
+        answered
+            .await
+            .map_err(|_| "the apply task panicked".to_string())
+    }
+}
+
 /// Watermarks, readiness and the failure flag of the projection tasks, over one log
 /// and one projection store.
 pub struct Runtime {
@@ -227,8 +277,8 @@ pub struct Runtime {
     startup_end: Vec<u64>,
     ready: AtomicBool,
     failed: AtomicBool,
-    /// One chunk is applied at a time, whatever its partition.
-    apply_lock: Arc<std::sync::Mutex<()>>,
+    /// Applies chunks, one at a time whatever their partition.
+    apply_thread: ApplyThread,
     ownership: Arc<Ownership>,
 }
 
@@ -261,7 +311,7 @@ impl Runtime {
             startup_end,
             ready: AtomicBool::new(false),
             failed: AtomicBool::new(false),
-            apply_lock: Arc::new(std::sync::Mutex::new(())),
+            apply_thread: ApplyThread::start()?,
             ownership,
         };
         runtime.update_readiness(None);
@@ -577,16 +627,14 @@ impl Runtime {
                 tokio::time::sleep(Duration::from_millis(READ_RETRY_MS)).await;
                 continue;
             }
-            let (lock, task_projection, task_chunk) =
-                (self.apply_lock.clone(), projection.clone(), chunk.clone());
-            let result = tokio::task::spawn_blocking(move || {
-                let _one_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
-                let outcome = task_projection.apply(&task_chunk, &fetched);
-                (fetched, outcome)
-            })
-            .await;
-            let (returned, outcome) =
-                result.map_err(|join_error| format!("the apply task panicked: {join_error}"))?;
+            let (task_projection, task_chunk) = (projection.clone(), chunk.clone());
+            let (returned, outcome) = self
+                .apply_thread
+                .run(move || {
+                    let outcome = task_projection.apply(&task_chunk, &fetched);
+                    (fetched, outcome)
+                })
+                .await?;
             fetched = returned;
             match outcome {
                 Ok(applied) => {
