@@ -249,35 +249,45 @@ async fn main() -> anyhow::Result<()> {
         }));
     }
     let query_stop = Arc::new(AtomicBool::new(false));
+    // The querier has its own thread and runtime (and client): on the senders'
+    // runtime its answers waited behind 32 senders building batches, which timed
+    // the load generator more than the server.
     let querier = {
-        let (tally, stop) = (tally.clone(), query_stop.clone());
+        let (stop, base, key) = (query_stop.clone(), base.clone(), key.clone());
         let (customer_ids, meter_ids) = (customer_ids.clone(), meter_ids.clone());
-        tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            while !stop.load(Ordering::Relaxed) {
-                let (c, m) = {
-                    let mut rng = rand::rng();
-                    (
-                        customer_ids[rng.random_range(0..customer_ids.len())].clone(),
-                        meter_ids[rng.random_range(0..meter_ids.len())].clone(),
-                    )
-                };
-                let t = Instant::now();
-                tally
-                    .meter_usage(
-                        &m,
-                        &tally_client::UsageQuery {
-                            customer_id: Some(c),
-                            window: Some("hour".into()),
-                            ..Default::default()
-                        },
-                    )
-                    .await
-                    .expect("a usage query under load");
-                latencies.push(t.elapsed());
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            latencies
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("the querier's runtime");
+            let tally = tally_client::Client::new(&base, &key);
+            runtime.block_on(async move {
+                let mut latencies = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let (c, m) = {
+                        let mut rng = rand::rng();
+                        (
+                            customer_ids[rng.random_range(0..customer_ids.len())].clone(),
+                            meter_ids[rng.random_range(0..meter_ids.len())].clone(),
+                        )
+                    };
+                    let t = Instant::now();
+                    tally
+                        .meter_usage(
+                            &m,
+                            &tally_client::UsageQuery {
+                                customer_id: Some(c),
+                                window: Some("hour".into()),
+                                ..Default::default()
+                            },
+                        )
+                        .await
+                        .expect("a usage query under load");
+                    latencies.push(t.elapsed());
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                latencies
+            })
         })
     };
     let mut peak_rss = 0;
@@ -363,7 +373,9 @@ async fn main() -> anyhow::Result<()> {
         void_latencies.push(t.elapsed());
     }
     void_latencies.sort();
-    let mut latencies = querier.await?;
+    let mut latencies = querier
+        .join()
+        .map_err(|_| anyhow::anyhow!("the querier panicked"))?;
     latencies.sort();
     peak_rss = peak_rss.max(rss_kib(pid, "VmHWM:"));
     // (g) restart: SIGKILL (the checkpoint layer is lost), then the time until

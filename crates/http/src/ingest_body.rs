@@ -39,7 +39,10 @@ impl<S: Send + Sync> FromRequest<S> for UsageEvents {
         // No body at all reads as `{}`, which has no `events`.
         let body = match read_json_body(request).await? {
             None => Body::Object(None),
-            Some(bytes) => decode(&bytes).map_err(|e| invalid_json(&e))?,
+            Some(bytes) => {
+                crate::intake::run(async move { decode(&bytes).map_err(|e| invalid_json(&e)) })
+                    .await?
+            }
         };
         match body {
             Body::NotObject => Err(not_an_object()),

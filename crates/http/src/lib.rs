@@ -20,6 +20,7 @@ pub mod cluster;
 pub mod error;
 pub mod extract;
 pub mod ingest_body;
+mod intake;
 pub mod middleware;
 pub mod openapi;
 pub mod routes;

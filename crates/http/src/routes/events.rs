@@ -41,8 +41,12 @@ pub async fn ingest(
     Extension(scope): Extension<Scope>,
     UsageEvents(raws): UsageEvents,
 ) -> ApiResult<(StatusCode, Json<wire::IngestAnswer>)> {
-    let outcome = state.engine.gateway().ingest_events(&scope, &raws).await?;
-    Ok((StatusCode::ACCEPTED, Json(wire::ingest_answer(outcome))))
+    let answer = crate::intake::run(async move {
+        let outcome = state.engine.gateway().ingest_events(&scope, &raws).await?;
+        Ok(wire::ingest_answer(outcome))
+    })
+    .await?;
+    Ok((StatusCode::ACCEPTED, Json(answer)))
 }
 
 #[utoipa::path(
