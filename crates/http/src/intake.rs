@@ -13,6 +13,8 @@
 use std::future::Future;
 use std::sync::OnceLock;
 
+use tracing::Instrument;
+
 use crate::error::ApiError;
 
 /// Threads of the intake runtime: one per core, as tokio's default for workers.
@@ -55,7 +57,13 @@ pub(crate) async fn run<T: Send + 'static>(
     let Some(runtime) = intake() else {
         return work.await;
     };
-    match runtime.spawn(work).await {
+    // The request's span (its id) goes along, so what ingest logs names it. A
+    // task whose request timed out or was dropped still finishes: the client
+    // retries with the same event ids, and dedup keeps one.
+    match runtime
+        .spawn(work.instrument(tracing::Span::current()))
+        .await
+    {
         Ok(answer) => answer,
         Err(join_error) => {
             tracing::error!(%join_error, "an intake task failed");

@@ -165,7 +165,7 @@ pub struct Committed {
     pub restored: bool,
 }
 
-/// A projection the runtime drives. `apply` is called on the runtime's apply thread, one
+/// A projection the runtime drives. `decode` and `apply` run on the runtime's background threads, one
 /// chunk at a time; everything else from the partition's task.
 pub trait Projection: Send + Sync + 'static {
     /// A chunk of entries, decoded once.
@@ -218,40 +218,41 @@ pub enum WaitError {
     Timeout,
 }
 
-/// The thread every chunk is applied on: one, so chunks apply one at a time
-/// whatever their partition, and at background priority
-/// (`tally_projection::priority`), so that on a saturated machine requests get the
-/// CPU before apply does. The blocking pool would not do: it also runs queries,
-/// and a pool thread once lowered cannot be raised back.
-struct ApplyThread {
-    jobs: std::sync::mpsc::Sender<ApplyJob>,
+/// A thread at background priority (`tally_projection::priority`) that runs the
+/// runtime's CPU work one job at a time: on a saturated machine requests get the
+/// CPU first, and nothing waits on one job for long. The runtime has two: one
+/// applies chunks (so they apply one at a time whatever their partition), one
+/// decodes them (so the next chunk is decoded while one applies, and no decode
+/// stands in the request workers' queue). The blocking pool would not do: it also
+/// runs queries, and a pool thread once lowered cannot be raised back.
+struct BackgroundThread {
+    jobs: std::sync::mpsc::Sender<BackgroundJob>,
 }
 
-type ApplyJob = Box<dyn FnOnce() + Send>;
+type BackgroundJob = Box<dyn FnOnce() + Send>;
 
-impl ApplyThread {
-    fn start() -> Result<ApplyThread, RuntimeError> {
-        let (jobs, queue) = std::sync::mpsc::channel::<ApplyJob>();
+impl BackgroundThread {
+    fn start(name: &str) -> Result<BackgroundThread, RuntimeError> {
+        let (jobs, queue) = std::sync::mpsc::channel::<BackgroundJob>();
+        let thread = name.to_string();
         std::thread::Builder::new()
-            .name("tally-apply".into())
+            .name(name.into())
             .spawn(move || {
                 if let Err(why) = tally_projection::priority::run_as_background_thread() {
-                    tracing::warn!("apply runs at normal priority: {why}");
+                    tracing::warn!("{thread} runs at normal priority: {why}");
                 }
                 // Ends when the runtime is dropped (the sender with it).
                 for job in queue {
-                    // A panicking apply drops its answer, which its caller reports;
-                    // the thread stays for the next chunk.
+                    // A panicking job drops its answer, which its caller reports;
+                    // the thread stays for the next one.
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                 }
             })
-            .map_err(|error| {
-                RuntimeError::Projection(format!("starting the apply thread: {error}"))
-            })?;
-        Ok(ApplyThread { jobs })
+            .map_err(|error| RuntimeError::Projection(format!("starting {name}: {error}")))?;
+        Ok(BackgroundThread { jobs })
     }
 
-    /// Runs `work` on the apply thread and waits for its answer.
+    /// Runs `work` on the thread and waits for its answer.
     async fn run<T: Send + 'static>(
         &self,
         work: impl FnOnce() -> T + Send + 'static,
@@ -261,10 +262,10 @@ impl ApplyThread {
             .send(Box::new(move || {
                 let _ = answer.send(work());
             }))
-            .map_err(|_| "the apply thread has stopped".to_string())?;
+            .map_err(|_| "a projector thread has stopped".to_string())?;
         answered
             .await
-            .map_err(|_| "the apply task panicked".to_string())
+            .map_err(|_| "a projector task panicked".to_string())
     }
 }
 
@@ -278,7 +279,9 @@ pub struct Runtime {
     ready: AtomicBool,
     failed: AtomicBool,
     /// Applies chunks, one at a time whatever their partition.
-    apply_thread: ApplyThread,
+    apply_thread: BackgroundThread,
+    /// Decodes chunks.
+    decode_thread: BackgroundThread,
     ownership: Arc<Ownership>,
 }
 
@@ -311,7 +314,8 @@ impl Runtime {
             startup_end,
             ready: AtomicBool::new(false),
             failed: AtomicBool::new(false),
-            apply_thread: ApplyThread::start()?,
+            apply_thread: BackgroundThread::start("tally-apply")?,
+            decode_thread: BackgroundThread::start("tally-decode")?,
             ownership,
         };
         runtime.update_readiness(None);
@@ -610,7 +614,12 @@ impl Runtime {
             Some(entry) => entry.next_offset,
             None => self.applied(partition),
         };
-        let chunk = Arc::new(projection.decode(entries, mode));
+        let decoder = projection.clone();
+        let chunk = Arc::new(
+            self.decode_thread
+                .run(move || decoder.decode(entries, mode))
+                .await?,
+        );
         let mut fetched = P::Fetched::default();
         let mut wanted = projection.plan(&chunk)?;
         loop {
