@@ -65,6 +65,11 @@ struct Args {
     /// minutes all over the history.
     #[arg(long, default_value_t = 0)]
     spread_days: u32,
+    /// Run the senders (not the querier, not the server) at this nice value: a
+    /// diagnosis of how much of the query's tail is the load generator sharing the
+    /// cores, as a generator on another machine would not. Linux only.
+    #[arg(long)]
+    senders_nice: Option<i32>,
 }
 
 fn rss_kib(pid: u32, field: &str) -> u64 {
@@ -199,6 +204,21 @@ async fn main() -> anyhow::Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let cpu_before = cpu_seconds(pid)?;
     let started = Instant::now();
+    // Started after the server, so the server does not inherit the nice value.
+    let sender_runtime = match args.senders_nice {
+        None => None,
+        Some(nice) => Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .thread_name("senders")
+                .on_thread_start(move || {
+                    let this_thread = Some(rustix::thread::gettid());
+                    rustix::process::setpriority_process(this_thread, nice)
+                        .expect("--senders-nice: setting the senders' nice value");
+                })
+                .enable_all()
+                .build()?,
+        ),
+    };
     let mut senders = Vec::new();
     for connection in 0..args.connections {
         let (http, base, key, acked, stop) = (
@@ -209,7 +229,7 @@ async fn main() -> anyhow::Result<()> {
             stop.clone(),
         );
         let (customers, target) = (args.customers, args.events);
-        senders.push(tokio::spawn(async move {
+        let sender = async move {
             let mut batch = 0u64;
             let mut acked_batches = 0u64;
             let mut last_ok = Instant::now();
@@ -246,7 +266,11 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
             (last_ok, acked_batches)
-        }));
+        };
+        senders.push(match &sender_runtime {
+            Some(runtime) => runtime.spawn(sender),
+            None => tokio::spawn(sender),
+        });
     }
     let query_stop = Arc::new(AtomicBool::new(false));
     // The querier has its own thread and runtime (and client): on the senders'
@@ -310,6 +334,10 @@ async fn main() -> anyhow::Result<()> {
         let (last_ok, batches) = s.await?;
         last_ack = last_ack.max(last_ok);
         stored_batches.push(batches);
+    }
+    if let Some(runtime) = sender_runtime {
+        // Its tasks are done; a runtime may not be dropped inside another one.
+        runtime.shutdown_background();
     }
     let load_seconds = last_ack.duration_since(started).as_secs_f64();
     let total = acked.load(Ordering::Relaxed);
