@@ -15,10 +15,10 @@ pub const BACKGROUND_NICE: i32 = 10;
 
 /// Lowers the calling thread's CPU priority to [`BACKGROUND_NICE`]. On Linux the
 /// nice value belongs to the thread, so only this thread (and threads it starts)
-/// is affected; a thread already lower keeps its value. Raising it back needs a privilege, so call this only on a thread
-/// that does background work for its whole life. A failure (a system that
-/// refuses) changes nothing but the scheduling, so it is logged by the caller's
-/// choice, never fatal.
+/// is affected; a thread already lower keeps its value. Raising it back needs a
+/// privilege, so call this only on a thread that does background work for its
+/// whole life. A failure (a system that refuses) changes nothing but the
+/// scheduling: the caller logs it, never fails on it.
 pub fn run_as_background_thread() -> Result<(), String> {
     #[cfg(target_os = "linux")]
     {

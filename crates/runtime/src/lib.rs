@@ -165,8 +165,9 @@ pub struct Committed {
     pub restored: bool,
 }
 
-/// A projection the runtime drives. `decode` and `apply` run on the runtime's background threads, one
-/// chunk at a time; everything else from the partition's task.
+/// A projection the runtime drives. `decode` and `apply` run on the runtime's
+/// background threads, one chunk at a time; everything else from the partition's
+/// task.
 pub trait Projection: Send + Sync + 'static {
     /// A chunk of entries, decoded once.
     type Chunk: Send + Sync + 'static;
@@ -226,6 +227,8 @@ pub enum WaitError {
 /// stands in the request workers' queue). The blocking pool would not do: it also
 /// runs queries, and a pool thread once lowered cannot be raised back.
 struct BackgroundThread {
+    /// Unbounded, yet never long: each partition's task waits for its job's
+    /// answer before it sends another, so at most one job per partition waits.
     jobs: std::sync::mpsc::Sender<BackgroundJob>,
 }
 
