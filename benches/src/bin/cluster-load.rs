@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tally_benches::{batch_body, cpu_seconds, meter_definitions, percentile, start_server_on};
+use tally_log::testsuite::node_port;
 
 /// Reads timed per store and route when measuring the forwarding overhead.
 const OVERHEAD_SAMPLES: usize = 300;
@@ -98,12 +99,6 @@ struct Outcome {
     overhead: Option<((Duration, Duration), (Duration, Duration))>,
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// The events of a store that a node shows: the sum of its count meters.
 async fn events_shown(tally: &tally_client::Client, store: &Store) -> anyhow::Result<u64> {
     let mut total = 0u64;
@@ -176,9 +171,7 @@ async fn measure(args: &Args, size: usize) -> anyhow::Result<Outcome> {
             .as_millis()
     );
     let partitions = args.partitions.to_string();
-    let ports: Vec<(u16, u16)> = (0..size)
-        .map(|_| Ok((free_port()?, free_port()?)))
-        .collect::<anyhow::Result<_>>()?;
+    let ports: Vec<(u16, u16)> = (0..size).map(|_| (node_port(), node_port())).collect();
     let peers = ports
         .iter()
         .map(|(prod, _)| format!("http://127.0.0.1:{prod}"))

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
+use tally_log::testsuite::node_port;
 
 async fn usage_value(http: &reqwest::Client, base: &str, key: &str, meter: &str) -> String {
     let (_, usage) = get(http, &format!("{base}/v1/meters/{meter}/usage"), key).await;
@@ -1021,7 +1022,7 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
     let flags = kafka_flags(&brokers, &topic);
     let secret = "cluster-secret-".repeat(3);
     let admin = "admin-token-".repeat(4);
-    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (node_port(), node_port())).collect();
     let peers = ports
         .iter()
         .map(|(prod, _)| format!("http://127.0.0.1:{prod}"))

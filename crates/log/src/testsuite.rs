@@ -46,6 +46,50 @@ pub fn unique_topic(prefix: &str) -> String {
     format!("{prefix}-{nanos}")
 }
 
+/// Lowest port [`node_port`] hands out: below it sit well-known services.
+const NODE_PORT_FLOOR: u16 = 20_000;
+
+/// A loopback port for a node whose address its peers must know before it starts,
+/// and which must get the same port back when it restarts.
+///
+/// Binding `127.0.0.1:0` and releasing the port is not enough: that port comes from
+/// the kernel's ephemeral range, and any outgoing connection (to the broker, to a
+/// peer) may take it before the node binds it, or while a killed node is down.
+/// So the port is picked below the ephemeral range (`ip_local_port_range`), from a
+/// start that differs per call, and checked free now.
+pub fn node_port() -> u16 {
+    let ephemeral_floor = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral_floor.saturating_sub(NODE_PORT_FLOOR);
+    if span == 0 {
+        return any_free_port();
+    }
+    static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let seed = std::process::id()
+        .wrapping_mul(7_919)
+        .wrapping_add(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 104_729)
+        .wrapping_add(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or_default(),
+        );
+    (0..u32::from(span))
+        .map(|step| NODE_PORT_FLOOR + ((seed.wrapping_add(step)) % u32::from(span)) as u16)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .unwrap_or_else(any_free_port)
+}
+
+/// A port from the ephemeral range, free now.
+fn any_free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
 /// Generous wait for a reader to see a record; Kafka needs a broker round trip.
 const READ_WAIT: Duration = Duration::from_secs(10);
 

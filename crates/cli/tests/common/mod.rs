@@ -32,15 +32,6 @@ pub fn serve_with(data_dir: &Path, extra: &[&str]) -> Served {
     serve_on(data_dir, "127.0.0.1:0", "127.0.0.1:0", extra)
 }
 
-/// A loopback port free now (for a node whose address its peers must know before
-/// it starts).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 /// `serve_with` on the given listener addresses.
 pub fn serve_on(data_dir: &Path, listen: &str, test_listen: &str, extra: &[&str]) -> Served {
     let mut child = tally()
