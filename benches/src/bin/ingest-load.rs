@@ -1,11 +1,12 @@
 //! End-to-end ingest load generator (the README's ingest benchmark).
 //!
-//! Starts a real `tally serve` (embedded log, fresh data dir), creates 10k customers
+//! Starts a real `tally serve` (embedded log, fresh data dir; or the Kafka log on a
+//! fresh topic with `--kafka-brokers`), creates 10k customers
 //! and 20 meters with filters, then drives `POST /v1/events/ingest` with batches of
 //! 100 realistic events over many connections, while another task times usage
 //! queries. Reports in one run:
-//!   (a) sustained ingest events/s, (b) the raw embedded-log append rate for records
-//!   of the same shape, (c) a/b, (d) time from the last 202 until projections caught
+//!   (a) sustained ingest events/s, (b) the raw append rate of the same log (the
+//!   embedded one, or produce to the same broker) for records of the same shape, (c) a/b, (d) time from the last 202 until projections caught
 //!   up, (e) p50/p99 of a usage query under load, (f) the server's peak RSS, (g) the
 //!   time a server SIGKILLed at the end takes to be ready again on its data dir, (h)
 //!   the server's CPU time (user + system) per event, from the first batch until the
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rand::Rng;
 use tally_benches::{
-    batch_body_at, cpu_seconds, meter_definitions_with, percentile, start_server,
+    batch_body_at, cpu_seconds, meter_definitions_with, percentile, start_server_with,
     usage_record_bytes,
 };
 use tally_log::Log;
@@ -70,6 +71,28 @@ struct Args {
     /// cores, as a generator on another machine would not. Linux only.
     #[arg(long)]
     senders_nice: Option<i32>,
+    /// Serve on the Kafka log, a fresh topic of `KAFKA_PARTITIONS` partitions on
+    /// this broker (H:P), instead of the embedded log; (b) is then the raw produce
+    /// rate of the same records to a fresh topic of the same broker.
+    #[arg(long)]
+    kafka_brokers: Option<String>,
+}
+
+/// Partitions of the topics `--kafka-brokers` creates: the server's and the raw
+/// baseline's alike, so (c) compares the same layout.
+const KAFKA_PARTITIONS: u32 = 4;
+
+/// How long (d) waits for the projection before the run fails: far past any
+/// catch-up measured, short enough that a stuck server ends the run.
+const CATCH_UP_GIVE_UP: Duration = Duration::from_secs(120);
+
+/// A topic name no earlier run used.
+fn fresh_topic(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("{prefix}-{}-{nanos}", std::process::id())
 }
 
 fn rss_kib(pid: u32, field: &str) -> u64 {
@@ -83,9 +106,24 @@ fn rss_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
-async fn raw_log_rate(seconds: f64) -> anyhow::Result<f64> {
+/// Raw appends of usage records over 32 appenders: to a fresh embedded log, or to a
+/// fresh topic of `kafka_brokers`.
+async fn raw_log_rate(seconds: f64, kafka_brokers: Option<&str>) -> anyhow::Result<f64> {
     let dir = tempfile::tempdir()?;
-    let log: Arc<dyn Log> = Arc::new(tally_log::embedded::EmbeddedLog::open(dir.path())?);
+    let log: Arc<dyn Log> = match kafka_brokers {
+        None => Arc::new(tally_log::embedded::EmbeddedLog::open(dir.path())?),
+        Some(brokers) => {
+            let config = tally_log::kafka::KafkaConfig {
+                brokers: brokers.to_string(),
+                topic: fresh_topic("tally-ingest-raw"),
+                partitions: KAFKA_PARTITIONS,
+                replication_factor: 1,
+                min_insync_replicas: 1,
+            };
+            tally_log::kafka::create_topic(&config).await?;
+            Arc::new(tally_log::kafka::KafkaLog::connect(config)?)
+        }
+    };
     let payloads: Arc<Vec<Vec<u8>>> =
         Arc::new((0..64).map(|b| usage_record_bytes(100, b)).collect());
     let stop = Arc::new(AtomicBool::new(false));
@@ -120,7 +158,22 @@ async fn main() -> anyhow::Result<()> {
         .data_dir
         .clone()
         .unwrap_or_else(|| temp.path().display().to_string());
-    let (mut child, base, key) = start_server(&args.tally_bin, &data_dir)?;
+    let server_topic = fresh_topic("tally-ingest");
+    let partitions = KAFKA_PARTITIONS.to_string();
+    let log_flags: Vec<&str> = match &args.kafka_brokers {
+        None => Vec::new(),
+        Some(brokers) => vec![
+            "--log",
+            "kafka",
+            "--kafka-brokers",
+            brokers,
+            "--kafka-topic",
+            &server_topic,
+            "--kafka-partitions",
+            &partitions,
+        ],
+    };
+    let (mut child, base, key) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
     let pid = child.id();
     anyhow::ensure!(
         !key.is_empty(),
@@ -342,7 +395,8 @@ async fn main() -> anyhow::Result<()> {
     let load_seconds = last_ack.duration_since(started).as_secs_f64();
     let total = acked.load(Ordering::Relaxed);
     eprintln!();
-    // (d) catch-up: until the consumer lag gauge reads 0.
+    // (d) catch-up: until every partition's lag gauge reads 0 (bytes of the
+    // embedded log, records of Kafka; the last name is an older build's).
     let catch_up = loop {
         let metrics = http
             .get(format!("{base}/metrics"))
@@ -350,19 +404,31 @@ async fn main() -> anyhow::Result<()> {
             .await?
             .text()
             .await?;
-        let lag: u64 = metrics
+        let lags: Vec<u64> = metrics
             .lines()
-            // The gauge's name before and since the metrics facade (either build
-            // can be measured).
-            .find(|l| {
-                l.starts_with("tally_projector_lag_bytes{partition=\"0\"}")
-                    || l.starts_with("tally_consumer_lag_bytes_or_records{partition=\"0\"}")
+            .filter(|l| {
+                [
+                    "tally_projector_lag_bytes{",
+                    "tally_projector_lag_records{",
+                    "tally_consumer_lag_bytes_or_records{",
+                ]
+                .iter()
+                .any(|name| l.starts_with(name))
             })
-            .and_then(|l| l.split_whitespace().last()?.parse().ok())
-            .unwrap_or(u64::MAX);
-        if lag == 0 {
+            .map(|l| {
+                l.split_whitespace()
+                    .last()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(u64::MAX)
+            })
+            .collect();
+        if !lags.is_empty() && lags.iter().all(|lag| *lag == 0) {
             break last_ack.elapsed();
         }
+        anyhow::ensure!(
+            last_ack.elapsed() < CATCH_UP_GIVE_UP,
+            "the projection did not catch up within {CATCH_UP_GIVE_UP:?} (lag gauges: {lags:?})"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     let cpu_per_event = (cpu_seconds(pid)? - cpu_before) / total as f64;
@@ -411,7 +477,7 @@ async fn main() -> anyhow::Result<()> {
     let _ = child.kill();
     let _ = child.wait();
     let restarted = Instant::now();
-    let (mut child, base, _) = start_server(&args.tally_bin, &data_dir)?;
+    let (mut child, base, _) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
     let restart = loop {
         let ready = http.get(format!("{base}/readyz")).send().await;
         if ready.is_ok_and(|r| r.status().is_success()) {
@@ -429,13 +495,20 @@ async fn main() -> anyhow::Result<()> {
     let _ = child.wait();
 
     let ingest_rate = total as f64 / load_seconds;
-    let raw_rate = raw_log_rate(5.0).await?;
+    let raw_rate = raw_log_rate(5.0, args.kafka_brokers.as_deref()).await?;
+    let raw_name = if args.kafka_brokers.is_some() {
+        "(b) raw Kafka produce, same broker:"
+    } else {
+        "(b) raw embedded-log appends:    "
+    };
     println!(
         "events acknowledged:              {total} in {load_seconds:.1} s over {} connections",
         args.connections
     );
     println!("(a) sustained ingest:             {ingest_rate:.0} events/s");
-    println!("(b) raw embedded-log appends:     {raw_rate:.0} events/s (same record shape, 100 events/record, 32 appenders)");
+    println!(
+        "{raw_name} {raw_rate:.0} events/s (same record shape, 100 events/record, 32 appenders)"
+    );
     println!(
         "(c) ratio a/b:                    {:.3}",
         ingest_rate / raw_rate

@@ -19,11 +19,11 @@
 //!
 //! **Reads never wait for a writer.** A chunk's changes (~15,000 keys in the ingest
 //! benchmark) first become a [`Pending`] list, sorted by key outside any lock and
-//! published whole by swapping a pointer; reads look in it before the layers. Its keys are then
-//! copied into the active layer, whose maps are concurrent (a sharded hash map for
-//! values, a lock-free skip list for their order), so a read never waits for the
-//! merge, and the published map is retired once every key is in. A key of a merging
-//! chunk is found in the published map first, so a `get` sees every chunk whole; a
+//! published whole by swapping a pointer; reads look in it before the layers. Its
+//! keys are then copied into the active layer, whose maps are concurrent (a sharded
+//! hash map for values, a lock-free skip list for their order), so a read never
+//! waits for the merge, and the list is retired once every key is in. A key of a
+//! merging chunk is found in the list first, so a `get` sees every chunk whole; a
 //! `scan` that overlapped the start of a merge collects again (`SCAN_ATTEMPTS`).
 //! The lock over the layers guards only pointer swaps. Why: apply runs at background
 //! priority (`priority`), and while it held a write lock over the merge (a slice of
