@@ -1,17 +1,18 @@
 //! End-to-end ingest load generator (the README's ingest benchmark).
 //!
 //! Starts a real `tally serve` (embedded log, fresh data dir; or the Kafka log on a
-//! fresh topic with `--kafka-brokers`), creates 10k customers
-//! and 20 meters with filters, then drives `POST /v1/events/ingest` with batches of
-//! 100 realistic events over many connections, while another task times usage
-//! queries. Reports in one run:
+//! fresh topic with `--kafka-brokers`), creates 10k customers and 20 meters with
+//! filters, then drives `POST /v1/events/ingest` with batches of 100 realistic
+//! events over many connections, while another task times usage queries. Reports
+//! in one run:
 //!   (a) sustained ingest events/s, (b) the raw append rate of the same log (the
-//!   embedded one, or produce to the same broker) for records of the same shape, (c) a/b, (d) time from the last 202 until projections caught
-//!   up, (e) p50/p99 of a usage query under load, (f) the server's peak RSS, (g) the
-//!   time a server SIGKILLed at the end takes to be ready again on its data dir, (h)
-//!   the server's CPU time (user + system) per event, from the first batch until the
-//!   projection caught up: steadier than a rate on a shared machine, and it counts
-//!   every part (HTTP edge, apply, checkpoints).
+//!   embedded one, or produce to the same broker) for records of the same shape,
+//!   (c) a/b, (d) time from the last 202 until projections caught up, (e) p50/p99
+//!   of a usage query under load, (f) the server's peak RSS, (g) the time a server
+//!   SIGKILLed at the end takes to be ready again on its data dir, (h) the server's
+//!   CPU time (user + system) per event, from the first batch until the projection
+//!   caught up: steadier than a rate on a shared machine, and it counts every part
+//!   (HTTP edge, apply, checkpoints).
 //!   With `--voids N`, after catching up it also voids N stored events picked at
 //!   random (requests of 100 ids, one at a time) and reports each request's
 //!   latency: a void answers once applied, so it is reflected in every usage query
@@ -30,6 +31,7 @@ use tally_benches::{
     batch_body_at, cpu_seconds, meter_definitions_with, percentile, start_server_with,
     usage_record_bytes,
 };
+use tally_log::testsuite::unique_topic;
 use tally_log::Log;
 
 #[derive(Parser, Debug)]
@@ -86,15 +88,6 @@ const KAFKA_PARTITIONS: u32 = 4;
 /// catch-up measured, short enough that a stuck server ends the run.
 const CATCH_UP_GIVE_UP: Duration = Duration::from_secs(120);
 
-/// A topic name no earlier run used.
-fn fresh_topic(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
-
 fn rss_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -115,7 +108,7 @@ async fn raw_log_rate(seconds: f64, kafka_brokers: Option<&str>) -> anyhow::Resu
         Some(brokers) => {
             let config = tally_log::kafka::KafkaConfig {
                 brokers: brokers.to_string(),
-                topic: fresh_topic("tally-ingest-raw"),
+                topic: unique_topic("tally-ingest-raw"),
                 partitions: KAFKA_PARTITIONS,
                 replication_factor: 1,
                 min_insync_replicas: 1,
@@ -158,7 +151,7 @@ async fn main() -> anyhow::Result<()> {
         .data_dir
         .clone()
         .unwrap_or_else(|| temp.path().display().to_string());
-    let server_topic = fresh_topic("tally-ingest");
+    let server_topic = unique_topic("tally-ingest");
     let partitions = KAFKA_PARTITIONS.to_string();
     let log_flags: Vec<&str> = match &args.kafka_brokers {
         None => Vec::new(),

@@ -69,7 +69,11 @@ pub fn node_port() -> u16 {
     static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let seed = std::process::id()
         .wrapping_mul(7_919)
-        .wrapping_add(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 104_729)
+        .wrapping_add(
+            CALLS
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                .wrapping_mul(104_729),
+        )
         .wrapping_add(
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

@@ -592,8 +592,11 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
         let pending = Arc::new(Pending::new(changes));
         let active = {
             let mut layers = self.shared.lock_write();
-            layers.pending = Some(pending.clone());
-            self.shared.chunks_published.fetch_add(1, Ordering::SeqCst);
+            // Positions alone publish nothing a scan could see half of.
+            if !pending.is_empty() {
+                layers.pending = Some(pending.clone());
+                self.shared.chunks_published.fetch_add(1, Ordering::SeqCst);
+            }
             let layer = &layers.active;
             layer.positions.lock().extend(positions.iter().copied());
             let mut since = layer.since.lock();
@@ -607,7 +610,9 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
         for (key, value) in &pending.entries {
             active.changes.insert(key.clone(), value.clone());
         }
-        self.shared.lock_write().pending = None;
+        if !pending.is_empty() {
+            self.shared.lock_write().pending = None;
+        }
         if self.due(&active) {
             self.start_checkpoint()?;
         }
