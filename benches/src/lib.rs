@@ -89,6 +89,34 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[index]
 }
 
+/// A server child that is killed when it goes out of scope still running: a run
+/// that ends early (an error or a panic returning from `main` before its own
+/// shutdown) leaves no server behind, holding a core of the machine.
+#[derive(Debug)]
+pub struct ServerChild(pub Child);
+
+impl Drop for ServerChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl std::ops::Deref for ServerChild {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ServerChild {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
 /// Starts `tally serve` on `data_dir`: the child, the test API's base URL, and the
 /// test key (printed only when the data dir was empty).
 pub fn start_server(tally_bin: &str, data_dir: &str) -> anyhow::Result<(Child, String, String)> {

@@ -73,6 +73,11 @@ struct Args {
     /// cores, as a generator on another machine would not. Linux only.
     #[arg(long)]
     senders_nice: Option<i32>,
+    /// Run the load generator's querier thread at this nice value (a negative one
+    /// needs root): a diagnosis of how much of the measured p99 is the querier
+    /// itself waiting for a core it shares with the server. Linux only.
+    #[arg(long, allow_negative_numbers = true)]
+    querier_nice: Option<i32>,
     /// Serve on the Kafka log, a fresh topic of `KAFKA_PARTITIONS` partitions on
     /// this broker (H:P), instead of the embedded log; (b) is then the raw produce
     /// rate of the same records to a fresh topic of the same broker.
@@ -166,7 +171,8 @@ async fn main() -> anyhow::Result<()> {
             &partitions,
         ],
     };
-    let (mut child, base, key) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
+    let (child, base, key) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
+    let mut child = tally_benches::ServerChild(child);
     let pid = child.id();
     anyhow::ensure!(
         !key.is_empty(),
@@ -325,7 +331,12 @@ async fn main() -> anyhow::Result<()> {
     let querier = {
         let (stop, base, key) = (query_stop.clone(), base.clone(), key.clone());
         let (customer_ids, meter_ids) = (customer_ids.clone(), meter_ids.clone());
+        let nice = args.querier_nice;
         std::thread::spawn(move || {
+            if let Some(nice) = nice {
+                rustix::process::setpriority_process(Some(rustix::thread::gettid()), nice)
+                    .expect("--querier-nice: setting the querier's nice value");
+            }
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -470,7 +481,8 @@ async fn main() -> anyhow::Result<()> {
     let _ = child.kill();
     let _ = child.wait();
     let restarted = Instant::now();
-    let (mut child, base, _) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
+    let (child, base, _) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
+    let mut child = tally_benches::ServerChild(child);
     let restart = loop {
         let ready = http.get(format!("{base}/readyz")).send().await;
         if ready.is_ok_and(|r| r.status().is_success()) {

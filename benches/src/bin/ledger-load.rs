@@ -144,7 +144,8 @@ async fn scenario(
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let temp = tempfile::tempdir()?;
-    let (mut child, base, key) = start_server(&args.tally_bin, &temp.path().display().to_string())?;
+    let (child, base, key) = start_server(&args.tally_bin, &temp.path().display().to_string())?;
+    let mut child = tally_benches::ServerChild(child);
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(args.connections + 8)
         .build()?;

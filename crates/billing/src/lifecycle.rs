@@ -35,11 +35,6 @@ fn due_entry(mode: Mode, at_ms: i64, store_id: &str, id: &str) -> Vec<u8> {
         .into_bytes()
 }
 
-/// The prefix of the due rows of one mode, soonest first.
-pub fn due_prefix(mode: Mode) -> Vec<u8> {
-    Key::table(keys::SUBSCRIPTION_DUE).mode(mode).into_bytes()
-}
-
 /// A due row read back: (due at, store, subscription id).
 pub fn read_due(key: &[u8]) -> Result<(i64, String, String), EngineError> {
     let bad = || EngineError::Corrupt("a subscription due row".into());

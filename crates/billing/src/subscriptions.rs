@@ -12,6 +12,7 @@
 //! money; a real provider would authorize there and capture once applied, as for
 //! checkouts).
 
+use std::ops::Bound;
 use std::sync::Arc;
 
 use rust_decimal::Decimal;
@@ -967,12 +968,12 @@ impl Billing {
         horizon: i64,
         until: impl Fn(&str) -> i64,
     ) -> Result<usize, EngineError> {
-        let prefix = lifecycle::due_prefix(mode);
+        let (start, end) = keys::due_until(keys::SUBSCRIPTION_DUE, mode, horizon);
         let mut due = Vec::new();
         let mut failure = None;
-        tally_projection::scan_prefix(
-            self.journal.store().as_ref(),
-            &prefix,
+        self.journal.store().scan(
+            Bound::Included(&start),
+            Bound::Excluded(&end),
             false,
             &mut |key, _| match lifecycle::read_due(key) {
                 Ok((at, _, _)) if at > horizon => tally_projection::Visit::Stop,
@@ -1079,12 +1080,12 @@ impl Billing {
 
     /// The soonest due instant of the test store, if any is at or before `until`.
     fn next_due(&self, scope: &Scope, until: i64) -> Result<Option<i64>, EngineError> {
-        let prefix = lifecycle::due_prefix(scope.mode);
+        let (start, end) = keys::due_until(keys::SUBSCRIPTION_DUE, scope.mode, until);
         let mut found = None;
         let mut failure = None;
-        tally_projection::scan_prefix(
-            self.journal.store().as_ref(),
-            &prefix,
+        self.journal.store().scan(
+            Bound::Included(&start),
+            Bound::Excluded(&end),
             false,
             &mut |key, _| match lifecycle::read_due(key) {
                 Ok((at, _, _)) if at > until => tally_projection::Visit::Stop,

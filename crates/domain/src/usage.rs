@@ -295,10 +295,12 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
     }
     let mut properties = BTreeMap::new();
     for (key, value) in &raw.properties {
-        let param = format!("properties.{key}");
+        // Named only when refused: formatting it for every property of every
+        // accepted event was a visible share of ingest's validation time.
+        let param = || format!("properties.{key}");
         if key.is_empty() || key.chars().count() > MAX_PROPERTY_KEY_CHARS {
             return Err(invalid(
-                &param,
+                &param(),
                 format!("property keys must be 1 to {MAX_PROPERTY_KEY_CHARS} characters"),
             ));
         }
@@ -306,7 +308,7 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
             RawPropertyValue::String(s) => {
                 if s.chars().count() > MAX_PROPERTY_STRING_CHARS {
                     return Err(invalid(
-                        &param,
+                        &param(),
                         format!("string values are at most {MAX_PROPERTY_STRING_CHARS} characters"),
                     ));
                 }
@@ -315,7 +317,7 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
             RawPropertyValue::Number(text) => {
                 let number = parse_property_number(text).ok_or_else(|| {
                     invalid(
-                        &param,
+                        &param(),
                         format!("numbers must be within ±{MAX_PROPERTY_NUMBER_ABS} with at most 28 significant digits"),
                     )
                 })?;
@@ -323,7 +325,7 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
             }
             RawPropertyValue::Other(kind) => {
                 return Err(invalid(
-                    &param,
+                    &param(),
                     format!("property values must be strings or numbers, not {kind}"),
                 ))
             }

@@ -99,6 +99,24 @@ pub(crate) async fn blocking<T: Send + 'static>(
     }
 }
 
+/// Runs engine work that reads for a bounded while (a usage query: at most
+/// `MAX_USAGE_WINDOWS` windows) on the request's own thread, after handing the
+/// thread's other tasks to another worker (`block_in_place`), so it neither holds
+/// an async worker nor hops to the blocking pool and back: each hop waits for a
+/// core, and on two saturated cores that wait was a visible part of the usage
+/// query's tail (README, "Usage queries stay on their thread"). A runtime of one
+/// thread (tests) cannot hand its tasks over, so the work goes to the pool there.
+pub(crate) async fn bounded_read<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, tally_engine::EngineError> + Send + 'static,
+) -> Result<T, ApiError> {
+    match tokio::runtime::Handle::current().runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(work).map_err(ApiError::from)
+        }
+        _ => blocking(work).await,
+    }
+}
+
 /// The `/v1` routes that need an API key, one router per resource module, merged
 /// (each module owns its paths and their documentation).
 fn v1_routes() -> OpenApiRouter<AppState> {

@@ -431,9 +431,10 @@ pub async fn sweep_expiries(
     let now = journal.now_ms();
     let mut due = std::collections::BTreeSet::new();
     let mut failure = None;
-    tally_projection::scan_prefix(
-        journal.store().as_ref(),
-        &keys::grant_due_prefix(mode),
+    let (start, end) = keys::due_until(keys::GRANT_DUE, mode, now);
+    journal.store().scan(
+        std::ops::Bound::Included(&start),
+        std::ops::Bound::Excluded(&end),
         false,
         &mut |key, _| match keys::read_grant_due(key) {
             Ok((at, _, _)) if at > now => tally_projection::Visit::Stop,

@@ -2,6 +2,7 @@
 //! usage and previews.
 
 use axum::extract::State;
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{json, Map, Value};
 use tally_domain::meter::{
@@ -479,7 +480,7 @@ pub async fn usage(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
     query: QueryParams,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Response> {
     let (window, window_text) = window_param(query.get("window"))?;
     let (start_ms, end_ms) = range(&state, query.get("start"), query.get("end"))?;
     let group_by_customer = match query.get("group_by") {
@@ -501,7 +502,7 @@ pub async fn usage(
         query.get("external_customer_id"),
     )?;
     let engine = state.engine.clone();
-    let result = crate::blocking(move || {
+    let result = crate::bounded_read(move || {
         engine.metering().query_usage(
             &scope,
             &UsageQuery {
@@ -515,7 +516,7 @@ pub async fn usage(
         )
     })
     .await?;
-    Ok(Json(wire::usage(&result, &window_text)))
+    Ok(Json(wire::usage(&result, &window_text)).into_response())
 }
 
 /// Shared by both preview endpoints: the range, customer and window of the body.
