@@ -399,7 +399,7 @@ fn unavailable(message: &'static str) -> Response {
     .into_response();
     response.headers_mut().insert(
         HeaderName::from_static("retry-after"),
-        axum::http::HeaderValue::from_static("1"),
+        axum::http::HeaderValue::from(crate::middleware::UNAVAILABLE_RETRY_AFTER_SECONDS),
     );
     response
 }

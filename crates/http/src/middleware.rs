@@ -35,6 +35,10 @@ pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
 /// Token buckets kept before idle ones are evicted (bounds memory under key churn).
 pub const MAX_RATE_LIMIT_BUCKETS: usize = 100_000;
+/// `Retry-After` of a 503 that names no other: the conditions behind one (a start's
+/// catch-up, a lagging projection, an undecided outcome) last seconds, and a client
+/// that comes back after one second neither waits long nor adds to the load much.
+pub const UNAVAILABLE_RETRY_AFTER_SECONDS: u64 = 1;
 
 /// Makes request ids (`req_` + 20 base62 characters) for tower-http's request-id
 /// layers. Every request gets a fresh one: a client's `x-request-id` is replaced,
@@ -104,6 +108,15 @@ pub async fn request_context(
             tracing::warn!(request_id, status = error.status.as_u16(), message = %error.message, "request failed");
         }
         response = rendered;
+    }
+    if response.status() == StatusCode::SERVICE_UNAVAILABLE {
+        // Every 503 is temporary here (a node catching up, a lagging projection, an
+        // outcome not yet decided, a partition moving): say when to come back, as
+        // HTTP asks, unless the answer already did.
+        response
+            .headers_mut()
+            .entry(axum::http::header::RETRY_AFTER)
+            .or_insert(HeaderValue::from(UNAVAILABLE_RETRY_AFTER_SECONDS));
     }
     let status = response.status().as_u16();
     state

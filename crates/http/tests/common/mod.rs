@@ -341,6 +341,19 @@ pub fn assert_error(answer: &Answer, status: u16, error_type: &str) -> Value {
     let request_id = error["request_id"].as_str().expect("request_id");
     assert_eq!(answer.body["trace_id"], request_id);
     assert_eq!(answer.headers["x-request-id"], request_id);
+    if status == 503 {
+        // Every 503 is temporary and says when to come back (docs/api.md, "Errors").
+        let retry_after = answer
+            .headers
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap());
+        assert!(
+            retry_after
+                .and_then(|v| v.parse::<u64>().ok())
+                .is_some_and(|s| s >= 1),
+            "a 503 without a Retry-After of whole seconds: {retry_after:?}"
+        );
+    }
     error.clone()
 }
 
