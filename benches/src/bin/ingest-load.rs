@@ -254,6 +254,8 @@ async fn main() -> anyhow::Result<()> {
 
     let acked = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    // Batches answered 503 (and sent again).
+    let shed = Arc::new(AtomicU64::new(0));
     let cpu_before = cpu_seconds(pid)?;
     let started = Instant::now();
     // Started after the server, so the server does not inherit the nice value.
@@ -273,12 +275,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut senders = Vec::new();
     for connection in 0..args.connections {
-        let (http, base, key, acked, stop) = (
+        let (http, base, key, acked, stop, shed) = (
             http.clone(),
             base.clone(),
             key.clone(),
             acked.clone(),
             stop.clone(),
+            shed.clone(),
         );
         let (customers, target) = (args.customers, args.events);
         let sender = async move {
@@ -294,27 +297,44 @@ async fn main() -> anyhow::Result<()> {
                     });
                     batch_body_at(&mut rng, connection, batch, customers, at.as_deref())
                 };
+                // Shared, so a resend copies nothing.
+                let body = bytes::Bytes::from(body);
                 batch += 1;
-                let response = http
-                    .post(format!("{base}/v1/events/ingest"))
-                    .header("x-api-key", &key)
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await;
-                match response {
-                    Ok(r) if r.status().as_u16() == 202 => {
-                        let _ = r.bytes().await;
-                        acked.fetch_add(100, Ordering::Relaxed);
-                        acked_batches = batch;
-                        last_ok = Instant::now();
+                // A 503 sheds load (the projection is behind): the same batch is
+                // sent again after its Retry-After, as a client would; its event
+                // ids make the resend safe (a stored event is a duplicate).
+                loop {
+                    let response = http
+                        .post(format!("{base}/v1/events/ingest"))
+                        .header("x-api-key", &key)
+                        .header("content-type", "application/json")
+                        .body(body.clone())
+                        .send()
+                        .await;
+                    match response {
+                        Ok(r) if r.status().as_u16() == 202 => {
+                            let _ = r.bytes().await;
+                            acked.fetch_add(100, Ordering::Relaxed);
+                            acked_batches = batch;
+                            last_ok = Instant::now();
+                            break;
+                        }
+                        Ok(r) if r.status().as_u16() == 503 => {
+                            shed.fetch_add(1, Ordering::Relaxed);
+                            let seconds = r
+                                .headers()
+                                .get("retry-after")
+                                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                                .unwrap_or(1);
+                            tokio::time::sleep(Duration::from_secs(seconds)).await;
+                        }
+                        Ok(r) => panic!(
+                            "ingest answered {}: {}",
+                            r.status(),
+                            r.text().await.unwrap_or_default()
+                        ),
+                        Err(e) => panic!("ingest failed: {e}"),
                     }
-                    Ok(r) => panic!(
-                        "ingest answered {}: {}",
-                        r.status(),
-                        r.text().await.unwrap_or_default()
-                    ),
-                    Err(e) => panic!("ingest failed: {e}"),
                 }
             }
             (last_ok, acked_batches)
@@ -533,6 +553,10 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "(h) server CPU per event:         {:.1} µs (user + system, until caught up)",
         cpu_per_event * 1e6
+    );
+    println!(
+        "(i) batches answered 503:         {} (each sent again after its Retry-After)",
+        shed.load(Ordering::Relaxed)
     );
     if !void_latencies.is_empty() {
         let sum: Duration = void_latencies.iter().sum();
