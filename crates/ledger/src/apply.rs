@@ -146,6 +146,14 @@ pub fn apply_ledger_step(
         )?);
     }
     if let Some(account) = account.filter(|a| a.status == AccountStatus::Closed) {
+        if transaction.is_none() {
+            // Nothing live was left to forfeit, so no transaction booked what expired
+            // before the close: book it here, first, as every step does (docs/api.md,
+            // "Credit grants"). Without this, credits of a grant past its instant but
+            // not yet swept stayed in the balance and the close was refused.
+            let expired = crate::grants::book_expiries(overlay, account, recorded_at_ms)?;
+            events.splice(0..0, expired);
+        }
         crate::holds::release_all(overlay, account, recorded_at_ms)?;
         let key = balance_key(&account.store_id, account.mode, &account.id);
         let left = match overlay.get(&key)? {

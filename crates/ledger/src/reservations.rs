@@ -106,7 +106,9 @@ pub fn apply_reservation_step(
                 codec::encode_reservation(&reservation),
             );
             // The hold is gone, so the debit sees the balance less the other holds:
-            // it fits, as the hold guaranteed (unless the account was frozen since).
+            // it fits, as the hold kept other spending off it, unless the account
+            // was frozen since or grants expired under it (a hold claims the
+            // balance, not grants: docs/api.md, "Reservations").
             let posted = apply_transaction(overlay, transaction, None, None, at_ms)?;
             let mut events = posted.expired;
             events.extend(movement_events(
