@@ -651,6 +651,31 @@ proptest! {
     }
 }
 
+/// The customer's account "main", seeded with `initial_balance`.
+async fn main_account(
+    h: &Harness,
+    scope: &Scope,
+    customer: &tally_domain::customer::Customer,
+    initial_balance: &str,
+) -> tally_domain::ledger::Account {
+    let (account, _) = h
+        .engine()
+        .ledger()
+        .create_account(
+            scope,
+            &AccountInput {
+                customer_id: Some(customer.id.to_string()),
+                name: Some("main".into()),
+                unit_label: None,
+                initial_balance: Some(initial_balance.into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    account
+}
+
 /// Concurrent debits decided on a stale balance are appended and refused in apply;
 /// a repeated idempotency key is appended and answered with the original. The audit
 /// replay (`tally ledger verify`, `tally ledger export`) must count only what apply
@@ -658,21 +683,7 @@ proptest! {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_audit_skips_what_apply_refused() {
     let (mut h, scope, customer) = started_with_customer("audit").await;
-    let (account, _) = h
-        .engine()
-        .ledger()
-        .create_account(
-            &scope,
-            &AccountInput {
-                customer_id: Some(customer.id.to_string()),
-                name: Some("main".into()),
-                unit_label: None,
-                initial_balance: Some("10".into()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    let account = main_account(&h, &scope, &customer, "10").await;
     let mut tasks = Vec::new();
     for i in 0..40 {
         let engine = h.engine().clone();
@@ -731,21 +742,7 @@ async fn the_audit_skips_what_apply_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_close_after_an_unbooked_expiry_books_it_and_closes() {
     let (mut h, scope, customer) = started_with_customer("close-expiry").await;
-    let (account, _) = h
-        .engine()
-        .ledger()
-        .create_account(
-            &scope,
-            &AccountInput {
-                customer_id: Some(customer.id.to_string()),
-                name: Some("main".into()),
-                unit_label: None,
-                initial_balance: Some("0".into()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    let account = main_account(&h, &scope, &customer, "0").await;
     let now = h.clock.now_ms();
     h.engine()
         .ledger()
