@@ -716,6 +716,16 @@ async fn the_audit_skips_what_apply_refused() {
         Decimal::ZERO,
         "ten distinct debits of 1 succeed"
     );
+    let (exported, transactions) = audit_without_violations(&h).await;
+    assert_eq!(exported, 11, "the seed and ten debits");
+    assert_eq!(transactions, 11);
+    h.stop().await;
+}
+
+/// Replays the ledger from the log as `tally ledger verify` does and checks it
+/// against the projection: no violation. Returns the transactions exported and
+/// audited.
+async fn audit_without_violations(h: &Harness) -> (usize, u64) {
     let log = h.engine().log().clone();
     let mut exported = 0;
     let mut audit = tally_engine::audit::replay_ledger(
@@ -731,9 +741,7 @@ async fn the_audit_skips_what_apply_refused() {
         .check_projected_balances(&mut audit)
         .unwrap();
     assert!(audit.violations.is_empty(), "{:?}", audit.violations);
-    assert_eq!(exported, 11, "the seed and ten debits");
-    assert_eq!(audit.transactions, 11);
-    h.stop().await;
+    (exported, audit.transactions)
 }
 
 /// A close recorded after a grant's instant, before anything booked its expiry (no
@@ -782,5 +790,8 @@ async fn a_close_after_an_unbooked_expiry_books_it_and_closes() {
         )
         .unwrap();
     assert_eq!(grants.data.len(), 1, "the close booked the expiry");
+    // The audit replays the expiry the close booked: the grant, its expiry.
+    let (_, transactions) = audit_without_violations(&h).await;
+    assert_eq!(transactions, 2);
     h.stop().await;
 }
