@@ -327,6 +327,10 @@ async fn main() -> anyhow::Result<()> {
                                 .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
                                 .unwrap_or(1);
                             tokio::time::sleep(Duration::from_secs(seconds)).await;
+                            if stop.load(Ordering::Relaxed) {
+                                // The run is over: this batch stays unacknowledged.
+                                break;
+                            }
                         }
                         Ok(r) => panic!(
                             "ingest answered {}: {}",

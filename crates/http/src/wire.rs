@@ -302,6 +302,16 @@ struct WindowBody {
     value: Option<String>,
 }
 
+impl<'a> SeriesBody<'a> {
+    fn of(series: &'a UsageSeries) -> SeriesBody<'a> {
+        SeriesBody {
+            customer_id: series.customer_id.as_deref(),
+            value: series.value.map(canonical_decimal),
+            windows: windows(series),
+        }
+    }
+}
+
 impl WindowBody {
     fn of(window: &WindowValue) -> WindowBody {
         WindowBody {
@@ -324,16 +334,10 @@ pub fn usage<'a>(result: &'a UsageResult, window: &'a str) -> UsageAnswer<'a> {
         window,
         value: result.total.value.map(canonical_decimal),
         windows: windows(&result.total),
-        groups: result.groups.as_ref().map(|groups| {
-            groups
-                .iter()
-                .map(|series| SeriesBody {
-                    customer_id: series.customer_id.as_deref(),
-                    value: series.value.map(canonical_decimal),
-                    windows: windows(series),
-                })
-                .collect()
-        }),
+        groups: result
+            .groups
+            .as_ref()
+            .map(|groups| groups.iter().map(SeriesBody::of).collect()),
     }
 }
 
@@ -568,7 +572,6 @@ mod tests {
     use super::*;
     use tally_domain::meter::{Aggregation, MeterFilter, MeterStatus};
     use tally_domain::Mode;
-    use tally_engine::usage::WindowValue;
 
     fn series(customer: Option<&str>, values: &[Option<i64>]) -> UsageSeries {
         UsageSeries {
