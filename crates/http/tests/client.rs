@@ -85,6 +85,8 @@ async fn every_client_operation_works_against_the_server() {
     })
     .unwrap();
     assert_eq!(tally.ingest_raw(raw).await.unwrap().accepted, 1);
+    // Ingest answers once the batch is durable; aggregation follows (docs/api.md).
+    server.engine.wait_caught_up().await.unwrap();
     assert_eq!(tally.get_event("e2").await.unwrap().properties["tokens"], 7);
     // The customer's usage of the meter, as the client reads it.
     let customer_usage = || async {
