@@ -91,6 +91,9 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
         .await);
     let products = [product.clone(), other];
     let mut on = 0;
+    // Successful immediate moves to the pricier product: each may charge one
+    // proration at once (none while trialing).
+    let mut immediate_upgrades = 0usize;
     let customer = ok(&api.post("/v1/customers", json!({"email": "t@x.io"})).await);
     let checkout = ok(&api
         .post(
@@ -171,6 +174,9 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
                 );
                 if answer.status == 200 {
                     on = 1 - on;
+                    if on == 1 && behavior == "proration-charge-immediately" {
+                        immediate_upgrades += 1;
+                    }
                 }
             }
             Op::Units(units) => {
@@ -232,12 +238,25 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
         .body;
     let txs = list["data"].as_array().unwrap().clone();
     let mut periods = std::collections::BTreeSet::new();
+    let mut prorations = 0usize;
     let mut billed_usage = 0i64;
     for tx in &txs {
         let lines = tx["lines"].as_array().unwrap();
         prop_assert!(tx["amount"].as_i64().unwrap() >= 0, "{}", tx);
         let sum: i64 = lines.iter().map(|l| l["amount"].as_i64().unwrap()).sum();
         prop_assert_eq!(sum, tx["amount"].as_i64().unwrap(), "{}", tx);
+        // A proration is charged at the switch, not per period: switching up,
+        // down and up again at one instant charges twice (the downgrade's credit
+        // waits for the next charge), so prorations are counted against the
+        // switches that may charge them, and only renewals are one per period.
+        if tx["description"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("proration of"))
+        {
+            prop_assert!(tx["amount"].as_i64().unwrap() > 0, "{}", tx);
+            prorations += 1;
+            continue;
+        }
         prop_assert!(
             periods.insert((
                 tx["period_start"].to_string(),
@@ -250,6 +269,13 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
             billed_usage += line["quantity"].as_str().unwrap().parse::<i64>().unwrap();
         }
     }
+    prop_assert!(
+        prorations <= immediate_upgrades,
+        "{} prorations charged for {} immediate upgrades: {:?}",
+        prorations,
+        immediate_upgrades,
+        txs
+    );
     prop_assert!(
         billed_usage <= ingested.len() as i64,
         "billed {} of {}",
