@@ -344,11 +344,15 @@ impl<'a> Overlay<'a> {
     }
 
     /// The usage record at a position: one of this chunk's, or one fetched for it.
-    pub fn batch_at(&self, partition: u32, offset: u64) -> Result<StoredRef<'_>, EngineError> {
+    pub fn batch_at(&self, partition: u32, offset: u64) -> Result<StoredRef<'a>, EngineError> {
+        // Borrowed for the chunk's lifetime, not the overlay's: a rebuild holds the
+        // events it reads while it writes the overlay, without cloning them.
+        let fetched: &'a Fetched = self.fetched;
         if let Some((store_id, mode, events)) = self
             .chunk
             .get(&(partition, offset))
-            .and_then(|record| record.stored_events())
+            .copied()
+            .and_then(Record::stored_events)
         {
             return Ok(StoredRef {
                 store_id,
@@ -356,7 +360,7 @@ impl<'a> Overlay<'a> {
                 events,
             });
         }
-        match self.fetched.get(&(partition, offset)) {
+        match fetched.get(&(partition, offset)) {
             Some(Some(batch)) => Ok(batch.view()),
             Some(None) => Err(EngineError::Corrupt(format!(
                 "the event index points at partition {partition} offset {offset}, where the log holds no usage record"

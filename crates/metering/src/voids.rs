@@ -434,14 +434,13 @@ pub fn was_folded(
             overlay.contains(&skipped)?,
         ));
     }
-    if overlay.contains(&backfilled)? {
+    // Folded at ingest (matched, counting, not skipped) or by a backfill: the
+    // in-memory test first, so the usual event costs one look-up, not two.
+    let matched = event.matched_meter_ids.contains(&meter.id);
+    if matched && event.timestamp_ms >= meter.counts_from_ms && !overlay.contains(&skipped)? {
         return Ok(true);
     }
-    let matched = event.matched_meter_ids.contains(&meter.id);
-    if !matched || event.timestamp_ms < meter.counts_from_ms {
-        return Ok(false);
-    }
-    Ok(!overlay.contains(&skipped)?)
+    overlay.contains(&backfilled)
 }
 
 /// Takes an event out of a bucket of its minute (`slot`: its customer's, or
@@ -530,11 +529,15 @@ pub(crate) fn rebuild_customer(
     locations: &[EventLocation],
 ) -> Result<(), EngineError> {
     let (store_id, mode, meter_id) = (meter.store_id.as_str(), meter.mode, meter.id.as_str());
+    let weighted = meter.aggregation == Aggregation::TimeWeightedSum && customer != ALL_CUSTOMERS;
     let mut events = Vec::with_capacity(locations.len());
     for location in locations {
         let batch = overlay.batch_at(location.partition, location.offset)?;
         match batch.events.get(location.index as usize) {
-            Some(event) => events.push(event.clone()),
+            // Another event name never counted in the meter, nor holds one of its
+            // time-weighted points (a meter's event name is fixed).
+            Some(event) if event.name != meter.event_name => {}
+            Some(event) => events.push(event),
             None => {
                 return Err(EngineError::Corrupt(format!(
                     "a minute-events row points at event {} of the record at partition {} offset {}, which has fewer",
@@ -548,18 +551,34 @@ pub(crate) fn rebuild_customer(
     *overlay.aggregate_mut(bucket(keys::AGGREGATE))? = Aggregate::default();
     if meter.aggregation == Aggregation::Unique {
         overlay.clear_distinct(bucket(keys::DISTINCT_SET))?;
-        for key in overlay.prefix_entries(&bucket(keys::UNIQUE))?.into_keys() {
-            overlay.delete(key);
+        if meter.revision > 1 {
+            // A revision rebuilds its minutes over several steps: until this one's,
+            // the bucket may hold values of the earlier definition, which only a
+            // scan finds.
+            for key in overlay.prefix_entries(&bucket(keys::UNIQUE))?.into_keys() {
+                overlay.delete(key);
+            }
+        } else {
+            // Under the meter's one definition every value the bucket holds is the
+            // contribution of one of these events (each folded event has its `z`
+            // row): deleting theirs empties it without scanning the store, which
+            // was a fifth of a void's apply.
+            for event in &events {
+                if let Contribution::Distinct(value) = contribution_of(meter, event) {
+                    overlay.delete(BucketKey::distinct(
+                        store_id, mode, meter_id, customer, minute, &value,
+                    ));
+                }
+            }
         }
     }
     if meter.aggregation == Aggregation::Latest {
         overlay.delete(bucket(keys::LATEST));
     }
-    let weighted = meter.aggregation == Aggregation::TimeWeightedSum && customer != ALL_CUSTOMERS;
-    for event in &events {
-        let counted = event.name == meter.event_name
-            && !overlay.contains(&keys::voided_event_key(store_id, mode, &event.event_id))?
-            && was_folded(overlay, meter, event)?;
+    for event in events {
+        let counted =
+            !overlay.contains(&keys::voided_event_key(store_id, mode, &event.event_id))?
+                && was_folded(overlay, meter, event)?;
         if counted {
             let contribution = fold_minute(overlay, meter, event, &[customer])?;
             if weighted {
