@@ -463,8 +463,19 @@ pub fn fold_minute(
     event: &UsageEvent,
     slots: &[&str],
 ) -> Result<Contribution, EngineError> {
+    fold_contribution(overlay, meter, event, contribution_of(meter, event), slots)
+}
+
+/// `fold_minute` with the event's contribution already worked out (a rebuild
+/// needs it before it folds).
+pub fn fold_contribution(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    event: &UsageEvent,
+    contribution: Contribution,
+    slots: &[&str],
+) -> Result<Contribution, EngineError> {
     let minute = minute_bucket(event.timestamp_ms);
-    let contribution = contribution_of(meter, event);
     for customer in slots.iter().copied() {
         // Built from borrowed parts (no owned `BucketKey`): this runs per event, per
         // matched meter, twice.

@@ -41,7 +41,7 @@ use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
 use tally_domain::{FieldError, Mode};
 
-use crate::apply::{add_weighted_changes, contribution_of, fold_minute, fold_weighted};
+use crate::apply::{add_weighted_changes, contribution_of, fold_contribution, fold_weighted};
 use crate::Metering;
 
 /// Event ids one void may name: one log record, and a bounded rebuild.
@@ -537,7 +537,7 @@ pub(crate) fn rebuild_customer(
             // Another event name never counted in the meter, nor holds one of its
             // time-weighted points (a meter's event name is fixed).
             Some(event) if event.name != meter.event_name => {}
-            Some(event) => events.push(event),
+            Some(event) => events.push((event, contribution_of(meter, event))),
             None => {
                 return Err(EngineError::Corrupt(format!(
                     "a minute-events row points at event {} of the record at partition {} offset {}, which has fewer",
@@ -563,10 +563,10 @@ pub(crate) fn rebuild_customer(
             // contribution of one of these events (each folded event has its `z`
             // row): deleting theirs empties it without scanning the store, which
             // was a fifth of a void's apply.
-            for event in &events {
-                if let Contribution::Distinct(value) = contribution_of(meter, event) {
+            for (_, contribution) in &events {
+                if let Contribution::Distinct(value) = contribution {
                     overlay.delete(BucketKey::distinct(
-                        store_id, mode, meter_id, customer, minute, &value,
+                        store_id, mode, meter_id, customer, minute, value,
                     ));
                 }
             }
@@ -575,12 +575,12 @@ pub(crate) fn rebuild_customer(
     if meter.aggregation == Aggregation::Latest {
         overlay.delete(bucket(keys::LATEST));
     }
-    for event in events {
+    for (event, contribution) in events {
         let counted =
             !overlay.contains(&keys::voided_event_key(store_id, mode, &event.event_id))?
                 && was_folded(overlay, meter, event)?;
         if counted {
-            let contribution = fold_minute(overlay, meter, event, &[customer])?;
+            let contribution = fold_contribution(overlay, meter, event, contribution, &[customer])?;
             if weighted {
                 let value = match contribution {
                     Contribution::Event { number } => number,
