@@ -458,8 +458,7 @@ impl Key {
     }
 
     pub fn int(mut self, value: i64) -> Key {
-        self.0
-            .extend_from_slice(&((value as u64) ^ (1 << 63)).to_be_bytes());
+        write_int(&mut self.0, value);
         self
     }
 
@@ -481,6 +480,12 @@ impl Key {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
     }
+}
+
+/// Writes an `int` component: big-endian with the sign bit flipped, so keys sort
+/// by value.
+pub fn write_int(into: &mut Vec<u8>, value: i64) {
+    into.extend_from_slice(&((value as u64) ^ (1 << 63)).to_be_bytes());
 }
 
 /// Reads an `int` component back.

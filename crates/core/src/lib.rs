@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod outcome;
 pub mod overlay;
 pub mod pagination;
+pub mod series;
 
 pub use error::EngineError;
 pub use journal::{Decision, Journal, Update, APPENDED, APPLY_WAIT};

@@ -18,15 +18,8 @@ use crate::error::EngineError;
 use crate::event_index::{self, EventIndex, EventLocation};
 use crate::keys::{self, StoredEventsKey};
 use crate::outcome::Outcome;
-
-/// A hash map with a fast hash: the overlay's and the cache's maps are keyed by
-/// projection keys (~100 bytes) and looked up several times per event, where std's
-/// SipHash was ~4% of the ingest profile.
-pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-
-/// A `FastMap` that keeps insertion order, so the undo journal names an entry by
-/// its index instead of holding a copy of its key (a copy per event and bucket).
-pub type FastIndexMap<K, V> = indexmap::IndexMap<K, V, foldhash::fast::RandomState>;
+use crate::series::{series_of, BucketId, SeriesId, SeriesNames};
+pub use crate::series::{FastIndexMap, FastMap};
 
 /// A record that stores usage events (a usage batch, or an amendment with its
 /// replacement at index 0), read back from the log for apply or a query.
@@ -94,7 +87,7 @@ pub struct Overlay<'a> {
     changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     /// Decoded buckets of this chunk; encoded once at the end (a hot bucket is
     /// touched by many events of one chunk).
-    aggregates: FastIndexMap<Vec<u8>, Aggregate>,
+    aggregates: FastIndexMap<BucketId, Aggregate>,
     pub cache: Option<&'a mut BucketCache>,
     /// What the record being applied overwrote, newest last: rolled back when apply
     /// refuses the record, so a refused record leaves no trace but its outcome.
@@ -107,9 +100,12 @@ pub struct Overlay<'a> {
     /// Events this chunk stored (`inflight_key` -> where).
     new_events: FastMap<String, EventLocation>,
     /// Decoded distinct-value sets of this chunk (`u`), encoded once at the end.
-    distinct_sets: FastIndexMap<Vec<u8>, BTreeSet<Vec<u8>>>,
+    distinct_sets: FastIndexMap<BucketId, BTreeSet<Vec<u8>>>,
     /// The newest stored minute of series this chunk looked up (see `BucketCache`).
-    learned: FastMap<Vec<u8>, i64>,
+    learned: FastMap<SeriesId, i64>,
+    /// The series of this chunk's bucket ids when it has no cache (with one, the
+    /// cache's names, so ids stay valid from chunk to chunk).
+    names: SeriesNames,
     /// `F` rows this chunk deleted, with their events (for the index after commit).
     pub pruned: Vec<StoredRow>,
 }
@@ -184,15 +180,17 @@ impl From<Outcome> for ApplyError {
 /// same knowledge answers for them.
 #[derive(Debug, Default)]
 pub struct BucketCache {
-    pub buckets: FastMap<Vec<u8>, Aggregate>,
+    /// The series of every id below and of the overlays working over this cache.
+    names: SeriesNames,
+    pub buckets: FastMap<BucketId, Aggregate>,
     /// Distinct sets (`u`) as last committed, for the same reason as `buckets`:
     /// a set touched again by a later chunk is not read back (in a profile those
     /// reads, and the page reclamation sled does inside them, were a tenth of the
     /// server's CPU).
-    pub distinct: FastMap<Vec<u8>, BTreeSet<Vec<u8>>>,
+    pub distinct: FastMap<BucketId, BTreeSet<Vec<u8>>>,
     /// Values held in `distinct`, all sets together.
     distinct_values: usize,
-    pub newest: FastMap<Vec<u8>, i64>,
+    pub newest: FastMap<SeriesId, i64>,
     /// `newest` names every series the store holds buckets of.
     pub complete: bool,
 }
@@ -210,8 +208,9 @@ const EVICT_TO_PERCENT: usize = 75;
 /// Distinct values kept in the cache's sets (bounds memory: a value is a short
 /// string, ~100 B with the set's overhead); evicted oldest minute first too.
 pub const MAX_CACHED_DISTINCT_VALUES: usize = 500_000;
-/// Series whose newest minute is kept before the map is emptied (bounds memory:
-/// ~150 B each; an emptied map costs one store scan per series touched again).
+/// Series interned (and whose newest minute is kept) before the cache is emptied
+/// (bounds memory: ~150 B each; an emptied cache costs one store scan per series
+/// touched again, and a read of each bucket).
 pub const MAX_KNOWN_SERIES: usize = 400_000;
 
 impl BucketCache {
@@ -237,7 +236,7 @@ impl BucketCache {
     }
 
     /// The committed distinct set at `key`, moved out of the cache.
-    fn take_distinct(&mut self, key: &[u8]) -> Option<BTreeSet<Vec<u8>>> {
+    fn take_distinct(&mut self, key: &BucketId) -> Option<BTreeSet<Vec<u8>>> {
         let set = self.distinct.remove(key)?;
         self.distinct_values -= set.len();
         Some(set)
@@ -246,27 +245,28 @@ impl BucketCache {
     /// Brings the cache up to a commit: its buckets, and the newest minute of each
     /// series that was known (or learned by the chunk) before it.
     pub fn absorb(&mut self, committed: &mut Committed) {
+        // Emptied whole, names and all: the commit's ids are then dropped with the
+        // rest (it is in the store already), and a series is learned again before
+        // any of its buckets can be folded, so a commit never meets a series it
+        // does not know while the map is incomplete.
+        if self.names.len() > MAX_KNOWN_SERIES {
+            *self = BucketCache::default();
+            committed.buckets.clear();
+            committed.distinct_sets.clear();
+            committed.learned.clear();
+            return;
+        }
         if self.buckets.len() + committed.buckets.len() > MAX_CACHED_BUCKETS {
             evict_oldest_minutes(&mut self.buckets, MAX_CACHED_BUCKETS, |_| 1);
         }
-        // Emptied together with the buckets: a series is then learned again before
-        // any of its buckets can be folded, so a commit never meets a series it
-        // does not know while the map is incomplete.
-        if self.newest.len() + committed.learned.len() > MAX_KNOWN_SERIES {
-            self.newest.clear();
-            self.buckets.clear();
-            self.complete = false;
-        }
         self.newest.extend(committed.learned.drain());
-        for key in committed.buckets.keys() {
-            if let Some((series, minute)) = series_of(key) {
-                match self.newest.get_mut(series) {
-                    Some(newest) => *newest = (*newest).max(minute),
-                    None if self.complete => {
-                        self.newest.insert(series.to_vec(), minute);
-                    }
-                    None => {}
+        for bucket in committed.buckets.keys() {
+            match self.newest.get_mut(&bucket.series) {
+                Some(newest) => *newest = (*newest).max(bucket.minute),
+                None if self.complete => {
+                    self.newest.insert(bucket.series, bucket.minute);
                 }
+                None => {}
             }
         }
         self.buckets.extend(committed.buckets.drain(..));
@@ -291,15 +291,14 @@ impl BucketCache {
 /// (a minute is kept whole or dropped whole); returns the weight kept. Dropping is
 /// always safe: a cache only saves reads of what the store holds.
 fn evict_oldest_minutes<V>(
-    cache: &mut FastMap<Vec<u8>, V>,
+    cache: &mut FastMap<BucketId, V>,
     cap: usize,
     weight: impl Fn(&V) -> usize,
 ) -> usize {
     let target = cap / 100 * EVICT_TO_PERCENT;
     let mut per_minute: BTreeMap<i64, usize> = BTreeMap::new();
     for (key, value) in cache.iter() {
-        let minute = series_of(key).map_or(i64::MIN, |(_, minute)| minute);
-        *per_minute.entry(minute).or_default() += weight(value);
+        *per_minute.entry(key.minute).or_default() += weight(value);
     }
     let mut kept = 0usize;
     let mut oldest_kept = i64::MAX;
@@ -310,15 +309,8 @@ fn evict_oldest_minutes<V>(
         kept += minute_weight;
         oldest_kept = *minute;
     }
-    cache.retain(|key, _| series_of(key).is_some_and(|(_, minute)| minute >= oldest_kept));
+    cache.retain(|key, _| key.minute >= oldest_kept);
     kept
-}
-
-/// The series (key without table byte and minute) and minute of a bucket or
-/// distinct-set key.
-fn series_of(key: &[u8]) -> Option<(&[u8], i64)> {
-    let split = key.len().checked_sub(8).filter(|at| *at > 1)?;
-    Some((&key[1..split], keys::read_int(&key[split..])))
 }
 
 impl<'a> Overlay<'a> {
@@ -339,8 +331,24 @@ impl<'a> Overlay<'a> {
             new_events: FastMap::default(),
             distinct_sets: FastIndexMap::default(),
             learned: FastMap::default(),
+            names: SeriesNames::default(),
             pruned: Vec::new(),
         }
+    }
+
+    /// The names bucket ids of this overlay refer to.
+    fn names(&mut self) -> &mut SeriesNames {
+        match self.cache.as_deref_mut() {
+            Some(cache) => &mut cache.names,
+            None => &mut self.names,
+        }
+    }
+
+    /// The id of a bucket or distinct-set key.
+    fn bucket_id(&mut self, key: &[u8]) -> Result<BucketId, EngineError> {
+        self.names().bucket(key).ok_or_else(|| {
+            EngineError::Corrupt(format!("{key:?} is not a bucket or distinct-set key"))
+        })
     }
 
     /// The usage record at a position: one of this chunk's, or one fetched for it.
@@ -619,18 +627,19 @@ impl<'a> Overlay<'a> {
 
     /// The bucket at `key` as this chunk sees it (no change made).
     pub fn aggregate(&mut self, key: &[u8]) -> Result<Aggregate, EngineError> {
-        match self.aggregates.get(key) {
+        let id = self.bucket_id(key)?;
+        match self.aggregates.get(&id) {
             Some(aggregate) => Ok(*aggregate),
-            None => self.committed_aggregate(key),
+            None => self.committed_aggregate(id, key),
         }
     }
 
-    /// The bucket at `key` as committed: the cache's, else the store's.
-    fn committed_aggregate(&mut self, key: &[u8]) -> Result<Aggregate, EngineError> {
-        if let Some(aggregate) = self.cache.as_deref().and_then(|c| c.buckets.get(key)) {
+    /// The bucket `id` (at `key`) as committed: the cache's, else the store's.
+    fn committed_aggregate(&mut self, id: BucketId, key: &[u8]) -> Result<Aggregate, EngineError> {
+        if let Some(aggregate) = self.cache.as_deref().and_then(|c| c.buckets.get(&id)) {
             return Ok(*aggregate);
         }
-        if self.absent_from_store(key)? {
+        if self.absent_from_store(id)? {
             return Ok(Aggregate::default());
         }
         match self.store.get(key)? {
@@ -642,16 +651,17 @@ impl<'a> Overlay<'a> {
     /// The inline distinct set at `key` as this chunk sees it (a copy; no change
     /// made, so a set only read is not written back).
     pub fn distinct_values(&mut self, key: &[u8]) -> Result<BTreeSet<Vec<u8>>, EngineError> {
-        if let Some(set) = self.distinct_sets.get(key) {
+        let id = self.bucket_id(key)?;
+        if let Some(set) = self.distinct_sets.get(&id) {
             return Ok(set.clone());
         }
         let stored = match self.changes.get(key) {
             Some(value) => value.clone(),
             None => {
-                if let Some(set) = self.cache.as_deref().and_then(|c| c.distinct.get(key)) {
+                if let Some(set) = self.cache.as_deref().and_then(|c| c.distinct.get(&id)) {
                     return Ok(set.clone());
                 }
-                if self.absent_from_store(key)? {
+                if self.absent_from_store(id)? {
                     None
                 } else {
                     self.store.get(key)?
@@ -665,11 +675,12 @@ impl<'a> Overlay<'a> {
     }
 
     pub fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
-        let (index, previous) = match self.aggregates.get_full(&key) {
+        let id = self.bucket_id(&key)?;
+        let (index, previous) = match self.aggregates.get_full(&id) {
             Some((index, _, aggregate)) => (index, Some(*aggregate)),
             None => {
-                let current = self.committed_aggregate(&key)?;
-                (self.aggregates.insert_full(key, current).0, None)
+                let current = self.committed_aggregate(id, &key)?;
+                (self.aggregates.insert_full(id, current).0, None)
             }
         };
         self.journal.push(Undo::Aggregate(index, previous));
@@ -682,18 +693,21 @@ impl<'a> Overlay<'a> {
     /// Whether the store cannot hold the bucket or distinct set at `key`: its minute
     /// is newer than the newest of its series (see `BucketCache`). A series not
     /// known yet is looked up once (the newest key of the series in the store).
-    fn absent_from_store(&mut self, key: &[u8]) -> Result<bool, EngineError> {
-        let (Some(cache), Some((series, minute))) = (self.cache.as_deref(), series_of(key)) else {
+    fn absent_from_store(&mut self, id: BucketId) -> Result<bool, EngineError> {
+        let Some(cache) = self.cache.as_deref() else {
             return Ok(false);
         };
         let newest = match cache
             .newest
-            .get(series)
-            .or_else(|| self.learned.get(series))
+            .get(&id.series)
+            .or_else(|| self.learned.get(&id.series))
         {
             Some(newest) => *newest,
             None if cache.complete => i64::MIN,
             None => {
+                let Some(series) = cache.names.name(id.series) else {
+                    return Ok(false);
+                };
                 let mut prefix = vec![keys::AGGREGATE];
                 prefix.extend_from_slice(series);
                 let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
@@ -709,11 +723,11 @@ impl<'a> Overlay<'a> {
                         Visit::Stop
                     },
                 )?;
-                self.learned.insert(series.to_vec(), newest);
+                self.learned.insert(id.series, newest);
                 newest
             }
         };
-        Ok(minute > newest)
+        Ok(id.minute > newest)
     }
 
     /// Adds `value` to the inline distinct set at `key` (a `u` key), unless it is
@@ -749,7 +763,8 @@ impl<'a> Overlay<'a> {
 
     /// The index in `distinct_sets` of the set at `key`, loaded first if needed.
     fn distinct_set_index(&mut self, key: Vec<u8>) -> Result<usize, EngineError> {
-        Ok(match self.distinct_sets.get_index_of(&key) {
+        let id = self.bucket_id(&key)?;
+        Ok(match self.distinct_sets.get_index_of(&id) {
             Some(index) => index,
             None => {
                 // The chunk's own write, if any, is newer than the committed cache. The
@@ -759,16 +774,14 @@ impl<'a> Overlay<'a> {
                 let cached = if self.changes.contains_key(&key) {
                     None
                 } else {
-                    self.cache
-                        .as_deref_mut()
-                        .and_then(|c| c.take_distinct(&key))
+                    self.cache.as_deref_mut().and_then(|c| c.take_distinct(&id))
                 };
                 let current = match cached {
                     Some(set) => set,
                     None => {
                         let stored = match self.changes.get(&key).cloned() {
                             Some(value) => value,
-                            None if self.absent_from_store(&key)? => None,
+                            None if self.absent_from_store(id)? => None,
                             None => self.store.get(&key)?,
                         };
                         match stored {
@@ -777,7 +790,7 @@ impl<'a> Overlay<'a> {
                         }
                     }
                 };
-                self.distinct_sets.insert_full(key, current).0
+                self.distinct_sets.insert_full(id, current).0
             }
         })
     }
@@ -798,20 +811,29 @@ impl<'a> Overlay<'a> {
         }
         // Buckets and sets follow the other writes (a later write of a key wins), not
         // merged into their ordered map: the store takes a batch in any order.
+        let names = match self.cache {
+            Some(cache) => &cache.names,
+            None => &self.names,
+        };
+        let key_of = |id: &BucketId| {
+            names
+                .key(*id)
+                .ok_or_else(|| EngineError::Corrupt("a bucket's series was not interned".into()))
+        };
         let mut changes: Vec<(Vec<u8>, Option<Vec<u8>>)> = self.changes.into_iter().collect();
         changes.reserve(self.aggregates.len() + self.distinct_sets.len());
-        for (key, aggregate) in &self.aggregates {
+        for (id, aggregate) in &self.aggregates {
             // Empty: a void took its last event out; no row, as if it never had one.
             let value =
                 (*aggregate != Aggregate::default()).then(|| codec::encode_aggregate(aggregate));
-            changes.push((key.clone(), value));
+            changes.push((key_of(id)?, value));
         }
         let mut distinct_sets = self.distinct_sets;
-        for (key, set) in &distinct_sets {
+        for (id, set) in &distinct_sets {
             // An empty set is one a void emptied (or a refused record's new one): no
             // row, as for a bucket that never had a value.
             let value = (!set.is_empty()).then(|| codec::encode_distinct_set(set));
-            changes.push((key.clone(), value));
+            changes.push((key_of(id)?, value));
         }
         distinct_sets.retain(|_, set| !set.is_empty());
         Ok(Committed {
@@ -856,9 +878,9 @@ impl<'b> StoredRef<'b> {
 
 pub struct Committed {
     pub changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
-    pub buckets: FastIndexMap<Vec<u8>, Aggregate>,
-    pub distinct_sets: FastIndexMap<Vec<u8>, BTreeSet<Vec<u8>>>,
-    pub learned: FastMap<Vec<u8>, i64>,
+    pub buckets: FastIndexMap<BucketId, Aggregate>,
+    pub distinct_sets: FastIndexMap<BucketId, BTreeSet<Vec<u8>>>,
+    pub learned: FastMap<SeriesId, i64>,
     pub stored: Vec<StoredRow>,
     pub pruned: Vec<StoredRow>,
 }
@@ -895,17 +917,19 @@ mod tests {
 
     /// What the overlay would commit, as comparable values.
     fn pending(overlay: &Overlay<'_>) -> Pending {
+        let names = &overlay.cache.as_deref().unwrap().names;
+        let key = |id: &BucketId| names.key(*id).unwrap();
         let mut buckets: Vec<_> = overlay
             .aggregates
             .iter()
-            .map(|(k, v)| (k.clone(), *v))
+            .map(|(k, v)| (key(k), *v))
             .collect();
         buckets.sort_by(|a, b| a.0.cmp(&b.0));
         let mut sets: Vec<_> = overlay
             .distinct_sets
             .iter()
             .filter(|(_, set)| !set.is_empty())
-            .map(|(k, set)| (k.clone(), set.iter().cloned().collect()))
+            .map(|(k, set)| (key(k), set.iter().cloned().collect()))
             .collect();
         sets.sort();
         (buckets, sets)
@@ -950,12 +974,48 @@ mod tests {
     }
 
     #[test]
+    fn a_cache_past_its_series_cap_empties_whole_and_reads_the_store_again() {
+        let store = tally_projection::MemoryStore::new();
+        let index = EventIndex::default();
+        let fetched = Fetched::new();
+        let mut cache = BucketCache::for_empty_store();
+        for n in 0..=MAX_KNOWN_SERIES {
+            cache.names.bucket(&bucket(&format!("c{n}"), 0)).unwrap();
+        }
+        let committed = {
+            let mut overlay = Overlay::new(&store, &index, &fetched);
+            overlay.cache = Some(&mut cache);
+            overlay
+                .aggregate_mut(bucket("x", 60_000))
+                .unwrap()
+                .add(Some(rust_decimal::Decimal::TEN));
+            overlay.keep();
+            overlay.into_changes().unwrap()
+        };
+        let mut committed = committed;
+        store
+            .apply(std::mem::take(&mut committed.changes), &[(0, 1)])
+            .unwrap();
+        cache.absorb(&mut committed);
+        assert!(cache.names.is_empty() && cache.buckets.is_empty() && cache.newest.is_empty());
+        assert!(!cache.complete, "the newest minutes are unknown again");
+        // The next chunk interns afresh and finds the bucket in the store.
+        let mut overlay = Overlay::new(&store, &index, &fetched);
+        overlay.cache = Some(&mut cache);
+        let mut expected = Aggregate::default();
+        expected.add(Some(rust_decimal::Decimal::TEN));
+        assert_eq!(overlay.aggregate(&bucket("x", 60_000)).unwrap(), expected);
+    }
+
+    #[test]
     fn eviction_drops_the_oldest_minutes_whole_and_keeps_the_newest() {
         let mut cache = FastMap::default();
+        let mut names = SeriesNames::default();
         // 40 buckets per minute, minutes 0..10: 400 in all, cap 200 -> keep 150.
         for minute in 0..10 {
             for c in 0..40 {
-                cache.insert(bucket(&format!("c{c}"), minute * 60_000), minute);
+                let id = names.bucket(&bucket(&format!("c{c}"), minute * 60_000));
+                cache.insert(id.unwrap(), minute);
             }
         }
         let kept = evict_oldest_minutes(&mut cache, 200, |_| 1);

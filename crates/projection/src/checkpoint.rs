@@ -20,9 +20,11 @@
 //! **Reads never wait for a writer.** A chunk's changes (~15,000 keys in the ingest
 //! benchmark) first become a [`Pending`] list, sorted by key outside any lock and
 //! published whole by swapping a pointer; reads look in it before the layers. Its
-//! keys are then copied into the active layer, whose maps are concurrent (a sharded
-//! hash map for values, a lock-free skip list for their order), so a read never
-//! waits for the merge, and the list is retired once every key is in. A key of a
+//! keys are then copied into the active layer, whose value map is concurrent (a
+//! sharded hash map) and whose order is a few sorted runs swapped in whole (the
+//! chunk's new keys as one run, merged with runs of similar length outside the
+//! lock), so a read never waits for the merge, and the list is retired once every
+//! key is in. A key of a
 //! merging chunk is found in the list first, so a `get` sees every chunk whole; a
 //! `scan` that overlapped the start of a merge collects again (`SCAN_ATTEMPTS`).
 //! The lock over the layers guards only pointer swaps. Why: apply runs at background
@@ -45,7 +47,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_skiplist::SkipSet;
 use dashmap::DashMap;
 use parking_lot::{RwLock, RwLockWriteGuard};
 
@@ -139,13 +140,25 @@ impl Pending {
 /// touched again), and an ordered insert compares long keys that share their first
 /// ~60 bytes (scope and meter) about twenty times; in a profile of the ingest
 /// benchmark that `memcmp` was a seventh of the server's CPU. Now an overwrite costs
-/// one hash, and only a key new to the layer pays the ordered insert.
+/// one hash, and only a key new to the layer joins the order.
+///
+/// The order is a few sorted runs (`Runs`), not a skip list: a chunk's new keys
+/// arrive sorted already (`Pending`), so they become one run, and runs of similar
+/// length are merged, sequentially, into one. A skip list searched from its top for
+/// every key, through pointers: its inserts were a seventh of the apply thread
+/// (README, "Interned bucket keys, sorted runs").
 #[derive(Debug)]
 struct Changes {
     values: DashMap<Arc<[u8]>, Option<Vec<u8>>, foldhash::fast::RandomState>,
     /// A key is added here after its value, so a key in order always has one.
-    order: SkipSet<Arc<[u8]>>,
+    order: RwLock<Runs>,
 }
+
+/// Sorted runs of keys, pairwise disjoint (a key joins once, when new to its
+/// layer), oldest first. Each run is at least twice as long as the next one
+/// (`Runs::push` merges until it is), so a layer of n keys holds at most
+/// log2(n) + 1 runs, and a key is merged at most that many times.
+type Runs = Vec<Arc<[Arc<[u8]>]>>;
 
 impl Default for Changes {
     fn default() -> Self {
@@ -154,7 +167,25 @@ impl Default for Changes {
                 foldhash::fast::RandomState::default(),
                 LAYER_SHARDS,
             ),
-            order: SkipSet::new(),
+            order: RwLock::new(Runs::new()),
+        }
+    }
+}
+
+/// Two sorted, disjoint runs as one.
+fn merge_runs(a: &[Arc<[u8]>], b: &[Arc<[u8]>]) -> Vec<Arc<[u8]>> {
+    let mut merged = Vec::with_capacity(a.len() + b.len());
+    let (mut a, mut b) = (a.iter().peekable(), b.iter().peekable());
+    loop {
+        let next = match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if x <= y => a.next(),
+            (Some(_), Some(_)) => b.next(),
+            (Some(_), None) => a.next(),
+            (None, _) => b.next(),
+        };
+        match next {
+            Some(key) => merged.push(key.clone()),
+            None => return merged,
         }
     }
 }
@@ -166,8 +197,14 @@ impl ChangeSource for Changes {
     }
 
     fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError> {
-        for key in self.order.iter() {
-            let key = key.value();
+        // Smallest first, so each merge is about as long as what it has merged so
+        // far and the whole is linear in the keys.
+        let runs = self.runs();
+        let all = runs
+            .iter()
+            .rev()
+            .fold(Vec::new(), |merged, run| merge_runs(&merged, run));
+        for key in &all {
             if let Some(value) = self.values.get(key) {
                 visit(key, value.as_deref())?;
             }
@@ -185,10 +222,40 @@ impl Changes {
         self.values.get(key).map(|value| value.clone())
     }
 
-    fn insert(&self, key: Arc<[u8]>, value: Option<Vec<u8>>) {
-        if self.values.insert(key.clone(), value).is_none() {
-            self.order.insert(key);
+    /// The runs as they are now (readers take a copy of a few pointers).
+    fn runs(&self) -> Runs {
+        self.order.read().clone()
+    }
+
+    /// Takes a chunk's changes, sorted by key (the layer's only writer calls this).
+    fn insert_sorted(&self, entries: &[SharedChange]) {
+        let mut new_keys = Vec::new();
+        for (key, value) in entries {
+            if self.values.insert(key.clone(), value.clone()).is_none() {
+                new_keys.push(key.clone());
+            }
         }
+        self.push_run(new_keys);
+    }
+
+    /// Adds a sorted run of keys new to the layer, merged with the newest runs
+    /// while they are not at least twice its length. The merge runs outside the
+    /// lock, which is taken only to swap the runs (module doc).
+    fn push_run(&self, run: Vec<Arc<[u8]>>) {
+        if run.is_empty() {
+            return;
+        }
+        let mut runs = self.runs();
+        let mut run = run;
+        while let Some(last) = runs.last() {
+            if last.len() >= run.len().saturating_mul(2) {
+                break;
+            }
+            run = merge_runs(last, &run);
+            runs.pop();
+        }
+        runs.push(run.into());
+        *self.order.write() = runs;
     }
 
     /// Copies the entries between two bounds into `into` (a newer layer's entries
@@ -199,10 +266,23 @@ impl Changes {
         end: Bound<&[u8]>,
         into: &mut BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     ) {
-        for key in self.order.range::<[u8], _>((start, end)) {
-            let key = key.value();
-            if let Some(value) = self.values.get(key) {
-                into.insert(key.to_vec(), value.clone());
+        let after_start = |key: &Arc<[u8]>| match start {
+            Bound::Included(start) => **key < *start,
+            Bound::Excluded(start) => **key <= *start,
+            Bound::Unbounded => false,
+        };
+        let before_end = |key: &Arc<[u8]>| match end {
+            Bound::Included(end) => **key <= *end,
+            Bound::Excluded(end) => **key < *end,
+            Bound::Unbounded => true,
+        };
+        for run in self.runs() {
+            let from = run.partition_point(after_start);
+            let to = run.partition_point(before_end);
+            for key in run.get(from..to.max(from)).unwrap_or_default() {
+                if let Some(value) = self.values.get(key) {
+                    into.insert(key.to_vec(), value.clone());
+                }
             }
         }
     }
@@ -607,9 +687,7 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
             layers.active.clone()
         };
         // Readers find these keys in `pending` until it is retired below.
-        for (key, value) in &pending.entries {
-            active.changes.insert(key.clone(), value.clone());
-        }
+        active.changes.insert_sorted(&pending.entries);
         if !pending.is_empty() {
             self.shared.lock_write().pending = None;
         }

@@ -81,6 +81,11 @@ proptest! {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         prop_assert_eq!(scan(&store, Bound::Included(&lo), Bound::Excluded(&hi), false), ranged);
+        let ranged: Vec<_> = reference
+            .range::<[u8], _>((Bound::Excluded(&lo[..]), Bound::Included(&hi[..])))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        prop_assert_eq!(scan(&store, Bound::Excluded(&lo), Bound::Included(&hi), false), ranged);
         store.checkpoint().unwrap();
         prop_assert_eq!(scan(store.inner(), Bound::Unbounded, Bound::Unbounded, false), all);
         prop_assert_eq!(store.inner().position(0).unwrap(), steps.len() as u64);

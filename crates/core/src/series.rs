@@ -1,0 +1,132 @@
+//! Bucket keys as apply holds them in memory: a small copyable [`BucketId`] (table,
+//! interned series, minute) instead of the ~100-byte key the store is written with.
+//!
+//! Why: a bucket is looked up several times per event and matched meter (in the
+//! chunk's overlay, in the projector's cache, and again when the cache learns the
+//! commit), and every one of those lookups hashed and compared the whole encoded
+//! key, behind a pointer. In a profile of the ingest benchmark that `memcmp` and
+//! hashing were a quarter of the apply thread (README, "Interned bucket keys").
+//! Now a key's series (scope, meter, customer) is hashed once per lookup, to find
+//! its [`SeriesId`], and the maps compare 16-byte ids.
+//!
+//! Ids are a process's own: they are never stored, and a key is encoded back
+//! (`SeriesNames::key`) only where it is written. Whoever holds ids of one
+//! [`SeriesNames`] must drop them when it is cleared (`BucketCache::absorb` does).
+
+use std::collections::HashMap;
+
+use crate::keys;
+
+/// A hash map with a fast hash: apply's maps are looked up several times per
+/// event, where std's SipHash was ~4% of the ingest profile.
+pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// A `FastMap` that keeps insertion order, so the overlay's undo journal names an
+/// entry by its index instead of holding a copy of its key.
+pub type FastIndexMap<K, V> = indexmap::IndexMap<K, V, foldhash::fast::RandomState>;
+
+/// A series (a bucket key without its table byte and minute: scope, meter,
+/// customer) interned by a [`SeriesNames`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SeriesId(u32);
+
+/// A bucket (`A`, `@`, `|`) or distinct-set (`u`) key in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BucketId {
+    pub table: u8,
+    pub series: SeriesId,
+    pub minute: i64,
+}
+
+/// Length of the minute component that ends a bucket key.
+const MINUTE_BYTES: usize = 8;
+
+/// The series (the key without table byte and minute) and minute of a bucket or
+/// distinct-set key; `None` for a key too short to be one.
+pub fn series_of(key: &[u8]) -> Option<(&[u8], i64)> {
+    let split = key.len().checked_sub(MINUTE_BYTES).filter(|at| *at > 1)?;
+    Some((&key[1..split], keys::read_int(&key[split..])))
+}
+
+/// The series interned so far, both ways.
+#[derive(Debug, Default)]
+pub struct SeriesNames {
+    ids: FastMap<Box<[u8]>, SeriesId>,
+    names: Vec<Box<[u8]>>,
+}
+
+impl SeriesNames {
+    /// The id of a bucket or distinct-set key; `None` for a key too short to be one.
+    pub fn bucket(&mut self, key: &[u8]) -> Option<BucketId> {
+        let (series, minute) = series_of(key)?;
+        Some(BucketId {
+            table: key[0],
+            series: self.intern(series),
+            minute,
+        })
+    }
+
+    fn intern(&mut self, series: &[u8]) -> SeriesId {
+        if let Some(id) = self.ids.get(series) {
+            return *id;
+        }
+        // Past `u32::MAX` series the cache that owns these names has long been
+        // cleared (`MAX_KNOWN_SERIES`); saturating keeps this total all the same.
+        let id = SeriesId(u32::try_from(self.names.len()).unwrap_or(u32::MAX));
+        let name: Box<[u8]> = series.into();
+        self.names.push(name.clone());
+        self.ids.insert(name, id);
+        id
+    }
+
+    /// The series' bytes (`None`: not interned here).
+    pub fn name(&self, series: SeriesId) -> Option<&[u8]> {
+        self.names.get(series.0 as usize).map(|name| &name[..])
+    }
+
+    /// The store key of a bucket (`None`: its series is not interned here).
+    pub fn key(&self, bucket: BucketId) -> Option<Vec<u8>> {
+        let name = self.name(bucket.series)?;
+        let mut key = Vec::with_capacity(1 + name.len() + MINUTE_BYTES);
+        key.push(bucket.table);
+        key.extend_from_slice(name);
+        keys::write_int(&mut key, bucket.minute);
+        Some(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::BucketKey;
+    use tally_domain::Mode;
+
+    #[test]
+    fn a_key_round_trips_and_equal_series_share_an_id() {
+        let mut names = SeriesNames::default();
+        let a = BucketKey::from_minute(keys::AGGREGATE, "st", Mode::Prod, "m", "c", -120_000);
+        let u = BucketKey::from_minute(keys::DISTINCT_SET, "st", Mode::Prod, "m", "c", 60_000);
+        let other = BucketKey::from_minute(keys::AGGREGATE, "st", Mode::Test, "m", "c", 0);
+        let (ia, iu, io) = (
+            names.bucket(&a).unwrap(),
+            names.bucket(&u).unwrap(),
+            names.bucket(&other).unwrap(),
+        );
+        assert_eq!(ia.series, iu.series, "one series across tables and minutes");
+        assert_ne!(ia.series, io.series);
+        assert_eq!((ia.table, ia.minute), (keys::AGGREGATE, -120_000));
+        for (key, id) in [(a, ia), (u, iu), (other, io)] {
+            assert_eq!(names.key(id), Some(key));
+        }
+        assert_eq!(names.len(), 2);
+        assert_eq!(names.bucket(b"short"), None);
+    }
+}
