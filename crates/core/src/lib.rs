@@ -27,6 +27,7 @@ pub mod outcome;
 pub mod overlay;
 pub mod pagination;
 pub mod series;
+pub mod sparse_keys;
 
 pub use error::EngineError;
 pub use journal::{Decision, Journal, Update, APPENDED, APPLY_WAIT};

@@ -20,6 +20,7 @@ use crate::keys::{self, StoredEventsKey};
 use crate::outcome::Outcome;
 use crate::series::{series_of, BucketId, SeriesId, SeriesNames};
 pub use crate::series::{FastIndexMap, FastMap};
+use crate::sparse_keys::SparseKeys;
 
 /// A record that stores usage events (a usage batch, or an amendment with its
 /// replacement at index 0), read back from the log for apply or a query.
@@ -89,6 +90,9 @@ pub struct Overlay<'a> {
     /// touched by many events of one chunk).
     aggregates: FastIndexMap<BucketId, Aggregate>,
     pub cache: Option<&'a mut BucketCache>,
+    /// Which sparse rows exist, as committed (`contains` skips the store read when
+    /// the answer is certainly no).
+    pub sparse: Option<&'a SparseKeys>,
     /// What the record being applied overwrote, newest last: rolled back when apply
     /// refuses the record, so a refused record leaves no trace but its outcome.
     journal: Vec<Undo>,
@@ -322,6 +326,7 @@ impl<'a> Overlay<'a> {
         Overlay {
             store,
             cache: None,
+            sparse: None,
             changes: BTreeMap::new(),
             aggregates: FastIndexMap::default(),
             journal: Vec::new(),
@@ -609,7 +614,13 @@ impl<'a> Overlay<'a> {
     }
 
     pub fn contains(&self, key: &[u8]) -> Result<bool, EngineError> {
-        Ok(self.get(key)?.is_some())
+        if let Some(value) = self.changes.get(key) {
+            return Ok(value.is_some());
+        }
+        if self.sparse.is_some_and(|sparse| !sparse.may_hold(key)) {
+            return Ok(false);
+        }
+        Ok(self.store.get(key)?.is_some())
     }
 
     pub fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {

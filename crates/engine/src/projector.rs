@@ -25,6 +25,7 @@ pub use tally_core::overlay::{
     customer_cache_key, inflight_key, ApplyError, BucketCache, Fetched, Overlay, StoredBatch,
     MAX_CACHED_BUCKETS,
 };
+use tally_core::sparse_keys::SparseKeys;
 use tally_directory::DirectoryApplied;
 use tally_domain::record::{RechargeOutcome, Record, RecordMeta};
 use tally_log::LogEntry;
@@ -135,12 +136,13 @@ fn decode_entry(entry: &LogEntry) -> Result<(Record, RecordMeta), Outcome> {
     }
 }
 
-/// What the projector keeps in memory between chunks: the bucket cache and the
-/// event index (both only ever hold what was committed).
+/// What the projector keeps in memory between chunks: the bucket cache, the
+/// event index and the sparse rows (all only ever hold what was committed).
 #[derive(Debug)]
 pub struct ProjectorState {
     pub buckets: BucketCache,
     pub index: Arc<EventIndex>,
+    pub sparse: SparseKeys,
 }
 
 impl ProjectorState {
@@ -170,6 +172,7 @@ impl ProjectorState {
         Ok(ProjectorState {
             buckets: BucketCache::over(store)?,
             index,
+            sparse: SparseKeys::load(store)?,
         })
     }
 
@@ -179,6 +182,7 @@ impl ProjectorState {
         ProjectorState {
             buckets: BucketCache::for_empty_store(),
             index: Arc::new(EventIndex::default()),
+            sparse: SparseKeys::default(),
         }
     }
 }
@@ -241,6 +245,7 @@ pub fn apply_chunk(
     let index = state.index.clone();
     let mut overlay = Overlay::new(store, &index, fetched);
     overlay.cache = Some(&mut state.buckets);
+    overlay.sparse = Some(&state.sparse);
     for (at, (entry, record)) in chunk.entries.iter().zip(&chunk.records).enumerate() {
         if let (true, Ok((record, _))) = (chunk.applies(at), record) {
             if record.stored_events().is_none() {
@@ -297,7 +302,9 @@ pub fn apply_chunk(
     }
     let positions: Vec<(u32, u64)> = positions.into_iter().collect();
     let mut committed = overlay.into_changes()?;
+    let sparse_puts = state.sparse.puts_in(&committed.changes);
     store.apply(std::mem::take(&mut committed.changes), &positions)?;
+    state.sparse.note_committed(sparse_puts);
     for (key, stored) in &committed.pruned {
         index.remove_record(key.partition, key.offset, stored);
     }
