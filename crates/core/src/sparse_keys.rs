@@ -3,7 +3,10 @@
 //!
 //! The tables: voided events (`.`) and fold-skipped rows (`_`: an event a meter did
 //! not count because it was inactive). A void's rebuild asks both for every event
-//! of the minute it reads back; nearly always the answer is no. In a profile of the
+//! of the minute it reads back; nearly always the answer is no. Backfilled rows
+//! (`B`) are not held: adding them measured no faster on voids (README), and a
+//! large backfill writes one per event and meter, which the start-up scan would
+//! read. In a profile of the
 //! void phase those look-ups were a quarter of the apply thread, most of it in
 //! sled's tree walk (README, "Sparse rows answered from memory").
 //!
@@ -25,10 +28,11 @@ use crate::keys;
 /// The tables whose keys are held.
 pub const SPARSE_TABLES: [u8; 2] = [keys::VOIDED_EVENT, keys::FOLD_SKIPPED];
 
-/// Hashes held before the set gives up (bounds memory at ~20 bytes each: ~40 MB).
+/// Hashes held before the set gives up (bounds memory at ~20 bytes each, ~20 MB,
+/// and the start-up scan that loads them to ~1 s).
 /// Voids and inactive-meter skips are corrections and edge cases, far fewer than
-/// events; a store past this still works, at a store read per question.
-pub const MAX_SPARSE_KEYS: usize = 2_000_000;
+/// events; a store past it still works, at a store read per question.
+pub const MAX_SPARSE_KEYS: usize = 1_000_000;
 
 #[derive(Debug, Default)]
 pub struct SparseKeys {
@@ -50,7 +54,11 @@ impl SparseKeys {
         for table in SPARSE_TABLES {
             scan_prefix(store, &[table], false, &mut |key, _| {
                 sparse.note(key);
-                Visit::Continue
+                if sparse.saturated {
+                    Visit::Stop
+                } else {
+                    Visit::Continue
+                }
             })?;
         }
         Ok(sparse)
