@@ -993,7 +993,7 @@ mod tests {
         for n in 0..=MAX_KNOWN_SERIES {
             cache.names.bucket(&bucket(&format!("c{n}"), 0)).unwrap();
         }
-        let committed = {
+        let mut committed = {
             let mut overlay = Overlay::new(&store, &index, &fetched);
             overlay.cache = Some(&mut cache);
             overlay
@@ -1003,7 +1003,6 @@ mod tests {
             overlay.keep();
             overlay.into_changes().unwrap()
         };
-        let mut committed = committed;
         store
             .apply(std::mem::take(&mut committed.changes), &[(0, 1)])
             .unwrap();

@@ -48,11 +48,10 @@ pub fn series_of(key: &[u8]) -> Option<(&[u8], i64)> {
     Some((&key[1..split], keys::read_int(&key[split..])))
 }
 
-/// The series interned so far, both ways.
+/// The series interned so far, both ways: a series' id is its index in the set.
 #[derive(Debug, Default)]
 pub struct SeriesNames {
-    ids: FastMap<Box<[u8]>, SeriesId>,
-    names: Vec<Box<[u8]>>,
+    names: indexmap::IndexSet<Box<[u8]>, foldhash::fast::RandomState>,
 }
 
 impl SeriesNames {
@@ -67,21 +66,20 @@ impl SeriesNames {
     }
 
     fn intern(&mut self, series: &[u8]) -> SeriesId {
-        if let Some(id) = self.ids.get(series) {
-            return *id;
-        }
+        let index = match self.names.get_index_of(series) {
+            Some(index) => index,
+            None => self.names.insert_full(series.into()).0,
+        };
         // Past `u32::MAX` series the cache that owns these names has long been
         // cleared (`MAX_KNOWN_SERIES`); saturating keeps this total all the same.
-        let id = SeriesId(u32::try_from(self.names.len()).unwrap_or(u32::MAX));
-        let name: Box<[u8]> = series.into();
-        self.names.push(name.clone());
-        self.ids.insert(name, id);
-        id
+        SeriesId(u32::try_from(index).unwrap_or(u32::MAX))
     }
 
     /// The series' bytes (`None`: not interned here).
     pub fn name(&self, series: SeriesId) -> Option<&[u8]> {
-        self.names.get(series.0 as usize).map(|name| &name[..])
+        self.names
+            .get_index(series.0 as usize)
+            .map(|name| &name[..])
     }
 
     /// The store key of a bucket (`None`: its series is not interned here).

@@ -3,16 +3,15 @@
 //!
 //! The tables: voided events (`.`) and fold-skipped rows (`_`: an event a meter did
 //! not count because it was inactive). A void's rebuild asks both for every event
-//! of the minute it reads back; nearly always the answer is no. Backfilled rows
-//! (`B`) are not held: adding them measured no faster on voids (README), and a
-//! large backfill writes one per event and meter, which the start-up scan would
-//! read. In a profile of the
-//! void phase those look-ups were a quarter of the apply thread, most of it in
-//! sled's tree walk (README, "Sparse rows answered from memory").
+//! of the minute it reads back; nearly always the answer is no. In a profile of
+//! the void phase those look-ups were a quarter of the apply thread, most of it in
+//! sled's tree walk (README, "Sparse rows answered from memory"). Backfilled rows
+//! (`B`) are not held: adding them measured no faster on voids, and a large
+//! backfill writes one per event and meter, which the start-up scan would read.
 //!
 //! A hash absent here means the key is absent from the projection: the set is
 //! loaded from the store at start-up and takes every committed put of these tables
-//! (`SparseKeys::note`). A hash present is only "maybe": the caller reads the
+//! (`SparseKeys::puts_in`, then `note_committed` once the batch is in the store). A hash present is only "maybe": the caller reads the
 //! store. Deletes are not taken out (a stale hash costs a read, never a wrong
 //! answer). Past `MAX_SPARSE_KEYS` the set gives up and every question goes to the
 //! store, as before it existed.
@@ -70,8 +69,8 @@ impl SparseKeys {
         self.saturated || !is_sparse(key) || self.present.contains(&self.hasher.hash_one(key))
     }
 
-    /// A committed put of `key` (keys of other tables are ignored).
-    pub fn note(&mut self, key: &[u8]) {
+    /// A stored `key` (keys of other tables are ignored).
+    fn note(&mut self, key: &[u8]) {
         if is_sparse(key) {
             self.note_hash(self.hasher.hash_one(key));
         }

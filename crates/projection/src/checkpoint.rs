@@ -24,8 +24,8 @@
 //! sharded hash map) and whose order is a few sorted runs swapped in whole (the
 //! chunk's new keys as one run, merged with runs of similar length outside the
 //! lock), so a read never waits for the merge, and the list is retired once every
-//! key is in. A key of a
-//! merging chunk is found in the list first, so a `get` sees every chunk whole; a
+//! key is in. A key of a merging chunk is found in the list first, so a `get` sees
+//! every chunk whole; a
 //! `scan` that overlapped the start of a merge collects again (`SCAN_ATTEMPTS`).
 //! The lock over the layers guards only pointer swaps. Why: apply runs at background
 //! priority (`priority`), and while it held a write lock over the merge (a slice of
@@ -118,18 +118,28 @@ impl Pending {
 
     /// The entries between two bounds, in key order.
     fn range(&self, start: Bound<&[u8]>, end: Bound<&[u8]>) -> &[SharedChange] {
-        let from = self.entries.partition_point(|(k, _)| match start {
-            Bound::Included(s) => **k < *s,
-            Bound::Excluded(s) => **k <= *s,
-            Bound::Unbounded => false,
-        });
-        let to = self.entries.partition_point(|(k, _)| match end {
-            Bound::Included(e) => **k <= *e,
-            Bound::Excluded(e) => **k < *e,
-            Bound::Unbounded => true,
-        });
-        self.entries.get(from..to.max(from)).unwrap_or_default()
+        sorted_range(&self.entries, |(key, _)| key, start, end)
     }
+}
+
+/// The part of `items` (sorted by `key_of`) between two bounds.
+fn sorted_range<'a, T>(
+    items: &'a [T],
+    key_of: impl Fn(&T) -> &[u8],
+    start: Bound<&[u8]>,
+    end: Bound<&[u8]>,
+) -> &'a [T] {
+    let from = items.partition_point(|item| match start {
+        Bound::Included(s) => key_of(item) < s,
+        Bound::Excluded(s) => key_of(item) <= s,
+        Bound::Unbounded => false,
+    });
+    let to = items.partition_point(|item| match end {
+        Bound::Included(e) => key_of(item) <= e,
+        Bound::Excluded(e) => key_of(item) < e,
+        Bound::Unbounded => true,
+    });
+    items.get(from..to.max(from)).unwrap_or_default()
 }
 
 /// Unwritten values, the newest per key (`None`: deleted): a hash map for reads and
@@ -156,7 +166,7 @@ struct Changes {
 
 /// Sorted runs of keys, pairwise disjoint (a key joins once, when new to its
 /// layer), oldest first. Each run is at least twice as long as the next one
-/// (`Runs::push` merges until it is), so a layer of n keys holds at most
+/// (`Changes::push_run` merges until it is), so a layer of n keys holds at most
 /// log2(n) + 1 runs, and a key is merged at most that many times.
 type Runs = Vec<Arc<[Arc<[u8]>]>>;
 
@@ -241,12 +251,11 @@ impl Changes {
     /// Adds a sorted run of keys new to the layer, merged with the newest runs
     /// while they are not at least twice its length. The merge runs outside the
     /// lock, which is taken only to swap the runs (module doc).
-    fn push_run(&self, run: Vec<Arc<[u8]>>) {
+    fn push_run(&self, mut run: Vec<Arc<[u8]>>) {
         if run.is_empty() {
             return;
         }
         let mut runs = self.runs();
-        let mut run = run;
         while let Some(last) = runs.last() {
             if last.len() >= run.len().saturating_mul(2) {
                 break;
@@ -266,20 +275,8 @@ impl Changes {
         end: Bound<&[u8]>,
         into: &mut BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     ) {
-        let after_start = |key: &Arc<[u8]>| match start {
-            Bound::Included(start) => **key < *start,
-            Bound::Excluded(start) => **key <= *start,
-            Bound::Unbounded => false,
-        };
-        let before_end = |key: &Arc<[u8]>| match end {
-            Bound::Included(end) => **key <= *end,
-            Bound::Excluded(end) => **key < *end,
-            Bound::Unbounded => true,
-        };
         for run in self.runs() {
-            let from = run.partition_point(after_start);
-            let to = run.partition_point(before_end);
-            for key in run.get(from..to.max(from)).unwrap_or_default() {
+            for key in sorted_range(&run, |key| key, start, end) {
                 if let Some(value) = self.values.get(key) {
                     into.insert(key.to_vec(), value.clone());
                 }
