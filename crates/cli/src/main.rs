@@ -8,9 +8,11 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tally_core::changelog_store::{ChangelogStore, ChangelogWriter};
 use tally_domain::clock::Clock;
 use tally_engine::Engine;
 use tally_http::webhooks::DispatchScope;
+use tally_log::changelog::KafkaChangelog;
 use tally_log::embedded::EmbeddedLog;
 use tally_log::kafka::{create_topic, verify_topic, KafkaConfig, KafkaLog};
 use tally_log::membership::Membership;
@@ -525,13 +527,47 @@ fn cluster_membership(args: &ServeArgs) -> Result<Dispatching> {
 /// sled under the in-memory write-back layer (ARCHITECTURE.md, "Checkpoints"),
 /// checkpointed every `checkpoint_keys` changed keys.
 fn open_projections(dir: &Path, checkpoint_keys: usize) -> Result<Arc<dyn ProjectionStore>> {
+    open_projections_with(dir, checkpoint_keys, None)
+}
+
+/// `open_projections`; in a split cluster each checkpoint also goes to the
+/// changelog (`changelog`) before it reaches sled.
+fn open_projections_with(
+    dir: &Path,
+    checkpoint_keys: usize,
+    changelog: Option<Arc<ChangelogWriter>>,
+) -> Result<Arc<dyn ProjectionStore>> {
     let sled = SledStore::open(dir)
         .with_context(|| format!("opening the projection store in {}", dir.display()))?;
-    Ok(Arc::new(CheckpointStore::with_limits(
-        sled,
-        checkpoint_keys,
-        std::time::Duration::from_millis(CHECKPOINT_EVERY_MS),
-    )))
+    let every = std::time::Duration::from_millis(CHECKPOINT_EVERY_MS);
+    Ok(match changelog {
+        Some(writer) => Arc::new(CheckpointStore::with_limits(
+            ChangelogStore::new(sled, writer),
+            checkpoint_keys,
+            every,
+        )),
+        None => Arc::new(CheckpointStore::with_limits(sled, checkpoint_keys, every)),
+    })
+}
+
+/// A split cluster's changelog (`--peers` with `--cluster` on Kafka): where its
+/// checkpoints go, and where a partition it gains is restored from.
+async fn split_changelog(
+    args: &ServeArgs,
+) -> Result<Option<(Arc<KafkaChangelog>, Arc<ChangelogWriter>)>> {
+    let (false, Some(_), LogKind::Kafka) =
+        (args.peers.is_empty(), &args.cluster, args.storage.log_kind)
+    else {
+        return Ok(None);
+    };
+    let config = args.storage.kafka.config();
+    tally_log::changelog::create_changelog_topic(&config)
+        .await
+        .context("creating the changelog topic")?;
+    let changelog =
+        Arc::new(KafkaChangelog::connect(&config).context("connecting to the changelog")?);
+    let writer = ChangelogWriter::new(changelog.clone(), config.partitions);
+    Ok(Some((changelog, writer)))
 }
 
 async fn shutdown_signal() {
@@ -556,12 +592,18 @@ async fn serve(args: ServeArgs) -> Result<()> {
     std::fs::create_dir_all(&args.storage.data_dir)
         .with_context(|| format!("creating data dir {}", args.storage.data_dir.display()))?;
     let log = open_log(&args.storage, true).await?;
-    let store = open_projections(
+    let changelog = split_changelog(&args).await?;
+    let store = open_projections_with(
         &args.storage.data_dir.join("projections"),
         args.checkpoint_keys as usize,
+        changelog.as_ref().map(|(_, writer)| writer.clone()),
     )?;
     let clock: Arc<dyn Clock> = Arc::new(clock::SystemClock);
     let engine = Engine::open(log.clone(), store, clock).await?;
+    if let Some((changelog, writer)) = changelog {
+        writer.bind(engine.journal().runtime().ownership().clone());
+        engine.set_changelog(changelog, args.storage.kafka.config().partitions);
+    }
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     // The projector stops only after HTTP has drained: in-flight writes wait for
     // their records to be applied, and would otherwise answer 503 while durable.
@@ -1141,6 +1183,12 @@ async fn main() -> Result<()> {
                 );
             } else {
                 println!("topic {} already exists", config.topic);
+            }
+            let changelog = tally_log::changelog::changelog_topic(&config.topic);
+            if tally_log::changelog::create_changelog_topic(&config).await? {
+                println!("created topic {changelog} (split clusters' checkpoints)");
+            } else {
+                println!("topic {changelog} already exists");
             }
             Ok(())
         }

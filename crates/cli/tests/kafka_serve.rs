@@ -987,6 +987,18 @@ async fn a_cluster_moves_webhook_delivery_off_a_killed_node() {
     assert!(survivor.terminate().success());
 }
 
+/// The sum of a node's `/metrics` samples whose line starts with `series`.
+async fn metric_sum(http: &reqwest::Client, prod: &str, series: &str) -> f64 {
+    let Ok(answer) = http.get(format!("{prod}/metrics")).send().await else {
+        return 0.0;
+    };
+    let text = answer.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The partitions each node of a split cluster serves (`/internal/v1/cluster`).
 async fn serving(http: &reqwest::Client, prod: &str, secret: &str) -> Option<Vec<u64>> {
     let answer = http
@@ -1012,7 +1024,9 @@ async fn serving(http: &reqwest::Client, prod: &str, secret: &str) -> Option<Vec
 /// partitions move, are restored by their new owners, and come back when it
 /// restarts). Afterwards every node answers every store's exact usage total and a
 /// balance of exactly 0 after exactly the balance's worth of debits, the same
-/// bytes for a customer, and a full replica of the topic agrees.
+/// bytes for a customer, and a full replica of the topic agrees. Checkpoints are
+/// small (`--checkpoint-keys`), so the killed node has written its partitions to
+/// the changelog and the survivors restore them from there, not from the log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
     let Some(brokers) = tally_log::testsuite::test_brokers() else {
@@ -1039,6 +1053,8 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
         "--admin-token",
         &admin,
         "--no-default-store",
+        "--checkpoint-keys",
+        "20",
     ]);
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let start = |i: usize| {
@@ -1145,6 +1161,22 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
         });
     }
 
+    // Node C has written its partitions to the changelog before it dies.
+    let mut written = 0.0;
+    for _ in 0..300 {
+        written = metric_sum(
+            &http,
+            &prods[2],
+            "tally_changelog_writes_total{outcome=\"written\"}",
+        )
+        .await;
+        if written > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(written > 0.0, "node C never wrote the changelog");
+
     let mut ingest = Vec::new();
     let mut debits = Vec::new();
     for (s, store) in stores.iter().enumerate() {
@@ -1178,7 +1210,7 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
         }
     }
     // Mid-load: node C dies; its partitions move to the others after the group's
-    // session timeout, and they restore them from the log.
+    // session timeout, and they restore them from the changelog, then the log.
     tokio::time::sleep(Duration::from_millis(300)).await;
     node_c.kill();
 
@@ -1255,23 +1287,28 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
     // Requests went through nodes that do not serve their store: forwarded.
     let mut forwarded = 0.0;
     for prod in &prods {
-        let text = http
-            .get(format!("{prod}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        forwarded += text
-            .lines()
-            .filter(|l| {
-                l.starts_with("tally_cluster_forwarded_requests_total{outcome=\"answered\"}")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
+        forwarded += metric_sum(
+            &http,
+            prod,
+            "tally_cluster_forwarded_requests_total{outcome=\"answered\"}",
+        )
+        .await;
     }
     assert!(forwarded > 0.0, "no request was forwarded");
+    // The survivors restored C's partitions from the changelog.
+    let mut restored = 0.0;
+    for prod in &prods[..2] {
+        restored += metric_sum(
+            &http,
+            prod,
+            "tally_partitions_restored_from_changelog_total",
+        )
+        .await;
+    }
+    assert!(
+        restored > 0.0,
+        "no partition was restored from the changelog"
+    );
     for node in [node_a, node_b, node_c] {
         assert!(node.terminate().success());
     }

@@ -504,14 +504,14 @@ pub fn read_text(bytes: &[u8], start: usize) -> Option<(&str, usize)> {
 
 /// Reads a key back component by component, in the order `Key` built it: the one
 /// decoder behind every typed key below. Any mismatch is corrupt storage.
-struct KeyReader<'k> {
+pub(crate) struct KeyReader<'k> {
     bytes: &'k [u8],
     at: usize,
     what: &'static str,
 }
 
 impl<'k> KeyReader<'k> {
-    fn new(bytes: &'k [u8], table: u8, what: &'static str) -> Result<Self, EngineError> {
+    pub(crate) fn new(bytes: &'k [u8], table: u8, what: &'static str) -> Result<Self, EngineError> {
         let reader = KeyReader { bytes, at: 1, what };
         if bytes.first() != Some(&table) {
             return Err(reader.corrupt());
@@ -523,19 +523,19 @@ impl<'k> KeyReader<'k> {
         EngineError::Corrupt(format!("{} does not decode", self.what))
     }
 
-    fn text(&mut self) -> Result<&'k str, EngineError> {
+    pub(crate) fn text(&mut self) -> Result<&'k str, EngineError> {
         let (text, next) = read_text(self.bytes, self.at).ok_or_else(|| self.corrupt())?;
         self.at = next;
         Ok(text)
     }
 
-    fn mode(&mut self) -> Result<Mode, EngineError> {
+    pub(crate) fn mode(&mut self) -> Result<Mode, EngineError> {
         let byte = *self.bytes.get(self.at).ok_or_else(|| self.corrupt())?;
         self.at += 1;
         read_mode(byte, self.what)
     }
 
-    fn fixed(&mut self) -> Result<[u8; 8], EngineError> {
+    pub(crate) fn fixed(&mut self) -> Result<[u8; 8], EngineError> {
         let raw: [u8; 8] = self
             .bytes
             .get(self.at..self.at + 8)
@@ -545,15 +545,15 @@ impl<'k> KeyReader<'k> {
         Ok(raw)
     }
 
-    fn int(&mut self) -> Result<i64, EngineError> {
+    pub(crate) fn int(&mut self) -> Result<i64, EngineError> {
         Ok(read_int(&self.fixed()?))
     }
 
-    fn uint(&mut self) -> Result<u64, EngineError> {
+    pub(crate) fn uint(&mut self) -> Result<u64, EngineError> {
         Ok(u64::from_be_bytes(self.fixed()?))
     }
 
-    fn end(self) -> Result<(), EngineError> {
+    pub(crate) fn end(self) -> Result<(), EngineError> {
         if self.at == self.bytes.len() {
             Ok(())
         } else {

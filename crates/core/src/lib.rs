@@ -15,12 +15,14 @@
 //! never on each other: where one needs another, it owns a small trait (a port) that
 //! the composition root (`tally-engine`) implements.
 
+pub mod changelog_store;
 pub mod codec;
 pub mod error;
 pub mod event_index;
 pub mod idempotency;
 pub mod ids;
 pub mod journal;
+pub mod key_home;
 pub mod keys;
 pub mod metrics;
 pub mod outcome;

@@ -80,6 +80,14 @@ fn describe() {
         "Time for an append to become durable."
     );
     describe_counter!(
+        "tally_changelog_writes_total",
+        "Checkpoints of a partition written to a split cluster's changelog, by outcome (written, failed)."
+    );
+    describe_counter!(
+        "tally_partitions_restored_from_changelog_total",
+        "Partitions this node gained and restored from the changelog rather than the log."
+    );
+    describe_counter!(
         "tally_records_applied_total",
         "Log records applied by the projector."
     );
@@ -208,6 +216,16 @@ impl Metrics {
     pub fn forwarded(&self, outcome: &'static str) {
         self.ensure();
         counter!("tally_cluster_forwarded_requests_total", "outcome" => outcome).increment(1);
+    }
+
+    /// Counts one partition's checkpoint written to the changelog (or failed).
+    pub fn changelog_written(outcome: &'static str) {
+        counter!("tally_changelog_writes_total", "outcome" => outcome).increment(1);
+    }
+
+    /// Counts a partition restored from the changelog.
+    pub fn restored_from_changelog() {
+        counter!("tally_partitions_restored_from_changelog_total").increment(1);
     }
 
     pub fn records_applied(&self, records: u64) {

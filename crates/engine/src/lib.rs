@@ -31,6 +31,7 @@ use tally_projection::ProjectionStore;
 use tokio::sync::watch;
 
 pub mod projector;
+pub mod restore;
 
 pub use tally_billing as billing;
 pub use tally_billing::products;
@@ -329,6 +330,15 @@ impl tally_runtime::Projection for Engine {
         self.projection.skipped_from(partition)
     }
 
+    fn restore_snapshot(
+        &self,
+        partition: u32,
+        from: u64,
+        until: u64,
+    ) -> Result<Option<(u64, Self::Applied)>, String> {
+        self.projection.restore_snapshot(partition, from, until)
+    }
+
     fn plan(&self, chunk: &Self::Chunk) -> Result<Vec<(u32, u64)>, String> {
         self.projection.plan(chunk)
     }
@@ -558,6 +568,16 @@ impl Engine {
     }
 
     /// Appending, waiting for decisions, the write gate, node metrics.
+    /// Restores the partitions this node gains from a split cluster's changelog
+    /// where it can (deploy/README.md, "Restore from the changelog").
+    pub fn set_changelog(
+        &self,
+        changelog: Arc<dyn tally_log::changelog::Changelog>,
+        partitions: u32,
+    ) {
+        self.projection.set_changelog(changelog, partitions);
+    }
+
     pub fn journal(&self) -> &Arc<Journal> {
         &self.journal
     }

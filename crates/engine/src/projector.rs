@@ -28,6 +28,7 @@ pub use tally_core::overlay::{
 use tally_core::sparse_keys::SparseKeys;
 use tally_directory::DirectoryApplied;
 use tally_domain::record::{RechargeOutcome, Record, RecordMeta};
+use tally_log::changelog::Changelog;
 use tally_log::LogEntry;
 use tally_metering::apply::BackfillStep;
 use tally_metering::recent::RecentRecords;
@@ -842,6 +843,9 @@ pub struct StoreProjection {
     /// Usage records read back recently, decoded once for apply and queries alike
     /// (a void's gateway reads the records apply then rebuilds from).
     recent: Arc<RecentRecords>,
+    /// A split cluster's changelog and the log's partition count: a partition this
+    /// node gains is restored from there when it can (`restore::restore_partition`).
+    changelog: std::sync::OnceLock<(Arc<dyn Changelog>, u32)>,
 }
 
 impl std::fmt::Debug for StoreProjection {
@@ -863,7 +867,14 @@ impl StoreProjection {
             store,
             state: std::sync::Mutex::new(state),
             recent,
+            changelog: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Restores the partitions this node gains from `changelog` (of a log with
+    /// `partitions` partitions) where it holds a usable snapshot.
+    pub fn set_changelog(&self, changelog: Arc<dyn Changelog>, partitions: u32) {
+        let _ = self.changelog.set((changelog, partitions));
     }
 }
 
@@ -936,6 +947,56 @@ impl tally_runtime::Projection for StoreProjection {
     }
 
     fn after_commit(&self, _: Applied, _: tally_runtime::Committed) {}
+
+    fn restore_snapshot(
+        &self,
+        partition: u32,
+        from: u64,
+        until: u64,
+    ) -> Result<Option<(u64, Applied)>, String> {
+        let Some((changelog, partitions)) = self.changelog.get() else {
+            return Ok(None);
+        };
+        let snapshot = match changelog.read(partition) {
+            Ok(Some(snapshot)) => snapshot,
+            Ok(None) => return Ok(None),
+            Err(error) => {
+                tracing::warn!(partition, %error, "reading the changelog failed; restoring from the log");
+                return Ok(None);
+            }
+        };
+        // Usable when it is ahead of what this node holds, and not ahead of what it
+        // has read of the partition (the log restore cannot go back).
+        if snapshot.position <= from || snapshot.position > until {
+            tracing::info!(
+                partition,
+                from,
+                until,
+                snapshot = snapshot.position,
+                "the changelog's snapshot is not usable here; restoring from the log"
+            );
+            return Ok(None);
+        }
+        let position = snapshot.position;
+        let rows = snapshot.rows.len();
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let applied = crate::restore::restore_partition(
+            self.store.as_ref(),
+            &mut state,
+            *partitions,
+            partition,
+            snapshot,
+        )
+        .map_err(|error| error.to_string())?;
+        tally_core::metrics::Metrics::restored_from_changelog();
+        tracing::info!(
+            partition,
+            position,
+            rows,
+            "restored a partition from the changelog"
+        );
+        Ok(Some((position, applied)))
+    }
 
     fn skipped_from(&self, partition: u32) -> Result<Option<u64>, String> {
         skipped_from(self.store.as_ref(), partition).map_err(|error| error.to_string())

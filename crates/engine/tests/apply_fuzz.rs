@@ -1540,6 +1540,78 @@ proptest! {
         prop_assert_eq!(whole.digest().unwrap(), store.digest().unwrap(), "skipped: {}; differing keys: {:?}", skipped, differing_keys(&whole, &store));
     }
 
+    /// The same, where a gained partition is first restored from a snapshot: the
+    /// rows of a node that applied the log in full up to a position between the
+    /// skip mark and the watermark (what a split cluster's changelog holds), then
+    /// from the log after it. Whatever stale rows the node held of the partition
+    /// give way, and it ends with the full projection.
+    #[test]
+    fn restoring_from_a_snapshot_then_the_log_ends_at_the_full_projection(
+        ops in proptest::collection::vec((op(), envelope()), 1..60),
+        cuts in proptest::collection::vec(0usize..80, 0..8),
+        owned in proptest::collection::vec(any::<bool>(), 8),
+        restore_step in 1usize..8,
+        snapshot_at in proptest::collection::vec(any::<proptest::sample::Index>(), 8),
+    ) {
+        // The store first, with the API key the requests claim keys under: a claim
+        // belongs to its key's store's partition.
+        let store_record = Record::StoreCreated(tally_domain::record::StoreRecord {
+            store_id: STORE.into(),
+            name: "fuzz".into(),
+            prod_key_sha256: vec![2; 32],
+            test_key_sha256: vec![1; 32],
+            created_at_ms: T0,
+        });
+        let mut all = vec![tally_proto::encode_record_with(&store_record, &RecordMeta::default())];
+        all.extend(payloads(&ops));
+        let entries = entries(&all);
+        let whole = apply_in_chunks(&entries, &[])?;
+        let store = Arc::new(MemoryStore::new());
+        let mut state = ProjectorState::empty();
+        let points = chunk_points(entries.len(), &cuts);
+        let apply = |state: &mut ProjectorState, chunk: &[LogEntry], mode| {
+            apply_chunk_in_memory_as(store.as_ref(), state, chunk, mode, &entries)
+                .map(|_| ())
+                .map_err(|e| TestCaseError::fail(format!("apply failed: {e}")))
+        };
+        let mut from_snapshot = 0;
+        for (turn, window) in points.windows(2).enumerate() {
+            let owns = owned[turn % owned.len()] || turn + 2 == points.len();
+            let until = window[0];
+            if owns {
+                if let Some(from) = tally_engine::projector::skipped_from(store.as_ref(), 0).unwrap() {
+                    let from = from as usize;
+                    // A full node's rows of the partition at a position in (from, until].
+                    let at = from + 1 + snapshot_at[turn % snapshot_at.len()].index(until - from);
+                    let full = apply_in_chunks(&entries[..at], &[])?;
+                    let rows = tally_core::changelog_store::rows_of_partitions(
+                        full.as_ref(), 1, &std::collections::BTreeSet::from([0]),
+                    ).unwrap().remove(&0).unwrap_or_default();
+                    let snapshot = tally_log::changelog::PartitionSnapshot {
+                        position: at as u64,
+                        rows: rows.into_iter().collect(),
+                    };
+                    tally_engine::restore::restore_partition(store.as_ref(), &mut state, 1, 0, snapshot)
+                        .map_err(|e| TestCaseError::fail(format!("restore failed: {e}")))?;
+                    from_snapshot += 1;
+                    prop_assert_eq!(
+                        tally_engine::projector::skipped_from(store.as_ref(), 0).unwrap(),
+                        Some(at as u64)
+                    );
+                }
+                while let Some(from) = tally_engine::projector::skipped_from(store.as_ref(), 0).unwrap() {
+                    let from = from as usize;
+                    let end = (from + restore_step).min(until);
+                    apply(&mut state, &entries[from..end], ChunkMode::Restore { partition: 0, until: until as u64 })?;
+                }
+            }
+            let mode = if owns { ChunkMode::Full } else { ChunkMode::Shared };
+            apply(&mut state, &entries[window[0]..window[1]], mode)?;
+        }
+        prop_assert_eq!(tally_engine::projector::skipped_from(store.as_ref(), 0).unwrap(), None);
+        prop_assert_eq!(whole.digest().unwrap(), store.digest().unwrap(), "restored from a snapshot {} times; differing keys: {:?}", from_snapshot, differing_keys(&whole, &store));
+    }
+
     /// Billing alone, where every kind of record often meets the others: any
     /// sequence of discounts, checkouts, completions (concurrent ones are repeats
     /// here), refunds and disputes, in any chunking, keeps the billing invariants.

@@ -39,7 +39,7 @@ const MAX_BATCH_RECORDS: u64 = 10_000;
 /// one first: a broker that serves whole batches from their first record (tansu)
 /// skips the rest of a batch when asked for an offset inside it, so the reader reads
 /// from further back, growing until past the largest batch (`MAX_BATCH_RECORDS`).
-const REREAD_BACKS: [u64; 5] = [1, 16, 256, 4_096, MAX_BATCH_RECORDS];
+pub(crate) const REREAD_BACKS: [u64; 5] = [1, 16, 256, 4_096, MAX_BATCH_RECORDS];
 /// How long a reader waits before looking again for a record the broker numbered but
 /// does not serve yet while it serves later ones (tansu numbers a batch, then writes
 /// it: a concurrent producer's later batch can be readable first).

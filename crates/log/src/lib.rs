@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+pub mod changelog;
 pub mod embedded;
 pub mod kafka;
 pub mod membership;

@@ -208,6 +208,19 @@ pub trait Projection: Send + Sync + 'static {
     fn skipped_from(&self, _partition: u32) -> Result<Option<u64>, String> {
         Ok(None)
     }
+    /// Before a restore from the log: restores `partition` from a snapshot of its
+    /// state at a position in `(from, until]` if the projection has one (a split
+    /// cluster's changelog), committing it with a skip mark at that position;
+    /// returns the position and what changed for `after_commit`. Runs on the apply
+    /// thread; an error stops the projection.
+    fn restore_snapshot(
+        &self,
+        _partition: u32,
+        _from: u64,
+        _until: u64,
+    ) -> Result<Option<(u64, Self::Applied)>, String> {
+        Ok(None)
+    }
 }
 
 /// Why waiting for a record failed.
@@ -535,10 +548,32 @@ impl Runtime {
         partition: u32,
         projection: &Arc<P>,
     ) -> Result<(), String> {
-        let Some(from) = self.ownership.skipped_from(partition) else {
+        let Some(skipped) = self.ownership.skipped_from(partition) else {
             return Ok(());
         };
         let until = self.applied(partition);
+        let task = projection.clone();
+        let snapshot = self
+            .apply_thread
+            .run(move || task.restore_snapshot(partition, skipped, until))
+            .await??;
+        let from = match snapshot {
+            Some((at, applied)) => {
+                self.ownership
+                    .note_skipped_from(partition, projection.skipped_from(partition)?);
+                projection.after_commit(
+                    applied,
+                    Committed {
+                        partition,
+                        next_offset: until,
+                        records: 0,
+                        restored: true,
+                    },
+                );
+                at
+            }
+            None => skipped,
+        };
         tracing::info!(
             partition,
             from,
