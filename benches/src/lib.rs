@@ -132,6 +132,22 @@ pub fn start_server_with(
     start_server_on(tally_bin, data_dir, "127.0.0.1:0", "127.0.0.1:0", flags)
 }
 
+/// Where a started server's log goes: a file per listener under the directory
+/// `TALLY_BENCH_SERVER_LOGS` names (to see what a run did), else nowhere.
+fn server_log(listen: &str) -> anyhow::Result<Stdio> {
+    match std::env::var_os("TALLY_BENCH_SERVER_LOGS") {
+        Some(dir) => {
+            let name = format!("tally-{}.log", listen.replace([':', '.'], "_"));
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(std::path::Path::new(&dir).join(name))?;
+            Ok(Stdio::from(file))
+        }
+        None => Ok(Stdio::null()),
+    }
+}
+
 /// `start_server_with` on the given listener addresses (a node whose address its
 /// peers must know before it starts).
 pub fn start_server_on(
@@ -159,7 +175,7 @@ pub fn start_server_on(
         ])
         .args(flags)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(server_log(listen)?)
         .spawn()?;
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let (mut base, mut key) = (String::new(), String::new());

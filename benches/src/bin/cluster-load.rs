@@ -62,7 +62,18 @@ struct Args {
     /// Give up waiting for the nodes to show every event after this many seconds.
     #[arg(long, default_value_t = 600)]
     max_wait_seconds: u64,
+    /// Then SIGKILL the last node and time until the others serve every partition
+    /// and answer every store's usage, once with the changelog (the default) and
+    /// once with `--no-changelog` (restore from the log alone), each on a fresh
+    /// cluster. Needs a split cluster of at least 2 nodes.
+    #[arg(long)]
+    failover: bool,
 }
+
+/// How long the failover measurement waits after the load before the kill: past
+/// one checkpoint interval (`CHECKPOINT_EVERY_MS`, 15 s), so the killed node's last
+/// checkpoint covers the load, as it would on a node that ran for a while.
+const FAILOVER_SETTLE_MS: u64 = 16_000;
 
 const SECRET: &str = "cluster-load-secret-0123456789abcdef";
 const ADMIN: &str = "cluster-load-admin-0123456789abcdef";
@@ -91,7 +102,16 @@ struct Store {
     owner: Option<String>,
 }
 
+/// Times from the SIGKILL of a node: until the others serve every partition again,
+/// and until one of them answers every store's usage with every event.
+#[derive(Clone)]
+struct Failover {
+    served_after: Duration,
+    answered_after: Duration,
+}
+
 struct Outcome {
+    failover: Option<Failover>,
     cpu_per_million: Vec<f64>,
     ingest_rate: f64,
     all_shown_after: Duration,
@@ -163,7 +183,7 @@ async fn timed_reads(
     Ok((percentile(&samples, 50.0), percentile(&samples, 99.0)))
 }
 
-async fn measure(args: &Args, size: usize) -> anyhow::Result<Outcome> {
+async fn measure(args: &Args, size: usize, changelog: bool) -> anyhow::Result<Outcome> {
     let topic = format!(
         "tally-cluster-{size}-{}",
         std::time::SystemTime::now()
@@ -199,6 +219,9 @@ async fn measure(args: &Args, size: usize) -> anyhow::Result<Outcome> {
             "--cluster-secret",
             SECRET,
         ]);
+        if !changelog {
+            flags.push("--no-changelog");
+        }
     } else {
         flags.push("--no-webhook-dispatch");
     }
@@ -398,12 +421,92 @@ async fn measure(args: &Args, size: usize) -> anyhow::Result<Outcome> {
             overhead = Some((direct, forwarded));
         }
     }
+    let failover = if args.failover {
+        Some(fail_over(args, &http, &mut nodes, &stores, expected).await?)
+    } else {
+        None
+    };
     Ok(Outcome {
+        failover,
         cpu_per_million,
         ingest_rate: expected as f64 / load_seconds,
         all_shown_after,
         overhead,
     })
+}
+
+/// SIGKILLs the last node and times the others taking its partitions over
+/// (`Failover`).
+async fn fail_over(
+    args: &Args,
+    http: &reqwest::Client,
+    nodes: &mut Vec<Node>,
+    stores: &[Store],
+    expected: u64,
+) -> anyhow::Result<Failover> {
+    tokio::time::sleep(Duration::from_millis(FAILOVER_SETTLE_MS)).await;
+    let mut killed = nodes.pop().expect("at least two nodes");
+    killed.child.kill()?;
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(args.max_wait_seconds);
+    loop {
+        let mut all = std::collections::BTreeSet::new();
+        for node in nodes.iter() {
+            all.extend(serving(http, node).await);
+        }
+        if all.len() == args.partitions as usize {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the partitions never moved");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let served_after = started.elapsed();
+    loop {
+        let mut shown = 0;
+        for store in stores {
+            shown += events_shown(
+                &tally_client::Client::new(&nodes[0].test, &store.key),
+                store,
+            )
+            .await
+            .unwrap_or(0);
+        }
+        if shown == expected {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "after the failover a node shows {shown} of {expected} events"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(Failover {
+        served_after,
+        answered_after: started.elapsed(),
+    })
+}
+
+/// One row of the main table.
+fn print_row(nodes: &str, outcome: &Outcome) {
+    let each: Vec<String> = outcome
+        .cpu_per_million
+        .iter()
+        .map(|c| format!("{c:.1}"))
+        .collect();
+    let mean = outcome.cpu_per_million.iter().sum::<f64>() / each.len() as f64;
+    let (direct, forwarded) = match outcome.overhead {
+        Some(((d50, d99), (f50, f99))) => (
+            format!("{} / {}", ms(d50), ms(d99)),
+            format!("{} / {}", ms(f50), ms(f99)),
+        ),
+        None => ("-".to_string(), "-".to_string()),
+    };
+    println!(
+        "| {nodes} | {} | {mean:.1} | {:.0} | {:.1} s | {direct} | {forwarded} |",
+        each.join(" / "),
+        outcome.ingest_rate,
+        outcome.all_shown_after.as_secs_f64()
+    );
 }
 
 fn ms(d: Duration) -> String {
@@ -415,6 +518,11 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.customers > 0, "--customers must be at least 1");
     anyhow::ensure!(args.stores > 0, "--stores must be at least 1");
+    anyhow::ensure!(
+        !args.failover || (!args.replicas && args.nodes.iter().all(|n| *n >= 2)),
+        "--failover needs a split cluster of at least 2 nodes (--nodes 2,3)"
+    );
+    let mut failovers = Vec::new();
     println!(
         "{} cluster, {} stores over {} partitions, events sent {}",
         if args.replicas {
@@ -437,26 +545,30 @@ async fn main() -> anyhow::Result<()> {
     for &size in &args.nodes {
         anyhow::ensure!(size > 0, "a cluster has at least one node");
         eprintln!("measuring {size} node(s), {} events...", args.events);
-        let outcome = measure(&args, size).await?;
-        let each: Vec<String> = outcome
-            .cpu_per_million
-            .iter()
-            .map(|c| format!("{c:.1}"))
-            .collect();
-        let mean = outcome.cpu_per_million.iter().sum::<f64>() / size as f64;
-        let (direct, forwarded) = match outcome.overhead {
-            Some(((d50, d99), (f50, f99))) => (
-                format!("{} / {}", ms(d50), ms(d99)),
-                format!("{} / {}", ms(f50), ms(f99)),
-            ),
-            None => ("-".to_string(), "-".to_string()),
-        };
-        println!(
-            "| {size} | {} | {mean:.1} | {:.0} | {:.1} s | {direct} | {forwarded} |",
-            each.join(" / "),
-            outcome.ingest_rate,
-            outcome.all_shown_after.as_secs_f64()
-        );
+        let outcome = measure(&args, size, true).await?;
+        print_row(&size.to_string(), &outcome);
+        if let Some(with_changelog) = &outcome.failover {
+            eprintln!("measuring the failover of {size} node(s) without the changelog...");
+            let without = measure(&args, size, false).await?;
+            print_row(&format!("{size} (no changelog)"), &without);
+            let from_log = without.failover.expect("a failover was measured");
+            failovers.push((size, with_changelog.clone(), from_log));
+        }
+    }
+    if !failovers.is_empty() {
+        println!();
+        println!("Failover: the last node SIGKILLed {} s after the load; time from the kill until the others serve every partition / answer every store's usage with every event:", FAILOVER_SETTLE_MS / 1000);
+        println!("| nodes | restore from the changelog | restore from the log alone |");
+        println!("|---:|---:|---:|");
+        for (size, changelog, log) in failovers {
+            println!(
+                "| {size} | {:.1} s / {:.1} s | {:.1} s / {:.1} s |",
+                changelog.served_after.as_secs_f64(),
+                changelog.answered_after.as_secs_f64(),
+                log.served_after.as_secs_f64(),
+                log.answered_after.as_secs_f64()
+            );
+        }
     }
     Ok(())
 }

@@ -312,6 +312,12 @@ struct ServeArgs {
     /// them.
     #[arg(long, env = "TALLY_NO_WEBHOOK_DISPATCH")]
     no_webhook_dispatch: bool,
+    /// In a split cluster (`--peers`), write no checkpoints to the changelog topic
+    /// and restore a partition this node gains from the log alone (slower: the
+    /// partition's history instead of its state). For a broker without room for
+    /// the changelog, and as the baseline of the failover benchmark.
+    #[arg(long, env = "TALLY_NO_CHANGELOG")]
+    no_changelog: bool,
     /// Join the cluster NAME of nodes on the same Kafka topic (`--log kafka` only):
     /// the nodes split the topic's partitions through a Kafka consumer group, and
     /// each delivers the webhooks of the stores on the partitions it owns; when a
@@ -555,9 +561,12 @@ fn open_projections_with(
 async fn split_changelog(
     args: &ServeArgs,
 ) -> Result<Option<(Arc<KafkaChangelog>, Arc<ChangelogWriter>)>> {
-    let (false, Some(_), LogKind::Kafka) =
-        (args.peers.is_empty(), &args.cluster, args.storage.log_kind)
-    else {
+    let (false, false, Some(_), LogKind::Kafka) = (
+        args.peers.is_empty(),
+        args.no_changelog,
+        &args.cluster,
+        args.storage.log_kind,
+    ) else {
         return Ok(None);
     };
     let config = args.storage.kafka.config();

@@ -330,6 +330,10 @@ impl tally_runtime::Projection for Engine {
         self.projection.skipped_from(partition)
     }
 
+    fn prefetch_snapshot(&self, partition: u32) {
+        self.projection.prefetch_snapshot(partition)
+    }
+
     fn restore_snapshot(
         &self,
         partition: u32,

@@ -50,7 +50,7 @@ pub const CHANGELOG_RETENTION_MS: u64 = 7 * 24 * 3_600_000;
 /// back to the log: bounds a restore stuck on an unreachable broker.
 pub const CHANGELOG_READ_LIMIT_MS: u64 = 120_000;
 /// How long one write (its rows, then its marker) may wait for the broker.
-pub const CHANGELOG_WRITE_TIMEOUT_MS: u64 = 60_000;
+pub const CHANGELOG_WRITE_TIMEOUT_MS: u64 = 30_000;
 /// Bytes of rows per changelog record: well under `MAX_MESSAGE_BYTES`, so a record
 /// of rows plus one row of the largest size still fits.
 const ROWS_PER_RECORD_BYTES: usize = 1024 * 1024;
@@ -504,6 +504,10 @@ impl KafkaChangelog {
             // A span retention deleted is an error (the restore falls back to
             // the log), never a jump to the end.
             .set("auto.offset.reset", "error")
+            // A broker may hold a fetch for the whole wait (tansu does) even with
+            // records to serve: short waits, and many records per fetch.
+            .set("fetch.wait.max.ms", "50")
+            .set("max.partition.fetch.bytes", MAX_MESSAGE_BYTES.to_string())
             .set("fetch.message.max.bytes", MAX_MESSAGE_BYTES.to_string())
             .create()
             .map_err(kafka_error)?;

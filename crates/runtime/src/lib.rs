@@ -208,11 +208,14 @@ pub trait Projection: Send + Sync + 'static {
     fn skipped_from(&self, _partition: u32) -> Result<Option<u64>, String> {
         Ok(None)
     }
-    /// Before a restore from the log: restores `partition` from a snapshot of its
-    /// state at a position in `(from, until]` if the projection has one (a split
-    /// cluster's changelog), committing it with a skip mark at that position;
-    /// returns the position and what changed for `after_commit`. Runs on the apply
-    /// thread; an error stops the projection.
+    /// Reads a snapshot of `partition` for `restore_snapshot`, if the projection
+    /// has a source of them (a split cluster's changelog). Runs on a blocking
+    /// thread, so the read holds up no chunk of another partition.
+    fn prefetch_snapshot(&self, _partition: u32) {}
+    /// Before a restore from the log: restores `partition` from the snapshot
+    /// `prefetch_snapshot` read, if its position is in `(from, until]`, committing
+    /// it with a skip mark at that position; returns the position and what changed
+    /// for `after_commit`. Runs on the apply thread; an error stops the projection.
     fn restore_snapshot(
         &self,
         _partition: u32,
@@ -552,6 +555,10 @@ impl Runtime {
             return Ok(());
         };
         let until = self.applied(partition);
+        let task = projection.clone();
+        tokio::task::spawn_blocking(move || task.prefetch_snapshot(partition))
+            .await
+            .map_err(|error| format!("reading a snapshot of partition {partition}: {error}"))?;
         let task = projection.clone();
         let snapshot = self
             .apply_thread
