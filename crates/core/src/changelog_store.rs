@@ -62,6 +62,9 @@ pub struct Homes<'s> {
     /// API keys (raw SHA-256) created in the batch being resolved, with their
     /// store: a claim may be made in the same checkpoint as its key.
     fresh_keys: BTreeMap<Vec<u8>, String>,
+    /// Stores of the API keys looked up so far (by hex SHA-256): a key's claims
+    /// are many rows, and a revoked key's lookup scans the `]` table.
+    looked_up: std::cell::RefCell<BTreeMap<String, Option<String>>>,
 }
 
 impl<'s> Homes<'s> {
@@ -70,6 +73,7 @@ impl<'s> Homes<'s> {
             store,
             partitions,
             fresh_keys: BTreeMap::new(),
+            looked_up: Default::default(),
         }
     }
 
@@ -90,7 +94,7 @@ impl<'s> Homes<'s> {
             KeyHome::AllPartitions => RowPartitions::All,
             KeyHome::Position { partition, .. } => RowPartitions::One(partition),
             KeyHome::Store(store) => RowPartitions::One(self.store_partition(store)),
-            KeyHome::ApiKey(hex_hash) => match self.api_key_store(hex_hash)? {
+            KeyHome::ApiKey(hex_hash) => match self.api_key_store_once(hex_hash)? {
                 Some(store) => RowPartitions::One(self.store_partition(&store)),
                 None => RowPartitions::None,
             },
@@ -99,6 +103,18 @@ impl<'s> Homes<'s> {
 
     fn store_partition(&self, store: &str) -> u32 {
         tally_log::partition_of(store.as_bytes(), self.partitions)
+    }
+
+    /// `api_key_store`, each key looked up once.
+    fn api_key_store_once(&self, hex_hash: &str) -> Result<Option<String>, StoreError> {
+        if let Some(store) = self.looked_up.borrow().get(hex_hash) {
+            return Ok(store.clone());
+        }
+        let store = self.api_key_store(hex_hash)?;
+        self.looked_up
+            .borrow_mut()
+            .insert(hex_hash.to_string(), store.clone());
+        Ok(store)
     }
 
     /// The store of the API key with this hex SHA-256: its `K` row, or for a

@@ -30,16 +30,16 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::kafka::{KafkaConfig, ADMIN_TIMEOUT_MS, MAX_MESSAGE_BYTES, REREAD_BACKS};
+use crate::kafka::{
+    base_config, create_topic_named, kafka_error, KafkaConfig, ADMIN_TIMEOUT_MS, MAX_MESSAGE_BYTES,
+    REREAD_BACKS,
+};
 use crate::LogError;
 
 /// How long the changelog topic keeps records. A writer starts a new epoch well
@@ -280,48 +280,16 @@ pub fn changelog_topic(log_topic: &str) -> String {
 /// Creates the changelog topic beside the log's (idempotent): as many partitions
 /// as the log, records kept `CHANGELOG_RETENTION_MS`.
 pub async fn create_changelog_topic(config: &KafkaConfig) -> Result<bool, LogError> {
-    let admin: AdminClient<DefaultClientContext> = client_config(&config.brokers)
-        .create()
-        .map_err(kafka_error)?;
-    let name = changelog_topic(&config.topic);
-    let min_insync = config.min_insync_replicas.to_string();
-    let max_message = MAX_MESSAGE_BYTES.to_string();
-    let retention = CHANGELOG_RETENTION_MS.to_string();
-    let topic = NewTopic::new(
-        &name,
-        config.partitions as i32,
-        TopicReplication::Fixed(config.replication_factor),
-    )
-    .set("cleanup.policy", "delete")
-    .set("retention.ms", &retention)
-    .set("min.insync.replicas", &min_insync)
-    .set("max.message.bytes", &max_message);
-    let options =
-        AdminOptions::new().operation_timeout(Some(Duration::from_millis(ADMIN_TIMEOUT_MS)));
-    let results = admin
-        .create_topics([&topic], &options)
-        .await
-        .map_err(kafka_error)?;
-    match results.into_iter().next() {
-        Some(Ok(_)) => Ok(true),
-        Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) => Ok(false),
-        Some(Err((name, code))) => Err(LogError::Kafka(format!("create topic {name}: {code}"))),
-        None => Err(LogError::Kafka(
-            "create topic: the broker answered nothing".into(),
-        )),
-    }
-}
-
-fn client_config(brokers: &str) -> ClientConfig {
-    let mut config = ClientConfig::new();
-    config
-        .set("bootstrap.servers", brokers)
-        .set("broker.address.family", "v4");
-    config
-}
-
-fn kafka_error(e: impl std::fmt::Display) -> LogError {
-    LogError::Kafka(e.to_string())
+    let settings = [
+        ("cleanup.policy", "delete".to_string()),
+        ("retention.ms", CHANGELOG_RETENTION_MS.to_string()),
+        (
+            "min.insync.replicas",
+            config.min_insync_replicas.to_string(),
+        ),
+        ("max.message.bytes", MAX_MESSAGE_BYTES.to_string()),
+    ];
+    create_topic_named(config, &changelog_topic(&config.topic), &settings).await
 }
 
 /// The epoch a partition is being written in, and where its reset is.
@@ -361,7 +329,7 @@ fn new_epoch_id() -> u64 {
 impl KafkaChangelog {
     /// The changelog of `config`'s log topic.
     pub fn connect(config: &KafkaConfig) -> Result<KafkaChangelog, LogError> {
-        let producer: FutureProducer = client_config(&config.brokers)
+        let producer: FutureProducer = base_config(&config.brokers)
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("linger.ms", "5")
@@ -498,7 +466,7 @@ impl KafkaChangelog {
         started: Instant,
         mut visit: impl FnMut(i64, ChangelogRecord),
     ) -> Result<(), LogError> {
-        let consumer: BaseConsumer = client_config(&self.brokers)
+        let consumer: BaseConsumer = base_config(&self.brokers)
             .set("group.id", "tally-changelog-reader")
             .set("enable.auto.commit", "false")
             // A span retention deleted is an error (the restore falls back to
@@ -579,7 +547,7 @@ impl Changelog for KafkaChangelog {
 
     fn read(&self, partition: u32) -> Result<Option<PartitionSnapshot>, LogError> {
         let started = Instant::now();
-        let probe: BaseConsumer = client_config(&self.brokers).create().map_err(kafka_error)?;
+        let probe: BaseConsumer = base_config(&self.brokers).create().map_err(kafka_error)?;
         let (low, high) = probe
             .fetch_watermarks(
                 &self.topic,

@@ -162,7 +162,7 @@ impl std::fmt::Debug for KafkaLog {
     }
 }
 
-fn kafka_error(e: impl std::fmt::Display) -> LogError {
+pub(crate) fn kafka_error(e: impl std::fmt::Display) -> LogError {
     LogError::Kafka(e.to_string())
 }
 
@@ -194,7 +194,7 @@ fn produce_error(error: KafkaError) -> LogError {
     }
 }
 
-fn base_config(brokers: &str) -> ClientConfig {
+pub(crate) fn base_config(brokers: &str) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", brokers)
@@ -206,12 +206,21 @@ fn base_config(brokers: &str) -> ClientConfig {
 
 /// Creates the topic (idempotent: an existing topic is fine).
 pub async fn create_topic(config: &KafkaConfig) -> Result<bool, LogError> {
+    create_topic_named(config, &config.topic, &topic_settings(config)).await
+}
+
+/// Creates topic `name` with `config`'s partitions and replication and
+/// `settings`; `false` when it exists already.
+pub(crate) async fn create_topic_named(
+    config: &KafkaConfig,
+    name: &str,
+    settings: &[(&'static str, String)],
+) -> Result<bool, LogError> {
     let admin: AdminClient<DefaultClientContext> =
         base_config(&config.brokers).create().map_err(kafka_error)?;
-    let settings = topic_settings(config);
     let topic = settings.iter().fold(
         NewTopic::new(
-            &config.topic,
+            name,
             config.partitions as i32,
             TopicReplication::Fixed(config.replication_factor),
         ),
