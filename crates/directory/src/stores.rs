@@ -83,7 +83,7 @@ impl Directory {
         if name.is_empty() || name.chars().count() > MAX_STORE_NAME_CHARS {
             return Err(tally_domain::FieldError::invalid(
                 "name",
-                "`name` must be 1 to 255 characters",
+                format!("`name` must be 1 to {MAX_STORE_NAME_CHARS} characters"),
             )
             .into());
         }

@@ -17,10 +17,10 @@ pub const MAX_PROPERTY_STRING_CHARS: usize = 1024;
 /// 28 significant digits, so aggregation stays exact.
 pub const MAX_PROPERTY_NUMBER_ABS: i64 = 1_000_000_000_000_000_000;
 /// How far in the future an event timestamp may be (clock skew of producers).
-pub const MAX_EVENT_FUTURE_SKEW_MS: i64 = 5 * 60 * 1000;
+pub const MAX_EVENT_FUTURE_SKEW_MS: i64 = 5 * crate::time::MINUTE_MS;
 /// How old an event may be; also the dedup horizon: an id is remembered at least as
 /// long as an event carrying it can still be ingested.
-pub const MAX_EVENT_AGE_MS: i64 = 35 * 24 * 60 * 60 * 1000;
+pub const MAX_EVENT_AGE_MS: i64 = 35 * crate::time::DAY_MS;
 /// Dedup horizon (docs/api.md): equal to the oldest ingestible event age.
 pub const DEDUP_HORIZON_MS: i64 = MAX_EVENT_AGE_MS;
 /// Filter clauses per meter: evaluation runs for every event, keep it bounded.

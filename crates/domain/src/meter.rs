@@ -333,7 +333,10 @@ pub fn validate_filter(raw: &RawMeterFilter) -> Result<MeterFilter, FieldError> 
             .clone()
             .filter(|p| !p.is_empty() && p.chars().count() <= MAX_PROPERTY_KEY_CHARS)
             .ok_or_else(|| {
-                FieldError::invalid(at("property"), "`property` must be 1 to 128 characters")
+                FieldError::invalid(
+                    at("property"),
+                    format!("`property` must be 1 to {MAX_PROPERTY_KEY_CHARS} characters"),
+                )
             })?;
         let operator_text = clause
             .operator
@@ -522,7 +525,10 @@ pub fn validate_meter(input: &MeterInput) -> Result<MeterDefinition, FieldError>
     if event_name.chars().count() > crate::limits::MAX_EVENT_NAME_CHARS {
         return Err(FieldError::invalid(
             "event_name",
-            "`event_name` must be at most 128 characters",
+            format!(
+                "`event_name` must be at most {} characters",
+                crate::limits::MAX_EVENT_NAME_CHARS
+            ),
         ));
     }
     let aggregation_text = input
@@ -547,7 +553,7 @@ pub fn validate_meter(input: &MeterInput) -> Result<MeterDefinition, FieldError>
         (_, Some(p)) if p.is_empty() || p.chars().count() > MAX_PROPERTY_KEY_CHARS => {
             return Err(FieldError::invalid(
                 "aggregation_property",
-                "`aggregation_property` must be 1 to 128 characters",
+                format!("`aggregation_property` must be 1 to {MAX_PROPERTY_KEY_CHARS} characters"),
             ))
         }
         (_, Some(p)) => Some(p.clone()),

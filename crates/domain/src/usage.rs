@@ -278,13 +278,19 @@ pub fn validate_event(raw: &RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent
     if timestamp_ms > now_ms + MAX_EVENT_FUTURE_SKEW_MS {
         return Err(invalid(
             "timestamp",
-            "`timestamp` is more than 5 minutes in the future".into(),
+            format!(
+                "`timestamp` is more than {} minutes in the future",
+                MAX_EVENT_FUTURE_SKEW_MS / crate::time::MINUTE_MS
+            ),
         ));
     }
     if timestamp_ms < now_ms - MAX_EVENT_AGE_MS {
         return Err(invalid(
             "timestamp",
-            "`timestamp` is older than 35 days".into(),
+            format!(
+                "`timestamp` is older than {} days",
+                MAX_EVENT_AGE_MS / crate::time::DAY_MS
+            ),
         ));
     }
     if raw.properties.len() > MAX_PROPERTIES_PER_EVENT {

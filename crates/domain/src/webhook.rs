@@ -292,7 +292,10 @@ pub fn signature_header(secrets: &[&str], timestamp_s: i64, body: &[u8]) -> Stri
 pub enum SignatureError {
     #[error("the signature header is malformed (expected t=<seconds>,v1=<hex>)")]
     Malformed,
-    #[error("the signature timestamp is more than 5 minutes away from now")]
+    #[error(
+        "the signature timestamp is more than {} minutes away from now",
+        SIGNATURE_TOLERANCE_S / 60
+    )]
     Expired,
     #[error("no v1 signature matches the secret and body")]
     Mismatch,

@@ -597,7 +597,7 @@ impl Ledger {
         {
             return Err(FieldError::invalid(
                 "description",
-                "`description` is at most 1000 characters",
+                format!("`description` is at most {MAX_DESCRIPTION_CHARS} characters"),
             )
             .into());
         }

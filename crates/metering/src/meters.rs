@@ -301,7 +301,10 @@ impl Metering {
         if start_ms < oldest {
             return Err(FieldError::invalid(
                 "start",
-                "`start` may be at most 35 days in the past (older events cannot exist)",
+                format!(
+                    "`start` may be at most {} days in the past (older events cannot exist)",
+                    tally_domain::limits::MAX_EVENT_AGE_MS / tally_domain::time::DAY_MS
+                ),
             )
             .into());
         }
