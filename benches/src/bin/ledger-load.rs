@@ -2,7 +2,8 @@
 //! against a running `tally serve` it starts itself, (a) spread over many accounts and
 //! (b) all on one hot account, with latency percentiles; then (c) reserve + commit
 //! pairs spread over the same accounts, and (d) debits spread over accounts holding
-//! 20 active grants each, both against (a) in the same run.
+//! 20 active grants each, both against (a) in the same run. Each scenario also
+//! reports the server's CPU time per step.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rand::Rng;
 use serde_json::json;
-use tally_benches::{percentile, start_server};
+use tally_benches::{cpu_seconds, percentile, start_server};
 
 /// Accounts of scenario (d), each holding 20 active grants.
 const GRANTED_ACCOUNTS: usize = 1_000;
@@ -59,17 +60,32 @@ async fn post_ok(
     serde_json::from_str(&text).unwrap_or_default()
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn scenario(
-    http: &reqwest::Client,
-    base: &str,
-    key: &str,
-    accounts: Arc<Vec<String>>,
+/// What every scenario runs against.
+struct Load<'a> {
+    http: &'a reqwest::Client,
+    base: &'a str,
+    key: &'a str,
     connections: usize,
     seconds: f64,
+    /// The server's process, whose CPU time is measured.
+    pid: u32,
+}
+
+async fn scenario(
+    load: &Load<'_>,
+    accounts: Arc<Vec<String>>,
     tag: &str,
     work: Work,
-) -> (f64, Vec<Duration>) {
+) -> anyhow::Result<Measured> {
+    let Load {
+        http,
+        base,
+        key,
+        connections,
+        seconds,
+        pid,
+    } = *load;
+    let cpu_before = cpu_seconds(pid)?;
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -134,10 +150,40 @@ async fn scenario(
         latencies.extend(t.await.unwrap());
     }
     latencies.sort();
-    (
-        done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64(),
+    let done = done.load(Ordering::Relaxed);
+    Ok(Measured {
+        rate: done as f64 / started.elapsed().as_secs_f64(),
         latencies,
-    )
+        cpu_per_step: (cpu_seconds(pid)? - cpu_before) / done.max(1) as f64,
+    })
+}
+
+/// What one scenario measured.
+struct Measured {
+    /// Steps per second.
+    rate: f64,
+    latencies: Vec<Duration>,
+    /// The server's CPU time (user + system) per step, from the scenario's start to
+    /// its end, background work included: steadier than a rate on a shared
+    /// machine, as in `ingest-load`.
+    cpu_per_step: f64,
+}
+
+impl Measured {
+    /// The scenario's line: rate (against `baseline`'s, if given), latency
+    /// percentiles per `step`, and the server's CPU per step.
+    fn summary(&self, step: &str, baseline: Option<&Measured>) -> String {
+        let ratio = baseline
+            .map(|b| format!(" ({:.2} of (a))", self.rate / b.rate))
+            .unwrap_or_default();
+        format!(
+            "{:.0} debits/s{ratio}, p50 {:.2?}, p99 {:.2?} per {step}, server CPU {:.0} µs per {step}",
+            self.rate,
+            percentile(&self.latencies, 50.0),
+            percentile(&self.latencies, 99.0),
+            self.cpu_per_step * 1e6
+        )
+    }
 }
 
 #[tokio::main]
@@ -218,78 +264,40 @@ async fn main() -> anyhow::Result<()> {
         t.await?;
     }
     let granted = Arc::new(granted);
+    let load = Load {
+        http: &http,
+        base: &base,
+        key: &key,
+        connections: args.connections,
+        seconds: args.seconds,
+        pid: child.id(),
+    };
     let hot = Arc::new(vec![accounts[0].clone()]);
-    let spread = Arc::new(accounts);
-    let (spread_rate, spread_lat) = scenario(
-        &http,
-        &base,
-        &key,
-        spread.clone(),
-        args.connections,
-        args.seconds,
-        "spread",
-        Work::Debit,
-    )
-    .await;
-    let (hot_rate, hot_lat) = scenario(
-        &http,
-        &base,
-        &key,
-        hot,
-        args.connections,
-        args.seconds,
-        "hot",
-        Work::Debit,
-    )
-    .await;
-    let (reserved_rate, reserved_lat) = scenario(
-        &http,
-        &base,
-        &key,
-        spread,
-        args.connections,
-        args.seconds,
-        "reserve",
-        Work::ReserveCommit,
-    )
-    .await;
-    let (granted_rate, granted_lat) = scenario(
-        &http,
-        &base,
-        &key,
-        granted,
-        args.connections,
-        args.seconds,
-        "granted",
-        Work::Debit,
-    )
-    .await;
+    let spread_accounts = Arc::new(accounts);
+    let spread = scenario(&load, spread_accounts.clone(), "spread", Work::Debit).await?;
+    let hot = scenario(&load, hot, "hot", Work::Debit).await?;
+    let reserved = scenario(&load, spread_accounts, "reserve", Work::ReserveCommit).await?;
+    let granted = scenario(&load, granted, "granted", Work::Debit).await?;
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
     let _ = child.wait();
     println!(
-        "(a) spread over {} accounts: {spread_rate:.0} debits/s, p50 {:.2?}, p99 {:.2?}",
+        "(a) spread over {} accounts: {}",
         args.accounts,
-        percentile(&spread_lat, 50.0),
-        percentile(&spread_lat, 99.0)
+        spread.summary("debit", None)
     );
     println!(
-        "(b) one hot account:          {hot_rate:.0} debits/s, p50 {:.2?}, p99 {:.2?}",
-        percentile(&hot_lat, 50.0),
-        percentile(&hot_lat, 99.0)
+        "(b) one hot account:          {}",
+        hot.summary("debit", None)
     );
     println!(
-        "(c) reserve + commit, spread: {reserved_rate:.0} debits/s ({:.2} of (a)), p50 {:.2?}, p99 {:.2?} per pair",
-        reserved_rate / spread_rate,
-        percentile(&reserved_lat, 50.0),
-        percentile(&reserved_lat, 99.0)
+        "(c) reserve + commit, spread: {}",
+        reserved.summary("pair", Some(&spread))
     );
     println!(
-        "(d) spread over {GRANTED_ACCOUNTS} accounts of 20 grants: {granted_rate:.0} debits/s ({:.2} of (a)), p50 {:.2?}, p99 {:.2?}",
-        granted_rate / spread_rate,
-        percentile(&granted_lat, 50.0),
-        percentile(&granted_lat, 99.0)
+        "(d) spread over {GRANTED_ACCOUNTS} accounts of 20 grants: {}",
+        granted.summary("debit", Some(&spread))
     );
     println!(
         "({} connections, {} s per scenario)",

@@ -33,6 +33,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+mod watermark;
+
 use tally_log::{Log, LogEntry, LogError};
 use tally_projection::{ProjectionStore, StoreError};
 use tokio::sync::watch;
@@ -44,6 +46,10 @@ pub const CHUNK_MAX_RECORDS: usize = 32;
 pub const TAIL_WAIT_MS: u64 = 200;
 /// Pause before retrying a chunk whose apply waits for another partition.
 pub const WAIT_RETRY_MS: u64 = 20;
+/// How long a read-your-writes wait sleeps before it looks again whether the
+/// projector failed (a failure also wakes it; this covers a failure flagged while
+/// the waiter was filing itself).
+pub const WAIT_SLICE_MS: u64 = 500;
 /// Pause before reopening a reader after a passing log failure.
 pub const READ_RETRY_MS: u64 = 500;
 /// Kafka mode: how often the projection is flushed and the group offsets committed.
@@ -293,7 +299,7 @@ impl BackgroundThread {
 pub struct Runtime {
     log: Arc<dyn Log>,
     store: Arc<dyn ProjectionStore>,
-    applied: Vec<watch::Sender<u64>>,
+    applied: Vec<watermark::Watermark>,
     startup_end: Vec<u64>,
     ready: AtomicBool,
     failed: AtomicBool,
@@ -323,7 +329,7 @@ impl Runtime {
         let mut startup_end = Vec::new();
         let ownership = Arc::new(Ownership::everything(log.partition_count()));
         for partition in 0..log.partition_count() {
-            applied.push(watch::channel(store.position(partition)?).0);
+            applied.push(watermark::Watermark::new(store.position(partition)?));
             startup_end.push(log.end_offset(partition).await?);
         }
         let runtime = Runtime {
@@ -354,7 +360,7 @@ impl Runtime {
 
     /// The partition's watermark: every record below it is applied and readable.
     pub fn applied(&self, partition: u32) -> u64 {
-        *self.applied[partition as usize].borrow()
+        self.applied[partition as usize].get()
     }
 
     /// Caught up with where the log ended at start-up (once true, stays true).
@@ -369,6 +375,10 @@ impl Runtime {
     fn fail(&self, partition: u32, why: &str) {
         tracing::error!(partition, "projector stopped: {why}");
         self.failed.store(true, Ordering::SeqCst);
+        // Waiters check `has_failed` when woken: none waits out its timeout.
+        for watermark in &self.applied {
+            watermark.release_all();
+        }
     }
 
     /// Notes readiness, with `moving` (partition, new watermark) counted as reached:
@@ -379,7 +389,7 @@ impl Runtime {
             |(partition, (applied, end))| {
                 let reached = match moving {
                     Some((p, next)) if p as usize == partition => next,
-                    _ => *applied.borrow(),
+                    _ => applied.get(),
                 };
                 reached >= *end
             },
@@ -397,21 +407,24 @@ impl Runtime {
         offset: u64,
         wait: Duration,
     ) -> Result<(), WaitError> {
-        let mut applied = self.applied[partition as usize].subscribe();
+        let watermark = &self.applied[partition as usize];
         let deadline = Instant::now() + wait;
         loop {
             if self.has_failed() {
                 return Err(WaitError::Failed);
             }
+            let Some(passed) = watermark.wait_past(offset) else {
+                return Ok(());
+            };
+            // In slices, so a failure flagged between the check above and the
+            // filing (whose release this waiter missed) is still seen.
             let slice = deadline
                 .saturating_duration_since(Instant::now())
-                .min(Duration::from_millis(500));
+                .min(Duration::from_millis(WAIT_SLICE_MS));
             if slice.is_zero() {
                 return Err(WaitError::Timeout);
             }
-            if let Ok(Ok(_)) =
-                tokio::time::timeout(slice, applied.wait_for(|next| *next > offset)).await
-            {
+            if let Ok(Ok(())) = tokio::time::timeout(slice, passed).await {
                 return Ok(());
             }
         }
@@ -705,7 +718,7 @@ impl Runtime {
                     projection.after_commit(applied, committed);
                     if !restored {
                         self.update_readiness(Some((partition, next_offset)));
-                        self.applied[partition as usize].send_replace(next_offset);
+                        self.applied[partition as usize].publish(next_offset);
                     }
                     return Ok(());
                 }
