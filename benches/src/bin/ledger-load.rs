@@ -263,6 +263,7 @@ async fn main() -> anyhow::Result<()> {
     for t in tasks {
         t.await?;
     }
+    let granted_accounts = granted.len();
     let granted = Arc::new(granted);
     let load = Load {
         http: &http,
@@ -296,7 +297,8 @@ async fn main() -> anyhow::Result<()> {
         reserved.summary("pair", Some(&spread))
     );
     println!(
-        "(d) spread over {GRANTED_ACCOUNTS} accounts of 20 grants: {}",
+        "(d) spread over {} accounts of 20 grants: {}",
+        granted_accounts,
         granted.summary("debit", Some(&spread))
     );
     println!(
