@@ -1211,7 +1211,33 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
     }
     // Mid-load: node C dies; its partitions move to the others after the group's
     // session timeout, and they restore them from the changelog, then the log.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // It dies once it serves partitions and has written the changelog since it
+    // got them (a rebalance under the load may have handed it a partition its
+    // earlier writes never covered; the survivors would then rightly restore that
+    // one from the log alone).
+    let mut covered = false;
+    for _ in 0..300 {
+        let owned = serving(&http, &prods[2], &secret).await.unwrap_or_default();
+        let before = metric_sum(
+            &http,
+            &prods[2],
+            "tally_changelog_writes_total{outcome=\"written\"}",
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let after = metric_sum(
+            &http,
+            &prods[2],
+            "tally_changelog_writes_total{outcome=\"written\"}",
+        )
+        .await;
+        let still = serving(&http, &prods[2], &secret).await.unwrap_or_default();
+        if !owned.is_empty() && owned == still && after > before {
+            covered = true;
+            break;
+        }
+    }
+    assert!(covered, "node C never wrote the partitions it serves");
     node_c.kill();
 
     for task in ingest {
