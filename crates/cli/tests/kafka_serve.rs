@@ -1162,14 +1162,16 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
     }
 
     // Node C has written its partitions to the changelog before it dies.
-    let mut written = 0.0;
-    for _ in 0..300 {
-        written = metric_sum(
+    let written_by_c = || {
+        metric_sum(
             &http,
             &prods[2],
             "tally_changelog_writes_total{outcome=\"written\"}",
         )
-        .await;
+    };
+    let mut written = 0.0;
+    for _ in 0..300 {
+        written = written_by_c().await;
         if written > 0.0 {
             break;
         }
@@ -1218,19 +1220,9 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
     let mut covered = false;
     for _ in 0..300 {
         let owned = serving(&http, &prods[2], &secret).await.unwrap_or_default();
-        let before = metric_sum(
-            &http,
-            &prods[2],
-            "tally_changelog_writes_total{outcome=\"written\"}",
-        )
-        .await;
+        let before = written_by_c().await;
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let after = metric_sum(
-            &http,
-            &prods[2],
-            "tally_changelog_writes_total{outcome=\"written\"}",
-        )
-        .await;
+        let after = written_by_c().await;
         let still = serving(&http, &prods[2], &secret).await.unwrap_or_default();
         if !owned.is_empty() && owned == still && after > before {
             covered = true;

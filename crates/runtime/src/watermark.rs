@@ -83,6 +83,8 @@ impl Watermark {
     /// Wakes every waiter without moving the watermark (the projector stopped:
     /// each waiter checks why).
     pub(crate) fn release_all(&self) {
+        // Taken under the lock, dropped after it (the guard ends with the `let`):
+        // each sender's drop wakes its waiter.
         let all = std::mem::take(&mut *self.waiters());
         drop(all);
     }
