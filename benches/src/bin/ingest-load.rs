@@ -93,6 +93,17 @@ const KAFKA_PARTITIONS: u32 = 4;
 /// catch-up measured, short enough that a stuck server ends the run.
 const CATCH_UP_GIVE_UP: Duration = Duration::from_secs(120);
 
+/// The ingest rate over the first tenth of the acknowledged events and over the
+/// last tenth, from the load's progress samples (time, events): whether the rate
+/// holds as the data grows. None for a run too short to have both.
+fn first_and_last_tenth(progress: &[(f64, u64)]) -> Option<(f64, f64)> {
+    let &(end, total) = progress.last()?;
+    let reached = |events: u64| progress.iter().find(|(_, n)| *n >= events).copied();
+    let (t1, n1) = reached(total / 10)?;
+    let (t9, n9) = reached(total - total / 10)?;
+    (t1 > 0.0 && end > t9 && n1 > 0).then(|| (n1 as f64 / t1, (total - n9) as f64 / (end - t9)))
+}
+
 fn rss_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -396,11 +407,17 @@ async fn main() -> anyhow::Result<()> {
         })
     };
     let mut peak_rss = 0;
+    // (seconds since the start, events acknowledged), every half second: (j).
+    let mut progress: Vec<(f64, u64)> = Vec::new();
     while acked.load(Ordering::Relaxed) < args.events
         && started.elapsed().as_secs_f64() < args.max_seconds
     {
         tokio::time::sleep(Duration::from_millis(500)).await;
         peak_rss = peak_rss.max(rss_kib(pid, "VmRSS:"));
+        progress.push((
+            started.elapsed().as_secs_f64(),
+            acked.load(Ordering::Relaxed) as u64,
+        ));
         eprint!(
             "\r{} events acknowledged, {:.0} events/s   ",
             acked.load(Ordering::Relaxed),
@@ -562,6 +579,12 @@ async fn main() -> anyhow::Result<()> {
         "(i) batches answered 503:         {} (each sent again after its Retry-After)",
         shed.load(Ordering::Relaxed)
     );
+    if let Some((first, last)) = first_and_last_tenth(&progress) {
+        println!(
+            "(j) last tenth / first tenth:     {last:.0} / {first:.0} events/s = {:.2} (flat as the data grows: the target is >= 0.8)",
+            last / first
+        );
+    }
     if !void_latencies.is_empty() {
         let sum: Duration = void_latencies.iter().sum();
         println!(
@@ -573,4 +596,37 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_and_last_tenth;
+
+    #[test]
+    fn the_tenths_rates_follow_the_progress() {
+        let steady: Vec<(f64, u64)> = (1..=100).map(|s| (s as f64, s * 1_000)).collect();
+        let (first, last) = first_and_last_tenth(&steady).unwrap();
+        assert_eq!((first, last), (1_000.0, 1_000.0));
+        // 2,000 events/s for 50 s, then 1,000/s for 100 s.
+        let slowing: Vec<(f64, u64)> = (1..=150)
+            .map(|s| {
+                (
+                    s as f64,
+                    if s <= 50 {
+                        s * 2_000
+                    } else {
+                        100_000 + (s - 50) * 1_000
+                    },
+                )
+            })
+            .collect();
+        let (first, last) = first_and_last_tenth(&slowing).unwrap();
+        assert_eq!((first, last), (2_000.0, 1_000.0));
+        assert_eq!(first_and_last_tenth(&[]), None);
+        assert_eq!(
+            first_and_last_tenth(&[(0.5, 0)]),
+            None,
+            "nothing acknowledged"
+        );
+    }
 }

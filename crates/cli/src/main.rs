@@ -579,27 +579,95 @@ async fn split_changelog(
     Ok(Some((changelog, writer)))
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called,
+/// not when the future is first polled: a signal that arrives while a server still
+/// catches up with the log stops it cleanly instead of killing it, or of being
+/// lost (a shell starts its background jobs with SIGINT ignored).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("install SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut interrupt = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+        let mut terminate = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+        async move {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
+}
+
+/// Says the server is up (once caught up with the log): where it listens, and the
+/// keys of the default store if this start created it.
+async fn announce(
+    args: &ServeArgs,
+    engine: &Engine,
+    prod_addr: std::net::SocketAddr,
+    test_addr: std::net::SocketAddr,
+    started: std::time::Instant,
+) -> Result<()> {
+    tracing::info!(
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "projections caught up with the log"
+    );
+    let log_description = match args.storage.log_kind {
+        LogKind::Embedded => format!(
+            "embedded log in {}",
+            args.storage.data_dir.join("log").display()
+        ),
+        LogKind::Kafka => format!(
+            "Kafka topic {} at {}",
+            args.storage.kafka.kafka_topic, args.storage.kafka.kafka_brokers
+        ),
+    };
+    println!("tally {} is serving", env!("CARGO_PKG_VERSION"));
+    println!("  production API: http://{prod_addr}  (prod keys)");
+    println!("  test API:       http://{test_addr}  (test keys)");
+    println!("  data:           {log_description}");
+    let bootstrapped = if args.no_default_store {
+        None
+    } else {
+        engine.directory().bootstrap_default_store().await?
+    };
+    match bootstrapped {
+        Some(created) => {
+            println!();
+            println!(
+                "Created store \"{}\" ({}). Its API keys are shown only this once:",
+                created.name, created.store_id
+            );
+            println!("  test key: {}", created.test_key);
+            println!("  prod key: {}", created.prod_key);
+            println!();
+            println!(
+                "Try: curl -H 'x-api-key: {}' http://{test_addr}/v1/meters",
+                created.test_key
+            );
+        }
+        None => println!(
+            "  stores:         {} (keys were printed when each was created)",
+            engine.directory().store_count()?
+        ),
+    }
+    let _ = std::io::stdout().flush();
+
+    Ok(())
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
     init_tracing(args.log_format);
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
     std::fs::create_dir_all(&args.storage.data_dir)
         .with_context(|| format!("creating data dir {}", args.storage.data_dir.display()))?;
+    let opening = std::time::Instant::now();
     let log = open_log(&args.storage, true).await?;
     let changelog = split_changelog(&args).await?;
     let store = open_projections_with(
@@ -608,7 +676,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
         changelog.as_ref().map(|(_, writer)| writer.clone()),
     )?;
     let clock: Arc<dyn Clock> = Arc::new(clock::SystemClock);
+    tracing::info!(
+        ms = opening.elapsed().as_millis() as u64,
+        "opened the log and the projection store"
+    );
     let engine = Engine::open(log.clone(), store, clock).await?;
+    tracing::info!(
+        ms = opening.elapsed().as_millis() as u64,
+        "loaded the projections"
+    );
     if let Some((changelog, writer)) = changelog {
         writer.bind(engine.journal().runtime().ownership().clone());
         engine.set_changelog(changelog, args.storage.kafka.config().partitions);
@@ -697,59 +773,24 @@ async fn serve(args: ServeArgs) -> Result<()> {
 
     // Catch up with the log before deciding whether this is a first start.
     let started = std::time::Instant::now();
+    let mut stopped = false;
     while !engine.is_ready() {
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        tokio::select! {
+            () = &mut stop => {
+                stopped = true;
+                break;
+            }
+            () = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+        }
         if started.elapsed().as_secs() > 0 && started.elapsed().as_millis() % 5000 < 100 {
             let positions = engine.positions().await;
             tracing::info!(?positions, "catching up with the log (applied, end)");
         }
     }
-    tracing::info!(
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "projections caught up with the log"
-    );
-    let log_description = match args.storage.log_kind {
-        LogKind::Embedded => format!(
-            "embedded log in {}",
-            args.storage.data_dir.join("log").display()
-        ),
-        LogKind::Kafka => format!(
-            "Kafka topic {} at {}",
-            args.storage.kafka.kafka_topic, args.storage.kafka.kafka_brokers
-        ),
-    };
-    println!("tally {} is serving", env!("CARGO_PKG_VERSION"));
-    println!("  production API: http://{prod_addr}  (prod keys)");
-    println!("  test API:       http://{test_addr}  (test keys)");
-    println!("  data:           {log_description}");
-    let bootstrapped = if args.no_default_store {
-        None
-    } else {
-        engine.directory().bootstrap_default_store().await?
-    };
-    match bootstrapped {
-        Some(created) => {
-            println!();
-            println!(
-                "Created store \"{}\" ({}). Its API keys are shown only this once:",
-                created.name, created.store_id
-            );
-            println!("  test key: {}", created.test_key);
-            println!("  prod key: {}", created.prod_key);
-            println!();
-            println!(
-                "Try: curl -H 'x-api-key: {}' http://{test_addr}/v1/meters",
-                created.test_key
-            );
-        }
-        None => println!(
-            "  stores:         {} (keys were printed when each was created)",
-            engine.directory().store_count()?
-        ),
+    if !stopped {
+        announce(&args, &engine, prod_addr, test_addr, started).await?;
+        stop.await;
     }
-    let _ = std::io::stdout().flush();
-
-    shutdown_signal().await;
     tracing::info!("shutting down: no new connections, finishing in-flight requests");
     let _ = shutdown_tx.send(true);
     match server.await {

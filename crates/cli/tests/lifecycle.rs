@@ -65,6 +65,55 @@ async fn sigterm_is_graceful_and_replay_reproduces_the_digest() {
     served.terminate();
 }
 
+/// A stop asked for while the server still starts (here right after it opened its
+/// store, before it caught up with the log and said it serves) is a clean stop:
+/// the handlers are installed first, so the signal neither kills it nor is lost.
+#[test]
+fn sigterm_while_starting_is_a_clean_exit() {
+    use std::io::{BufRead, BufReader};
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = tally()
+        .args(["serve", "--data-dir"])
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0", "--test-listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let next = |wait: Duration| lines.recv_timeout(wait).ok();
+    loop {
+        let line = next(Duration::from_secs(30)).expect("the server logs its start-up");
+        if line.contains("opened the log and the projection store") {
+            break;
+        }
+    }
+    let signalled = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let mut rest = Vec::new();
+    while let Some(line) = next(Duration::from_secs(15)) {
+        rest.push(line);
+    }
+    let exit = child.wait().unwrap();
+    assert_eq!(exit.code(), Some(0), "a clean exit, not a kill: {rest:?}");
+    assert!(
+        rest.iter().any(|l| l.contains("stopped cleanly")),
+        "{rest:?}"
+    );
+}
+
 #[test]
 fn help_explains_every_flag() {
     let output = tally().args(["serve", "--help"]).output().unwrap();

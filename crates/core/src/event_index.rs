@@ -14,7 +14,7 @@
 //! never drop a distinct event. Fingerprints must be stable across builds (they are
 //! stored): the first 8 bytes of a SHA-256.
 
-use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 
 use sha2::{Digest, Sha256};
@@ -22,6 +22,7 @@ use tally_domain::limits::{DEDUP_HORIZON_MS, MAX_EVENTS_PER_BATCH, MAX_EVENT_FUT
 use tally_domain::Mode;
 
 use crate::error::EngineError;
+use crate::series::FastMap;
 
 /// How long a stored event stays in the index and in `GET /v1/events`, counted from
 /// its receipt: the dedup horizon (an event older than that cannot be ingested, so
@@ -88,36 +89,101 @@ pub fn decode_stored(bytes: &[u8]) -> Result<Vec<(u32, u64)>, EngineError> {
         .collect())
 }
 
-#[derive(Debug, Default)]
-struct Inner {
-    /// fingerprint -> `record number << INDEX_BITS | index` of the first stored event
-    /// with that fingerprint: 16 bytes per event plus the table's slack.
-    events: HashMap<u64, u64>,
-    /// Further events of a fingerprint already in `events` (collisions: rare).
-    overflow: HashMap<u64, Vec<u64>>,
-    /// record number -> position, and back (one pair per record, ~100 events).
-    records: HashMap<u64, (u32, u64)>,
-    numbers: HashMap<(u32, u64), u64>,
-    next_record: u64,
+/// Shards of the index, by the fingerprint's top bits. A hash table doubles when it
+/// fills: one table of every event copied the whole index at once (at 10M events a
+/// 285 MB table allocated beside the old one, with every reader held behind the
+/// copy); a shard grows alone, a 64th of that.
+pub const INDEX_SHARDS: usize = 64;
+const SHARD_SHIFT: u32 = u64::BITS - INDEX_SHARDS.trailing_zeros();
+const _: () = assert!(INDEX_SHARDS.is_power_of_two());
+
+/// Events a size hint may reserve room for at start-up: the most a 2-core node
+/// holds within the dedup horizon with room to spare (a wrong hint only costs
+/// memory, so it is bounded rather than trusted).
+pub const MAX_INDEX_SIZE_HINT: u64 = 1 << 30;
+
+/// The size hint is rewritten when the index moved by an eighth of its last value:
+/// an eighth too small a reservation costs one doubling of some shards at start-up.
+const SIZE_HINT_STEP_DIVISOR: u64 = 8;
+/// ... and by at least this many events (a few records), so a small store does not
+/// write its hint on every chunk.
+const SIZE_HINT_MIN_STEP: u64 = 1_000;
+
+fn shard_of(print: u64) -> usize {
+    (print >> SHARD_SHIFT) as usize
 }
 
-impl Inner {
-    fn location(&self, packed: u64) -> Option<EventLocation> {
-        let (partition, offset) = *self.records.get(&(packed >> INDEX_BITS))?;
-        Some(EventLocation {
-            partition,
-            offset,
-            index: (packed & ((1 << INDEX_BITS) - 1)) as u32,
-        })
+/// The fingerprints of one shard. Fingerprints are already uniform (SHA-256 bits),
+/// so a fast hash is enough; it must still mix, as tests force small colliding ones.
+#[derive(Debug, Default)]
+struct Shard {
+    /// fingerprint -> `record number << INDEX_BITS | index` of the first stored event
+    /// with that fingerprint: 16 bytes per event plus the table's slack.
+    events: FastMap<u64, u64>,
+    /// Further events of a fingerprint already in `events` (collisions: rare).
+    overflow: FastMap<u64, Vec<u64>>,
+}
+
+impl Shard {
+    fn add(&mut self, print: u64, packed: u64) {
+        match self.events.entry(print) {
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(packed);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.overflow.entry(print).or_default().push(packed);
+            }
+        }
     }
+
+    fn remove(&mut self, print: u64, packed: u64) {
+        let first = self.events.get(&print) == Some(&packed);
+        let mut promoted = None;
+        if let Some(more) = self.overflow.get_mut(&print) {
+            more.retain(|p| *p != packed);
+            if first {
+                promoted = more.pop();
+            }
+            if more.is_empty() {
+                self.overflow.remove(&print);
+            }
+        }
+        if first {
+            match promoted {
+                Some(next) => self.events.insert(print, next),
+                None => self.events.remove(&print),
+            };
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.events.len() + self.overflow.values().map(Vec::len).sum::<usize>()
+    }
+}
+
+/// Record numbers and positions (one pair per record, ~100 events).
+#[derive(Debug, Default)]
+struct Records {
+    /// record number -> position, and back.
+    positions: FastMap<u64, (u32, u64)>,
+    numbers: FastMap<(u32, u64), u64>,
+    next_record: u64,
 }
 
 /// See the module docs. Shared between the projector (the only writer, after each
 /// commit) and the request paths (dedup at ingest, event reads).
+///
+/// A record's number is registered before its events enter their shards and
+/// forgotten after they leave, so a reader that finds an event can always place
+/// it, except for an event pruned meanwhile, which no reader can still need (its
+/// timestamp is older than ingest accepts).
 #[derive(Debug)]
 pub struct EventIndex {
     fingerprint: FingerprintFn,
-    inner: RwLock<Inner>,
+    records: RwLock<Records>,
+    shards: Box<[RwLock<Shard>]>,
+    /// The size last given out as a hint (`size_hint_due`).
+    hinted: AtomicU64,
 }
 
 impl Default for EventIndex {
@@ -126,12 +192,26 @@ impl Default for EventIndex {
     }
 }
 
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn pack(number: u64, index: u32) -> u64 {
+    (number << INDEX_BITS) | u64::from(index)
+}
+
 impl EventIndex {
     /// An index with another fingerprint function: tests force collisions with one.
     pub fn with_fingerprint(fingerprint: FingerprintFn) -> EventIndex {
         EventIndex {
             fingerprint,
-            inner: RwLock::new(Inner::default()),
+            records: RwLock::default(),
+            shards: (0..INDEX_SHARDS).map(|_| RwLock::default()).collect(),
+            hinted: AtomicU64::new(0),
         }
     }
 
@@ -139,82 +219,119 @@ impl EventIndex {
         (self.fingerprint)(store_id, mode, event_id)
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
-        self.inner.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
-        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    /// Makes room for `events` more events at once (start-up, from a size hint),
+    /// so loading does not grow every table by doubling it again and again.
+    pub fn reserve(&self, events: u64) {
+        let events = events.min(MAX_INDEX_SIZE_HINT) as usize;
+        // Fingerprints spread evenly; a sixteenth more absorbs the unevenness.
+        let per_shard = events / INDEX_SHARDS + events / INDEX_SHARDS / 16;
+        for shard in self.shards.iter() {
+            write(shard).events.reserve(per_shard);
+        }
+        write(&self.records)
+            .positions
+            .reserve(events / MAX_EVENTS_PER_BATCH);
     }
 
     /// Every stored event whose fingerprint is `print`: candidates to confirm.
     pub fn candidates(&self, print: u64) -> Vec<EventLocation> {
-        let inner = self.read();
-        let Some(first) = inner.events.get(&print) else {
-            return Vec::new();
+        let packed: Vec<u64> = {
+            let shard = read(&self.shards[shard_of(print)]);
+            let Some(first) = shard.events.get(&print) else {
+                return Vec::new();
+            };
+            std::iter::once(first)
+                .chain(shard.overflow.get(&print).into_iter().flatten())
+                .copied()
+                .collect()
         };
-        std::iter::once(first)
-            .chain(inner.overflow.get(&print).into_iter().flatten())
-            .filter_map(|packed| inner.location(*packed))
+        let records = read(&self.records);
+        packed
+            .into_iter()
+            .filter_map(|packed| {
+                let (partition, offset) = *records.positions.get(&(packed >> INDEX_BITS))?;
+                Some(EventLocation {
+                    partition,
+                    offset,
+                    index: (packed & ((1 << INDEX_BITS) - 1)) as u32,
+                })
+            })
             .collect()
     }
 
     /// Adds the events one record stored (an `F` row was written).
     pub fn add_record(&self, partition: u32, offset: u64, stored: &[(u32, u64)]) {
-        let mut inner = self.write();
-        if inner.numbers.contains_key(&(partition, offset)) {
-            return;
-        }
-        let number = inner.next_record;
-        inner.next_record += 1;
-        inner.records.insert(number, (partition, offset));
-        inner.numbers.insert((partition, offset), number);
-        for (index, print) in stored {
-            let packed = (number << INDEX_BITS) | u64::from(*index);
-            match inner.events.entry(*print) {
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    slot.insert(packed);
-                }
-                std::collections::hash_map::Entry::Occupied(_) => {
-                    inner.overflow.entry(*print).or_default().push(packed);
-                }
+        let number = {
+            let mut records = write(&self.records);
+            if records.numbers.contains_key(&(partition, offset)) {
+                return;
             }
-        }
+            let number = records.next_record;
+            records.next_record += 1;
+            records.positions.insert(number, (partition, offset));
+            records.numbers.insert((partition, offset), number);
+            number
+        };
+        self.each_shard(stored, |shard, index, print| {
+            shard.add(print, pack(number, index))
+        });
     }
 
     /// Forgets the events of one record (its `F` row was deleted: pruned).
     pub fn remove_record(&self, partition: u32, offset: u64, stored: &[(u32, u64)]) {
-        let mut inner = self.write();
-        let Some(number) = inner.numbers.remove(&(partition, offset)) else {
+        let Some(number) = read(&self.records)
+            .numbers
+            .get(&(partition, offset))
+            .copied()
+        else {
             return;
         };
-        inner.records.remove(&number);
-        for (index, print) in stored {
-            let packed = (number << INDEX_BITS) | u64::from(*index);
-            let first = inner.events.get(print) == Some(&packed);
-            let mut promoted = None;
-            if let Some(more) = inner.overflow.get_mut(print) {
-                more.retain(|p| *p != packed);
-                if first {
-                    promoted = more.pop();
-                }
-                if more.is_empty() {
-                    inner.overflow.remove(print);
-                }
-            }
-            if first {
-                match promoted {
-                    Some(next) => inner.events.insert(*print, next),
-                    None => inner.events.remove(print),
-                };
+        self.each_shard(stored, |shard, index, print| {
+            shard.remove(print, pack(number, index))
+        });
+        let mut records = write(&self.records);
+        records.numbers.remove(&(partition, offset));
+        records.positions.remove(&number);
+    }
+
+    /// Runs `change` for each event, under its shard's lock, taking each lock once
+    /// (a record's ~100 events fall in most of the shards).
+    fn each_shard(&self, stored: &[(u32, u64)], mut change: impl FnMut(&mut Shard, u32, u64)) {
+        let mut order: Vec<(usize, u32, u64)> = stored
+            .iter()
+            .map(|(index, print)| (shard_of(*print), *index, *print))
+            .collect();
+        order.sort_unstable_by_key(|(shard, _, _)| *shard);
+        for run in order.chunk_by(|a, b| a.0 == b.0) {
+            let mut shard = write(&self.shards[run[0].0]);
+            for (_, index, print) in run {
+                change(&mut shard, *index, *print);
             }
         }
     }
 
-    /// Stored events the index knows (for metrics and tests).
+    /// The index's size, when it moved by more than `SIZE_HINT_STEP_DIVISOR`th
+    /// since the last size given out here (or `noted` at load): the caller stores
+    /// it as the next start-up's hint. A few writes over a store's growth.
+    pub fn size_hint_due(&self) -> Option<u64> {
+        let len = self.len() as u64;
+        let last = self.hinted.load(Ordering::Relaxed);
+        let step = (last / SIZE_HINT_STEP_DIVISOR).max(SIZE_HINT_MIN_STEP);
+        if len.abs_diff(last) < step {
+            return None;
+        }
+        self.hinted.store(len, Ordering::Relaxed);
+        Some(len)
+    }
+
+    /// Records that the stored hint says `events` (after a load).
+    pub fn note_hinted(&self, events: u64) {
+        self.hinted.store(events, Ordering::Relaxed);
+    }
+
+    /// Stored events the index knows (for metrics, size hints and tests).
     pub fn len(&self) -> usize {
-        let inner = self.read();
-        inner.events.len() + inner.overflow.values().map(Vec::len).sum::<usize>()
+        self.shards.iter().map(|shard| read(shard).len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -251,6 +368,84 @@ mod tests {
         );
         assert!(index.candidates(2).is_empty());
         assert_eq!(index.len(), 1);
+    }
+
+    /// A fingerprint drawn from few values, spread over the shards by its top bits,
+    /// so records collide within and across shards.
+    fn print_strategy() -> impl proptest::strategy::Strategy<Value = u64> {
+        use proptest::prelude::*;
+        (0u64..4, 0u64..6).prop_map(|(shard, low)| (shard << 62) | low)
+    }
+
+    proptest::proptest! {
+        /// Any sequence of records added and removed (twice, or never added,
+        /// included) leaves exactly the reference model's candidates and size.
+        #[test]
+        fn any_adds_and_removals_match_a_reference_model(
+            steps in proptest::collection::vec(
+                (proptest::bool::weighted(0.7), 0u64..12,
+                 proptest::collection::vec(print_strategy(), 0..8)),
+                0..60,
+            ),
+        ) {
+            use std::collections::{BTreeMap, BTreeSet};
+            let index = EventIndex::default();
+            // offset -> the events its record stored (what its `F` row says).
+            let mut rows: BTreeMap<u64, Vec<(u32, u64)>> = BTreeMap::new();
+            let mut model: BTreeMap<u64, Vec<(u32, u64)>> = BTreeMap::new();
+            for (add, offset, prints) in steps {
+                let stored = rows
+                    .entry(offset)
+                    .or_insert_with(|| prints.iter().enumerate().map(|(i, p)| (i as u32, *p)).collect())
+                    .clone();
+                if add {
+                    index.add_record(0, offset, &stored);
+                    model.entry(offset).or_insert(stored);
+                } else {
+                    index.remove_record(0, offset, &stored);
+                    model.remove(&offset);
+                }
+            }
+            let mut expected: BTreeMap<u64, BTreeSet<EventLocation>> = BTreeMap::new();
+            for (offset, stored) in &model {
+                for (at, print) in stored {
+                    expected.entry(*print).or_default().insert(EventLocation {
+                        partition: 0,
+                        offset: *offset,
+                        index: *at,
+                    });
+                }
+            }
+            for shard in 0..4u64 {
+                for low in 0..6u64 {
+                    let print = (shard << 62) | low;
+                    let found: BTreeSet<EventLocation> = index.candidates(print).into_iter().collect();
+                    proptest::prop_assert_eq!(found, expected.get(&print).cloned().unwrap_or_default());
+                }
+            }
+            let size: usize = expected.values().map(BTreeSet::len).sum();
+            proptest::prop_assert_eq!(index.len(), size);
+        }
+    }
+
+    #[test]
+    fn size_hints_follow_growth_and_shrinking_in_steps() {
+        let index = EventIndex::default();
+        index.reserve(10);
+        assert!(index.is_empty(), "a reservation holds no events");
+        assert_eq!(index.size_hint_due(), None, "an empty index needs no hint");
+        let record = |offset: u64, n: u64| -> Vec<(u32, u64)> {
+            (0..n).map(|i| (i as u32, (offset << 32) | i)).collect()
+        };
+        index.add_record(0, 1, &record(1, SIZE_HINT_MIN_STEP - 1));
+        assert_eq!(index.size_hint_due(), None, "below the minimum step");
+        index.add_record(0, 2, &record(2, 1));
+        assert_eq!(index.size_hint_due(), Some(SIZE_HINT_MIN_STEP));
+        assert_eq!(index.size_hint_due(), None, "given out once");
+        index.remove_record(0, 2, &record(2, 1));
+        assert_eq!(index.size_hint_due(), None, "one event is not a step");
+        index.remove_record(0, 1, &record(1, SIZE_HINT_MIN_STEP - 1));
+        assert_eq!(index.size_hint_due(), Some(0), "shrinking is noted too");
     }
 
     #[test]

@@ -94,10 +94,17 @@
 //! | `.` | store, mode, event_id | VoidMark (`codec::encode_void`): the stored event is voided: when, by which record, why |
 //! | `_` | store, mode, meter_id, event_id | (empty) the event matched the meter but was not folded (the meter was not active when its record applied) |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
+//!
+//! The aux space (not derived from the log, outside digests) holds one key:
+//! `EVENT_INDEX_SIZE_HINT`, the event index's size when last noted (8-byte int),
+//! so that start-up sizes the index once instead of growing it while loading.
 
 use tally_domain::Mode;
 
 use crate::error::EngineError;
+
+/// Aux key of the event index's size hint (module doc).
+pub const EVENT_INDEX_SIZE_HINT: &[u8] = b"event-index-size";
 
 pub const STORE: u8 = b'S';
 pub const API_KEY: u8 = b'K';

@@ -152,6 +152,17 @@ impl ProjectorState {
         store: &dyn ProjectionStore,
         index: Arc<EventIndex>,
     ) -> Result<ProjectorState, EngineError> {
+        // Sized once from the last noted size: growing a table of millions of
+        // events by doubling it while loading was most of a restart's start-up.
+        // It is only a hint (aux, outside the projection): one of another length
+        // is ignored and rewritten below.
+        let hint = store
+            .aux_get(keys::EVENT_INDEX_SIZE_HINT)?
+            .and_then(|bytes| <[u8; 8]>::try_from(bytes.as_slice()).ok())
+            .map_or(0, u64::from_be_bytes);
+        index.reserve(hint);
+        index.note_hinted(hint);
+        let started = std::time::Instant::now();
         let mut failure = None;
         scan_prefix(store, &[keys::STORED_EVENTS], false, &mut |key, value| {
             match StoredEventsKey::decode(key)
@@ -170,6 +181,13 @@ impl ProjectorState {
         if let Some(error) = failure {
             return Err(error);
         }
+        tracing::info!(
+            events = index.len(),
+            hint,
+            ms = started.elapsed().as_millis() as u64,
+            "loaded the event index"
+        );
+        note_index_size(store, &index)?;
         Ok(ProjectorState {
             buckets: BucketCache::over(store)?,
             index,
@@ -312,8 +330,18 @@ pub fn apply_chunk(
     for (key, stored) in &committed.stored {
         index.add_record(key.partition, key.offset, stored);
     }
+    note_index_size(store, &index)?;
     state.buckets.absorb(&mut committed);
     Ok(applied)
+}
+
+/// Stores the event index's size as the next start-up's hint when it has moved
+/// (`EventIndex::size_hint_due`).
+fn note_index_size(store: &dyn ProjectionStore, index: &EventIndex) -> Result<(), EngineError> {
+    if let Some(events) = index.size_hint_due() {
+        store.aux_put(keys::EVENT_INDEX_SIZE_HINT, Some(&events.to_be_bytes()))?;
+    }
+    Ok(())
 }
 
 /// Plans, fetches through `read` and applies one chunk, synchronously (tests and

@@ -1066,3 +1066,53 @@ fn time_weighted_points_before_the_retention_are_pruned_and_the_integral_stays()
     let store = apply_in_chunks(&entries[..entries.len() - 1], &[]);
     assert_eq!(points(&store), 3, "nothing pruned before the late event");
 }
+
+/// Start-up sizes the event index from the hint in the aux space, and writes the
+/// size it loaded back when the hint was a step off, so the next start reserves
+/// the right room; a hint within a step stays as it is.
+#[test]
+fn loading_the_event_index_notes_its_size_for_the_next_start() {
+    use tally_engine::event_index::encode_stored;
+    use tally_engine::keys::{StoredEventsKey, EVENT_INDEX_SIZE_HINT};
+    let store = MemoryStore::new();
+    let changes = (0..30u64)
+        .map(|offset| {
+            let key = StoredEventsKey {
+                store_id: "st_1".into(),
+                mode: Mode::Test,
+                received_at_ms: 0,
+                partition: 0,
+                offset,
+            };
+            let stored: Vec<(u32, u64)> = (0..100u32)
+                .map(|i| (i, (offset << 40) | u64::from(i)))
+                .collect();
+            (key.encode(), Some(encode_stored(&stored)))
+        })
+        .collect();
+    store.apply(changes, &[]).unwrap();
+    let hint = |store: &MemoryStore| {
+        store
+            .aux_get(EVENT_INDEX_SIZE_HINT)
+            .unwrap()
+            .map(|bytes| u64::from_be_bytes(bytes.try_into().unwrap()))
+    };
+    let load = || ProjectorState::load(&store, Arc::new(EventIndex::default())).unwrap();
+    store
+        .aux_put(EVENT_INDEX_SIZE_HINT, Some(&5u64.to_be_bytes()))
+        .unwrap();
+    assert_eq!(load().index.len(), 3_000);
+    assert_eq!(hint(&store), Some(3_000), "a hint far off is rewritten");
+    store
+        .aux_put(EVENT_INDEX_SIZE_HINT, Some(&2_900u64.to_be_bytes()))
+        .unwrap();
+    assert_eq!(load().index.len(), 3_000);
+    assert_eq!(hint(&store), Some(2_900), "a hint within a step stays");
+    store.aux_put(EVENT_INDEX_SIZE_HINT, Some(b"bad")).unwrap();
+    assert_eq!(
+        load().index.len(),
+        3_000,
+        "a malformed hint is only ignored"
+    );
+    assert_eq!(hint(&store), Some(3_000));
+}

@@ -10,7 +10,8 @@
 //! durable, and a lost batch is simply applied again.
 //!
 //! Beside the projections there is an "aux" space for data that is not derived from
-//! the log (the HTTP idempotency cache). It is excluded from digests and replays.
+//! the log (a node's own hints, such as the event index's size for its next start).
+//! It is excluded from digests and replays.
 
 use std::ops::Bound;
 
@@ -114,9 +115,8 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
     /// offset commit).
     fn flush(&self) -> Result<(), StoreError>;
 
-    /// Makes the aux space durable (the HTTP idempotency cache saves a response
-    /// before sending it). Stores that write projections back lazily need not
-    /// checkpoint for this.
+    /// Makes the aux space durable. Stores that write projections back lazily need
+    /// not checkpoint for this.
     fn flush_aux(&self) -> Result<(), StoreError> {
         self.flush()
     }

@@ -117,8 +117,14 @@ impl SledStore {
         let path = self.dir.join(STAGE_FILE);
         match std::fs::read(&path) {
             Ok(bytes) => {
+                let started = std::time::Instant::now();
                 let (changes, positions) = decode_stage_file(&bytes)?;
                 self.materialize(&changes, &positions, 0)?;
+                tracing::info!(
+                    changes = changes.len(),
+                    ms = started.elapsed().as_millis() as u64,
+                    "finished the checkpoint a stop interrupted"
+                );
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_error("reading the checkpoint stage", e)),
