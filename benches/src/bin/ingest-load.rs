@@ -416,7 +416,7 @@ async fn main() -> anyhow::Result<()> {
         peak_rss = peak_rss.max(rss_kib(pid, "VmRSS:"));
         progress.push((
             started.elapsed().as_secs_f64(),
-            acked.load(Ordering::Relaxed) as u64,
+            acked.load(Ordering::Relaxed),
         ));
         eprint!(
             "\r{} events acknowledged, {:.0} events/s   ",

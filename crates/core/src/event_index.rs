@@ -97,10 +97,10 @@ pub const INDEX_SHARDS: usize = 64;
 const SHARD_SHIFT: u32 = u64::BITS - INDEX_SHARDS.trailing_zeros();
 const _: () = assert!(INDEX_SHARDS.is_power_of_two());
 
-/// Events a size hint may reserve room for at start-up: the most a 2-core node
-/// holds within the dedup horizon with room to spare (a wrong hint only costs
-/// memory, so it is bounded rather than trusted).
-pub const MAX_INDEX_SIZE_HINT: u64 = 1 << 30;
+/// Events a size hint may reserve room for at start-up (~2 GB of tables): several
+/// times the 10-million-event store the service is sized for. A larger index loads
+/// by growing its tables as before; a damaged hint cannot reserve more than this.
+pub const MAX_INDEX_SIZE_HINT: u64 = 1 << 26;
 
 /// The size hint is rewritten when the index moved by an eighth of its last value:
 /// an eighth too small a reservation costs one doubling of some shards at start-up.
