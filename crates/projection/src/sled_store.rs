@@ -21,7 +21,8 @@
 //! Every change is a whole value (a put or a delete), never an increment, so writing
 //! a staged batch twice is the same as writing it once. `open` finishes a stage a
 //! crash interrupted (steps 2 and 3 again) before anything reads the store, so a
-//! reader only ever sees a prefix of applied batches with exactly its positions. The
+//! reader only ever sees a prefix of applied batches with exactly its positions;
+//! `open_deferring_stage` hands it to the caller instead, to apply over the store. The
 //! stage file is durable before step 2 begins, so if any write of step 2 survived a
 //! crash, the stage did too; it is removed only after sled has flushed step 3, so a
 //! checkpoint never loses its stage while partly written. Stores written by an
@@ -78,8 +79,36 @@ impl std::fmt::Debug for SledStore {
     }
 }
 
+/// A staged batch a crash interrupted, as `open_deferring_stage` hands it over: its
+/// changes and the positions they bring the store to.
+pub type InterruptedStage = (Vec<Change>, Vec<(u32, u64)>);
+
 impl SledStore {
+    /// Opens the store, finishing a checkpoint a crash interrupted first (module doc).
     pub fn open(dir: impl AsRef<Path>) -> Result<SledStore, StoreError> {
+        let (store, stage) = SledStore::open_deferring_stage(dir)?;
+        if let Some((changes, positions)) = stage {
+            let started = std::time::Instant::now();
+            store.materialize(&changes, &positions, 0)?;
+            tracing::info!(
+                changes = changes.len(),
+                ms = started.elapsed().as_millis() as u64,
+                "finished the checkpoint a stop interrupted"
+            );
+        }
+        Ok(store)
+    }
+
+    /// Opens the store and hands over a checkpoint a crash interrupted instead of
+    /// finishing it: the caller applies it over the store (the service: into its
+    /// write-back layer, which the next checkpoint writes, so a restart does not
+    /// wait for ~200,000 sled inserts). Its stage file stays until that checkpoint's
+    /// own stage replaces it (a superset: the layer holds it) or sled passes its
+    /// positions; a stage whose positions sled has reached is already in sled (sled
+    /// holds a prefix of applied batches with exactly its positions) and is removed.
+    pub fn open_deferring_stage(
+        dir: impl AsRef<Path>,
+    ) -> Result<(SledStore, Option<InterruptedStage>), StoreError> {
         let config = sled::Config::new()
             .path(dir.as_ref())
             .cache_capacity(SLED_CACHE_BYTES)
@@ -107,27 +136,30 @@ impl SledStore {
             projections,
             aux,
         };
-        store.finish_stage()?;
-        Ok(store)
+        let stage = store.interrupted_stage()?;
+        Ok((store, stage))
     }
 
-    /// Finishes a staged batch a crash interrupted (module doc), if there is one.
-    fn finish_stage(&self) -> Result<(), StoreError> {
+    /// The staged batch a crash interrupted (module doc), if there is one and sled
+    /// has not passed it; an earlier build's stage kept in sled is finished here.
+    fn interrupted_stage(&self) -> Result<Option<InterruptedStage>, StoreError> {
         remove_if_present(&self.dir.join(STAGE_FILE_PARTIAL))?;
         let path = self.dir.join(STAGE_FILE);
-        match std::fs::read(&path) {
-            Ok(bytes) => {
-                let started = std::time::Instant::now();
-                let (changes, positions) = decode_stage_file(&bytes)?;
-                self.materialize(&changes, &positions, 0)?;
-                tracing::info!(
-                    changes = changes.len(),
-                    ms = started.elapsed().as_millis() as u64,
-                    "finished the checkpoint a stop interrupted"
-                );
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        let mut stage = match std::fs::read(&path) {
+            Ok(bytes) => Some(decode_stage_file(&bytes)?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(io_error("reading the checkpoint stage", e)),
+        };
+        if let Some((_, positions)) = &stage {
+            let mut passed = true;
+            for (partition, next_offset) in positions {
+                passed &= self.position(*partition)? >= *next_offset;
+            }
+            if passed {
+                remove_if_present(&path)?;
+                fsync_dir(&self.dir)?;
+                stage = None;
+            }
         }
         // An earlier build's stage, kept in sled.
         let mut encoded = Vec::new();
@@ -141,7 +173,7 @@ impl SledStore {
             let (changes, positions) = decode_stage(&encoded)?;
             self.materialize(&changes, &positions, pieces)?;
         }
-        Ok(())
+        Ok(stage)
     }
 
     /// Steps 2 and 3 of a staged batch (`legacy_pieces`: an earlier build's stage
@@ -550,6 +582,73 @@ mod tests {
             reference_digest(&batch, &positions)
         );
         assert!(!dir.path().join(STAGE_FILE).exists(), "the stage is gone");
+    }
+
+    #[test]
+    fn a_deferred_stage_is_handed_over_and_kept_until_a_checkpoint_passes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let batch = changes(3 * SLED_ATOMIC_BATCH_MAX_KEYS + 7, "v");
+        let positions = [(0, 77), (1, 5)];
+        drop(crash_mid_checkpoint(dir.path(), &batch, |store| {
+            store.stage(&batch.to_vec(), &positions).unwrap();
+        }));
+        // `crash_mid_checkpoint` reopened with `open`, which finished the stage:
+        // stage again, interrupted the same way, and reopen deferring it.
+        {
+            let store = SledStore::open(dir.path()).unwrap();
+            store.stage(&batch.to_vec(), &[(0, 99), (1, 5)]).unwrap();
+            store.db.flush().unwrap();
+        }
+        let (sled, stage) = SledStore::open_deferring_stage(dir.path()).unwrap();
+        let (staged, staged_positions) = stage.expect("the interrupted stage is handed over");
+        assert_eq!(staged_positions, vec![(0, 99), (1, 5)]);
+        assert_eq!(sled.position(0).unwrap(), 77, "sled is left as it was");
+        assert!(dir.path().join(STAGE_FILE).exists(), "kept until written");
+        let store = crate::CheckpointStore::new(sled);
+        store.apply(staged, &staged_positions).unwrap();
+        assert_eq!(store.position(0).unwrap(), 99);
+        assert_eq!(
+            store.digest().unwrap(),
+            reference_digest(&batch, &[(0, 99), (1, 5)])
+        );
+        store.flush().unwrap();
+        assert!(!dir.path().join(STAGE_FILE).exists(), "written, then gone");
+        drop(store);
+        let sled = SledStore::open(dir.path()).unwrap();
+        assert_eq!(sled.position(0).unwrap(), 99);
+        assert_eq!(
+            sled.digest().unwrap(),
+            reference_digest(&batch, &[(0, 99), (1, 5)])
+        );
+    }
+
+    #[test]
+    fn a_stage_sled_has_passed_is_dropped_not_written_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let stale = changes(3 * SLED_ATOMIC_BATCH_MAX_KEYS + 7, "stale");
+        {
+            let store = SledStore::open(dir.path()).unwrap();
+            store.stage(&stale, &[(0, 50)]).unwrap();
+            // A later checkpoint reached sled with positions past the stage's.
+            store.apply(changes(10, "newer"), &[(0, 60)]).unwrap();
+            store.db.flush().unwrap();
+        }
+        for open_deferring in [true, false] {
+            let store = if open_deferring {
+                let (store, stage) = SledStore::open_deferring_stage(dir.path()).unwrap();
+                assert!(stage.is_none(), "a passed stage is not handed over");
+                store
+            } else {
+                SledStore::open(dir.path()).unwrap()
+            };
+            assert!(!dir.path().join(STAGE_FILE).exists());
+            assert_eq!(store.position(0).unwrap(), 60);
+            assert_eq!(
+                store.digest().unwrap(),
+                reference_digest(&changes(10, "newer"), &[(0, 60)]),
+                "the stale stage wrote nothing over the newer values"
+            );
+        }
     }
 
     #[test]
