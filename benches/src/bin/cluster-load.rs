@@ -119,7 +119,6 @@ struct Outcome {
     overhead: Option<((Duration, Duration), (Duration, Duration))>,
 }
 
-/// The events of a store that a node shows: the sum of its count meters.
 /// A client per store, of one node's test listener.
 fn store_clients(node_test: &str, stores: &[Store]) -> Vec<tally_client::Client> {
     stores
@@ -137,6 +136,7 @@ async fn shown_by(clients: &[tally_client::Client], stores: &[Store]) -> anyhow:
     Ok(shown)
 }
 
+/// The events of a store that a node shows: the sum of its count meters.
 async fn events_shown(tally: &tally_client::Client, store: &Store) -> anyhow::Result<u64> {
     let mut total = 0u64;
     for meter in &store.count_meters {

@@ -152,6 +152,19 @@ mod tests {
     }
 
     #[test]
+    fn available_is_the_balance_less_holds_and_never_below_zero() {
+        let d = Decimal::from;
+        assert_eq!(available(d(49), d(11)), d(38));
+        // A grant that expired under a hold left less than is held.
+        assert_eq!(available(d(0), d(11)), Decimal::ZERO);
+        assert_eq!(
+            available(Decimal::MIN, Decimal::MAX),
+            Decimal::ZERO,
+            "no overflow"
+        );
+    }
+
+    #[test]
     fn a_hold_counts_until_its_expiry_instant_and_not_from_it() {
         let holds = [hold(3, 100), hold(4, 200)];
         assert_eq!(held_at(&holds, 99), Some(Decimal::from(7)));

@@ -187,7 +187,7 @@ impl ProjectorState {
             ms = started.elapsed().as_millis() as u64,
             "loaded the event index"
         );
-        note_index_size(store, &index)?;
+        note_index_size(store, &index);
         Ok(ProjectorState {
             buckets: BucketCache::over(store)?,
             index,
@@ -330,18 +330,21 @@ pub fn apply_chunk(
     for (key, stored) in &committed.stored {
         index.add_record(key.partition, key.offset, stored);
     }
-    note_index_size(store, &index)?;
+    note_index_size(store, &index);
     state.buckets.absorb(&mut committed);
     Ok(applied)
 }
 
 /// Stores the event index's size as the next start-up's hint when it has moved
-/// (`EventIndex::size_hint_due`).
-fn note_index_size(store: &dyn ProjectionStore, index: &EventIndex) -> Result<(), EngineError> {
+/// (`EventIndex::size_hint_due`). Only a hint: a failed write is logged, never
+/// fails the chunk (which is committed already when this runs).
+fn note_index_size(store: &dyn ProjectionStore, index: &EventIndex) {
     if let Some(events) = index.size_hint_due() {
-        store.aux_put(keys::EVENT_INDEX_SIZE_HINT, Some(&events.to_be_bytes()))?;
+        if let Err(error) = store.aux_put(keys::EVENT_INDEX_SIZE_HINT, Some(&events.to_be_bytes()))
+        {
+            tracing::warn!(%error, "could not note the event index's size for the next start");
+        }
     }
-    Ok(())
 }
 
 /// Plans, fetches through `read` and applies one chunk, synchronously (tests and
