@@ -1,5 +1,5 @@
 //! The event index: which event ids each scope has stored, and where in the log each
-//! stored event is, in memory at ~26 bytes per event (ARCHITECTURE.md, "Exact dedup
+//! stored event is, in memory at ~13 bytes per event (ARCHITECTURE.md, "Exact dedup
 //! without a key per event").
 //!
 //! Stored events live only in the log. The projection keeps one row per applied
@@ -11,8 +11,10 @@
 //!
 //! A fingerprint hit is only a candidate: the caller reads the record at the
 //! location and compares the event id exactly, so a collision can cost a read but
-//! never drop a distinct event. Fingerprints must be stable across builds (they are
-//! stored): the first 8 bytes of a SHA-256.
+//! never drop a distinct event. The index keeps 38 of a fingerprint's 64 bits
+//! (`key_of` and the shard): at 10M events about one new event in 27,000 meets an
+//! unrelated candidate, which costs one extra read. Fingerprints must be stable
+//! across builds (they are stored): the first 8 bytes of a SHA-256.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
@@ -89,75 +91,311 @@ pub fn decode_stored(bytes: &[u8]) -> Result<Vec<(u32, u64)>, EngineError> {
         .collect())
 }
 
-/// Shards of the index, by the fingerprint's top bits. A hash table doubles when it
-/// fills: one table of every event copied the whole index at once (at 10M events a
-/// 285 MB table allocated beside the old one, with every reader held behind the
-/// copy); a shard grows alone, a 64th of that.
+/// Shards of the index, by the fingerprint's top bits. One table of every event
+/// copied the whole index whenever it grew (at 10M events a 285 MB table allocated
+/// beside the old one, with every reader held behind the copy); a shard reorders
+/// alone, a 64th of that.
 pub const INDEX_SHARDS: usize = 64;
 const SHARD_SHIFT: u32 = u64::BITS - INDEX_SHARDS.trailing_zeros();
 const _: () = assert!(INDEX_SHARDS.is_power_of_two());
 
-/// Events a size hint may reserve room for at start-up (~2 GB of tables): several
+/// Events a size hint may reserve room for at start-up (~800 MB of runs): several
 /// times the 10-million-event store the service is sized for. A larger index loads
-/// by growing its tables as before; a damaged hint cannot reserve more than this.
+/// by growing its runs as before; a damaged hint cannot reserve more than this.
 pub const MAX_INDEX_SIZE_HINT: u64 = 1 << 26;
 
 /// The size hint is rewritten when the index moved by an eighth of its last value:
-/// an eighth too small a reservation costs one doubling of some shards at start-up.
+/// an eighth too small a reservation costs one reallocation of some shards at start-up.
 const SIZE_HINT_STEP_DIVISOR: u64 = 8;
 /// ... and by at least this many events (a few records), so a small store does not
 /// write its hint on every chunk.
 const SIZE_HINT_MIN_STEP: u64 = 1_000;
 
+/// A shard's recent table is merged into its sorted run when it holds more than
+/// this fraction of the run: each merge copies the run once, so a smaller fraction
+/// costs more copying per added event and a larger one more hash-table memory
+/// (the table keeps its capacity, at ~17 bytes a slot, between merges).
+const MERGE_FRACTION: usize = 16;
+/// ... or more than this many events, so a small shard is not rewritten for every
+/// record (a handful in this crate's tests, so they merge and compact often).
+const MERGE_MIN_RECENT: usize = if cfg!(test) { 3 } else { 1_024 };
+/// A sorted run is compacted (removed events dropped) once this fraction of it is
+/// removed events: pruning removes a whole hour of records at a time.
+const COMPACT_FRACTION: usize = 4;
+
+/// The packed location of a removed event still in a sorted run (dropped at the
+/// next merge or compaction). `pack` never yields it: an event's index within its
+/// record stays below `MAX_EVENTS_PER_BATCH`, so its low bits are never all ones.
+const REMOVED: u64 = u64::MAX;
+const _: () = assert!(MAX_EVENTS_PER_BATCH < (1 << INDEX_BITS) - 1);
+
 fn shard_of(print: u64) -> usize {
     (print >> SHARD_SHIFT) as usize
 }
 
-/// The fingerprints of one shard. Fingerprints are already uniform (SHA-256 bits),
-/// so a fast hash is enough; it must still mix, as tests force small colliding ones.
+/// The part of a fingerprint a shard keys on: its low 32 bits. With the shard's 6
+/// top bits that is 38 bits of the fingerprint, so at 10M events a distinct event
+/// meets an unrelated candidate about once in 27,000 lookups; the caller's exact
+/// check against the log turns that into one extra read, never a lost event.
+fn key_of(print: u64) -> u32 {
+    print as u32
+}
+
+/// One event in a shard's sorted run: its key and its packed location split in
+/// halves, 12 bytes with no padding where a `(u32, u64)` pair would take 16.
+#[derive(Debug, Clone, Copy)]
+struct Entry([u32; 3]);
+
+impl Entry {
+    fn new(key: u32, packed: u64) -> Entry {
+        Entry([key, (packed >> 32) as u32, packed as u32])
+    }
+
+    fn key(&self) -> u32 {
+        self.0[0]
+    }
+
+    fn packed(&self) -> u64 {
+        (u64::from(self.0[1]) << 32) | u64::from(self.0[2])
+    }
+
+    fn is_removed(&self) -> bool {
+        self.packed() == REMOVED
+    }
+}
+
+/// Entries a slot of a shard's directory aims to cover: a lookup reads its slot,
+/// then searches about this many entries (a few cache lines), where a binary search
+/// of a run of 150,000 takes ~17 probes, most of them cache misses.
+const DIRECTORY_SLOT_ENTRIES: usize = 32;
+/// The most key bits a directory resolves (8 MB of slots for a shard at most, for a
+/// run of over 30 million events).
+const MAX_DIRECTORY_BITS: u32 = 20;
+
+/// Where each range of keys starts in a sorted run: slot `s` covers the keys whose
+/// top `bits` bits are `s`, and `starts[s]..starts[s + 1]` holds them.
+#[derive(Debug, Default)]
+struct Directory {
+    bits: u32,
+    starts: Vec<usize>,
+}
+
+impl Directory {
+    fn slot(bits: u32, key: u32) -> usize {
+        if bits == 0 {
+            0
+        } else {
+            (key >> (u32::BITS - bits)) as usize
+        }
+    }
+
+    /// The directory of a sorted run (one pass).
+    fn of(run: &[Entry]) -> Directory {
+        let bits = (run.len() / DIRECTORY_SLOT_ENTRIES)
+            .max(1)
+            .ilog2()
+            .min(MAX_DIRECTORY_BITS);
+        let slots = 1usize << bits;
+        let mut starts = Vec::with_capacity(slots + 1);
+        for (at, entry) in run.iter().enumerate() {
+            let slot = Directory::slot(bits, entry.key());
+            while starts.len() <= slot {
+                starts.push(at);
+            }
+        }
+        while starts.len() <= slots {
+            starts.push(run.len());
+        }
+        Directory { bits, starts }
+    }
+
+    /// The first position of `run` (the run this directory was built from) whose
+    /// key is not below `key`.
+    fn lower_bound(&self, run: &[Entry], key: u32) -> usize {
+        let slot = Directory::slot(self.bits, key);
+        let (Some(&low), Some(&high)) = (self.starts.get(slot), self.starts.get(slot + 1)) else {
+            // No directory yet: the run is empty.
+            return run.partition_point(|entry| entry.key() < key);
+        };
+        low + run[low..high].partition_point(|entry| entry.key() < key)
+    }
+}
+
+/// The events of one shard: most in a sorted run (12 bytes each, no slack), the
+/// ones added since its last merge in a small hash table. A hash table of every
+/// event took ~28 bytes per event (16 bytes of pair, a control byte, and the
+/// slack of a table sized by powers of two).
 #[derive(Debug, Default)]
 struct Shard {
-    /// fingerprint -> `record number << INDEX_BITS | index` of the first stored event
-    /// with that fingerprint: 16 bytes per event plus the table's slack.
-    events: FastMap<u64, u64>,
-    /// Further events of a fingerprint already in `events` (collisions: rare).
-    overflow: FastMap<u64, Vec<u64>>,
+    /// Sorted by key. Removed events stay as `REMOVED` until the next merge or
+    /// compaction; `unsorted` entries at its end were loaded and not yet sorted.
+    run: Vec<Entry>,
+    /// Rebuilt whenever the run's order changes (a removal only marks an entry).
+    directory: Directory,
+    removed: usize,
+    unsorted: usize,
+    /// key -> packed location of the first recent event with that key.
+    recent: FastMap<u32, u64>,
+    /// Further recent events of a key already in `recent` (collisions: rare).
+    recent_more: FastMap<u32, Vec<u64>>,
+    recent_len: usize,
 }
 
 impl Shard {
-    fn add(&mut self, print: u64, packed: u64) {
-        match self.events.entry(print) {
+    fn add(&mut self, key: u32, packed: u64) {
+        match self.recent.entry(key) {
             std::collections::hash_map::Entry::Vacant(slot) => {
                 slot.insert(packed);
             }
             std::collections::hash_map::Entry::Occupied(_) => {
-                self.overflow.entry(print).or_default().push(packed);
+                self.recent_more.entry(key).or_default().push(packed);
+            }
+        }
+        self.recent_len += 1;
+        let live = self.run.len() - self.removed;
+        if self.recent_len > (live / MERGE_FRACTION).max(MERGE_MIN_RECENT) {
+            self.merge();
+        }
+    }
+
+    /// Appends a loaded event to the run, unsorted (`settle` orders the run once).
+    fn load(&mut self, key: u32, packed: u64) {
+        self.run.push(Entry::new(key, packed));
+        self.unsorted += 1;
+    }
+
+    /// Sorts what `load` appended.
+    fn settle(&mut self) {
+        if self.unsorted == 0 {
+            return;
+        }
+        self.run.sort_unstable_by_key(Entry::key);
+        self.unsorted = 0;
+        if self.run.capacity() > self.run.len() + self.run.len() / 8 {
+            self.run.shrink_to_fit();
+        }
+        self.directory = Directory::of(&self.run);
+    }
+
+    fn remove(&mut self, key: u32, packed: u64) {
+        if self.remove_recent(key, packed) {
+            self.recent_len -= 1;
+            return;
+        }
+        self.settle();
+        let from = self.directory.lower_bound(&self.run, key);
+        if let Some(entry) = self.run[from..]
+            .iter_mut()
+            .take_while(|entry| entry.key() == key)
+            .find(|entry| entry.packed() == packed)
+        {
+            *entry = Entry::new(key, REMOVED);
+            self.removed += 1;
+            if self.removed > self.run.len() / COMPACT_FRACTION {
+                self.compact();
             }
         }
     }
 
-    fn remove(&mut self, print: u64, packed: u64) {
-        let first = self.events.get(&print) == Some(&packed);
+    fn remove_recent(&mut self, key: u32, packed: u64) -> bool {
+        let first = self.recent.get(&key) == Some(&packed);
+        let mut found = first;
         let mut promoted = None;
-        if let Some(more) = self.overflow.get_mut(&print) {
-            more.retain(|p| *p != packed);
+        if let Some(more) = self.recent_more.get_mut(&key) {
+            if let Some(at) = more.iter().position(|p| *p == packed) {
+                if !first {
+                    more.swap_remove(at);
+                    found = true;
+                }
+            }
             if first {
                 promoted = more.pop();
             }
             if more.is_empty() {
-                self.overflow.remove(&print);
+                self.recent_more.remove(&key);
             }
         }
         if first {
             match promoted {
-                Some(next) => self.events.insert(print, next),
-                None => self.events.remove(&print),
+                Some(next) => self.recent.insert(key, next),
+                None => self.recent.remove(&key),
             };
         }
+        found
+    }
+
+    fn compact(&mut self) {
+        self.settle();
+        self.run.retain(|entry| !entry.is_removed());
+        self.removed = 0;
+        if self.run.capacity() > self.run.len() + self.run.len() / 8 {
+            self.run.shrink_to_fit();
+        }
+        self.directory = Directory::of(&self.run);
+    }
+
+    /// Moves the recent events into the run: sorted on their own, then merged from
+    /// the back into the run grown by exactly their number (no second copy of the
+    /// run, no slack left behind).
+    fn merge(&mut self) {
+        self.settle();
+        if self.removed > 0 {
+            self.compact();
+        }
+        let mut fresh: Vec<Entry> = Vec::with_capacity(self.recent_len);
+        fresh.extend(
+            self.recent
+                .drain()
+                .map(|(key, packed)| Entry::new(key, packed)),
+        );
+        for (key, more) in self.recent_more.drain() {
+            fresh.extend(more.into_iter().map(|packed| Entry::new(key, packed)));
+        }
+        self.recent_len = 0;
+        fresh.sort_unstable_by_key(Entry::key);
+        let old = self.run.len();
+        self.run.reserve_exact(fresh.len());
+        self.run.resize(old + fresh.len(), Entry::new(0, REMOVED));
+        let (mut from_run, mut from_fresh, mut to) = (old, fresh.len(), old + fresh.len());
+        while from_fresh > 0 {
+            to -= 1;
+            if from_run > 0 && self.run[from_run - 1].key() > fresh[from_fresh - 1].key() {
+                from_run -= 1;
+                self.run[to] = self.run[from_run];
+            } else {
+                from_fresh -= 1;
+                self.run[to] = fresh[from_fresh];
+            }
+        }
+        self.directory = Directory::of(&self.run);
+    }
+
+    /// The packed locations of every event with `key`, or `None` while loaded
+    /// events wait to be sorted (the caller settles the shard and asks again).
+    fn find(&self, key: u32) -> Option<Vec<u64>> {
+        if self.unsorted > 0 {
+            return None;
+        }
+        let mut found: Vec<u64> = self
+            .recent
+            .get(&key)
+            .into_iter()
+            .chain(self.recent_more.get(&key).into_iter().flatten())
+            .copied()
+            .collect();
+        let from = self.directory.lower_bound(&self.run, key);
+        found.extend(
+            self.run[from..]
+                .iter()
+                .take_while(|entry| entry.key() == key)
+                .filter(|entry| !entry.is_removed())
+                .map(Entry::packed),
+        );
+        Some(found)
     }
 
     fn len(&self) -> usize {
-        self.events.len() + self.overflow.values().map(Vec::len).sum::<usize>()
+        self.run.len() - self.removed + self.recent_len
     }
 }
 
@@ -220,31 +458,35 @@ impl EventIndex {
     }
 
     /// Makes room for `events` more events at once (start-up, from a size hint),
-    /// so loading does not grow every table by doubling it again and again.
+    /// so loading does not grow every run by doubling it again and again.
     pub fn reserve(&self, events: u64) {
         let events = events.min(MAX_INDEX_SIZE_HINT) as usize;
         // Fingerprints spread evenly; a sixteenth more absorbs the unevenness.
         let per_shard = events / INDEX_SHARDS + events / INDEX_SHARDS / 16;
         for shard in self.shards.iter() {
-            write(shard).events.reserve(per_shard);
+            write(shard).run.reserve_exact(per_shard);
         }
         write(&self.records)
             .positions
             .reserve(events / MAX_EVENTS_PER_BATCH);
     }
 
-    /// Every stored event whose fingerprint is `print`: candidates to confirm.
+    /// Every stored event whose fingerprint agrees with `print` on the bits the
+    /// index keeps (`key_of` and the shard): candidates to confirm.
     pub fn candidates(&self, print: u64) -> Vec<EventLocation> {
-        let packed: Vec<u64> = {
-            let shard = read(&self.shards[shard_of(print)]);
-            let Some(first) = shard.events.get(&print) else {
-                return Vec::new();
-            };
-            std::iter::once(first)
-                .chain(shard.overflow.get(&print).into_iter().flatten())
-                .copied()
-                .collect()
+        let lock = &self.shards[shard_of(print)];
+        let found = read(lock).find(key_of(print));
+        let packed = match found {
+            Some(packed) => packed,
+            None => {
+                let mut shard = write(lock);
+                shard.settle();
+                shard.find(key_of(print)).unwrap_or_default()
+            }
         };
+        if packed.is_empty() {
+            return Vec::new();
+        }
         let records = read(&self.records);
         packed
             .into_iter()
@@ -261,20 +503,45 @@ impl EventIndex {
 
     /// Adds the events one record stored (an `F` row was written).
     pub fn add_record(&self, partition: u32, offset: u64, stored: &[(u32, u64)]) {
-        let number = {
-            let mut records = write(&self.records);
-            if records.numbers.contains_key(&(partition, offset)) {
-                return;
-            }
-            let number = records.next_record;
-            records.next_record += 1;
-            records.positions.insert(number, (partition, offset));
-            records.numbers.insert((partition, offset), number);
-            number
+        let Some(number) = self.register(partition, offset) else {
+            return;
         };
         self.each_shard(stored, |shard, index, print| {
-            shard.add(print, pack(number, index))
+            shard.add(key_of(print), pack(number, index))
         });
+    }
+
+    /// Adds the events of a record read at start-up: appended to the shards'
+    /// runs unsorted, and sorted once by `finish_loading` (or by the first
+    /// lookup or change of a shard), where adding them one by one would merge
+    /// each shard's run again and again while it grows.
+    pub fn load_record(&self, partition: u32, offset: u64, stored: &[(u32, u64)]) {
+        let Some(number) = self.register(partition, offset) else {
+            return;
+        };
+        self.each_shard(stored, |shard, index, print| {
+            shard.load(key_of(print), pack(number, index))
+        });
+    }
+
+    /// Sorts what `load_record` added.
+    pub fn finish_loading(&self) {
+        for shard in self.shards.iter() {
+            write(shard).settle();
+        }
+    }
+
+    /// Gives a record a number, or `None` when it has one (added before).
+    fn register(&self, partition: u32, offset: u64) -> Option<u64> {
+        let mut records = write(&self.records);
+        if records.numbers.contains_key(&(partition, offset)) {
+            return None;
+        }
+        let number = records.next_record;
+        records.next_record += 1;
+        records.positions.insert(number, (partition, offset));
+        records.numbers.insert((partition, offset), number);
+        Some(number)
     }
 
     /// Forgets the events of one record (its `F` row was deleted: pruned).
@@ -287,7 +554,7 @@ impl EventIndex {
             return;
         };
         self.each_shard(stored, |shard, index, print| {
-            shard.remove(print, pack(number, index))
+            shard.remove(key_of(print), pack(number, index))
         });
         let mut records = write(&self.records);
         records.numbers.remove(&(partition, offset));
@@ -371,21 +638,43 @@ mod tests {
     }
 
     /// A fingerprint drawn from few values, spread over the shards by its top bits,
-    /// so records collide within and across shards.
+    /// so records collide within and across shards, fully or only in the bits the
+    /// index keeps.
     fn print_strategy() -> impl proptest::strategy::Strategy<Value = u64> {
         use proptest::prelude::*;
-        (0u64..4, 0u64..6).prop_map(|(shard, low)| (shard << 62) | low)
+        (0u64..4, 0u64..3, 0u64..6)
+            .prop_map(|(shard, dropped, low)| (shard << 62) | (dropped << 40) | low)
+    }
+
+    /// How a step changes the index.
+    #[derive(Debug, Clone, Copy)]
+    enum Step {
+        Add,
+        Load,
+        Remove,
+        FinishLoading,
+    }
+
+    fn step_strategy() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => Just(Step::Add),
+            2 => Just(Step::Load),
+            3 => Just(Step::Remove),
+            1 => Just(Step::FinishLoading),
+        ]
     }
 
     proptest::proptest! {
-        /// Any sequence of records added and removed (twice, or never added,
-        /// included) leaves exactly the reference model's candidates and size.
+        /// Any sequence of records added, loaded and removed (twice, or never
+        /// added, included), with merges, compactions and lazy sorting along the
+        /// way, leaves exactly the reference model's candidates and size.
         #[test]
         fn any_adds_and_removals_match_a_reference_model(
             steps in proptest::collection::vec(
-                (proptest::bool::weighted(0.7), 0u64..12,
+                (step_strategy(), 0u64..12,
                  proptest::collection::vec(print_strategy(), 0..8)),
-                0..60,
+                0..80,
             ),
         ) {
             use std::collections::{BTreeMap, BTreeSet};
@@ -393,23 +682,33 @@ mod tests {
             // offset -> the events its record stored (what its `F` row says).
             let mut rows: BTreeMap<u64, Vec<(u32, u64)>> = BTreeMap::new();
             let mut model: BTreeMap<u64, Vec<(u32, u64)>> = BTreeMap::new();
-            for (add, offset, prints) in steps {
+            for (step, offset, prints) in steps {
                 let stored = rows
                     .entry(offset)
                     .or_insert_with(|| prints.iter().enumerate().map(|(i, p)| (i as u32, *p)).collect())
                     .clone();
-                if add {
-                    index.add_record(0, offset, &stored);
-                    model.entry(offset).or_insert(stored);
-                } else {
-                    index.remove_record(0, offset, &stored);
-                    model.remove(&offset);
+                match step {
+                    Step::Add | Step::Load => {
+                        if matches!(step, Step::Add) {
+                            index.add_record(0, offset, &stored);
+                        } else {
+                            index.load_record(0, offset, &stored);
+                        }
+                        model.entry(offset).or_insert(stored);
+                    }
+                    Step::Remove => {
+                        index.remove_record(0, offset, &stored);
+                        model.remove(&offset);
+                    }
+                    Step::FinishLoading => index.finish_loading(),
                 }
             }
-            let mut expected: BTreeMap<u64, BTreeSet<EventLocation>> = BTreeMap::new();
+            // The index answers for the bits it keeps: the shard and `key_of`.
+            let kept = |print: u64| (shard_of(print), key_of(print));
+            let mut expected: BTreeMap<(usize, u32), BTreeSet<EventLocation>> = BTreeMap::new();
             for (offset, stored) in &model {
                 for (at, print) in stored {
-                    expected.entry(*print).or_default().insert(EventLocation {
+                    expected.entry(kept(*print)).or_default().insert(EventLocation {
                         partition: 0,
                         offset: *offset,
                         index: *at,
@@ -417,15 +716,42 @@ mod tests {
                 }
             }
             for shard in 0..4u64 {
-                for low in 0..6u64 {
-                    let print = (shard << 62) | low;
-                    let found: BTreeSet<EventLocation> = index.candidates(print).into_iter().collect();
-                    proptest::prop_assert_eq!(found, expected.get(&print).cloned().unwrap_or_default());
+                for dropped in 0..3u64 {
+                    for low in 0..6u64 {
+                        let print = (shard << 62) | (dropped << 40) | low;
+                        let found = index.candidates(print);
+                        let unique: BTreeSet<EventLocation> = found.iter().copied().collect();
+                        proptest::prop_assert_eq!(unique.len(), found.len(), "a location at most once");
+                        proptest::prop_assert_eq!(unique, expected.get(&kept(print)).cloned().unwrap_or_default());
+                    }
                 }
             }
             let size: usize = expected.values().map(BTreeSet::len).sum();
             proptest::prop_assert_eq!(index.len(), size);
         }
+
+        /// The directory finds the first position of any key in any sorted run,
+        /// skewed ones included, as a plain binary search does.
+        #[test]
+        fn directory_search_matches_a_binary_search(
+            mut keys in proptest::collection::vec(proptest::prop_oneof![0u32..20, proptest::num::u32::ANY], 0..2_000),
+            probes in proptest::collection::vec(proptest::prop_oneof![0u32..20, proptest::num::u32::ANY], 1..20),
+        ) {
+            keys.sort_unstable();
+            let run: Vec<Entry> = keys.iter().map(|k| Entry::new(*k, 0)).collect();
+            let directory = Directory::of(&run);
+            for key in probes.into_iter().chain(keys.iter().copied()) {
+                proptest::prop_assert_eq!(directory.lower_bound(&run, key), keys.partition_point(|k| *k < key));
+            }
+        }
+    }
+
+    #[test]
+    fn entries_keep_their_key_and_location() {
+        let entry = Entry::new(7, pack(1 << 40, 99));
+        assert_eq!((entry.key(), entry.packed()), (7, pack(1 << 40, 99)));
+        assert!(!entry.is_removed());
+        assert_eq!(std::mem::size_of::<Entry>(), 12, "no padding");
     }
 
     #[test]

@@ -169,7 +169,7 @@ impl ProjectorState {
                 .and_then(|k| Ok((k, event_index::decode_stored(value)?)))
             {
                 Ok((key, stored)) => {
-                    index.add_record(key.partition, key.offset, &stored);
+                    index.load_record(key.partition, key.offset, &stored);
                     Visit::Continue
                 }
                 Err(error) => {
@@ -181,6 +181,7 @@ impl ProjectorState {
         if let Some(error) = failure {
             return Err(error);
         }
+        index.finish_loading();
         tracing::info!(
             events = index.len(),
             hint,
