@@ -266,11 +266,29 @@ impl Shard {
 
     /// Sorts what `load` appended.
     fn settle(&mut self) {
-        if self.unsorted == 0 {
-            return;
+        if self.unsorted > 0 {
+            self.sort_loaded();
+            self.reindex();
         }
-        self.run.sort_unstable_by_key(Entry::key);
-        self.unsorted = 0;
+    }
+
+    fn sort_loaded(&mut self) {
+        if self.unsorted > 0 {
+            self.run.sort_unstable_by_key(Entry::key);
+            self.unsorted = 0;
+        }
+    }
+
+    fn drop_removed(&mut self) {
+        if self.removed > 0 {
+            self.run.retain(|entry| !entry.is_removed());
+            self.removed = 0;
+        }
+    }
+
+    /// After the run's order or length changed: gives back slack a load or a
+    /// compaction left, and rebuilds the directory.
+    fn reindex(&mut self) {
         if self.run.capacity() > self.run.len() + self.run.len() / 8 {
             self.run.shrink_to_fit();
         }
@@ -325,23 +343,17 @@ impl Shard {
     }
 
     fn compact(&mut self) {
-        self.settle();
-        self.run.retain(|entry| !entry.is_removed());
-        self.removed = 0;
-        if self.run.capacity() > self.run.len() + self.run.len() / 8 {
-            self.run.shrink_to_fit();
-        }
-        self.directory = Directory::of(&self.run);
+        self.sort_loaded();
+        self.drop_removed();
+        self.reindex();
     }
 
     /// Moves the recent events into the run: sorted on their own, then merged from
     /// the back into the run grown by exactly their number (no second copy of the
     /// run, no slack left behind).
     fn merge(&mut self) {
-        self.settle();
-        if self.removed > 0 {
-            self.compact();
-        }
+        self.sort_loaded();
+        self.drop_removed();
         let mut fresh: Vec<Entry> = Vec::with_capacity(self.recent_len);
         fresh.extend(
             self.recent
@@ -367,7 +379,7 @@ impl Shard {
                 self.run[to] = fresh[from_fresh];
             }
         }
-        self.directory = Directory::of(&self.run);
+        self.reindex();
     }
 
     /// The packed locations of every event with `key`, or `None` while loaded

@@ -624,16 +624,20 @@ mod tests {
 
     #[test]
     fn a_stage_sled_has_passed_is_dropped_not_written_again() {
-        let dir = tempfile::tempdir().unwrap();
         let stale = changes(3 * SLED_ATOMIC_BATCH_MAX_KEYS + 7, "stale");
-        {
-            let store = SledStore::open(dir.path()).unwrap();
-            store.stage(&stale, &[(0, 50)]).unwrap();
-            // A later checkpoint reached sled with positions past the stage's.
-            store.apply(changes(10, "newer"), &[(0, 60)]).unwrap();
-            store.db.flush().unwrap();
-        }
         for open_deferring in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let store = SledStore::open(dir.path()).unwrap();
+                store.stage(&stale, &[(0, 50)]).unwrap();
+                // A later checkpoint reached sled with positions past the stage's.
+                store.apply(changes(10, "newer"), &[(0, 60)]).unwrap();
+                store.db.flush().unwrap();
+            }
+            assert!(
+                dir.path().join(STAGE_FILE).exists(),
+                "the stale stage is left"
+            );
             let store = if open_deferring {
                 let (store, stage) = SledStore::open_deferring_stage(dir.path()).unwrap();
                 assert!(stage.is_none(), "a passed stage is not handed over");
