@@ -384,6 +384,10 @@ impl<S: ProjectionStore> ProjectionStore for ChangelogStore<S> {
         self.inner.get(key)
     }
 
+    fn unwritten(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        self.inner.unwritten(key)
+    }
+
     fn scan(
         &self,
         start: Bound<&[u8]>,

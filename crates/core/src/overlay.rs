@@ -650,7 +650,7 @@ impl<'a> Overlay<'a> {
         if let Some(aggregate) = self.cache.as_deref().and_then(|c| c.buckets.get(&id)) {
             return Ok(*aggregate);
         }
-        if self.absent_from_store(id)? {
+        if self.absent_from_store(id, key)? {
             return Ok(Aggregate::default());
         }
         match self.store.get(key)? {
@@ -672,7 +672,7 @@ impl<'a> Overlay<'a> {
                 if let Some(set) = self.cache.as_deref().and_then(|c| c.distinct.get(&id)) {
                     return Ok(set.clone());
                 }
-                if self.absent_from_store(id)? {
+                if self.absent_from_store(id, key)? {
                     None
                 } else {
                     self.store.get(key)?
@@ -703,8 +703,14 @@ impl<'a> Overlay<'a> {
 
     /// Whether the store cannot hold the bucket or distinct set at `key`: its minute
     /// is newer than the newest of its series (see `BucketCache`). A series not
-    /// known yet is looked up once (the newest key of the series in the store).
-    fn absent_from_store(&mut self, id: BucketId) -> Result<bool, EngineError> {
+    /// known yet is looked up once (the newest key of the series in the store),
+    /// unless the write-back layer still holds `key`: that answers from memory.
+    /// After a restart every series is unknown, and the catch-up finds most of the
+    /// buckets it folds in the layer (the interrupted checkpoint's, then its own):
+    /// the look-up, a backward walk of sled's tree over cold pages, was half of the
+    /// catch-up's apply thread (README, "A restart's catch-up finds buckets in
+    /// memory first").
+    fn absent_from_store(&mut self, id: BucketId, key: &[u8]) -> Result<bool, EngineError> {
         let Some(cache) = self.cache.as_deref() else {
             return Ok(false);
         };
@@ -716,6 +722,9 @@ impl<'a> Overlay<'a> {
             Some(newest) => *newest,
             None if cache.complete => i64::MIN,
             None => {
+                if let Some(value) = self.store.unwritten(key) {
+                    return Ok(value.is_none());
+                }
                 let Some(series) = cache.names.name(id.series) else {
                     return Ok(false);
                 };
@@ -792,7 +801,7 @@ impl<'a> Overlay<'a> {
                     None => {
                         let stored = match self.changes.get(&key).cloned() {
                             Some(value) => value,
-                            None if self.absent_from_store(id)? => None,
+                            None if self.absent_from_store(id, &key)? => None,
                             None => self.store.get(&key)?,
                         };
                         match stored {

@@ -132,6 +132,9 @@ impl ProjectionStore for FaultyStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
         self.inner.get(key)
     }
+    fn unwritten(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        self.inner.unwritten(key)
+    }
     fn scan(
         &self,
         start: std::ops::Bound<&[u8]>,

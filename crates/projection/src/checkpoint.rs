@@ -558,17 +558,21 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        match self.unwritten(key) {
+            Some(value) => Ok(value),
+            None => self.shared.inner.get(key),
+        }
+    }
+
+    fn unwritten(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
         let layers = self.shared.snapshot();
         if let Some(value) = layers.pending.as_ref().and_then(|p| p.get(key)) {
-            return Ok(value.clone());
+            return Some(value.clone());
         }
         if let Some(value) = layers.active.changes.get(key) {
-            return Ok(value);
+            return Some(value);
         }
-        if let Some(value) = layers.writing.as_ref().and_then(|w| w.changes.get(key)) {
-            return Ok(value);
-        }
-        self.shared.inner.get(key)
+        layers.writing.as_ref().and_then(|w| w.changes.get(key))
     }
 
     /// The inner store's entries merged with the layers': a key a layer holds is taken
@@ -840,6 +844,28 @@ mod tests {
         assert_eq!(store.inner().get(b"a").unwrap().as_deref(), Some(&b"1"[..]));
         assert_eq!(store.inner().position(0).unwrap(), 5);
         assert_eq!(store.dirty_keys(), 0);
+    }
+
+    #[test]
+    fn unwritten_answers_only_for_keys_a_layer_holds() {
+        let store = CheckpointStore::with_limits(MemoryStore::new(), 100, Duration::from_secs(60));
+        store
+            .inner()
+            .apply(vec![put("old", "0")], &[(0, 1)])
+            .unwrap();
+        store
+            .apply(vec![put("a", "1"), (b"old".to_vec(), None)], &[(0, 2)])
+            .unwrap();
+        assert_eq!(store.unwritten(b"a"), Some(Some(b"1".to_vec())));
+        assert_eq!(store.unwritten(b"old"), Some(None), "a delete is held too");
+        assert_eq!(store.unwritten(b"never"), None);
+        store.checkpoint().unwrap();
+        assert_eq!(
+            store.unwritten(b"a"),
+            None,
+            "written: only the inner store answers"
+        );
+        assert_eq!(store.get(b"a").unwrap().as_deref(), Some(&b"1"[..]));
     }
 
     #[test]

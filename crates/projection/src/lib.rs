@@ -81,6 +81,16 @@ pub enum Visit {
 pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
 
+    /// The key's value when a write-back layer holds a change of it not yet written
+    /// to the durable store (`Some(None)`: deleted there), from memory; `None` when
+    /// only the durable store can answer, and always for stores without a layer.
+    /// A reader about to search the durable store for more than this key (the
+    /// projector learning a series' newest bucket) asks first: a key still in
+    /// memory needs no search.
+    fn unwritten(&self, _key: &[u8]) -> Option<Option<Vec<u8>>> {
+        None
+    }
+
     /// Visits keys in `[start, end)` in ascending order, or descending with `reverse`.
     fn scan(
         &self,
@@ -291,6 +301,9 @@ pub fn differences(
 impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
         (**self).get(key)
+    }
+    fn unwritten(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        (**self).unwritten(key)
     }
     fn scan(
         &self,

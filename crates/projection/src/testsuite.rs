@@ -32,6 +32,12 @@ pub fn basic_semantics(store: &dyn ProjectionStore) {
     assert_eq!(store.position(0).unwrap(), 42);
     assert_eq!(store.position(1).unwrap(), 0, "positions are per partition");
     assert_eq!(store.get(b"a/2").unwrap().as_deref(), Some(&b"two"[..]));
+    // What a layer answers from memory is what a read sees.
+    for key in [&b"a/2"[..], b"b/1", b"absent"] {
+        if let Some(held) = store.unwritten(key) {
+            assert_eq!(held, store.get(key).unwrap());
+        }
+    }
     assert_eq!(
         collect(store, b"a/", false),
         vec![b"a/1".to_vec(), b"a/2".to_vec(), b"a/3".to_vec()]
