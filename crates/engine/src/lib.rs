@@ -347,6 +347,10 @@ impl tally_runtime::Projection for Engine {
         self.projection.plan(chunk)
     }
 
+    fn read_ahead(&self, chunk: &std::sync::Arc<Self::Chunk>) {
+        self.projection.read_ahead(chunk)
+    }
+
     fn add_fetched(
         &self,
         fetched: &mut Self::Fetched,

@@ -88,6 +88,31 @@ impl DecodedChunk {
         DecodedChunk::with_mode(entries, ChunkMode::Full)
     }
 
+    /// The per-customer buckets the chunk's usage records fold into
+    /// (`tally_metering::apply::bucket_keys_of`), for reading ahead.
+    pub fn bucket_keys<'a>(
+        &'a self,
+        keeps_sets: &'a dyn Fn(&str, tally_domain::Mode, &str) -> bool,
+    ) -> impl Iterator<Item = Vec<u8>> + 'a {
+        self.records.iter().flat_map(move |record| {
+            let Ok((
+                Record::UsageBatch {
+                    store_id,
+                    mode,
+                    events,
+                    ..
+                },
+                _,
+            )) = record
+            else {
+                return Vec::new();
+            };
+            let mode = *mode;
+            let keeps = move |meter_id: &str| keeps_sets(store_id, mode, meter_id);
+            tally_metering::apply::bucket_keys_of(store_id, mode, events, &keeps).collect()
+        })
+    }
+
     pub fn with_mode(entries: Vec<LogEntry>, mode: ChunkMode) -> DecodedChunk {
         let records = entries.iter().map(decode_entry).collect();
         DecodedChunk {
@@ -881,6 +906,82 @@ pub struct StoreProjection {
     /// Snapshots read for partitions about to be restored (`prefetch_snapshot`),
     /// with how long the read took: read off the apply thread, applied on it.
     prefetched: std::sync::Mutex<BTreeMap<u32, (PartitionSnapshot, std::time::Duration)>>,
+    /// Where chunks go to be read ahead while catching up (`read_ahead`): started
+    /// with the first such chunk; `None` if its thread could not start.
+    read_ahead: std::sync::OnceLock<Option<std::sync::mpsc::SyncSender<Arc<DecodedChunk>>>>,
+}
+
+/// Chunks waiting to be read ahead. One: the reader runs beside apply on the same
+/// chunk, and a chunk that finds it still busy is not read ahead (apply reads its
+/// buckets itself, as without it); a longer queue would read pages that sled's
+/// cache evicts again before apply gets there.
+const READ_AHEAD_QUEUE: usize = 1;
+
+/// Reads what apply will read for the chunk's buckets, as apply reads it
+/// (`Overlay::absent_from_store`, `Overlay::distinct_set_index`): nothing for a key
+/// the layer holds; for a bucket, the walk to its series' last key (once per
+/// series), whose pages also hold the bucket when it is stored; a distinct set
+/// itself. A failed read is left to apply, which reads the same pages.
+fn read_chunk_ahead(store: &dyn ProjectionStore, chunk: &DecodedChunk) {
+    let sets: std::cell::RefCell<std::collections::HashMap<(String, String), bool>> =
+        Default::default();
+    let keeps_sets = |store_id: &str, mode: tally_domain::Mode, meter_id: &str| {
+        let key = (store_id.to_string(), meter_id.to_string());
+        if let Some(keeps) = sets.borrow().get(&key) {
+            return *keeps;
+        }
+        let keeps = tally_metering::apply::keeps_distinct_sets(store, store_id, mode, meter_id);
+        sets.borrow_mut().insert(key, keeps);
+        keeps
+    };
+    let mut walked = std::collections::HashSet::new();
+    for key in chunk.bucket_keys(&keeps_sets) {
+        if store.unwritten(&key).is_some() {
+            continue;
+        }
+        let read = if key.first() == Some(&keys::AGGREGATE) {
+            let Some((series, _)) = tally_core::series::series_of(&key) else {
+                continue;
+            };
+            let prefix = [&key[..1], series].concat();
+            if !walked.insert(prefix.clone()) {
+                continue;
+            }
+            scan_prefix(store, &prefix, true, &mut |_, _| Visit::Stop)
+        } else {
+            store.get(&key).map(|_| ())
+        };
+        if read.is_err() {
+            break;
+        }
+    }
+}
+
+/// Starts the thread that reads ahead the buckets of the chunks it is sent
+/// (`Projection::read_ahead`). It holds the store weakly and ends when the
+/// projection (the sender) is dropped.
+fn start_read_ahead(
+    store: std::sync::Weak<dyn ProjectionStore>,
+) -> Option<std::sync::mpsc::SyncSender<Arc<DecodedChunk>>> {
+    let (sender, chunks) = std::sync::mpsc::sync_channel::<Arc<DecodedChunk>>(READ_AHEAD_QUEUE);
+    let started = std::thread::Builder::new()
+        .name("tally-read-ahead".into())
+        .spawn(move || {
+            if let Err(why) = tally_projection::priority::run_as_background_thread() {
+                tracing::warn!("reading ahead at normal priority: {why}");
+            }
+            while let Ok(chunk) = chunks.recv() {
+                let Some(store) = store.upgrade() else { break };
+                read_chunk_ahead(store.as_ref(), &chunk);
+            }
+        });
+    match started {
+        Ok(_) => Some(sender),
+        Err(error) => {
+            tracing::warn!(%error, "no read-ahead: its thread did not start");
+            None
+        }
+    }
 }
 
 impl std::fmt::Debug for StoreProjection {
@@ -904,6 +1005,7 @@ impl StoreProjection {
             recent,
             changelog: std::sync::OnceLock::new(),
             prefetched: Default::default(),
+            read_ahead: std::sync::OnceLock::new(),
         })
     }
 
@@ -921,6 +1023,21 @@ impl tally_runtime::Projection for StoreProjection {
 
     fn decode(&self, entries: Vec<LogEntry>, mode: ChunkMode) -> DecodedChunk {
         DecodedChunk::with_mode(entries, mode)
+    }
+
+    /// After a start every bucket apply folds is a cold read of sled (its pages
+    /// read back from the file), and the catch-up keeps one core busy with apply
+    /// while the other idles: a thread of its own reads the chunk's buckets beside
+    /// apply, which then finds their pages in sled's cache (README, "Reading ahead
+    /// while catching up").
+    fn read_ahead(&self, chunk: &Arc<DecodedChunk>) {
+        let reader = self
+            .read_ahead
+            .get_or_init(|| start_read_ahead(Arc::downgrade(&self.store)));
+        if let Some(reader) = reader {
+            // Full: the reader is still on an earlier chunk; this one goes unread.
+            let _ = reader.try_send(chunk.clone());
+        }
     }
 
     fn plan(&self, chunk: &DecodedChunk) -> Result<Vec<(u32, u64)>, String> {

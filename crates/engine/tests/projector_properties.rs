@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use rust_decimal::Decimal;
+use tally_core::keys;
 use tally_domain::ids::MeterId;
 use tally_domain::meter::{Aggregation, Meter, MeterFilter, MeterStatus};
 use tally_domain::record::Record;
@@ -735,6 +736,47 @@ proptest! {
         apply_chunk_in_memory(whole.as_ref(), &mut ProjectorState::empty(), &entries, &entries).unwrap();
         prop_assert_eq!(recovered.position(0).unwrap(), whole.position(0).unwrap());
         prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// What a catch-up reads ahead covers what apply reads: every per-customer
+    /// bucket (`A`) and distinct set (`u`) that applying the log stores is among the
+    /// chunk's read-ahead keys, and every key read ahead is one of those tables.
+    #[test]
+    fn reading_ahead_covers_every_bucket_apply_stores(
+        batches in proptest::collection::vec(proptest::collection::vec(gen_event(), 1..12), 1..6),
+    ) {
+        let entries = log_entries(&batches);
+        let store = MemoryStore::new();
+        apply_chunk_in_memory(&store, &mut ProjectorState::empty(), &entries, &entries).unwrap();
+        let chunk = tally_engine::projector::DecodedChunk::new(entries);
+        let keeps_sets = |store_id: &str, mode: Mode, meter_id: &str| {
+            tally_metering::apply::keeps_distinct_sets(&store, store_id, mode, meter_id)
+        };
+        let read: HashSet<Vec<u8>> = chunk.bucket_keys(&keeps_sets).collect();
+        for key in &read {
+            prop_assert!(matches!(key.first(), Some(&keys::AGGREGATE) | Some(&keys::DISTINCT_SET)));
+        }
+        let mut stored = Vec::new();
+        for table in [keys::AGGREGATE, keys::DISTINCT_SET] {
+            tally_projection::scan_prefix(&store, &[table], false, &mut |key, _| {
+                stored.push(key.to_vec());
+                tally_projection::Visit::Continue
+            })
+            .unwrap();
+        }
+        let mut per_customer = 0;
+        for key in stored {
+            let (bucket, _) = keys::BucketKey::decode(&key).unwrap();
+            if bucket.customer != keys::ALL_CUSTOMERS {
+                per_customer += 1;
+                prop_assert!(read.contains(&key), "not read ahead: {}", String::from_utf8_lossy(&key));
+            }
+        }
+        prop_assert!(per_customer > 0);
     }
 }
 

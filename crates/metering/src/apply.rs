@@ -422,6 +422,52 @@ pub fn load_meter(
     }
 }
 
+/// The per-customer minute buckets a usage record's events fold into, keyed as
+/// `fold_contribution` keys them: for each matched meter its bucket (`A`), and its
+/// distinct set (`u`) when `keeps_sets` says the meter is `unique`. What a catch-up
+/// reads ahead (engine `StoreProjection::read_ahead`). The meter-wide buckets are a
+/// few per minute and stay in the bucket cache; a revised meter's matches are
+/// decided in apply, so they are left out. Only a hint: reading them changes nothing.
+pub fn bucket_keys_of<'a>(
+    store_id: &'a str,
+    mode: Mode,
+    events: &'a [UsageEvent],
+    keeps_sets: &'a dyn Fn(&str) -> bool,
+) -> impl Iterator<Item = Vec<u8>> + 'a {
+    events.iter().flat_map(move |event| {
+        let minute = minute_bucket(event.timestamp_ms);
+        event.matched_meter_ids.iter().flat_map(move |meter_id| {
+            let tables: &[u8] = if keeps_sets(meter_id) {
+                &[keys::AGGREGATE, keys::DISTINCT_SET]
+            } else {
+                &[keys::AGGREGATE]
+            };
+            tables.iter().map(move |table| {
+                BucketKey::from_minute(*table, store_id, mode, meter_id, &event.customer_id, minute)
+            })
+        })
+    })
+}
+
+/// Whether the meter as stored is `unique` (keeps distinct sets); false when the
+/// store does not hold it or cannot be read.
+pub fn keeps_distinct_sets(
+    store: &dyn ProjectionStore,
+    store_id: &str,
+    mode: Mode,
+    meter_id: &str,
+) -> bool {
+    let key = Key::scoped(keys::METER, store_id, mode)
+        .text(meter_id)
+        .into_bytes();
+    match store.get(&key) {
+        Ok(Some(bytes)) => {
+            codec::decode_meter(&bytes).is_ok_and(|meter| meter.aggregation == Aggregation::Unique)
+        }
+        _ => false,
+    }
+}
+
 /// Folds one event into the meter's per-customer and all-customers minute buckets.
 pub fn fold_event(
     overlay: &mut Overlay<'_>,

@@ -186,6 +186,11 @@ pub trait Projection: Send + Sync + 'static {
     fn decode(&self, entries: Vec<LogEntry>, mode: ChunkMode) -> Self::Chunk;
     /// The positions of the records apply will read back (prefetch).
     fn plan(&self, chunk: &Self::Chunk) -> Result<Vec<(u32, u64)>, String>;
+    /// Called with each chunk while the projection catches up with the log after a
+    /// start, before it is applied: a projection may read ahead what apply will
+    /// read (off the apply thread, without waiting for it), so apply finds it in
+    /// the store's cache. Reads only: apply's result never depends on it.
+    fn read_ahead(&self, _chunk: &Arc<Self::Chunk>) {}
     /// Adds the record at a position to `fetched` from records the projection
     /// already holds decoded (read back recently, by apply or a query), if it
     /// holds it: then the log is not read for it.
@@ -678,6 +683,9 @@ impl Runtime {
                 .run(move || decoder.decode(entries, mode))
                 .await?,
         );
+        if !self.is_caught_up() {
+            projection.read_ahead(&chunk);
+        }
         let mut fetched = P::Fetched::default();
         let mut wanted = projection.plan(&chunk)?;
         loop {

@@ -19,6 +19,8 @@ struct Summing {
     in_apply: AtomicUsize,
     waits_left: AtomicUsize,
     fetches: AtomicUsize,
+    /// Records of the chunks handed to `read_ahead`.
+    read_ahead: AtomicUsize,
     committed: Mutex<Vec<Committed>>,
 }
 
@@ -47,6 +49,10 @@ impl Projection for Summing {
             .find(|(verb, _)| verb == "copy")
             .map(|(_, offset)| vec![(0, offset)])
             .unwrap_or_default())
+    }
+
+    fn read_ahead(&self, chunk: &Arc<Vec<LogEntry>>) {
+        self.read_ahead.fetch_add(chunk.len(), Ordering::SeqCst);
     }
 
     fn add_fetched(
@@ -121,6 +127,7 @@ fn summing(store: Arc<MemoryStore>, waits: usize) -> Arc<Summing> {
         in_apply: AtomicUsize::new(0),
         waits_left: AtomicUsize::new(waits),
         fetches: AtomicUsize::new(0),
+        read_ahead: AtomicUsize::new(0),
         committed: Mutex::new(Vec::new()),
     })
 }
@@ -172,10 +179,20 @@ async fn tails_prefetches_retries_and_moves_the_watermark_after_commit() {
     assert_eq!(committed.len(), 1, "{committed:?}");
     assert_eq!(committed[0].records, 5);
     assert_eq!(committed[0].next_offset, runtime.applied(0));
+    assert_eq!(
+        projection.read_ahead.load(Ordering::SeqCst),
+        5,
+        "the start-up chunk is read ahead once, however often it is retried"
+    );
     // A failure stops the runtime; waiters learn it instead of timing out.
     let fail = log.append(b"k", b"fail".to_vec()).await.unwrap();
     let waited = runtime.wait_applied(0, fail, Duration::from_secs(10)).await;
     assert_eq!(waited, Err(WaitError::Failed));
+    assert_eq!(
+        projection.read_ahead.load(Ordering::SeqCst),
+        5,
+        "caught up: a live chunk is not read ahead"
+    );
     assert!(runtime.has_failed());
     assert_eq!(sum(&store), 24, "nothing of the failed chunk was committed");
     stop.send_replace(true);
