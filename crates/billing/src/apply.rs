@@ -53,9 +53,7 @@ pub fn apply_product(
         if !newly_priced.contains(&price.meter_id.as_str()) {
             continue;
         }
-        let meter_key = Key::scoped(keys::METER, store_id, mode)
-            .text(&price.meter_id)
-            .into_bytes();
+        let meter_key = keys::meter_key(store_id, mode, &price.meter_id);
         let param = format!("usage_prices[{i}].meter_id");
         match overlay.get(&meter_key)? {
             None => return Err(meter_missing(&price.meter_id, &param).into()),

@@ -219,6 +219,13 @@ pub fn recharge_pending_of(key: &[u8]) -> Result<(&str, Mode, &str), EngineError
     Ok((store, mode, account))
 }
 
+/// A meter's row (`M`).
+pub fn meter_key(store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8> {
+    Key::scoped(METER, store_id, mode)
+        .text(meter_id)
+        .into_bytes()
+}
+
 /// The `` ` `` row of a revised meter: apply decides its events from its definition
 /// (docs/api.md, "Meter revisions").
 pub fn revised_meter_key(store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8> {

@@ -95,21 +95,25 @@ impl DecodedChunk {
         keeps_sets: &'a dyn Fn(&str, tally_domain::Mode, &str) -> bool,
     ) -> impl Iterator<Item = Vec<u8>> + 'a {
         self.records.iter().flat_map(move |record| {
-            let Ok((
-                Record::UsageBatch {
-                    store_id,
-                    mode,
-                    events,
-                    ..
-                },
-                _,
-            )) = record
-            else {
-                return Vec::new();
+            let batch = match record {
+                Ok((
+                    Record::UsageBatch {
+                        store_id,
+                        mode,
+                        events,
+                        ..
+                    },
+                    _,
+                )) => {
+                    let mode = *mode;
+                    let keeps = move |meter_id: &str| keeps_sets(store_id, mode, meter_id);
+                    Some(tally_metering::apply::bucket_keys_of(
+                        store_id, mode, events, keeps,
+                    ))
+                }
+                _ => None,
             };
-            let mode = *mode;
-            let keeps = move |meter_id: &str| keeps_sets(store_id, mode, meter_id);
-            tally_metering::apply::bucket_keys_of(store_id, mode, events, &keeps).collect()
+            batch.into_iter().flatten()
         })
     }
 
@@ -923,18 +927,18 @@ const READ_AHEAD_QUEUE: usize = 1;
 /// series), whose pages also hold the bucket when it is stored; a distinct set
 /// itself. A failed read is left to apply, which reads the same pages.
 fn read_chunk_ahead(store: &dyn ProjectionStore, chunk: &DecodedChunk) {
-    let sets: std::cell::RefCell<std::collections::HashMap<(String, String), bool>> =
-        Default::default();
+    // By meter id alone: ids are unique across stores, and a lookup by `&str` then
+    // needs no key of its own per event.
+    let sets: std::cell::RefCell<std::collections::HashMap<String, bool>> = Default::default();
     let keeps_sets = |store_id: &str, mode: tally_domain::Mode, meter_id: &str| {
-        let key = (store_id.to_string(), meter_id.to_string());
-        if let Some(keeps) = sets.borrow().get(&key) {
+        if let Some(keeps) = sets.borrow().get(meter_id) {
             return *keeps;
         }
         let keeps = tally_metering::apply::keeps_distinct_sets(store, store_id, mode, meter_id);
-        sets.borrow_mut().insert(key, keeps);
+        sets.borrow_mut().insert(meter_id.to_string(), keeps);
         keeps
     };
-    let mut walked = std::collections::HashSet::new();
+    let mut walked: std::collections::HashSet<Vec<u8>> = std::collections::HashSet::new();
     for key in chunk.bucket_keys(&keeps_sets) {
         if store.unwritten(&key).is_some() {
             continue;
@@ -943,11 +947,13 @@ fn read_chunk_ahead(store: &dyn ProjectionStore, chunk: &DecodedChunk) {
             let Some((series, _)) = tally_core::series::series_of(&key) else {
                 continue;
             };
-            let prefix = [&key[..1], series].concat();
-            if !walked.insert(prefix.clone()) {
+            // The table byte and the series: the key without its minute.
+            let prefix = &key[..1 + series.len()];
+            if walked.contains(prefix) {
                 continue;
             }
-            scan_prefix(store, &prefix, true, &mut |_, _| Visit::Stop)
+            walked.insert(prefix.to_vec());
+            scan_prefix(store, prefix, true, &mut |_, _| Visit::Stop)
         } else {
             store.get(&key).map(|_| ())
         };

@@ -1210,9 +1210,9 @@ fn check_invariants(store: &MemoryStore) -> Result<(), TestCaseError> {
         .filter(|p| p.status == ProductStatus::Active)
     {
         for price in &product.usage_prices {
-            let key = keys::Key::scoped(keys::METER, STORE, Mode::Test).text(&price.meter_id);
+            let key = keys::meter_key(STORE, Mode::Test, &price.meter_id);
             let meter = store
-                .get(key.as_bytes())
+                .get(&key)
                 .unwrap()
                 .map(|v| codec::decode_meter(&v).unwrap());
             prop_assert!(

@@ -306,9 +306,7 @@ pub fn apply_backfill(
             backfill_rescan(overlay, &meter, start_ms, from)?;
             meter.counts_from_ms = start_ms;
             overlay.put(
-                Key::scoped(keys::METER, store_id, mode)
-                    .text(meter_id)
-                    .into_bytes(),
+                keys::meter_key(store_id, mode, meter_id),
                 codec::encode_meter(&meter),
             );
             applied.meters.push(meter);
@@ -326,9 +324,7 @@ pub fn apply_meter(
     applied: &mut MeteringApplied,
 ) -> Result<(), ApplyError> {
     let (store_id, mode) = (&meter.store_id, meter.mode);
-    let key = Key::scoped(keys::METER, store_id, mode)
-        .text(&meter.id)
-        .into_bytes();
+    let key = keys::meter_key(store_id, mode, &meter.id);
     let previous = overlay
         .get(&key)?
         .map(|b| codec::decode_meter(&b))
@@ -411,9 +407,7 @@ pub fn load_meter(
     mode: Mode,
     meter_id: &str,
 ) -> Result<Meter, EngineError> {
-    let key = Key::scoped(keys::METER, store_id, mode)
-        .text(meter_id)
-        .into_bytes();
+    let key = keys::meter_key(store_id, mode, meter_id);
     match overlay.get(&key)? {
         Some(bytes) => codec::decode_meter(&bytes),
         // With one partition the meter record always precedes; in Kafka mode the
@@ -432,7 +426,7 @@ pub fn bucket_keys_of<'a>(
     store_id: &'a str,
     mode: Mode,
     events: &'a [UsageEvent],
-    keeps_sets: &'a dyn Fn(&str) -> bool,
+    keeps_sets: impl Fn(&str) -> bool + Copy + 'a,
 ) -> impl Iterator<Item = Vec<u8>> + 'a {
     events.iter().flat_map(move |event| {
         let minute = minute_bucket(event.timestamp_ms);
@@ -457,9 +451,7 @@ pub fn keeps_distinct_sets(
     mode: Mode,
     meter_id: &str,
 ) -> bool {
-    let key = Key::scoped(keys::METER, store_id, mode)
-        .text(meter_id)
-        .into_bytes();
+    let key = keys::meter_key(store_id, mode, meter_id);
     match store.get(&key) {
         Ok(Some(bytes)) => {
             codec::decode_meter(&bytes).is_ok_and(|meter| meter.aggregation == Aggregation::Unique)

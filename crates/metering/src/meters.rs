@@ -133,8 +133,8 @@ impl Metering {
 
 impl Metering {
     pub fn get_meter(&self, scope: &Scope, id: &str) -> Result<Meter, EngineError> {
-        let key = Key::scoped(keys::METER, &scope.store_id, scope.mode).text(id);
-        match self.journal.store().get(key.as_bytes())? {
+        let key = keys::meter_key(&scope.store_id, scope.mode, id);
+        match self.journal.store().get(&key)? {
             Some(bytes) => codec::decode_meter(&bytes),
             None => Err(EngineError::not_found("meter", id)),
         }

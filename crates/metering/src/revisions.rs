@@ -98,9 +98,7 @@ pub fn apply_revision(
         // derived again), so it cannot put the old definition back.
         meter.updated_at_ms = at_ms.max(meter.updated_at_ms.saturating_add(1));
         overlay.put(
-            Key::scoped(keys::METER, store_id, mode)
-                .text(&meter.id)
-                .into_bytes(),
+            keys::meter_key(store_id, mode, &meter.id),
             codec::encode_meter(&meter),
         );
         overlay.put(
