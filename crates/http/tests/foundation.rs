@@ -149,6 +149,9 @@ async fn every_error_has_the_error_body() {
         assert_error(&too_large, 413, "invalid_request_error")["code"],
         "body_too_large"
     );
+    // The unread rest of the body ends the connection, and the answer says so: a
+    // client that pooled it would send its next request into a closing socket.
+    assert_eq!(too_large.headers["connection"], "close");
 
     // A streamed body (no Content-Length) past the limit is cut off the same way:
     // the server stops reading at the limit and answers 413 with the error body.
@@ -174,6 +177,7 @@ async fn every_error_has_the_error_body() {
             assert_error(&answer, 413, "invalid_request_error")["code"],
             "body_too_large"
         );
+        assert_eq!(answer.headers["connection"], "close");
     }
     assert_eq!(
         api.get("/v1/customers").await.body["data"],
