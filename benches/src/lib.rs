@@ -75,6 +75,7 @@ pub fn usage_record_bytes(events: usize, batch: u64) -> Vec<u8> {
             mode: Mode::Test,
             events,
             settles: false,
+            matched_below: Some(0),
         },
         1_800_000_000_000,
     )

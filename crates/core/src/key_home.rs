@@ -110,6 +110,7 @@ const STORE_FIRST: &[u8] = &[
     keys::VOIDED_EVENT,
     keys::FOLD_SKIPPED,
     keys::REVISED_METER,
+    keys::METER_CHANGED,
     keys::VOIDED_COUNT,
     keys::RECHARGE_PENDING,
 ];

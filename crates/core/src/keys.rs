@@ -93,6 +93,7 @@
 //! | `z` | minute, store, mode, partition, offset | the events of the usage record at that position whose timestamps fall in that minute: (index in the record, customer id) each (`codec::push_minute_event`); a void rebuilds a customer's bucket from these, and finds the customers whose buckets make the all-customers one; pruned past what can still be voided |
 //! | `.` | store, mode, event_id | VoidMark (`codec::encode_void`): the stored event is voided: when, by which record, why |
 //! | `_` | store, mode, meter_id, event_id | (empty) the event matched the meter but was not folded (the meter was not active when its record applied) |
+//! | `0x01` | store, mode, partition, offset, meter_id | (empty) the record at that position created or changed the meter: a usage record matched by a gateway that had not applied that position decides the meter's events in apply (ARCHITECTURE.md, "Meters the gateway did not know") |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 //!
 //! The aux space (not derived from the log, outside digests) holds one key:
@@ -200,6 +201,44 @@ pub const FOLD_SKIPPED: u8 = b'_';
 pub const REVISED_METER: u8 = b'`';
 pub const VOIDED_COUNT: u8 = b'\'';
 pub const RECHARGE_PENDING: u8 = b'"';
+/// Every printable byte is taken: the first table past them.
+pub const METER_CHANGED: u8 = 0x01;
+
+/// The prefix of a scope's `METER_CHANGED` rows at and after `offset` of
+/// `partition`: where a usage record's look for meters its gateway did not know
+/// begins, and (at the record's own offset) ends.
+pub fn meter_changed_from(store_id: &str, mode: Mode, partition: u32, offset: u64) -> Vec<u8> {
+    Key::scoped(METER_CHANGED, store_id, mode)
+        .uint(u64::from(partition))
+        .uint(offset)
+        .into_bytes()
+}
+
+/// The `METER_CHANGED` row of a meter created or changed by the record at
+/// `partition`/`offset` (ARCHITECTURE.md, "Meters the gateway did not know").
+pub fn meter_changed_key(
+    store_id: &str,
+    mode: Mode,
+    partition: u32,
+    offset: u64,
+    meter_id: &str,
+) -> Vec<u8> {
+    Key(meter_changed_from(store_id, mode, partition, offset))
+        .text(meter_id)
+        .into_bytes()
+}
+
+/// The meter id of a `METER_CHANGED` row's key.
+pub fn meter_changed_id(key: &[u8]) -> Result<&str, EngineError> {
+    let mut reader = KeyReader::new(key, METER_CHANGED, "a meter-changed key")?;
+    reader.text()?;
+    reader.mode()?;
+    reader.uint()?;
+    reader.uint()?;
+    let id = reader.text()?;
+    reader.end()?;
+    Ok(id)
+}
 
 /// The `"` row of an account whose priced auto-recharge waits for its charge
 /// (docs/api.md, "Thresholds and auto-recharge"); its value is the debit's id.

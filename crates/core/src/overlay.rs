@@ -550,6 +550,34 @@ impl<'a> Overlay<'a> {
         Ok(entries.into_iter().take(limit).collect())
     }
 
+    /// Every entry with a key from `start` up to (not including) `end`: the store's,
+    /// with this chunk's writes on top.
+    pub fn range_entries(
+        &self,
+        start: &[u8],
+        end: &[u8],
+    ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
+        let mut entries = BTreeMap::new();
+        if start >= end {
+            return Ok(entries);
+        }
+        let bounds = (
+            std::ops::Bound::Included(start),
+            std::ops::Bound::Excluded(end),
+        );
+        self.store.scan(bounds.0, bounds.1, false, &mut |k, v| {
+            entries.insert(k.to_vec(), v.to_vec());
+            Visit::Continue
+        })?;
+        for (key, value) in self.changes.range::<[u8], _>(bounds) {
+            match value {
+                Some(v) => entries.insert(key.clone(), v.clone()),
+                None => entries.remove(key),
+            };
+        }
+        Ok(entries)
+    }
+
     /// The entries nearest `key` under `prefix` on each side (`key` itself left
     /// out), this chunk's writes included: what an event arriving out of order sits
     /// between in a time-ordered table.

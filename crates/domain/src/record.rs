@@ -32,6 +32,11 @@ pub enum Record {
         /// The gateway found a purchase settling some of these events in credits
         /// (docs/api.md, "Usage prices"): apply leaves their units for settlement.
         settles: bool,
+        /// The gateway matched the events knowing every record of the partition
+        /// below this offset: a meter created or changed from there up to this
+        /// record decides them in apply (ARCHITECTURE.md, "Meters the gateway did
+        /// not know"). `None` in records of earlier builds.
+        matched_below: Option<u64>,
     },
     /// One step of a backfill (ARCHITECTURE.md "Backfill"): fold the listed stored
     /// events into the meter; the finishing step also folds what arrived since the

@@ -43,9 +43,12 @@ use tally_runtime::ChunkMode;
 /// `1`-`7`: a purchase applied by version 4 bound no usage) and the checkout listing
 /// (`8`); version 6 adds credit grants (tables `{`, `}`, `~`, `^`: every credit
 /// unit belongs to a grant); version 7 adds where each event of a minute is (`z`,
-/// which voids rebuild buckets from: an older projection lacks its events); a projection of another version is refused at start-up (it is rebuilt
-/// from the log by deleting it).
-pub const PROJECTION_FORMAT_VERSION: u32 = 7;
+/// which voids rebuild buckets from: an older projection lacks its events); version
+/// 8 adds where each meter was created or changed (`0x01`, which usage records
+/// matched by a gateway that had not applied it yet read: an older projection
+/// lacks the rows, and a replay would not reproduce it); a projection of another
+/// version is refused at start-up (it is rebuilt from the log by deleting it).
+pub const PROJECTION_FORMAT_VERSION: u32 = 8;
 
 /// Refuses a projection of another layout: one that holds applied records but no
 /// (or another) format version.
@@ -541,9 +544,13 @@ fn apply_record(
         Record::CustomerUpserted(customer) => {
             tally_directory::apply::apply_customer(overlay, customer, base, &mut applied.directory)?
         }
-        Record::MeterUpserted(meter) => {
-            tally_metering::apply::apply_meter(overlay, meter, base, &mut applied.metering)?
-        }
+        Record::MeterUpserted(meter) => tally_metering::apply::apply_meter(
+            overlay,
+            meter,
+            base,
+            (entry.partition, entry.offset),
+            &mut applied.metering,
+        )?,
         Record::ProductUpserted(product) => {
             tally_billing::apply::apply_product(overlay, product, base)?
         }
@@ -580,6 +587,7 @@ fn apply_record(
             mode,
             events,
             settles,
+            matched_below,
         } => {
             // Usage settled in credits: metering says what each new event added to
             // each meter, billing leaves it for settlement. Only records the
@@ -590,8 +598,8 @@ fn apply_record(
                 store_id,
                 *mode,
                 events,
-                entry.partition,
-                entry.offset,
+                (entry.partition, entry.offset),
+                *matched_below,
                 settles.then_some(&mut counted),
             )?;
             if !counted.is_empty() {

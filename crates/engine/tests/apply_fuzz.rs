@@ -751,6 +751,7 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                         event_id_assigned: false,
                     }],
                     settles: *settles,
+                    matched_below: None,
                 }
             }
             Op::OpenAccount {
@@ -1670,6 +1671,7 @@ mod interleaving {
                 event_id_assigned: false,
             }],
             settles: true,
+            matched_below: None,
         }
     }
 

@@ -120,6 +120,7 @@ fn log_entries(batches: &[Vec<GenEvent>]) -> Vec<LogEntry> {
             mode: Mode::Test,
             events: batch.iter().map(|e| usage_event(e, &ids)).collect(),
             settles: false,
+            matched_below: None,
         });
     }
     entries_of(&records)
@@ -379,6 +380,7 @@ fn batch_received(event: &GenEvent, received_ms: i64, meter_ids: &[MeterId]) -> 
             ..usage_event(event, meter_ids)
         }],
         settles: false,
+        matched_below: None,
     }
 }
 
@@ -534,6 +536,7 @@ fn push_batch(
         mode: Mode::Test,
         events: events.iter().map(|e| usage_event(e, ids)).collect(),
         settles: false,
+        matched_below: None,
     });
 }
 
@@ -715,6 +718,134 @@ proptest! {
     }
 }
 
+/// One step of a stream in which meters come into being while events arrive.
+#[derive(Debug, Clone)]
+enum LateStep {
+    /// The next of `meters()` is created.
+    Meter,
+    /// A usage record matched by a gateway that had applied all but the last `lag`
+    /// records before it: it matched only the meters created below that point.
+    Batch {
+        events: Vec<GenEvent>,
+        lag: usize,
+    },
+    Void(Vec<u8>),
+}
+
+fn gen_late_step() -> impl Strategy<Value = LateStep> {
+    prop_oneof![
+        2 => Just(LateStep::Meter),
+        4 => (proptest::collection::vec(gen_event(), 1..8), 0usize..5)
+            .prop_map(|(events, lag)| LateStep::Batch { events, lag }),
+        1 => proptest::collection::vec(0u8..30, 1..3).prop_map(LateStep::Void),
+    ]
+}
+
+/// The log of a stream of `LateStep`s, and the reference's view: for each meter
+/// created, the events that count in it (stored by a record after the meter's,
+/// first id wins, not voided), whatever its gateway knew.
+fn log_with_late_meters(steps: &[LateStep]) -> (Vec<LogEntry>, Vec<(Meter, Vec<GenEvent>)>) {
+    let all = meters();
+    let mut records: Vec<Record> = Vec::new();
+    // Each meter created, with the offset of its record.
+    let mut created: Vec<(Meter, u64)> = Vec::new();
+    // Each stored event, with the offset of its record.
+    let mut stored: Vec<(GenEvent, u64)> = Vec::new();
+    let mut voided = HashSet::new();
+    for step in steps {
+        let offset = records.len() as u64;
+        match step {
+            LateStep::Meter => {
+                if let Some(meter) = all.get(created.len()) {
+                    created.push((meter.clone(), offset));
+                    records.push(Record::MeterUpserted(meter.clone()));
+                }
+            }
+            LateStep::Batch { events, lag } => {
+                let below = offset.saturating_sub(*lag as u64);
+                let known: Vec<MeterId> = created
+                    .iter()
+                    .filter(|(_, at)| *at < below)
+                    .map(|(m, _)| m.id.clone())
+                    .collect();
+                for e in events {
+                    if !stored.iter().any(|(s, _)| s.id == e.id) {
+                        stored.push((e.clone(), offset));
+                    }
+                }
+                records.push(Record::UsageBatch {
+                    store_id: STORE.into(),
+                    mode: Mode::Test,
+                    events: events.iter().map(|e| usage_event(e, &known)).collect(),
+                    settles: false,
+                    matched_below: Some(below),
+                });
+            }
+            LateStep::Void(event_ids) => {
+                if event_ids
+                    .iter()
+                    .all(|id| stored.iter().any(|(s, _)| s.id == *id))
+                {
+                    voided.extend(event_ids.iter().copied());
+                }
+                records.push(Record::EventsVoided {
+                    store_id: STORE.into(),
+                    mode: Mode::Test,
+                    event_ids: event_ids.iter().map(|id| format!("ev{id}")).collect(),
+                    reason: "test".into(),
+                });
+            }
+        }
+    }
+    let counted = created
+        .into_iter()
+        .map(|(meter, at)| {
+            let events = stored
+                .iter()
+                .filter(|(e, by)| *by > at && !voided.contains(&e.id))
+                .map(|(e, _)| e.clone())
+                .collect();
+            (meter, events)
+        })
+        .collect();
+    (entries_of(&records), counted)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// A meter created (or changed) after what a usage record's gateway had applied
+    /// still counts the record's events, exactly once, as the log orders them; a
+    /// void then subtracts them from it exactly; and chunking, checkpoints and
+    /// crashes change nothing.
+    #[test]
+    fn meters_the_gateway_did_not_know_count_events_in_log_order(
+        steps in proptest::collection::vec(gen_late_step(), 1..16),
+        cuts in proptest::collection::vec(0usize..20, 0..6),
+        checkpoints in proptest::collection::vec(any::<bool>(), 0..8),
+        crashes in proptest::collection::vec(gen_crash(), 0..8),
+    ) {
+        let (entries, counted) = log_with_late_meters(&steps);
+        let whole = Arc::new(MemoryStore::new());
+        apply_chunk_in_memory(whole.as_ref(), &mut ProjectorState::empty(), &entries, &entries).unwrap();
+        let chunked = apply_in_chunks(&entries, &cuts);
+        prop_assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
+        let recovered = apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes, 7);
+        prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
+
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (engine, _dir) = runtime.block_on(engine_over(chunked));
+        for (meter, events) in &counted {
+            let events: Vec<&GenEvent> = events.iter().collect();
+            for customer in [None, Some(0u8), Some(1), Some(2)] {
+                let result = usage_of(&engine, meter, customer, T0 + 3_600_000, Window::None);
+                let expected = reference_of(&events, customer, meter.aggregation).map(|d| d.normalize());
+                prop_assert_eq!(result.total.value, expected, "{:?} customer {:?}", meter.aggregation, customer);
+            }
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
 
@@ -858,6 +989,7 @@ fn the_first_event_wins_whatever_comes_later() {
                     ),
                 ],
                 settles: false,
+                matched_below: None,
             });
         }
         for record in &records {
@@ -1067,6 +1199,7 @@ fn distinct_values_past_the_inline_set_stay_exact() {
             mode: Mode::Test,
             events: batch.to_vec(),
             settles: false,
+            matched_below: None,
         });
     }
     let entries = entries_of(&records);

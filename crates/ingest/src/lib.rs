@@ -115,6 +115,9 @@ struct Evaluated<'a> {
     reports: Vec<EventReport>,
     accepted: Vec<UsageEvent>,
     reservations: Reservations<'a>,
+    /// The events were matched knowing every record of the store's partition below
+    /// this offset (`Record::UsageBatch::matched_below`).
+    matched_below: u64,
 }
 
 /// An event that passed validation and customer resolution, before dedup.
@@ -246,6 +249,14 @@ impl Gateway {
         // business time: a test store's test clock (docs/api.md, "Test clock").
         // Receipt time stays the node's clock.
         let business_now = self.journal.now_in(scope);
+        // Read before the meters: every meter of a record below this watermark is in
+        // the cache (caches are updated before the watermark moves), so apply need
+        // decide only the meters changed from here on (ARCHITECTURE.md, "Meters the
+        // gateway did not know").
+        let matched_below = self
+            .journal
+            .runtime()
+            .applied(self.journal.log().partition_for(scope.store_id.as_bytes()));
         let meters = self
             .metering
             .caches()
@@ -417,6 +428,7 @@ impl Gateway {
             reports,
             accepted,
             reservations,
+            matched_below,
         })
     }
 
@@ -533,6 +545,7 @@ impl Gateway {
                     mode: scope.mode,
                     events,
                     settles,
+                    matched_below: Some(evaluated.matched_below),
                 };
                 // On an error, returning drops the reservations: nothing durable
                 // holds the ids, so a retry is accepted (and if the outcome was in fact

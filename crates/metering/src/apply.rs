@@ -114,12 +114,16 @@ pub fn apply_usage_batch(
     store_id: &str,
     mode: Mode,
     events: &[UsageEvent],
-    partition: u32,
-    offset: u64,
+    (partition, offset): (u32, u64),
+    matched_below: Option<u64>,
     mut counted: Option<&mut Vec<Counted>>,
 ) -> Result<(), ApplyError> {
     let mut meters: HashMap<MeterId, Meter> = HashMap::new();
     let revised = revised_meters(overlay, store_id, mode)?;
+    let unknown = match matched_below {
+        Some(below) => meters_changed_since(overlay, store_id, mode, partition, below, offset)?,
+        None => Vec::new(),
+    };
     let mut stored = Vec::new();
     // The stored events by minute (`z` rows, one per minute the record's events fall
     // in): what a void rebuilds a bucket from.
@@ -150,7 +154,7 @@ pub fn apply_usage_batch(
             &event.customer_id,
         );
         for meter_id in &event.matched_meter_ids {
-            if revised.iter().any(|m| m.id == *meter_id) {
+            if revised.iter().chain(&unknown).any(|m| m.id == *meter_id) {
                 continue;
             }
             if !meters.contains_key(meter_id) {
@@ -173,6 +177,19 @@ pub fn apply_usage_batch(
             properties: &event.properties,
         };
         for meter in revised.iter().filter(|m| m.matches(&view)) {
+            fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
+        }
+        // Likewise a meter created or changed after what the gateway knew: its
+        // definition decides, and an event it folds that ingest did not match gets
+        // the marker of an event folded apart from ingest's match (a void reads it,
+        // see `voids::was_folded`).
+        for meter in unknown.iter().filter(|m| m.matches(&view)) {
+            if meter.accrues(event.timestamp_ms) && !event.matched_meter_ids.contains(&meter.id) {
+                overlay.put(
+                    keys::backfilled_key(store_id, mode, &meter.id, &event.event_id),
+                    Vec::new(),
+                );
+            }
             fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
         }
     }
@@ -221,6 +238,37 @@ fn fold_matched(
         }
     }
     Ok(())
+}
+
+/// The meters of a scope created or changed by a record of `partition` from
+/// `below` up to (not including) `offset`: what a usage record's gateway did not
+/// know when it matched the record's events (ARCHITECTURE.md, "Meters the gateway
+/// did not know"). Revised meters are left out: apply decides them anyway. Usually
+/// none, at the cost of one empty range read.
+fn meters_changed_since(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    partition: u32,
+    below: u64,
+    offset: u64,
+) -> Result<Vec<Meter>, EngineError> {
+    let rows = overlay.range_entries(
+        &keys::meter_changed_from(store_id, mode, partition, below),
+        &keys::meter_changed_from(store_id, mode, partition, offset),
+    )?;
+    let mut unknown: Vec<Meter> = Vec::new();
+    for key in rows.keys() {
+        let meter_id = keys::meter_changed_id(key)?;
+        if unknown.iter().any(|m| m.id == *meter_id) {
+            continue;
+        }
+        let meter = load_meter(overlay, store_id, mode, meter_id)?;
+        if meter.revision <= 1 {
+            unknown.push(meter);
+        }
+    }
+    Ok(unknown)
 }
 
 /// The revised meters of a scope (revision > 1), read from their `` ` `` rows: none
@@ -321,6 +369,7 @@ pub fn apply_meter(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     base_updated_at_ms: Option<i64>,
+    (partition, offset): (u32, u64),
     applied: &mut MeteringApplied,
 ) -> Result<(), ApplyError> {
     let (store_id, mode) = (&meter.store_id, meter.mode);
@@ -397,6 +446,13 @@ pub fn apply_meter(
     }
     overlay.put(name_key(&meter.name), meter.id.as_bytes().to_vec());
     overlay.put(key, codec::encode_meter(&meter));
+    // A usage record matched by a gateway that had not applied this one yet
+    // decides the meter in apply (ARCHITECTURE.md, "Meters the gateway did not
+    // know").
+    overlay.put(
+        keys::meter_changed_key(store_id, mode, partition, offset, &meter.id),
+        Vec::new(),
+    );
     applied.meters.push(meter);
     Ok(())
 }

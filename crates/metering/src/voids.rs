@@ -268,8 +268,8 @@ pub fn apply_amend(
         store_id,
         mode,
         std::slice::from_ref(replacement),
-        step.partition,
-        step.offset,
+        (step.partition, step.offset),
+        None,
         None,
     )
 }

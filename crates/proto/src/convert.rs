@@ -811,11 +811,13 @@ pub fn encode_record_with(
             mode,
             events,
             settles,
+            matched_below,
         } => Kind::UsageBatch(v1::UsageBatch {
             store_id: store_id.to_string(),
             mode: mode_to_proto(*mode),
             events: events.iter().map(usage_event_to_proto).collect(),
             settles: *settles,
+            matched_below: *matched_below,
         }),
         Record::MeterBackfill {
             store_id,
@@ -1022,6 +1024,7 @@ pub fn decode_record(
             store_id: b.store_id.into(),
             mode: mode_from_proto(b.mode)?,
             settles: b.settles,
+            matched_below: b.matched_below,
             events: b
                 .events
                 .into_iter()
