@@ -176,6 +176,8 @@ pub enum Record {
         event_id: String,
         reason: String,
         replacement: crate::usage::UsageEvent,
+        /// As `UsageBatch::matched_below`, for the replacement's meters.
+        matched_below: Option<u64>,
     },
     /// A priced auto-recharge charged (or declined) on the customer's last
     /// successful payment method (docs/api.md, "Thresholds and auto-recharge"):

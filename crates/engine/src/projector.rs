@@ -803,6 +803,7 @@ fn apply_record(
             event_id,
             reason,
             replacement,
+            matched_below,
         } => tally_metering::voids::apply_amend(
             overlay,
             tally_metering::voids::VoidStep {
@@ -815,6 +816,7 @@ fn apply_record(
                 offset: entry.offset,
             },
             replacement,
+            *matched_below,
         )?,
         Record::CreditExpiriesDue {
             store_id,

@@ -1068,6 +1068,7 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                     matched_meter_ids: (0..4).map(|m| format!("mtr_{m}").into()).collect(),
                     event_id_assigned: false,
                 },
+                matched_below: None,
             },
             Op::Key { id, revoke: true } => Record::ApiKeyRevoked {
                 store_id: "st_0".into(),

@@ -610,6 +610,7 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>, bool) {
                     event_id: format!("ev{id}"),
                     reason: "test".into(),
                     replacement: usage_event(&replacement, &ids),
+                    matched_below: None,
                 });
             }
         }
@@ -730,6 +731,12 @@ enum LateStep {
         lag: usize,
     },
     Void(Vec<u8>),
+    /// An amendment of one id, matched by a gateway lagging likewise.
+    Amend {
+        id: u8,
+        replacement: GenEvent,
+        lag: usize,
+    },
 }
 
 fn gen_late_step() -> impl Strategy<Value = LateStep> {
@@ -738,6 +745,10 @@ fn gen_late_step() -> impl Strategy<Value = LateStep> {
         4 => (proptest::collection::vec(gen_event(), 1..8), 0usize..5)
             .prop_map(|(events, lag)| LateStep::Batch { events, lag }),
         1 => proptest::collection::vec(0u8..30, 1..3).prop_map(LateStep::Void),
+        // Amended ids among the few generated first (0..30), so most name a
+        // stored event.
+        2 => (0u8..8, gen_event(), 0usize..5)
+            .prop_map(|(id, replacement, lag)| LateStep::Amend { id, replacement, lag }),
     ]
 }
 
@@ -754,6 +765,15 @@ fn log_with_late_meters(steps: &[LateStep]) -> (Vec<LogEntry>, Vec<(Meter, Vec<G
     let mut voided = HashSet::new();
     for step in steps {
         let offset = records.len() as u64;
+        let known_below = |lag: usize| {
+            let below = offset.saturating_sub(lag as u64);
+            let known: Vec<MeterId> = created
+                .iter()
+                .filter(|(_, at)| *at < below)
+                .map(|(m, _)| m.id.clone())
+                .collect();
+            (below, known)
+        };
         match step {
             LateStep::Meter => {
                 if let Some(meter) = all.get(created.len()) {
@@ -762,12 +782,7 @@ fn log_with_late_meters(steps: &[LateStep]) -> (Vec<LogEntry>, Vec<(Meter, Vec<G
                 }
             }
             LateStep::Batch { events, lag } => {
-                let below = offset.saturating_sub(*lag as u64);
-                let known: Vec<MeterId> = created
-                    .iter()
-                    .filter(|(_, at)| *at < below)
-                    .map(|(m, _)| m.id.clone())
-                    .collect();
+                let (below, known) = known_below(*lag);
                 for e in events {
                     if !stored.iter().any(|(s, _)| s.id == e.id) {
                         stored.push((e.clone(), offset));
@@ -793,6 +808,35 @@ fn log_with_late_meters(steps: &[LateStep]) -> (Vec<LogEntry>, Vec<(Meter, Vec<G
                     mode: Mode::Test,
                     event_ids: event_ids.iter().map(|id| format!("ev{id}")).collect(),
                     reason: "test".into(),
+                });
+            }
+            LateStep::Amend {
+                id,
+                replacement,
+                lag,
+            } => {
+                let (below, known) = known_below(*lag);
+                let mut replacement = replacement.clone();
+                let original = stored.iter().find(|(s, _)| s.id == *id);
+                if let Some((original, _)) = original {
+                    replacement.customer = original.customer;
+                }
+                // As in `log_with_voids`: applied when the event is stored and not
+                // voided and the replacement's id is new.
+                let applies = original.is_some()
+                    && !voided.contains(id)
+                    && !stored.iter().any(|(s, _)| s.id == replacement.id);
+                if applies {
+                    voided.insert(*id);
+                    stored.push((replacement.clone(), offset));
+                }
+                records.push(Record::EventAmended {
+                    store_id: STORE.into(),
+                    mode: Mode::Test,
+                    event_id: format!("ev{id}"),
+                    reason: "test".into(),
+                    replacement: usage_event(&replacement, &known),
+                    matched_below: Some(below),
                 });
             }
         }

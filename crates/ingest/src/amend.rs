@@ -49,6 +49,12 @@ impl Gateway {
                 return Err(event_id_taken(&replacement_id).into());
             }
         }
+        // Read before the meters, as ingest does (ARCHITECTURE.md, "Meters the
+        // gateway did not know").
+        let matched_below = self
+            .journal
+            .runtime()
+            .applied(self.journal.log().partition_for(scope.store_id.as_bytes()));
         let meters = self
             .metering
             .caches()
@@ -77,6 +83,7 @@ impl Gateway {
             event_id: event_id.to_string(),
             reason: reason.to_string(),
             replacement: replacement.clone(),
+            matched_below: Some(matched_below),
         };
         let position = self.journal.append(&record).await?;
         // Durable: the projector releases the reservation when it applies the record.

@@ -237,6 +237,7 @@ pub fn apply_amend(
     overlay: &mut Overlay<'_>,
     step: VoidStep<'_>,
     replacement: &UsageEvent,
+    matched_below: Option<u64>,
 ) -> Result<(), ApplyError> {
     let VoidStep { store_id, mode, .. } = step;
     let [event_id] = step.event_ids else {
@@ -269,7 +270,7 @@ pub fn apply_amend(
         mode,
         std::slice::from_ref(replacement),
         (step.partition, step.offset),
-        None,
+        matched_below,
         None,
     )
 }

@@ -791,12 +791,14 @@ pub fn encode_record_with(
             event_id,
             reason,
             replacement,
+            matched_below,
         } => Kind::EventAmended(v1::EventAmended {
             store_id: store_id.to_string(),
             mode: mode_to_proto(*mode),
             event_id: event_id.clone(),
             reason: reason.clone(),
             replacement: Some(usage_event_to_proto(replacement)),
+            matched_below: *matched_below,
         }),
         Record::ApiKeyRevoked { store_id, key_id } => Kind::ApiKeyRevoked(v1::ApiKeyRevoked {
             store_id: store_id.to_string(),
@@ -1011,6 +1013,7 @@ pub fn decode_record(
             replacement: usage_event_from_proto(
                 a.replacement.ok_or(DecodeError::BadField("replacement"))?,
             )?,
+            matched_below: a.matched_below,
         },
         Kind::ApiKeyRevoked(k) => Record::ApiKeyRevoked {
             store_id: k.store_id.into(),
