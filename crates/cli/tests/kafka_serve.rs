@@ -424,6 +424,105 @@ async fn two_nodes_decide_keys_uniqueness_and_updates_once() {
     assert!(node_a.terminate().success());
 }
 
+/// What one node creates, another node uses at once: a customer created through
+/// node A is known to an ingest through node B right after A answered (B catches
+/// up with the log before refusing an unknown customer), and a meter created
+/// through A counts an event B takes right after (apply decides the meters B's
+/// gateway had not applied yet). Each round creates both and ingests at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_one_node_creates_another_uses_at_once() {
+    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+        return;
+    };
+    let topic = tally_log::testsuite::unique_topic("tally-at-once");
+    let flags = kafka_flags(&brokers, &topic);
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let node_a = serve_with(dir_a.path(), &flags);
+    let key = node_a.test_key.clone().expect("keys on first start");
+    let mut flags_b = flags.to_vec();
+    flags_b.extend(["--no-default-store", "--no-webhook-dispatch"]);
+    let node_b = serve_with(dir_b.path(), &flags_b);
+    let http = reqwest::Client::new();
+    let (a, b) = (node_a.test_url.clone(), node_b.test_url.clone());
+    // Load through both nodes keeps their projectors busy, so B is usually behind
+    // what A has just answered (an idle B applies A's records within the round
+    // trip, and the test would prove nothing).
+    let (status, noise) = post(
+        &http,
+        &format!("{a}/v1/customers"),
+        &key,
+        json!({"email": "noise@x.io", "external_id": "noise"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{noise}");
+    let loading = Arc::new(AtomicBool::new(true));
+    let load: Vec<_> = (0..4)
+        .map(|sender| {
+            let (http, key, loading) = (http.clone(), key.clone(), loading.clone());
+            let node = if sender % 2 == 0 { a.clone() } else { b.clone() };
+            tokio::spawn(async move {
+                let mut batch = 0;
+                while loading.load(Ordering::Relaxed) {
+                    let events: Vec<Value> = (0..100)
+                        .map(|i| json!({"name": "noise", "external_customer_id": "noise", "event_id": format!("noise-{sender}-{batch}-{i}"), "properties": {"n": 1}}))
+                        .collect();
+                    let (status, answer) = post(
+                        &http,
+                        &format!("{node}/v1/events/ingest"),
+                        &key,
+                        json!({ "events": events }),
+                    )
+                    .await
+                    .unwrap();
+                    assert!(status == 202 || status == 503, "{answer}");
+                    batch += 1;
+                }
+            })
+        })
+        .collect();
+    const ROUNDS: usize = 10;
+    let mut meters = Vec::new();
+    for round in 0..ROUNDS {
+        // Odd rounds create the customer last (B most often lacks the customer),
+        // even rounds the meter (B most often knows the customer, not the meter).
+        let meter_body = json!({"name": format!("m{round}"), "event_name": format!("call{round}"), "aggregation": "sum", "aggregation_property": "n"});
+        let customer_body =
+            json!({"email": format!("r{round}@x.io"), "external_id": format!("r{round}")});
+        let (meters_url, customers_url) = (format!("{a}/v1/meters"), format!("{a}/v1/customers"));
+        let ((status, meter), (customer_status, customer)) = if round % 2 == 1 {
+            let meter = post(&http, &meters_url, &key, meter_body).await.unwrap();
+            let customer = post(&http, &customers_url, &key, customer_body)
+                .await
+                .unwrap();
+            (meter, customer)
+        } else {
+            let customer = post(&http, &customers_url, &key, customer_body)
+                .await
+                .unwrap();
+            let meter = post(&http, &meters_url, &key, meter_body).await.unwrap();
+            (meter, customer)
+        };
+        assert_eq!(status, 200, "{meter}");
+        assert_eq!(customer_status, 200, "{customer}");
+        let event = json!({"events": [{"name": format!("call{round}"), "external_customer_id": format!("r{round}"), "event_id": format!("ev{round}"), "properties": {"n": round + 1}}]});
+        let (status, answer) = post(&http, &format!("{b}/v1/events/ingest"), &key, event)
+            .await
+            .unwrap();
+        assert_eq!(status, 202, "round {round}: {answer}");
+        meters.push(meter["id"].as_str().unwrap().to_string());
+    }
+    loading.store(false, Ordering::Relaxed);
+    for sender in load {
+        sender.await.unwrap();
+    }
+    for (round, meter) in meters.iter().enumerate() {
+        for node in [&a, &b] {
+            wait_for_usage(&http, node, &key, meter, &(round + 1).to_string()).await;
+        }
+    }
+}
+
 /// How long a client keeps retrying a request on the nodes.
 const RETRY_FOR_SECONDS: u64 = 120;
 

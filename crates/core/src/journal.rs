@@ -497,6 +497,14 @@ impl Journal {
         self.now_ms().max(base.saturating_add(1))
     }
 
+    /// `wait_caught_up`, given up after `limit`: whether the node caught up.
+    pub async fn caught_up_within(&self, limit: Duration) -> bool {
+        matches!(
+            tokio::time::timeout(limit, self.wait_caught_up()).await,
+            Ok(Ok(()))
+        )
+    }
+
     /// Waits until everything durable in the log at this moment is applied.
     pub async fn wait_caught_up(&self) -> Result<(), EngineError> {
         for partition in 0..self.log.partition_count() {

@@ -376,12 +376,8 @@ pub async fn found_after_catching_up(
     if first.status() != StatusCode::NOT_FOUND || appended > 0 {
         return first;
     }
-    let caught_up = tokio::time::timeout(
-        Duration::from_millis(CATCH_UP_BEFORE_NOT_FOUND_MS),
-        state.engine.wait_caught_up(),
-    )
-    .await;
-    if !matches!(caught_up, Ok(Ok(()))) {
+    let limit = Duration::from_millis(CATCH_UP_BEFORE_NOT_FOUND_MS);
+    if !state.engine.journal().caught_up_within(limit).await {
         return first;
     }
     next.run(again.map(Body::from)).await

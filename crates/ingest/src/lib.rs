@@ -34,6 +34,13 @@ use tally_domain::usage::{validate_event, CustomerRef, RawUsageEvent, UsageEvent
 use tally_domain::FieldError;
 use tally_metering::Metering;
 
+/// How long a batch naming a customer this node does not know waits for the node
+/// to apply what the log holds before it is refused: on a log shared between nodes,
+/// a customer created through another node is durable before its creator answers,
+/// yet this node may not have applied it. A few times the usual apply lag, and well
+/// within a client's timeout (as the HTTP layer's wait before a 404).
+pub const CATCH_UP_BEFORE_UNKNOWN_CUSTOMER_MS: u64 = 5_000;
+
 /// What the gateway asks of the directory: it owns this port, the composition root
 /// implements it.
 pub trait Customers: Send + Sync {
@@ -280,6 +287,7 @@ impl Gateway {
         let mut billed_cache: HashMap<(String, String), bool> = HashMap::new();
         let mut reports = Vec::with_capacity(raws.len());
         let mut candidates: Vec<Option<Candidate>> = Vec::with_capacity(raws.len());
+        let mut caught_up = false;
         for (index, raw) in raws.iter().enumerate() {
             let mut report = EventReport {
                 valid: false,
@@ -303,10 +311,19 @@ impl Gateway {
                     continue;
                 }
             };
-            let Some(customer_id) = self
+            let mut resolved = self
                 .customers
-                .resolve_customer(scope, &validated.customer)?
-            else {
+                .resolve_customer(scope, &validated.customer)?;
+            if resolved.is_none() && !caught_up && self.journal.log().shared_between_nodes() {
+                // Once per batch: the node catches up with the log and looks again.
+                caught_up = true;
+                let limit = std::time::Duration::from_millis(CATCH_UP_BEFORE_UNKNOWN_CUSTOMER_MS);
+                self.journal.caught_up_within(limit).await;
+                resolved = self
+                    .customers
+                    .resolve_customer(scope, &validated.customer)?;
+            }
+            let Some(customer_id) = resolved else {
                 let (param, what) = match &validated.customer {
                     CustomerRef::Id(id) => ("customer_id", format!("no customer with id '{id}'")),
                     CustomerRef::External(e) => (
