@@ -591,7 +591,18 @@ fn apply_record(
         } => {
             // Usage settled in credits: metering says what each new event added to
             // each meter, billing leaves it for settlement. Only records the
-            // gateway marked pay for the accounting.
+            // gateway marked pay for the accounting, or, when that gateway had not
+            // applied everything before the record, those a purchase binds now (one
+            // completed through another node moments before binds them too).
+            let behind = matched_below.is_some_and(|below| below < entry.offset);
+            let settles = *settles
+                || (behind
+                    && tally_billing::settlement::is_bound_by(
+                        |key| overlay.get(key),
+                        store_id,
+                        *mode,
+                        events,
+                    )?);
             let mut counted = Vec::new();
             tally_metering::apply::apply_usage_batch(
                 overlay,

@@ -1732,6 +1732,68 @@ mod interleaving {
         Ok(store)
     }
 
+    /// A usage record whose gateway had not applied the purchase before it (a
+    /// checkout completed through another node moments before) still leaves its
+    /// units for settlement: apply asks the bindings itself. A record of an
+    /// earlier build (no `matched_below`) keeps the gateway's answer, and a
+    /// gateway's yes stands.
+    #[test]
+    fn a_purchase_the_gateway_did_not_know_still_settles_its_usage() {
+        for (gateway_says, matched_below, pending_expected) in
+            [(false, Some(0), 1), (false, None, 0), (true, None, 1)]
+        {
+            let checkout = Op::Checkout {
+                id: 0,
+                product: 0,
+                discount: None,
+            };
+            let envelope = Envelope {
+                base: None,
+                request: None,
+                half_days: 0,
+            };
+            let mut records: Vec<Record> = (0..4)
+                .map(|i| Record::MeterUpserted(meter(i, i, i)))
+                .collect();
+            records.push(Record::ProductUpserted(product(0, &[1], false)));
+            records.push(Record::CheckoutCreated(billing::checkout(0, 0, None)));
+            records.push(Record::CheckoutCompleted(billing::completion(
+                &[(checkout, envelope)],
+                0,
+                (0, 0, 0),
+                false,
+            )));
+            let mut record = usage(0, 5);
+            if let Record::UsageBatch {
+                settles,
+                matched_below: below,
+                ..
+            } = &mut record
+            {
+                *settles = gateway_says;
+                *below = matched_below;
+            }
+            records.push(record);
+            let log: Vec<LogEntry> = records
+                .iter()
+                .enumerate()
+                .map(|(i, r)| entry(0, i, r))
+                .collect();
+            let store = MemoryStore::new();
+            apply_chunk_in_memory(&store, &mut ProjectorState::empty(), &log, &log).unwrap();
+            let mut pending = 0;
+            scan_prefix(&store, &[keys::SETTLEMENT_PENDING], false, &mut |_, _| {
+                pending += 1;
+                Visit::Continue
+            })
+            .unwrap();
+            assert_eq!(
+                pending, pending_expected,
+                "gateway says {gateway_says}, matched below {matched_below:?}"
+            );
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
         #[test]
