@@ -497,6 +497,15 @@ impl Journal {
         self.now_ms().max(base.saturating_add(1))
     }
 
+    /// The watermark of the store's partition: every record of the store below it
+    /// is applied here, and what it changed is in the caches. What a gateway reads
+    /// before it decides from those caches (ARCHITECTURE.md, "Meters the gateway
+    /// did not know").
+    pub fn applied_for_store(&self, store_id: &str) -> u64 {
+        self.runtime
+            .applied(self.log.partition_for(store_id.as_bytes()))
+    }
+
     /// `wait_caught_up`, given up after `limit`: whether the node caught up.
     pub async fn caught_up_within(&self, limit: Duration) -> bool {
         matches!(

@@ -112,9 +112,9 @@ pub async fn request_context(
     if response.status() == StatusCode::PAYLOAD_TOO_LARGE {
         // A body refused at the limit is not read to its end, so the rest of it is
         // still on the connection: no further request can follow on it. Saying so
-        // on every 413 (one rule for both size refusals)
-        // keeps a client from putting the connection back in its pool and sending
-        // its next request into a socket the server is closing.
+        // on every 413 (one rule for both size refusals) keeps a client from
+        // putting the connection back in its pool and sending its next request
+        // into a socket the server is closing.
         response.headers_mut().insert(
             axum::http::header::CONNECTION,
             HeaderValue::from_static("close"),

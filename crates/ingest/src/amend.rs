@@ -51,10 +51,7 @@ impl Gateway {
         }
         // Read before the meters, as ingest does (ARCHITECTURE.md, "Meters the
         // gateway did not know").
-        let matched_below = self
-            .journal
-            .runtime()
-            .applied(self.journal.log().partition_for(scope.store_id.as_bytes()));
+        let matched_below = self.journal.applied_for_store(&scope.store_id);
         let meters = self
             .metering
             .caches()

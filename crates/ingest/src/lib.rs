@@ -260,10 +260,7 @@ impl Gateway {
         // the cache (caches are updated before the watermark moves), so apply need
         // decide only the meters changed from here on (ARCHITECTURE.md, "Meters the
         // gateway did not know").
-        let matched_below = self
-            .journal
-            .runtime()
-            .applied(self.journal.log().partition_for(scope.store_id.as_bytes()));
+        let matched_below = self.journal.applied_for_store(&scope.store_id);
         let meters = self
             .metering
             .caches()
