@@ -273,17 +273,10 @@ async fn post_keyed(
 /// keep both changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_nodes_decide_keys_uniqueness_and_updates_once() {
-    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+    let Some((replicas, [node_a, node_b])) = Replicas::start("tally-nodes") else {
         return;
     };
-    let topic = tally_log::testsuite::unique_topic("tally-nodes");
-    let flags = kafka_flags(&brokers, &topic);
-    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let node_a = serve_with(dir_a.path(), &flags);
-    let key = node_a.test_key.clone().expect("keys on first start");
-    let mut flags_b = flags.to_vec();
-    flags_b.extend(["--no-default-store", "--no-webhook-dispatch"]);
-    let node_b = serve_with(dir_b.path(), &flags_b);
+    let key = replicas.key.clone();
     let http = reqwest::Client::new();
     let nodes = [node_a.test_url.clone(), node_b.test_url.clone()];
     for _ in 0..200 {
@@ -431,17 +424,10 @@ async fn two_nodes_decide_keys_uniqueness_and_updates_once() {
 /// gateway had not applied yet). Each round creates both and ingests at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_one_node_creates_another_uses_at_once() {
-    let Some(brokers) = tally_log::testsuite::test_brokers() else {
+    let Some((replicas, [node_a, node_b])) = Replicas::start("tally-at-once") else {
         return;
     };
-    let topic = tally_log::testsuite::unique_topic("tally-at-once");
-    let flags = kafka_flags(&brokers, &topic);
-    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let node_a = serve_with(dir_a.path(), &flags);
-    let key = node_a.test_key.clone().expect("keys on first start");
-    let mut flags_b = flags.to_vec();
-    flags_b.extend(["--no-default-store", "--no-webhook-dispatch"]);
-    let node_b = serve_with(dir_b.path(), &flags_b);
+    let key = replicas.key.clone();
     let http = reqwest::Client::new();
     let (a, b) = (node_a.test_url.clone(), node_b.test_url.clone());
     // Load through both nodes keeps their projectors busy, so B is usually behind
@@ -561,7 +547,7 @@ async fn post_retrying(
     panic!("no node answered {path} within {RETRY_FOR_SECONDS} s ({attempt} attempts)");
 }
 
-/// Three full-replica nodes on a new topic: the first creates the default store, the
+/// Full-replica nodes on a new topic: the first creates the default store, the
 /// others follow it (no default store, no webhook dispatch).
 struct Replicas {
     brokers: String,
@@ -571,22 +557,27 @@ struct Replicas {
 }
 
 impl Replicas {
-    /// Starts them; `None` without a test broker.
-    fn start(topic_prefix: &str) -> Option<(Replicas, [Served; 3])> {
+    /// Starts `N` of them; `None` without a test broker.
+    fn start<const N: usize>(topic_prefix: &str) -> Option<(Replicas, [Served; N])> {
         let brokers = tally_log::testsuite::test_brokers()?;
         let topic = tally_log::testsuite::unique_topic(topic_prefix);
-        let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+        let dirs: Vec<_> = (0..N).map(|_| tempfile::tempdir().unwrap()).collect();
         let mut replicas = Replicas {
             brokers,
             topic,
             dirs,
             key: String::new(),
         };
-        let node_a = serve_with(replicas.dirs[0].path(), &replicas.flags());
-        replicas.key = node_a.test_key.clone().expect("keys on first start");
-        let node_b = replicas.follower(1);
-        let node_c = replicas.follower(2);
-        Some((replicas, [node_a, node_b, node_c]))
+        let nodes = std::array::from_fn(|n| {
+            if n == 0 {
+                let first = serve_with(replicas.dirs[0].path(), &replicas.flags());
+                replicas.key = first.test_key.clone().expect("keys on first start");
+                first
+            } else {
+                replicas.follower(n)
+            }
+        });
+        Some((replicas, nodes))
     }
 
     fn flags(&self) -> Vec<&str> {

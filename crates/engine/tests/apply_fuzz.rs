@@ -1732,6 +1732,33 @@ mod interleaving {
         Ok(store)
     }
 
+    /// Meters 0-3, a product pricing meter 1's usage, and its checkout completed:
+    /// customer 0's usage of meter 1 is bound from then on.
+    fn purchase() -> Vec<Record> {
+        let checkout = Op::Checkout {
+            id: 0,
+            product: 0,
+            discount: None,
+        };
+        let envelope = Envelope {
+            base: None,
+            request: None,
+            half_days: 0,
+        };
+        let mut records: Vec<Record> = (0..4)
+            .map(|i| Record::MeterUpserted(meter(i, i, i)))
+            .collect();
+        records.push(Record::ProductUpserted(product(0, &[1], false)));
+        records.push(Record::CheckoutCreated(billing::checkout(0, 0, None)));
+        records.push(Record::CheckoutCompleted(billing::completion(
+            &[(checkout, envelope)],
+            0,
+            (0, 0, 0),
+            false,
+        )));
+        records
+    }
+
     /// A usage record whose gateway had not applied the purchase before it (a
     /// checkout completed through another node moments before) still leaves its
     /// units for settlement: apply asks the bindings itself. A record of an
@@ -1742,27 +1769,7 @@ mod interleaving {
         for (gateway_says, matched_below, pending_expected) in
             [(false, Some(0), 1), (false, None, 0), (true, None, 1)]
         {
-            let checkout = Op::Checkout {
-                id: 0,
-                product: 0,
-                discount: None,
-            };
-            let envelope = Envelope {
-                base: None,
-                request: None,
-                half_days: 0,
-            };
-            let mut records: Vec<Record> = (0..4)
-                .map(|i| Record::MeterUpserted(meter(i, i, i)))
-                .collect();
-            records.push(Record::ProductUpserted(product(0, &[1], false)));
-            records.push(Record::CheckoutCreated(billing::checkout(0, 0, None)));
-            records.push(Record::CheckoutCompleted(billing::completion(
-                &[(checkout, envelope)],
-                0,
-                (0, 0, 0),
-                false,
-            )));
+            let mut records = purchase();
             let mut record = usage(0, 5);
             if let Record::UsageBatch {
                 settles,
@@ -1804,16 +1811,7 @@ mod interleaving {
             a in proptest::collection::vec(any::<bool>(), 0..40),
             b in proptest::collection::vec(any::<bool>(), 0..40),
         ) {
-            let checkout = Op::Checkout { id: 0, product: 0, discount: None };
-            let envelope = Envelope { base: None, request: None, half_days: 0 };
-            let mut p0_records: Vec<Record> = (0..4)
-                .map(|i| Record::MeterUpserted(meter(i, i, i)))
-                .collect();
-            p0_records.push(Record::ProductUpserted(product(0, &[1], false)));
-            p0_records.push(Record::CheckoutCreated(billing::checkout(0, 0, None)));
-            p0_records.push(Record::CheckoutCompleted(billing::completion(
-                &[(checkout, envelope)], 0, (0, 0, 0), false,
-            )));
+            let mut p0_records = purchase();
             let seed = transaction(
                 "ctx_seed".into(),
                 TransactionKind::InitialBalance,

@@ -479,6 +479,30 @@ proptest! {
     }
 }
 
+/// The log applied in the chunks ending at `cuts`, once it is checked against one
+/// replay of the whole log: that application, and one through a checkpointing
+/// layer with `checkpoints` and `crashes`, end in the replay's state.
+fn chunked_agreeing_with_replay(
+    entries: &[LogEntry],
+    cuts: &[usize],
+    checkpoints: &[bool],
+    crashes: &[Crash],
+) -> Result<Arc<MemoryStore>, TestCaseError> {
+    let whole = Arc::new(MemoryStore::new());
+    apply_chunk_in_memory(
+        whole.as_ref(),
+        &mut ProjectorState::empty(),
+        entries,
+        entries,
+    )
+    .unwrap();
+    let chunked = apply_in_chunks(entries, cuts);
+    prop_assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
+    let recovered = apply_with_checkpoints_and_crashes(entries, cuts, checkpoints, crashes, 7);
+    prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
+    Ok(chunked)
+}
+
 /// One step of a stream with voids: a usage record, a void of some ids, or an
 /// amendment of one id (its replacement: the generated event, kept with the
 /// amended event's customer).
@@ -669,12 +693,7 @@ proptest! {
         crashes in proptest::collection::vec(gen_crash(), 0..8),
     ) {
         let (entries, counted, revised) = log_with_voids(&steps);
-        let whole = Arc::new(MemoryStore::new());
-        apply_chunk_in_memory(whole.as_ref(), &mut ProjectorState::empty(), &entries, &entries).unwrap();
-        let chunked = apply_in_chunks(&entries, &cuts);
-        prop_assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
-        let recovered = apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes, 7);
-        prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
+        let chunked = chunked_agreeing_with_replay(&entries, &cuts, &checkpoints, &crashes)?;
 
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let (engine, _dir) = runtime.block_on(engine_over(chunked));
@@ -870,12 +889,7 @@ proptest! {
         crashes in proptest::collection::vec(gen_crash(), 0..8),
     ) {
         let (entries, counted) = log_with_late_meters(&steps);
-        let whole = Arc::new(MemoryStore::new());
-        apply_chunk_in_memory(whole.as_ref(), &mut ProjectorState::empty(), &entries, &entries).unwrap();
-        let chunked = apply_in_chunks(&entries, &cuts);
-        prop_assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
-        let recovered = apply_with_checkpoints_and_crashes(&entries, &cuts, &checkpoints, &crashes, 7);
-        prop_assert_eq!(recovered.digest().unwrap(), whole.digest().unwrap());
+        let chunked = chunked_agreeing_with_replay(&entries, &cuts, &checkpoints, &crashes)?;
 
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let (engine, _dir) = runtime.block_on(engine_over(chunked));
