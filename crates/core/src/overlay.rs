@@ -935,19 +935,24 @@ pub struct Committed {
 
 /// The cache key of a customer id or external id within a scope.
 pub fn customer_cache_key(store_id: &str, mode: Mode, id: &str) -> String {
-    format!("{store_id}\u{0}{}\u{0}{id}", mode.key_byte() as char)
+    scoped_cache_key(store_id, mode, id)
 }
 
 /// The in-flight key of an event id (see metering's `MeteringCaches::inflight_events`).
 pub fn inflight_key(store_id: &str, mode: Mode, event_id: &str) -> String {
-    // Built by hand: this runs for every ingested event, and `format!` cost more
-    // than the pushes.
-    let mut key = String::with_capacity(store_id.len() + event_id.len() + 3);
+    scoped_cache_key(store_id, mode, event_id)
+}
+
+/// `store NUL mode NUL id`, the key of the in-memory caches. Built by hand: both
+/// keys are built for every ingested event, and `format!` cost more than the pushes
+/// (~2% of intake's CPU under the ingest benchmark).
+fn scoped_cache_key(store_id: &str, mode: Mode, id: &str) -> String {
+    let mut key = String::with_capacity(store_id.len() + id.len() + 3);
     key.push_str(store_id);
     key.push('\u{0}');
     key.push(mode.key_byte() as char);
     key.push('\u{0}');
-    key.push_str(event_id);
+    key.push_str(id);
     key
 }
 

@@ -323,7 +323,12 @@ impl tally_runtime::Projection for Engine {
         entries: Vec<tally_log::LogEntry>,
         mode: tally_runtime::ChunkMode,
     ) -> Self::Chunk {
-        self.projection.decode(entries, mode)
+        // This node's own usage records come as they were appended, not decoded
+        // (`Journal::append_handing_off`).
+        let handed_off = self
+            .journal
+            .take_handed_off(entries.iter().map(|entry| (entry.partition, entry.offset)));
+        projector::DecodedChunk::handed_off(entries, mode, handed_off)
     }
 
     fn skipped_from(&self, partition: u32) -> Result<Option<u64>, String> {

@@ -129,6 +129,28 @@ impl DecodedChunk {
         }
     }
 
+    /// Like `with_mode`, taking the records handed over for some entries (one
+    /// option per entry, in order) instead of decoding those.
+    pub fn handed_off(
+        entries: Vec<LogEntry>,
+        mode: ChunkMode,
+        handed_off: Vec<Option<(Record, RecordMeta)>>,
+    ) -> DecodedChunk {
+        let mut handed_off = handed_off.into_iter();
+        let records = entries
+            .iter()
+            .map(|entry| match handed_off.next().flatten() {
+                Some(record) => Ok(record),
+                None => decode_entry(entry),
+            })
+            .collect();
+        DecodedChunk {
+            entries,
+            records,
+            mode,
+        }
+    }
+
     /// Whether `mode` applies the entry at `index` (see `ChunkMode`): a record that
     /// does not decode is nobody's to share, so it goes with the owner's records.
     fn applies(&self, index: usize) -> bool {
