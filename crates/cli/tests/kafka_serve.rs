@@ -109,6 +109,17 @@ async fn serving_on_kafka_is_exact_and_survives_restarts() {
     let batch = |ids: std::ops::Range<usize>| -> Value {
         json!({"events": ids.map(|i| json!({"name": "e", "external_customer_id": format!("k{}", i % 6), "event_id": format!("ev{i}"), "properties": {"n": i}})).collect::<Vec<_>>()})
     };
+    // A batch is one record, whatever partitions its customers' ids would fall in:
+    // a store's records share a partition (an earlier build split the batch by
+    // customer into up to one record per partition).
+    let appends = || {
+        metric_sum(
+            &http,
+            &served.prod_url,
+            "tally_log_append_duration_seconds_count",
+        )
+    };
+    let appended_before = appends().await;
     let (status, first) = post(
         &http,
         &format!("{base}/v1/events/ingest"),
@@ -118,6 +129,11 @@ async fn serving_on_kafka_is_exact_and_survives_restarts() {
     .await
     .unwrap();
     assert_eq!(status, 202, "{first}");
+    assert_eq!(
+        appends().await - appended_before,
+        1.0,
+        "six customers' events in one batch are one record"
+    );
     let (_, again) = post(
         &http,
         &format!("{base}/v1/events/ingest"),
