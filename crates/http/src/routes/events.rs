@@ -1,6 +1,7 @@
 //! `/v1/events`: ingest, preview, list, get, void, amend.
 
 use axum::extract::State;
+use axum::http::header::{HeaderName, CONTENT_TYPE};
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use serde_json::{json, Value};
@@ -40,13 +41,22 @@ pub async fn ingest(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
     UsageEvents(raws): UsageEvents,
-) -> ApiResult<(StatusCode, Json<wire::IngestAnswer>)> {
-    let answer = crate::intake::run(async move {
+) -> ApiResult<(StatusCode, [(HeaderName, &'static str); 1], Vec<u8>)> {
+    // The answer (a report per event) is serialized on the intake runtime too, as
+    // `Json` would write it: on a request worker it was ~15% of the workers' time
+    // under the ingest benchmark, at request priority, in front of the queries
+    // those workers serve.
+    let body = crate::intake::run(async move {
         let outcome = state.engine.gateway().ingest_events(&scope, &raws).await?;
-        Ok(wire::ingest_answer(outcome))
+        serde_json::to_vec(&wire::ingest_answer(outcome))
+            .map_err(|e| ApiError::internal(format!("serializing the ingest answer: {e}")))
     })
     .await?;
-    Ok((StatusCode::ACCEPTED, Json(answer)))
+    Ok((
+        StatusCode::ACCEPTED,
+        [(CONTENT_TYPE, "application/json")],
+        body,
+    ))
 }
 
 #[utoipa::path(
