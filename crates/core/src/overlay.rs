@@ -19,7 +19,7 @@ use crate::event_index::{self, EventIndex, EventLocation};
 use crate::keys::{self, StoredEventsKey};
 use crate::outcome::Outcome;
 use crate::series::{series_of, BucketId, SeriesId, SeriesNames};
-pub use crate::series::{FastIndexMap, FastMap};
+pub use crate::series::{FastDashMap, FastIndexMap, FastMap};
 use crate::sparse_keys::SparseKeys;
 
 /// A record that stores usage events (a usage batch, or an amendment with its

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use tally_core::keys;
-use tally_core::overlay::customer_cache_key;
+use tally_core::overlay::{customer_cache_key, FastDashMap};
 use tally_core::{EngineError, Journal, Scope};
 use tally_domain::record::StoreRecord;
 use tally_domain::usage::CustomerRef;
@@ -37,10 +37,10 @@ pub struct DirectoryCaches {
     pub key_permissions: DashMap<Vec<u8>, Vec<String>>,
     /// Customer ids known to exist (`scope key + id`). Customers are never deleted,
     /// so an entry never goes stale.
-    pub known_customers: DashMap<String, ()>,
+    pub known_customers: FastDashMap<String, ()>,
     /// `scope key + external id` -> customer id. Filled by `resolve_customer` only
     /// when no customer changed while it looked the id up (see `customer_generation`).
-    pub external_ids: DashMap<String, String>,
+    pub external_ids: FastDashMap<String, String>,
     /// Bumped (under its write lock) after a commit removed the mappings a customer
     /// update made stale; `resolve_customer` checks and inserts under the read lock,
     /// so a lookup that raced an update is never cached.

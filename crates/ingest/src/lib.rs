@@ -24,9 +24,8 @@ use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use dashmap::mapref::entry::Entry;
-use dashmap::DashMap;
 use tally_core::ids::new_id;
-use tally_core::overlay::inflight_key;
+use tally_core::overlay::{inflight_key, FastDashMap};
 use tally_core::{EngineError, Journal, Scope};
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
@@ -142,12 +141,12 @@ struct Candidate {
 /// `hand_over` leaves them to the projector, which releases them when it applies the
 /// record.
 struct Reservations<'a> {
-    inflight: &'a DashMap<String, u64>,
+    inflight: &'a FastDashMap<String, u64>,
     keys: Vec<String>,
 }
 
 impl<'a> Reservations<'a> {
-    fn new(inflight: &'a DashMap<String, u64>) -> Self {
+    fn new(inflight: &'a FastDashMap<String, u64>) -> Self {
         Reservations {
             inflight,
             keys: Vec::new(),

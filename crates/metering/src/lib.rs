@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use tally_core::event_index::EventIndex;
+use tally_core::overlay::FastDashMap;
 use tally_core::{codec, keys, pagination, EngineError, Journal, Scope};
 use tally_domain::meter::Meter;
 
@@ -52,7 +53,7 @@ pub struct MeteringCaches {
     /// Together with the event index this makes dedup exact under concurrent
     /// requests: a reservation is made atomically before the append and removed only
     /// after the projector has stored the event and updated the index.
-    pub inflight_events: DashMap<String, u64>,
+    pub inflight_events: FastDashMap<String, u64>,
     /// Every stored event of the dedup horizon and where it is in the log
     /// (event_index.rs). The projector updates it after each commit.
     pub events: Arc<EventIndex>,
