@@ -121,16 +121,12 @@ impl DecodedChunk {
     }
 
     pub fn with_mode(entries: Vec<LogEntry>, mode: ChunkMode) -> DecodedChunk {
-        let records = entries.iter().map(decode_entry).collect();
-        DecodedChunk {
-            entries,
-            records,
-            mode,
-        }
+        DecodedChunk::handed_off(entries, mode, Vec::new())
     }
 
     /// Like `with_mode`, taking the records handed over for some entries (one
-    /// option per entry, in order) instead of decoding those.
+    /// option per entry, in order; missing ones are decoded) instead of decoding
+    /// those.
     pub fn handed_off(
         entries: Vec<LogEntry>,
         mode: ChunkMode,
