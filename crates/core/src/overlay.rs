@@ -18,7 +18,7 @@ use crate::error::EngineError;
 use crate::event_index::{self, EventIndex, EventLocation};
 use crate::keys::{self, StoredEventsKey};
 use crate::outcome::Outcome;
-use crate::series::{series_of, BucketId, SeriesId, SeriesNames};
+use crate::series::{BucketId, SeriesId, SeriesNames};
 pub use crate::series::{FastDashMap, FastIndexMap, FastMap};
 use crate::sparse_keys::SparseKeys;
 
@@ -105,8 +105,6 @@ pub struct Overlay<'a> {
     new_events: FastMap<String, EventLocation>,
     /// Decoded distinct-value sets of this chunk (`u`), encoded once at the end.
     distinct_sets: FastIndexMap<BucketId, BTreeSet<Vec<u8>>>,
-    /// The newest stored minute of series this chunk looked up (see `BucketCache`).
-    learned: FastMap<SeriesId, i64>,
     /// The series of this chunk's bucket ids when it has no cache (with one, the
     /// cache's names, so ids stay valid from chunk to chunk).
     names: SeriesNames,
@@ -177,10 +175,11 @@ impl From<Outcome> for ApplyError {
 /// table byte and minute), the newest minute the store holds a bucket of, so the
 /// first event of a new minute does not look up a bucket that cannot exist (in a
 /// profile of the ingest benchmark those lookups were a fifth of the server's CPU).
-/// A series is known once it was looked up (`newest_stored`) or when the map is
-/// `complete` (it started over a projection with no bucket at all); it is updated
-/// only from commits, so "newer than the newest known minute" always means "not in
-/// the store". Distinct sets (`u`) are written with their minute's bucket, so the
+/// The map is kept only while it is `complete` (the cache started over a
+/// projection with no bucket at all, and every commit since updated it), so "newer
+/// than the newest known minute", or "a series it does not know", always means "not
+/// in the store". A cache that started over stored buckets, or was emptied, reads
+/// every bucket it does not hold. Distinct sets (`u`) are written with their minute's bucket, so the
 /// same knowledge answers for them.
 #[derive(Debug, Default)]
 pub struct BucketCache {
@@ -246,31 +245,25 @@ impl BucketCache {
         Some(set)
     }
 
-    /// Brings the cache up to a commit: its buckets, and the newest minute of each
-    /// series that was known (or learned by the chunk) before it.
+    /// Brings the cache up to a commit: its buckets, and (while `complete`) the
+    /// newest minute of each of their series.
     pub fn absorb(&mut self, committed: &mut Committed) {
         // Emptied whole, names and all: the commit's ids are then dropped with the
-        // rest (it is in the store already), and a series is learned again before
-        // any of its buckets can be folded, so a commit never meets a series it
-        // does not know while the map is incomplete.
+        // rest (it is in the store already), and the emptied cache is no longer
+        // `complete`, so it reads what it does not hold.
         if self.names.len() > MAX_KNOWN_SERIES {
             *self = BucketCache::default();
             committed.buckets.clear();
             committed.distinct_sets.clear();
-            committed.learned.clear();
             return;
         }
         if self.buckets.len() + committed.buckets.len() > MAX_CACHED_BUCKETS {
             evict_oldest_minutes(&mut self.buckets, MAX_CACHED_BUCKETS, |_| 1);
         }
-        self.newest.extend(committed.learned.drain());
-        for bucket in committed.buckets.keys() {
-            match self.newest.get_mut(&bucket.series) {
-                Some(newest) => *newest = (*newest).max(bucket.minute),
-                None if self.complete => {
-                    self.newest.insert(bucket.series, bucket.minute);
-                }
-                None => {}
+        if self.complete {
+            for bucket in committed.buckets.keys() {
+                let newest = self.newest.entry(bucket.series).or_insert(bucket.minute);
+                *newest = (*newest).max(bucket.minute);
             }
         }
         self.buckets.extend(committed.buckets.drain(..));
@@ -335,7 +328,6 @@ impl<'a> Overlay<'a> {
             chunk: HashMap::new(),
             new_events: FastMap::default(),
             distinct_sets: FastIndexMap::default(),
-            learned: FastMap::default(),
             names: SeriesNames::default(),
             pruned: Vec::new(),
         }
@@ -678,7 +670,7 @@ impl<'a> Overlay<'a> {
         if let Some(aggregate) = self.cache.as_deref().and_then(|c| c.buckets.get(&id)) {
             return Ok(*aggregate);
         }
-        if self.absent_from_store(id, key)? {
+        if self.absent_from_store(id) {
             return Ok(Aggregate::default());
         }
         match self.store.get(key)? {
@@ -700,7 +692,7 @@ impl<'a> Overlay<'a> {
                 if let Some(set) = self.cache.as_deref().and_then(|c| c.distinct.get(&id)) {
                     return Ok(set.clone());
                 }
-                if self.absent_from_store(id, key)? {
+                if self.absent_from_store(id) {
                     None
                 } else {
                     self.store.get(key)?
@@ -729,53 +721,23 @@ impl<'a> Overlay<'a> {
             .ok_or_else(|| EngineError::Corrupt("bucket vanished from the overlay".into()))
     }
 
-    /// Whether the store cannot hold the bucket or distinct set at `key`: its minute
-    /// is newer than the newest of its series (see `BucketCache`). A series not
-    /// known yet is looked up once (the newest key of the series in the store),
-    /// unless the write-back layer still holds `key`: that answers from memory.
-    /// After a restart every series is unknown, and the catch-up finds most of the
-    /// buckets it folds in the layer (the interrupted checkpoint's, then its own):
-    /// the look-up, a backward walk of sled's tree over cold pages, was half of the
-    /// catch-up's apply thread (README, "A restart's catch-up finds buckets in
-    /// memory first").
-    fn absent_from_store(&mut self, id: BucketId, key: &[u8]) -> Result<bool, EngineError> {
+    /// Whether the store cannot hold the bucket or distinct set `id`: the cache
+    /// knows its series and the minute is newer than the newest stored one, or the
+    /// cache is `complete` and does not know the series. Anything else is read
+    /// (`store.get`, which answers from the write-back layer first). A series
+    /// unknown to an incomplete cache (every series after a start over a store
+    /// that holds buckets) was once learned with a backward walk of sled's tree to
+    /// its last key; that walk clones sled's node and was a third of the catch-up's
+    /// apply thread after a SIGKILL, where a point read costs less and finds the
+    /// bucket it needs (README, "A restart's catch-up reads buckets, not series").
+    fn absent_from_store(&self, id: BucketId) -> bool {
         let Some(cache) = self.cache.as_deref() else {
-            return Ok(false);
+            return false;
         };
-        let newest = match cache
-            .newest
-            .get(&id.series)
-            .or_else(|| self.learned.get(&id.series))
-        {
-            Some(newest) => *newest,
-            None if cache.complete => i64::MIN,
-            None => {
-                if let Some(value) = self.store.unwritten(key) {
-                    return Ok(value.is_none());
-                }
-                let Some(series) = cache.names.name(id.series) else {
-                    return Ok(false);
-                };
-                let mut prefix = vec![keys::AGGREGATE];
-                prefix.extend_from_slice(series);
-                let end = tally_projection::prefix_end(&prefix).unwrap_or_else(|| vec![0xff]);
-                let mut newest = i64::MIN;
-                self.store.scan(
-                    std::ops::Bound::Included(&prefix),
-                    std::ops::Bound::Excluded(&end),
-                    true,
-                    &mut |found, _| {
-                        if let Some((_, minute)) = series_of(found) {
-                            newest = minute;
-                        }
-                        Visit::Stop
-                    },
-                )?;
-                self.learned.insert(id.series, newest);
-                newest
-            }
-        };
-        Ok(id.minute > newest)
+        match cache.newest.get(&id.series) {
+            Some(newest) => id.minute > *newest,
+            None => cache.complete,
+        }
     }
 
     /// Adds `value` to the inline distinct set at `key` (a `u` key), unless it is
@@ -829,7 +791,7 @@ impl<'a> Overlay<'a> {
                     None => {
                         let stored = match self.changes.get(&key).cloned() {
                             Some(value) => value,
-                            None if self.absent_from_store(id, &key)? => None,
+                            None if self.absent_from_store(id) => None,
                             None => self.store.get(&key)?,
                         };
                         match stored {
@@ -888,7 +850,6 @@ impl<'a> Overlay<'a> {
             changes,
             buckets: self.aggregates,
             distinct_sets,
-            learned: self.learned,
             stored,
             pruned: self.pruned,
         })
@@ -928,7 +889,6 @@ pub struct Committed {
     pub changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     pub buckets: FastIndexMap<BucketId, Aggregate>,
     pub distinct_sets: FastIndexMap<BucketId, BTreeSet<Vec<u8>>>,
-    pub learned: FastMap<SeriesId, i64>,
     pub stored: Vec<StoredRow>,
     pub pruned: Vec<StoredRow>,
 }

@@ -961,10 +961,9 @@ pub struct StoreProjection {
 const READ_AHEAD_QUEUE: usize = 1;
 
 /// Reads what apply will read for the chunk's buckets, as apply reads it
-/// (`Overlay::absent_from_store`, `Overlay::distinct_set_index`): nothing for a key
-/// the layer holds; for a bucket, the walk to its series' last key (once per
-/// series), whose pages also hold the bucket when it is stored; a distinct set
-/// itself. A failed read is left to apply, which reads the same pages.
+/// (`Overlay::committed_aggregate`, `Overlay::distinct_set_index`): nothing for a
+/// key the layer holds, else the key itself. A failed read is left to apply, which
+/// reads the same pages.
 fn read_chunk_ahead(store: &dyn ProjectionStore, chunk: &DecodedChunk) {
     // By meter id alone: ids are unique across stores, and a lookup by `&str` then
     // needs no key of its own per event.
@@ -977,28 +976,15 @@ fn read_chunk_ahead(store: &dyn ProjectionStore, chunk: &DecodedChunk) {
         sets.borrow_mut().insert(meter_id.to_string(), keeps);
         keeps
     };
-    let mut walked: std::collections::HashSet<Vec<u8>> = std::collections::HashSet::new();
+    let mut read: std::collections::HashSet<Vec<u8>> = std::collections::HashSet::new();
     for key in chunk.bucket_keys(&keeps_sets) {
-        if store.unwritten(&key).is_some() {
+        if store.unwritten(&key).is_some() || read.contains(&key) {
             continue;
         }
-        let read = if key.first() == Some(&keys::AGGREGATE) {
-            let Some((series, _)) = tally_core::series::series_of(&key) else {
-                continue;
-            };
-            // The table byte and the series: the key without its minute.
-            let prefix = &key[..1 + series.len()];
-            if walked.contains(prefix) {
-                continue;
-            }
-            walked.insert(prefix.to_vec());
-            scan_prefix(store, prefix, true, &mut |_, _| Visit::Stop)
-        } else {
-            store.get(&key).map(|_| ())
-        };
-        if read.is_err() {
+        if store.get(&key).is_err() {
             break;
         }
+        read.insert(key);
     }
 }
 

@@ -84,9 +84,8 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
     /// The key's value when a write-back layer holds a change of it not yet written
     /// to the durable store (`Some(None)`: deleted there), from memory; `None` when
     /// only the durable store can answer, and always for stores without a layer.
-    /// A reader about to search the durable store for more than this key (the
-    /// projector learning a series' newest bucket) asks first: a key still in
-    /// memory needs no search.
+    /// A reader that only warms the durable store's pages (the projector's
+    /// read-ahead) asks first: a key still in memory needs no read.
     fn unwritten(&self, _key: &[u8]) -> Option<Option<Vec<u8>>> {
         None
     }
