@@ -104,7 +104,15 @@ pub async fn request_context(
                 rendered.headers_mut().insert(name.clone(), value.clone());
             }
         }
-        if error.status.is_server_error() {
+        if error.status == StatusCode::SERVICE_UNAVAILABLE {
+            // A 503 is a state the client is told to wait out (a node catching up,
+            // backpressure, a pending outcome), answered to every request while it
+            // lasts: at warn, a readiness probe or a shed load filled the log with
+            // one line per request. A fault behind one (the projector stopped, the
+            // log failing) is logged once, at error, where it happens; 503s are
+            // counted in the status metrics.
+            tracing::debug!(request_id, status = error.status.as_u16(), message = %error.message, "request answered unavailable");
+        } else if error.status.is_server_error() {
             tracing::warn!(request_id, status = error.status.as_u16(), message = %error.message, "request failed");
         }
         response = rendered;
