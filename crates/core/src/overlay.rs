@@ -179,8 +179,8 @@ impl From<Outcome> for ApplyError {
 /// projection with no bucket at all, and every commit since updated it), so "newer
 /// than the newest known minute", or "a series it does not know", always means "not
 /// in the store". A cache that started over stored buckets, or was emptied, reads
-/// every bucket it does not hold. Distinct sets (`u`) are written with their minute's bucket, so the
-/// same knowledge answers for them.
+/// every bucket it does not hold. Distinct sets (`u`) are written with their
+/// minute's bucket, so the same knowledge answers for them.
 #[derive(Debug, Default)]
 pub struct BucketCache {
     /// The series of every id below and of the overlays working over this cache.
