@@ -5,6 +5,7 @@
 //! appended while the node cannot decide them) and its backpressure account (events
 //! appended but not applied yet).
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -330,8 +331,8 @@ impl Journal {
         record: &Record,
         base_updated_at_ms: Option<i64>,
     ) -> Result<(u32, u64), EngineError> {
-        let (position, _) = self.append_record(record, base_updated_at_ms).await?;
-        Ok(position)
+        self.append_record(Cow::Borrowed(record), base_updated_at_ms)
+            .await
     }
 
     /// Appends a record and hands it to this node's projector as it is, which then
@@ -342,12 +343,7 @@ impl Journal {
     /// `MAX_UNAPPLIED_EVENTS` like the rest of the backpressure account; a record the
     /// projector read before it was handed over is decoded as any other.
     pub async fn append_handing_off(&self, record: Record) -> Result<(u32, u64), EngineError> {
-        let ((partition, offset), meta) = self.append_record(&record, None).await?;
-        let mut unapplied = self.unapplied.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(appended) = unapplied.partitions[partition as usize].get_mut(&offset) {
-            appended.handed_off = Some((record, meta));
-        }
-        Ok((partition, offset))
+        self.append_record(Cow::Owned(record), None).await
     }
 
     /// The records at these positions (partition, offset) that were handed over
@@ -368,11 +364,13 @@ impl Journal {
             .collect()
     }
 
+    /// Appends `record` and notes it in the backpressure account; an owned record
+    /// is kept there for the projector (`append_handing_off`).
     async fn append_record(
         &self,
-        record: &Record,
+        record: Cow<'_, Record>,
         base_updated_at_ms: Option<i64>,
-    ) -> Result<((u32, u64), RecordMeta), EngineError> {
+    ) -> Result<(u32, u64), EngineError> {
         self.check_writable()?;
         let key = record.partition_key();
         let meta = RecordMeta {
@@ -380,7 +378,7 @@ impl Journal {
             base_updated_at_ms,
             request: idempotency::request_key_for(&key),
         };
-        let payload = tally_proto::encode_record_with(record, &meta);
+        let payload = tally_proto::encode_record_with(&record, &meta);
         let partition = self.log.partition_for(&key);
         let started = Instant::now();
         let offset = self.log.append(&key, payload).await?;
@@ -397,12 +395,15 @@ impl Journal {
                 Appended {
                     at: Instant::now(),
                     events,
-                    handed_off: None,
+                    handed_off: match record {
+                        Cow::Owned(record) => Some((record, meta)),
+                        Cow::Borrowed(_) => None,
+                    },
                 },
             );
             unapplied.events += events;
         }
-        Ok(((partition, offset), meta))
+        Ok((partition, offset))
     }
 
     /// Forgets this node's appends below `next_offset` of `partition` (applied).
