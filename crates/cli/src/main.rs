@@ -17,7 +17,9 @@ use tally_log::embedded::EmbeddedLog;
 use tally_log::kafka::{create_topic, verify_topic, KafkaConfig, KafkaLog};
 use tally_log::membership::Membership;
 use tally_log::Log;
-use tally_projection::checkpoint::{CHECKPOINT_EVERY_MS, CHECKPOINT_MAX_DIRTY_KEYS};
+use tally_projection::checkpoint::{
+    CHECKPOINT_EVERY_MS, CHECKPOINT_MAX_DIRTY_KEYS, LAYER_COPY_EVERY_MS,
+};
 use tally_projection::{CheckpointStore, ProjectionStore, SledStore};
 
 /// mimalloc instead of the system allocator: the hot paths allocate many small,
@@ -355,6 +357,13 @@ struct ServeArgs {
     #[arg(long, env = "TALLY_CHECKPOINT_KEYS", default_value_t = CHECKPOINT_MAX_DIRTY_KEYS as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_CHECKPOINT_KEYS as u64))]
     checkpoint_keys: u64,
+    /// Milliseconds between copies of the changes not yet checkpointed to disk (0:
+    /// none). A restart after a crash takes the latest copy in instead of
+    /// re-applying that part of the log, so it is ready sooner; each copy writes
+    /// those changes (tens of MB at most) in the background.
+    #[arg(long, env = "TALLY_LAYER_COPY_MS", default_value_t = LAYER_COPY_EVERY_MS,
+          value_parser = clap::value_parser!(u64).range(0..=CHECKPOINT_EVERY_MS))]
+    layer_copy_ms: u64,
 }
 
 /// The most `--checkpoint-keys` accepts: a key costs ~200 B in memory, and the layer
@@ -533,15 +542,18 @@ fn cluster_membership(args: &ServeArgs) -> Result<Dispatching> {
 /// sled under the in-memory write-back layer (ARCHITECTURE.md, "Checkpoints"),
 /// checkpointed every `checkpoint_keys` changed keys.
 fn open_projections(dir: &Path, checkpoint_keys: usize) -> Result<Arc<dyn ProjectionStore>> {
-    open_projections_with(dir, checkpoint_keys, None)
+    open_projections_with(dir, checkpoint_keys, None, None)
 }
 
 /// `open_projections`; in a split cluster each checkpoint also goes to the
-/// changelog (`changelog`) before it reaches sled.
+/// changelog (`changelog`) before it reaches sled. With `layer_copies`, the layer
+/// not yet checkpointed is also copied to disk that often (`sled_store`, "Layer
+/// copies"; never in a split cluster, whose changelog restores a partition).
 fn open_projections_with(
     dir: &Path,
     checkpoint_keys: usize,
     changelog: Option<Arc<ChangelogWriter>>,
+    layer_copies: Option<std::time::Duration>,
 ) -> Result<Arc<dyn ProjectionStore>> {
     let (sled, interrupted) = SledStore::open_deferring_stage(dir)
         .with_context(|| format!("opening the projection store in {}", dir.display()))?;
@@ -552,7 +564,13 @@ fn open_projections_with(
             checkpoint_keys,
             every,
         )),
-        None => Arc::new(CheckpointStore::with_limits(sled, checkpoint_keys, every)),
+        None => {
+            let store = CheckpointStore::with_limits(sled, checkpoint_keys, every);
+            Arc::new(match layer_copies {
+                Some(every) => store.with_layer_copies(every),
+                None => store,
+            })
+        }
     };
     // A checkpoint a stop interrupted goes into the write-back layer, which the next
     // checkpoint writes in the background, rather than into sled before anything
@@ -688,6 +706,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         &args.storage.data_dir.join("projections"),
         args.checkpoint_keys as usize,
         changelog.as_ref().map(|(_, writer)| writer.clone()),
+        (args.layer_copy_ms > 0).then(|| std::time::Duration::from_millis(args.layer_copy_ms)),
     )?;
     let clock: Arc<dyn Clock> = Arc::new(clock::SystemClock);
     tracing::info!(

@@ -271,3 +271,61 @@ async fn a_sigkill_mid_checkpoint_loses_nothing_and_matches_a_replay() {
     let (matched, replayed, live) = replay(dir.path());
     assert!(matched, "replay {replayed} differs from live {live}");
 }
+
+/// Copies of the layer not yet checkpointed, five a second here: the test waits for
+/// one to be written under load and kills the server a little later. The restarted
+/// server takes the copy in (it says so) and re-applies only the log after it; what
+/// it then holds is exact and matches a replay of the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sigkill_after_a_layer_copy_restarts_from_it_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = serve_with(dir.path(), &["--layer-copy-ms", "200"]);
+    let unique = json!({"name": "users", "event_name": "tick", "aggregation": "unique", "aggregation_property": "user"});
+    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique]).await);
+    let load = setup.load(8, 50);
+    let copy = dir
+        .path()
+        .join("projections")
+        .join(tally_projection::sled_store::LAYER_COPY_FILE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !copy.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no layer copy was written within 60 s of load"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    served.kill();
+    let (acknowledged, attempted) = load.finish().await;
+    assert!(!acknowledged.is_empty(), "load ran before the kill");
+
+    let served = serve(dir.path());
+    // The log line is read on its own thread: it may trail the banner a little.
+    let took_in_copy = || {
+        served
+            .stderr
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|line| line.contains("took in the copy of the layer"))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !took_in_copy() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(took_in_copy(), "the restart took the layer copy in");
+    let base = served.test_url.clone();
+    let (ready, _) = get(&setup.http, &format!("{base}/readyz"), &setup.key).await;
+    assert_eq!(ready, 200);
+    let counts = setup
+        .check_exactly_once(&base, &acknowledged, attempted)
+        .await;
+    assert_eq!(
+        counts[0], counts[1],
+        "count and unique both count each stored event once (one user per event)"
+    );
+    assert!(served.terminate().success());
+    let (matched, replayed, live) = replay(dir.path());
+    assert!(matched, "replay {replayed} differs from live {live}");
+}

@@ -130,6 +130,32 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
         self.flush()
     }
 
+    /// Whether `save_layer_copy` keeps copies (a write-back layer above copies itself
+    /// only then).
+    fn keeps_layer_copies(&self) -> bool {
+        false
+    }
+
+    /// Every partition's position as this store holds it: what a layer copy was made
+    /// over.
+    fn stored_positions(&self) -> Result<Vec<(u32, u64)>, StoreError> {
+        Ok(Vec::new())
+    }
+
+    /// Keeps a durable copy of the write-back layer above this store, not yet
+    /// checkpointed: its changes, the positions they reach, and the stored positions
+    /// (`over`) it was made over. A restart that finds the copy still over what the
+    /// store holds takes it in instead of re-applying that part of the log
+    /// (`sled_store`, "Layer copies"). Stores that keep none ignore it.
+    fn save_layer_copy(
+        &self,
+        _over: &[(u32, u64)],
+        _changes: &dyn ChangeSource,
+        _positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// Called by the projector when it is idle: a store with a write-back layer
     /// checkpoints it if a checkpoint is due. Nothing to do for the others.
     fn tick(&self) -> Result<(), StoreError> {
@@ -331,6 +357,20 @@ impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
     }
     fn flush_aux(&self) -> Result<(), StoreError> {
         (**self).flush_aux()
+    }
+    fn keeps_layer_copies(&self) -> bool {
+        (**self).keeps_layer_copies()
+    }
+    fn stored_positions(&self) -> Result<Vec<(u32, u64)>, StoreError> {
+        (**self).stored_positions()
+    }
+    fn save_layer_copy(
+        &self,
+        over: &[(u32, u64)],
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
+        (**self).save_layer_copy(over, changes, positions)
     }
     fn tick(&self) -> Result<(), StoreError> {
         (**self).tick()

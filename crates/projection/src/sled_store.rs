@@ -28,6 +28,18 @@
 //! checkpoint never loses its stage while partly written. Stores written by an
 //! earlier build kept the stage in sled under `STAGE_PREFIX`; `open` still finishes
 //! such a stage.
+//!
+//! **Layer copies.** The write-back layer above this store (`CheckpointStore`) holds
+//! up to a checkpoint interval of applied log, which a SIGKILL loses and a restart
+//! re-applies. Between checkpoints the layer's current contents are also written here
+//! as a copy ([`LAYER_COPY_FILE`]: its changes, the positions they reach, and the
+//! positions of the stored state it was made over; CRC-32, written aside, fsynced,
+//! renamed). `open_deferring_stage` hands a copy over with the stage when it was made
+//! over exactly the positions sled holds and reaches at least the stage's positions:
+//! then it is that layer at a later point (the layer over sled took the stage in at
+//! its start, or was the one the stage froze later, which the positions rule out). Any
+//! other copy is stale and removed. A copy is never needed for correctness: without it
+//! the log re-applies the same changes.
 
 use std::io::Write;
 use std::ops::Bound;
@@ -54,6 +66,11 @@ pub const STAGE_FILE: &str = "checkpoint.stage";
 /// Where the stage is written before it is renamed into place: a crash while
 /// writing leaves only this, which `open` removes (its checkpoint never began).
 const STAGE_FILE_PARTIAL: &str = "checkpoint.stage.partial";
+/// The latest copy of the unwritten write-back layer (module doc, "Layer copies"),
+/// in the store's directory.
+pub const LAYER_COPY_FILE: &str = "layer.copy";
+/// Where a layer copy is written before it is renamed into place.
+const LAYER_COPY_FILE_PARTIAL: &str = "layer.copy.partial";
 /// An earlier build's stage pieces lived under this prefix (module doc): below the
 /// positions' end, so scans skip them.
 const STAGE_PREFIX: &[u8] = b"\x00\x00stage\x00";
@@ -137,6 +154,7 @@ impl SledStore {
             aux,
         };
         let stage = store.interrupted_stage()?;
+        let stage = store.with_layer_copy(stage)?;
         Ok((store, stage))
     }
 
@@ -174,6 +192,69 @@ impl SledStore {
             self.materialize(&changes, &positions, pieces)?;
         }
         Ok(stage)
+    }
+
+    /// The stage to hand over, with the layer copy applied after it when the copy is
+    /// of the layer over what sled holds and reaches at least the stage's positions
+    /// (module doc, "Layer copies"); a stale or damaged copy is removed (the log
+    /// re-applies what it held).
+    fn with_layer_copy(
+        &self,
+        stage: Option<InterruptedStage>,
+    ) -> Result<Option<InterruptedStage>, StoreError> {
+        remove_if_present(&self.dir.join(LAYER_COPY_FILE_PARTIAL))?;
+        let path = self.dir.join(LAYER_COPY_FILE);
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(stage),
+            Err(e) => return Err(io_error("reading the layer copy", e)),
+        };
+        let stored = position_map(&self.stored_positions()?);
+        let usable = match decode_layer_copy_file(&bytes) {
+            Err(error) => {
+                tracing::warn!(%error, "the layer copy is damaged; the log re-applies it");
+                None
+            }
+            Ok((over, _)) if position_map(&over) != stored => None,
+            Ok((_, (changes, positions))) => {
+                let reached = position_map(&positions);
+                let at = |p: &u32| reached.get(p).or(stored.get(p)).copied().unwrap_or(0);
+                let beyond_stage = stage
+                    .as_ref()
+                    .is_none_or(|(_, staged)| staged.iter().all(|(p, o)| at(p) >= *o));
+                beyond_stage.then_some((changes, positions))
+            }
+        };
+        let Some((copied, copied_positions)) = usable else {
+            remove_if_present(&path)?;
+            return Ok(stage);
+        };
+        tracing::info!(
+            changes = copied.len(),
+            "took in the copy of the layer a stop left unwritten; the log is re-applied from where it ends"
+        );
+        let (mut changes, positions) = stage.unwrap_or_default();
+        let mut positions = position_map(&positions);
+        positions.extend(copied_positions);
+        // Later changes of a key win where the layer takes them (`apply`).
+        changes.extend(copied);
+        Ok(Some((changes, positions.into_iter().collect())))
+    }
+
+    /// Every partition's stored position (a layer copy records the ones it was made
+    /// over).
+    fn all_positions(&self) -> Result<Vec<(u32, u64)>, StoreError> {
+        let mut positions = Vec::new();
+        for item in self.projections.scan_prefix(POSITION_PREFIX) {
+            let (key, _) = item?;
+            let partition = key
+                .get(POSITION_PREFIX.len()..)
+                .and_then(|tail| <[u8; 4]>::try_from(tail).ok())
+                .map(u32::from_be_bytes)
+                .ok_or_else(|| StoreError::Corrupt(format!("a position key {key:?}")))?;
+            positions.push((partition, self.position(partition)?));
+        }
+        Ok(positions)
     }
 
     /// Steps 2 and 3 of a staged batch (`legacy_pieces`: an earlier build's stage
@@ -260,6 +341,86 @@ impl SledStore {
     }
 }
 
+impl SledStore {
+    /// A layer copy (module doc, "Layer copies"), durable and in place: written
+    /// aside, fsynced, renamed, directory fsynced, like a stage.
+    fn write_layer_copy(
+        &self,
+        over: &[(u32, u64)],
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
+        let partial = self.dir.join(LAYER_COPY_FILE_PARTIAL);
+        let io = |e: std::io::Error| io_error("writing the layer copy", e);
+        let file = std::fs::File::create(&partial).map_err(io)?;
+        let mut out = CrcWriter {
+            inner: std::io::BufWriter::with_capacity(STAGE_WRITE_BUFFER_BYTES, file),
+            crc: crc32fast::Hasher::new(),
+        };
+        write_positions(&mut out, over).map_err(io)?;
+        write_stage(&mut out, changes, positions)?;
+        let crc = out.crc.finalize();
+        let mut inner = out.inner;
+        inner
+            .write_all(&crc.to_be_bytes())
+            .and_then(|()| inner.into_inner().map_err(|e| e.into_error()))
+            .and_then(|file| file.sync_all())
+            .and_then(|()| std::fs::rename(&partial, self.dir.join(LAYER_COPY_FILE)))
+            .map_err(io)?;
+        fsync_dir(&self.dir)
+    }
+}
+
+/// Positions as a map without the partitions at 0 (absent and 0 are the same).
+fn position_map(positions: &[(u32, u64)]) -> std::collections::BTreeMap<u32, u64> {
+    positions.iter().copied().filter(|(_, o)| *o > 0).collect()
+}
+
+/// `[count u64] ([partition u32][offset u64])*`
+fn write_positions(out: &mut impl Write, positions: &[(u32, u64)]) -> std::io::Result<()> {
+    out.write_all(&(positions.len() as u64).to_be_bytes())?;
+    for (partition, offset) in positions {
+        out.write_all(&partition.to_be_bytes())?;
+        out.write_all(&offset.to_be_bytes())?;
+    }
+    Ok(())
+}
+
+/// A layer copy file: the positions it was made over, the encoded stage of the
+/// layer, then the CRC-32 of both.
+fn decode_layer_copy_file(bytes: &[u8]) -> Result<(Vec<(u32, u64)>, Stage), StoreError> {
+    let corrupt = || {
+        StoreError::Corrupt(format!(
+            "the layer copy ({LAYER_COPY_FILE}) fails its checksum"
+        ))
+    };
+    let split = bytes.len().checked_sub(4).ok_or_else(corrupt)?;
+    let (encoded, crc) = bytes.split_at(split);
+    if crc32fast::hash(encoded).to_be_bytes() != crc {
+        return Err(corrupt());
+    }
+    let count = encoded
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_be_bytes)
+        .ok_or_else(corrupt)?;
+    let end = usize::try_from(count)
+        .ok()
+        .and_then(|n| n.checked_mul(12))
+        .and_then(|n| n.checked_add(8))
+        .filter(|end| *end <= encoded.len())
+        .ok_or_else(corrupt)?;
+    let over = encoded[8..end]
+        .chunks_exact(12)
+        .map(|c| {
+            let partition = u32::from_be_bytes([c[0], c[1], c[2], c[3]]);
+            let offset = u64::from_be_bytes([c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]]);
+            (partition, offset)
+        })
+        .collect();
+    Ok((over, decode_stage(&encoded[end..])?))
+}
+
 /// The stage file's write buffer: large enough that a checkpoint of ~30 MB makes a
 /// few hundred writes, small enough to cost nothing resident.
 const STAGE_WRITE_BUFFER_BYTES: usize = 1 << 20;
@@ -329,13 +490,7 @@ fn write_stage(
             None => out.write_all(&[0]).map_err(io),
         }
     })?;
-    out.write_all(&(positions.len() as u64).to_be_bytes())
-        .map_err(io)?;
-    for (partition, offset) in positions {
-        out.write_all(&partition.to_be_bytes()).map_err(io)?;
-        out.write_all(&offset.to_be_bytes()).map_err(io)?;
-    }
-    Ok(())
+    write_positions(out, positions).map_err(io)
 }
 
 /// The stage's encoding in memory (an earlier build's stage pieces, and tests).
@@ -496,6 +651,23 @@ impl ProjectionStore for SledStore {
     fn flush(&self) -> Result<(), StoreError> {
         self.db.flush()?;
         Ok(())
+    }
+
+    fn keeps_layer_copies(&self) -> bool {
+        true
+    }
+
+    fn stored_positions(&self) -> Result<Vec<(u32, u64)>, StoreError> {
+        self.all_positions()
+    }
+
+    fn save_layer_copy(
+        &self,
+        over: &[(u32, u64)],
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
+        self.write_layer_copy(over, changes, positions)
     }
 
     fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
@@ -715,6 +887,85 @@ mod tests {
         let second = SledStore::open(dir.path()).unwrap();
         assert_eq!(second.position(0).unwrap(), 3);
         dropper.join().unwrap();
+    }
+
+    /// A store at position 10 holding `changes(10, "old")`, with a layer copy made
+    /// over position `over` that reaches `reaches` (and a stage, if given).
+    fn store_with_copy(
+        dir: &Path,
+        over: u64,
+        reaches: u64,
+        stage: Option<(&[Change], u64)>,
+    ) -> Vec<Change> {
+        let copied = changes(7, "copy");
+        let store = SledStore::open(dir).unwrap();
+        store.apply(changes(10, "old"), &[(0, 10)]).unwrap();
+        if let Some((staged, at)) = stage {
+            store.stage(&staged.to_vec(), &[(0, at)]).unwrap();
+        }
+        store
+            .write_layer_copy(&[(0, over), (3, 0)], &copied, &[(0, reaches), (1, 4)])
+            .unwrap();
+        store.db.flush().unwrap();
+        copied
+    }
+
+    #[test]
+    fn a_layer_copy_over_what_sled_holds_is_handed_over_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let copied = store_with_copy(dir.path(), 10, 25, None);
+        let (sled, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
+        let (changes, positions) = handed.expect("the copy is handed over");
+        assert_eq!(changes, copied);
+        assert_eq!(positions, vec![(0, 25), (1, 4)]);
+        assert_eq!(sled.position(0).unwrap(), 10, "sled is left as it was");
+        assert!(
+            dir.path().join(LAYER_COPY_FILE).exists(),
+            "kept: a second crash before the next checkpoint needs it again"
+        );
+    }
+
+    #[test]
+    fn a_layer_copy_over_other_positions_or_damaged_is_removed_not_used() {
+        for (over, damage) in [(9, false), (11, false), (10, true)] {
+            let dir = tempfile::tempdir().unwrap();
+            store_with_copy(dir.path(), over, 25, None);
+            let path = dir.path().join(LAYER_COPY_FILE);
+            if damage {
+                let mut bytes = std::fs::read(&path).unwrap();
+                bytes[30] ^= 1;
+                std::fs::write(&path, bytes).unwrap();
+            }
+            let (sled, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
+            assert!(handed.is_none(), "over {over}, damaged {damage}: not used");
+            assert!(!path.exists(), "a stale or damaged copy is removed");
+            assert_eq!(
+                sled.digest().unwrap(),
+                reference_digest(&changes(10, "old"), &[(0, 10)])
+            );
+        }
+    }
+
+    #[test]
+    fn a_layer_copy_goes_after_an_older_stage_and_never_before_a_newer_one() {
+        let staged = changes(3 * SLED_ATOMIC_BATCH_MAX_KEYS, "staged");
+        // The copy reaches past the stage: the layer took the stage in, then more.
+        let dir = tempfile::tempdir().unwrap();
+        let copied = store_with_copy(dir.path(), 10, 25, Some((&staged, 20)));
+        let (_, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
+        let (changes, positions) = handed.expect("stage and copy");
+        let mut expected = staged.clone();
+        expected.extend(copied);
+        assert_eq!(changes, expected, "the copy's changes come last and win");
+        assert_eq!(positions, vec![(0, 25), (1, 4)]);
+        // The stage reaches past the copy: it froze the copied layer later.
+        let dir = tempfile::tempdir().unwrap();
+        store_with_copy(dir.path(), 10, 25, Some((&staged, 30)));
+        let (_, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
+        let (changes, positions) = handed.expect("the stage");
+        assert_eq!(changes, staged, "the older copy is not used");
+        assert_eq!(positions, vec![(0, 30)]);
+        assert!(!dir.path().join(LAYER_COPY_FILE).exists());
     }
 
     #[test]

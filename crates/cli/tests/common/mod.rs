@@ -16,6 +16,8 @@ pub struct Served {
     /// Keys printed on the first start only.
     pub test_key: Option<String>,
     pub stdout: Vec<String>,
+    /// The server's log so far (it is also echoed to the test's stderr).
+    pub stderr: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 pub fn tally() -> Command {
@@ -53,9 +55,12 @@ pub fn serve_on(data_dir: &Path, listen: &str, test_listen: &str, extra: &[&str]
         .spawn()
         .expect("spawn tally serve");
     let stderr = child.stderr.take().unwrap();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = log.clone();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             eprintln!("[tally] {line}");
+            kept.lock().unwrap().push(line);
         }
     });
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
@@ -90,6 +95,7 @@ pub fn serve_on(data_dir: &Path, listen: &str, test_listen: &str, extra: &[&str]
         test_url: test_url.expect("banner names the test listener"),
         test_key,
         stdout,
+        stderr: log,
     }
 }
 
