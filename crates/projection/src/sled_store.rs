@@ -309,64 +309,67 @@ fn fsync_dir(dir: &Path) -> Result<(), StoreError> {
 }
 
 impl SledStore {
-    /// Step 1 of a staged batch: the stage file, durable and in place. Streamed to
-    /// the file with a running CRC: a buffer of the whole stage (tens of MB, freshly
-    /// allocated and page-faulted in every checkpoint) cost the checkpoint thread a
-    /// third of its time.
+    /// Step 1 of a staged batch: the stage file, durable and in place.
     fn stage(
         &self,
         changes: &dyn ChangeSource,
         positions: &[(u32, u64)],
     ) -> Result<(), StoreError> {
-        let partial = self.dir.join(STAGE_FILE_PARTIAL);
-        let write = || -> Result<(), StoreError> {
-            let file = std::fs::File::create(&partial)
-                .map_err(|e| io_error("writing the checkpoint stage", e))?;
-            let mut out = CrcWriter {
-                inner: std::io::BufWriter::with_capacity(STAGE_WRITE_BUFFER_BYTES, file),
-                crc: crc32fast::Hasher::new(),
-            };
-            write_stage(&mut out, changes, positions)?;
-            let crc = out.crc.finalize();
-            let mut inner = out.inner;
-            let done = inner
-                .write_all(&crc.to_be_bytes())
-                .and_then(|()| inner.into_inner().map_err(|e| e.into_error()))
-                .and_then(|file| file.sync_all())
-                .and_then(|()| std::fs::rename(&partial, self.dir.join(STAGE_FILE)));
-            done.map_err(|e| io_error("writing the checkpoint stage", e))
-        };
-        write()?;
-        fsync_dir(&self.dir)
+        self.write_durably(
+            STAGE_FILE_PARTIAL,
+            STAGE_FILE,
+            "writing the checkpoint stage",
+            &mut |out| write_stage(out, changes, positions),
+        )
     }
-}
 
-impl SledStore {
-    /// A layer copy (module doc, "Layer copies"), durable and in place: written
-    /// aside, fsynced, renamed, directory fsynced, like a stage.
+    /// A layer copy (module doc, "Layer copies"), durable and in place like a stage:
+    /// the positions it was made over, then the layer as a stage.
     fn write_layer_copy(
         &self,
         over: &[(u32, u64)],
         changes: &dyn ChangeSource,
         positions: &[(u32, u64)],
     ) -> Result<(), StoreError> {
-        let partial = self.dir.join(LAYER_COPY_FILE_PARTIAL);
-        let io = |e: std::io::Error| io_error("writing the layer copy", e);
-        let file = std::fs::File::create(&partial).map_err(io)?;
+        self.write_durably(
+            LAYER_COPY_FILE_PARTIAL,
+            LAYER_COPY_FILE,
+            "writing the layer copy",
+            &mut |out| {
+                write_positions(out, over).map_err(|e| io_error("writing the layer copy", e))?;
+                write_stage(out, changes, positions)
+            },
+        )
+    }
+
+    /// Writes `body` and the CRC-32 of it to `partial` in the store's directory,
+    /// fsyncs it, renames it to `name` and fsyncs the directory: a crash leaves the
+    /// old file or the new one whole, never half of one. Streamed through a running
+    /// CRC: a buffer of a whole stage (tens of MB, freshly allocated and
+    /// page-faulted in every checkpoint) cost the checkpoint thread a third of its
+    /// time.
+    fn write_durably(
+        &self,
+        partial: &str,
+        name: &str,
+        what: &str,
+        body: &mut dyn FnMut(&mut dyn Write) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        let partial = self.dir.join(partial);
+        let file = std::fs::File::create(&partial).map_err(|e| io_error(what, e))?;
         let mut out = CrcWriter {
             inner: std::io::BufWriter::with_capacity(STAGE_WRITE_BUFFER_BYTES, file),
             crc: crc32fast::Hasher::new(),
         };
-        write_positions(&mut out, over).map_err(io)?;
-        write_stage(&mut out, changes, positions)?;
+        body(&mut out)?;
         let crc = out.crc.finalize();
         let mut inner = out.inner;
         inner
             .write_all(&crc.to_be_bytes())
             .and_then(|()| inner.into_inner().map_err(|e| e.into_error()))
             .and_then(|file| file.sync_all())
-            .and_then(|()| std::fs::rename(&partial, self.dir.join(LAYER_COPY_FILE)))
-            .map_err(io)?;
+            .and_then(|()| std::fs::rename(&partial, self.dir.join(name)))
+            .map_err(|e| io_error(what, e))?;
         fsync_dir(&self.dir)
     }
 }
@@ -377,7 +380,7 @@ fn position_map(positions: &[(u32, u64)]) -> std::collections::BTreeMap<u32, u64
 }
 
 /// `[count u64] ([partition u32][offset u64])*`
-fn write_positions(out: &mut impl Write, positions: &[(u32, u64)]) -> std::io::Result<()> {
+fn write_positions(out: &mut dyn Write, positions: &[(u32, u64)]) -> std::io::Result<()> {
     out.write_all(&(positions.len() as u64).to_be_bytes())?;
     for (partition, offset) in positions {
         out.write_all(&partition.to_be_bytes())?;
@@ -469,7 +472,7 @@ fn decode_stage_file(bytes: &[u8]) -> Result<Stage, StoreError> {
 /// `[count u64] ([key len u32][key][0 | 1 [value len u32][value]])* [count u64]
 /// ([partition u32][offset u64])*`
 fn write_stage(
-    out: &mut impl Write,
+    out: &mut dyn Write,
     changes: &dyn ChangeSource,
     positions: &[(u32, u64)],
 ) -> Result<(), StoreError> {
