@@ -572,17 +572,18 @@ fn open_projections_with(
             })
         }
     };
-    // A checkpoint a stop interrupted goes into the write-back layer, which the next
-    // checkpoint writes in the background, rather than into sled before anything
-    // can start (~2-3 s of sled inserts for a full layer).
+    // A checkpoint a stop interrupted, and the layer copy made after it, go into the
+    // write-back layer, which the next checkpoint writes in the background, rather
+    // than into sled before anything can start (~2-3 s of sled inserts for a full
+    // layer).
     if let Some((changes, positions)) = interrupted {
         let count = changes.len();
         store
             .apply(changes, &positions)
-            .context("loading the checkpoint a stop interrupted")?;
+            .context("loading what a stop left unwritten")?;
         tracing::info!(
             changes = count,
-            "loaded the checkpoint a stop interrupted; the next checkpoint writes it"
+            "loaded what a stop left unwritten (an interrupted checkpoint, a layer copy); the next checkpoint writes it"
         );
     }
     Ok(store)
