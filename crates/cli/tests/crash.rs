@@ -162,6 +162,45 @@ fn count_meter() -> Value {
     json!({"name": "all", "event_name": "tick", "aggregation": "count"})
 }
 
+/// Every event has its own `user`: the unique meter keeps a key per value, so each
+/// event adds keys and checkpoints (and layer copies) have much to write.
+fn unique_users_meter() -> Value {
+    json!({"name": "users", "event_name": "tick", "aggregation": "unique", "aggregation_property": "user"})
+}
+
+/// Waits (at most 60 s) until the file `name` of the projection store exists.
+async fn projection_file_appears(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let path = dir.join("projections").join(name);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {name} was written within 60 s of load"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    path
+}
+
+/// The restarted server is ready and holds each stored event once, in both meters.
+async fn restarted_exactly_once(
+    setup: &Setup,
+    served: &Served,
+    acknowledged: &[String],
+    attempted: usize,
+) {
+    let base = served.test_url.clone();
+    let (ready, _) = get(&setup.http, &format!("{base}/readyz"), &setup.key).await;
+    assert_eq!(ready, 200);
+    let counts = setup
+        .check_exactly_once(&base, acknowledged, attempted)
+        .await;
+    assert_eq!(
+        counts[0], counts[1],
+        "count and unique both count each stored event once (one user per event)"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn acknowledged_events_survive_sigkill_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -224,23 +263,9 @@ async fn a_sigkill_mid_checkpoint_loses_nothing_and_matches_a_replay() {
     const CHECKPOINT_KEYS: &str = "3000";
     let dir = tempfile::tempdir().unwrap();
     let served = serve_with(dir.path(), &["--checkpoint-keys", CHECKPOINT_KEYS]);
-    // Every event has its own `user`: the unique meter keeps a key per value, so
-    // each event adds keys and checkpoints come quickly.
-    let unique = json!({"name": "users", "event_name": "tick", "aggregation": "unique", "aggregation_property": "user"});
-    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique]).await);
+    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique_users_meter()]).await);
     let load = setup.load(8, 50);
-    let stage = dir
-        .path()
-        .join("projections")
-        .join(tally_projection::sled_store::STAGE_FILE);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !stage.exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no checkpoint was staged within 60 s of load"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let stage = projection_file_appears(dir.path(), tally_projection::sled_store::STAGE_FILE).await;
     served.kill();
     eprintln!(
         "killed with a stage file {}",
@@ -254,16 +279,7 @@ async fn a_sigkill_mid_checkpoint_loses_nothing_and_matches_a_replay() {
     assert!(!acknowledged.is_empty(), "load ran before the kill");
 
     let served = serve(dir.path());
-    let base = served.test_url.clone();
-    let (ready, _) = get(&setup.http, &format!("{base}/readyz"), &setup.key).await;
-    assert_eq!(ready, 200);
-    let counts = setup
-        .check_exactly_once(&base, &acknowledged, attempted)
-        .await;
-    assert_eq!(
-        counts[0], counts[1],
-        "count and unique both count each stored event once (one user per event)"
-    );
+    restarted_exactly_once(&setup, &served, &acknowledged, attempted).await;
     assert!(served.terminate().success());
     // The interrupted checkpoint went into the restarted server's write-back layer;
     // the checkpoint of its stop wrote it and removed its stage.
@@ -280,21 +296,9 @@ async fn a_sigkill_mid_checkpoint_loses_nothing_and_matches_a_replay() {
 async fn a_sigkill_after_a_layer_copy_restarts_from_it_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let served = serve_with(dir.path(), &["--layer-copy-ms", "200"]);
-    let unique = json!({"name": "users", "event_name": "tick", "aggregation": "unique", "aggregation_property": "user"});
-    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique]).await);
+    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique_users_meter()]).await);
     let load = setup.load(8, 50);
-    let copy = dir
-        .path()
-        .join("projections")
-        .join(tally_projection::sled_store::LAYER_COPY_FILE);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !copy.exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no layer copy was written within 60 s of load"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    projection_file_appears(dir.path(), tally_projection::sled_store::LAYER_COPY_FILE).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     served.kill();
     let (acknowledged, attempted) = load.finish().await;
@@ -315,16 +319,7 @@ async fn a_sigkill_after_a_layer_copy_restarts_from_it_exactly() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(took_in_copy(), "the restart took the layer copy in");
-    let base = served.test_url.clone();
-    let (ready, _) = get(&setup.http, &format!("{base}/readyz"), &setup.key).await;
-    assert_eq!(ready, 200);
-    let counts = setup
-        .check_exactly_once(&base, &acknowledged, attempted)
-        .await;
-    assert_eq!(
-        counts[0], counts[1],
-        "count and unique both count each stored event once (one user per event)"
-    );
+    restarted_exactly_once(&setup, &served, &acknowledged, attempted).await;
     assert!(served.terminate().success());
     let (matched, replayed, live) = replay(dir.path());
     assert!(matched, "replay {replayed} differs from live {live}");

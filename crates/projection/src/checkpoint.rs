@@ -337,6 +337,15 @@ impl Layer {
             ..Layer::default()
         }
     }
+
+    /// The positions its changes reach, as the inner store takes them.
+    fn positions(&self) -> Vec<(u32, u64)> {
+        self.positions
+            .lock()
+            .iter()
+            .map(|(p, o)| (*p, *o))
+            .collect()
+    }
 }
 
 /// The layer that takes applies, the one a background checkpoint is writing, and
@@ -479,9 +488,12 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 .unwrap_or_else(|p| p.into_inner())
                 .elapsed()
                 >= copies.every;
+        // Checked first: most applies find no copy due and take no lock below.
+        if !due {
+            return;
+        }
         let layers = self.shared.snapshot();
-        if !due
-            || layers.writing.is_some()
+        if layers.writing.is_some()
             || !Arc::ptr_eq(&layers.active, active)
             || active.changes.len() > LAYER_COPY_MAX_KEYS
         {
@@ -502,12 +514,7 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 .map(|entry| (entry.key().clone(), entry.value().clone()))
                 .collect(),
         );
-        let positions: Vec<(u32, u64)> = active
-            .positions
-            .lock()
-            .iter()
-            .map(|(p, o)| (*p, *o))
-            .collect();
+        let positions = active.positions();
         *copies.last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         copies.applies_copied.store(applies, Ordering::SeqCst);
         copies.in_flight.store(true, Ordering::SeqCst);
@@ -698,13 +705,7 @@ impl<S: ProjectionStore> Shared<S> {
 
     /// Writes a frozen layer as one inner batch, then drops it from the reads.
     fn write(&self, layer: &Layer) -> Result<(), StoreError> {
-        let positions: Vec<(u32, u64)> = layer
-            .positions
-            .lock()
-            .iter()
-            .map(|(p, o)| (*p, *o))
-            .collect();
-        self.inner.apply_from(&layer.changes, &positions)?;
+        self.inner.apply_from(&layer.changes, &layer.positions())?;
         self.lock_write().writing = None;
         *self
             .checkpointed_at

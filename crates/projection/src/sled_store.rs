@@ -246,13 +246,13 @@ impl SledStore {
     fn all_positions(&self) -> Result<Vec<(u32, u64)>, StoreError> {
         let mut positions = Vec::new();
         for item in self.projections.scan_prefix(POSITION_PREFIX) {
-            let (key, _) = item?;
+            let (key, value) = item?;
             let partition = key
                 .get(POSITION_PREFIX.len()..)
                 .and_then(|tail| <[u8; 4]>::try_from(tail).ok())
                 .map(u32::from_be_bytes)
                 .ok_or_else(|| StoreError::Corrupt(format!("a position key {key:?}")))?;
-            positions.push((partition, self.position(partition)?));
+            positions.push((partition, decode_position(partition, &value)?));
         }
         Ok(positions)
     }
@@ -392,36 +392,23 @@ fn write_positions(out: &mut dyn Write, positions: &[(u32, u64)]) -> std::io::Re
 /// A layer copy file: the positions it was made over, the encoded stage of the
 /// layer, then the CRC-32 of both.
 fn decode_layer_copy_file(bytes: &[u8]) -> Result<(Vec<(u32, u64)>, Stage), StoreError> {
-    let corrupt = || {
+    let mut rest = checksummed(bytes, || {
         StoreError::Corrupt(format!(
             "the layer copy ({LAYER_COPY_FILE}) fails its checksum"
         ))
-    };
-    let split = bytes.len().checked_sub(4).ok_or_else(corrupt)?;
+    })?;
+    let over = decode_positions(&mut rest)?;
+    Ok((over, decode_stage(rest)?))
+}
+
+/// The bytes before a file's trailing CRC-32, if it matches them; else `corrupt()`.
+fn checksummed(bytes: &[u8], corrupt: impl Fn() -> StoreError) -> Result<&[u8], StoreError> {
+    let split = bytes.len().checked_sub(4).ok_or_else(&corrupt)?;
     let (encoded, crc) = bytes.split_at(split);
     if crc32fast::hash(encoded).to_be_bytes() != crc {
         return Err(corrupt());
     }
-    let count = encoded
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map(u64::from_be_bytes)
-        .ok_or_else(corrupt)?;
-    let end = usize::try_from(count)
-        .ok()
-        .and_then(|n| n.checked_mul(12))
-        .and_then(|n| n.checked_add(8))
-        .filter(|end| *end <= encoded.len())
-        .ok_or_else(corrupt)?;
-    let over = encoded[8..end]
-        .chunks_exact(12)
-        .map(|c| {
-            let partition = u32::from_be_bytes([c[0], c[1], c[2], c[3]]);
-            let offset = u64::from_be_bytes([c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]]);
-            (partition, offset)
-        })
-        .collect();
-    Ok((over, decode_stage(&encoded[end..])?))
+    Ok(encoded)
 }
 
 /// The stage file's write buffer: large enough that a checkpoint of ~30 MB makes a
@@ -454,19 +441,13 @@ fn stage_key(piece: usize) -> Vec<u8> {
 
 /// A stage file: the encoded stage, then the CRC-32 of it.
 fn decode_stage_file(bytes: &[u8]) -> Result<Stage, StoreError> {
-    let corrupt = || {
+    decode_stage(checksummed(bytes, || {
         StoreError::Corrupt(format!(
             "the checkpoint stage ({STAGE_FILE}) fails its checksum; the projection \
              cannot be finished from it: delete the projections directory to rebuild \
              it from the log"
         ))
-    };
-    let split = bytes.len().checked_sub(4).ok_or_else(corrupt)?;
-    let (encoded, crc) = bytes.split_at(split);
-    if crc32fast::hash(encoded).to_be_bytes() != crc {
-        return Err(corrupt());
-    }
-    decode_stage(encoded)
+    })?)
 }
 
 /// `[count u64] ([key len u32][key][0 | 1 [value len u32][value]])* [count u64]
@@ -506,27 +487,47 @@ fn encode_stage(changes: &Vec<Change>, positions: &[(u32, u64)]) -> Vec<u8> {
 
 type Stage = (Vec<Change>, Vec<(u32, u64)>);
 
+fn undecodable() -> StoreError {
+    StoreError::Corrupt("a staged checkpoint batch does not decode".into())
+}
+
+/// The next `n` bytes of `bytes`, which moves past them.
+fn take<'b>(bytes: &mut &'b [u8], n: usize) -> Result<&'b [u8], StoreError> {
+    if bytes.len() < n {
+        return Err(undecodable());
+    }
+    let (head, rest) = bytes.split_at(n);
+    *bytes = rest;
+    Ok(head)
+}
+
+fn int<const N: usize>(bytes: &mut &[u8]) -> Result<[u8; N], StoreError> {
+    take(bytes, N)?.try_into().map_err(|_| undecodable())
+}
+
+/// What `write_positions` wrote, from the front of `bytes`.
+fn decode_positions(rest: &mut &[u8]) -> Result<Vec<(u32, u64)>, StoreError> {
+    let count = u64::from_be_bytes(int(rest)?);
+    // 12 bytes each: a count past that is corrupt, not a reason to reserve memory.
+    if count > (rest.len() / 12) as u64 {
+        return Err(undecodable());
+    }
+    let mut positions = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let partition = u32::from_be_bytes(int(rest)?);
+        let offset = u64::from_be_bytes(int(rest)?);
+        positions.push((partition, offset));
+    }
+    Ok(positions)
+}
+
 fn decode_stage(bytes: &[u8]) -> Result<Stage, StoreError> {
-    fn corrupt() -> StoreError {
-        StoreError::Corrupt("a staged checkpoint batch does not decode".into())
-    }
-    fn take<'b>(bytes: &mut &'b [u8], n: usize) -> Result<&'b [u8], StoreError> {
-        if bytes.len() < n {
-            return Err(corrupt());
-        }
-        let (head, rest) = bytes.split_at(n);
-        *bytes = rest;
-        Ok(head)
-    }
-    fn int<const N: usize>(bytes: &mut &[u8]) -> Result<[u8; N], StoreError> {
-        take(bytes, N)?.try_into().map_err(|_| corrupt())
-    }
     let mut rest = bytes;
     let count = u64::from_be_bytes(int(&mut rest)?);
     // Each change takes at least 5 bytes: a count past that is corrupt, not a reason
     // to reserve memory.
     if count > (rest.len() / 5) as u64 {
-        return Err(corrupt());
+        return Err(undecodable());
     }
     let mut changes = Vec::with_capacity(count as usize);
     for _ in 0..count {
@@ -538,24 +539,28 @@ fn decode_stage(bytes: &[u8]) -> Result<Stage, StoreError> {
                 let value_len = u32::from_be_bytes(int(&mut rest)?) as usize;
                 Some(take(&mut rest, value_len)?.to_vec())
             }
-            _ => return Err(corrupt()),
+            _ => return Err(undecodable()),
         };
         changes.push((key, value));
     }
-    let count = u64::from_be_bytes(int(&mut rest)?);
-    if count > (rest.len() / 12) as u64 {
-        return Err(corrupt());
-    }
-    let mut positions = Vec::with_capacity(count as usize);
-    for _ in 0..count {
-        let partition = u32::from_be_bytes(int(&mut rest)?);
-        let offset = u64::from_be_bytes(int(&mut rest)?);
-        positions.push((partition, offset));
-    }
+    let positions = decode_positions(&mut rest)?;
     if !rest.is_empty() {
-        return Err(corrupt());
+        return Err(undecodable());
     }
     Ok((changes, positions))
+}
+
+/// A stored position. A malformed one must not read as 0: that would re-apply the
+/// whole log over existing state (fail-stop instead).
+fn decode_position(partition: u32, value: &[u8]) -> Result<u64, StoreError> {
+    <[u8; 8]>::try_from(value)
+        .map(u64::from_be_bytes)
+        .map_err(|_| {
+            StoreError::Corrupt(format!(
+                "the stored position of partition {partition} is {} bytes, not 8",
+                value.len()
+            ))
+        })
 }
 
 fn position_key(partition: u32) -> Vec<u8> {
@@ -638,16 +643,7 @@ impl ProjectionStore for SledStore {
     fn position(&self, partition: u32) -> Result<u64, StoreError> {
         match self.projections.get(position_key(partition))? {
             None => Ok(0),
-            // A malformed position must not read as 0: that would re-apply the
-            // whole log over existing state (fail-stop instead).
-            Some(value) => <[u8; 8]>::try_from(value.as_ref())
-                .map(u64::from_be_bytes)
-                .map_err(|_| {
-                    StoreError::Corrupt(format!(
-                        "the stored position of partition {partition} is {} bytes, not 8",
-                        value.len()
-                    ))
-                }),
+            Some(value) => decode_position(partition, &value),
         }
     }
 
