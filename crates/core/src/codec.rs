@@ -8,6 +8,7 @@ use tally_domain::meter::Meter;
 use tally_domain::record::StoreRecord;
 use tally_proto::{v1, Message};
 
+use crate::distinct_set::DistinctSet;
 use crate::error::EngineError;
 
 pub fn encode_customer(c: &Customer) -> Vec<u8> {
@@ -257,41 +258,14 @@ pub fn decode_aggregate(bytes: &[u8]) -> Result<Aggregate, EngineError> {
 /// checkpoint rewrites the set): ~1,024 x a short value is a few KiB.
 pub const INLINE_DISTINCT_MAX: usize = 1_024;
 
-/// A bucket's distinct values: a count, then each value length-prefixed, in order.
-pub fn encode_distinct_set(values: &std::collections::BTreeSet<Vec<u8>>) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(4 + values.iter().map(|v| 4 + v.len()).sum::<usize>());
-    bytes.extend_from_slice(&(values.len() as u32).to_be_bytes());
-    for value in values {
-        bytes.extend_from_slice(&(value.len() as u32).to_be_bytes());
-        bytes.extend_from_slice(value);
-    }
-    bytes
+/// A bucket's distinct values: a count, then each value length-prefixed, in order
+/// (`DistinctSet` holds a set as this encoding).
+pub fn encode_distinct_set(values: &DistinctSet) -> Vec<u8> {
+    values.encoded().to_vec()
 }
 
-pub fn decode_distinct_set(
-    bytes: &[u8],
-) -> Result<std::collections::BTreeSet<Vec<u8>>, EngineError> {
-    let bad = || EngineError::Corrupt("a distinct-value set does not decode".into());
-    let read_u32 = |at: usize| -> Result<usize, EngineError> {
-        let raw: [u8; 4] = bytes
-            .get(at..at + 4)
-            .and_then(|b| b.try_into().ok())
-            .ok_or_else(bad)?;
-        Ok(u32::from_be_bytes(raw) as usize)
-    };
-    let count = read_u32(0)?;
-    let mut at = 4;
-    let mut values = std::collections::BTreeSet::new();
-    for _ in 0..count {
-        let len = read_u32(at)?;
-        let value = bytes.get(at + 4..at + 4 + len).ok_or_else(bad)?;
-        values.insert(value.to_vec());
-        at += 4 + len;
-    }
-    if at != bytes.len() {
-        return Err(bad());
-    }
-    Ok(values)
+pub fn decode_distinct_set(bytes: &[u8]) -> Result<DistinctSet, EngineError> {
+    DistinctSet::decode(bytes)
 }
 
 fn corrupt(e: impl std::fmt::Display) -> EngineError {
@@ -324,10 +298,10 @@ mod tests {
 
     #[test]
     fn distinct_sets_round_trip_and_refuse_garbage() {
-        let values: std::collections::BTreeSet<Vec<u8>> =
-            [b"s:a".to_vec(), Vec::new(), b"n:1.5".to_vec()]
-                .into_iter()
-                .collect();
+        let mut values = DistinctSet::default();
+        for value in [&b"s:a"[..], b"", b"n:1.5"] {
+            values.insert(value);
+        }
         let bytes = encode_distinct_set(&values);
         assert_eq!(decode_distinct_set(&bytes).unwrap(), values);
         assert!(decode_distinct_set(&bytes[..bytes.len() - 1]).is_err());

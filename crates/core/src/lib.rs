@@ -17,6 +17,7 @@
 
 pub mod changelog_store;
 pub mod codec;
+pub mod distinct_set;
 pub mod error;
 pub mod event_index;
 pub mod idempotency;

@@ -4,7 +4,7 @@
 //! for the chunk. Every context's apply functions take it; the projector
 //! (`tally-engine`) creates one per chunk and commits what it holds.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use tally_domain::aggregate::Aggregate;
@@ -14,6 +14,7 @@ use tally_domain::Mode;
 use tally_projection::{scan_prefix, ProjectionStore, Visit};
 
 use crate::codec;
+use crate::distinct_set::DistinctSet;
 use crate::error::EngineError;
 use crate::event_index::{self, EventIndex, EventLocation};
 use crate::keys::{self, StoredEventsKey};
@@ -104,7 +105,7 @@ pub struct Overlay<'a> {
     /// Events this chunk stored (`inflight_key` -> where).
     new_events: FastMap<String, EventLocation>,
     /// Decoded distinct-value sets of this chunk (`u`), encoded once at the end.
-    distinct_sets: FastIndexMap<BucketId, BTreeSet<Vec<u8>>>,
+    distinct_sets: FastIndexMap<BucketId, DistinctSet>,
     /// The series of this chunk's bucket ids when it has no cache (with one, the
     /// cache's names, so ids stay valid from chunk to chunk).
     names: SeriesNames,
@@ -126,11 +127,12 @@ enum Undo {
     /// inserted (undone last-in first-out, so it is then the last entry).
     Aggregate(usize, Option<Aggregate>),
     NewEvent(String),
-    /// A value added to the distinct set at this index of `distinct_sets` (sets
-    /// are never removed from the overlay before the commit, so indexes hold).
-    DistinctAdded(usize, Vec<u8>),
+    /// A value added at this position of the distinct set at this index of
+    /// `distinct_sets` (sets are never removed from the overlay before the commit,
+    /// so indexes hold; undone last-in first-out, so the value is still there).
+    DistinctAdded(usize, usize),
     /// The distinct set at this index held these values before it was cleared.
-    DistinctCleared(usize, BTreeSet<Vec<u8>>),
+    DistinctCleared(usize, DistinctSet),
 }
 
 /// What adding a value to a bucket's inline distinct set did.
@@ -190,9 +192,9 @@ pub struct BucketCache {
     /// a set touched again by a later chunk is not read back (in a profile those
     /// reads, and the page reclamation sled does inside them, were a tenth of the
     /// server's CPU).
-    pub distinct: FastMap<BucketId, BTreeSet<Vec<u8>>>,
-    /// Values held in `distinct`, all sets together.
-    distinct_values: usize,
+    pub distinct: FastMap<BucketId, DistinctSet>,
+    /// What `distinct` weighs (`distinct_weight`), all sets together.
+    distinct_bytes: usize,
     pub newest: FastMap<SeriesId, i64>,
     /// `newest` names every series the store holds buckets of.
     pub complete: bool,
@@ -208,9 +210,15 @@ pub const MAX_CACHED_BUCKETS: usize = 600_000;
 /// What eviction leaves of a cap (in percent): room for the next minutes' buckets,
 /// so a full cache is not scanned again on every commit.
 const EVICT_TO_PERCENT: usize = 75;
-/// Distinct values kept in the cache's sets (bounds memory: a value is a short
-/// string, ~100 B with the set's overhead); evicted oldest minute first too.
-pub const MAX_CACHED_DISTINCT_VALUES: usize = 500_000;
+/// Bytes the cache's distinct sets may hold (bounds memory), evicted oldest minute
+/// first too. A value weighs its bytes plus eight (`DistinctSet`). A miss costs
+/// little while the set is in the write-back layer (a look-up and one validated
+/// copy), so this only spares sets that went to sled a read: ingest's realistic
+/// load (10,000 customers, ~30,000 events/s) puts ~35 MiB of values into one
+/// minute's 50,000 sets and touches each every few seconds, and holding 48 MiB
+/// instead of 4 MiB made no difference its runs could see (README, "Distinct sets
+/// kept as their encoding").
+pub const MAX_CACHED_DISTINCT_BYTES: usize = 16 << 20;
 /// Series interned (and whose newest minute is kept) before the cache is emptied
 /// (bounds memory: ~150 B each; an emptied cache costs one store scan per series
 /// touched again, and a read of each bucket).
@@ -239,9 +247,9 @@ impl BucketCache {
     }
 
     /// The committed distinct set at `key`, moved out of the cache.
-    fn take_distinct(&mut self, key: &BucketId) -> Option<BTreeSet<Vec<u8>>> {
+    fn take_distinct(&mut self, key: &BucketId) -> Option<DistinctSet> {
         let set = self.distinct.remove(key)?;
-        self.distinct_values -= set.len();
+        self.distinct_bytes -= distinct_weight(&set);
         Some(set)
     }
 
@@ -267,20 +275,27 @@ impl BucketCache {
             }
         }
         self.buckets.extend(committed.buckets.drain(..));
-        let incoming: usize = committed.distinct_sets.values().map(BTreeSet::len).sum();
-        if self.distinct_values + incoming > MAX_CACHED_DISTINCT_VALUES {
-            self.distinct_values =
-                evict_oldest_minutes(&mut self.distinct, MAX_CACHED_DISTINCT_VALUES, |set| {
-                    set.len()
-                });
+        let incoming: usize = committed.distinct_sets.values().map(distinct_weight).sum();
+        if self.distinct_bytes + incoming > MAX_CACHED_DISTINCT_BYTES {
+            self.distinct_bytes = evict_oldest_minutes(
+                &mut self.distinct,
+                MAX_CACHED_DISTINCT_BYTES,
+                distinct_weight,
+            );
         }
-        for (key, set) in committed.distinct_sets.drain(..) {
-            self.distinct_values += set.len();
+        for (key, mut set) in committed.distinct_sets.drain(..) {
+            set.shrink_to_fit();
+            self.distinct_bytes += distinct_weight(&set);
             if let Some(old) = self.distinct.insert(key, set) {
-                self.distinct_values -= old.len();
+                self.distinct_bytes -= distinct_weight(&old);
             }
         }
     }
+}
+
+/// What a cached distinct set costs: its heap bytes and its map entry.
+fn distinct_weight(set: &DistinctSet) -> usize {
+    set.weight() + std::mem::size_of::<(BucketId, DistinctSet)>()
 }
 
 /// Drops the entries of the oldest minutes from a cache keyed by bucket or
@@ -455,9 +470,9 @@ impl<'a> Overlay<'a> {
                 Undo::NewEvent(key) => {
                     self.new_events.remove(&key);
                 }
-                Undo::DistinctAdded(index, value) => {
+                Undo::DistinctAdded(index, position) => {
                     if let Some((_, set)) = self.distinct_sets.get_index_mut(index) {
-                        set.remove(&value);
+                        set.remove_at(position);
                     }
                 }
                 Undo::DistinctCleared(index, values) => {
@@ -681,7 +696,7 @@ impl<'a> Overlay<'a> {
 
     /// The inline distinct set at `key` as this chunk sees it (a copy; no change
     /// made, so a set only read is not written back).
-    pub fn distinct_values(&mut self, key: &[u8]) -> Result<BTreeSet<Vec<u8>>, EngineError> {
+    pub fn distinct_values(&mut self, key: &[u8]) -> Result<DistinctSet, EngineError> {
         let id = self.bucket_id(key)?;
         if let Some(set) = self.distinct_sets.get(&id) {
             return Ok(set.clone());
@@ -701,7 +716,7 @@ impl<'a> Overlay<'a> {
         };
         match stored {
             Some(bytes) => codec::decode_distinct_set(&bytes),
-            None => Ok(BTreeSet::new()),
+            None => Ok(DistinctSet::default()),
         }
     }
 
@@ -748,16 +763,19 @@ impl<'a> Overlay<'a> {
             .distinct_sets
             .get_index_mut(index)
             .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
-        if set.contains(value) {
-            return Ok(DistinctAdd::Present);
-        }
         if set.len() >= codec::INLINE_DISTINCT_MAX {
-            return Ok(DistinctAdd::Full);
+            return Ok(match set.contains(value) {
+                true => DistinctAdd::Present,
+                false => DistinctAdd::Full,
+            });
         }
-        set.insert(value.to_vec());
-        self.journal
-            .push(Undo::DistinctAdded(index, value.to_vec()));
-        Ok(DistinctAdd::Added)
+        match set.insert(value) {
+            Some(position) => {
+                self.journal.push(Undo::DistinctAdded(index, position));
+                Ok(DistinctAdd::Added)
+            }
+            None => Ok(DistinctAdd::Present),
+        }
     }
 
     /// Empties the inline distinct set at `key` (a void rebuilding its bucket); an
@@ -888,7 +906,7 @@ impl<'b> StoredRef<'b> {
 pub struct Committed {
     pub changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     pub buckets: FastIndexMap<BucketId, Aggregate>,
-    pub distinct_sets: FastIndexMap<BucketId, BTreeSet<Vec<u8>>>,
+    pub distinct_sets: FastIndexMap<BucketId, DistinctSet>,
     pub stored: Vec<StoredRow>,
     pub pruned: Vec<StoredRow>,
 }
@@ -942,7 +960,7 @@ mod tests {
             .distinct_sets
             .iter()
             .filter(|(_, set)| !set.is_empty())
-            .map(|(k, set)| (key(k), set.iter().cloned().collect()))
+            .map(|(k, set)| (key(k), set.iter().map(<[u8]>::to_vec).collect::<Vec<_>>()))
             .collect();
         sets.sort();
         (buckets, sets)

@@ -376,8 +376,8 @@ impl Metering {
                                 fold.add_distinct(minute_ms, distinct)
                             }
                             BucketPart::DistinctSet => {
-                                for distinct in codec::decode_distinct_set(value)? {
-                                    fold.add_distinct(minute_ms, &distinct);
+                                for distinct in codec::decode_distinct_set(value)?.iter() {
+                                    fold.add_distinct(minute_ms, distinct);
                                 }
                             }
                             BucketPart::Aggregate => {

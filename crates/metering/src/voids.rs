@@ -649,7 +649,8 @@ pub(crate) fn rebuild_all(
                 }
             }
             Aggregation::Unique => {
-                values.extend(overlay.distinct_values(&bucket(keys::DISTINCT_SET, customer))?);
+                let set = overlay.distinct_values(&bucket(keys::DISTINCT_SET, customer))?;
+                values.extend(set.iter().map(<[u8]>::to_vec));
                 let prefix = bucket(keys::UNIQUE, customer);
                 for key in overlay.prefix_entries(&prefix)?.into_keys() {
                     values.insert(key[prefix.len()..].to_vec());
