@@ -264,7 +264,7 @@ pub fn encode_distinct_set(values: &DistinctSet) -> Vec<u8> {
     values.encoded().to_vec()
 }
 
-pub fn decode_distinct_set(bytes: &[u8]) -> Result<DistinctSet, EngineError> {
+pub fn decode_distinct_set(bytes: Vec<u8>) -> Result<DistinctSet, EngineError> {
     DistinctSet::decode(bytes)
 }
 
@@ -303,12 +303,12 @@ mod tests {
             values.insert(value);
         }
         let bytes = encode_distinct_set(&values);
-        assert_eq!(decode_distinct_set(&bytes).unwrap(), values);
-        assert!(decode_distinct_set(&bytes[..bytes.len() - 1]).is_err());
+        assert_eq!(decode_distinct_set(bytes.clone()).unwrap(), values);
+        assert!(decode_distinct_set(bytes[..bytes.len() - 1].to_vec()).is_err());
         let mut longer = bytes.clone();
         longer.push(0);
-        assert!(decode_distinct_set(&longer).is_err());
-        assert!(decode_distinct_set(&[0, 0, 0, 9]).is_err());
+        assert!(decode_distinct_set(longer).is_err());
+        assert!(decode_distinct_set(vec![0, 0, 0, 9]).is_err());
     }
 
     #[test]

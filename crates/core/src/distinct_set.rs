@@ -38,12 +38,12 @@ fn read_u32(bytes: &[u8], at: usize) -> Option<usize> {
 }
 
 impl DistinctSet {
-    /// A set from its stored encoding. Values must be strictly ascending (as every
-    /// writer leaves them): anything else is corrupt storage, never silently
-    /// re-sorted.
-    pub fn decode(bytes: &[u8]) -> Result<DistinctSet, EngineError> {
+    /// A set from its stored encoding, taken as it is (validated, not copied).
+    /// Values must be strictly ascending (as every writer leaves them): anything
+    /// else is corrupt storage, never silently re-sorted.
+    pub fn decode(bytes: Vec<u8>) -> Result<DistinctSet, EngineError> {
         let bad = || EngineError::Corrupt("a distinct-value set does not decode".into());
-        let count = read_u32(bytes, 0).ok_or_else(bad)?;
+        let count = read_u32(&bytes, 0).ok_or_else(bad)?;
         // A count the bytes cannot hold is refused before it sizes an allocation.
         if count > bytes.len() / PREFIX {
             return Err(bad());
@@ -52,7 +52,7 @@ impl DistinctSet {
         let mut at = PREFIX;
         let mut previous: Option<&[u8]> = None;
         for _ in 0..count {
-            let len = read_u32(bytes, at).ok_or_else(bad)?;
+            let len = read_u32(&bytes, at).ok_or_else(bad)?;
             let end = (at + PREFIX).checked_add(len).ok_or_else(bad)?;
             let value = bytes.get(at + PREFIX..end).ok_or_else(bad)?;
             if previous.is_some_and(|previous| previous >= value) {
@@ -65,10 +65,7 @@ impl DistinctSet {
         if at != bytes.len() {
             return Err(bad());
         }
-        Ok(DistinctSet {
-            bytes: bytes.to_vec(),
-            starts,
-        })
+        Ok(DistinctSet { bytes, starts })
     }
 
     /// The stored encoding.
@@ -226,7 +223,7 @@ mod tests {
                 let values: Vec<&[u8]> = set.iter().collect();
                 let expected: Vec<&[u8]> = reference.iter().map(Vec::as_slice).collect();
                 prop_assert_eq!(values, expected);
-                prop_assert_eq!(&DistinctSet::decode(set.encoded()).unwrap(), &set);
+                prop_assert_eq!(&DistinctSet::decode(set.encoded().to_vec()).unwrap(), &set);
                 for probe in [&b""[..], b"\x00", b"\x01\x02", b"\x03\x03\x03"] {
                     prop_assert_eq!(set.contains(probe), reference.contains(probe));
                 }
@@ -241,21 +238,21 @@ mod tests {
             set.insert(value);
         }
         let bytes = set.encoded().to_vec();
-        assert!(DistinctSet::decode(&bytes[..bytes.len() - 1]).is_err());
+        assert!(DistinctSet::decode(bytes[..bytes.len() - 1].to_vec()).is_err());
         let mut longer = bytes.clone();
         longer.push(0);
-        assert!(DistinctSet::decode(&longer).is_err());
-        assert!(DistinctSet::decode(&[0, 0, 0, 9]).is_err());
-        assert!(DistinctSet::decode(&[0xff, 0xff, 0xff, 0xff]).is_err());
-        assert!(DistinctSet::decode(&[]).is_err());
+        assert!(DistinctSet::decode(longer).is_err());
+        assert!(DistinctSet::decode(vec![0, 0, 0, 9]).is_err());
+        assert!(DistinctSet::decode(vec![0xff, 0xff, 0xff, 0xff]).is_err());
+        assert!(DistinctSet::decode(Vec::new()).is_err());
         // "b" before "a": not in order.
         let unordered = [0, 0, 0, 2, 0, 0, 0, 1, b'b', 0, 0, 0, 1, b'a'];
-        assert!(DistinctSet::decode(&unordered).is_err());
+        assert!(DistinctSet::decode(unordered.to_vec()).is_err());
         // The same value twice.
         let twice = [0, 0, 0, 2, 0, 0, 0, 1, b'a', 0, 0, 0, 1, b'a'];
-        assert!(DistinctSet::decode(&twice).is_err());
+        assert!(DistinctSet::decode(twice.to_vec()).is_err());
         assert_eq!(
-            DistinctSet::decode(&[0, 0, 0, 0]).unwrap(),
+            DistinctSet::decode(vec![0, 0, 0, 0]).unwrap(),
             DistinctSet::default()
         );
     }

@@ -715,7 +715,7 @@ impl<'a> Overlay<'a> {
             }
         };
         match stored {
-            Some(bytes) => codec::decode_distinct_set(&bytes),
+            Some(bytes) => codec::decode_distinct_set(bytes),
             None => Ok(DistinctSet::default()),
         }
     }
@@ -813,7 +813,7 @@ impl<'a> Overlay<'a> {
                             None => self.store.get(&key)?,
                         };
                         match stored {
-                            Some(bytes) => codec::decode_distinct_set(&bytes)?,
+                            Some(bytes) => codec::decode_distinct_set(bytes)?,
                             None => Default::default(),
                         }
                     }

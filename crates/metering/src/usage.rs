@@ -376,7 +376,7 @@ impl Metering {
                                 fold.add_distinct(minute_ms, distinct)
                             }
                             BucketPart::DistinctSet => {
-                                for distinct in codec::decode_distinct_set(value)?.iter() {
+                                for distinct in codec::decode_distinct_set(value.to_vec())?.iter() {
                                     fold.add_distinct(minute_ms, distinct);
                                 }
                             }

@@ -79,8 +79,8 @@ pub const MAX_PRESIZED_LAYER_KEYS: usize = 1_000_000;
 /// "Layer copies"), when no checkpoint is in flight. A SIGKILL then loses at most this
 /// much of the log (plus a checkpoint's write) instead of up to two checkpoint
 /// intervals: a restart under ingest re-applied ~470,000 events (~8 s) before it
-/// answered. A copy costs a walk of the layer under the writer's turn (~200,000 keys
-/// at most) and a sequential write of it in the background.
+/// answered. A copy costs a walk of the layer under the writer's turn (at most
+/// `LAYER_COPY_MAX_KEYS` keys) and a sequential write of it in the background.
 pub const LAYER_COPY_EVERY_MS: u64 = 3_000;
 
 /// The most keys a layer copy takes: it is walked while applies wait, and it keeps

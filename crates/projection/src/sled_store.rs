@@ -323,25 +323,6 @@ impl SledStore {
         )
     }
 
-    /// A layer copy (module doc, "Layer copies"), durable and in place like a stage:
-    /// the positions it was made over, then the layer as a stage.
-    fn write_layer_copy(
-        &self,
-        over: &[(u32, u64)],
-        changes: &dyn ChangeSource,
-        positions: &[(u32, u64)],
-    ) -> Result<(), StoreError> {
-        self.write_durably(
-            LAYER_COPY_FILE_PARTIAL,
-            LAYER_COPY_FILE,
-            "writing the layer copy",
-            &mut |out| {
-                write_positions(out, over).map_err(|e| io_error("writing the layer copy", e))?;
-                write_stage(out, changes, positions)
-            },
-        )
-    }
-
     /// Writes `body` and the CRC-32 of it to `partial` in the store's directory,
     /// fsyncs it, renames it to `name` and fsyncs the directory: a crash leaves the
     /// old file or the new one whole, never half of one. Streamed through a running
@@ -660,13 +641,23 @@ impl ProjectionStore for SledStore {
         self.all_positions()
     }
 
+    /// A layer copy (module doc, "Layer copies"), durable and in place like a stage:
+    /// the positions it was made over, then the layer as a stage.
     fn save_layer_copy(
         &self,
         over: &[(u32, u64)],
         changes: &dyn ChangeSource,
         positions: &[(u32, u64)],
     ) -> Result<(), StoreError> {
-        self.write_layer_copy(over, changes, positions)
+        self.write_durably(
+            LAYER_COPY_FILE_PARTIAL,
+            LAYER_COPY_FILE,
+            "writing the layer copy",
+            &mut |out| {
+                write_positions(out, over).map_err(|e| io_error("writing the layer copy", e))?;
+                write_stage(out, changes, positions)
+            },
+        )
     }
 
     fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
@@ -903,7 +894,7 @@ mod tests {
             store.stage(&staged.to_vec(), &[(0, at)]).unwrap();
         }
         store
-            .write_layer_copy(&[(0, over), (3, 0)], &copied, &[(0, reaches), (1, 4)])
+            .save_layer_copy(&[(0, over), (3, 0)], &copied, &[(0, reaches), (1, 4)])
             .unwrap();
         store.db.flush().unwrap();
         copied
