@@ -3,7 +3,8 @@
 //! (b) all on one hot account, with latency percentiles; then (c) reserve + commit
 //! pairs spread over the same accounts, and (d) debits spread over accounts holding
 //! 20 active grants each, both against (a) in the same run. Each scenario also
-//! reports the server's CPU time per step.
+//! reports the server's CPU time per step. `--growth-rounds N` then repeats (a) N
+//! times on the grown ledger, to show whether a debit's cost stays flat.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,6 +30,23 @@ struct Args {
     /// Seconds per scenario.
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
+    /// After the four scenarios, run (a) (or (b), see `--growth-on`) this many more
+    /// times and print each round: how a debit's cost moves as the ledger grows
+    /// (README, "A debit's cost as the ledger grows").
+    #[arg(long, default_value_t = 0)]
+    growth_rounds: usize,
+    /// The accounts the growth rounds debit.
+    #[arg(long, value_enum, default_value_t = GrowthOn::Spread)]
+    growth_on: GrowthOn,
+}
+
+/// Which scenario `--growth-rounds` repeats.
+#[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
+enum GrowthOn {
+    /// (a): a random one of all the accounts each time.
+    Spread,
+    /// (b): the one hot account.
+    Hot,
 }
 
 /// What one step of a scenario sends.
@@ -172,9 +190,9 @@ struct Measured {
 impl Measured {
     /// The scenario's line: rate (against `baseline`'s, if given), latency
     /// percentiles per `step`, and the server's CPU per step.
-    fn summary(&self, step: &str, baseline: Option<&Measured>) -> String {
+    fn summary(&self, step: &str, baseline: Option<(&str, &Measured)>) -> String {
         let ratio = baseline
-            .map(|b| format!(" ({:.2} of (a))", self.rate / b.rate))
+            .map(|(name, b)| format!(" ({:.2} of {name})", self.rate / b.rate))
             .unwrap_or_default();
         format!(
             "{:.0} debits/s{ratio}, p50 {:.2?}, p99 {:.2?} per {step}, server CPU {:.0} µs per {step}",
@@ -273,12 +291,27 @@ async fn main() -> anyhow::Result<()> {
         seconds: args.seconds,
         pid: child.id(),
     };
-    let hot = Arc::new(vec![accounts[0].clone()]);
+    let hot_account = Arc::new(vec![accounts[0].clone()]);
     let spread_accounts = Arc::new(accounts);
     let spread = scenario(&load, spread_accounts.clone(), "spread", Work::Debit).await?;
-    let hot = scenario(&load, hot, "hot", Work::Debit).await?;
-    let reserved = scenario(&load, spread_accounts, "reserve", Work::ReserveCommit).await?;
+    let hot = scenario(&load, hot_account.clone(), "hot", Work::Debit).await?;
+    let reserved = scenario(
+        &load,
+        spread_accounts.clone(),
+        "reserve",
+        Work::ReserveCommit,
+    )
+    .await?;
     let granted = scenario(&load, granted, "granted", Work::Debit).await?;
+    let (grown, growth_baseline, growth_name) = match args.growth_on {
+        GrowthOn::Spread => (spread_accounts.clone(), &spread, "(a)"),
+        GrowthOn::Hot => (hot_account, &hot, "(b)"),
+    };
+    let mut rounds = Vec::new();
+    for round in 0..args.growth_rounds {
+        let tag = format!("growth{round}");
+        rounds.push(scenario(&load, grown.clone(), &tag, Work::Debit).await?);
+    }
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
@@ -294,13 +327,27 @@ async fn main() -> anyhow::Result<()> {
     );
     println!(
         "(c) reserve + commit, spread: {}",
-        reserved.summary("pair", Some(&spread))
+        reserved.summary("pair", Some(("(a)", &spread)))
     );
     println!(
         "(d) spread over {} accounts of 20 grants: {}",
         granted_accounts,
-        granted.summary("debit", Some(&spread))
+        granted.summary("debit", Some(("(a)", &spread)))
     );
+    // Debits booked before each round: the four scenarios', then the rounds'.
+    let mut booked = [&spread, &hot, &reserved, &granted]
+        .iter()
+        .map(|m| m.rate * args.seconds)
+        .sum::<f64>();
+    for (round, measured) in rounds.iter().enumerate() {
+        println!(
+            "(e) round {} of {growth_name}, after ~{:.0} debits: {}",
+            round + 1,
+            booked,
+            measured.summary("debit", Some((growth_name, growth_baseline)))
+        );
+        booked += measured.rate * args.seconds;
+    }
     println!(
         "({} connections, {} s per scenario)",
         args.connections, args.seconds
