@@ -928,6 +928,7 @@ fn schedule_billing_events(
                 store_id,
                 mode,
                 event_key: tally_billing::apply::event_key(store_id, mode, event),
+                unstored: None,
             }
         })
         .collect();

@@ -17,9 +17,8 @@ use tally_core::outcome::Outcome;
 use tally_core::overlay::{ApplyError, Overlay};
 
 use crate::posting::{
-    account_missing, balance_key, balances_before, exhausted_key, movement_events,
-    post_transaction, refused, store_events, stored_account, stored_balance, Posted,
-    EVENT_CREDITS_EXHAUSTED,
+    account_missing, balance_key, balances_before, exhausted_key, movement_events, note_exhaustion,
+    post_transaction, refused, stored_account, stored_balance, Posted, EVENT_CREDITS_EXHAUSTED,
 };
 
 /// Folds one ledger step into the projection (called by the projector), after
@@ -168,7 +167,7 @@ pub fn apply_ledger_step(
             .into());
         }
     }
-    store_events(overlay, &events);
+    note_exhaustion(overlay, &events);
     Ok(events)
 }
 
@@ -212,7 +211,7 @@ pub fn apply_usage_debit(
     }
     // Grants expired by the record's time hold nothing to take.
     let expired = crate::grants::book_expiries(overlay, &account, debit.created_at_ms)?;
-    store_events(overlay, &expired);
+    note_exhaustion(overlay, &expired);
     let balance = stored_balance(overlay, store, mode, &account_id)?;
     // Only what no reservation holds (docs/api.md, "Reservations").
     let held = crate::holds::held(overlay, store, mode, &account_id, debit.created_at_ms)?;
@@ -235,7 +234,7 @@ pub fn apply_usage_debit(
             account,
             balance,
         }];
-        store_events(overlay, &exhausted);
+        note_exhaustion(overlay, &exhausted);
         events.extend(exhausted);
         return Ok((Decimal::ZERO, events));
     }
@@ -281,8 +280,8 @@ pub fn apply_usage_debit(
     };
     let posted = apply_transaction(overlay, &tx, None, None, debit.created_at_ms)?;
     let moved = movement_events(&posted.transaction, &posted.account, posted.balance_after);
-    store_events(overlay, &posted.expired);
-    store_events(overlay, &moved);
+    note_exhaustion(overlay, &posted.expired);
+    note_exhaustion(overlay, &moved);
     let after = crate::thresholds::after_step(
         overlay,
         store,
@@ -430,7 +429,7 @@ pub fn apply_expiries_due(
         return Ok(Vec::new());
     };
     let mut events = crate::grants::book_expiries(overlay, &account, at_ms)?;
-    store_events(overlay, &events);
+    note_exhaustion(overlay, &events);
     events.extend(crate::thresholds::after_step(
         overlay,
         store,

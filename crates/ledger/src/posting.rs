@@ -71,21 +71,17 @@ pub(crate) fn account_missing(account_id: &str) -> ApplyError {
     .into()
 }
 
-/// Keeps a step's webhook events (table `W`) and notes an announced exhaustion, so
-/// usage settlement announces an empty account once, not on every shortfall.
-pub(crate) fn store_events(overlay: &mut Overlay<'_>, events: &[LedgerEvent]) {
-    for event in events {
+/// Notes an announced exhaustion among a step's events, so usage settlement
+/// announces an empty account once, not on every shortfall. The events themselves
+/// leave apply as data: notifications stores one (table `W`) only when it schedules
+/// a delivery of it.
+pub(crate) fn note_exhaustion(overlay: &mut Overlay<'_>, events: &[LedgerEvent]) {
+    for event in events
+        .iter()
+        .filter(|e| e.event_type == EVENT_CREDITS_EXHAUSTED)
+    {
         let (store, mode) = (&event.account.store_id, event.account.mode);
-        overlay.put(
-            Key::scoped(keys::WEBHOOK_EVENT, store, mode)
-                .int(event.created_at_ms)
-                .text(&event.id)
-                .into_bytes(),
-            tally_proto::Message::encode_to_vec(&tally_proto::ledger_event_to_proto(event)),
-        );
-        if event.event_type == EVENT_CREDITS_EXHAUSTED {
-            overlay.put(exhausted_key(store, mode, &event.account.id), Vec::new());
-        }
+        overlay.put(exhausted_key(store, mode, &event.account.id), Vec::new());
     }
 }
 

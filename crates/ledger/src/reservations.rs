@@ -30,7 +30,7 @@ use tally_core::{Decision, Scope};
 use crate::apply::apply_transaction;
 use crate::holds::{load, reservation_key, stored_holds, write_holds};
 use crate::posting::{
-    account_missing, movement_events, refused, store_events, stored_account, stored_balance,
+    account_missing, movement_events, note_exhaustion, refused, stored_account, stored_balance,
 };
 use crate::Ledger;
 
@@ -116,7 +116,7 @@ pub fn apply_reservation_step(
                 &posted.account,
                 posted.balance_after,
             ));
-            store_events(overlay, &events);
+            note_exhaustion(overlay, &events);
             events.extend(crate::thresholds::after_step(
                 overlay,
                 store,
@@ -196,7 +196,7 @@ fn apply_hold(
     check_open(account.status).map_err(refused)?;
     // Grants expired by the record's time hold nothing to reserve.
     let expired = crate::grants::book_expiries(overlay, &account, at_ms)?;
-    store_events(overlay, &expired);
+    note_exhaustion(overlay, &expired);
     let balance = stored_balance(overlay, store, mode, &account.id)?;
     let mut holds = stored_holds(overlay, store, mode, &account.id)?;
     holds.retain(|h| h.expires_at_ms > at_ms);

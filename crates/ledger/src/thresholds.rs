@@ -30,7 +30,7 @@ use tally_domain::Mode;
 use tally_core::keys::{self, Key};
 use tally_core::overlay::{ApplyError, Overlay};
 
-use crate::posting::{store_events, stored_account, stored_balance};
+use crate::posting::{note_exhaustion, stored_account, stored_balance};
 
 pub const EVENT_CREDITS_BALANCE_LOW: &str = "credits.balance_low";
 pub const EVENT_CREDITS_AUTO_RECHARGED: &str = "credits.auto_recharged";
@@ -111,7 +111,7 @@ pub(crate) fn after_step(
     } else if !below && marked {
         overlay.delete(marker);
     }
-    store_events(overlay, &events);
+    note_exhaustion(overlay, &events);
     Ok(events)
 }
 
@@ -192,7 +192,7 @@ pub fn apply_recharge_settled(
             (vec![event], false)
         }
     };
-    store_events(overlay, &events);
+    note_exhaustion(overlay, &events);
     events.extend(after_step(
         overlay,
         store,

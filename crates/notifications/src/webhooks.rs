@@ -194,6 +194,11 @@ pub struct EventHead<'a> {
     pub store_id: &'a StoreId,
     pub mode: Mode,
     pub event_key: Vec<u8>,
+    /// The snapshot to store at `event_key` once a delivery needs it: a ledger
+    /// event's. Only a delivery ever reads it, so an event no endpoint subscribes to
+    /// costs no row (a debit's largest). `None`: its context stores it (billing's
+    /// events, which are listed too).
+    pub unstored: Option<&'a LedgerEvent>,
 }
 
 impl<'a> EventHead<'a> {
@@ -209,6 +214,7 @@ impl<'a> EventHead<'a> {
                 .int(event.created_at_ms)
                 .text(&event.id)
                 .into_bytes(),
+            unstored: Some(event),
         }
     }
 }
@@ -236,10 +242,17 @@ pub fn schedule_deliveries(
             .map(|v| decode_endpoint(v))
             .collect::<Result<Vec<_>, _>>()?;
         let event_key = event.event_key.clone();
-        for endpoint in endpoints
+        let mut subscribed = endpoints
             .iter()
             .filter(|e| e.subscribes_to(event.event_type))
-        {
+            .peekable();
+        if let (Some(_), Some(snapshot)) = (subscribed.peek(), event.unstored) {
+            overlay.put(
+                event_key.clone(),
+                tally_proto::ledger_event_to_proto(snapshot).encode_to_vec(),
+            );
+        }
+        for endpoint in subscribed {
             let pending = match endpoint.delivery_mode {
                 DeliveryMode::Http => Vec::new(),
                 DeliveryMode::Cli => pending_key(
@@ -767,5 +780,106 @@ impl Notifications {
             due.push((scope, delivery));
         }
         Ok(due)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_core::event_index::EventIndex;
+    use tally_core::overlay::Fetched;
+    use tally_domain::ledger::{Account, AccountStatus};
+
+    fn endpoint(store: &str, events: &[&str]) -> WebhookEndpoint {
+        WebhookEndpoint {
+            id: EndpointId::from(format!("wh_{}", events.join("_"))),
+            store_id: StoreId::from(store),
+            mode: Mode::Test,
+            name: "hook".into(),
+            url: "https://example.com/hook".into(),
+            delivery_mode: DeliveryMode::Http,
+            enabled: true,
+            events: events.iter().map(|e| e.to_string()).collect(),
+            secret: "whsec_x".into(),
+            previous_secret: None,
+            previous_secret_expires_at_ms: 0,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+        }
+    }
+
+    fn consumed(store: &str) -> LedgerEvent {
+        LedgerEvent {
+            id: "whevt_1".into(),
+            event_type: "credits.consumed".into(),
+            created_at_ms: 1_000,
+            transaction_id: None,
+            account: Account {
+                id: "ca_1".into(),
+                store_id: StoreId::from(store),
+                mode: Mode::Test,
+                customer_id: "cus_1".into(),
+                name: "main".into(),
+                unit_label: "credits".into(),
+                status: AccountStatus::Active,
+                created_at_ms: 1,
+                updated_at_ms: 1,
+                low_balance_threshold: None,
+                auto_recharge: None,
+            },
+            balance: "1".parse().unwrap(),
+        }
+    }
+
+    /// Whether scheduling `event` in a scope with `endpoints` stores its snapshot,
+    /// and how many deliveries it makes.
+    fn schedule(endpoints: &[WebhookEndpoint], event: &LedgerEvent) -> (bool, usize) {
+        let store = tally_projection::MemoryStore::new();
+        let index = EventIndex::default();
+        let fetched = Fetched::new();
+        let mut overlay = Overlay::new(&store, &index, &fetched);
+        for endpoint in endpoints {
+            apply_endpoint(&mut overlay, endpoint, None).unwrap();
+        }
+        let head = EventHead::ledger(event);
+        let key = head.event_key.clone();
+        schedule_deliveries(&mut overlay, &[head], 7).unwrap();
+        let stored = overlay.get(&key).unwrap();
+        if let Some(bytes) = &stored {
+            let decoded =
+                tally_proto::ledger_event_from_proto(v1::LedgerEvent::decode(&bytes[..]).unwrap())
+                    .unwrap();
+            assert_eq!(&decoded, event, "the stored snapshot is the event");
+        }
+        let deliveries = Key::scoped(keys::WEBHOOK_DELIVERY, &event.account.store_id, Mode::Test);
+        let made = overlay.prefix_entries(deliveries.as_bytes()).unwrap().len();
+        (stored.is_some(), made)
+    }
+
+    #[test]
+    fn a_ledger_event_is_stored_only_when_a_delivery_needs_it() {
+        let event = consumed("st_1");
+        assert_eq!(schedule(&[], &event), (false, 0), "no endpoint");
+        assert_eq!(
+            schedule(&[endpoint("st_1", &["credits.granted"])], &event),
+            (false, 0),
+            "an endpoint of other events"
+        );
+        assert_eq!(
+            schedule(&[endpoint("st_2", &["credits.consumed"])], &event),
+            (false, 0),
+            "an endpoint of another store"
+        );
+        assert_eq!(
+            schedule(
+                &[
+                    endpoint("st_1", &["credits.consumed"]),
+                    endpoint("st_1", &["credits.consumed", "credits.granted"])
+                ],
+                &event
+            ),
+            (true, 2),
+            "two subscribed endpoints, one snapshot"
+        );
     }
 }
