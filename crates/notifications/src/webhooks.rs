@@ -100,6 +100,16 @@ fn decode_delivery(bytes: &[u8]) -> Result<Delivery, EngineError> {
     })
 }
 
+/// A ledger event's snapshot (table `W`), written with its first delivery.
+fn encode_ledger_event(event: &LedgerEvent) -> Vec<u8> {
+    tally_proto::ledger_event_to_proto(event).encode_to_vec()
+}
+
+fn decode_ledger_event(bytes: &[u8]) -> Result<LedgerEvent, EngineError> {
+    tally_proto::ledger_event_from_proto(v1::LedgerEvent::decode(bytes).map_err(corrupt)?)
+        .map_err(corrupt)
+}
+
 fn decode_endpoint(bytes: &[u8]) -> Result<WebhookEndpoint, EngineError> {
     tally_proto::endpoint_from_proto(v1::WebhookEndpoint::decode(bytes).map_err(corrupt)?)
         .map_err(corrupt)
@@ -247,10 +257,7 @@ pub fn schedule_deliveries(
             .filter(|e| e.subscribes_to(event.event_type))
             .peekable();
         if let (Some(_), Some(snapshot)) = (subscribed.peek(), event.unstored) {
-            overlay.put(
-                event_key.clone(),
-                tally_proto::ledger_event_to_proto(snapshot).encode_to_vec(),
-            );
+            overlay.put(event_key.clone(), encode_ledger_event(snapshot));
         }
         for endpoint in subscribed {
             let pending = match endpoint.delivery_mode {
@@ -630,11 +637,7 @@ impl Notifications {
         if delivery.event_key.first() == Some(&keys::BILLING_EVENT) {
             return Ok(StoredEvent::Billing(codec::decode_billing_event(&bytes)?));
         }
-        tally_proto::ledger_event_from_proto(
-            v1::LedgerEvent::decode(bytes.as_slice()).map_err(corrupt)?,
-        )
-        .map(StoredEvent::Ledger)
-        .map_err(corrupt)
+        decode_ledger_event(&bytes).map(StoredEvent::Ledger)
     }
 
     /// The cli feed: unacknowledged deliveries of the endpoint, oldest first.
@@ -846,10 +849,11 @@ mod tests {
         schedule_deliveries(&mut overlay, &[head], 7).unwrap();
         let stored = overlay.get(&key).unwrap();
         if let Some(bytes) = &stored {
-            let decoded =
-                tally_proto::ledger_event_from_proto(v1::LedgerEvent::decode(&bytes[..]).unwrap())
-                    .unwrap();
-            assert_eq!(&decoded, event, "the stored snapshot is the event");
+            assert_eq!(
+                &decode_ledger_event(bytes).unwrap(),
+                event,
+                "the stored snapshot is the event"
+            );
         }
         let deliveries = Key::scoped(keys::WEBHOOK_DELIVERY, &event.account.store_id, Mode::Test);
         let made = overlay.prefix_entries(deliveries.as_bytes()).unwrap().len();
