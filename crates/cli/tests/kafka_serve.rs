@@ -1425,6 +1425,28 @@ async fn a_split_cluster_shares_the_projection_and_any_node_answers_exactly() {
         vec![BALANCE; stores.len()],
         "exactly the balance is debited"
     );
+    // The survivors take C's partitions over once the group notices it is gone
+    // (its session timeout). The load may be answered before then, and a C that
+    // came back sooner would rejoin and get its partitions back with nothing
+    // restored: wait for the move this test claims.
+    let mut taken_over = false;
+    let mut last = String::new();
+    for _ in 0..600 {
+        let mut all = std::collections::BTreeSet::new();
+        for prod in &prods[..2] {
+            all.extend(serving(&http, prod, &secret).await.unwrap_or_default());
+        }
+        if all.len() == PARTITIONS as usize {
+            taken_over = true;
+            break;
+        }
+        last = format!("{all:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        taken_over,
+        "the survivors never served all partitions (last: {last})"
+    );
 
     // C comes back on its data dir and its ports.
     let node_c = start(2);

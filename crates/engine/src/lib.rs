@@ -567,7 +567,7 @@ impl Engine {
                         tally_domain::usage::RawPropertyValue::Number(units.to_string()),
                     )],
                 };
-                self.gateway.ingest_events(scope, &[Ok(raw)]).await?;
+                self.gateway.ingest_events(scope, vec![Ok(raw)]).await?;
                 metered = true;
             }
         }

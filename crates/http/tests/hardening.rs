@@ -687,7 +687,7 @@ async fn an_abandoned_ingest_leaves_no_id_reserved() {
     let raws = vec![raw("gone-1"), raw("gone-2")];
     let abandoned = tokio::time::timeout(
         Duration::from_millis(300),
-        server.engine.gateway().ingest_events(&scope, &raws),
+        server.engine.gateway().ingest_events(&scope, raws),
     )
     .await;
     assert!(

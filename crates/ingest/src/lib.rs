@@ -253,7 +253,7 @@ impl Gateway {
     async fn evaluate_batch(
         &self,
         scope: &Scope,
-        raws: &[Result<RawUsageEvent, FieldError>],
+        raws: Vec<Result<RawUsageEvent, FieldError>>,
         evaluation: Evaluation,
     ) -> Result<Evaluated<'_>, EngineError> {
         let now = self.journal.now_ms();
@@ -290,7 +290,7 @@ impl Gateway {
         let mut reports = Vec::with_capacity(raws.len());
         let mut candidates: Vec<Option<Candidate>> = Vec::with_capacity(raws.len());
         let mut caught_up = false;
-        for (index, raw) in raws.iter().enumerate() {
+        for (index, raw) in raws.into_iter().enumerate() {
             let mut report = EventReport {
                 valid: false,
                 error: None,
@@ -300,11 +300,8 @@ impl Gateway {
                 matched_meters: Vec::new(),
                 warnings: Vec::new(),
             };
-            let validated = raw
-                .as_ref()
-                .map_err(|e| e.clone())
-                .and_then(|raw| validate_event(raw, business_now));
-            let validated = match validated {
+            let validated = raw.and_then(|raw| validate_event(raw, business_now));
+            let mut validated = match validated {
                 Ok(v) => v,
                 Err(e) => {
                     report.error = Some(invalid(index, e));
@@ -341,8 +338,10 @@ impl Gateway {
                 candidates.push(None);
                 continue;
             };
+            // The candidate carries the id from here on (the validated event's copy
+            // is not read again).
             let assigned = validated.event_id.is_none();
-            let event_id = validated.event_id.clone().unwrap_or_else(|| new_id("evt"));
+            let event_id = validated.event_id.take().unwrap_or_else(|| new_id("evt"));
             let matched = Self::matching_meters(&meters, &validated);
             if matched.is_empty() {
                 report.warnings.push(Warning {
@@ -528,7 +527,7 @@ impl Gateway {
     pub async fn preview_events(
         &self,
         scope: &Scope,
-        raws: &[Result<RawUsageEvent, FieldError>],
+        raws: Vec<Result<RawUsageEvent, FieldError>>,
     ) -> Result<Vec<EventReport>, EngineError> {
         Ok(self
             .evaluate_batch(scope, raws, Evaluation::Preview)
@@ -540,7 +539,7 @@ impl Gateway {
     pub async fn ingest_events(
         &self,
         scope: &Scope,
-        raws: &[Result<RawUsageEvent, FieldError>],
+        raws: Vec<Result<RawUsageEvent, FieldError>>,
     ) -> Result<IngestOutcome, EngineError> {
         self.journal.wait_for_projector_headroom().await?;
         let evaluated = self.evaluate_batch(scope, raws, Evaluation::Ingest).await?;

@@ -47,7 +47,7 @@ pub async fn ingest(
     // under the ingest benchmark, at request priority, in front of the queries
     // those workers serve.
     let body = crate::intake::run(async move {
-        let outcome = state.engine.gateway().ingest_events(&scope, &raws).await?;
+        let outcome = state.engine.gateway().ingest_events(&scope, raws).await?;
         serde_json::to_vec(&wire::ingest_answer(outcome))
             .map_err(|e| ApiError::internal(format!("serializing the ingest answer: {e}")))
     })
@@ -73,7 +73,7 @@ pub async fn preview(
     Extension(scope): Extension<Scope>,
     UsageEvents(raws): UsageEvents,
 ) -> ApiResult<Json<Value>> {
-    let reports = state.engine.gateway().preview_events(&scope, &raws).await?;
+    let reports = state.engine.gateway().preview_events(&scope, raws).await?;
     Ok(Json(json!({
         "object": "ingest_preview",
         "valid": reports.iter().all(|r| r.valid),
