@@ -27,6 +27,7 @@ use dashmap::mapref::entry::Entry;
 use tally_core::ids::new_id;
 use tally_core::overlay::{inflight_key, FastDashMap};
 use tally_core::{EngineError, Journal, Scope};
+use tally_domain::ids::MeterId;
 use tally_domain::meter::{Aggregation, EventView, Meter, MeterStatus};
 use tally_domain::record::Record;
 use tally_domain::usage::{validate_event, CustomerRef, RawUsageEvent, UsageEvent, ValidatedEvent};
@@ -133,6 +134,8 @@ struct Candidate {
     event_id: String,
     /// The service assigned the id (such events are never duplicates).
     assigned: bool,
+    /// The meters it matched (shared ids: no copy of their text per event).
+    matched_meter_ids: Vec<MeterId>,
 }
 
 /// The in-flight reservations one ingest request made. Dropping it releases them
@@ -415,13 +418,14 @@ impl Gateway {
             report.valid = true;
             report.event_id = Some(event_id.clone());
             report.customer_id = Some(customer_id.clone());
-            report.matched_meters = matched.iter().map(|m| m.id.to_string()).collect();
+            report.matched_meters = matched.iter().map(|m| m.id.as_str().to_owned()).collect();
             reports.push(report);
             candidates.push(Some(Candidate {
                 event: validated,
                 customer_id,
                 event_id,
                 assigned,
+                matched_meter_ids: matched.iter().map(|m| m.id.clone()).collect(),
             }));
         }
         if evaluation == Evaluation::Ingest {
@@ -467,6 +471,7 @@ impl Gateway {
                 customer_id,
                 event_id,
                 assigned,
+                matched_meter_ids,
             }) = candidate
             else {
                 continue;
@@ -504,7 +509,6 @@ impl Gateway {
                     continue;
                 }
             }
-            let matched_meter_ids = report.matched_meters.iter().map(Into::into).collect();
             accepted.push(UsageEvent {
                 event_id,
                 name: validated.name,

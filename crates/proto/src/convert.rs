@@ -249,7 +249,7 @@ pub fn usage_event_to_proto(e: &UsageEvent) -> v1::UsageEvent {
     v1::UsageEvent {
         event_id: e.event_id.clone(),
         name: e.name.clone(),
-        customer_id: e.customer_id.to_string(),
+        customer_id: e.customer_id.as_str().to_owned(),
         timestamp_ms: e.timestamp_ms,
         properties: e
             .properties
@@ -257,7 +257,11 @@ pub fn usage_event_to_proto(e: &UsageEvent) -> v1::UsageEvent {
             .map(|(k, v)| (k.clone(), property_to_proto(v)))
             .collect(),
         received_at_ms: e.received_at_ms,
-        matched_meter_ids: e.matched_meter_ids.iter().map(|m| m.to_string()).collect(),
+        matched_meter_ids: e
+            .matched_meter_ids
+            .iter()
+            .map(|m| m.as_str().to_owned())
+            .collect(),
         event_id_assigned: e.event_id_assigned,
         external_customer_id: e.external_customer_id.clone(),
     }
