@@ -690,6 +690,18 @@ impl BucketKey {
         key
     }
 
+    /// Where a distinct-value key (`U`) ends its bucket part (table, scope, meter,
+    /// customer, minute) and its value begins; `None` for a key that is not one.
+    pub fn distinct_value_split(bytes: &[u8]) -> Option<usize> {
+        let mut key = KeyReader::new(bytes, UNIQUE, "a distinct-value key").ok()?;
+        key.text().ok()?;
+        key.mode().ok()?;
+        key.text().ok()?;
+        key.text().ok()?;
+        key.int().ok()?;
+        Some(key.at)
+    }
+
     /// A bucket key (`A`, `@`, `|`), a distinct-set key (`u`), or a distinct-value
     /// key (`U`) with its value.
     pub fn decode(bytes: &[u8]) -> Result<(BucketKey, BucketPart<'_>), EngineError> {

@@ -4,7 +4,7 @@
 //! for the chunk. Every context's apply functions take it; the projector
 //! (`tally-engine`) creates one per chunk and commits what it holds.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use tally_domain::aggregate::Aggregate;
@@ -17,7 +17,7 @@ use crate::codec;
 use crate::distinct_set::DistinctSet;
 use crate::error::EngineError;
 use crate::event_index::{self, EventIndex, EventLocation};
-use crate::keys::{self, StoredEventsKey};
+use crate::keys::{self, BucketKey, StoredEventsKey};
 use crate::outcome::Outcome;
 use crate::series::{BucketId, SeriesId, SeriesNames};
 pub use crate::series::{FastDashMap, FastIndexMap, FastMap};
@@ -111,6 +111,9 @@ pub struct Overlay<'a> {
     names: SeriesNames,
     /// `F` rows this chunk deleted, with their events (for the index after commit).
     pub pruned: Vec<StoredRow>,
+    /// This chunk deleted a distinct-value key (`U`): the cache's `held_values`
+    /// may then name a value the chunk took out, so it is not asked.
+    deleted_distinct_value: bool,
 }
 
 /// The entries on either side of a key (see `Overlay::neighbours`).
@@ -198,6 +201,16 @@ pub struct BucketCache {
     pub newest: FastMap<SeriesId, i64>,
     /// `newest` names every series the store holds buckets of.
     pub complete: bool,
+    /// Values the meter-wide distinct buckets hold (their `U` keys) as last
+    /// committed, by bucket (`BucketId` of table `U`). Every event of a `unique`
+    /// meter puts its value's key in the meter-wide bucket; under ingest nearly all
+    /// of those keys exist already (a minute's values repeat), and each rewrite went
+    /// through the overlay, the write-back layer and the next checkpoint: ~16% of
+    /// the keys a chunk wrote. A value found here is not written again. Only
+    /// "held" is ever answered from here: a value not found is written as before.
+    held_values: FastMap<BucketId, HashSet<Box<[u8]>, foldhash::fast::RandomState>>,
+    /// Values in `held_values`, all buckets together.
+    held_value_count: usize,
 }
 
 /// Buckets kept in the cache (bounds memory: ~200 B each). When a commit would pass
@@ -219,6 +232,11 @@ const EVICT_TO_PERCENT: usize = 75;
 /// instead of 4 MiB made no difference its runs could see (README, "Distinct sets
 /// kept as their encoding").
 pub const MAX_CACHED_DISTINCT_BYTES: usize = 16 << 20;
+/// Values of meter-wide distinct buckets the cache knows to be held
+/// (`BucketCache::held_values`; bounds memory: ~80 B each), evicted oldest minute
+/// first. The ingest benchmark's five `unique` meters of 1,000 users hold 5,000 a
+/// minute; a value evicted is only written again once.
+pub const MAX_KNOWN_DISTINCT_VALUES: usize = 200_000;
 /// Series interned (and whose newest minute is kept) before the cache is emptied
 /// (bounds memory: ~150 B each; an emptied cache costs one store scan per series
 /// touched again, and a read of each bucket).
@@ -246,6 +264,13 @@ impl BucketCache {
         }
     }
 
+    /// Whether the meter-wide distinct bucket `bucket` held `value` at the last commit.
+    fn holds_value(&self, bucket: BucketId, value: &[u8]) -> bool {
+        self.held_values
+            .get(&bucket)
+            .is_some_and(|values| values.contains(value))
+    }
+
     /// The committed distinct set at `key`, moved out of the cache.
     fn take_distinct(&mut self, key: &BucketId) -> Option<DistinctSet> {
         let set = self.distinct.remove(key)?;
@@ -263,6 +288,7 @@ impl BucketCache {
             *self = BucketCache::default();
             committed.buckets.clear();
             committed.distinct_sets.clear();
+            committed.distinct_values.clear();
             return;
         }
         if self.buckets.len() + committed.buckets.len() > MAX_CACHED_BUCKETS {
@@ -275,6 +301,7 @@ impl BucketCache {
             }
         }
         self.buckets.extend(committed.buckets.drain(..));
+        self.absorb_held_values(&mut committed.distinct_values);
         let incoming: usize = committed.distinct_sets.values().map(distinct_weight).sum();
         if self.distinct_bytes + incoming > MAX_CACHED_DISTINCT_BYTES {
             self.distinct_bytes = evict_oldest_minutes(
@@ -288,6 +315,32 @@ impl BucketCache {
             self.distinct_bytes += distinct_weight(&set);
             if let Some(old) = self.distinct.insert(key, set) {
                 self.distinct_bytes -= distinct_weight(&old);
+            }
+        }
+    }
+}
+
+impl BucketCache {
+    /// Learns which meter-wide distinct values a commit wrote or deleted.
+    fn absorb_held_values(&mut self, changed: &mut Vec<(BucketId, Box<[u8]>, bool)>) {
+        let added = changed.iter().filter(|(_, _, held)| *held).count();
+        if self.held_value_count + added > MAX_KNOWN_DISTINCT_VALUES {
+            self.held_value_count =
+                evict_oldest_minutes(&mut self.held_values, MAX_KNOWN_DISTINCT_VALUES, |v| {
+                    v.len()
+                });
+        }
+        for (bucket, value, held) in changed.drain(..) {
+            let values = self.held_values.entry(bucket).or_default();
+            let known = if held {
+                values.insert(value)
+            } else {
+                values.remove(&value)
+            };
+            match (known, held) {
+                (true, true) => self.held_value_count += 1,
+                (true, false) => self.held_value_count -= 1,
+                _ => {}
             }
         }
     }
@@ -345,6 +398,7 @@ impl<'a> Overlay<'a> {
             distinct_sets: FastIndexMap::default(),
             names: SeriesNames::default(),
             pruned: Vec::new(),
+            deleted_distinct_value: false,
         }
     }
 
@@ -667,6 +721,9 @@ impl<'a> Overlay<'a> {
     }
 
     fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        if value.is_none() && key.first() == Some(&keys::UNIQUE) {
+            self.deleted_distinct_value = true;
+        }
         let previous = self.changes.insert(key.clone(), value);
         self.journal.push(Undo::Change(key, previous));
     }
@@ -721,6 +778,14 @@ impl<'a> Overlay<'a> {
     }
 
     pub fn aggregate_mut(&mut self, key: Vec<u8>) -> Result<&mut Aggregate, EngineError> {
+        Ok(self.aggregate_entry(key)?.1)
+    }
+
+    /// `aggregate_mut`, with the bucket's id.
+    pub fn aggregate_entry(
+        &mut self,
+        key: Vec<u8>,
+    ) -> Result<(BucketId, &mut Aggregate), EngineError> {
         let id = self.bucket_id(&key)?;
         let (index, previous) = match self.aggregates.get_full(&id) {
             Some((index, _, aggregate)) => (index, Some(*aggregate)),
@@ -732,8 +797,27 @@ impl<'a> Overlay<'a> {
         self.journal.push(Undo::Aggregate(index, previous));
         self.aggregates
             .get_index_mut(index)
-            .map(|(_, aggregate)| aggregate)
+            .map(|(_, aggregate)| (id, aggregate))
             .ok_or_else(|| EngineError::Corrupt("bucket vanished from the overlay".into()))
+    }
+
+    /// Puts a meter-wide distinct value's key (`key()`, empty value) unless the
+    /// cache knows `bucket` (its `U` bucket id) held `value` at the last commit and
+    /// this chunk deleted no such key: a rewrite would change nothing.
+    pub fn put_distinct_value(
+        &mut self,
+        bucket: BucketId,
+        value: &[u8],
+        key: impl FnOnce() -> Vec<u8>,
+    ) {
+        let held = !self.deleted_distinct_value
+            && self
+                .cache
+                .as_deref()
+                .is_some_and(|cache| cache.holds_value(bucket, value));
+        if !held {
+            self.put(key(), Vec::new());
+        }
     }
 
     /// Whether the store cannot hold the bucket or distinct set `id`: the cache
@@ -848,6 +932,18 @@ impl<'a> Overlay<'a> {
                 .key(*id)
                 .ok_or_else(|| EngineError::Corrupt("a bucket's series was not interned".into()))
         };
+        let mut distinct_values = Vec::new();
+        for (key, value) in self
+            .changes
+            .range(vec![keys::UNIQUE]..vec![keys::UNIQUE + 1])
+        {
+            // A series not interned names no bucket the cache knows of.
+            let bucket = BucketKey::distinct_value_split(key)
+                .and_then(|at| Some((names.known_bucket(&key[..at])?, &key[at..])));
+            if let Some((bucket, held)) = bucket {
+                distinct_values.push((bucket, held.into(), value.is_some()));
+            }
+        }
         let mut changes: Vec<(Vec<u8>, Option<Vec<u8>>)> = self.changes.into_iter().collect();
         changes.reserve(self.aggregates.len() + self.distinct_sets.len());
         for (id, aggregate) in &self.aggregates {
@@ -868,6 +964,7 @@ impl<'a> Overlay<'a> {
             changes,
             buckets: self.aggregates,
             distinct_sets,
+            distinct_values,
             stored,
             pruned: self.pruned,
         })
@@ -907,6 +1004,9 @@ pub struct Committed {
     pub changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     pub buckets: FastIndexMap<BucketId, Aggregate>,
     pub distinct_sets: FastIndexMap<BucketId, DistinctSet>,
+    /// The meter-wide distinct values (`U` keys) written (`true`) or deleted, by
+    /// bucket, for the cache's `held_values`.
+    pub distinct_values: Vec<(BucketId, Box<[u8]>, bool)>,
     pub stored: Vec<StoredRow>,
     pub pruned: Vec<StoredRow>,
 }
@@ -937,7 +1037,6 @@ fn scoped_cache_key(store_id: &str, mode: Mode, id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::keys::BucketKey;
 
     fn bucket(customer: &str, minute: i64) -> Vec<u8> {
         BucketKey::from_minute(keys::AGGREGATE, "st", Mode::Test, "m", customer, minute)

@@ -35,7 +35,8 @@ pub type FastIndexMap<K, V> = indexmap::IndexMap<K, V, foldhash::fast::RandomSta
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SeriesId(u32);
 
-/// A bucket (`A`, `@`, `|`) or distinct-set (`u`) key in memory.
+/// A bucket (`A`, `@`, `|`), distinct-set (`u`) or meter-wide distinct-value
+/// bucket (`U`, the keys' common part before the value) key in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BucketId {
     pub table: u8,
@@ -78,6 +79,17 @@ impl SeriesNames {
         // Past `u32::MAX` series the cache that owns these names has long been
         // cleared (`MAX_KNOWN_SERIES`); saturating keeps this total all the same.
         SeriesId(u32::try_from(index).unwrap_or(u32::MAX))
+    }
+
+    /// The id of a bucket key's series if it is interned here (a look-up only).
+    pub fn known_bucket(&self, key: &[u8]) -> Option<BucketId> {
+        let (series, minute) = series_of(key)?;
+        let index = self.names.get_index_of(series)?;
+        Some(BucketId {
+            table: key[0],
+            series: SeriesId(u32::try_from(index).unwrap_or(u32::MAX)),
+            minute,
+        })
     }
 
     /// The series' bytes (`None`: not interned here).

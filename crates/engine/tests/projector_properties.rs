@@ -678,6 +678,47 @@ fn a_void_is_seen_by_the_next_chunk_of_the_same_state() {
     assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
 }
 
+/// The bucket cache remembers which values the meter-wide `unique` buckets hold,
+/// so a value seen again is not rewritten; a void that deletes one must make it
+/// forget it. Here one projector state applies every record as its own chunk: a
+/// value stored, voided, then brought back by another customer's event counts
+/// again (a cache that kept the voided value would skip writing it back).
+#[test]
+fn a_distinct_value_voided_then_seen_again_is_held_again() {
+    let event = |id, customer| GenEvent {
+        id,
+        customer,
+        minute: 0,
+        second: 1,
+        value: Some(5),
+    };
+    let steps = [
+        Step::Batch(vec![event(1, 0)]),
+        Step::Void(vec![1]),
+        Step::Batch(vec![event(2, 1)]),
+    ];
+    let (entries, counted, _) = log_with_voids(&steps);
+    assert_eq!(counted.len(), 1, "only event 2 counts");
+    let whole = apply_in_chunks(&entries, &[]);
+    let store = Arc::new(MemoryStore::new());
+    let mut state = ProjectorState::load(store.as_ref(), Arc::new(EventIndex::default())).unwrap();
+    for at in 0..entries.len() {
+        apply_chunk_in_memory(store.as_ref(), &mut state, &entries[at..=at], &entries).unwrap();
+    }
+    assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (engine, _dir) = runtime.block_on(engine_over(store));
+    let unique = meters()
+        .into_iter()
+        .find(|m| m.aggregation == Aggregation::Unique)
+        .unwrap();
+    let result = usage_of(&engine, &unique, None, T0 + 3_600_000, Window::None);
+    assert_eq!(result.total.value, Some(Decimal::ONE));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
 

@@ -13,6 +13,7 @@ use tally_core::event_index::{
 };
 use tally_core::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CUSTOMERS};
 use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, FastMap, Overlay, StoredRow};
+use tally_core::series::BucketId;
 use tally_domain::aggregate::{contribution, Contribution};
 use tally_domain::gauge::{keep_latest, offset_in_minute, LatestPoint};
 use tally_domain::ids::MeterId;
@@ -582,7 +583,8 @@ pub fn fold_contribution(
             Contribution::Skipped => {}
             Contribution::Event { number } => overlay.aggregate_mut(bucket())?.add(*number),
             Contribution::Distinct(distinct) => {
-                overlay.aggregate_mut(bucket())?.add(None);
+                let (id, aggregate) = overlay.aggregate_entry(bucket())?;
+                aggregate.add(None);
                 // A customer's minute keeps its values in one set; the meter-wide bucket
                 // (values of every customer) and a full set keep one key per value.
                 let inline = if customer == ALL_CUSTOMERS {
@@ -599,9 +601,14 @@ pub fn fold_contribution(
                     overlay.add_distinct(set, distinct.as_bytes())?
                 };
                 if inline == DistinctAdd::Full {
-                    let value =
-                        BucketKey::distinct(store_id, mode, meter_id, customer, minute, distinct);
-                    overlay.put(value, Vec::new());
+                    // Its `U` keys share the series and minute of the bucket's `A` key.
+                    let values = BucketId {
+                        table: keys::UNIQUE,
+                        ..id
+                    };
+                    overlay.put_distinct_value(values, distinct.as_bytes(), || {
+                        BucketKey::distinct(store_id, mode, meter_id, customer, minute, distinct)
+                    });
                 }
             }
         }
