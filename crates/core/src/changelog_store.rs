@@ -23,7 +23,7 @@ use std::ops::Bound;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tally_log::changelog::Changelog;
-use tally_projection::{Change, ChangeSource, ProjectionStore, StoreError, Visit};
+use tally_projection::{Change, ChangeSource, ProjectionStore, SharedChange, StoreError, Visit};
 use tally_runtime::Ownership;
 
 use crate::key_home::{key_home, KeyHome};
@@ -401,6 +401,15 @@ impl<S: ProjectionStore> ProjectionStore for ChangelogStore<S> {
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
         self.writer.write(&self.inner, &changes, positions)?;
         self.inner.apply(changes, positions)
+    }
+
+    fn apply_shared(
+        &self,
+        changes: Vec<SharedChange>,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
+        self.writer.write(&self.inner, &changes, positions)?;
+        self.inner.apply_shared(changes, positions)
     }
 
     fn apply_from(

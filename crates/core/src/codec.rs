@@ -221,16 +221,22 @@ pub fn decode_count(bytes: &[u8]) -> Result<u64, EngineError> {
 }
 
 pub fn encode_aggregate(a: &Aggregate) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(AGGREGATE_BYTES);
+    let mut bytes = Vec::with_capacity(AGGREGATE_BYTES + 1);
+    encode_aggregate_into(a, &mut bytes);
+    bytes
+}
+
+/// `encode_aggregate`, written over `bytes` (a buffer reused from bucket to bucket).
+pub fn encode_aggregate_into(a: &Aggregate, bytes: &mut Vec<u8>) {
+    bytes.clear();
     bytes.extend_from_slice(&a.events.to_be_bytes());
     bytes.extend_from_slice(&a.numeric_events.to_be_bytes());
     bytes.extend_from_slice(&a.sum.serialize());
-    put_optional(&mut bytes, a.min);
-    put_optional(&mut bytes, a.max);
+    put_optional(bytes, a.min);
+    put_optional(bytes, a.max);
     if a.overflowed {
         bytes.push(1);
     }
-    bytes
 }
 
 pub fn decode_aggregate(bytes: &[u8]) -> Result<Aggregate, EngineError> {

@@ -308,7 +308,7 @@ mod tests {
         let result = step(&mut overlay);
         overlay.keep();
         let committed = overlay.into_changes().unwrap();
-        store.apply(committed.changes, &[]).unwrap();
+        store.apply_shared(committed.changes, &[]).unwrap();
         result
     }
 

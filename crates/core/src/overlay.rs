@@ -11,7 +11,7 @@ use tally_domain::aggregate::Aggregate;
 use tally_domain::record::Record;
 use tally_domain::usage::UsageEvent;
 use tally_domain::Mode;
-use tally_projection::{scan_prefix, ProjectionStore, Visit};
+use tally_projection::{scan_prefix, ProjectionStore, SharedChange, Visit};
 
 use crate::codec;
 use crate::distinct_set::DistinctSet;
@@ -927,10 +927,15 @@ impl<'a> Overlay<'a> {
             Some(cache) => &cache.names,
             None => &self.names,
         };
-        let key_of = |id: &BucketId| {
+        // Keys and values are written into these buffers and shared from there:
+        // one allocation each, in the form the write-back layer keeps
+        // (`ProjectionStore::apply_shared`).
+        let (mut key, mut value) = (Vec::new(), Vec::new());
+        let mut key_of = |id: &BucketId| -> Result<Arc<[u8]>, EngineError> {
             names
-                .key(*id)
-                .ok_or_else(|| EngineError::Corrupt("a bucket's series was not interned".into()))
+                .write_key(*id, &mut key)
+                .ok_or_else(|| EngineError::Corrupt("a bucket's series was not interned".into()))?;
+            Ok(Arc::from(&key[..]))
         };
         let mut distinct_values = Vec::new();
         for (key, value) in self
@@ -944,20 +949,28 @@ impl<'a> Overlay<'a> {
                 distinct_values.push((bucket, held.into(), value.is_some()));
             }
         }
-        let mut changes: Vec<(Vec<u8>, Option<Vec<u8>>)> = self.changes.into_iter().collect();
-        changes.reserve(self.aggregates.len() + self.distinct_sets.len());
+        let mut changes: Vec<SharedChange> = Vec::with_capacity(
+            self.changes.len() + self.aggregates.len() + self.distinct_sets.len(),
+        );
+        changes.extend(
+            self.changes
+                .into_iter()
+                .map(|(key, value)| (key.into(), value.map(Arc::from))),
+        );
         for (id, aggregate) in &self.aggregates {
             // Empty: a void took its last event out; no row, as if it never had one.
-            let value =
-                (*aggregate != Aggregate::default()).then(|| codec::encode_aggregate(aggregate));
-            changes.push((key_of(id)?, value));
+            let encoded = (*aggregate != Aggregate::default()).then(|| {
+                codec::encode_aggregate_into(aggregate, &mut value);
+                Arc::from(&value[..])
+            });
+            changes.push((key_of(id)?, encoded));
         }
         let mut distinct_sets = self.distinct_sets;
         for (id, set) in &distinct_sets {
             // An empty set is one a void emptied (or a refused record's new one): no
             // row, as for a bucket that never had a value.
-            let value = (!set.is_empty()).then(|| codec::encode_distinct_set(set));
-            changes.push((key_of(id)?, value));
+            let encoded = (!set.is_empty()).then(|| Arc::from(set.encoded()));
+            changes.push((key_of(id)?, encoded));
         }
         distinct_sets.retain(|_, set| !set.is_empty());
         Ok(Committed {
@@ -1001,7 +1014,7 @@ impl<'b> StoredRef<'b> {
 }
 
 pub struct Committed {
-    pub changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    pub changes: Vec<SharedChange>,
     pub buckets: FastIndexMap<BucketId, Aggregate>,
     pub distinct_sets: FastIndexMap<BucketId, DistinctSet>,
     /// The meter-wide distinct values (`U` keys) written (`true`) or deleted, by
@@ -1123,7 +1136,7 @@ mod tests {
             overlay.into_changes().unwrap()
         };
         store
-            .apply(std::mem::take(&mut committed.changes), &[(0, 1)])
+            .apply_shared(std::mem::take(&mut committed.changes), &[(0, 1)])
             .unwrap();
         cache.absorb(&mut committed);
         assert!(cache.names.is_empty() && cache.buckets.is_empty() && cache.newest.is_empty());

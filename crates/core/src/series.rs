@@ -101,12 +101,20 @@ impl SeriesNames {
 
     /// The store key of a bucket (`None`: its series is not interned here).
     pub fn key(&self, bucket: BucketId) -> Option<Vec<u8>> {
-        let name = self.name(bucket.series)?;
-        let mut key = Vec::with_capacity(1 + name.len() + MINUTE_BYTES);
-        key.push(bucket.table);
-        key.extend_from_slice(name);
-        keys::write_int(&mut key, bucket.minute);
+        let mut key = Vec::new();
+        self.write_key(bucket, &mut key)?;
         Some(key)
+    }
+
+    /// `key`, written over `out` (a buffer reused from key to key).
+    pub fn write_key(&self, bucket: BucketId, out: &mut Vec<u8>) -> Option<()> {
+        let name = self.name(bucket.series)?;
+        out.clear();
+        out.reserve(1 + name.len() + MINUTE_BYTES);
+        out.push(bucket.table);
+        out.extend_from_slice(name);
+        keys::write_int(out, bucket.minute);
+        Some(())
     }
 
     pub fn len(&self) -> usize {

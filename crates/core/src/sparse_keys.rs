@@ -78,11 +78,11 @@ impl SparseKeys {
 
     /// The hashes of the sparse puts in a batch, for `note_committed` once the batch
     /// is committed (the batch itself goes to the store).
-    pub fn puts_in(&self, changes: &[(Vec<u8>, Option<Vec<u8>>)]) -> Vec<u64> {
+    pub fn puts_in<K: AsRef<[u8]>, V>(&self, changes: &[(K, Option<V>)]) -> Vec<u64> {
         changes
             .iter()
-            .filter(|(key, value)| value.is_some() && is_sparse(key))
-            .map(|(key, _)| self.hasher.hash_one(key))
+            .filter(|(key, value)| value.is_some() && is_sparse(key.as_ref()))
+            .map(|(key, _)| self.hasher.hash_one(key.as_ref()))
             .collect()
     }
 
@@ -127,7 +127,7 @@ mod tests {
             "not a sparse table: ask the store"
         );
         let batch = vec![
-            (skipped.clone(), Some(Vec::new())),
+            (skipped.clone(), Some(Vec::<u8>::new())),
             (keys::voided_event_key("st", Mode::Test, "gone"), None),
             (b"Aother".to_vec(), Some(Vec::new())),
         ];

@@ -373,7 +373,7 @@ pub fn apply_chunk(
     let positions: Vec<(u32, u64)> = positions.into_iter().collect();
     let mut committed = overlay.into_changes()?;
     let sparse_puts = state.sparse.puts_in(&committed.changes);
-    store.apply(std::mem::take(&mut committed.changes), &positions)?;
+    store.apply_shared(std::mem::take(&mut committed.changes), &positions)?;
     state.sparse.note_committed(sparse_puts);
     for (key, stored) in &committed.pruned {
         index.remove_record(key.partition, key.offset, stored);

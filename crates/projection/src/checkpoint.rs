@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use parking_lot::{RwLock, RwLockWriteGuard};
 
-use crate::{Change, ChangeSource, ChangeVisit, ProjectionStore, StoreError, Visit};
+use crate::{Change, ChangeSource, ChangeVisit, ProjectionStore, SharedChange, StoreError, Visit};
 
 /// Keys the layer holds before a checkpoint is started. Bounds memory (an entry is
 /// ~200 bytes; the layer being written and the one filling both count) and the
@@ -111,18 +111,15 @@ struct Pending {
 /// again (`None`: deleted).
 type SharedValue = Option<Arc<[u8]>>;
 
-/// A change whose key and value a layer shares.
-type SharedChange = (Arc<[u8]>, SharedValue);
-
 impl Pending {
-    fn new(mut changes: Vec<Change>) -> Pending {
+    fn new(mut changes: Vec<SharedChange>) -> Pending {
         // Stable: a key's changes stay in apply order, and the last one wins.
         changes.sort_by(|a, b| a.0.cmp(&b.0));
         let mut entries: Vec<SharedChange> = Vec::with_capacity(changes.len());
         for (key, value) in changes {
             match entries.last_mut() {
-                Some((last, newest)) if **last == *key => *newest = value.map(Arc::from),
-                _ => entries.push((key.into(), value.map(Arc::from))),
+                Some((last, newest)) if *last == key => *newest = value,
+                _ => entries.push((key, value)),
             }
         }
         Pending { entries }
@@ -406,22 +403,6 @@ struct LayerCopies {
     in_flight: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// A layer's changes as copied under the writer's turn, in no particular order (the
-/// copy is taken in whole by a later `apply`, which sorts).
-struct Copied(Vec<SharedChange>);
-
-impl ChangeSource for Copied {
-    fn change_count(&self) -> usize {
-        self.0.len()
-    }
-
-    fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError> {
-        self.0
-            .iter()
-            .try_for_each(|(key, value)| visit(key, value.as_deref()))
-    }
-}
-
 impl<S: ProjectionStore + 'static> CheckpointStore<S> {
     pub fn new(inner: S) -> Self {
         Self::with_limits(
@@ -506,14 +487,14 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 return;
             }
         };
-        let changes = Copied(
-            active
-                .changes
-                .values
-                .iter()
-                .map(|entry| (entry.key().clone(), entry.value().clone()))
-                .collect(),
-        );
+        // In no particular order: a restart takes the copy in whole through an
+        // `apply`, which sorts.
+        let changes: Vec<SharedChange> = active
+            .changes
+            .values
+            .iter()
+            .map(|entry| (entry.key().clone(), entry.value().clone()))
+            .collect();
         let positions = active.positions();
         *copies.last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         copies.applies_copied.store(applies, Ordering::SeqCst);
@@ -840,6 +821,18 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
     }
 
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
+        let shared = changes
+            .into_iter()
+            .map(|(key, value)| (key.into(), value.map(Arc::from)))
+            .collect();
+        self.apply_shared(shared, positions)
+    }
+
+    fn apply_shared(
+        &self,
+        changes: Vec<SharedChange>,
+        positions: &[(u32, u64)],
+    ) -> Result<(), StoreError> {
         let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         self.shared.check_failed()?;
         // Built before any lock is taken (module doc); a later change of a key wins.
@@ -961,7 +954,9 @@ mod tests {
             for (key, value) in &changes {
                 reference.insert(key.clone(), value.clone());
             }
-            let pending = Pending::new(changes);
+            let pending = Pending::new(
+                changes.into_iter().map(|(k, v)| (k.into(), v.map(Arc::from))).collect(),
+            );
             prop_assert_eq!(pending.entries.len(), reference.len());
             for (key, value) in &reference {
                 prop_assert_eq!(

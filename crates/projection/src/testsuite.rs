@@ -134,8 +134,38 @@ pub fn large_batches(store: &dyn ProjectionStore) {
     assert!(collect(store, b"big/", false).is_empty());
 }
 
+/// `apply_shared` writes what `apply` writes: puts, deletes, a key's later change
+/// winning over its earlier one in the same batch, and the positions.
+pub fn shared_changes(store: &dyn ProjectionStore) {
+    let shared = |key: &str, value: Option<&str>| -> crate::SharedChange {
+        (
+            std::sync::Arc::from(key.as_bytes()),
+            value.map(|v| std::sync::Arc::from(v.as_bytes())),
+        )
+    };
+    store
+        .apply_shared(
+            vec![
+                shared("sh/a", Some("1")),
+                shared("sh/b", Some("2")),
+                shared("sh/a", Some("3")),
+            ],
+            &[(5, 10)],
+        )
+        .unwrap();
+    assert_eq!(store.get(b"sh/a").unwrap().as_deref(), Some(&b"3"[..]));
+    assert_eq!(store.get(b"sh/b").unwrap().as_deref(), Some(&b"2"[..]));
+    assert_eq!(store.position(5).unwrap(), 10);
+    store
+        .apply_shared(vec![shared("sh/b", None)], &[(5, 11)])
+        .unwrap();
+    assert_eq!(collect(store, b"sh/", false), vec![b"sh/a".to_vec()]);
+    assert_eq!(store.position(5).unwrap(), 11);
+}
+
 pub fn run_all(store: &dyn ProjectionStore) {
     basic_semantics(store);
     aux_is_separate(store);
     large_batches(store);
+    shared_changes(store);
 }
