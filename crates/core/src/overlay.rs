@@ -8,6 +8,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use tally_domain::aggregate::Aggregate;
+use tally_domain::ids::{MeterId, StoreId};
+use tally_domain::meter::Meter;
 use tally_domain::record::Record;
 use tally_domain::usage::UsageEvent;
 use tally_domain::Mode;
@@ -114,6 +116,11 @@ pub struct Overlay<'a> {
     /// This chunk deleted a distinct-value key (`U`): the cache's `held_values`
     /// may then name a value the chunk took out, so it is not asked.
     deleted_distinct_value: bool,
+    /// The series of each meter's meter-wide buckets (`ALL_CUSTOMERS`), with the
+    /// scope it was interned for: every event a meter matches folds into one of
+    /// them, and building and interning its ~100-byte key for each was ~40% of
+    /// the apply thread's key work (`meter_wide_aggregate`).
+    meter_wide: FastMap<MeterId, (StoreId, Mode, SeriesId)>,
 }
 
 /// The entries on either side of a key (see `Overlay::neighbours`).
@@ -399,6 +406,7 @@ impl<'a> Overlay<'a> {
             names: SeriesNames::default(),
             pruned: Vec::new(),
             deleted_distinct_value: false,
+            meter_wide: FastMap::default(),
         }
     }
 
@@ -787,10 +795,51 @@ impl<'a> Overlay<'a> {
         key: Vec<u8>,
     ) -> Result<(BucketId, &mut Aggregate), EngineError> {
         let id = self.bucket_id(&key)?;
+        self.aggregate_by_id(id, || key)
+    }
+
+    /// `aggregate_entry` of the meter-wide bucket (`ALL_CUSTOMERS`) of `meter` at
+    /// `minute`, whose key `key()` builds: its series is interned once per meter
+    /// and chunk, and the key is built only when the bucket is read.
+    pub fn meter_wide_aggregate(
+        &mut self,
+        meter: &Meter,
+        minute: i64,
+        key: impl Fn() -> Vec<u8>,
+    ) -> Result<(BucketId, &mut Aggregate), EngineError> {
+        let known = self
+            .meter_wide
+            .get(&meter.id)
+            .filter(|(store_id, mode, _)| *store_id == meter.store_id && *mode == meter.mode)
+            .map(|(_, _, series)| *series);
+        let id = match known {
+            Some(series) => BucketId {
+                table: keys::AGGREGATE,
+                series,
+                minute,
+            },
+            None => {
+                let id = self.bucket_id(&key())?;
+                self.meter_wide.insert(
+                    meter.id.clone(),
+                    (meter.store_id.clone(), meter.mode, id.series),
+                );
+                id
+            }
+        };
+        self.aggregate_by_id(id, &key)
+    }
+
+    /// The bucket `id` for writing; `key()` builds its key if it must be read.
+    fn aggregate_by_id(
+        &mut self,
+        id: BucketId,
+        key: impl FnOnce() -> Vec<u8>,
+    ) -> Result<(BucketId, &mut Aggregate), EngineError> {
         let (index, previous) = match self.aggregates.get_full(&id) {
             Some((index, _, aggregate)) => (index, Some(*aggregate)),
             None => {
-                let current = self.committed_aggregate(id, &key)?;
+                let current = self.committed_aggregate(id, &key())?;
                 (self.aggregates.insert_full(id, current).0, None)
             }
         };
@@ -1076,6 +1125,74 @@ mod tests {
             .collect();
         sets.sort();
         (buckets, sets)
+    }
+
+    /// A meter-wide bucket found through the series remembered for its meter is
+    /// the bucket its key names: per scope (a meter id in another store or
+    /// environment is another series) and per minute.
+    #[test]
+    fn meter_wide_buckets_are_their_meters_scope_and_minute() {
+        use tally_domain::meter::{Aggregation, MeterFilter, MeterStatus};
+        let meter = |store_id: &str, mode: Mode| Meter {
+            id: MeterId::new("m"),
+            store_id: StoreId::new(store_id),
+            mode,
+            name: "m".into(),
+            event_name: "e".into(),
+            aggregation: Aggregation::Sum,
+            aggregation_property: Some("v".into()),
+            filter: MeterFilter::default(),
+            unit_label: "units".into(),
+            status: MeterStatus::Active,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            counts_from_ms: 0,
+            revision: 1,
+        };
+        let folds = [
+            ("st", Mode::Test, 0, 1),
+            ("st", Mode::Prod, 0, 2),
+            ("st2", Mode::Test, 0, 3),
+            ("st", Mode::Test, 1, 4),
+            ("st", Mode::Test, 0, 5),
+        ];
+        let key = |store_id: &str, mode: Mode, minute: i64| {
+            BucketKey::from_minute(
+                keys::AGGREGATE,
+                store_id,
+                mode,
+                "m",
+                keys::ALL_CUSTOMERS,
+                minute,
+            )
+        };
+        let store = tally_projection::MemoryStore::new();
+        let index = EventIndex::default();
+        let fetched = Fetched::new();
+        let (mut remembered, mut by_key) = (
+            BucketCache::for_empty_store(),
+            BucketCache::for_empty_store(),
+        );
+        let mut overlay = Overlay::new(&store, &index, &fetched);
+        overlay.cache = Some(&mut remembered);
+        let mut expected = Overlay::new(&store, &index, &fetched);
+        expected.cache = Some(&mut by_key);
+        for (store_id, mode, minute, n) in folds {
+            let n = Some(rust_decimal::Decimal::from(n));
+            overlay
+                .meter_wide_aggregate(&meter(store_id, mode), minute, || {
+                    key(store_id, mode, minute)
+                })
+                .unwrap()
+                .1
+                .add(n);
+            expected
+                .aggregate_mut(key(store_id, mode, minute))
+                .unwrap()
+                .add(n);
+        }
+        assert_eq!(pending(&overlay).0.len(), 4);
+        assert_eq!(pending(&overlay), pending(&expected));
     }
 
     #[test]

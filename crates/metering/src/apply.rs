@@ -14,7 +14,7 @@ use tally_core::event_index::{
 use tally_core::keys::{self, BucketKey, Key, ListingKey, StoredEventsKey, ALL_CUSTOMERS};
 use tally_core::overlay::{inflight_key, ApplyError, DistinctAdd, FastMap, Overlay, StoredRow};
 use tally_core::series::BucketId;
-use tally_domain::aggregate::{contribution, Contribution};
+use tally_domain::aggregate::{contribution, Aggregate, Contribution};
 use tally_domain::gauge::{keep_latest, offset_in_minute, LatestPoint};
 use tally_domain::ids::MeterId;
 use tally_domain::limits::MAX_EVENT_AGE_MS;
@@ -563,6 +563,23 @@ pub fn fold_minute(
     fold_contribution(overlay, meter, event, contribution_of(meter, event), slots)
 }
 
+/// The minute bucket of `customer` (whose key `bucket` builds) for writing; the
+/// meter-wide one (`ALL_CUSTOMERS`) through the series the overlay remembers for
+/// the meter, so its key is built only when it is read.
+fn slot_aggregate<'o>(
+    overlay: &'o mut Overlay<'_>,
+    meter: &Meter,
+    customer: &str,
+    minute: i64,
+    bucket: impl Fn() -> Vec<u8>,
+) -> Result<(BucketId, &'o mut Aggregate), EngineError> {
+    if customer == ALL_CUSTOMERS {
+        overlay.meter_wide_aggregate(meter, minute, bucket)
+    } else {
+        overlay.aggregate_entry(bucket())
+    }
+}
+
 /// `fold_minute` with the event's contribution already worked out (a rebuild
 /// needs it before it folds).
 pub fn fold_contribution(
@@ -581,9 +598,13 @@ pub fn fold_contribution(
             || BucketKey::from_minute(keys::AGGREGATE, store_id, mode, meter_id, customer, minute);
         match &contribution {
             Contribution::Skipped => {}
-            Contribution::Event { number } => overlay.aggregate_mut(bucket())?.add(*number),
+            Contribution::Event { number } => {
+                slot_aggregate(overlay, meter, customer, minute, bucket)?
+                    .1
+                    .add(*number)
+            }
             Contribution::Distinct(distinct) => {
-                let (id, aggregate) = overlay.aggregate_entry(bucket())?;
+                let (id, aggregate) = slot_aggregate(overlay, meter, customer, minute, bucket)?;
                 aggregate.add(None);
                 // A customer's minute keeps its values in one set; the meter-wide bucket
                 // (values of every customer) and a full set keep one key per value.
