@@ -54,6 +54,13 @@ pub fn series_of(key: &[u8]) -> Option<(&[u8], i64)> {
     Some((&key[1..split], keys::read_int(&key[split..])))
 }
 
+/// The id of the series at `index`. Past `u32::MAX` series the cache that owns
+/// these names has long been cleared (`MAX_KNOWN_SERIES`); saturating keeps this
+/// total all the same.
+fn series_id(index: usize) -> SeriesId {
+    SeriesId(u32::try_from(index).unwrap_or(u32::MAX))
+}
+
 /// The series interned so far, both ways: a series' id is its index in the set.
 #[derive(Debug, Default)]
 pub struct SeriesNames {
@@ -76,18 +83,15 @@ impl SeriesNames {
             Some(index) => index,
             None => self.names.insert_full(series.into()).0,
         };
-        // Past `u32::MAX` series the cache that owns these names has long been
-        // cleared (`MAX_KNOWN_SERIES`); saturating keeps this total all the same.
-        SeriesId(u32::try_from(index).unwrap_or(u32::MAX))
+        series_id(index)
     }
 
     /// The id of a bucket key's series if it is interned here (a look-up only).
     pub fn known_bucket(&self, key: &[u8]) -> Option<BucketId> {
         let (series, minute) = series_of(key)?;
-        let index = self.names.get_index_of(series)?;
         Some(BucketId {
             table: key[0],
-            series: SeriesId(u32::try_from(index).unwrap_or(u32::MAX)),
+            series: series_id(self.names.get_index_of(series)?),
             minute,
         })
     }

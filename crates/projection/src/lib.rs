@@ -65,25 +65,15 @@ pub trait ChangeSource {
     fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError>;
 }
 
-impl ChangeSource for Vec<Change> {
+/// Owned (`Change`) and shared (`SharedChange`) batches alike.
+impl<K: AsRef<[u8]>, V: AsRef<[u8]>> ChangeSource for Vec<(K, Option<V>)> {
     fn change_count(&self) -> usize {
         self.len()
     }
 
     fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError> {
         self.iter()
-            .try_for_each(|(key, value)| visit(key, value.as_deref()))
-    }
-}
-
-impl ChangeSource for Vec<SharedChange> {
-    fn change_count(&self) -> usize {
-        self.len()
-    }
-
-    fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError> {
-        self.iter()
-            .try_for_each(|(key, value)| visit(key, value.as_deref()))
+            .try_for_each(|(key, value)| visit(key.as_ref(), value.as_ref().map(AsRef::as_ref)))
     }
 }
 
