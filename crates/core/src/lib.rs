@@ -25,6 +25,7 @@ pub mod ids;
 pub mod journal;
 pub mod key_home;
 pub mod keys;
+pub mod meter_cache;
 pub mod metrics;
 pub mod outcome;
 pub mod overlay;

@@ -20,6 +20,7 @@ use crate::distinct_set::DistinctSet;
 use crate::error::EngineError;
 use crate::event_index::{self, EventIndex, EventLocation};
 use crate::keys::{self, BucketKey, StoredEventsKey};
+use crate::meter_cache::MeterCache;
 use crate::outcome::Outcome;
 use crate::series::{BucketId, SeriesId, SeriesNames};
 pub use crate::series::{FastDashMap, FastIndexMap, FastMap};
@@ -219,6 +220,8 @@ pub struct BucketCache {
     held_values: FastMap<BucketId, HashSet<Box<[u8]>, foldhash::fast::RandomState>>,
     /// Values in `held_values`, all buckets together.
     held_value_count: usize,
+    /// Meter definitions as committed, decoded once (`Overlay::shared_meter`).
+    meters: MeterCache,
 }
 
 /// Buckets kept in the cache (bounds memory: ~200 B each). When a commit would pass
@@ -552,6 +555,60 @@ impl<'a> Overlay<'a> {
             Some(value) => Ok(value.clone()),
             None => Ok(self.store.get(key)?),
         }
+    }
+
+    /// The meter at `key` (`keys::meter_key`) as this chunk sees it, shared: a
+    /// definition this chunk has not written is decoded once and kept in the cache
+    /// until a commit writes it (`crate::meter_cache`).
+    pub fn shared_meter(&mut self, key: &[u8]) -> Result<Option<Arc<Meter>>, EngineError> {
+        if let Some(value) = self.changes.get(key) {
+            return value
+                .as_deref()
+                .map(|bytes| codec::decode_meter(bytes).map(Arc::new))
+                .transpose();
+        }
+        if let Some(meter) = self.cache.as_deref().and_then(|c| c.meters.meter(key)) {
+            return Ok(Some(meter));
+        }
+        let Some(bytes) = self.store.get(key)? else {
+            return Ok(None);
+        };
+        let meter = Arc::new(codec::decode_meter(&bytes)?);
+        if let Some(cache) = self.cache.as_deref_mut() {
+            cache.meters.note_meter(key, meter.clone());
+        }
+        Ok(Some(meter))
+    }
+
+    /// The revised meters of the scope whose revised-meter rows start with
+    /// `prefix`, as committed, when the cache knows them and this chunk wrote no
+    /// meter or revision row (else the caller reads them and may `note_revised`).
+    pub fn committed_revised(&self, prefix: &[u8]) -> Option<Vec<Arc<Meter>>> {
+        if self.writes_definitions() {
+            return None;
+        }
+        self.cache.as_deref()?.meters.revised(prefix)
+    }
+
+    /// Notes a scope's revised meters as read by `committed_revised`'s caller; kept
+    /// only when they are the committed ones (this chunk wrote no definition).
+    pub fn note_revised(&mut self, prefix: &[u8], meters: &[Arc<Meter>]) {
+        if self.writes_definitions() {
+            return;
+        }
+        if let Some(cache) = self.cache.as_deref_mut() {
+            cache.meters.note_revised(prefix, meters.to_vec());
+        }
+    }
+
+    /// Whether this chunk wrote a meter or revision row.
+    fn writes_definitions(&self) -> bool {
+        [keys::METER, keys::REVISED_METER].iter().any(|table| {
+            self.changes
+                .range(vec![*table]..vec![*table + 1])
+                .next()
+                .is_some()
+        })
     }
 
     /// Every entry under `prefix`: the store's, with this chunk's writes on top.
@@ -958,7 +1015,16 @@ impl<'a> Overlay<'a> {
     }
 
     /// The batch to commit, and what the caches learn from it.
-    pub fn into_changes(self) -> Result<Committed, EngineError> {
+    pub fn into_changes(mut self) -> Result<Committed, EngineError> {
+        if let Some(cache) = self.cache.as_deref_mut() {
+            for table in [keys::METER, keys::REVISED_METER] {
+                cache.meters.forget_written(
+                    self.changes
+                        .range(vec![table]..vec![table + 1])
+                        .map(|(key, _)| key.as_slice()),
+                );
+            }
+        }
         let mut stored = Vec::new();
         for (key, value) in self
             .changes
@@ -1194,6 +1260,76 @@ mod tests {
         }
         assert_eq!(pending(&overlay).0.len(), 4);
         assert_eq!(pending(&overlay), pending(&expected));
+    }
+
+    /// A meter definition is decoded once and shared while unchanged; a chunk that
+    /// writes it sees its own write, and every later chunk the committed one.
+    #[test]
+    fn a_meter_is_read_anew_once_a_commit_writes_it() {
+        use tally_domain::meter::{Aggregation, MeterFilter, MeterStatus};
+        let meter = |name: &str| Meter {
+            id: MeterId::new("m"),
+            store_id: StoreId::new("st"),
+            mode: Mode::Test,
+            name: name.into(),
+            event_name: "e".into(),
+            aggregation: Aggregation::Count,
+            aggregation_property: None,
+            filter: MeterFilter::default(),
+            unit_label: "units".into(),
+            status: MeterStatus::Active,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            counts_from_ms: 0,
+            revision: 1,
+        };
+        let key = keys::meter_key("st", Mode::Test, "m");
+        let revised = keys::Key::scoped(keys::REVISED_METER, "st", Mode::Test).into_bytes();
+        let store = tally_projection::MemoryStore::new();
+        store
+            .apply(
+                vec![(key.clone(), Some(codec::encode_meter(&meter("v1"))))],
+                &[],
+            )
+            .unwrap();
+        let index = EventIndex::default();
+        let fetched = Fetched::new();
+        let mut cache = BucketCache::for_empty_store();
+        let name =
+            |overlay: &mut Overlay<'_>| overlay.shared_meter(&key).unwrap().unwrap().name.clone();
+
+        let mut overlay = Overlay::new(&store, &index, &fetched);
+        overlay.cache = Some(&mut cache);
+        assert_eq!(name(&mut overlay), "v1");
+        assert_eq!(overlay.committed_revised(&revised), None);
+        overlay.note_revised(&revised, &[]);
+        assert_eq!(overlay.committed_revised(&revised), Some(Vec::new()));
+        // A refused record's write is gone after the roll back.
+        overlay.keep();
+        overlay.put(key.clone(), codec::encode_meter(&meter("refused")));
+        assert_eq!(name(&mut overlay), "refused");
+        overlay.roll_back();
+        assert_eq!(name(&mut overlay), "v1");
+        // This chunk writes the meter: it reads its own write, and no revised list
+        // from the cache (a revised meter's definition is a meter row).
+        overlay.put(key.clone(), codec::encode_meter(&meter("v2")));
+        overlay.keep();
+        assert_eq!(name(&mut overlay), "v2");
+        assert_eq!(overlay.committed_revised(&revised), None);
+        let mut committed = overlay.into_changes().unwrap();
+        store
+            .apply_shared(std::mem::take(&mut committed.changes), &[(0, 1)])
+            .unwrap();
+        cache.absorb(&mut committed);
+
+        let mut overlay = Overlay::new(&store, &index, &fetched);
+        overlay.cache = Some(&mut cache);
+        assert_eq!(
+            name(&mut overlay),
+            "v2",
+            "the commit's write, not the v1 cached"
+        );
+        assert_eq!(overlay.committed_revised(&revised), None, "forgotten too");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! "Decisions in apply").
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use rust_decimal::Decimal;
 use tally_core::codec;
@@ -121,7 +122,7 @@ pub fn apply_usage_batch(
 ) -> Result<(), ApplyError> {
     // Looked up once per event and matched meter: a fast hash (std's SipHash was ~2%
     // of the apply thread under the ingest benchmark).
-    let mut meters: FastMap<MeterId, Meter> = FastMap::default();
+    let mut meters: FastMap<MeterId, Arc<Meter>> = FastMap::default();
     let revised = revised_meters(overlay, store_id, mode)?;
     let unknown = match matched_below {
         Some(below) => meters_changed_since(overlay, store_id, mode, partition, below, offset)?,
@@ -157,11 +158,13 @@ pub fn apply_usage_batch(
             &event.customer_id,
         );
         for meter_id in &event.matched_meter_ids {
-            if revised.iter().chain(&unknown).any(|m| m.id == *meter_id) {
+            if revised.iter().any(|m| m.id == *meter_id)
+                || unknown.iter().any(|m| m.id == *meter_id)
+            {
                 continue;
             }
             if !meters.contains_key(meter_id) {
-                let meter = load_meter(overlay, store_id, mode, meter_id)?;
+                let meter = shared_meter(overlay, store_id, mode, meter_id)?;
                 meters.insert(meter_id.clone(), meter);
             }
             fold_matched(
@@ -277,16 +280,21 @@ fn meters_changed_since(
 /// The revised meters of a scope (revision > 1), read from their `` ` `` rows: none
 /// in most scopes, so one empty prefix read per usage record.
 pub fn revised_meters(
-    overlay: &Overlay<'_>,
+    overlay: &mut Overlay<'_>,
     store_id: &str,
     mode: Mode,
-) -> Result<Vec<Meter>, EngineError> {
+) -> Result<Vec<Arc<Meter>>, EngineError> {
     let prefix = Key::scoped(keys::REVISED_METER, store_id, mode).into_bytes();
-    overlay
-        .prefix_entries(&prefix)?
+    if let Some(revised) = overlay.committed_revised(&prefix) {
+        return Ok(revised);
+    }
+    let rows = overlay.prefix_entries(&prefix)?;
+    let revised = rows
         .keys()
-        .map(|key| load_meter(overlay, store_id, mode, keys::revised_meter_id(key)?))
-        .collect()
+        .map(|key| shared_meter(overlay, store_id, mode, keys::revised_meter_id(key)?))
+        .collect::<Result<Vec<_>, _>>()?;
+    overlay.note_revised(&prefix, &revised);
+    Ok(revised)
 }
 
 /// One new event's contribution to one meter, as usage settlement charges it
@@ -458,6 +466,20 @@ pub fn apply_meter(
     );
     applied.meters.push(meter);
     Ok(())
+}
+
+/// `load_meter`, shared: decoded once while no commit writes it (the usage path,
+/// where every record reads each meter its events matched).
+pub fn shared_meter(
+    overlay: &mut Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    meter_id: &str,
+) -> Result<Arc<Meter>, EngineError> {
+    match overlay.shared_meter(&keys::meter_key(store_id, mode, meter_id))? {
+        Some(meter) => Ok(meter),
+        None => Err(EngineError::NotYetProjected),
+    }
 }
 
 pub fn load_meter(
