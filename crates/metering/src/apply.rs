@@ -278,7 +278,8 @@ fn meters_changed_since(
 }
 
 /// The revised meters of a scope (revision > 1), read from their `` ` `` rows: none
-/// in most scopes, so one empty prefix read per usage record.
+/// in most scopes. Read once while no commit writes a meter or revision row
+/// (`Overlay::committed_revised`), not once per usage record.
 pub fn revised_meters(
     overlay: &mut Overlay<'_>,
     store_id: &str,
