@@ -1,14 +1,13 @@
-//! What the bucket key order costs a checkpoint as the store grows: the same
-//! checkpoints written to two sled stores (`SledStore`, the service's settings),
+//! What the bucket layout costs a checkpoint as the store grows: the same
+//! checkpoints written to three sled stores (`SledStore`, the service's settings),
 //! one keyed as the service keys buckets today (table, scope, meter, customer,
 //! minute: a minute's buckets land beside each series' older minutes, all over
 //! the table), one with the minute before the customer (a minute's buckets are
 //! contiguous, at the end of each meter's range), and one row per customer and
 //! minute holding all its meters (today's order, a twentieth of the keys, each
-//! value 20 buckets long). A measurement for layouts not
-//! built (README, "Ten million events on this build, and what bends the rate
-//! late"): it says what that layout would save, before anyone rebuilds the bucket
-//! readers around it.
+//! value 20 buckets long). A measurement for layouts not built (README, "Ten
+//! million events on this build, and what bends the rate late"): it says what each
+//! would save, before anyone rebuilds the bucket readers around one.
 //!
 //! Each simulated minute writes `--checkpoints-per-minute` checkpoints, each a
 //! random half of the minute's buckets (customers x meters), sorted as the
@@ -26,7 +25,7 @@ use tally_projection::sled_store::SledStore;
 use tally_projection::{Change, ProjectionStore};
 
 #[derive(Parser, Debug)]
-#[command(about = "Checkpoint cost by bucket key order as a sled store grows")]
+#[command(about = "Checkpoint cost by bucket layout as a sled store grows")]
 struct Args {
     /// Customers (each with a bucket per meter and minute).
     #[arg(long, default_value_t = 10_000)]
@@ -34,8 +33,9 @@ struct Args {
     /// Meters.
     #[arg(long, default_value_t = 20)]
     meters: usize,
-    /// Minutes of history to write.
-    #[arg(long, default_value_t = 20)]
+    /// Minutes of history to write (at least 1: the summary compares the first and
+    /// last quarter of them).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(i64).range(1..=100_000))]
     minutes: i64,
     /// Checkpoints per minute, each writing a random half of the minute's buckets.
     #[arg(long, default_value_t = 2)]
