@@ -77,30 +77,36 @@ impl MeterCache {
     }
 }
 
+/// A plain active `count` meter for this crate's tests.
+#[cfg(test)]
+pub(crate) fn test_meter(id: &str, store_id: &str, mode: tally_domain::Mode, name: &str) -> Meter {
+    use tally_domain::ids::{MeterId, StoreId};
+    use tally_domain::meter::{Aggregation, MeterFilter, MeterStatus};
+    Meter {
+        id: MeterId::new(id),
+        store_id: StoreId::new(store_id),
+        mode,
+        name: name.into(),
+        event_name: "e".into(),
+        aggregation: Aggregation::Count,
+        aggregation_property: None,
+        filter: MeterFilter::default(),
+        unit_label: "units".into(),
+        status: MeterStatus::Active,
+        created_at_ms: 0,
+        updated_at_ms: 0,
+        counts_from_ms: 0,
+        revision: 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_domain::ids::{MeterId, StoreId};
-    use tally_domain::meter::{Aggregation, MeterFilter, MeterStatus};
     use tally_domain::Mode;
 
     fn meter(id: &str) -> Arc<Meter> {
-        Arc::new(Meter {
-            id: MeterId::new(id),
-            store_id: StoreId::new("st"),
-            mode: Mode::Test,
-            name: id.into(),
-            event_name: "e".into(),
-            aggregation: Aggregation::Count,
-            aggregation_property: None,
-            filter: MeterFilter::default(),
-            unit_label: "units".into(),
-            status: MeterStatus::Active,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            counts_from_ms: 0,
-            revision: 1,
-        })
+        Arc::new(test_meter(id, "st", Mode::Test, id))
     }
 
     #[test]

@@ -603,12 +603,7 @@ impl<'a> Overlay<'a> {
 
     /// Whether this chunk wrote a meter or revision row.
     fn writes_definitions(&self) -> bool {
-        [keys::METER, keys::REVISED_METER].iter().any(|table| {
-            self.changes
-                .range(vec![*table]..vec![*table + 1])
-                .next()
-                .is_some()
-        })
+        definition_writes(&self.changes).next().is_some()
     }
 
     /// Every entry under `prefix`: the store's, with this chunk's writes on top.
@@ -1017,13 +1012,9 @@ impl<'a> Overlay<'a> {
     /// The batch to commit, and what the caches learn from it.
     pub fn into_changes(mut self) -> Result<Committed, EngineError> {
         if let Some(cache) = self.cache.as_deref_mut() {
-            for table in [keys::METER, keys::REVISED_METER] {
-                cache.meters.forget_written(
-                    self.changes
-                        .range(vec![table]..vec![table + 1])
-                        .map(|(key, _)| key.as_slice()),
-                );
-            }
+            cache
+                .meters
+                .forget_written(definition_writes(&self.changes));
         }
         let mut stored = Vec::new();
         for (key, value) in self
@@ -1100,6 +1091,15 @@ impl<'a> Overlay<'a> {
     }
 }
 
+/// The keys of the meter and revision rows (`keys::METER`, `keys::REVISED_METER`)
+/// among a chunk's writes: what the meter cache must not answer for.
+fn definition_writes(changes: &BTreeMap<Vec<u8>, Option<Vec<u8>>>) -> impl Iterator<Item = &[u8]> {
+    [keys::METER, keys::REVISED_METER]
+        .into_iter()
+        .flat_map(|table| changes.range(vec![table]..vec![table + 1]))
+        .map(|(key, _)| key.as_slice())
+}
+
 /// An `F` row: which events the usage record at the key's position stored.
 pub type StoredRow = (StoredEventsKey, Vec<(u32, u64)>);
 
@@ -1166,6 +1166,7 @@ fn scoped_cache_key(store_id: &str, mode: Mode, id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::meter_cache::test_meter;
 
     fn bucket(customer: &str, minute: i64) -> Vec<u8> {
         BucketKey::from_minute(keys::AGGREGATE, "st", Mode::Test, "m", customer, minute)
@@ -1199,23 +1200,7 @@ mod tests {
     /// environment is another series) and per minute.
     #[test]
     fn meter_wide_buckets_are_their_meters_scope_and_minute() {
-        use tally_domain::meter::{Aggregation, MeterFilter, MeterStatus};
-        let meter = |store_id: &str, mode: Mode| Meter {
-            id: MeterId::new("m"),
-            store_id: StoreId::new(store_id),
-            mode,
-            name: "m".into(),
-            event_name: "e".into(),
-            aggregation: Aggregation::Sum,
-            aggregation_property: Some("v".into()),
-            filter: MeterFilter::default(),
-            unit_label: "units".into(),
-            status: MeterStatus::Active,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            counts_from_ms: 0,
-            revision: 1,
-        };
+        let meter = |store_id: &str, mode: Mode| test_meter("m", store_id, mode, "m");
         let folds = [
             ("st", Mode::Test, 0, 1),
             ("st", Mode::Prod, 0, 2),
@@ -1266,23 +1251,7 @@ mod tests {
     /// writes it sees its own write, and every later chunk the committed one.
     #[test]
     fn a_meter_is_read_anew_once_a_commit_writes_it() {
-        use tally_domain::meter::{Aggregation, MeterFilter, MeterStatus};
-        let meter = |name: &str| Meter {
-            id: MeterId::new("m"),
-            store_id: StoreId::new("st"),
-            mode: Mode::Test,
-            name: name.into(),
-            event_name: "e".into(),
-            aggregation: Aggregation::Count,
-            aggregation_property: None,
-            filter: MeterFilter::default(),
-            unit_label: "units".into(),
-            status: MeterStatus::Active,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            counts_from_ms: 0,
-            revision: 1,
-        };
+        let meter = |name: &str| test_meter("m", "st", Mode::Test, name);
         let key = keys::meter_key("st", Mode::Test, "m");
         let revised = keys::Key::scoped(keys::REVISED_METER, "st", Mode::Test).into_bytes();
         let store = tally_projection::MemoryStore::new();
