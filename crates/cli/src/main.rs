@@ -555,8 +555,9 @@ fn open_projections_with(
     changelog: Option<Arc<ChangelogWriter>>,
     layer_copies: Option<std::time::Duration>,
 ) -> Result<Arc<dyn ProjectionStore>> {
-    let (sled, interrupted) = SledStore::open_deferring_stage(dir)
-        .with_context(|| format!("opening the projection store in {}", dir.display()))?;
+    let (sled, interrupted) =
+        SledStore::open_deferring_stage_with(dir, tally_core::keys::bucket_rows())
+            .with_context(|| format!("opening the projection store in {}", dir.display()))?;
     let every = std::time::Duration::from_millis(CHECKPOINT_EVERY_MS);
     let store: Arc<dyn ProjectionStore> = match changelog {
         Some(writer) => Arc::new(CheckpointStore::with_limits(

@@ -198,6 +198,20 @@ pub const WEIGHTED_POINT: u8 = b':';
 pub const MINUTE_EVENTS: u8 = b'z';
 pub const VOIDED_EVENT: u8 = b'.';
 pub const FOLD_SKIPPED: u8 = b'_';
+
+/// The tables the sled store keeps as rows (`tally_projection::packing`): every
+/// one is keyed store, mode, meter, customer, minute, and a row leaves the meter
+/// out, so it holds every meter's bucket of one customer and minute. Under the
+/// ingest benchmark a checkpoint then writes one row per customer where it wrote a
+/// key per meter, and sled's page table keeps that many fewer keys (README,
+/// "Bucket rows"). The distinct values of `U` stay keys of their own: each is a
+/// key, not a bucket.
+pub const BUCKET_ROW_TABLES: &[u8] = &[AGGREGATE, DISTINCT_SET, LATEST, WEIGHTED];
+
+/// The packing a new projection store is created with.
+pub fn bucket_rows() -> tally_projection::Packing {
+    tally_projection::Packing::tables(BUCKET_ROW_TABLES)
+}
 pub const REVISED_METER: u8 = b'`';
 pub const VOIDED_COUNT: u8 = b'\'';
 pub const RECHARGE_PENDING: u8 = b'"';

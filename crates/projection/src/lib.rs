@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 pub mod checkpoint;
 pub mod memory;
+pub mod packing;
 pub mod priority;
 pub mod sled_store;
 #[cfg(any(test, feature = "test-util"))]
@@ -25,6 +26,7 @@ pub mod testsuite;
 
 pub use checkpoint::CheckpointStore;
 pub use memory::MemoryStore;
+pub use packing::Packing;
 pub use sled_store::SledStore;
 
 #[derive(Debug, thiserror::Error)]

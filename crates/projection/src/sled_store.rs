@@ -45,6 +45,7 @@ use std::io::Write;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 
+use crate::packing::{self, Packing, RowChanges, Segment, Slice};
 use crate::{Change, ChangeSource, ProjectionStore, StoreError, Visit};
 
 /// Positions live under this prefix, which sorts before every projection table
@@ -88,6 +89,8 @@ pub struct SledStore {
     dir: PathBuf,
     projections: sled::Tree,
     aux: sled::Tree,
+    /// The tables kept as rows (`packing`), as recorded in the store.
+    packing: Packing,
 }
 
 impl std::fmt::Debug for SledStore {
@@ -102,8 +105,15 @@ pub type InterruptedStage = (Vec<Change>, Vec<(u32, u64)>);
 
 impl SledStore {
     /// Opens the store, finishing a checkpoint a crash interrupted first (module doc).
+    /// A new store packs nothing; an existing one reads as it was written.
     pub fn open(dir: impl AsRef<Path>) -> Result<SledStore, StoreError> {
-        let (store, stage) = SledStore::open_deferring_stage(dir)?;
+        SledStore::open_with(dir, Packing::none())
+    }
+
+    /// `open`, a new store packing the keys of `packing`'s tables into rows
+    /// (`packing` module); an existing store keeps the packing it was created with.
+    pub fn open_with(dir: impl AsRef<Path>, packing: Packing) -> Result<SledStore, StoreError> {
+        let (store, stage) = SledStore::open_deferring_stage_with(dir, packing)?;
         if let Some((changes, positions)) = stage {
             let started = std::time::Instant::now();
             store.materialize(&changes, &positions, 0)?;
@@ -126,6 +136,14 @@ impl SledStore {
     pub fn open_deferring_stage(
         dir: impl AsRef<Path>,
     ) -> Result<(SledStore, Option<InterruptedStage>), StoreError> {
+        SledStore::open_deferring_stage_with(dir, Packing::none())
+    }
+
+    /// `open_deferring_stage` with `open_with`'s packing of a new store.
+    pub fn open_deferring_stage_with(
+        dir: impl AsRef<Path>,
+        packing: Packing,
+    ) -> Result<(SledStore, Option<InterruptedStage>), StoreError> {
         let config = sled::Config::new()
             .path(dir.as_ref())
             .cache_capacity(SLED_CACHE_BYTES)
@@ -147,15 +165,31 @@ impl SledStore {
         };
         let projections = db.open_tree("projections")?;
         let aux = db.open_tree("aux")?;
+        let packing = match projections.get(packing::PACKING_KEY)? {
+            Some(recorded) => Packing::decode(&recorded),
+            // A new store records the packing it is created with; a store
+            // written before packing existed keeps its keys as they are.
+            None if projections.is_empty() && !packing.is_none() => {
+                projections.insert(packing::PACKING_KEY, packing.encode())?;
+                packing
+            }
+            None => Packing::none(),
+        };
         let store = SledStore {
             db,
             dir: dir.as_ref().to_path_buf(),
             projections,
             aux,
+            packing,
         };
         let stage = store.interrupted_stage()?;
         let stage = store.with_layer_copy(stage)?;
         Ok((store, stage))
+    }
+
+    /// The tables this store keeps as rows.
+    pub fn packing(&self) -> &Packing {
+        &self.packing
     }
 
     /// The staged batch a crash interrupted (module doc), if there is one and sled
@@ -268,13 +302,14 @@ impl SledStore {
         // One key at a time: a sled batch takes a process-wide write lock that
         // stops every read (the projector's included) until it ends, a single
         // insert does not; step 2 needs no atomicity.
-        changes.visit_changes(&mut |key, value| {
+        let mut write = |key: &[u8], value: Option<&[u8]>| {
             match value {
                 Some(v) => self.projections.insert(key, v)?,
                 None => self.projections.remove(key)?,
             };
             Ok(())
-        })?;
+        };
+        self.write_changes(changes, &mut write)?;
         let mut last = sled::Batch::default();
         for piece in 0..legacy_pieces {
             last.remove(stage_key(piece));
@@ -560,8 +595,130 @@ fn after_positions(start: Bound<&[u8]>) -> Bound<Vec<u8>> {
     }
 }
 
+impl SledStore {
+    /// Visits sled's keys in a range as they are (`Visit::Stop` when the visitor
+    /// stopped).
+    fn scan_keys(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        reverse: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<Visit, StoreError> {
+        self.scan_rows(
+            after_positions(start),
+            packing::owned(end),
+            reverse,
+            &mut |k, v| Ok(visit(k, v)),
+        )
+    }
+
+    fn scan_rows(
+        &self,
+        start: Bound<Vec<u8>>,
+        end: Bound<Vec<u8>>,
+        reverse: bool,
+        visit: &mut packing::RawVisit<'_>,
+    ) -> Result<Visit, StoreError> {
+        if packing::is_empty_range(&packing::as_ref(&start), &packing::as_ref(&end)) {
+            return Ok(Visit::Continue);
+        }
+        let range = self.projections.range::<Vec<u8>, _>((start, end));
+        let iter: Box<dyn Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>> = if reverse {
+            Box::new(range.rev())
+        } else {
+            Box::new(range)
+        };
+        for item in iter {
+            let (k, v) = item?;
+            if visit(&k, &v)? == Visit::Stop {
+                return Ok(Visit::Stop);
+            }
+        }
+        Ok(Visit::Continue)
+    }
+
+    /// Visits the keys of one packed table in a range (`packing` module doc): slice
+    /// by slice, each slice's rows filtered to its entry.
+    fn scan_packed(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        reverse: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<Visit, StoreError> {
+        let slices: Vec<Slice> = match packing::single_slice(start, end) {
+            Some(slice) => vec![slice],
+            None => {
+                let table = match (start, end) {
+                    (Bound::Included(k) | Bound::Excluded(k), _) if !k.is_empty() => k[0],
+                    _ => return Err(StoreError::Backend("a packed scan without a table".into())),
+                };
+                let (from, to) = packing::candidate_rows(table, start, end);
+                let mut found = std::collections::BTreeSet::new();
+                self.scan_rows(from, to, false, &mut |row, value| {
+                    packing::note_slices(row, value, start, end, &mut found)?;
+                    Ok(Visit::Continue)
+                })?;
+                found.into_iter().collect()
+            }
+        };
+        let ordered: Box<dyn Iterator<Item = &Slice>> = if reverse {
+            Box::new(slices.iter().rev())
+        } else {
+            Box::new(slices.iter())
+        };
+        for slice in ordered {
+            let Some((from, to)) = slice.row_bounds(start, end) else {
+                continue;
+            };
+            let visited = self.scan_rows(from, to, reverse, &mut |row, value| {
+                Ok(match packing::find(value, slice.entry())? {
+                    Some(value) => visit(&slice.key_in(row), &value),
+                    None => Visit::Continue,
+                })
+            })?;
+            if visited == Visit::Stop {
+                return Ok(Visit::Stop);
+            }
+        }
+        Ok(Visit::Continue)
+    }
+
+    /// Hands `write` every change as a sled key and value: plain keys as they are,
+    /// the keys of packed tables merged into their rows (each row read once).
+    fn write_changes(
+        &self,
+        changes: &dyn ChangeSource,
+        write: &mut crate::ChangeVisit<'_>,
+    ) -> Result<(), StoreError> {
+        let mut rows = RowChanges::default();
+        changes.visit_changes(&mut |key, value| {
+            if self.packing.packs(key) {
+                rows.add(key, value)
+            } else {
+                write(key, value)
+            }
+        })?;
+        if !rows.is_empty() {
+            rows.merged(
+                &mut |row| Ok(self.projections.get(row)?.map(|v| v.to_vec())),
+                write,
+            )?;
+        }
+        Ok(())
+    }
+}
+
 impl ProjectionStore for SledStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        if self.packing.packs(key) {
+            let (row, entry) = packing::split(key)?;
+            return match self.projections.get(row)? {
+                Some(row) => packing::find(&row, entry),
+                None => Ok(None),
+            };
+        }
         Ok(self.projections.get(key)?.map(|v| v.to_vec()))
     }
 
@@ -572,21 +729,24 @@ impl ProjectionStore for SledStore {
         reverse: bool,
         visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
     ) -> Result<(), StoreError> {
-        let start = after_positions(start);
-        let end = match end {
-            Bound::Included(e) => Bound::Included(e.to_vec()),
-            Bound::Excluded(e) => Bound::Excluded(e.to_vec()),
-            Bound::Unbounded => Bound::Unbounded,
-        };
-        let range = self.projections.range::<Vec<u8>, _>((start, end));
-        let iter: Box<dyn Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>> = if reverse {
-            Box::new(range.rev())
-        } else {
-            Box::new(range)
-        };
-        for item in iter {
-            let (k, v) = item?;
-            if visit(&k, &v) == Visit::Stop {
+        if self.packing.is_none() {
+            self.scan_keys(start, end, reverse, visit)?;
+            return Ok(());
+        }
+        let mut segments = self.packing.segments(start, end);
+        if reverse {
+            segments.reverse();
+        }
+        for segment in segments {
+            let visited = match segment {
+                Segment::Plain(from, to) => {
+                    self.scan_keys(packing::as_ref(&from), packing::as_ref(&to), reverse, visit)?
+                }
+                Segment::Packed(from, to) => {
+                    self.scan_packed(packing::as_ref(&from), packing::as_ref(&to), reverse, visit)?
+                }
+            };
+            if visited == Visit::Stop {
                 break;
             }
         }
@@ -607,7 +767,7 @@ impl ProjectionStore for SledStore {
             return self.materialize(changes, positions, 0);
         }
         let mut batch = sled::Batch::default();
-        changes.visit_changes(&mut |key, value| {
+        self.write_changes(changes, &mut |key, value| {
             match value {
                 Some(v) => batch.insert(key, v),
                 None => batch.remove(key),
@@ -976,5 +1136,36 @@ mod tests {
         let mut trailing = encoded;
         trailing.push(0);
         assert!(decode_stage(&trailing).is_err());
+    }
+
+    /// Twenty keys of one scope, customer and minute (one per meter) are one sled
+    /// row; a delete of every entry removes the row.
+    #[test]
+    fn a_packed_tables_keys_share_one_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open_with(dir.path(), Packing::tables(b"A")).unwrap();
+        let key = |meter: usize| {
+            let mut key = b"Astore\0p".to_vec();
+            key.extend_from_slice(format!("meter{meter:02}\0customer\0").as_bytes());
+            key.extend_from_slice(&7u64.to_be_bytes());
+            key
+        };
+        let rows = |store: &SledStore| store.projections.scan_prefix(b"A").count();
+        store
+            .apply(
+                (0..20).map(|m| (key(m), Some(vec![m as u8]))).collect(),
+                &[(0, 1)],
+            )
+            .unwrap();
+        assert_eq!(rows(&store), 1);
+        assert_eq!(store.get(&key(13)).unwrap(), Some(vec![13]));
+        store
+            .apply((0..19).map(|m| (key(m), None)).collect(), &[(0, 2)])
+            .unwrap();
+        assert_eq!(rows(&store), 1);
+        assert_eq!(store.get(&key(13)).unwrap(), None);
+        assert_eq!(store.get(&key(19)).unwrap(), Some(vec![19]));
+        store.apply(vec![(key(19), None)], &[(0, 3)]).unwrap();
+        assert_eq!(rows(&store), 0);
     }
 }

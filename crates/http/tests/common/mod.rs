@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use tally_domain::clock::{Clock, ManualClock};
-use tally_engine::Engine;
+use tally_engine::{keys, Engine};
 use tally_http::HttpConfig;
 use tally_log::embedded::EmbeddedLog;
 use tally_projection::{ProjectionStore, SledStore};
@@ -91,7 +91,7 @@ impl Server {
         };
         // `open` waits for the lock a stop just released (sled frees it late).
         let store: Arc<dyn ProjectionStore> =
-            Arc::new(SledStore::open(dir.join("projections")).unwrap());
+            Arc::new(SledStore::open_with(dir.join("projections"), keys::bucket_rows()).unwrap());
         let engine = Engine::open(
             wrap_log(Arc::new(log)),
             wrap(store),
