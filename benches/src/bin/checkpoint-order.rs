@@ -1,13 +1,13 @@
 //! What the bucket layout costs a checkpoint as the store grows: the same
-//! checkpoints written to three sled stores (`SledStore`, the service's settings),
-//! one keyed as the service keys buckets today (table, scope, meter, customer,
-//! minute: a minute's buckets land beside each series' older minutes, all over
-//! the table), one with the minute before the customer (a minute's buckets are
+//! checkpoints written to three sled stores (`SledStore`, the service's settings,
+//! none packing its keys), one keyed as bucket keys are (table, scope, meter,
+//! customer, minute: a minute's buckets land beside each series' older minutes, all
+//! over the table), one with the minute before the customer (a minute's buckets are
 //! contiguous, at the end of each meter's range), and one row per customer and
-//! minute holding all its meters (today's order, a twentieth of the keys, each
-//! value 20 buckets long). A measurement for layouts not built (README, "Ten
-//! million events on this build, and what bends the rate late"): it says what each
-//! would save, before anyone rebuilds the bucket readers around one.
+//! minute holding all its meters (the bucket keys' order, a twentieth of the keys,
+//! each value 20 buckets long). The measurement that chose the third, which the
+//! service's store now keeps (README, "Ten million events on this build, and what
+//! bends the rate late", and "Bucket rows").
 //!
 //! Each simulated minute writes `--checkpoints-per-minute` checkpoints, each a
 //! random half of the minute's buckets (customers x meters), sorted as the

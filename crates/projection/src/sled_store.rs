@@ -171,6 +171,9 @@ impl SledStore {
             // written before packing existed keeps its keys as they are.
             None if projections.is_empty() && !packing.is_none() => {
                 projections.insert(packing::PACKING_KEY, packing.encode())?;
+                // Durable before any row is written: a store must never hold
+                // rows without the record that says how to read them.
+                db.flush()?;
                 packing
             }
             None => Packing::none(),
