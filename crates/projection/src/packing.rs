@@ -41,6 +41,12 @@ pub(crate) type RawVisit<'a> = dyn FnMut(&[u8], &[u8]) -> Result<crate::Visit, S
 /// Where a store records its packing: below the positions, so scans skip it.
 pub(crate) const PACKING_KEY: &[u8] = b"\x00pack\x00";
 
+/// The slice directory: one key per slice ever written (this prefix, then the
+/// slice's prefix), below the positions too. A scan across slices takes them from
+/// here (in memory) instead of reading every row to learn which meters exist; a
+/// slice whose rows were all deleted stays listed and is read as empty.
+pub(crate) const SLICE_PREFIX: &[u8] = b"\x00pack-slice\x00";
+
 /// The tables whose keys a store packs into rows (module doc).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Packing {
@@ -106,6 +112,11 @@ fn slice_of(key: &[u8]) -> Option<(&[u8], usize)> {
     let scope = scope_end(key)?;
     let entry = key[scope..].iter().position(|b| *b == 0)?;
     Some((&key[..scope + entry + 1], scope))
+}
+
+/// The slice prefix of a packed key (table, scope, entry, separator).
+pub(crate) fn slice_prefix(key: &[u8]) -> Option<&[u8]> {
+    slice_of(key).map(|(prefix, _)| prefix)
 }
 
 /// A packed key's row key and entry; an error for a key of a packed table that
@@ -348,7 +359,29 @@ pub(crate) struct Slice {
     pub(crate) scope: usize,
 }
 
+/// Slices sort by their prefix alone (the scope's end follows from it), so a set
+/// of them is looked up by a prefix without building a `Slice`.
+impl std::borrow::Borrow<[u8]> for Slice {
+    fn borrow(&self) -> &[u8] {
+        &self.prefix
+    }
+}
+
 impl Slice {
+    /// The slice of a packed key, or of a slice prefix itself.
+    pub(crate) fn of(key: &[u8]) -> Option<Slice> {
+        let (prefix, scope) = slice_of(key)?;
+        Some(Slice {
+            prefix: prefix.to_vec(),
+            scope,
+        })
+    }
+
+    /// Its key in the slice directory (`SLICE_PREFIX`).
+    pub(crate) fn directory_key(&self) -> Vec<u8> {
+        [SLICE_PREFIX, &self.prefix].concat()
+    }
+
     pub(crate) fn entry(&self) -> &[u8] {
         &self.prefix[self.scope..self.prefix.len() - 1]
     }
@@ -390,7 +423,7 @@ impl Slice {
     }
 
     /// Whether any key of this slice could lie between two bounds.
-    fn meets(&self, start: Bound<&[u8]>, end: Bound<&[u8]>) -> bool {
+    pub(crate) fn meets(&self, start: Bound<&[u8]>, end: Bound<&[u8]>) -> bool {
         self.row_bounds(start, end).is_some()
     }
 }
@@ -413,12 +446,11 @@ pub(crate) fn single_slice(start: Bound<&[u8]>, end: Bound<&[u8]>) -> Option<Sli
     within.then_some(slice)
 }
 
-/// Collects the slices of `row` (its entries) that meet the range into `slices`.
+/// Collects the slices of `row` (its entries) into `slices`: how a store that has
+/// rows but no slice directory builds one.
 pub(crate) fn note_slices(
     row: &[u8],
     value: &[u8],
-    start: Bound<&[u8]>,
-    end: Bound<&[u8]>,
     slices: &mut std::collections::BTreeSet<Slice>,
 ) -> Result<(), StoreError> {
     let scope = scope_end(row)
@@ -428,25 +460,7 @@ pub(crate) fn note_slices(
         prefix.extend_from_slice(&row[..scope]);
         prefix.extend_from_slice(entry);
         prefix.push(0);
-        let slice = Slice { prefix, scope };
-        if !slices.contains(&slice) && slice.meets(start, end) {
-            slices.insert(slice);
-        }
+        slices.insert(Slice { prefix, scope });
     }
     Ok(())
-}
-
-/// The rows that can hold slices meeting a range: from the scope of its start to
-/// the end of the scope of its end (scopes are `text · 0x00 · byte`, so no scope
-/// is a prefix of another and a scope's rows sort as its keys do).
-pub(crate) fn candidate_rows(table: u8, start: Bound<&[u8]>, end: Bound<&[u8]>) -> KeyRange {
-    let from = bound_key(&start)
-        .filter(|k| k.first() == Some(&table))
-        .and_then(|k| scope_end(k).map(|s| k[..s].to_vec()))
-        .unwrap_or_else(|| vec![table]);
-    let to = bound_key(&end)
-        .filter(|k| k.first() == Some(&table))
-        .and_then(|k| scope_end(k).and_then(|s| crate::prefix_end(&k[..s])))
-        .unwrap_or_else(|| vec![table + 1]);
-    (Bound::Included(from), Bound::Excluded(to))
 }

@@ -91,6 +91,9 @@ pub struct SledStore {
     aux: sled::Tree,
     /// The tables kept as rows (`packing`), as recorded in the store.
     packing: Packing,
+    /// The slice directory (`packing::SLICE_PREFIX`) in memory: every slice
+    /// written to this store.
+    slices: parking_lot::RwLock<std::collections::BTreeSet<Slice>>,
 }
 
 impl std::fmt::Debug for SledStore {
@@ -178,12 +181,14 @@ impl SledStore {
             }
             None => Packing::none(),
         };
+        let slices = parking_lot::RwLock::new(load_slices(&projections, &packing)?);
         let store = SledStore {
             db,
             dir: dir.as_ref().to_path_buf(),
             projections,
             aux,
             packing,
+            slices,
         };
         let stage = store.interrupted_stage()?;
         let stage = store.with_layer_copy(stage)?;
@@ -326,6 +331,33 @@ impl SledStore {
         remove_if_present(&self.dir.join(STAGE_FILE))?;
         fsync_dir(&self.dir)
     }
+}
+
+/// The slice directory of a packed store; built from its rows (and recorded)
+/// when it has rows but no directory.
+fn load_slices(
+    projections: &sled::Tree,
+    packing: &Packing,
+) -> Result<std::collections::BTreeSet<Slice>, StoreError> {
+    let mut slices = std::collections::BTreeSet::new();
+    for item in projections.scan_prefix(packing::SLICE_PREFIX) {
+        let (key, _) = item?;
+        let slice = Slice::of(&key[packing::SLICE_PREFIX.len()..])
+            .ok_or_else(|| StoreError::Corrupt(format!("a slice directory key {key:?}")))?;
+        slices.insert(slice);
+    }
+    if slices.is_empty() {
+        for table in packing.packed_tables() {
+            for item in projections.range(vec![*table]..vec![*table + 1]) {
+                let (row, value) = item?;
+                packing::note_slices(&row, &value, &mut slices)?;
+            }
+        }
+        for slice in &slices {
+            projections.insert(slice.directory_key(), &[])?;
+        }
+    }
+    Ok(slices)
 }
 
 fn io_error(what: &str, error: std::io::Error) -> StoreError {
@@ -652,19 +684,13 @@ impl SledStore {
     ) -> Result<Visit, StoreError> {
         let slices: Vec<Slice> = match packing::single_slice(start, end) {
             Some(slice) => vec![slice],
-            None => {
-                let table = match (start, end) {
-                    (Bound::Included(k) | Bound::Excluded(k), _) if !k.is_empty() => k[0],
-                    _ => return Err(StoreError::Backend("a packed scan without a table".into())),
-                };
-                let (from, to) = packing::candidate_rows(table, start, end);
-                let mut found = std::collections::BTreeSet::new();
-                self.scan_rows(from, to, false, &mut |row, value| {
-                    packing::note_slices(row, value, start, end, &mut found)?;
-                    Ok(Visit::Continue)
-                })?;
-                found.into_iter().collect()
-            }
+            None => self
+                .slices
+                .read()
+                .iter()
+                .filter(|slice| slice.meets(start, end))
+                .cloned()
+                .collect(),
         };
         let ordered: Box<dyn Iterator<Item = &Slice>> = if reverse {
             Box::new(slices.iter().rev())
@@ -696,13 +722,35 @@ impl SledStore {
         write: &mut crate::ChangeVisit<'_>,
     ) -> Result<(), StoreError> {
         let mut rows = RowChanges::default();
-        changes.visit_changes(&mut |key, value| {
-            if self.packing.packs(key) {
-                rows.add(key, value)
-            } else {
-                write(key, value)
-            }
-        })?;
+        let mut new_slices = std::collections::BTreeSet::new();
+        {
+            let known = self.slices.read();
+            let mut last: Vec<u8> = Vec::new();
+            changes.visit_changes(&mut |key, value| {
+                if !self.packing.packs(key) {
+                    return write(key, value);
+                }
+                rows.add(key, value)?;
+                // Changes come in key order, so a slice's come together: one
+                // look-up each.
+                // (Deletes write no row, so only puts list a slice.)
+                let put_prefix = value.and_then(|_| packing::slice_prefix(key));
+                if let Some(prefix) = put_prefix.filter(|p| *p != last.as_slice()) {
+                    if !known.contains(prefix) {
+                        new_slices.extend(Slice::of(prefix));
+                    }
+                    last.clear();
+                    last.extend_from_slice(prefix);
+                }
+                Ok(())
+            })?;
+        }
+        // Listed before any row of theirs is written (a crash may leave a slice
+        // listed without rows: read as empty, never the other way round).
+        for slice in &new_slices {
+            write(&slice.directory_key(), Some(&[]))?;
+        }
+        self.slices.write().extend(new_slices);
         if !rows.is_empty() {
             rows.merged(
                 &mut |row| Ok(self.projections.get(row)?.map(|v| v.to_vec())),
@@ -1170,5 +1218,51 @@ mod tests {
         assert_eq!(store.get(&key(19)).unwrap(), Some(vec![19]));
         store.apply(vec![(key(19), None)], &[(0, 3)]).unwrap();
         assert_eq!(rows(&store), 0);
+    }
+
+    /// A packed store without a slice directory (written before there was one)
+    /// builds it from its rows on open: a scan across meters finds them all.
+    #[test]
+    fn a_missing_slice_directory_is_built_from_the_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = |meter: &str, customer: &str| {
+            let mut key = b"Astore\0p".to_vec();
+            key.extend_from_slice(format!("{meter}\0{customer}\0").as_bytes());
+            key.extend_from_slice(&7u64.to_be_bytes());
+            key
+        };
+        let keys = [key("m1", "a"), key("m1", "b"), key("m2", "a")];
+        let every = |store: &SledStore| {
+            let mut seen = Vec::new();
+            store
+                .scan(Bound::Unbounded, Bound::Unbounded, false, &mut |k, _| {
+                    seen.push(k.to_vec());
+                    Visit::Continue
+                })
+                .unwrap();
+            seen
+        };
+        {
+            let store = SledStore::open_with(dir.path(), Packing::tables(b"A")).unwrap();
+            store
+                .apply(
+                    keys.iter().map(|k| (k.clone(), Some(vec![1]))).collect(),
+                    &[(0, 1)],
+                )
+                .unwrap();
+            assert_eq!(every(&store), keys.to_vec());
+            let listed: Vec<_> = store
+                .projections
+                .scan_prefix(packing::SLICE_PREFIX)
+                .map(|item| item.unwrap().0)
+                .collect();
+            assert_eq!(listed.len(), 2, "one per meter");
+            for key in listed {
+                store.projections.remove(key).unwrap();
+            }
+            store.flush().unwrap();
+        }
+        let store = SledStore::open(dir.path()).unwrap();
+        assert_eq!(every(&store), keys.to_vec());
     }
 }
