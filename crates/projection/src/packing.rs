@@ -19,15 +19,12 @@
 //! whoever opens it.
 
 use std::collections::BTreeMap;
-use std::ops::Bound;
+use std::ops::{Bound, Range};
 
 use crate::{ChangeVisit, StoreError};
 
 /// A row's entries and their values, borrowed from the row.
 pub(crate) type RowEntries<'r> = Vec<(&'r [u8], &'r [u8])>;
-
-/// A row's changed entries: entry -> newest value (`None`: deleted).
-type EntryChanges = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
 
 /// A range of sled keys, owned.
 pub(crate) type KeyRange = (Bound<Vec<u8>>, Bound<Vec<u8>>);
@@ -122,15 +119,17 @@ pub(crate) fn slice_prefix(key: &[u8]) -> Option<&[u8]> {
 /// A packed key's row key and entry; an error for a key of a packed table that
 /// has no entry (nothing in this service writes one).
 pub(crate) fn split(key: &[u8]) -> Result<(Vec<u8>, &[u8]), StoreError> {
-    let (slice, scope) = slice_of(key).ok_or_else(|| {
-        StoreError::Backend(format!(
-            "key {key:?} of a packed table has no component to pack by"
-        ))
-    })?;
+    let (slice, scope) = slice_of(key).ok_or_else(|| unpackable(key))?;
     let mut row = Vec::with_capacity(key.len() - (slice.len() - scope));
     row.extend_from_slice(&key[..scope]);
     row.extend_from_slice(&key[slice.len()..]);
     Ok((row, &key[scope..slice.len() - 1]))
+}
+
+fn unpackable(key: &[u8]) -> StoreError {
+    StoreError::Backend(format!(
+        "key {key:?} of a packed table has no component to pack by"
+    ))
 }
 
 /// The key of `entry` in the row `row` (`split` backwards).
@@ -207,20 +206,41 @@ pub(crate) fn find(row: &[u8], entry: &[u8]) -> Result<Option<Vec<u8>>, StoreErr
     Ok(found)
 }
 
-/// The changes of one checkpoint to packed tables, grouped by row: entry ->
-/// newest value (`None`: deleted).
+/// The changes of one checkpoint to packed tables, grouped by row: each row's
+/// changes in the order given (a later change of an entry wins), their bytes in
+/// one arena. Why not a map of copies: a checkpoint passes ~200,000 changes
+/// through here, and an allocation per row key, entry and value was ~a tenth of
+/// the checkpoint thread.
 #[derive(Debug, Default)]
 pub(crate) struct RowChanges {
-    rows: BTreeMap<Vec<u8>, EntryChanges>,
+    rows: BTreeMap<Vec<u8>, Vec<EntryChange>>,
+    arena: Vec<u8>,
+    /// The row key being looked up (reused).
+    scratch: Vec<u8>,
 }
+
+/// One change of a row: where its entry and its value (`None`: deleted) are in
+/// the arena.
+type EntryChange = (Range<usize>, Option<Range<usize>>);
 
 impl RowChanges {
     pub(crate) fn add(&mut self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
-        let (row, entry) = split(key)?;
-        self.rows
-            .entry(row)
-            .or_default()
-            .insert(entry.to_vec(), value.map(<[u8]>::to_vec));
+        let (slice, scope) = slice_of(key).ok_or_else(|| unpackable(key))?;
+        self.scratch.clear();
+        self.scratch.extend_from_slice(&key[..scope]);
+        self.scratch.extend_from_slice(&key[slice.len()..]);
+        let mut stash = |bytes: &[u8]| {
+            let at = self.arena.len();
+            self.arena.extend_from_slice(bytes);
+            at..self.arena.len()
+        };
+        let change = (stash(&slice[scope..slice.len() - 1]), value.map(&mut stash));
+        match self.rows.get_mut(self.scratch.as_slice()) {
+            Some(changes) => changes.push(change),
+            None => {
+                self.rows.insert(self.scratch.clone(), vec![change]);
+            }
+        }
         Ok(())
     }
 
@@ -242,9 +262,10 @@ impl RowChanges {
                 None => BTreeMap::new(),
             };
             for (entry, value) in changes {
+                let entry = &self.arena[entry.clone()];
                 match value {
-                    Some(value) => entries.insert(entry, value),
-                    None => entries.remove(entry.as_slice()),
+                    Some(value) => entries.insert(entry, &self.arena[value.clone()]),
+                    None => entries.remove(entry),
                 };
             }
             if entries.is_empty() {
