@@ -12,7 +12,9 @@
 //! table were not packed. Within one slice (a table, scope and entry: one meter's
 //! buckets) the rows' order is the keys' order, so a scan inside a slice is one
 //! range read of rows, each filtered to the slice's entry; a scan across slices
-//! walks each slice in turn (`slices_in`).
+//! walks each slice it meets in turn, taken from the slice directory
+//! ([`SLICE_PREFIX`]). A row holds at most one entry per meter of its store, so the
+//! meters-per-store limit bounds its size.
 //!
 //! Which tables are packed is chosen when a store is created and recorded in it
 //! ([`PACKING_KEY`]), so a reopened store reads its rows the way they were written
