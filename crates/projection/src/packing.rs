@@ -298,19 +298,11 @@ pub(crate) fn is_empty_range(start: &Bound<&[u8]>, end: &Bound<&[u8]>) -> bool {
 }
 
 pub(crate) fn as_ref(bound: &Bound<Vec<u8>>) -> Bound<&[u8]> {
-    match bound {
-        Bound::Included(b) => Bound::Included(b.as_slice()),
-        Bound::Excluded(b) => Bound::Excluded(b.as_slice()),
-        Bound::Unbounded => Bound::Unbounded,
-    }
+    bound.as_ref().map(Vec::as_slice)
 }
 
 pub(crate) fn owned(bound: Bound<&[u8]>) -> Bound<Vec<u8>> {
-    match bound {
-        Bound::Included(b) => Bound::Included(b.to_vec()),
-        Bound::Excluded(b) => Bound::Excluded(b.to_vec()),
-        Bound::Unbounded => Bound::Unbounded,
-    }
+    bound.map(<[u8]>::to_vec)
 }
 
 /// The key of a bound that has one.
@@ -321,32 +313,33 @@ fn bound_key<'a>(bound: &Bound<&'a [u8]>) -> Option<&'a [u8]> {
     }
 }
 
-/// The greater of two start bounds.
-fn later_start<'a>(a: Bound<&'a [u8]>, b: Bound<&'a [u8]>) -> Bound<&'a [u8]> {
+/// Of two bounds, the one that lets fewer keys through on its side: the one
+/// whose key compares as `narrower` to the other's (`Greater` for starts, `Less`
+/// for ends), or the excluding one of two with the same key.
+fn tighter<'a>(
+    a: Bound<&'a [u8]>,
+    b: Bound<&'a [u8]>,
+    narrower: std::cmp::Ordering,
+) -> Bound<&'a [u8]> {
     match (bound_key(&a), bound_key(&b)) {
         (None, _) => b,
         (_, None) => a,
         (Some(x), Some(y)) => match x.cmp(y) {
-            std::cmp::Ordering::Greater => a,
-            std::cmp::Ordering::Less => b,
+            order if order == narrower => a,
             std::cmp::Ordering::Equal if matches!(a, Bound::Excluded(_)) => a,
-            std::cmp::Ordering::Equal => b,
+            _ => b,
         },
     }
 }
 
+/// The greater of two start bounds.
+fn later_start<'a>(a: Bound<&'a [u8]>, b: Bound<&'a [u8]>) -> Bound<&'a [u8]> {
+    tighter(a, b, std::cmp::Ordering::Greater)
+}
+
 /// The lesser of two end bounds.
 fn earlier_end<'a>(a: Bound<&'a [u8]>, b: Bound<&'a [u8]>) -> Bound<&'a [u8]> {
-    match (bound_key(&a), bound_key(&b)) {
-        (None, _) => b,
-        (_, None) => a,
-        (Some(x), Some(y)) => match x.cmp(y) {
-            std::cmp::Ordering::Less => a,
-            std::cmp::Ordering::Greater => b,
-            std::cmp::Ordering::Equal if matches!(a, Bound::Excluded(_)) => a,
-            std::cmp::Ordering::Equal => b,
-        },
-    }
+    tighter(a, b, std::cmp::Ordering::Less)
 }
 
 impl Packing {

@@ -83,13 +83,6 @@ fn scanned(
     reverse: bool,
     stop_after: usize,
 ) -> Entries {
-    fn borrow(b: &Bound<Vec<u8>>) -> Bound<&[u8]> {
-        match b {
-            Bound::Included(k) => Bound::Included(k),
-            Bound::Excluded(k) => Bound::Excluded(k),
-            Bound::Unbounded => Bound::Unbounded,
-        }
-    }
     // A memory store's range panics on inverted bounds, as std's does; both
     // stores answer such a range with nothing.
     if let (Some(s), Some(e)) = (key_of(start), key_of(end)) {
@@ -99,14 +92,19 @@ fn scanned(
     }
     let mut entries = Vec::new();
     store
-        .scan(borrow(start), borrow(end), reverse, &mut |k, v| {
-            entries.push((k.to_vec(), v.to_vec()));
-            if entries.len() >= stop_after {
-                Visit::Stop
-            } else {
-                Visit::Continue
-            }
-        })
+        .scan(
+            start.as_ref().map(Vec::as_slice),
+            end.as_ref().map(Vec::as_slice),
+            reverse,
+            &mut |k, v| {
+                entries.push((k.to_vec(), v.to_vec()));
+                if entries.len() >= stop_after {
+                    Visit::Stop
+                } else {
+                    Visit::Continue
+                }
+            },
+        )
         .unwrap();
     entries
 }
