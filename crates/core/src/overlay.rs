@@ -224,13 +224,16 @@ pub struct BucketCache {
     meters: MeterCache,
 }
 
-/// Buckets kept in the cache (bounds memory: ~200 B each). When a commit would pass
-/// it, the buckets of the oldest minutes are dropped first (`evict_oldest_minutes`):
-/// usage arrives mostly for the current minute, and with 10,000 customers and 20
-/// meters one minute alone holds ~200,000 buckets, so emptying the whole cache (as
-/// it once did) sent every later fold back to sled and the ingest rate fell by half
-/// within a minute.
-pub const MAX_CACHED_BUCKETS: usize = 600_000;
+/// Buckets kept in the cache (bounds memory: ~100 B each, a map slot of a bucket id
+/// and its aggregate). When a commit would pass it, the buckets of the oldest
+/// minutes are dropped first (`evict_oldest_minutes`): usage arrives mostly for the
+/// current minute, and with 10,000 customers and 20 meters one minute alone holds
+/// ~200,000 buckets, so emptying the whole cache (as it once did) sent every later
+/// fold back to sled and the ingest rate fell by half within a minute. Kept under
+/// 7/8 of 2^19 (458,752), where the map's table of 2^19 slots would double to 2^20
+/// (~100 MB, the largest single allocation in a heap profile of the ingest
+/// benchmark with the cap at 600,000; README, "Memory at the peak").
+pub const MAX_CACHED_BUCKETS: usize = 450_000;
 /// What eviction leaves of a cap (in percent): room for the next minutes' buckets,
 /// so a full cache is not scanned again on every commit.
 const EVICT_TO_PERCENT: usize = 75;

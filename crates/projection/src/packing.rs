@@ -121,11 +121,9 @@ pub(crate) fn slice_prefix(key: &[u8]) -> Option<&[u8]> {
 /// A packed key's row key and entry; an error for a key of a packed table that
 /// has no entry (nothing in this service writes one).
 pub(crate) fn split(key: &[u8]) -> Result<(Vec<u8>, &[u8]), StoreError> {
-    let (slice, scope) = slice_of(key).ok_or_else(|| unpackable(key))?;
-    let mut row = Vec::with_capacity(key.len() - (slice.len() - scope));
-    row.extend_from_slice(&key[..scope]);
-    row.extend_from_slice(&key[slice.len()..]);
-    Ok((row, &key[scope..slice.len() - 1]))
+    let mut row = Vec::with_capacity(key.len());
+    let entry = row_key_into(key, &mut row)?;
+    Ok((row, &key[entry]))
 }
 
 fn unpackable(key: &[u8]) -> StoreError {
@@ -208,6 +206,16 @@ pub(crate) fn find(row: &[u8], entry: &[u8]) -> Result<Option<Vec<u8>>, StoreErr
     Ok(found)
 }
 
+/// Changes of packed tables one pass of a checkpoint gathers at most (on
+/// average): a checkpoint of more is merged in several passes, each taking the
+/// rows of one range of row keys. Bounds memory: a row gathers changes from every
+/// slice (meter), so none can be written before the whole checkpoint was visited,
+/// and gathering ~200,000 changes at once held ~66 MB at the server's peak (a heap
+/// profile under the ingest benchmark; README, "Memory at the peak"). A pass costs
+/// one more visit of the changes. Ranges, not shares by hash: the passes write the
+/// rows in key order once over, where hashed shares swept sled's tree once per pass.
+pub const ROW_PASS_CHANGES: usize = 50_000;
+
 /// The changes of one checkpoint to packed tables, grouped by row: each row's
 /// changes in the order given (a later change of an entry wins), their bytes in
 /// one arena. Why not a map of copies: a checkpoint passes ~200,000 changes
@@ -219,24 +227,55 @@ pub(crate) struct RowChanges {
     arena: Vec<u8>,
     /// The row key being looked up (reused).
     scratch: Vec<u8>,
+    /// The rows gathered: from `from` (included) until `until` (excluded).
+    from: Option<Vec<u8>>,
+    until: Option<Vec<u8>>,
 }
 
 /// One change of a row: where its entry and its value (`None`: deleted) are in
 /// the arena.
 type EntryChange = (Range<usize>, Option<Range<usize>>);
 
+/// Puts the row key of a packed key in `row`; returns where the key's entry is.
+pub(crate) fn row_key_into(key: &[u8], row: &mut Vec<u8>) -> Result<Range<usize>, StoreError> {
+    let (slice, scope) = slice_of(key).ok_or_else(|| unpackable(key))?;
+    row.clear();
+    row.extend_from_slice(&key[..scope]);
+    row.extend_from_slice(&key[slice.len()..]);
+    Ok(scope..slice.len() - 1)
+}
+
 impl RowChanges {
+    /// How many passes merge `changes` changes (at least one).
+    pub(crate) fn passes_for(changes: usize) -> usize {
+        changes.div_ceil(ROW_PASS_CHANGES).max(1)
+    }
+
+    /// Gathers the rows from `from` (included; `None`: the first) until `until`
+    /// (excluded; `None`: the last).
+    pub(crate) fn between(from: Option<Vec<u8>>, until: Option<Vec<u8>>) -> RowChanges {
+        RowChanges {
+            from,
+            until,
+            ..RowChanges::default()
+        }
+    }
+
+    /// Takes a change of a packed table if its row is in this one's range.
     pub(crate) fn add(&mut self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
-        let (slice, scope) = slice_of(key).ok_or_else(|| unpackable(key))?;
-        self.scratch.clear();
-        self.scratch.extend_from_slice(&key[..scope]);
-        self.scratch.extend_from_slice(&key[slice.len()..]);
+        let entry = row_key_into(key, &mut self.scratch)?;
+        let row = self.scratch.as_slice();
+        let before = self.from.as_deref().is_some_and(|from| row < from);
+        let after = self.until.as_deref().is_some_and(|until| row >= until);
+        if before || after {
+            return Ok(());
+        }
         let mut stash = |bytes: &[u8]| {
             let at = self.arena.len();
             self.arena.extend_from_slice(bytes);
             at..self.arena.len()
         };
-        let change = (stash(&slice[scope..slice.len() - 1]), value.map(&mut stash));
+        let change = (stash(&key[entry]), value.map(&mut stash));
         match self.rows.get_mut(self.scratch.as_slice()) {
             Some(changes) => changes.push(change),
             None => {

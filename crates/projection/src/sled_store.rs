@@ -51,6 +51,11 @@ use crate::{Change, ChangeSource, ProjectionStore, StoreError, Visit};
 /// Positions live under this prefix, which sorts before every projection table
 /// (their prefixes are printable letters) and is skipped by scans.
 const POSITION_PREFIX: &[u8] = b"\x00pos\x00";
+/// A checkpoint merged in several passes cuts its rows into ranges at quantiles
+/// of the row keys of evenly spaced changes (`write_changes_in`), this many per
+/// pass: enough for ranges of about equal size, and a key copied for one change
+/// in thousands (a checkpoint of ~200,000 changes merges in four passes).
+const ROW_SAMPLES_PER_PASS: usize = 64;
 /// How often sled writes its buffers to disk in the background. Losing the last
 /// interval on a crash is harmless: those batches are re-applied from the log.
 pub const SLED_FLUSH_EVERY_MS: u64 = 500;
@@ -715,13 +720,35 @@ impl SledStore {
     }
 
     /// Hands `write` every change as a sled key and value: plain keys as they are,
-    /// the keys of packed tables merged into their rows (each row read once).
+    /// the keys of packed tables merged into their rows (each row read once). A
+    /// large batch's rows are merged in several passes over the changes, each
+    /// taking one range of the row keys (`packing::ROW_PASS_CHANGES`).
     fn write_changes(
         &self,
         changes: &dyn ChangeSource,
         write: &mut crate::ChangeVisit<'_>,
     ) -> Result<(), StoreError> {
+        let passes = RowChanges::passes_for(changes.change_count());
+        self.write_changes_in(changes, write, passes)
+    }
+
+    /// `write_changes` in `passes` passes. The first writes the plain keys, lists
+    /// new slices, and (one pass) gathers the rows or (several) samples the row
+    /// keys of evenly spaced changes (`ROW_SAMPLES_PER_PASS`), whose quantiles
+    /// cut the rows into ranges of about equal numbers of changes. Any cut is correct: the
+    /// ranges cover every row key, the first from the lowest, the last to the highest.
+    fn write_changes_in(
+        &self,
+        changes: &dyn ChangeSource,
+        write: &mut crate::ChangeVisit<'_>,
+        passes: usize,
+    ) -> Result<(), StoreError> {
+        let passes = passes.max(1);
         let mut rows = RowChanges::default();
+        let sample_every =
+            (changes.change_count() / passes.saturating_mul(ROW_SAMPLES_PER_PASS)).max(1);
+        let mut samples: Vec<Vec<u8>> = Vec::new();
+        let mut packed = 0usize;
         let mut new_slices = std::collections::BTreeSet::new();
         {
             let known = self.slices.read();
@@ -730,7 +757,14 @@ impl SledStore {
                 if !self.packing.packs(key) {
                     return write(key, value);
                 }
-                rows.add(key, value)?;
+                if passes <= 1 {
+                    rows.add(key, value)?;
+                } else if packed.is_multiple_of(sample_every) {
+                    let mut row = Vec::new();
+                    packing::row_key_into(key, &mut row)?;
+                    samples.push(row);
+                }
+                packed += 1;
                 // Changes come in key order, so a slice's come together: one
                 // look-up each.
                 // (Deletes write no row, so only puts list a slice.)
@@ -751,13 +785,41 @@ impl SledStore {
             write(&slice.directory_key(), Some(&[]))?;
         }
         self.slices.write().extend(new_slices);
-        if !rows.is_empty() {
-            rows.merged(
-                &mut |row| Ok(self.projections.get(row)?.map(|v| v.to_vec())),
-                write,
-            )?;
+        if passes <= 1 {
+            return self.write_rows(&rows, write);
+        }
+        samples.sort_unstable();
+        let per_pass = samples.len().div_ceil(passes).max(1);
+        let mut cuts: Vec<Vec<u8>> = samples.into_iter().step_by(per_pass).skip(1).collect();
+        cuts.dedup();
+        let bounds: Vec<Option<Vec<u8>>> = std::iter::once(None)
+            .chain(cuts.into_iter().map(Some))
+            .chain(std::iter::once(None))
+            .collect();
+        for range in bounds.windows(2) {
+            let mut rows = RowChanges::between(range[0].clone(), range[1].clone());
+            changes.visit_changes(&mut |key, value| match self.packing.packs(key) {
+                true => rows.add(key, value),
+                false => Ok(()),
+            })?;
+            self.write_rows(&rows, write)?;
         }
         Ok(())
+    }
+
+    /// Writes gathered rows, each merged with its stored value.
+    fn write_rows(
+        &self,
+        rows: &RowChanges,
+        write: &mut crate::ChangeVisit<'_>,
+    ) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        rows.merged(
+            &mut |row| Ok(self.projections.get(row)?.map(|v| v.to_vec())),
+            write,
+        )
     }
 }
 
@@ -1218,6 +1280,57 @@ mod tests {
         assert_eq!(store.get(&key(19)).unwrap(), Some(vec![19]));
         store.apply(vec![(key(19), None)], &[(0, 3)]).unwrap();
         assert_eq!(rows(&store), 0);
+    }
+
+    /// A batch merged into its rows in several passes (as a large checkpoint is)
+    /// leaves sled holding exactly what one pass leaves: every row, plain key and
+    /// slice listed, with rows whose changes come from many slices and rows that
+    /// already held entries.
+    #[test]
+    fn rows_merged_in_passes_are_the_rows_of_one_pass() {
+        let key = |meter: usize, customer: usize, minute: u64| {
+            let mut key = b"Astore\0p".to_vec();
+            key.extend_from_slice(format!("m{meter:02}\0c{customer:03}\0").as_bytes());
+            key.extend_from_slice(&minute.to_be_bytes());
+            key
+        };
+        let first: Vec<Change> = (0..5)
+            .flat_map(|m| (0..40).map(move |c| (key(m, c, 1), Some(vec![m as u8, 1]))))
+            .collect();
+        let mut second: Vec<Change> = (0..8)
+            .flat_map(|m| {
+                (0..40).map(move |c| {
+                    let value = (c % 7 != 0).then(|| vec![m as u8, c as u8]);
+                    (key(m, c, 1 + (c as u64 % 2)), value)
+                })
+            })
+            .chain((0..30).map(|i| (format!("Zplain{i:02}").into_bytes(), Some(vec![i]))))
+            .collect();
+        second.sort_by(|a, b| a.0.cmp(&b.0));
+        let contents = |passes: usize| {
+            let dir = tempfile::tempdir().unwrap();
+            let store = SledStore::open_with(dir.path(), Packing::tables(b"A")).unwrap();
+            store.apply(first.clone(), &[(0, 1)]).unwrap();
+            let mut write = |key: &[u8], value: Option<&[u8]>| {
+                match value {
+                    Some(v) => store.projections.insert(key, v)?,
+                    None => store.projections.remove(key)?,
+                };
+                Ok(())
+            };
+            store.write_changes_in(&second, &mut write, passes).unwrap();
+            let raw: Vec<(Vec<u8>, Vec<u8>)> = store
+                .projections
+                .iter()
+                .map(|item| item.map(|(k, v)| (k.to_vec(), v.to_vec())).unwrap())
+                .collect();
+            raw
+        };
+        let one = contents(1);
+        assert!(one.iter().any(|(k, _)| k.starts_with(b"Zplain")));
+        for passes in [2, 3, 7] {
+            assert_eq!(contents(passes), one, "{passes} passes");
+        }
     }
 
     /// A packed store without a slice directory (written before there was one)
