@@ -735,8 +735,9 @@ impl SledStore {
     /// `write_changes` in `passes` passes. The first writes the plain keys, lists
     /// new slices, and (one pass) gathers the rows or (several) samples the row
     /// keys of evenly spaced changes (`ROW_SAMPLES_PER_PASS`), whose quantiles
-    /// cut the rows into ranges of about equal numbers of changes. Any cut is correct: the
-    /// ranges cover every row key, the first from the lowest, the last to the highest.
+    /// cut the rows into ranges of about equal numbers of changes. Any cut is
+    /// correct: the ranges cover every row key, the first from the lowest, the
+    /// last to the highest.
     fn write_changes_in(
         &self,
         changes: &dyn ChangeSource,
