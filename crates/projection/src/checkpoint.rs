@@ -264,8 +264,7 @@ impl Changes {
         let mut changes = Vec::with_capacity(self.len());
         for key in self.sorted_keys() {
             if let Some(value) = self.values.get(&key) {
-                let value = value.clone();
-                changes.push((key, value));
+                changes.push((key, value.clone()));
             }
         }
         changes

@@ -1320,12 +1320,11 @@ mod tests {
                 Ok(())
             };
             store.write_changes_in(&second, &mut write, passes).unwrap();
-            let raw: Vec<(Vec<u8>, Vec<u8>)> = store
+            store
                 .projections
                 .iter()
                 .map(|item| item.map(|(k, v)| (k.to_vec(), v.to_vec())).unwrap())
-                .collect();
-            raw
+                .collect::<Vec<_>>()
         };
         let one = contents(1);
         assert!(one.iter().any(|(k, _)| k.starts_with(b"Zplain")));
