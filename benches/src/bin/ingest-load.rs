@@ -62,6 +62,21 @@ struct Args {
     /// and time the requests.
     #[arg(long, default_value_t = 0)]
     voids: usize,
+    /// Only `--voids` against the data dir an earlier run with `--data-dir` left
+    /// (its key and stored batches are in `<data-dir>.ingest-load.json`): the cost
+    /// of voids in a large store, measured again without loading it again. Copy the
+    /// data dir first to keep it as loaded.
+    #[arg(long)]
+    voids_only: bool,
+    /// Connections the void requests are sent over, each one request at a time (a
+    /// client voiding many events at once may send them side by side).
+    #[arg(long, default_value_t = 1)]
+    void_connections: usize,
+    /// With `--voids-only`, wait this long after the server is ready before the
+    /// first void: whether a slow first void is the caches being cold or the
+    /// start-up's own work.
+    #[arg(long, default_value_t = 0)]
+    settle_seconds: u64,
     /// Spread the events over the last this many days (at most 35): each batch is
     /// sent as a moment of the store's history (all its events at one random
     /// instant), and the meters are backfilled to count from then, so voids touch
@@ -162,6 +177,9 @@ async fn raw_log_rate(seconds: f64, kafka_brokers: Option<&str>) -> anyhow::Resu
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.voids_only {
+        return voids_only(&args).await;
+    }
     let temp = tempfile::tempdir()?;
     let data_dir = args
         .data_dir
@@ -478,40 +496,22 @@ async fn main() -> anyhow::Result<()> {
     };
     let cpu_per_event = (cpu_seconds(pid)? - cpu_before) / total as f64;
     query_stop.store(true, Ordering::Relaxed);
-    let mut void_latencies = Vec::new();
-    let mut voided = 0;
-    while voided < args.voids {
-        let ids: Vec<String> = {
-            let mut rng = rand::rng();
-            (0..100.min(args.voids - voided))
-                .filter_map(|_| {
-                    let connection = rng.random_range(0..stored_batches.len());
-                    let batches = stored_batches[connection];
-                    (batches > 0).then(|| {
-                        let batch = rng.random_range(0..batches);
-                        format!("c{connection}-{batch}-{}", rng.random_range(0..100))
-                    })
-                })
-                .collect()
+    if let Some(dir) = &args.data_dir {
+        let saved = SavedLoad {
+            key: key.clone(),
+            stored_batches: stored_batches.clone(),
         };
-        anyhow::ensure!(!ids.is_empty(), "no stored events to void");
-        voided += ids.len();
-        let t = Instant::now();
-        let answer = http
-            .post(format!("{base}/v1/events/void"))
-            .header("x-api-key", &key)
-            .json(&serde_json::json!({"event_ids": ids, "reason": "benchmark"}))
-            .send()
-            .await?;
-        anyhow::ensure!(
-            answer.status().is_success(),
-            "void answered {}: {}",
-            answer.status(),
-            answer.text().await.unwrap_or_default()
-        );
-        void_latencies.push(t.elapsed());
+        std::fs::write(saved_load_path(dir), serde_json::to_vec(&saved)?)?;
     }
-    void_latencies.sort();
+    let voids = void_requests(
+        &http,
+        &base,
+        &key,
+        &stored_batches,
+        args.voids,
+        args.void_connections,
+    )
+    .await?;
     let mut latencies = querier
         .join()
         .map_err(|_| anyhow::anyhow!("the querier panicked"))?;
@@ -524,17 +524,7 @@ async fn main() -> anyhow::Result<()> {
     let restarted = Instant::now();
     let (child, base, _) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
     let mut child = tally_benches::ServerChild(child);
-    let restart = loop {
-        let ready = http.get(format!("{base}/readyz")).send().await;
-        if ready.is_ok_and(|r| r.status().is_success()) {
-            break restarted.elapsed();
-        }
-        anyhow::ensure!(
-            restarted.elapsed() < Duration::from_secs(600),
-            "the restarted server was not ready within 10 minutes"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let restart = wait_ready(&http, &base, restarted).await?;
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
@@ -585,17 +575,160 @@ async fn main() -> anyhow::Result<()> {
             last / first
         );
     }
-    if !void_latencies.is_empty() {
-        let sum: Duration = void_latencies.iter().sum();
+    print_voids(&voids);
+    Ok(())
+}
+
+/// How long after `started` the server at `base` answers `/readyz` 200 (it
+/// re-applies the log past the store's positions first); an error past 10 minutes.
+async fn wait_ready(
+    http: &reqwest::Client,
+    base: &str,
+    started: Instant,
+) -> anyhow::Result<Duration> {
+    loop {
+        let answer = http.get(format!("{base}/readyz")).send().await;
+        if answer.is_ok_and(|r| r.status().is_success()) {
+            return Ok(started.elapsed());
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(600),
+            "the server was not ready within 10 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a run on `--data-dir` leaves beside it for `--voids-only`: the test key
+/// (printed only on an empty data dir) and the batches each connection stored.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SavedLoad {
+    key: String,
+    stored_batches: Vec<u64>,
+}
+
+/// The file beside `data_dir` that holds its `SavedLoad`.
+fn saved_load_path(data_dir: &str) -> String {
+    format!("{}.ingest-load.json", data_dir.trim_end_matches('/'))
+}
+
+/// Voids `count` random stored events, 100 per request, over `concurrency`
+/// connections (each one request at a time): each request's latency, sorted, and
+/// the time until the last was answered (all of them reflected in every query).
+async fn void_requests(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    stored_batches: &[u64],
+    count: usize,
+    concurrency: usize,
+) -> anyhow::Result<(Vec<Duration>, Duration)> {
+    anyhow::ensure!(
+        stored_batches.iter().any(|b| *b > 0),
+        "no stored events to void"
+    );
+    // Ids left to void, taken 100 at a time by whichever connection is free.
+    let left = AtomicU64::new(count as u64);
+    let one_connection = || async {
+        let mut latencies = Vec::new();
+        loop {
+            let take = left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_sub(100))
+                })
+                .map_or(0, |n| n.min(100));
+            if take == 0 {
+                return anyhow::Ok(latencies);
+            }
+            let ids: Vec<String> = {
+                let mut rng = rand::rng();
+                (0..take)
+                    .filter_map(|_| {
+                        let connection = rng.random_range(0..stored_batches.len());
+                        let batches = stored_batches[connection];
+                        (batches > 0).then(|| {
+                            let batch = rng.random_range(0..batches);
+                            format!("c{connection}-{batch}-{}", rng.random_range(0..100))
+                        })
+                    })
+                    .collect()
+            };
+            let t = Instant::now();
+            let answer = http
+                .post(format!("{base}/v1/events/void"))
+                .header("x-api-key", key)
+                .json(&serde_json::json!({"event_ids": ids, "reason": "benchmark"}))
+                .send()
+                .await?;
+            anyhow::ensure!(
+                answer.status().is_success(),
+                "void answered {}: {}",
+                answer.status(),
+                answer.text().await.unwrap_or_default()
+            );
+            latencies.push(t.elapsed());
+            eprint!("{:.0?} ", t.elapsed());
+        }
+    };
+    let started = Instant::now();
+    let mut void_latencies = Vec::new();
+    for latencies in
+        futures::future::join_all((0..concurrency.max(1)).map(|_| one_connection())).await
+    {
+        void_latencies.extend(latencies?);
+    }
+    let all = started.elapsed();
+    void_latencies.sort();
+    Ok((void_latencies, all))
+}
+
+/// `--voids-only`: a server on the data dir a run with `--data-dir` left, timed
+/// until ready, then only the voids.
+async fn voids_only(args: &Args) -> anyhow::Result<()> {
+    let data_dir = args
+        .data_dir
+        .as_deref()
+        .ok_or_else(|| anyhow::anyhow!("--voids-only needs --data-dir"))?;
+    let saved_path = saved_load_path(data_dir);
+    let saved: SavedLoad = serde_json::from_slice(&std::fs::read(&saved_path).map_err(|e| {
+        anyhow::anyhow!("{saved_path}: {e} (a run with --data-dir writes it after its load)")
+    })?)?;
+    let started = Instant::now();
+    let (child, base, _) = start_server_with(&args.tally_bin, data_dir, &[])?;
+    let mut child = tally_benches::ServerChild(child);
+    let http = reqwest::Client::new();
+    let ready = wait_ready(&http, &base, started).await?;
+    tokio::time::sleep(Duration::from_secs(args.settle_seconds)).await;
+    eprintln!("ready after {ready:.2?}; voiding...");
+    let voids = void_requests(
+        &http,
+        &base,
+        &saved.key,
+        &saved.stored_batches,
+        args.voids,
+        args.void_connections,
+    )
+    .await?;
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    println!("ready after start:                {ready:.2?}");
+    print_voids(&voids);
+    Ok(())
+}
+
+/// Line (v): the void requests' latencies, and the time until all were answered.
+fn print_voids((latencies, all): &(Vec<Duration>, Duration)) {
+    if !latencies.is_empty() {
         println!(
-            "(v) voids of 100 events:          {} requests, p50 {:.2?}, p99 {:.2?}, {:.2?} in all",
-            void_latencies.len(),
-            percentile(&void_latencies, 50.0),
-            percentile(&void_latencies, 99.0),
-            sum
+            "(v) voids of 100 events:          {} requests, p50 {:.2?}, p99 {:.2?}; all answered after {:.2?}",
+            latencies.len(),
+            percentile(latencies, 50.0),
+            percentile(latencies, 99.0),
+            all
         );
     }
-    Ok(())
 }
 
 #[cfg(test)]

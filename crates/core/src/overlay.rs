@@ -556,6 +556,7 @@ impl<'a> Overlay<'a> {
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, EngineError> {
         match self.changes.get(key) {
             Some(value) => Ok(value.clone()),
+            None if self.sparse.is_some_and(|sparse| !sparse.may_hold(key)) => Ok(None),
             None => Ok(self.store.get(key)?),
         }
     }

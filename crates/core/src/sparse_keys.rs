@@ -1,11 +1,14 @@
 //! Which keys of the sparse tables that apply asks about per event exist, held in
 //! memory as hashes, so the usual answer ("no such row") costs no store read.
 //!
-//! The tables: voided events (`.`) and fold-skipped rows (`_`: an event a meter did
-//! not count because it was inactive). A void's rebuild asks both for every event
-//! of the minute it reads back; nearly always the answer is no. In a profile of
-//! the void phase those look-ups were a quarter of the apply thread, most of it in
-//! sled's tree walk (README, "Sparse rows answered from memory"). Backfilled rows
+//! The tables: voided events (`.`), fold-skipped rows (`_`: an event a meter did
+//! not count because it was inactive) and voided counts (`'`: events voided per
+//! meter, customer and minute). A void's rebuild asks the first two for every
+//! event of the minute it reads back, and a void reads the count of each bucket it
+//! takes an event out of; nearly always the answer is no. In a profile of the
+//! void phase the first two were a quarter of the apply thread, most of it in
+//! sled's tree walk (README, "Sparse rows answered from memory"); in a store too
+//! large for the page cache each absent count was a read of the disk. Backfilled rows
 //! (`B`) are not held: adding them measured no faster on voids, and a large
 //! backfill writes one per event and meter, which the start-up scan would read.
 //!
@@ -25,11 +28,12 @@ use crate::error::EngineError;
 use crate::keys;
 
 /// The tables whose keys are held.
-pub const SPARSE_TABLES: [u8; 2] = [keys::VOIDED_EVENT, keys::FOLD_SKIPPED];
+pub const SPARSE_TABLES: [u8; 3] = [keys::VOIDED_EVENT, keys::FOLD_SKIPPED, keys::VOIDED_COUNT];
 
 /// Hashes held before the set gives up (bounds memory at ~20 bytes each, ~20 MB,
 /// and the start-up scan that loads them to ~1 s).
-/// Voids and inactive-meter skips are corrections and edge cases, far fewer than
+/// Voids (a row per event, and per meter, customer and minute) and inactive-meter
+/// skips are corrections and edge cases, far fewer than
 /// events; a store past it still works, at a store read per question.
 pub const MAX_SPARSE_KEYS: usize = 1_000_000;
 

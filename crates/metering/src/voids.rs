@@ -11,8 +11,9 @@
 //!   bucket is rebuilt from its events that remain, read back from the log through
 //!   the `z` rows (per minute, each usage record's events in it with their
 //!   customer), and the meter-wide bucket is rebuilt from the minute's events when
-//!   they lie in few records, else by merging the buckets of the customers with
-//!   events in that minute.
+//!   reading their records costs less than reading every customer's bucket of the
+//!   minute (few records, or many customers per record), else by merging those
+//!   buckets.
 //! - `time_weighted_sum` is linear in the changes of the held value: the event's
 //!   change is taken out and its successor's grows by as much (domain `gauge`).
 //!
@@ -47,13 +48,20 @@ use crate::Metering;
 /// Event ids one void may name: one log record, and a bounded rebuild.
 pub const MAX_VOID_EVENTS: usize = 100;
 
-/// Records (of up to 100 events each) a minute's events may lie in for its
-/// all-customers bucket to be rebuilt from them; past that, it is merged from its
-/// customers' buckets. A minute of a store's history (a few batches) has a
-/// hundred customers or more: reading its one or two records is cheaper than
-/// reading each customer's bucket. A busy live minute holds thousands of
-/// records: merging is cheaper there.
+/// Records (of up to 100 events each) a minute's events may always lie in for its
+/// all-customers bucket to be rebuilt from them, however few customers they hold:
+/// one or two records cost less than any merge.
 pub const REBUILD_FROM_EVENTS_MAX_RECORDS: usize = 4;
+
+/// Customers' buckets that reading one record back from the log is worth, when a
+/// minute's all-customers bucket is rebuilt: a record of 100 events is one read of
+/// the log (which the page cache holds) and a decode of ~100-200 µs, while merging
+/// reads each customer's bucket (two or three reads of the store, from a few µs
+/// when cached to far more in a large store whose rows the caches do not hold).
+/// A minute of a spread history (a few hundred events of as many customers in a
+/// few records) is rebuilt from its events; a busy live minute (thousands of
+/// records of 10,000 customers) by merging.
+pub const CUSTOMERS_PER_RECORD_READ: usize = 8;
 
 /// The record's content, as apply reads it.
 #[derive(Debug, Clone, Copy)]
@@ -114,7 +122,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         if may_rebuild {
             let minute = minute_bucket(event.timestamp_ms);
             wanted.extend(minutes.of(overlay, store_id, mode, minute, &event.customer_id)?);
-            if let Some(all) = minutes.few_records(overlay, store_id, mode, minute)? {
+            if let Some(all) = minutes.rebuild_from_events(overlay, store_id, mode, minute)? {
                 wanted.extend(all);
             }
         }
@@ -152,7 +160,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         wanted.extend(minutes.of(overlay, store_id, mode, *minute, customer)?);
     }
     for (_, minute) in &all_rebuilds {
-        if let Some(all) = minutes.few_records(overlay, store_id, mode, *minute)? {
+        if let Some(all) = minutes.rebuild_from_events(overlay, store_id, mode, *minute)? {
             wanted.extend(all);
         }
     }
@@ -210,9 +218,8 @@ pub(crate) fn fetch(overlay: &Overlay<'_>, locations: &[EventLocation]) -> Resul
 }
 
 /// Rebuilds the all-customers bucket of `meter` in `minute`, after its customers'
-/// buckets are right: from the minute's events when they lie in few records
-/// (`few_records`: cheaper than reading every customer's bucket), else by merging
-/// the customers' buckets.
+/// buckets are right: from the minute's events when that reads less
+/// (`rebuild_from_events`), else by merging the customers' buckets.
 pub(crate) fn rebuild_minute_total(
     overlay: &mut Overlay<'_>,
     minutes: &mut MinuteEvents,
@@ -220,7 +227,7 @@ pub(crate) fn rebuild_minute_total(
     minute: i64,
 ) -> Result<(), EngineError> {
     let (store_id, mode) = (meter.store_id.as_str(), meter.mode);
-    match minutes.few_records(overlay, store_id, mode, minute)? {
+    match minutes.rebuild_from_events(overlay, store_id, mode, minute)? {
         Some(all) => rebuild_customer(overlay, meter, ALL_CUSTOMERS, minute, &all),
         None => {
             let customers = minutes.customers(overlay, store_id, mode, minute)?;
@@ -353,9 +360,11 @@ impl MinuteEvents {
             .collect())
     }
 
-    /// Every stored event of the minute, when they lie in at most
-    /// `REBUILD_FROM_EVENTS_MAX_RECORDS` records; `None` past that.
-    pub(crate) fn few_records(
+    /// Every stored event of the minute, when rebuilding its all-customers bucket
+    /// from them costs less than merging its customers' buckets: they lie in at
+    /// most `REBUILD_FROM_EVENTS_MAX_RECORDS` records, or in few enough for their
+    /// customers (`CUSTOMERS_PER_RECORD_READ` per record); `None` otherwise.
+    pub(crate) fn rebuild_from_events(
         &mut self,
         overlay: &Overlay<'_>,
         store_id: &str,
@@ -367,8 +376,11 @@ impl MinuteEvents {
             .iter()
             .map(|(l, _)| (l.partition, l.offset))
             .collect();
-        Ok((records.len() <= REBUILD_FROM_EVENTS_MAX_RECORDS)
-            .then(|| events.iter().map(|(location, _)| *location).collect()))
+        let cheaper = records.len() <= REBUILD_FROM_EVENTS_MAX_RECORDS || {
+            let customers: BTreeSet<&str> = events.iter().map(|(_, c)| c.as_str()).collect();
+            records.len().saturating_mul(CUSTOMERS_PER_RECORD_READ) <= customers.len()
+        };
+        Ok(cheaper.then(|| events.iter().map(|(location, _)| *location).collect()))
     }
 
     /// The customers with stored events in the minute.
