@@ -33,8 +33,8 @@ pub const SPARSE_TABLES: [u8; 3] = [keys::VOIDED_EVENT, keys::FOLD_SKIPPED, keys
 /// Hashes held before the set gives up (bounds memory at ~20 bytes each, ~20 MB,
 /// and the start-up scan that loads them to ~1 s).
 /// Voids (a row per event, and per meter, customer and minute) and inactive-meter
-/// skips are corrections and edge cases, far fewer than
-/// events; a store past it still works, at a store read per question.
+/// skips are corrections and edge cases, far fewer than events; a store past it
+/// still works, at a store read per question.
 pub const MAX_SPARSE_KEYS: usize = 1_000_000;
 
 #[derive(Debug, Default)]
