@@ -623,10 +623,14 @@ async fn void_requests(
     count: usize,
     concurrency: usize,
 ) -> anyhow::Result<(Vec<Duration>, Duration)> {
-    anyhow::ensure!(
-        stored_batches.iter().any(|b| *b > 0),
-        "no stored events to void"
-    );
+    // The connections that stored batches: ids are picked among theirs.
+    let stored: Vec<(usize, u64)> = stored_batches
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(_, batches)| *batches > 0)
+        .collect();
+    anyhow::ensure!(count == 0 || !stored.is_empty(), "no stored events to void");
     // Ids left to void, taken 100 at a time by whichever connection is free.
     let left = AtomicU64::new(count as u64);
     let one_connection = || async {
@@ -643,13 +647,10 @@ async fn void_requests(
             let ids: Vec<String> = {
                 let mut rng = rand::rng();
                 (0..take)
-                    .filter_map(|_| {
-                        let connection = rng.random_range(0..stored_batches.len());
-                        let batches = stored_batches[connection];
-                        (batches > 0).then(|| {
-                            let batch = rng.random_range(0..batches);
-                            format!("c{connection}-{batch}-{}", rng.random_range(0..100))
-                        })
+                    .map(|_| {
+                        let (connection, batches) = stored[rng.random_range(0..stored.len())];
+                        let batch = rng.random_range(0..batches);
+                        format!("c{connection}-{batch}-{}", rng.random_range(0..100))
                     })
                     .collect()
             };
