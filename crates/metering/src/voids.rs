@@ -313,7 +313,14 @@ pub fn event_id_taken(event_id: &str) -> Outcome {
 /// of the minute, with its customer.
 #[derive(Default)]
 pub(crate) struct MinuteEvents {
-    minutes: HashMap<i64, Vec<(EventLocation, String)>>,
+    minutes: HashMap<i64, Minute>,
+}
+
+/// One minute's stored events, and whether its all-customers bucket is rebuilt
+/// from them (decided once: a void asks it per event and per bucket it rebuilds).
+struct Minute {
+    events: Vec<(EventLocation, String)>,
+    from_events: Option<bool>,
 }
 
 impl MinuteEvents {
@@ -323,24 +330,29 @@ impl MinuteEvents {
         store_id: &str,
         mode: Mode,
         minute: i64,
-    ) -> Result<&[(EventLocation, String)], EngineError> {
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.minutes.entry(minute) {
-            let mut events = Vec::new();
-            let prefix = keys::minute_events_prefix(minute, store_id, mode);
-            for (key, row) in overlay.prefix_entries(&prefix)? {
-                let (partition, offset) = keys::minute_events_position(&key)?;
-                for (index, customer) in codec::decode_minute_events(&row)? {
-                    let location = EventLocation {
-                        partition,
-                        offset,
-                        index,
-                    };
-                    events.push((location, customer));
+    ) -> Result<&mut Minute, EngineError> {
+        Ok(match self.minutes.entry(minute) {
+            std::collections::hash_map::Entry::Occupied(slot) => slot.into_mut(),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                let mut events = Vec::new();
+                let prefix = keys::minute_events_prefix(minute, store_id, mode);
+                for (key, row) in overlay.prefix_entries(&prefix)? {
+                    let (partition, offset) = keys::minute_events_position(&key)?;
+                    for (index, customer) in codec::decode_minute_events(&row)? {
+                        let location = EventLocation {
+                            partition,
+                            offset,
+                            index,
+                        };
+                        events.push((location, customer));
+                    }
                 }
+                slot.insert(Minute {
+                    events,
+                    from_events: None,
+                })
             }
-            slot.insert(events);
-        }
-        Ok(self.minutes.get(&minute).map(Vec::as_slice).unwrap_or(&[]))
+        })
     }
 
     /// Where the minute's events of `customer` are.
@@ -354,6 +366,7 @@ impl MinuteEvents {
     ) -> Result<Vec<EventLocation>, EngineError> {
         Ok(self
             .load(overlay, store_id, mode, minute)?
+            .events
             .iter()
             .filter(|(_, c)| c == customer)
             .map(|(location, _)| *location)
@@ -371,15 +384,18 @@ impl MinuteEvents {
         mode: Mode,
         minute: i64,
     ) -> Result<Option<Vec<EventLocation>>, EngineError> {
-        let events = self.load(overlay, store_id, mode, minute)?;
-        let records: BTreeSet<(u32, u64)> = events
-            .iter()
-            .map(|(l, _)| (l.partition, l.offset))
-            .collect();
-        let cheaper = records.len() <= REBUILD_FROM_EVENTS_MAX_RECORDS || {
-            let customers: BTreeSet<&str> = events.iter().map(|(_, c)| c.as_str()).collect();
-            records.len().saturating_mul(CUSTOMERS_PER_RECORD_READ) <= customers.len()
-        };
+        let minute = self.load(overlay, store_id, mode, minute)?;
+        let events = &minute.events;
+        let cheaper = *minute.from_events.get_or_insert_with(|| {
+            let records: BTreeSet<(u32, u64)> = events
+                .iter()
+                .map(|(l, _)| (l.partition, l.offset))
+                .collect();
+            records.len() <= REBUILD_FROM_EVENTS_MAX_RECORDS || {
+                let customers: BTreeSet<&str> = events.iter().map(|(_, c)| c.as_str()).collect();
+                records.len().saturating_mul(CUSTOMERS_PER_RECORD_READ) <= customers.len()
+            }
+        });
         Ok(cheaper.then(|| events.iter().map(|(location, _)| *location).collect()))
     }
 
@@ -393,6 +409,7 @@ impl MinuteEvents {
     ) -> Result<BTreeSet<String>, EngineError> {
         Ok(self
             .load(overlay, store_id, mode, minute)?
+            .events
             .iter()
             .map(|(_, customer)| customer.clone())
             .collect())
