@@ -108,6 +108,15 @@ const KAFKA_PARTITIONS: u32 = 4;
 /// catch-up measured, short enough that a stuck server ends the run.
 const CATCH_UP_GIVE_UP: Duration = Duration::from_secs(120);
 
+/// How long a started server may take to answer `/readyz` before the run fails:
+/// a restart of a 10M-event store re-applies its log tail in ~30 s; far past that
+/// the server is stuck.
+const READY_GIVE_UP: Duration = Duration::from_secs(600);
+
+/// Event ids per void request: the most one request may name (the API's limit),
+/// so (v) times full requests.
+const VOID_IDS_PER_REQUEST: u64 = 100;
+
 /// The ingest rate over the first tenth of the acknowledged events and over the
 /// last tenth, from the load's progress samples (time, events): whether the rate
 /// holds as the data grows. None for a run too short to have both.
@@ -580,7 +589,8 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// How long after `started` the server at `base` answers `/readyz` 200 (it
-/// re-applies the log past the store's positions first); an error past 10 minutes.
+/// re-applies the log past the store's positions first); an error past
+/// `READY_GIVE_UP`.
 async fn wait_ready(
     http: &reqwest::Client,
     base: &str,
@@ -592,8 +602,8 @@ async fn wait_ready(
             return Ok(started.elapsed());
         }
         anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(600),
-            "the server was not ready within 10 minutes"
+            started.elapsed() < READY_GIVE_UP,
+            "the server was not ready within {READY_GIVE_UP:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -612,9 +622,10 @@ fn saved_load_path(data_dir: &str) -> String {
     format!("{}.ingest-load.json", data_dir.trim_end_matches('/'))
 }
 
-/// Voids `count` random stored events, 100 per request, over `concurrency`
-/// connections (each one request at a time): each request's latency, sorted, and
-/// the time until the last was answered (all of them reflected in every query).
+/// Voids `count` random stored events, `VOID_IDS_PER_REQUEST` per request, over
+/// `concurrency` connections (each one request at a time): each request's latency,
+/// sorted, and the time until the last was answered (all of them reflected in
+/// every query).
 async fn void_requests(
     http: &reqwest::Client,
     base: &str,
@@ -631,16 +642,17 @@ async fn void_requests(
         .filter(|(_, batches)| *batches > 0)
         .collect();
     anyhow::ensure!(count == 0 || !stored.is_empty(), "no stored events to void");
-    // Ids left to void, taken 100 at a time by whichever connection is free.
+    // Ids left to void, taken a request's worth at a time by whichever connection
+    // is free.
     let left = AtomicU64::new(count as u64);
     let one_connection = || async {
         let mut latencies = Vec::new();
         loop {
             let take = left
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                    Some(n.saturating_sub(100))
+                    Some(n.saturating_sub(VOID_IDS_PER_REQUEST))
                 })
-                .map_or(0, |n| n.min(100));
+                .map_or(0, |n| n.min(VOID_IDS_PER_REQUEST));
             if take == 0 {
                 return anyhow::Ok(latencies);
             }
@@ -667,8 +679,9 @@ async fn void_requests(
                 answer.status(),
                 answer.text().await.unwrap_or_default()
             );
-            latencies.push(t.elapsed());
-            eprint!("{:.0?} ", t.elapsed());
+            let took = t.elapsed();
+            latencies.push(took);
+            eprint!("{took:.0?} ");
         }
     };
     let started = Instant::now();
@@ -723,7 +736,7 @@ async fn voids_only(args: &Args) -> anyhow::Result<()> {
 fn print_voids((latencies, all): &(Vec<Duration>, Duration)) {
     if !latencies.is_empty() {
         println!(
-            "(v) voids of 100 events:          {} requests, p50 {:.2?}, p99 {:.2?}; all answered after {:.2?}",
+            "(v) voids of {VOID_IDS_PER_REQUEST} events:          {} requests, p50 {:.2?}, p99 {:.2?}; all answered after {:.2?}",
             latencies.len(),
             percentile(latencies, 50.0),
             percentile(latencies, 99.0),
