@@ -713,6 +713,11 @@ async fn voids_only(args: &Args) -> anyhow::Result<()> {
     let http = reqwest::Client::new();
     let ready = wait_ready(&http, &base, started).await?;
     tokio::time::sleep(Duration::from_secs(args.settle_seconds)).await;
+    // A new pool for the voids: the readiness probe's connection, idle while
+    // settling, may be closed by the server's header timeout
+    // (`HEADER_READ_TIMEOUT_MS`) just as the first void is sent on it, which
+    // failed the run with "error sending request".
+    let http = reqwest::Client::new();
     eprintln!("ready after {ready:.2?}; voiding...");
     let voids = void_requests(
         &http,

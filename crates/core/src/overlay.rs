@@ -13,6 +13,7 @@ use tally_domain::meter::Meter;
 use tally_domain::record::Record;
 use tally_domain::usage::UsageEvent;
 use tally_domain::Mode;
+use tally_projection::warm::WarmRead;
 use tally_projection::{scan_prefix, ProjectionStore, SharedChange, Visit};
 
 use crate::codec;
@@ -765,6 +766,23 @@ impl<'a> Overlay<'a> {
             before: nearer(before, pending_before, true),
             after: nearer(after, pending_after, false),
         })
+    }
+
+    /// Makes `reads` against the store ahead, several at once, so the reads apply
+    /// then makes of them one by one find their pages in memory
+    /// (`tally_projection::warm`). What this chunk wrote needs no read; nor do
+    /// sparse rows the committed set says are absent.
+    pub fn warm(&self, reads: &mut Vec<WarmRead>) {
+        reads.sort_unstable();
+        reads.dedup();
+        reads.retain(|read| match read {
+            WarmRead::Key(key) => {
+                !self.changes.contains_key(key)
+                    && self.sparse.is_none_or(|sparse| sparse.may_hold(key))
+            }
+            WarmRead::Prefix(_) => true,
+        });
+        tally_projection::warm::warm(self.store, reads);
     }
 
     pub fn contains(&self, key: &[u8]) -> Result<bool, EngineError> {

@@ -335,6 +335,8 @@ pub fn apply_chunk(
     }
     // Partitions of the chunk known to hold a skip mark (each looked up once).
     let mut marked = BTreeSet::new();
+    // Records the chunk's records lack, every one's: the attempt is then dropped.
+    let mut missing = Vec::new();
     for (at, (entry, record)) in chunk.entries.iter().zip(&chunk.records).enumerate() {
         if !matches!(chunk.mode, ChunkMode::Restore { .. }) {
             positions.insert(entry.partition, entry.next_offset);
@@ -356,7 +358,19 @@ pub fn apply_chunk(
                 tally_metering::apply::prune_stored_events(&mut overlay, received)?;
             }
         }
-        apply_entry(&mut overlay, entry, record, &mut applied)?;
+        match apply_entry(&mut overlay, entry, record, &mut applied) {
+            // The record is rolled back; the records after it still say what they
+            // lack, so one fetch serves the whole chunk's next attempt instead of
+            // one attempt per record that reads back (a chunk of several voids).
+            // What they do meanwhile is dropped with the attempt.
+            Err(EngineError::RecordsNeeded(more)) => missing.extend(more),
+            other => other?,
+        }
+    }
+    if !missing.is_empty() {
+        missing.sort_unstable();
+        missing.dedup();
+        return Err(EngineError::RecordsNeeded(missing));
     }
     if let ChunkMode::Restore { partition, until } = chunk.mode {
         // The skip mark moves with what is restored, in the same commit: a crash

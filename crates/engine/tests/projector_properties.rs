@@ -17,8 +17,12 @@ use tally_domain::record::Record;
 use tally_domain::time::Window;
 use tally_domain::usage::{PropertyValue, UsageEvent};
 use tally_domain::Mode;
+use tally_engine::error::EngineError;
 use tally_engine::event_index::EventIndex;
-use tally_engine::projector::{apply_chunk_in_memory, ProjectorState};
+use tally_engine::projector::{
+    apply_chunk, apply_chunk_in_memory, plan_chunk, DecodedChunk, Fetched, ProjectorState,
+    StoredBatch,
+};
 use tally_engine::usage::UsageQuery;
 use tally_log::LogEntry;
 use tally_projection::{CheckpointStore, MemoryStore, ProjectionStore};
@@ -676,6 +680,57 @@ fn a_void_is_seen_by_the_next_chunk_of_the_same_state() {
     let first_void = entries.len() - 3;
     let chunked = apply_in_chunks(&entries, &[first_void, first_void + 1]);
     assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
+}
+
+/// A chunk of several voids whose rebuilds read records back asks for every
+/// record it lacks in one answer: one fetch after the plan's, not one attempt per
+/// void (the second void asks too while the first is rolled back).
+#[test]
+fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
+    let event = |id: u8, minute| GenEvent {
+        id,
+        customer: id,
+        minute,
+        second: 1,
+        value: Some(i64::from(id)),
+    };
+    // Each event its own record; two per minute, so a `unique` void rebuilds its
+    // minute from the other record too.
+    let steps = [
+        Step::Singles(vec![event(1, 0), event(2, 0), event(3, 1), event(4, 1)]),
+        Step::Void(vec![1]),
+        Step::Void(vec![3]),
+    ];
+    let (entries, counted, _) = log_with_voids(&steps);
+    assert_eq!(counted.len(), 2, "events 2 and 4 count");
+    let voids_at = entries.len() - 2;
+    let store = MemoryStore::new();
+    let mut state = ProjectorState::empty();
+    apply_chunk_in_memory(&store, &mut state, &entries[..voids_at], &entries).unwrap();
+    let read = |fetched: &mut Fetched, positions: &mut dyn Iterator<Item = (u32, u64)>| {
+        for (partition, offset) in positions {
+            let entry = entries
+                .iter()
+                .find(|e| (e.partition, e.offset) == (partition, offset))
+                .unwrap();
+            let batch = StoredBatch::decode(&entry.payload).unwrap().map(Arc::new);
+            fetched.insert((partition, offset), batch);
+        }
+    };
+    let chunk = DecodedChunk::new(entries[voids_at..].to_vec());
+    let mut fetched = Fetched::new();
+    let planned = plan_chunk(&store, &state.index, &chunk).unwrap();
+    read(&mut fetched, &mut planned.into_iter());
+    let Err(EngineError::RecordsNeeded(more)) = apply_chunk(&store, &mut state, &chunk, &fetched)
+    else {
+        panic!("the voids read their minutes' other records back");
+    };
+    // Both minutes' other records (events 2 and 4), in one answer.
+    assert_eq!(more.len(), 2, "{more:?}");
+    read(&mut fetched, &mut more.into_iter());
+    apply_chunk(&store, &mut state, &chunk, &fetched).unwrap();
+    let whole = apply_in_chunks(&entries, &[]);
+    assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
 }
 
 /// The in-memory sparse rows learn each commit's voided counts (`'` rows) too: a

@@ -402,6 +402,9 @@ pub async fn read_at_finds_every_appended_record(factory: &dyn LogFactory) {
         );
     }
     assert!(many.last().unwrap().is_none());
+    // A few at once (a log may read those one by one) answer the same.
+    let few = log.read_many(partition, &offsets[..2]).await.unwrap();
+    assert_eq!(few, many[..2]);
 }
 
 /// A reader opened at any record's offset hands over exactly that record first, also

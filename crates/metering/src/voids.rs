@@ -41,6 +41,7 @@ use tally_domain::record::Record;
 use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
 use tally_domain::{FieldError, Mode};
+use tally_projection::warm::WarmRead;
 
 use crate::apply::{add_weighted_changes, contribution_of, fold_contribution, fold_weighted};
 use crate::Metering;
@@ -106,6 +107,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         );
     }
     let meters = scope_meters(overlay, store_id, mode)?;
+    warm_void(overlay, store_id, mode, &meters, &fresh);
     let mut minutes = MinuteEvents::default();
     // The records a rebuild may read, asked for before any work: a chunk that lacks
     // one is applied again once it is fetched, so learning it late would do the
@@ -173,6 +175,43 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         rebuild_minute_total(overlay, &mut minutes, &meters[*at], *minute)?;
     }
     Ok(())
+}
+
+/// Reads ahead, several at once, the rows a void of `events` reads one by one:
+/// each event's minute (`z` rows) and its buckets in every meter of its name, its
+/// customer's and the meter-wide one. In a long history these are scattered disk
+/// reads, most of a void's time when made one after another.
+fn warm_void(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    meters: &[Meter],
+    events: &[UsageEvent],
+) {
+    let mut reads = Vec::new();
+    for event in events {
+        let minute = minute_bucket(event.timestamp_ms);
+        reads.push(WarmRead::Prefix(keys::minute_events_prefix(
+            minute, store_id, mode,
+        )));
+        for meter in meters.iter().filter(|m| m.event_name == event.name) {
+            let bucket = |table, slot: &str| {
+                BucketKey::from_minute(table, &meter.store_id, meter.mode, &meter.id, slot, minute)
+            };
+            for slot in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+                reads.push(WarmRead::Key(bucket(keys::AGGREGATE, slot)));
+                match meter.aggregation {
+                    Aggregation::Latest => reads.push(WarmRead::Key(bucket(keys::LATEST, slot))),
+                    Aggregation::Unique => {
+                        reads.push(WarmRead::Key(bucket(keys::DISTINCT_SET, slot)));
+                        reads.push(WarmRead::Prefix(bucket(keys::UNIQUE, slot)));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    overlay.warm(&mut reads);
 }
 
 /// One more event of the customer's `minute` that `meter` no longer counts (the

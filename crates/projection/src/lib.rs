@@ -23,6 +23,7 @@ pub mod priority;
 pub mod sled_store;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testsuite;
+pub mod warm;
 
 pub use checkpoint::CheckpointStore;
 pub use memory::MemoryStore;

@@ -1,0 +1,175 @@
+//! Warming a store's pages for reads an apply is about to make: the reads are
+//! made ahead, several at once, and their answers dropped, so the apply (one
+//! thread, one read after another) finds the pages in memory. A large store's
+//! rows are disk reads, and a disk answers several at once faster than one after
+//! another (ARCHITECTURE.md, "Voids": a void reads scattered buckets of a long
+//! history). Warming never changes what a read answers: it only reads.
+
+use crate::{scan_prefix, ProjectionStore, Visit};
+
+/// Threads one warm spreads its reads over: enough to keep a disk's queue full,
+/// few enough not to crowd a small machine's cores (each read mostly waits).
+pub const WARM_THREADS: usize = 8;
+
+/// Reads below which warming is not worth threads: the apply reads them itself.
+pub const WARM_PARALLEL_FROM: usize = 16;
+
+/// Rows one warmed prefix visits at most: a warm loads pages, and a prefix past
+/// this is a scan the apply makes anyway (and reads in order, cheaply).
+pub const WARM_PREFIX_MAX_ROWS: usize = 4096;
+
+/// One read to make ahead.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WarmRead {
+    /// A point read of this key.
+    Key(Vec<u8>),
+    /// A scan of the keys under this prefix.
+    Prefix(Vec<u8>),
+}
+
+/// Makes `reads` against `store`, spread over up to `WARM_THREADS` threads, and
+/// drops their answers. A failed read is left to the apply, which makes it again
+/// and reports it; keys a write-back layer holds need no read.
+pub fn warm(store: &dyn ProjectionStore, reads: &[WarmRead]) {
+    if reads.len() < WARM_PARALLEL_FROM {
+        return;
+    }
+    let share = reads.len().div_ceil(WARM_THREADS);
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = reads
+            .chunks(share)
+            .filter_map(|part| {
+                // A thread that cannot start leaves its share to the apply.
+                std::thread::Builder::new()
+                    .name("tally-warm".into())
+                    .spawn_scoped(scope, move || warm_serially(store, part))
+                    .ok()
+            })
+            .collect();
+        // Joined here, each: a warm that panicked (a bug in a store's read) is
+        // the apply's to meet when it reads the same rows, not a panic of the
+        // scope in the middle of an apply.
+        for thread in threads {
+            let _ = thread.join();
+        }
+    });
+}
+
+fn warm_serially(store: &dyn ProjectionStore, reads: &[WarmRead]) {
+    for read in reads {
+        let done = match read {
+            WarmRead::Key(key) if store.unwritten(key).is_some() => Ok(()),
+            WarmRead::Key(key) => store.get(key).map(drop),
+            WarmRead::Prefix(prefix) => {
+                let mut rows = 0;
+                scan_prefix(store, prefix, false, &mut |_, _| {
+                    rows += 1;
+                    if rows < WARM_PREFIX_MAX_ROWS {
+                        Visit::Continue
+                    } else {
+                        Visit::Stop
+                    }
+                })
+            }
+        };
+        if done.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ops::Bound;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::memory::MemoryStore;
+    use crate::{Change, StoreError};
+
+    /// A store that counts the reads made of it.
+    #[derive(Debug, Default)]
+    struct Counting {
+        inner: MemoryStore,
+        gets: AtomicUsize,
+        scanned_rows: AtomicUsize,
+    }
+
+    impl ProjectionStore for Counting {
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            self.gets.fetch_add(1, Ordering::Relaxed);
+            self.inner.get(key)
+        }
+        fn scan(
+            &self,
+            start: Bound<&[u8]>,
+            end: Bound<&[u8]>,
+            reverse: bool,
+            visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+        ) -> Result<(), StoreError> {
+            self.inner.scan(start, end, reverse, &mut |k, v| {
+                self.scanned_rows.fetch_add(1, Ordering::Relaxed);
+                visit(k, v)
+            })
+        }
+        fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
+            self.inner.apply(changes, positions)
+        }
+        fn position(&self, partition: u32) -> Result<u64, StoreError> {
+            self.inner.position(partition)
+        }
+        fn flush(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            self.inner.aux_get(key)
+        }
+        fn aux_put(&self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
+            self.inner.aux_put(key, value)
+        }
+        fn aux_scan(&self, visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit) -> Result<(), StoreError> {
+            self.inner.aux_scan(visit)
+        }
+    }
+
+    fn rows(store: &dyn ProjectionStore) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let mut rows = Vec::new();
+        scan_prefix(store, b"", false, &mut |k, v| {
+            rows.push((k.to_vec(), v.to_vec()));
+            Visit::Continue
+        })
+        .unwrap();
+        rows
+    }
+
+    #[test]
+    fn warming_makes_every_read_once_and_changes_nothing() {
+        let store = Counting::default();
+        let changes: Vec<Change> = (0..100u32)
+            .map(|i| (format!("k{i:03}").into_bytes(), Some(vec![i as u8])))
+            .collect();
+        store.apply(changes, &[(0, 7)]).unwrap();
+        let before = rows(&store);
+        store.scanned_rows.store(0, Ordering::Relaxed);
+        // Present and absent keys, and a prefix of ten rows.
+        let mut reads: Vec<WarmRead> = (50..150u32)
+            .map(|i| WarmRead::Key(format!("k{i:03}").into_bytes()))
+            .collect();
+        reads.push(WarmRead::Prefix(b"k01".to_vec()));
+        warm(&store, &reads);
+        assert_eq!(store.gets.load(Ordering::Relaxed), 100);
+        assert_eq!(store.scanned_rows.load(Ordering::Relaxed), 10);
+        assert_eq!(rows(&store), before);
+        assert_eq!(store.position(0).unwrap(), 7);
+    }
+
+    #[test]
+    fn a_few_reads_are_left_to_the_apply() {
+        let store = Counting::default();
+        let reads: Vec<WarmRead> = (0..WARM_PARALLEL_FROM - 1)
+            .map(|i| WarmRead::Key(vec![i as u8]))
+            .collect();
+        warm(&store, &reads);
+        assert_eq!(store.gets.load(Ordering::Relaxed), 0);
+    }
+}
