@@ -179,7 +179,8 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
 
 /// Reads ahead, several at once, the rows a void of `events` reads one by one:
 /// each event's minute (`z` rows) and its buckets in every meter of its name, its
-/// customer's and the meter-wide one. In a long history these are scattered disk
+/// customer's and the meter-wide one (a `unique` meter's values: the customer's
+/// set). In a long history these are scattered disk
 /// reads, most of a void's time when made one after another.
 fn warm_void(
     overlay: &Overlay<'_>,
@@ -200,14 +201,18 @@ fn warm_void(
             };
             for slot in [event.customer_id.as_str(), ALL_CUSTOMERS] {
                 reads.push(WarmRead::Key(bucket(keys::AGGREGATE, slot)));
-                match meter.aggregation {
-                    Aggregation::Latest => reads.push(WarmRead::Key(bucket(keys::LATEST, slot))),
-                    Aggregation::Unique => {
-                        reads.push(WarmRead::Key(bucket(keys::DISTINCT_SET, slot)));
-                        reads.push(WarmRead::Prefix(bucket(keys::UNIQUE, slot)));
-                    }
-                    _ => {}
+                if meter.aggregation == Aggregation::Latest {
+                    reads.push(WarmRead::Key(bucket(keys::LATEST, slot)));
                 }
+            }
+            // A customer's values are its set; its `U` keys (a full set) and the
+            // meter-wide ones are deleted by value when rebuilt, not read, except
+            // by a merge or a revised meter's rebuild, which are left to read them.
+            if meter.aggregation == Aggregation::Unique {
+                reads.push(WarmRead::Key(bucket(
+                    keys::DISTINCT_SET,
+                    &event.customer_id,
+                )));
             }
         }
     }
@@ -619,7 +624,11 @@ pub(crate) fn rebuild_customer(
     // Empty the bucket, then fold what remains.
     *overlay.aggregate_mut(bucket(keys::AGGREGATE))? = Aggregate::default();
     if meter.aggregation == Aggregation::Unique {
-        overlay.clear_distinct(bucket(keys::DISTINCT_SET))?;
+        // The meter-wide bucket keeps its values as `U` keys only (folding never
+        // gives it a set): clearing one would only read a row that is not there.
+        if customer != ALL_CUSTOMERS {
+            overlay.clear_distinct(bucket(keys::DISTINCT_SET))?;
+        }
         if meter.revision > 1 {
             // A revision rebuilds its minutes over several steps: until this one's,
             // the bucket may hold values of the earlier definition, which only a
