@@ -925,6 +925,25 @@ impl<'a> Overlay<'a> {
             .ok_or_else(|| EngineError::Corrupt("bucket vanished from the overlay".into()))
     }
 
+    /// Empties the bucket at `key` without reading it, where the caller knows every
+    /// event it held is gone (a void of a customer's only event of its minute); an
+    /// empty bucket is deleted at the commit, and a refused record restores it.
+    pub fn empty_aggregate(&mut self, key: Vec<u8>) -> Result<(), EngineError> {
+        let id = self.bucket_id(&key)?;
+        let (index, previous) = match self.aggregates.get_full(&id) {
+            Some((index, _, aggregate)) => (index, Some(*aggregate)),
+            None => (
+                self.aggregates.insert_full(id, Aggregate::default()).0,
+                None,
+            ),
+        };
+        self.journal.push(Undo::Aggregate(index, previous));
+        if let Some((_, aggregate)) = self.aggregates.get_index_mut(index) {
+            *aggregate = Aggregate::default();
+        }
+        Ok(())
+    }
+
     /// Puts a meter-wide distinct value's key (`key()`, empty value) unless the
     /// cache knows `bucket` (its `U` bucket id) held `value` at the last commit and
     /// this chunk deleted no such key: a rewrite would change nothing.

@@ -107,8 +107,16 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         );
     }
     let meters = scope_meters(overlay, store_id, mode)?;
-    warm_void(overlay, store_id, mode, &meters, &fresh);
+    warm_void(overlay, store_id, mode, &meters, &fresh, None);
     let mut minutes = MinuteEvents::default();
+    // Events that are their customer's only one of the minute (most, in a long
+    // history): their customer's buckets held them alone and are emptied without
+    // being read; the others' are read ahead now.
+    let mut alone = Vec::with_capacity(fresh.len());
+    for event in &fresh {
+        alone.push(minutes.alone(overlay, store_id, mode, event)?);
+    }
+    warm_void(overlay, store_id, mode, &meters, &fresh, Some(&alone));
     // The records a rebuild may read, asked for before any work: a chunk that lacks
     // one is applied again once it is fetched, so learning it late would do the
     // work twice. Only for events of a meter whose fold cannot always be undone.
@@ -134,7 +142,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
     // then the all-customers ones (meter, minute), which merge the customers'.
     let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
     let mut all_rebuilds: BTreeSet<(usize, i64)> = BTreeSet::new();
-    for event in &fresh {
+    for (event, alone) in fresh.iter().zip(&alone) {
         let minute = minute_bucket(event.timestamp_ms);
         for (at, meter) in meters.iter().enumerate() {
             if meter.event_name != event.name || !was_folded(overlay, meter, event)? {
@@ -146,7 +154,9 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
                 continue;
             }
             let unique = meter.aggregation == Aggregation::Unique;
-            if unique || !subtract(overlay, meter, event, minute, &event.customer_id)? {
+            if *alone && (!unique || meter.revision == 1) {
+                empty_customer_bucket(overlay, meter, &event.customer_id, minute)?;
+            } else if unique || !subtract(overlay, meter, event, minute, &event.customer_id)? {
                 customer_rebuilds.insert((at, event.customer_id.to_string(), minute));
             }
             if unique || !subtract(overlay, meter, event, minute, ALL_CUSTOMERS)? {
@@ -188,18 +198,29 @@ fn warm_void(
     mode: Mode,
     meters: &[Meter],
     events: &[UsageEvent],
+    alone: Option<&[bool]>,
 ) {
     let mut reads = Vec::new();
-    for event in events {
+    for (at, event) in events.iter().enumerate() {
         let minute = minute_bucket(event.timestamp_ms);
-        reads.push(WarmRead::Prefix(keys::minute_events_prefix(
-            minute, store_id, mode,
-        )));
+        let slots: &[&str] = match alone.map(|alone| alone.get(at).copied().unwrap_or(false)) {
+            // First the minute's `z` rows (which say who is alone) and the
+            // meter-wide buckets.
+            None => {
+                reads.push(WarmRead::Prefix(keys::minute_events_prefix(
+                    minute, store_id, mode,
+                )));
+                &[ALL_CUSTOMERS]
+            }
+            // Then the customer's buckets, where they are read.
+            Some(false) => &[event.customer_id.as_str()],
+            Some(true) => &[],
+        };
         for meter in meters.iter().filter(|m| m.event_name == event.name) {
             let bucket = |table, slot: &str| {
                 BucketKey::from_minute(table, &meter.store_id, meter.mode, &meter.id, slot, minute)
             };
-            for slot in [event.customer_id.as_str(), ALL_CUSTOMERS] {
+            for slot in slots.iter().copied() {
                 reads.push(WarmRead::Key(bucket(keys::AGGREGATE, slot)));
                 if meter.aggregation == Aggregation::Latest {
                     reads.push(WarmRead::Key(bucket(keys::LATEST, slot)));
@@ -208,7 +229,7 @@ fn warm_void(
             // A customer's values are its set; its `U` keys (a full set) and the
             // meter-wide ones are deleted by value when rebuilt, not read, except
             // by a merge or a revised meter's rebuild, which are left to read them.
-            if meter.aggregation == Aggregation::Unique {
+            if meter.aggregation == Aggregation::Unique && alone.is_none() {
                 reads.push(WarmRead::Key(bucket(
                     keys::DISTINCT_SET,
                     &event.customer_id,
@@ -217,6 +238,34 @@ fn warm_void(
         }
     }
     overlay.warm(&mut reads);
+}
+
+/// Empties a customer's bucket of `meter` in `minute` that held only the event
+/// being voided, without reading it: its aggregate, its point (`latest`) and its
+/// values (`unique`: a set of one value, never past the inline set).
+fn empty_customer_bucket(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    customer: &str,
+    minute: i64,
+) -> Result<(), EngineError> {
+    let bucket = |table| {
+        BucketKey::from_minute(
+            table,
+            &meter.store_id,
+            meter.mode,
+            &meter.id,
+            customer,
+            minute,
+        )
+    };
+    overlay.empty_aggregate(bucket(keys::AGGREGATE))?;
+    match meter.aggregation {
+        Aggregation::Latest => overlay.delete(bucket(keys::LATEST)),
+        Aggregation::Unique => overlay.clear_distinct(bucket(keys::DISTINCT_SET))?,
+        _ => {}
+    }
+    Ok(())
 }
 
 /// One more event of the customer's `minute` that `meter` no longer counts (the
@@ -397,6 +446,28 @@ impl MinuteEvents {
                 })
             }
         })
+    }
+
+    /// Whether `event` is its customer's only stored event of its minute: the
+    /// minute's `z` rows name one event of the customer, and it is this one (its
+    /// record, read back for the void, says so). Then every bucket of the customer
+    /// in that minute held this event alone.
+    pub(crate) fn alone(
+        &mut self,
+        overlay: &Overlay<'_>,
+        store_id: &str,
+        mode: Mode,
+        event: &UsageEvent,
+    ) -> Result<bool, EngineError> {
+        let minute = minute_bucket(event.timestamp_ms);
+        let [location] = self.of(overlay, store_id, mode, minute, &event.customer_id)?[..] else {
+            return Ok(false);
+        };
+        let batch = overlay.batch_at(location.partition, location.offset)?;
+        Ok(batch
+            .events
+            .get(location.index as usize)
+            .is_some_and(|held| held.event_id == event.event_id))
     }
 
     /// Where the minute's events of `customer` are.
