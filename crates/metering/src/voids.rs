@@ -107,7 +107,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         );
     }
     let meters = scope_meters(overlay, store_id, mode)?;
-    warm_void(overlay, store_id, mode, &meters, &fresh, None);
+    warm_void(overlay, store_id, mode, &meters, &fresh);
     let mut minutes = MinuteEvents::default();
     // Events that are their customer's only one of the minute (most, in a long
     // history): their customer's buckets held them alone and are emptied without
@@ -116,7 +116,13 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
     for event in &fresh {
         alone.push(minutes.alone(overlay, store_id, mode, event)?);
     }
-    warm_void(overlay, store_id, mode, &meters, &fresh, Some(&alone));
+    let shared: Vec<&UsageEvent> = fresh
+        .iter()
+        .zip(&alone)
+        .filter(|(_, alone)| !**alone)
+        .map(|(event, _)| event)
+        .collect();
+    warm_customer_buckets(overlay, &meters, &shared);
     // The records a rebuild may read, asked for before any work: a chunk that lacks
     // one is applied again once it is fetched, so learning it late would do the
     // work twice. Only for events of a meter whose fold cannot always be undone.
@@ -187,57 +193,66 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
     Ok(())
 }
 
-/// Reads ahead, several at once, the rows a void of `events` reads one by one:
-/// each event's minute (`z` rows) and its buckets in every meter of its name, its
-/// customer's and the meter-wide one (a `unique` meter's values: the customer's
-/// set). In a long history these are scattered disk
-/// reads, most of a void's time when made one after another.
+/// Reads ahead, several at once, the rows a void of `events` reads first: each
+/// event's minute (`z` rows, which say whether the event is its customer's only
+/// one), its meter-wide bucket in every meter of its name, and its customer's
+/// `unique` set (a customer's `U` keys, past a full set, and the meter-wide ones
+/// are deleted by value when rebuilt, not read, except by a merge or a revised
+/// meter's rebuild, which are left to read them). In a long history these are
+/// scattered disk reads, most of a void's time when made one after another.
 fn warm_void(
     overlay: &Overlay<'_>,
     store_id: &str,
     mode: Mode,
     meters: &[Meter],
     events: &[UsageEvent],
-    alone: Option<&[bool]>,
 ) {
     let mut reads = Vec::new();
-    for (at, event) in events.iter().enumerate() {
+    for event in events {
         let minute = minute_bucket(event.timestamp_ms);
-        let slots: &[&str] = match alone.map(|alone| alone.get(at).copied().unwrap_or(false)) {
-            // First the minute's `z` rows (which say who is alone) and the
-            // meter-wide buckets.
-            None => {
-                reads.push(WarmRead::Prefix(keys::minute_events_prefix(
-                    minute, store_id, mode,
-                )));
-                &[ALL_CUSTOMERS]
-            }
-            // Then the customer's buckets, where they are read.
-            Some(false) => &[event.customer_id.as_str()],
-            Some(true) => &[],
-        };
+        reads.push(WarmRead::Prefix(keys::minute_events_prefix(
+            minute, store_id, mode,
+        )));
         for meter in meters.iter().filter(|m| m.event_name == event.name) {
-            let bucket = |table, slot: &str| {
-                BucketKey::from_minute(table, &meter.store_id, meter.mode, &meter.id, slot, minute)
-            };
-            for slot in slots.iter().copied() {
-                reads.push(WarmRead::Key(bucket(keys::AGGREGATE, slot)));
-                if meter.aggregation == Aggregation::Latest {
-                    reads.push(WarmRead::Key(bucket(keys::LATEST, slot)));
-                }
-            }
-            // A customer's values are its set; its `U` keys (a full set) and the
-            // meter-wide ones are deleted by value when rebuilt, not read, except
-            // by a merge or a revised meter's rebuild, which are left to read them.
-            if meter.aggregation == Aggregation::Unique && alone.is_none() {
-                reads.push(WarmRead::Key(bucket(
+            push_bucket_reads(&mut reads, meter, ALL_CUSTOMERS, minute);
+            if meter.aggregation == Aggregation::Unique {
+                reads.push(WarmRead::Key(BucketKey::from_minute(
                     keys::DISTINCT_SET,
+                    &meter.store_id,
+                    meter.mode,
+                    &meter.id,
                     &event.customer_id,
+                    minute,
                 )));
             }
         }
     }
     overlay.warm(&mut reads);
+}
+
+/// Reads ahead the customer buckets a void of `events` still reads: those of
+/// events that are not their customer's only one of the minute (the others'
+/// buckets are emptied unread).
+fn warm_customer_buckets(overlay: &Overlay<'_>, meters: &[Meter], events: &[&UsageEvent]) {
+    let mut reads = Vec::new();
+    for event in events {
+        let minute = minute_bucket(event.timestamp_ms);
+        for meter in meters.iter().filter(|m| m.event_name == event.name) {
+            push_bucket_reads(&mut reads, meter, &event.customer_id, minute);
+        }
+    }
+    overlay.warm(&mut reads);
+}
+
+/// The rows of `slot`'s bucket of `meter` in `minute` a void reads: its aggregate,
+/// and its point for `latest`.
+fn push_bucket_reads(reads: &mut Vec<WarmRead>, meter: &Meter, slot: &str, minute: i64) {
+    let bucket =
+        |table| BucketKey::from_minute(table, &meter.store_id, meter.mode, &meter.id, slot, minute);
+    reads.push(WarmRead::Key(bucket(keys::AGGREGATE)));
+    if meter.aggregation == Aggregation::Latest {
+        reads.push(WarmRead::Key(bucket(keys::LATEST)));
+    }
 }
 
 /// Empties a customer's bucket of `meter` in `minute` that held only the event
