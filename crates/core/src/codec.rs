@@ -284,14 +284,44 @@ mod tests {
 
     #[test]
     fn minute_events_and_void_marks_round_trip_and_refuse_garbage() {
-        let events = [(0, "cus_a".to_string()), (99, String::new())];
+        let print = DistinctPrint::of("mtr_1", b"user_7");
+        let events = [
+            MinuteEvent {
+                index: 0,
+                customer: "cus_a".into(),
+                prints: Some(vec![print, DistinctPrint::of("mtr_2", b"")]),
+            },
+            MinuteEvent {
+                index: 99,
+                customer: String::new(),
+                prints: Some(Vec::new()),
+            },
+        ];
         let mut row = Vec::new();
-        for (index, customer) in &events {
-            push_minute_event(&mut row, *index, customer);
+        for event in &events {
+            let prints = event.prints.as_deref().unwrap_or_default();
+            push_minute_event(&mut row, event.index, &event.customer, prints);
         }
         assert_eq!(decode_minute_events(&row).unwrap(), events);
+        for cut in 1..row.len() {
+            // A cut row is refused, or (cut between events) holds fewer events.
+            if let Ok(decoded) = decode_minute_events(&row[..cut]) {
+                assert!(decoded.len() < events.len(), "{cut}");
+            }
+        }
         assert!(decode_minute_events(&row[..row.len() - 1]).is_err());
         assert!(decode_minute_events(&[0]).is_err());
+        // A row written before prints: its events decode without them.
+        let mut old = Vec::new();
+        for (index, customer) in [(0u16, "cus_a"), (99, "")] {
+            old.extend_from_slice(&index.to_be_bytes());
+            old.extend_from_slice(customer.as_bytes());
+            old.push(0);
+        }
+        let decoded = decode_minute_events(&old).unwrap();
+        assert_eq!(decoded.len(), 2);
+        assert_eq!((decoded[1].index, decoded[1].prints.clone()), (99, None));
+        assert_ne!(print, DistinctPrint::of("mtr_1", b"user_8"));
         let mark = VoidMark {
             voided_at_ms: -5,
             partition: 3,
@@ -387,29 +417,101 @@ pub fn decode_weighted(bytes: &[u8]) -> Result<tally_domain::gauge::WeightedBuck
     })
 }
 
+/// The first byte of a `z` row whose events carry fingerprints of their distinct
+/// values ([`DistinctPrint`]). A row written before them starts with its first
+/// event's index, whose high byte is 0 (indexes are below `MAX_EVENTS_PER_BATCH`),
+/// so the two never mix up; such a row's events have no fingerprints, and a void
+/// then rebuilds the buckets it would have decided from them.
+pub const MINUTE_EVENTS_PRINTED: u8 = 0xFF;
+
+/// A fingerprint of one distinct value an event folded into a `unique` meter: the
+/// CRC-32 of the meter's id and of the value. Two events whose prints differ hold
+/// different values; equal prints may hold the same value (or collide). A void
+/// of a `unique` event reads them to learn, without reading the minute's records
+/// back, that no other event of the minute holds its value (ARCHITECTURE.md, "Voids").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DistinctPrint {
+    pub meter: u32,
+    pub value: u32,
+}
+
+impl DistinctPrint {
+    pub fn of(meter_id: &str, value: &[u8]) -> DistinctPrint {
+        DistinctPrint {
+            meter: crc32fast::hash(meter_id.as_bytes()),
+            value: crc32fast::hash(value),
+        }
+    }
+}
+
+/// One event of a `z` row: its index in the record, its customer, and the prints
+/// of the distinct values it folded (`None` in a row written before prints).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MinuteEvent {
+    pub index: u32,
+    pub customer: String,
+    pub prints: Option<Vec<DistinctPrint>>,
+}
+
 /// Appends one event to a `z` row's value: its index in the record (below
-/// `MAX_EVENTS_PER_BATCH`, so two bytes hold it) and its customer's id, ended by a
-/// 0 byte (ids never hold one).
-pub fn push_minute_event(row: &mut Vec<u8>, index: u32, customer_id: &str) {
+/// `MAX_EVENTS_PER_BATCH`, so two bytes hold it), its customer's id ended by a 0
+/// byte (ids never hold one), and its distinct values' prints (a two-byte count,
+/// then eight bytes each; an event matches at most `MAX_METERS_PER_EVENT_NAME`
+/// meters). A new row starts with [`MINUTE_EVENTS_PRINTED`].
+pub fn push_minute_event(
+    row: &mut Vec<u8>,
+    index: u32,
+    customer_id: &str,
+    prints: &[DistinctPrint],
+) {
+    if row.is_empty() {
+        row.push(MINUTE_EVENTS_PRINTED);
+    }
     row.extend_from_slice(&(index as u16).to_be_bytes());
     row.extend_from_slice(customer_id.as_bytes());
     row.push(0);
+    row.extend_from_slice(&(prints.len() as u16).to_be_bytes());
+    for print in prints {
+        row.extend_from_slice(&print.meter.to_be_bytes());
+        row.extend_from_slice(&print.value.to_be_bytes());
+    }
 }
 
-/// A `z` row's events: (index in the record, customer id) each.
-pub fn decode_minute_events(mut bytes: &[u8]) -> Result<Vec<(u32, String)>, EngineError> {
+/// A `z` row's events, with their prints when the row has them.
+pub fn decode_minute_events(bytes: &[u8]) -> Result<Vec<MinuteEvent>, EngineError> {
     let corrupt = || EngineError::Corrupt("a minute-events row does not decode".into());
+    let (printed, mut bytes) = match bytes.split_first() {
+        Some((&MINUTE_EVENTS_PRINTED, rest)) => (true, rest),
+        _ => (false, bytes),
+    };
     let mut events = Vec::new();
     while !bytes.is_empty() {
-        let index = bytes.get(..2).ok_or_else(corrupt)?;
-        let index = u32::from(u16::from_be_bytes(index.try_into().expect("2")));
-        let end = bytes[2..]
-            .iter()
-            .position(|b| *b == 0)
-            .ok_or_else(corrupt)?;
-        let customer = std::str::from_utf8(&bytes[2..2 + end]).map_err(|_| corrupt())?;
-        events.push((index, customer.to_string()));
-        bytes = &bytes[2 + end + 1..];
+        let (index, rest) = bytes.split_first_chunk::<2>().ok_or_else(corrupt)?;
+        let end = rest.iter().position(|b| *b == 0).ok_or_else(corrupt)?;
+        let customer = std::str::from_utf8(&rest[..end]).map_err(|_| corrupt())?;
+        bytes = &rest[end + 1..];
+        let prints = if printed {
+            let (count, rest) = bytes.split_first_chunk::<2>().ok_or_else(corrupt)?;
+            let count = usize::from(u16::from_be_bytes(*count));
+            let len = count.checked_mul(8).filter(|len| *len <= rest.len());
+            let (held, rest) = rest.split_at(len.ok_or_else(corrupt)?);
+            bytes = rest;
+            Some(
+                held.chunks_exact(8)
+                    .map(|print| DistinctPrint {
+                        meter: u32::from_be_bytes(print[..4].try_into().expect("4 of 8")),
+                        value: u32::from_be_bytes(print[4..].try_into().expect("4 of 8")),
+                    })
+                    .collect(),
+            )
+        } else {
+            None
+        };
+        events.push(MinuteEvent {
+            index: u32::from(u16::from_be_bytes(*index)),
+            customer: customer.to_string(),
+            prints,
+        });
     }
     Ok(events)
 }

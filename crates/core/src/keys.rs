@@ -90,7 +90,7 @@
 //! | `@` | store, mode, meter, customer ("" = all), minute | LatestPoint of a `latest` meter's bucket: timestamp, value, event id (codec.rs) |
 //! | `\|` | store, mode, meter, customer ("" = all), minute | WeightedBucket of a `time_weighted_sum` meter: the changes of the held value in that minute (codec.rs, domain `gauge`) |
 //! | `:` | store, mode, meter, customer, timestamp, event_id | the event's value (16-byte decimal): a `time_weighted_sum` meter's events in time order, to find the value before and after an event that arrives out of order; pruned past the stored-event retention (metering `prune_weighted_points`) |
-//! | `z` | minute, store, mode, partition, offset | the events of the usage record at that position whose timestamps fall in that minute: (index in the record, customer id) each (`codec::push_minute_event`); a void rebuilds a customer's bucket from these, and finds the customers whose buckets make the all-customers one; pruned past what can still be voided |
+//! | `z` | minute, store, mode, partition, offset | the events of the usage record at that position whose timestamps fall in that minute: (index in the record, customer id, prints of the distinct values it folded) each (`codec::push_minute_event`); a void rebuilds a customer's bucket from these, and finds the customers whose buckets make the all-customers one; pruned past what can still be voided |
 //! | `.` | store, mode, event_id | VoidMark (`codec::encode_void`): the stored event is voided: when, by which record, why |
 //! | `_` | store, mode, meter_id, event_id | (empty) the event matched the meter but was not folded (the meter was not active when its record applied) |
 //! | `0x01` | store, mode, partition, offset, meter_id | (empty) the record at that position created or changed the meter: a usage record matched by a gateway that had not applied that position decides the meter's events in apply (ARCHITECTURE.md, "Meters the gateway did not know") |
@@ -371,9 +371,15 @@ pub fn voided_count_prefix(store_id: &str, mode: Mode, meter_id: &str, customer_
 
 /// The `B` row of an event a backfill folded into a meter.
 pub fn backfilled_key(store_id: &str, mode: Mode, meter_id: &str, event_id: &str) -> Vec<u8> {
+    let mut key = backfilled_prefix(store_id, mode, meter_id);
+    key.extend_from_slice(event_id.as_bytes());
+    key
+}
+
+/// The prefix of every `B` row of one meter.
+pub fn backfilled_prefix(store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8> {
     Key::scoped(BACKFILLED, store_id, mode)
         .text(meter_id)
-        .tail(event_id.as_bytes())
         .into_bytes()
 }
 

@@ -146,6 +146,10 @@ enum Undo {
     DistinctAdded(usize, usize),
     /// The distinct set at this index held these values before it was cleared.
     DistinctCleared(usize, DistinctSet),
+    /// The distinct set at this index was inserted empty, unread. Undone by a swap
+    /// removal: the journal's older entries name lower indexes, and a set moved
+    /// into its place was loaded later (a load is not journaled) or is undone.
+    DistinctInserted(usize),
 }
 
 /// What adding a value to a bucket's inline distinct set did.
@@ -549,6 +553,9 @@ impl<'a> Overlay<'a> {
                     if let Some((_, set)) = self.distinct_sets.get_index_mut(index) {
                         *set = values;
                     }
+                }
+                Undo::DistinctInserted(index) => {
+                    self.distinct_sets.swap_remove_index(index);
                 }
             }
         }
@@ -1013,6 +1020,25 @@ impl<'a> Overlay<'a> {
             let values = std::mem::take(set);
             self.journal.push(Undo::DistinctCleared(index, values));
         }
+        Ok(())
+    }
+
+    /// Empties the inline distinct set at `key` without reading it, where the
+    /// caller knows it never held more than the inline set (a void of a customer's
+    /// only event of its minute: a set of one value); deleted at the commit, and a
+    /// refused record restores it (the cache then misses it and reads the store).
+    pub fn empty_distinct(&mut self, key: Vec<u8>) -> Result<(), EngineError> {
+        let id = self.bucket_id(&key)?;
+        if self.distinct_sets.contains_key(&id) {
+            return self.clear_distinct(key);
+        }
+        if let Some(cache) = self.cache.as_deref_mut() {
+            // The commit puts back only sets that are not empty: one left in the
+            // cache would outlive its deletion.
+            cache.take_distinct(&id);
+        }
+        let (index, _) = self.distinct_sets.insert_full(id, DistinctSet::default());
+        self.journal.push(Undo::DistinctInserted(index));
         Ok(())
     }
 

@@ -84,7 +84,9 @@ fn gen_event() -> impl Strategy<Value = GenEvent> {
         0u8..3,
         0i64..5,
         prop_oneof![Just(0i64), Just(1), Just(59)],
-        proptest::option::of(-50i64..50),
+        // Often one of a few values, so events of a minute share them (a void of a
+        // shared `unique` value must leave it counted).
+        proptest::option::of(prop_oneof![-50i64..50, 0i64..3]),
     )
         .prop_map(|(id, customer, minute, second, value)| GenEvent {
             id,
@@ -733,6 +735,92 @@ fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
     assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
 }
 
+/// A void of an event whose value no other event of its minute holds, and that
+/// holds no bucket's extreme or latest point, subtracts everywhere: the customer's
+/// buckets held it alone, and the `z` rows' prints show its `unique` value leaves
+/// the meter-wide bucket with it. No record is read back; the first attempt commits.
+#[test]
+fn a_void_that_no_bucket_needs_rebuilt_reads_no_records_back() {
+    let event = |id: u8, second, value| GenEvent {
+        id,
+        customer: id,
+        minute: 0,
+        second,
+        value: Some(value),
+    };
+    // Event 1 is neither the minute's min (3), max (7) nor latest (event 3).
+    let steps = [
+        Step::Singles(vec![event(1, 0, 5), event(2, 1, 3), event(3, 59, 7)]),
+        Step::Void(vec![1]),
+    ];
+    let (entries, counted, _) = log_with_voids(&steps);
+    assert_eq!(counted.len(), 2, "events 2 and 3 count");
+    let void_at = entries.len() - 1;
+    let store = MemoryStore::new();
+    let mut state = ProjectorState::empty();
+    apply_chunk_in_memory(&store, &mut state, &entries[..void_at], &entries).unwrap();
+    let chunk = DecodedChunk::new(entries[void_at..].to_vec());
+    let mut fetched = Fetched::new();
+    for (partition, offset) in plan_chunk(&store, &state.index, &chunk).unwrap() {
+        let entry = entries
+            .iter()
+            .find(|e| (e.partition, e.offset) == (partition, offset))
+            .unwrap();
+        let batch = StoredBatch::decode(&entry.payload).unwrap().map(Arc::new);
+        fetched.insert((partition, offset), batch);
+    }
+    assert_eq!(fetched.len(), 1, "the plan reads the voided event's record");
+    match apply_chunk(&store, &mut state, &chunk, &fetched) {
+        Ok(_) => {}
+        Err(error) => panic!("the void read more back: {error}"),
+    }
+    let whole = apply_in_chunks(&entries, &[]);
+    assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
+    let (engine, _dir) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(engine_over(Arc::new(store)));
+    let unique = meters()
+        .into_iter()
+        .find(|m| m.aggregation == Aggregation::Unique)
+        .unwrap();
+    let result = usage_of(&engine, &unique, None, T0 + 60_000, Window::None);
+    assert_eq!(result.total.value, Some(Decimal::from(2)), "3 and 7 remain");
+}
+
+/// Two events of one minute hold the same `unique` value (customers apart): a void
+/// of one leaves the value in the meter-wide bucket, which the other still holds.
+/// Their prints are equal, so the bucket is rebuilt from the minute's records.
+#[test]
+fn a_void_keeps_a_distinct_value_another_event_of_the_minute_holds() {
+    let event = |id: u8, value| GenEvent {
+        id,
+        customer: id,
+        minute: 0,
+        second: 1,
+        value: Some(value),
+    };
+    let steps = [
+        Step::Singles(vec![event(1, 5), event(2, 5), event(3, 6)]),
+        Step::Void(vec![1]),
+    ];
+    let (entries, counted, _) = log_with_voids(&steps);
+    assert_eq!(counted.len(), 2, "events 2 and 3 count");
+    let store = apply_in_chunks(&entries, &[entries.len() - 1]);
+    let (engine, _dir) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(engine_over(store));
+    let unique = meters()
+        .into_iter()
+        .find(|m| m.aggregation == Aggregation::Unique)
+        .unwrap();
+    let result = usage_of(&engine, &unique, None, T0 + 60_000, Window::None);
+    assert_eq!(result.total.value, Some(Decimal::from(2)), "5 and 6 remain");
+}
+
 /// The in-memory sparse rows learn each commit's voided counts (`'` rows) too: a
 /// second void in the same customer's minute, in the next chunk of the same state,
 /// reads the count the first wrote instead of starting again from none.
@@ -779,8 +867,41 @@ fn a_distinct_value_voided_then_seen_again_is_held_again() {
         Step::Void(vec![1]),
         Step::Batch(vec![event(2, 1)]),
     ];
-    let (entries, counted, _) = log_with_voids(&steps);
-    assert_eq!(counted.len(), 1, "only event 2 counts");
+    assert_eq!(
+        unique_after_chunks_of_one_record(&steps, None),
+        Some(Decimal::ONE)
+    );
+}
+
+/// Likewise a customer's inline set: a void of the customer's only event of the
+/// minute empties the set unread, and must take it out of the cache too, or the
+/// customer's next event of that minute would find the voided value still there.
+#[test]
+fn a_customers_set_emptied_by_a_void_is_not_found_again_in_the_cache() {
+    let event = |id, value| GenEvent {
+        id,
+        customer: 0,
+        minute: 0,
+        second: 1,
+        value: Some(value),
+    };
+    let steps = [
+        Step::Batch(vec![event(1, 5)]),
+        Step::Void(vec![1]),
+        Step::Batch(vec![event(2, 6)]),
+    ];
+    assert_eq!(
+        unique_after_chunks_of_one_record(&steps, Some(0)),
+        Some(Decimal::ONE)
+    );
+}
+
+/// Applies the log of `steps` (where only the last event counts) with one
+/// projector state, each record its own chunk, checks the store against one chunk
+/// of everything, and answers `customer`'s `unique` usage.
+fn unique_after_chunks_of_one_record(steps: &[Step], customer: Option<u8>) -> Option<Decimal> {
+    let (entries, counted, _) = log_with_voids(steps);
+    assert_eq!(counted.len(), 1, "only the last event counts");
     let whole = apply_in_chunks(&entries, &[]);
     let store = Arc::new(MemoryStore::new());
     let mut state = ProjectorState::load(store.as_ref(), Arc::new(EventIndex::default())).unwrap();
@@ -797,8 +918,9 @@ fn a_distinct_value_voided_then_seen_again_is_held_again() {
         .into_iter()
         .find(|m| m.aggregation == Aggregation::Unique)
         .unwrap();
-    let result = usage_of(&engine, &unique, None, T0 + 3_600_000, Window::None);
-    assert_eq!(result.total.value, Some(Decimal::ONE));
+    usage_of(&engine, &unique, customer, T0 + 3_600_000, Window::None)
+        .total
+        .value
 }
 
 proptest! {

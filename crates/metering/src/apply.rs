@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use rust_decimal::Decimal;
-use tally_core::codec;
+use tally_core::codec::{self, DistinctPrint};
 use tally_core::error::EngineError;
 use tally_core::event_index::{
     self, EventIndex, EventLocation, PRUNE_STEP_MS, STORED_EVENTS_RETENTION_MS,
@@ -150,13 +150,8 @@ pub fn apply_usage_batch(
         };
         overlay.note_stored(key, location);
         stored.push((index as u32, print));
-        codec::push_minute_event(
-            minute_rows
-                .entry(minute_bucket(event.timestamp_ms))
-                .or_default(),
-            index as u32,
-            &event.customer_id,
-        );
+        // The prints of the distinct values it folds, for its `z` row.
+        let mut prints = Vec::new();
         for meter_id in &event.matched_meter_ids {
             if revised.iter().any(|m| m.id == *meter_id)
                 || unknown.iter().any(|m| m.id == *meter_id)
@@ -167,13 +162,9 @@ pub fn apply_usage_batch(
                 let meter = shared_meter(overlay, store_id, mode, meter_id)?;
                 meters.insert(meter_id.clone(), meter);
             }
-            fold_matched(
-                overlay,
-                &meters[meter_id],
-                event,
-                index,
-                counted.as_deref_mut(),
-            )?;
+            let meter = &meters[meter_id];
+            let folded = fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
+            note_print(&mut prints, meter, folded);
         }
         // A revised meter decides from its definition, whatever ingest matched with
         // the definition it knew (docs/api.md, "Meter revisions").
@@ -183,7 +174,8 @@ pub fn apply_usage_batch(
             properties: &event.properties,
         };
         for meter in revised.iter().filter(|m| m.matches(&view)) {
-            fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
+            let folded = fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
+            note_print(&mut prints, meter, folded);
         }
         // Likewise a meter created or changed after what the gateway knew: its
         // definition decides, and an event it folds that ingest did not match gets
@@ -196,8 +188,17 @@ pub fn apply_usage_batch(
                     Vec::new(),
                 );
             }
-            fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
+            let folded = fold_matched(overlay, meter, event, index, counted.as_deref_mut())?;
+            note_print(&mut prints, meter, folded);
         }
+        codec::push_minute_event(
+            minute_rows
+                .entry(minute_bucket(event.timestamp_ms))
+                .or_default(),
+            index as u32,
+            &event.customer_id,
+            &prints,
+        );
     }
     for (minute, row) in minute_rows {
         overlay.put(
@@ -220,30 +221,43 @@ pub fn apply_usage_batch(
 
 /// Folds a new event into a meter that matches it, if the meter is active and counts
 /// from its timestamp; a matching meter that is not active gets the event's `_` row
-/// (a void must know it was not folded, see `voids::was_folded`).
+/// (a void must know it was not folded, see `voids::was_folded`). What the event
+/// contributed, when folded.
 fn fold_matched(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     event: &UsageEvent,
     index: usize,
     counted: Option<&mut Vec<Counted>>,
-) -> Result<(), EngineError> {
+) -> Result<Option<Contribution>, EngineError> {
     if meter.status != MeterStatus::Active {
         overlay.put(
             keys::fold_skipped_key(&meter.store_id, meter.mode, &meter.id, &event.event_id),
             Vec::new(),
         );
-    } else if meter.accrues(event.timestamp_ms) {
-        fold_event(overlay, meter, event)?;
-        if let (Some(counted), Some(quantity)) = (counted, settled_quantity(meter, event)) {
-            counted.push(Counted {
-                event: index as u32,
-                meter_id: meter.id.clone(),
-                quantity,
-            });
-        }
+        return Ok(None);
     }
-    Ok(())
+    if !meter.accrues(event.timestamp_ms) {
+        return Ok(None);
+    }
+    let contribution = fold_event(overlay, meter, event)?;
+    if let (Some(counted), Some(quantity)) = (counted, settled_quantity(meter, event)) {
+        counted.push(Counted {
+            event: index as u32,
+            meter_id: meter.id.clone(),
+            quantity,
+        });
+    }
+    Ok(Some(contribution))
+}
+
+/// Notes the print of a distinct value the event folded into `meter` (its `z` row
+/// carries them: a void of it learns from them whether another event of the minute
+/// may hold the value).
+fn note_print(prints: &mut Vec<DistinctPrint>, meter: &Meter, folded: Option<Contribution>) {
+    if let Some(Contribution::Distinct(value)) = folded {
+        prints.push(DistinctPrint::of(&meter.id, value.as_bytes()));
+    }
 }
 
 /// The meters of a scope created or changed by a record of `partition` from
@@ -547,22 +561,23 @@ pub fn fold_event(
     overlay: &mut Overlay<'_>,
     meter: &Meter,
     event: &UsageEvent,
-) -> Result<(), EngineError> {
+) -> Result<Contribution, EngineError> {
     let contribution = fold_minute(
         overlay,
         meter,
         event,
         &[event.customer_id.as_str(), ALL_CUSTOMERS],
     )?;
-    match (&contribution, meter.aggregation) {
-        (
-            Contribution::Event {
-                number: Some(value),
-            },
-            Aggregation::TimeWeightedSum,
-        ) => fold_weighted(overlay, meter, event, *value),
-        _ => Ok(()),
+    if let (
+        Contribution::Event {
+            number: Some(value),
+        },
+        Aggregation::TimeWeightedSum,
+    ) = (&contribution, meter.aggregation)
+    {
+        fold_weighted(overlay, meter, event, *value)?;
     }
+    Ok(contribution)
 }
 
 /// What an event contributes to a meter (its aggregation property's value).
@@ -856,7 +871,7 @@ fn backfill_event(
         return Ok(());
     }
     overlay.put(marker, Vec::new());
-    fold_event(overlay, meter, event)
+    fold_event(overlay, meter, event).map(drop)
 }
 
 /// The finishing step's sweep: stored events received at or after `from_ms` (what

@@ -7,13 +7,17 @@
 //!   the meter-wide one) subtract its contribution; so do `min`, `max` and `latest`
 //!   when the event is not the bucket's extreme or held point (its value then
 //!   stays).
-//! - Otherwise, and always for `unique`, a fold cannot be undone: a customer's
-//!   bucket is rebuilt from its events that remain, read back from the log through
-//!   the `z` rows (per minute, each usage record's events in it with their
-//!   customer), and the meter-wide bucket is rebuilt from the minute's events when
-//!   reading their records costs less than reading every customer's bucket of the
-//!   minute (few records, or many customers per record), else by merging those
-//!   buckets.
+//! - A customer's bucket that held the event alone (the minute's `z` rows name no
+//!   other event of the customer) is emptied without being read.
+//! - `unique`, the meter-wide bucket: when the `z` rows' prints of distinct values
+//!   show that no other event of the minute may hold the event's value, the value
+//!   leaves the bucket and the event is subtracted, without reading records back.
+//! - Otherwise a fold cannot be undone: a customer's bucket is rebuilt from its
+//!   events that remain, read back from the log through the `z` rows (per minute,
+//!   each usage record's events in it with their customer), and the meter-wide
+//!   bucket is rebuilt from the minute's events when reading their records costs
+//!   less than reading every customer's bucket of the minute (few records, or many
+//!   customers per record), else by merging those buckets.
 //! - `time_weighted_sum` is linear in the changes of the held value: the event's
 //!   change is taken out and its successor's grows by as much (domain `gauge`).
 //!
@@ -25,7 +29,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use tally_core::codec::{self, VoidMark};
+use tally_core::codec::{self, DistinctPrint, VoidMark};
 use tally_core::error::EngineError;
 use tally_core::event_index::EventLocation;
 use tally_core::keys::{self, BucketKey, Key, ALL_CUSTOMERS};
@@ -123,27 +127,9 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         .map(|(event, _)| event)
         .collect();
     warm_customer_buckets(overlay, &meters, &shared);
-    // The records a rebuild may read, asked for before any work: a chunk that lacks
-    // one is applied again once it is fetched, so learning it late would do the
-    // work twice. Only for events of a meter whose fold cannot always be undone.
-    let mut wanted = Vec::new();
-    for event in &fresh {
-        let may_rebuild = meters.iter().any(|m| {
-            m.event_name == event.name
-                && matches!(
-                    m.aggregation,
-                    Aggregation::Unique | Aggregation::Min | Aggregation::Max | Aggregation::Latest
-                )
-        });
-        if may_rebuild {
-            let minute = minute_bucket(event.timestamp_ms);
-            wanted.extend(minutes.of(overlay, store_id, mode, minute, &event.customer_id)?);
-            if let Some(all) = minutes.rebuild_from_events(overlay, store_id, mode, minute)? {
-                wanted.extend(all);
-            }
-        }
-    }
-    fetch(overlay, &wanted)?;
+    // Whether a backfill folded events into a meter (asked once per meter): those
+    // events have no prints, so prints cannot show a value is the event's alone.
+    let mut backfilled: HashMap<usize, bool> = HashMap::new();
     // Buckets to rebuild, each once: customers' (meter, customer, minute) first,
     // then the all-customers ones (meter, minute), which merge the customers'.
     let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
@@ -165,14 +151,30 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
             } else if unique || !subtract(overlay, meter, event, minute, &event.customer_id)? {
                 customer_rebuilds.insert((at, event.customer_id.to_string(), minute));
             }
-            if unique || !subtract(overlay, meter, event, minute, ALL_CUSTOMERS)? {
+            let subtracted = if unique {
+                // Prints are those of the meter's one definition, and every event
+                // it counts has them unless a backfill folded it.
+                let backfills = match backfilled.get(&at) {
+                    Some(backfills) => *backfills,
+                    None => *backfilled
+                        .entry(at)
+                        .or_insert(has_backfilled(overlay, meter)?),
+                };
+                meter.revision == 1
+                    && !backfills
+                    && subtract_distinct(overlay, &mut minutes, meter, event, minute)?
+            } else {
+                subtract(overlay, meter, event, minute, ALL_CUSTOMERS)?
+            };
+            if !subtracted {
                 all_rebuilds.insert((at, minute));
             }
         }
     }
-    // Every record the rebuilds read (those asked for above, unless a sum
-    // overflowed): the customers', and the whole minute's where the all-customers
-    // bucket is rebuilt from its events.
+    // Every record the rebuilds read: the customers', and the whole minute's where
+    // the all-customers bucket is rebuilt from its events. Asked for only now: most
+    // voids rebuild nothing, and a chunk that lacks records is applied again, which
+    // costs less than reading a minute's records that were not needed.
     let mut wanted = Vec::new();
     for (_, customer, minute) in &customer_rebuilds {
         wanted.extend(minutes.of(overlay, store_id, mode, *minute, customer)?);
@@ -195,11 +197,10 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
 
 /// Reads ahead, several at once, the rows a void of `events` reads first: each
 /// event's minute (`z` rows, which say whether the event is its customer's only
-/// one), its meter-wide bucket in every meter of its name, and its customer's
-/// `unique` set (a customer's `U` keys, past a full set, and the meter-wide ones
-/// are deleted by value when rebuilt, not read, except by a merge or a revised
-/// meter's rebuild, which are left to read them). In a long history these are
-/// scattered disk reads, most of a void's time when made one after another.
+/// one) and its meter-wide bucket in every meter of its name (the meter-wide `U`
+/// keys are deleted by value, not read, except by a merge or a revised meter's
+/// rebuild, which are left to read them). In a long history these are scattered
+/// disk reads, most of a void's time when made one after another.
 fn warm_void(
     overlay: &Overlay<'_>,
     store_id: &str,
@@ -215,16 +216,6 @@ fn warm_void(
         )));
         for meter in meters.iter().filter(|m| m.event_name == event.name) {
             push_bucket_reads(&mut reads, meter, ALL_CUSTOMERS, minute);
-            if meter.aggregation == Aggregation::Unique {
-                reads.push(WarmRead::Key(BucketKey::from_minute(
-                    keys::DISTINCT_SET,
-                    &meter.store_id,
-                    meter.mode,
-                    &meter.id,
-                    &event.customer_id,
-                    minute,
-                )));
-            }
         }
     }
     overlay.warm(&mut reads);
@@ -245,13 +236,18 @@ fn warm_customer_buckets(overlay: &Overlay<'_>, meters: &[Meter], events: &[&Usa
 }
 
 /// The rows of `slot`'s bucket of `meter` in `minute` a void reads: its aggregate,
-/// and its point for `latest`.
+/// its point for `latest`, and a customer's set for `unique` (the meter-wide
+/// bucket has none).
 fn push_bucket_reads(reads: &mut Vec<WarmRead>, meter: &Meter, slot: &str, minute: i64) {
     let bucket =
         |table| BucketKey::from_minute(table, &meter.store_id, meter.mode, &meter.id, slot, minute);
     reads.push(WarmRead::Key(bucket(keys::AGGREGATE)));
-    if meter.aggregation == Aggregation::Latest {
-        reads.push(WarmRead::Key(bucket(keys::LATEST)));
+    match meter.aggregation {
+        Aggregation::Latest => reads.push(WarmRead::Key(bucket(keys::LATEST))),
+        Aggregation::Unique if slot != ALL_CUSTOMERS => {
+            reads.push(WarmRead::Key(bucket(keys::DISTINCT_SET)));
+        }
+        _ => {}
     }
 }
 
@@ -277,7 +273,7 @@ fn empty_customer_bucket(
     overlay.empty_aggregate(bucket(keys::AGGREGATE))?;
     match meter.aggregation {
         Aggregation::Latest => overlay.delete(bucket(keys::LATEST)),
-        Aggregation::Unique => overlay.clear_distinct(bucket(keys::DISTINCT_SET))?,
+        Aggregation::Unique => overlay.empty_distinct(bucket(keys::DISTINCT_SET))?,
         _ => {}
     }
     Ok(())
@@ -428,6 +424,8 @@ pub(crate) struct MinuteEvents {
 /// from them (decided once: a void asks it per event and per bucket it rebuilds).
 struct Minute {
     events: Vec<(EventLocation, String)>,
+    /// Each event's prints of distinct values (`None`: its row predates prints).
+    prints: Vec<Option<Vec<DistinctPrint>>>,
     from_events: Option<bool>,
 }
 
@@ -443,20 +441,23 @@ impl MinuteEvents {
             std::collections::hash_map::Entry::Occupied(slot) => slot.into_mut(),
             std::collections::hash_map::Entry::Vacant(slot) => {
                 let mut events = Vec::new();
+                let mut prints = Vec::new();
                 let prefix = keys::minute_events_prefix(minute, store_id, mode);
                 for (key, row) in overlay.prefix_entries(&prefix)? {
                     let (partition, offset) = keys::minute_events_position(&key)?;
-                    for (index, customer) in codec::decode_minute_events(&row)? {
+                    for event in codec::decode_minute_events(&row)? {
                         let location = EventLocation {
                             partition,
                             offset,
-                            index,
+                            index: event.index,
                         };
-                        events.push((location, customer));
+                        events.push((location, event.customer));
+                        prints.push(event.prints);
                     }
                 }
                 slot.insert(Minute {
                     events,
+                    prints,
                     from_events: None,
                 })
             }
@@ -483,6 +484,49 @@ impl MinuteEvents {
             .events
             .get(location.index as usize)
             .is_some_and(|held| held.event_id == event.event_id))
+    }
+
+    /// Whether `event` is the only event of its minute whose prints hold `print` (of
+    /// its value in a `unique` meter): then no other event of the minute holds the
+    /// value, and it leaves the meter-wide bucket with the event. False when a row
+    /// of the minute has no prints, another event holds the print (the same value,
+    /// or a collision), or the one holder is not known to be this event.
+    pub(crate) fn holds_alone(
+        &mut self,
+        overlay: &Overlay<'_>,
+        store_id: &str,
+        mode: Mode,
+        event: &UsageEvent,
+        print: DistinctPrint,
+    ) -> Result<bool, EngineError> {
+        let minute = self.load(overlay, store_id, mode, minute_bucket(event.timestamp_ms))?;
+        let mut holder = None;
+        for ((location, _), prints) in minute.events.iter().zip(&minute.prints) {
+            let Some(prints) = prints else {
+                return Ok(false);
+            };
+            if prints.contains(&print) {
+                if holder.is_some() {
+                    return Ok(false);
+                }
+                holder = Some(*location);
+            }
+        }
+        let Some(location) = holder else {
+            return Ok(false);
+        };
+        // The voided event's own record is at hand (the void read it); another
+        // record is not, and then the bucket is rebuilt.
+        Ok(
+            match overlay.batch_at(location.partition, location.offset) {
+                Ok(batch) => batch
+                    .events
+                    .get(location.index as usize)
+                    .is_some_and(|held| held.event_id == event.event_id),
+                Err(EngineError::RecordsNeeded(_)) => false,
+                Err(error) => return Err(error),
+            },
+        )
     }
 
     /// Where the minute's events of `customer` are.
@@ -676,6 +720,60 @@ fn subtract(
         }
         _ => Ok(false),
     }
+}
+
+/// `unique`, the meter-wide bucket of `minute`: takes the event out without a
+/// rebuild when no other event of the minute may hold its value
+/// (`MinuteEvents::holds_alone`): one event fewer, and its value's key deleted.
+/// False when that is not known (the bucket is then rebuilt).
+fn subtract_distinct(
+    overlay: &mut Overlay<'_>,
+    minutes: &mut MinuteEvents,
+    meter: &Meter,
+    event: &UsageEvent,
+    minute: i64,
+) -> Result<bool, EngineError> {
+    let value = match contribution_of(meter, event) {
+        Contribution::Distinct(value) => value,
+        // No value to count: folding left the bucket as it was.
+        Contribution::Skipped => return Ok(true),
+        Contribution::Event { .. } => return Ok(false),
+    };
+    let (store_id, mode, meter_id) = (meter.store_id.as_str(), meter.mode, meter.id.as_str());
+    let print = DistinctPrint::of(meter_id, value.as_bytes());
+    if !minutes.holds_alone(overlay, store_id, mode, event, print)? {
+        return Ok(false);
+    }
+    let key = BucketKey::from_minute(
+        keys::AGGREGATE,
+        store_id,
+        mode,
+        meter_id,
+        ALL_CUSTOMERS,
+        minute,
+    );
+    let bucket = overlay.aggregate_mut(key)?;
+    match bucket.events.checked_sub(1) {
+        // Its last event gone, the bucket is empty (and not stored).
+        Some(0) => *bucket = Aggregate::default(),
+        Some(events) => bucket.events = events,
+        None => return Ok(false),
+    }
+    overlay.delete(BucketKey::distinct(
+        store_id,
+        mode,
+        meter_id,
+        ALL_CUSTOMERS,
+        minute,
+        &value,
+    ));
+    Ok(true)
+}
+
+/// Whether a backfill folded any event into `meter` (a `B` row; one short read).
+fn has_backfilled(overlay: &Overlay<'_>, meter: &Meter) -> Result<bool, EngineError> {
+    let prefix = keys::backfilled_prefix(&meter.store_id, meter.mode, &meter.id);
+    Ok(!overlay.first_entries(&prefix, 1)?.is_empty())
 }
 
 /// Rebuilds a customer's bucket of `meter` in `minute` from the events that still
