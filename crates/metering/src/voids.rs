@@ -127,9 +127,18 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         .map(|(event, _)| event)
         .collect();
     warm_customer_buckets(overlay, &meters, &shared);
-    // Whether a backfill folded events into a meter (asked once per meter): those
-    // events have no prints, so prints cannot show a value is the event's alone.
-    let mut backfilled: HashMap<usize, bool> = HashMap::new();
+    // The `unique` meters whose every counted event has prints: those of the
+    // meter's one definition, unless a backfill folded events (they have none).
+    let printed: Vec<bool> = meters
+        .iter()
+        .map(|meter| {
+            let voided = fresh.iter().any(|e| e.name == meter.event_name);
+            Ok(voided
+                && meter.aggregation == Aggregation::Unique
+                && meter.revision == 1
+                && !has_backfilled(overlay, meter)?)
+        })
+        .collect::<Result<_, EngineError>>()?;
     // Buckets to rebuild, each once: customers' (meter, customer, minute) first,
     // then the all-customers ones (meter, minute), which merge the customers'.
     let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
@@ -152,17 +161,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
                 customer_rebuilds.insert((at, event.customer_id.to_string(), minute));
             }
             let subtracted = if unique {
-                // Prints are those of the meter's one definition, and every event
-                // it counts has them unless a backfill folded it.
-                let backfills = match backfilled.get(&at) {
-                    Some(backfills) => *backfills,
-                    None => *backfilled
-                        .entry(at)
-                        .or_insert(has_backfilled(overlay, meter)?),
-                };
-                meter.revision == 1
-                    && !backfills
-                    && subtract_distinct(overlay, &mut minutes, meter, event, minute)?
+                printed[at] && subtract_distinct(overlay, &mut minutes, meter, event, minute)?
             } else {
                 subtract(overlay, meter, event, minute, ALL_CUSTOMERS)?
             };
@@ -214,9 +213,7 @@ fn warm_void(
         reads.push(WarmRead::Prefix(keys::minute_events_prefix(
             minute, store_id, mode,
         )));
-        for meter in meters.iter().filter(|m| m.event_name == event.name) {
-            push_bucket_reads(&mut reads, meter, ALL_CUSTOMERS, minute);
-        }
+        push_bucket_reads(&mut reads, meters, &event.name, ALL_CUSTOMERS, minute);
     }
     overlay.warm(&mut reads);
 }
@@ -228,26 +225,48 @@ fn warm_customer_buckets(overlay: &Overlay<'_>, meters: &[Meter], events: &[&Usa
     let mut reads = Vec::new();
     for event in events {
         let minute = minute_bucket(event.timestamp_ms);
-        for meter in meters.iter().filter(|m| m.event_name == event.name) {
-            push_bucket_reads(&mut reads, meter, &event.customer_id, minute);
-        }
+        push_bucket_reads(&mut reads, meters, &event.name, &event.customer_id, minute);
     }
     overlay.warm(&mut reads);
 }
 
-/// The rows of `slot`'s bucket of `meter` in `minute` a void reads: its aggregate,
-/// its point for `latest`, and a customer's set for `unique` (the meter-wide
-/// bucket has none).
-fn push_bucket_reads(reads: &mut Vec<WarmRead>, meter: &Meter, slot: &str, minute: i64) {
-    let bucket =
-        |table| BucketKey::from_minute(table, &meter.store_id, meter.mode, &meter.id, slot, minute);
-    reads.push(WarmRead::Key(bucket(keys::AGGREGATE)));
-    match meter.aggregation {
-        Aggregation::Latest => reads.push(WarmRead::Key(bucket(keys::LATEST))),
-        Aggregation::Unique if slot != ALL_CUSTOMERS => {
-            reads.push(WarmRead::Key(bucket(keys::DISTINCT_SET)));
+/// The rows of `slot`'s buckets in `minute` a void of an event named `event_name`
+/// reads, in every meter of that name: their aggregates, the points of `latest`
+/// meters, and a customer's sets of `unique` ones (the meter-wide bucket has
+/// none). The store keeps each of these tables' buckets of one slot and minute,
+/// every meter's, in one row (`keys::BUCKET_ROW_TABLES`), so one key per table
+/// reads the row: a key per meter made the warm threads read the same row several
+/// times at once.
+fn push_bucket_reads(
+    reads: &mut Vec<WarmRead>,
+    meters: &[Meter],
+    event_name: &str,
+    slot: &str,
+    minute: i64,
+) {
+    let named = || meters.iter().filter(|m| m.event_name == event_name);
+    let wanted = [
+        (keys::AGGREGATE, named().next()),
+        (
+            keys::LATEST,
+            named().find(|m| m.aggregation == Aggregation::Latest),
+        ),
+        (
+            keys::DISTINCT_SET,
+            named().find(|m| m.aggregation == Aggregation::Unique && slot != ALL_CUSTOMERS),
+        ),
+    ];
+    for (table, meter) in wanted {
+        if let Some(meter) = meter {
+            reads.push(WarmRead::Key(BucketKey::from_minute(
+                table,
+                &meter.store_id,
+                meter.mode,
+                &meter.id,
+                slot,
+                minute,
+            )));
         }
-        _ => {}
     }
 }
 
