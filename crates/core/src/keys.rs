@@ -100,6 +100,7 @@
 //! `EVENT_INDEX_SIZE_HINT`, the event index's size when last noted (8-byte int),
 //! so that start-up sizes the index once instead of growing it while loading.
 
+use tally_domain::meter::Meter;
 use tally_domain::Mode;
 
 use crate::error::EngineError;
@@ -671,6 +672,18 @@ impl BucketKey {
             .text(customer)
             .int(minute)
             .into_bytes()
+    }
+
+    /// `from_minute` for a bucket of `meter` (its store, mode and id).
+    pub fn of_meter(table: u8, meter: &Meter, customer: &str, minute: i64) -> Vec<u8> {
+        BucketKey::from_minute(
+            table,
+            &meter.store_id,
+            meter.mode,
+            &meter.id,
+            customer,
+            minute,
+        )
     }
 
     /// The prefix of every bucket of one meter (`A`).

@@ -709,27 +709,17 @@ fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
     let store = MemoryStore::new();
     let mut state = ProjectorState::empty();
     apply_chunk_in_memory(&store, &mut state, &entries[..voids_at], &entries).unwrap();
-    let read = |fetched: &mut Fetched, positions: &mut dyn Iterator<Item = (u32, u64)>| {
-        for (partition, offset) in positions {
-            let entry = entries
-                .iter()
-                .find(|e| (e.partition, e.offset) == (partition, offset))
-                .unwrap();
-            let batch = StoredBatch::decode(&entry.payload).unwrap().map(Arc::new);
-            fetched.insert((partition, offset), batch);
-        }
-    };
     let chunk = DecodedChunk::new(entries[voids_at..].to_vec());
     let mut fetched = Fetched::new();
     let planned = plan_chunk(&store, &state.index, &chunk).unwrap();
-    read(&mut fetched, &mut planned.into_iter());
+    fetch_from(&entries, &mut fetched, planned);
     let Err(EngineError::RecordsNeeded(more)) = apply_chunk(&store, &mut state, &chunk, &fetched)
     else {
         panic!("the voids read their minutes' other records back");
     };
     // Both minutes' other records (events 2 and 4), in one answer.
     assert_eq!(more.len(), 2, "{more:?}");
-    read(&mut fetched, &mut more.into_iter());
+    fetch_from(&entries, &mut fetched, more);
     apply_chunk(&store, &mut state, &chunk, &fetched).unwrap();
     let whole = apply_in_chunks(&entries, &[]);
     assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
@@ -761,7 +751,32 @@ fn a_void_that_no_bucket_needs_rebuilt_reads_no_records_back() {
     apply_chunk_in_memory(&store, &mut state, &entries[..void_at], &entries).unwrap();
     let chunk = DecodedChunk::new(entries[void_at..].to_vec());
     let mut fetched = Fetched::new();
-    for (partition, offset) in plan_chunk(&store, &state.index, &chunk).unwrap() {
+    fetch_from(
+        &entries,
+        &mut fetched,
+        plan_chunk(&store, &state.index, &chunk).unwrap(),
+    );
+    assert_eq!(fetched.len(), 1, "the plan reads the voided event's record");
+    if let Err(error) = apply_chunk(&store, &mut state, &chunk, &fetched) {
+        panic!("the void read more back: {error}");
+    }
+    let whole = apply_in_chunks(&entries, &[]);
+    assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
+    assert_eq!(
+        unique_usage(Arc::new(store), None),
+        Some(Decimal::from(2)),
+        "3 and 7 remain"
+    );
+}
+
+/// Reads the records at `positions` from `entries` into `fetched`, as the runtime's
+/// fetch does from the log.
+fn fetch_from(
+    entries: &[LogEntry],
+    fetched: &mut Fetched,
+    positions: impl IntoIterator<Item = (u32, u64)>,
+) {
+    for (partition, offset) in positions {
         let entry = entries
             .iter()
             .find(|e| (e.partition, e.offset) == (partition, offset))
@@ -769,24 +784,23 @@ fn a_void_that_no_bucket_needs_rebuilt_reads_no_records_back() {
         let batch = StoredBatch::decode(&entry.payload).unwrap().map(Arc::new);
         fetched.insert((partition, offset), batch);
     }
-    assert_eq!(fetched.len(), 1, "the plan reads the voided event's record");
-    match apply_chunk(&store, &mut state, &chunk, &fetched) {
-        Ok(_) => {}
-        Err(error) => panic!("the void read more back: {error}"),
-    }
-    let whole = apply_in_chunks(&entries, &[]);
-    assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
+}
+
+/// `customer`'s usage (`None`: all customers) of the `unique` meter over the first
+/// hour, answered by an engine over `store`.
+fn unique_usage(store: Arc<MemoryStore>, customer: Option<u8>) -> Option<Decimal> {
     let (engine, _dir) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap()
-        .block_on(engine_over(Arc::new(store)));
+        .block_on(engine_over(store));
     let unique = meters()
         .into_iter()
         .find(|m| m.aggregation == Aggregation::Unique)
         .unwrap();
-    let result = usage_of(&engine, &unique, None, T0 + 60_000, Window::None);
-    assert_eq!(result.total.value, Some(Decimal::from(2)), "3 and 7 remain");
+    usage_of(&engine, &unique, customer, T0 + 3_600_000, Window::None)
+        .total
+        .value
 }
 
 /// Two events of one minute hold the same `unique` value (customers apart): a void
@@ -808,17 +822,11 @@ fn a_void_keeps_a_distinct_value_another_event_of_the_minute_holds() {
     let (entries, counted, _) = log_with_voids(&steps);
     assert_eq!(counted.len(), 2, "events 2 and 3 count");
     let store = apply_in_chunks(&entries, &[entries.len() - 1]);
-    let (engine, _dir) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(engine_over(store));
-    let unique = meters()
-        .into_iter()
-        .find(|m| m.aggregation == Aggregation::Unique)
-        .unwrap();
-    let result = usage_of(&engine, &unique, None, T0 + 60_000, Window::None);
-    assert_eq!(result.total.value, Some(Decimal::from(2)), "5 and 6 remain");
+    assert_eq!(
+        unique_usage(store, None),
+        Some(Decimal::from(2)),
+        "5 and 6 remain"
+    );
 }
 
 /// The in-memory sparse rows learn each commit's voided counts (`'` rows) too: a
@@ -909,18 +917,7 @@ fn unique_after_chunks_of_one_record(steps: &[Step], customer: Option<u8>) -> Op
         apply_chunk_in_memory(store.as_ref(), &mut state, &entries[at..=at], &entries).unwrap();
     }
     assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (engine, _dir) = runtime.block_on(engine_over(store));
-    let unique = meters()
-        .into_iter()
-        .find(|m| m.aggregation == Aggregation::Unique)
-        .unwrap();
-    usage_of(&engine, &unique, customer, T0 + 3_600_000, Window::None)
-        .total
-        .value
+    unique_usage(store, customer)
 }
 
 proptest! {

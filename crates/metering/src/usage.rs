@@ -339,16 +339,7 @@ impl Metering {
             } else {
                 first
             };
-            let at = |minute| {
-                BucketKey::from_minute(
-                    table,
-                    &meter.store_id,
-                    meter.mode,
-                    &meter.id,
-                    customer,
-                    minute,
-                )
-            };
+            let at = |minute| BucketKey::of_meter(table, meter, customer, minute);
             (at(first), at(last))
         };
         // Buckets carry counts and numbers; for `unique`, the distinct values are keys

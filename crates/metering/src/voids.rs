@@ -258,13 +258,8 @@ fn push_bucket_reads(
     ];
     for (table, meter) in wanted {
         if let Some(meter) = meter {
-            reads.push(WarmRead::Key(BucketKey::from_minute(
-                table,
-                &meter.store_id,
-                meter.mode,
-                &meter.id,
-                slot,
-                minute,
+            reads.push(WarmRead::Key(BucketKey::of_meter(
+                table, meter, slot, minute,
             )));
         }
     }
@@ -279,16 +274,7 @@ fn empty_customer_bucket(
     customer: &str,
     minute: i64,
 ) -> Result<(), EngineError> {
-    let bucket = |table| {
-        BucketKey::from_minute(
-            table,
-            &meter.store_id,
-            meter.mode,
-            &meter.id,
-            customer,
-            minute,
-        )
-    };
+    let bucket = |table| BucketKey::of_meter(table, meter, customer, minute);
     overlay.empty_aggregate(bucket(keys::AGGREGATE))?;
     match meter.aggregation {
         Aggregation::Latest => overlay.delete(bucket(keys::LATEST)),
@@ -684,14 +670,7 @@ fn subtract(
         Contribution::Event { number } => number,
     };
     if meter.aggregation == Aggregation::Latest {
-        let point = BucketKey::from_minute(
-            keys::LATEST,
-            &meter.store_id,
-            meter.mode,
-            &meter.id,
-            slot,
-            minute,
-        );
+        let point = BucketKey::of_meter(keys::LATEST, meter, slot, minute);
         let held = overlay
             .get(&point)?
             .map(|bytes| codec::decode_latest(&bytes))
@@ -700,14 +679,7 @@ fn subtract(
             return Ok(false);
         }
     }
-    let key = BucketKey::from_minute(
-        keys::AGGREGATE,
-        &meter.store_id,
-        meter.mode,
-        &meter.id,
-        slot,
-        minute,
-    );
+    let key = BucketKey::of_meter(keys::AGGREGATE, meter, slot, minute);
     let bucket = overlay.aggregate_mut(key)?;
     let extreme = match meter.aggregation {
         Aggregation::Min => bucket.min,
@@ -763,14 +735,7 @@ fn subtract_distinct(
     if !minutes.holds_alone(overlay, store_id, mode, event, print)? {
         return Ok(false);
     }
-    let key = BucketKey::from_minute(
-        keys::AGGREGATE,
-        store_id,
-        mode,
-        meter_id,
-        ALL_CUSTOMERS,
-        minute,
-    );
+    let key = BucketKey::of_meter(keys::AGGREGATE, meter, ALL_CUSTOMERS, minute);
     let bucket = overlay.aggregate_mut(key)?;
     match bucket.events.checked_sub(1) {
         // Its last event gone, the bucket is empty (and not stored).
