@@ -194,6 +194,18 @@ pub fn start_server_on(
             break;
         }
     }
+    if base.is_empty() {
+        // Its output ended without an address: it stopped at start (another
+        // server holding the data dir, a bad flag). Say so now rather than poll
+        // an empty address until a readiness limit runs out.
+        let _ = child.kill();
+        let status = child.wait()?;
+        anyhow::bail!(
+            "`{tally_bin} serve --data-dir {data_dir}` ended ({status}) before printing its \
+             address (another server on that data dir? TALLY_BENCH_SERVER_LOGS=DIR keeps \
+             its log)"
+        );
+    }
     Ok((child, base, key))
 }
 
@@ -278,4 +290,18 @@ pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let ticks = |i: usize| -> anyhow::Result<f64> { Ok(fields[i].parse::<f64>()?) };
     // utime and stime are fields 14 and 15, i.e. 11 and 12 after the name.
     Ok((ticks(11)? + ticks(12)?) / CLOCK_TICKS_PER_SECOND)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_that_stops_at_start_is_an_error_naming_its_data_dir() {
+        let error = start_server_on("false", "/nowhere", "127.0.0.1:0", "127.0.0.1:0", &[])
+            .expect_err("a server that printed no address");
+        let message = error.to_string();
+        assert!(message.contains("/nowhere"), "{message}");
+        assert!(message.contains("before printing its address"), "{message}");
+    }
 }
