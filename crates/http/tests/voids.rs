@@ -153,6 +153,15 @@ async fn voided_events_leave_every_aggregation_exactly_and_stay_taken() {
     assert_eq!(error["code"], "event_not_found", "{}", unknown.body);
     assert_eq!(error["param"], "event_ids[1]");
     assert!(error["message"].as_str().unwrap().contains("nope"));
+    // Ids are confirmed a slice at a time: one past the first slice is still
+    // named at its place in the request.
+    let mut late = vec!["e1"; 60];
+    late.push("nope");
+    let unknown = api
+        .post("/v1/events/void", json!({"event_ids": late, "reason": "x"}))
+        .await;
+    let error = assert_error(&unknown, 404, "invalid_request_error");
+    assert_eq!(error["param"], "event_ids[60]", "{}", unknown.body);
     let e1 = api.get("/v1/events/e1").await;
     assert_eq!(e1.body["voided"], false, "all or nothing: {}", e1.body);
     assert_eq!(e1.body["void_reason"], Value::Null);

@@ -124,13 +124,14 @@ impl Metering {
         Ok(None)
     }
 
-    /// Whether each of `event_ids` is a stored event of the scope: their records read
-    /// at once (one pass over the log, through the cache), not one by one.
-    pub async fn are_stored(
+    /// Each of `event_ids` as stored in the scope (`None`: not a stored event): their
+    /// records read at once (one pass over the log, through the cache), not one by
+    /// one.
+    pub async fn stored_events(
         &self,
         scope: &Scope,
         event_ids: &[String],
-    ) -> Result<Vec<bool>, EngineError> {
+    ) -> Result<Vec<Option<UsageEvent>>, EngineError> {
         let index = &self.caches.events;
         let candidates: Vec<Vec<EventLocation>> = event_ids
             .iter()
@@ -148,15 +149,15 @@ impl Metering {
             .iter()
             .zip(&candidates)
             .map(|(id, locations)| {
-                locations.iter().any(|l| {
+                locations.iter().find_map(|l| {
                     batches
                         .get(&(l.partition, l.offset))
                         .and_then(|batch| batch.as_ref())
-                        .is_some_and(|batch| {
+                        .and_then(|batch| {
                             batch
                                 .view()
                                 .event_if(&scope.store_id, scope.mode, id, l.index)
-                                .is_some()
+                                .cloned()
                         })
                 })
             })

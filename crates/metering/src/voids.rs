@@ -28,6 +28,7 @@
 //! revisions").
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use tally_core::codec::{self, DistinctPrint, VoidMark};
 use tally_core::error::EngineError;
@@ -52,6 +53,11 @@ use crate::Metering;
 
 /// Event ids one void may name: one log record, and a bounded rebuild.
 pub const MAX_VOID_EVENTS: usize = 100;
+
+/// Ids a void confirms per read of the log: a request of `MAX_VOID_EVENTS` is
+/// read in four slices, so the rows of a slice's events are read ahead while the
+/// next slice's records are read.
+pub const CONFIRM_SLICE_IDS: usize = 25;
 
 /// Records (of up to 100 events each) a minute's events may always lie in for its
 /// all-customers bucket to be rebuilt from them, however few customers they hold:
@@ -207,6 +213,17 @@ fn warm_void(
     meters: &[Meter],
     events: &[UsageEvent],
 ) {
+    let mut reads = void_reads(store_id, mode, meters, events);
+    overlay.warm(&mut reads);
+}
+
+/// What `warm_void` reads for `events`.
+fn void_reads(
+    store_id: &str,
+    mode: Mode,
+    meters: &[Meter],
+    events: &[UsageEvent],
+) -> Vec<WarmRead> {
     let mut reads = Vec::new();
     for event in events {
         let minute = minute_bucket(event.timestamp_ms);
@@ -215,7 +232,7 @@ fn warm_void(
         )));
         push_bucket_reads(&mut reads, meters, &event.name, ALL_CUSTOMERS, minute);
     }
-    overlay.warm(&mut reads);
+    reads
 }
 
 /// Reads ahead the customer buckets a void of `events` still reads: those of
@@ -1015,10 +1032,7 @@ impl Metering {
         reason: &str,
     ) -> Result<VoidResult, EngineError> {
         check_void_request(event_ids, reason)?;
-        let stored = self.are_stored(scope, event_ids).await?;
-        if let Some(at) = stored.iter().position(|stored| !stored) {
-            return Err(event_not_found(&event_ids[at], at).into());
-        }
+        self.confirm_and_warm(scope, event_ids).await?;
         let record = Record::EventsVoided {
             store_id: scope.store_id.clone(),
             mode: scope.mode,
@@ -1042,6 +1056,65 @@ impl Metering {
             }
         }
         Ok(result)
+    }
+
+    /// Checks that every id is a stored event of the scope (the first that is not
+    /// is a 404 naming it), a slice of `CONFIRM_SLICE_IDS` ids at a time, and
+    /// while a slice's records are read from the log, reads ahead the rows apply
+    /// will read first for the slices before it (`warm_void`'s): in a long
+    /// history both are scattered disk reads, which then share the disk's queue
+    /// instead of following each other. Apply reads the same rows again, from the
+    /// caches. The slices follow the log's order of where the ids may be stored,
+    /// so each reads its own stretch of it (on Kafka a read of several records is
+    /// one pass over their span).
+    async fn confirm_and_warm(
+        &self,
+        scope: &Scope,
+        event_ids: &[String],
+    ) -> Result<(), EngineError> {
+        let meters = self
+            .caches
+            .meters
+            .get(scope)
+            .map(|meters| Arc::clone(&meters))
+            .unwrap_or_default();
+        let index = &self.caches.events;
+        let mut order: Vec<(Option<(u32, u64)>, usize)> = event_ids
+            .iter()
+            .enumerate()
+            .map(|(at, id)| {
+                let candidates =
+                    index.candidates(index.fingerprint(&scope.store_id, scope.mode, id));
+                let first = candidates.iter().map(|l| (l.partition, l.offset)).min();
+                (first, at)
+            })
+            .collect();
+        order.sort_unstable();
+        let mut stored = vec![false; event_ids.len()];
+        let mut warming = Vec::new();
+        for slice in order.chunks(CONFIRM_SLICE_IDS) {
+            let ids: Vec<String> = slice.iter().map(|&(_, at)| event_ids[at].clone()).collect();
+            let events = self.stored_events(scope, &ids).await?;
+            for (&(_, at), event) in slice.iter().zip(&events) {
+                stored[at] = event.is_some();
+            }
+            let events: Vec<UsageEvent> = events.into_iter().flatten().collect();
+            let mut reads = void_reads(&scope.store_id, scope.mode, &meters, &events);
+            reads.sort_unstable();
+            reads.dedup();
+            let store = Arc::clone(self.journal.store());
+            warming.push(tokio::task::spawn_blocking(move || {
+                tally_projection::warm::warm(store.as_ref(), &reads);
+            }));
+        }
+        if let Some(at) = stored.iter().position(|stored| !stored) {
+            return Err(event_not_found(&event_ids[at], at).into());
+        }
+        for task in warming {
+            // A read ahead that failed is only a read apply makes itself.
+            let _ = task.await;
+        }
+        Ok(())
     }
 
     /// The void of a stored event, if it is voided.
