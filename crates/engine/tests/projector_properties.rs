@@ -705,14 +705,7 @@ fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
     ];
     let (entries, counted, _) = log_with_voids(&steps);
     assert_eq!(counted.len(), 2, "events 2 and 4 count");
-    let voids_at = entries.len() - 2;
-    let store = MemoryStore::new();
-    let mut state = ProjectorState::empty();
-    apply_chunk_in_memory(&store, &mut state, &entries[..voids_at], &entries).unwrap();
-    let chunk = DecodedChunk::new(entries[voids_at..].to_vec());
-    let mut fetched = Fetched::new();
-    let planned = plan_chunk(&store, &state.index, &chunk).unwrap();
-    fetch_from(&entries, &mut fetched, planned);
+    let (store, mut state, chunk, mut fetched) = planned_last_chunk(&entries, 2);
     let Err(EngineError::RecordsNeeded(more)) = apply_chunk(&store, &mut state, &chunk, &fetched)
     else {
         panic!("the voids read their minutes' other records back");
@@ -745,17 +738,7 @@ fn a_void_that_no_bucket_needs_rebuilt_reads_no_records_back() {
     ];
     let (entries, counted, _) = log_with_voids(&steps);
     assert_eq!(counted.len(), 2, "events 2 and 3 count");
-    let void_at = entries.len() - 1;
-    let store = MemoryStore::new();
-    let mut state = ProjectorState::empty();
-    apply_chunk_in_memory(&store, &mut state, &entries[..void_at], &entries).unwrap();
-    let chunk = DecodedChunk::new(entries[void_at..].to_vec());
-    let mut fetched = Fetched::new();
-    fetch_from(
-        &entries,
-        &mut fetched,
-        plan_chunk(&store, &state.index, &chunk).unwrap(),
-    );
+    let (store, mut state, chunk, fetched) = planned_last_chunk(&entries, 1);
     assert_eq!(fetched.len(), 1, "the plan reads the voided event's record");
     if let Err(error) = apply_chunk(&store, &mut state, &chunk, &fetched) {
         panic!("the void read more back: {error}");
@@ -767,6 +750,23 @@ fn a_void_that_no_bucket_needs_rebuilt_reads_no_records_back() {
         Some(Decimal::from(2)),
         "3 and 7 remain"
     );
+}
+
+/// A store that applied every entry but the last `last`, those as one chunk, and
+/// the records its plan asks for.
+fn planned_last_chunk(
+    entries: &[LogEntry],
+    last: usize,
+) -> (MemoryStore, ProjectorState, DecodedChunk, Fetched) {
+    let at = entries.len() - last;
+    let store = MemoryStore::new();
+    let mut state = ProjectorState::empty();
+    apply_chunk_in_memory(&store, &mut state, &entries[..at], entries).unwrap();
+    let chunk = DecodedChunk::new(entries[at..].to_vec());
+    let mut fetched = Fetched::new();
+    let planned = plan_chunk(&store, &state.index, &chunk).unwrap();
+    fetch_from(entries, &mut fetched, planned);
+    (store, state, chunk, fetched)
 }
 
 /// Reads the records at `positions` from `entries` into `fetched`, as the runtime's
