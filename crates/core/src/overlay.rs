@@ -5,7 +5,7 @@
 //! (`tally-engine`) creates one per chunk and commits what it holds.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tally_domain::aggregate::Aggregate;
 use tally_domain::ids::{MeterId, StoreId};
@@ -28,19 +28,82 @@ pub use crate::series::{FastDashMap, FastIndexMap, FastMap};
 use crate::sparse_keys::SparseKeys;
 
 /// A record that stores usage events (a usage batch, or an amendment with its
-/// replacement at index 0), read back from the log for apply or a query.
+/// replacement at index 0), read back from the log for apply or a query. A usage
+/// batch's events are decoded one by one as they are read: most reads back want
+/// one event of a record's hundred (README, "One event decoded, not its record's
+/// hundred").
 #[derive(Debug)]
 pub struct StoredBatch {
     pub store_id: String,
     pub mode: Mode,
-    pub events: Vec<UsageEvent>,
+    events: StoredEvents,
+}
+
+/// A stored record's events.
+#[derive(Debug)]
+enum StoredEvents {
+    /// Decoded with the record (an amendment's replacement).
+    Decoded(Vec<UsageEvent>),
+    /// Each event's encoding (`tally_proto::usage_frames`), decoded on its first
+    /// read and kept.
+    Framed {
+        frames: Vec<Vec<u8>>,
+        decoded: Box<[OnceLock<Box<UsageEvent>>]>,
+    },
+}
+
+impl StoredEvents {
+    fn len(&self) -> usize {
+        match self {
+            StoredEvents::Decoded(events) => events.len(),
+            StoredEvents::Framed { frames, .. } => frames.len(),
+        }
+    }
+
+    /// The event at `index`, `None` past the last; an event that does not decode
+    /// is corrupt data.
+    fn get(&self, index: usize) -> Result<Option<&UsageEvent>, EngineError> {
+        let (frames, decoded) = match self {
+            StoredEvents::Decoded(events) => return Ok(events.get(index)),
+            StoredEvents::Framed { frames, decoded } => (frames, decoded),
+        };
+        let (Some(frame), Some(cell)) = (frames.get(index), decoded.get(index)) else {
+            return Ok(None);
+        };
+        if let Some(event) = cell.get() {
+            return Ok(Some(event));
+        }
+        let event = tally_proto::decode_usage_event(frame).map_err(|error| {
+            EngineError::Corrupt(format!(
+                "event {index} of a log record the event index points at does not decode: {error}"
+            ))
+        })?;
+        // Two readers may decode it at once; both decoded the same bytes.
+        Ok(Some(cell.get_or_init(|| Box::new(event))))
+    }
 }
 
 impl StoredBatch {
     /// The stored events of the record in `payload`, or `None` when it stores none.
     pub fn decode(payload: &[u8]) -> Result<Option<StoredBatch>, EngineError> {
-        match tally_proto::decode_record(payload) {
-            Ok((
+        let corrupt = |error: tally_proto::DecodeError| {
+            EngineError::Corrupt(format!(
+                "a log record the event index points at does not decode: {error}"
+            ))
+        };
+        if let Some(batch) = tally_proto::usage_frames(payload).map_err(corrupt)? {
+            let decoded = batch.events.iter().map(|_| OnceLock::new()).collect();
+            return Ok(Some(StoredBatch {
+                store_id: batch.store_id,
+                mode: batch.mode,
+                events: StoredEvents::Framed {
+                    frames: batch.events,
+                    decoded,
+                },
+            }));
+        }
+        match tally_proto::decode_record(payload).map_err(corrupt)? {
+            (
                 Record::UsageBatch {
                     store_id,
                     mode,
@@ -48,12 +111,12 @@ impl StoredBatch {
                     ..
                 },
                 _,
-            )) => Ok(Some(StoredBatch {
+            ) => Ok(Some(StoredBatch {
                 store_id: store_id.to_string(),
                 mode,
-                events,
+                events: StoredEvents::Decoded(events),
             })),
-            Ok((
+            (
                 Record::EventAmended {
                     store_id,
                     mode,
@@ -61,15 +124,12 @@ impl StoredBatch {
                     ..
                 },
                 _,
-            )) => Ok(Some(StoredBatch {
+            ) => Ok(Some(StoredBatch {
                 store_id: store_id.to_string(),
                 mode,
-                events: vec![replacement],
+                events: StoredEvents::Decoded(vec![replacement]),
             })),
-            Ok(_) => Ok(None),
-            Err(error) => Err(EngineError::Corrupt(format!(
-                "a log record the event index points at does not decode: {error}"
-            ))),
+            _ => Ok(None),
         }
     }
 
@@ -78,7 +138,7 @@ impl StoredBatch {
         StoredRef {
             store_id: &self.store_id,
             mode: self.mode,
-            events: &self.events,
+            events: EventsRef::Stored(&self.events),
         }
     }
 }
@@ -451,7 +511,7 @@ impl<'a> Overlay<'a> {
             return Ok(StoredRef {
                 store_id,
                 mode,
-                events,
+                events: EventsRef::Chunk(events),
             });
         }
         match fetched.get(&(partition, offset)) {
@@ -498,7 +558,7 @@ impl<'a> Overlay<'a> {
             }
             match self.batch_at(location.partition, location.offset) {
                 Ok(batch) => {
-                    if let Some(event) = batch.event_if(store_id, mode, event_id, location.index) {
+                    if let Some(event) = batch.event_if(store_id, mode, event_id, location.index)? {
                         return Ok(Some(event));
                     }
                 }
@@ -1175,10 +1235,40 @@ pub type StoredRow = (StoredEventsKey, Vec<(u32, u64)>);
 pub struct StoredRef<'b> {
     store_id: &'b str,
     mode: Mode,
-    pub events: &'b [UsageEvent],
+    events: EventsRef<'b>,
+}
+
+/// Where a `StoredRef`'s events are.
+#[derive(Clone, Copy)]
+enum EventsRef<'b> {
+    /// A record of the chunk being applied, decoded whole.
+    Chunk(&'b [UsageEvent]),
+    Stored(&'b StoredEvents),
 }
 
 impl<'b> StoredRef<'b> {
+    /// How many events the record stores.
+    pub fn len(&self) -> usize {
+        match self.events {
+            EventsRef::Chunk(events) => events.len(),
+            EventsRef::Stored(events) => events.len(),
+        }
+    }
+
+    /// Whether the record stores no event.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The event at `index`, `None` past the last (an event that does not decode
+    /// is an error: corrupt data).
+    pub fn event(&self, index: u32) -> Result<Option<&'b UsageEvent>, EngineError> {
+        match self.events {
+            EventsRef::Chunk(events) => Ok(events.get(index as usize)),
+            EventsRef::Stored(events) => events.get(index as usize),
+        }
+    }
+
     /// The event at `index` when it is `event_id` of this scope.
     pub fn event_if(
         &self,
@@ -1186,13 +1276,18 @@ impl<'b> StoredRef<'b> {
         mode: Mode,
         event_id: &str,
         index: u32,
-    ) -> Option<&'b UsageEvent> {
+    ) -> Result<Option<&'b UsageEvent>, EngineError> {
         if self.store_id != store_id || self.mode != mode {
-            return None;
+            return Ok(None);
         }
-        self.events
-            .get(index as usize)
-            .filter(|event| event.event_id == event_id)
+        Ok(self
+            .event(index)?
+            .filter(|event| event.event_id == event_id))
+    }
+
+    /// Every event of the record, in order.
+    pub fn events(&self) -> impl Iterator<Item = Result<&'b UsageEvent, EngineError>> + '_ {
+        (0..self.len()).filter_map(|index| self.event(index as u32).transpose())
     }
 }
 
@@ -1457,5 +1552,120 @@ mod tests {
         // Weighted: minute 9 alone weighs more than the target, so nothing stays.
         let kept = evict_oldest_minutes(&mut cache, 200, |minute| (*minute as usize) * 10);
         assert_eq!((kept, cache.len()), (0, 0));
+    }
+
+    fn usage_event(id: &str, received_at_ms: i64) -> UsageEvent {
+        UsageEvent {
+            event_id: id.into(),
+            name: "llm".into(),
+            customer_id: "cus_1".into(),
+            external_customer_id: None,
+            timestamp_ms: 60_000,
+            properties: [(
+                "tokens".to_string(),
+                tally_domain::usage::PropertyValue::Number(rust_decimal::Decimal::new(15, 1)),
+            )]
+            .into(),
+            received_at_ms,
+            matched_meter_ids: vec!["mtr_1".into()],
+            event_id_assigned: false,
+        }
+    }
+
+    #[test]
+    fn a_stored_usage_record_reads_each_event_as_the_whole_record_decodes_it() {
+        let events = vec![
+            usage_event("a", 5),
+            usage_event("b", 3),
+            usage_event("c", 4),
+        ];
+        let record = Record::UsageBatch {
+            store_id: "st".into(),
+            mode: Mode::Test,
+            events: events.clone(),
+            settles: false,
+            matched_below: None,
+        };
+        let batch = StoredBatch::decode(&tally_proto::encode_record(&record, 1))
+            .unwrap()
+            .unwrap();
+        let view = batch.view();
+        assert_eq!(view.len(), 3);
+        // Out of order, and one read twice: each as the record holds it.
+        for index in [2u32, 0, 2, 1] {
+            let read = view.event(index).unwrap().unwrap();
+            assert_eq!(format!("{read:?}"), format!("{:?}", events[index as usize]));
+        }
+        assert!(view.event(3).unwrap().is_none());
+        assert_eq!(
+            view.event_if("st", Mode::Test, "b", 1)
+                .unwrap()
+                .unwrap()
+                .event_id,
+            "b"
+        );
+        assert!(view.event_if("st", Mode::Test, "a", 1).unwrap().is_none());
+        assert!(view.event_if("st", Mode::Prod, "b", 1).unwrap().is_none());
+        let all: Vec<&UsageEvent> = view.events().collect::<Result<_, _>>().unwrap();
+        assert_eq!(
+            format!("{all:?}"),
+            format!("{:?}", events.iter().collect::<Vec<_>>())
+        );
+    }
+
+    #[test]
+    fn an_event_that_does_not_decode_is_corrupt_and_its_neighbours_still_read() {
+        use tally_proto::{v1, Message};
+        let good = tally_proto::usage_event_to_proto(&usage_event("a", 1)).encode_to_vec();
+        let payload = v1::LogRecordFrames {
+            format_version: tally_proto::LOG_FORMAT_VERSION,
+            usage_batch: Some(v1::UsageBatchFrames {
+                store_id: "st".into(),
+                mode: v1::Mode::Test as i32,
+                // A field key with wire type 7, which protobuf does not have.
+                events: vec![good, vec![0x0f]],
+            }),
+        }
+        .encode_to_vec();
+        let batch = StoredBatch::decode(&payload).unwrap().unwrap();
+        let view = batch.view();
+        assert_eq!(view.event(0).unwrap().unwrap().event_id, "a");
+        assert!(matches!(view.event(1), Err(EngineError::Corrupt(_))));
+        assert!(view.events().any(|read| read.is_err()));
+    }
+
+    #[test]
+    fn an_amendment_stores_its_replacement_and_other_records_store_nothing() {
+        let replacement = usage_event("a", 9);
+        let amended = Record::EventAmended {
+            store_id: "st".into(),
+            mode: Mode::Prod,
+            event_id: "a".into(),
+            reason: "typo".into(),
+            replacement: replacement.clone(),
+            matched_below: None,
+        };
+        let batch = StoredBatch::decode(&tally_proto::encode_record(&amended, 1))
+            .unwrap()
+            .unwrap();
+        let read = batch
+            .view()
+            .event_if("st", Mode::Prod, "a", 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(format!("{read:?}"), format!("{replacement:?}"));
+        let voided = Record::EventsVoided {
+            store_id: "st".into(),
+            mode: Mode::Prod,
+            event_ids: vec!["a".into()],
+            reason: "dup".into(),
+        };
+        assert!(StoredBatch::decode(&tally_proto::encode_record(&voided, 1))
+            .unwrap()
+            .is_none());
+        assert!(matches!(
+            StoredBatch::decode(&[0x0f]),
+            Err(EngineError::Corrupt(_))
+        ));
     }
 }

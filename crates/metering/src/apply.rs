@@ -901,11 +901,13 @@ fn backfill_rescan(
     let mut missing = Vec::new();
     for (key, stored) in rows {
         match overlay.batch_at(key.partition, key.offset) {
-            Ok(batch) => events.extend(
-                stored
-                    .iter()
-                    .filter_map(|(index, _)| batch.events.get(*index as usize).cloned()),
-            ),
+            Ok(batch) => {
+                for (index, _) in &stored {
+                    if let Some(event) = batch.event(*index)? {
+                        events.push(event.clone());
+                    }
+                }
+            }
             Err(EngineError::RecordsNeeded(more)) => missing.extend(more),
             Err(error) => return Err(error),
         }

@@ -101,20 +101,19 @@ impl Metering {
             let Some(batch) = self.read_batch(location.partition, location.offset).await? else {
                 continue;
             };
+            let view = batch.view();
             if let Some(event) =
-                batch
-                    .view()
-                    .event_if(&scope.store_id, scope.mode, event_id, location.index)
+                view.event_if(&scope.store_id, scope.mode, event_id, location.index)?
             {
+                let mut received_at_ms = None;
+                for stored in view.events() {
+                    let at = stored?.received_at_ms;
+                    received_at_ms = Some(received_at_ms.map_or(at, |min: i64| min.min(at)));
+                }
                 let row = StoredEventsKey {
                     store_id: scope.store_id.to_string(),
                     mode: scope.mode,
-                    received_at_ms: batch
-                        .events
-                        .iter()
-                        .map(|e| e.received_at_ms)
-                        .min()
-                        .unwrap_or(0),
+                    received_at_ms: received_at_ms.unwrap_or(0),
                     partition: location.partition,
                     offset: location.offset,
                 };
@@ -145,23 +144,25 @@ impl Metering {
         positions.sort_unstable();
         positions.dedup();
         let batches = self.read_batches(&positions).await?;
-        Ok(event_ids
-            .iter()
-            .zip(&candidates)
-            .map(|(id, locations)| {
-                locations.iter().find_map(|l| {
-                    batches
-                        .get(&(l.partition, l.offset))
-                        .and_then(|batch| batch.as_ref())
-                        .and_then(|batch| {
-                            batch
-                                .view()
-                                .event_if(&scope.store_id, scope.mode, id, l.index)
-                                .cloned()
-                        })
-                })
-            })
-            .collect())
+        let mut events = Vec::with_capacity(event_ids.len());
+        for (id, locations) in event_ids.iter().zip(&candidates) {
+            let mut found = None;
+            for l in locations {
+                let Some(Some(batch)) = batches.get(&(l.partition, l.offset)) else {
+                    continue;
+                };
+                if let Some(event) =
+                    batch
+                        .view()
+                        .event_if(&scope.store_id, scope.mode, id, l.index)?
+                {
+                    found = Some(event.clone());
+                    break;
+                }
+            }
+            events.push(found);
+        }
+        Ok(events)
     }
 
     /// The usage record at a position the index or an `F` row names (see
@@ -274,10 +275,13 @@ impl Metering {
                         row.partition, row.offset
                     )));
                 };
-                let mut events: Vec<(u32, &UsageEvent)> = stored
-                    .iter()
-                    .filter_map(|(index, _)| batch.events.get(*index as usize).map(|e| (*index, e)))
-                    .collect();
+                let view = batch.view();
+                let mut events: Vec<(u32, &UsageEvent)> = Vec::with_capacity(stored.len());
+                for &(index, _) in &stored {
+                    if let Some(event) = view.event(index)? {
+                        events.push((index, event));
+                    }
+                }
                 if reverse {
                     events.reverse();
                 }

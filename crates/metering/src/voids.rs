@@ -503,8 +503,7 @@ impl MinuteEvents {
         };
         let batch = overlay.batch_at(location.partition, location.offset)?;
         Ok(batch
-            .events
-            .get(location.index as usize)
+            .event(location.index)?
             .is_some_and(|held| held.event_id == event.event_id))
     }
 
@@ -542,8 +541,7 @@ impl MinuteEvents {
         Ok(
             match overlay.batch_at(location.partition, location.offset) {
                 Ok(batch) => batch
-                    .events
-                    .get(location.index as usize)
+                    .event(location.index)?
                     .is_some_and(|held| held.event_id == event.event_id),
                 Err(EngineError::RecordsNeeded(_)) => false,
                 Err(error) => return Err(error),
@@ -792,7 +790,7 @@ pub(crate) fn rebuild_customer(
     let mut events = Vec::with_capacity(locations.len());
     for location in locations {
         let batch = overlay.batch_at(location.partition, location.offset)?;
-        match batch.events.get(location.index as usize) {
+        match batch.event(location.index)? {
             // Another event name never counted in the meter, nor holds one of its
             // time-weighted points (a meter's event name is fixed).
             Some(event) if event.name != meter.event_name => {}

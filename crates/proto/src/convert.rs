@@ -1169,6 +1169,68 @@ mod tests {
             let decoded = decode_record(&encode_record_with(&record, &meta)).unwrap();
             prop_assert_eq!(format!("{:?}", decoded), format!("{:?}", (record, meta)));
         }
+
+        /// A usage record read as frames holds the record's scope and, one by one,
+        /// the events the whole record decodes to (to the scale of every number);
+        /// any other record holds no frames.
+        #[test]
+        fn a_usage_records_frames_decode_to_its_events(
+            store_id in ".{0,12}",
+            test_mode in any::<bool>(),
+            events in proptest::collection::vec(usage_event(), 0..6),
+            settles in any::<bool>(),
+            matched_below in proptest::option::of(any::<u64>()),
+            recorded_at_ms in any::<i64>(),
+            amended in any::<bool>(),
+        ) {
+            let mode = if test_mode { Mode::Test } else { Mode::Prod };
+            let record = match (amended, events.first()) {
+                (true, Some(replacement)) => Record::EventAmended {
+                    store_id: store_id.clone().into(),
+                    mode,
+                    event_id: replacement.event_id.clone(),
+                    reason: "r".into(),
+                    replacement: replacement.clone(),
+                    matched_below,
+                },
+                _ => Record::UsageBatch {
+                    store_id: store_id.clone().into(),
+                    mode,
+                    events: events.clone(),
+                    settles,
+                    matched_below,
+                },
+            };
+            let bytes = encode_record(&record, recorded_at_ms);
+            let frames = crate::usage_frames(&bytes).unwrap();
+            match decode_record(&bytes).unwrap().0 {
+                Record::UsageBatch { store_id, mode, events, .. } => {
+                    let frames = frames.expect("a usage record has frames");
+                    prop_assert_eq!(&frames.store_id, store_id.as_str());
+                    prop_assert_eq!(frames.mode, mode);
+                    let one_by_one = frames
+                        .events
+                        .iter()
+                        .map(|bytes| crate::decode_usage_event(bytes).unwrap())
+                        .collect::<Vec<_>>();
+                    prop_assert_eq!(format!("{one_by_one:?}"), format!("{events:?}"));
+                }
+                other => prop_assert!(frames.is_none(), "{other:?} has frames"),
+            }
+        }
+    }
+
+    #[test]
+    fn frames_of_another_format_version_are_refused() {
+        let record = v1::LogRecord {
+            format_version: LOG_FORMAT_VERSION + 1,
+            ..Default::default()
+        };
+        let found = LOG_FORMAT_VERSION + 1;
+        assert!(matches!(
+            crate::usage_frames(&record.encode_to_vec()),
+            Err(DecodeError::Version { found: f }) if f == found
+        ));
     }
 
     #[test]

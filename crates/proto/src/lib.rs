@@ -10,12 +10,14 @@ pub mod v1 {
 mod affiliate;
 mod billing;
 mod convert;
+mod frames;
 mod product;
 mod settlement;
 
 pub use affiliate::*;
 pub use billing::*;
 pub use convert::*;
+pub use frames::{decode_usage_event, usage_frames, UsageFrames};
 pub use product::{product_from_proto, product_to_proto};
 pub use prost::Message;
 pub use settlement::*;
