@@ -36,6 +36,15 @@ pub enum DecodeError {
 /// meaning changes in a way older readers would misapply.
 pub const LOG_FORMAT_VERSION: u32 = 3;
 
+/// A record of another format version than `LOG_FORMAT_VERSION` is refused.
+pub(crate) fn check_format_version(found: u32) -> Result<(), DecodeError> {
+    if found == LOG_FORMAT_VERSION {
+        Ok(())
+    } else {
+        Err(DecodeError::Version { found })
+    }
+}
+
 pub fn mode_to_proto(mode: Mode) -> i32 {
     match mode {
         Mode::Prod => v1::Mode::Prod as i32,
@@ -907,11 +916,7 @@ pub fn decode_record(
     use tally_domain::record::{IdempotentResponse, Record, RecordMeta, StoreRecord};
     use v1::log_record::Kind;
     let record = v1::LogRecord::decode(bytes)?;
-    if record.format_version != LOG_FORMAT_VERSION {
-        return Err(DecodeError::Version {
-            found: record.format_version,
-        });
-    }
+    check_format_version(record.format_version)?;
     let decoded = match record.kind.ok_or(DecodeError::BadField("kind"))? {
         Kind::StoreCreated(s) => Record::StoreCreated(StoreRecord {
             store_id: s.store_id.into(),

@@ -8,8 +8,9 @@
 use tally_domain::usage::UsageEvent;
 use tally_domain::Mode;
 
+use crate::convert::check_format_version;
 use crate::v1;
-use crate::{mode_from_proto, usage_event_from_proto, DecodeError, Message, LOG_FORMAT_VERSION};
+use crate::{mode_from_proto, usage_event_from_proto, DecodeError, Message};
 
 /// A usage batch record whose events are still encoded, one `Vec<u8>` each.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,11 +26,7 @@ pub struct UsageFrames {
 /// another kind would be the other kind to `decode_record`; no build writes one.)
 pub fn usage_frames(bytes: &[u8]) -> Result<Option<UsageFrames>, DecodeError> {
     let record = v1::LogRecordFrames::decode(bytes)?;
-    if record.format_version != LOG_FORMAT_VERSION {
-        return Err(DecodeError::Version {
-            found: record.format_version,
-        });
-    }
+    check_format_version(record.format_version)?;
     let Some(batch) = record.usage_batch else {
         return Ok(None);
     };
