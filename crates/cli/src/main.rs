@@ -823,6 +823,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
         }
     }
     if !stopped {
+        // Caught up: from here the store is read at random (tally_projection
+        // `read_advice`); start-up's scans kept the kernel's read-ahead.
+        let projections = args.storage.data_dir.join("projections");
+        match tally_projection::read_advice::advise_random_reads(&projections) {
+            Ok(advised) => tracing::debug!(advised, "advised random reads of the store's file"),
+            Err(error) => {
+                tracing::info!(%error, "could not advise random reads of the store's file; reading as before")
+            }
+        }
         announce(&args, &engine, prod_addr, test_addr, started).await?;
         stop.await;
     }

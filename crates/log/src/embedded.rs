@@ -45,6 +45,11 @@ pub const TORN_TAIL_MAX_BYTES: u64 =
     (GROUP_COMMIT_MAX_BYTES + FRAME_HEADER_BYTES + MAX_RECORD_BYTES) as u64;
 /// Bytes a reader asks for at once.
 pub const READ_CHUNK_BYTES: usize = 1024 * 1024;
+/// Bytes of payload a record read by position reads with its header: a usage
+/// record of 100 events is ~27 KiB, so most records are read whole in one read; a
+/// larger one reads its rest in a second, and a smaller one reads a few pages past
+/// its end (cheaper than a second trip to the disk).
+pub const FRAME_READ_GUESS_BYTES: usize = 32 * 1024;
 /// Threads one `read_many` spreads its positioned reads over: scattered records of
 /// a large log are disk reads, and a disk answers several at once faster than one
 /// after another (a void reads a few hundred records its apply needs); a few are
@@ -513,27 +518,61 @@ impl Log for EmbeddedLog {
 /// The frame starting at `offset` (below the durable `end`), checked like a reader
 /// checks it: an offset that is not a frame start reads as corruption.
 fn read_frame_at(shared: &Shared, offset: u64, end: u64) -> io::Result<LogEntry> {
-    let base = {
+    // The segment holding `offset`, and where its bytes end (the next segment's
+    // base, or the durable end for the last one).
+    let (base, segment_end) = {
         let bases = shared.segment_bases.read().expect("segment list lock");
-        match bases.binary_search(&offset) {
-            Ok(i) => bases[i],
-            Err(0) => bases[0],
-            Err(i) => bases[i - 1],
-        }
+        let at = match bases.binary_search(&offset) {
+            Ok(i) => i,
+            Err(0) => 0,
+            Err(i) => i - 1,
+        };
+        (
+            bases[at],
+            bases.get(at + 1).copied().map_or(end, |next| next.min(end)),
+        )
     };
     let corrupt = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
     let file = File::open(segment_path(&shared.dir, base))?;
-    let mut header = [0u8; FRAME_HEADER_BYTES];
-    file.read_exact_at(&mut header, offset - base)?;
-    let len = u32::from_le_bytes(header[..4].try_into().expect("4")) as usize;
-    let crc = u32::from_le_bytes(header[4..].try_into().expect("4"));
-    if len == 0 || len > MAX_RECORD_BYTES || offset + (FRAME_HEADER_BYTES + len) as u64 > end {
+    // A record read by position is one of many scattered ones (a void's, a
+    // listing's): the kernel's read-ahead would read on past it, up to a whole
+    // read-ahead window of records nobody asked for, and on a cold page cache that
+    // is most of the bytes read. Only advice: reading works without it.
+    if let Err(error) = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random) {
+        tracing::debug!(%error, "could not advise random reads of a log segment");
+    }
+    // One read for the header and a usual record (`FRAME_READ_GUESS_BYTES`), so a
+    // record read back is one trip to the disk, not two; a larger one reads its rest.
+    let within = offset - base;
+    let guess = usize::try_from(segment_end.saturating_sub(offset))
+        .unwrap_or(usize::MAX)
+        .min(FRAME_HEADER_BYTES + FRAME_READ_GUESS_BYTES);
+    if guess < FRAME_HEADER_BYTES {
+        return Err(corrupt(format!(
+            "a frame header at offset {offset} runs past the log's end"
+        )));
+    }
+    let mut frame = vec![0u8; guess];
+    file.read_exact_at(&mut frame, within)?;
+    let len = u32::from_le_bytes(frame[..4].try_into().expect("4")) as usize;
+    let crc = u32::from_le_bytes(frame[4..8].try_into().expect("4"));
+    if len == 0
+        || len > MAX_RECORD_BYTES
+        || offset + (FRAME_HEADER_BYTES + len) as u64 > segment_end
+    {
         return Err(corrupt(format!(
             "corrupt frame length {len} in the log at offset {offset}"
         )));
     }
-    let mut payload = vec![0u8; len];
-    file.read_exact_at(&mut payload, offset - base + FRAME_HEADER_BYTES as u64)?;
+    let total = FRAME_HEADER_BYTES + len;
+    if total > frame.len() {
+        let read = frame.len();
+        frame.resize(total, 0);
+        file.read_exact_at(&mut frame[read..], within + read as u64)?;
+    }
+    frame.truncate(total);
+    frame.drain(..FRAME_HEADER_BYTES);
+    let payload = frame;
     if crc32fast::hash(&payload) != crc {
         return Err(corrupt(format!(
             "checksum mismatch in the log at offset {offset}"

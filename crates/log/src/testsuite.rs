@@ -475,6 +475,43 @@ pub async fn tailing_reader_misses_nothing_under_concurrent_writers(factory: &dy
     assert_eq!(distinct.len(), TOTAL, "no record lost or doubled");
 }
 
+/// Records of every size read back whole by position, alone and several at once:
+/// smaller than a page, around the size an implementation may read with a record's
+/// header in one go, and far larger.
+pub async fn read_at_returns_records_of_every_size(factory: &dyn LogFactory) {
+    const SIZES: [usize; 9] = [
+        1, 100, 4_095, 32_760, 32_768, 32_769, 40_000, 100_000, 300_000,
+    ];
+    let log = factory.open().await;
+    let partition = log.partition_for(b"sizes");
+    let mut appended = Vec::new();
+    for (i, size) in SIZES.iter().enumerate() {
+        // Each byte says where it is, so a read that mixes up pieces is caught.
+        let payload: Vec<u8> = (0..*size).map(|at| (at * 7 + i) as u8).collect();
+        let offset = log.append(b"sizes", payload.clone()).await.unwrap();
+        appended.push((offset, payload));
+    }
+    for (offset, payload) in &appended {
+        let entry = log.read_at(partition, *offset).await.unwrap().unwrap();
+        assert_eq!(entry.offset, *offset);
+        assert_eq!(entry.payload.len(), payload.len());
+        assert!(
+            entry.payload == *payload,
+            "record of {} bytes",
+            payload.len()
+        );
+    }
+    let offsets: Vec<u64> = appended.iter().rev().map(|(o, _)| *o).collect();
+    let many = log.read_many(partition, &offsets).await.unwrap();
+    for ((_, payload), entry) in appended.iter().rev().zip(&many) {
+        assert!(
+            entry.as_ref().is_some_and(|e| e.payload == *payload),
+            "record of {} bytes read with others",
+            payload.len()
+        );
+    }
+}
+
 /// Runs every case of the suite against one implementation.
 pub async fn run_all(factory: &dyn LogFactory) {
     append_then_read_in_order(factory).await;
@@ -485,6 +522,7 @@ pub async fn run_all(factory: &dyn LogFactory) {
     covers_exactly_what_was_appended(factory).await;
     read_range_is_exact(factory).await;
     read_at_finds_every_appended_record(factory).await;
+    read_at_returns_records_of_every_size(factory).await;
     reader_starts_exactly_at_its_offset(factory).await;
     tailing_reader_misses_nothing_under_concurrent_writers(factory).await;
 }

@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod memory;
 pub mod packing;
 pub mod priority;
+pub mod read_advice;
 pub mod sled_store;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testsuite;
