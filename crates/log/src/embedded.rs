@@ -538,6 +538,7 @@ fn read_frame_at(shared: &Shared, offset: u64, end: u64) -> io::Result<LogEntry>
     // listing's): the kernel's read-ahead would read on past it, up to a whole
     // read-ahead window of records nobody asked for, and on a cold page cache that
     // is most of the bytes read. Only advice: reading works without it.
+    #[cfg(target_os = "linux")]
     if let Err(error) = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random) {
         tracing::debug!(%error, "could not advise random reads of a log segment");
     }
