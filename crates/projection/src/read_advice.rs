@@ -49,12 +49,21 @@ mod linux {
     pub(super) fn advise(data_file: &Path) -> Result<usize, String> {
         let wanted = std::fs::metadata(data_file)
             .map_err(|error| format!("reading {}: {error}", data_file.display()))?;
+        let path = std::fs::canonicalize(data_file)
+            .map_err(|error| format!("resolving {}: {error}", data_file.display()))?;
         let pidfd = pidfd_open(getpid(), PidfdFlags::empty())
             .map_err(|error| format!("opening a pidfd of this process: {error}"))?;
         let entries = std::fs::read_dir(OWN_DESCRIPTORS)
             .map_err(|error| format!("listing {OWN_DESCRIPTORS}: {error}"))?;
         let mut advised = 0;
         for entry in entries.flatten() {
+            // Only descriptors of the data file are duplicated: dropping a
+            // duplicate of another file could end a lock that file holds (a POSIX
+            // record lock ends on any close; sled and the log use `flock`, which
+            // does not).
+            if std::fs::read_link(entry.path()).ok().as_deref() != Some(path.as_path()) {
+                continue;
+            }
             let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
                 continue;
             };
