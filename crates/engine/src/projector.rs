@@ -284,17 +284,22 @@ impl Applied {
 }
 
 /// The records applying `chunk` will read: the committed events its event ids'
-/// fingerprints point at, and what its backfill steps fold. Reads the projection
-/// only; the caller fetches these from the log before [`apply_chunk`].
+/// fingerprints point at, what its backfill steps fold, and what the gateway of a
+/// void hinted its rebuilds read (`hints`: recent.rs of metering). Reads the
+/// projection only; the caller fetches these from the log before [`apply_chunk`].
 pub fn plan_chunk(
     store: &dyn ProjectionStore,
     index: &EventIndex,
     chunk: &DecodedChunk,
+    hints: Option<&RecentRecords>,
 ) -> Result<BTreeSet<(u32, u64)>, EngineError> {
     let mut wanted = BTreeSet::new();
     for (at, record) in chunk.records.iter().enumerate() {
         if let (true, Ok((record, _))) = (chunk.applies(at), record) {
             tally_metering::apply::plan_record(store, index, record, &mut wanted)?;
+            if let Some(hints) = hints {
+                wanted.extend(tally_metering::voids::hinted_records(hints, record));
+            }
         }
     }
     // This chunk's own records are read from the chunk.
@@ -433,7 +438,7 @@ pub fn apply_chunk_reading_as(
 ) -> Result<Applied, EngineError> {
     let chunk = DecodedChunk::with_mode(entries.to_vec(), mode);
     let mut fetched = Fetched::new();
-    let mut wanted: Vec<(u32, u64)> = plan_chunk(store, &state.index, &chunk)?
+    let mut wanted: Vec<(u32, u64)> = plan_chunk(store, &state.index, &chunk, None)?
         .into_iter()
         .collect();
     loop {
@@ -1093,7 +1098,7 @@ impl tally_runtime::Projection for StoreProjection {
             .unwrap_or_else(|p| p.into_inner())
             .index
             .clone();
-        plan_chunk(self.store.as_ref(), &index, chunk)
+        plan_chunk(self.store.as_ref(), &index, chunk, Some(&self.recent))
             .map(|wanted| wanted.into_iter().collect())
             .map_err(|error| error.to_string())
     }

@@ -718,6 +718,58 @@ fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
     assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
 }
 
+/// The gateway of a void works out which records its rebuilds read back
+/// (`rebuild_records`: apply run on the committed projection) and hints them to
+/// the record's plan: the plan then fetches exactly what apply would have asked
+/// for, and the void applies at the first attempt, to the same projection.
+#[test]
+fn a_void_hinted_by_its_gateway_applies_at_the_first_attempt() {
+    let event = |id: u8, minute| GenEvent {
+        id,
+        customer: id,
+        minute,
+        second: 1,
+        value: Some(i64::from(id)),
+    };
+    let steps = [
+        Step::Singles(vec![event(1, 0), event(2, 0), event(3, 1), event(4, 1)]),
+        Step::Void(vec![1, 3]),
+    ];
+    let (entries, _, _) = log_with_voids(&steps);
+    let (store, mut state, chunk, unhinted) = planned_last_chunk(&entries, 1);
+    let ids = vec!["ev1".to_string(), "ev3".to_string()];
+    let scope = tally_core::Scope {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+    };
+    let mut hint =
+        tally_metering::voids::rebuild_records(&store, &state.index, &unhinted, &scope, &ids);
+    hint.sort_unstable();
+    let Err(EngineError::RecordsNeeded(mut asked)) =
+        apply_chunk(&store, &mut state, &chunk, &unhinted)
+    else {
+        panic!("without the hint the void reads its minutes' other records back");
+    };
+    asked.sort_unstable();
+    assert_eq!(hint, asked, "the hint is what apply asks for");
+    let recent = tally_metering::recent::RecentRecords::default();
+    let digest = tally_metering::voids::void_digest(STORE, Mode::Test, &ids, "test");
+    recent.hint(digest, hint.clone());
+    let planned = plan_chunk(&store, &state.index, &chunk, Some(&recent)).unwrap();
+    assert!(hint.iter().all(|p| planned.contains(p)), "{planned:?}");
+    assert!(
+        recent.take_hint(digest).is_empty(),
+        "the plan took the hint"
+    );
+    let mut fetched = Fetched::new();
+    fetch_from(&entries, &mut fetched, planned);
+    if let Err(error) = apply_chunk(&store, &mut state, &chunk, &fetched) {
+        panic!("the hinted void read more back: {error}");
+    }
+    let whole = apply_in_chunks(&entries, &[]);
+    assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
+}
+
 /// A void of an event whose value no other event of its minute holds, and that
 /// holds no bucket's extreme or latest point, subtracts everywhere: the customer's
 /// buckets held it alone, and the `z` rows' prints show its `unique` value leaves
@@ -764,7 +816,7 @@ fn planned_last_chunk(
     apply_chunk_in_memory(&store, &mut state, &entries[..at], entries).unwrap();
     let chunk = DecodedChunk::new(entries[at..].to_vec());
     let mut fetched = Fetched::new();
-    let planned = plan_chunk(&store, &state.index, &chunk).unwrap();
+    let planned = plan_chunk(&store, &state.index, &chunk, None).unwrap();
     fetch_from(entries, &mut fetched, planned);
     (store, state, chunk, fetched)
 }

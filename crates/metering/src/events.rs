@@ -13,7 +13,7 @@ use std::sync::Arc;
 use tally_core::error::EngineError;
 use tally_core::event_index::{decode_stored, EventLocation};
 use tally_core::keys::StoredEventsKey;
-use tally_core::overlay::StoredBatch;
+use tally_core::overlay::{Fetched, StoredBatch};
 use tally_core::pagination::{Page, PageRequest};
 use tally_core::Scope;
 use tally_domain::usage::UsageEvent;
@@ -131,6 +131,16 @@ impl Metering {
         scope: &Scope,
         event_ids: &[String],
     ) -> Result<Vec<Option<UsageEvent>>, EngineError> {
+        Ok(self.stored_events_read(scope, event_ids).await?.0)
+    }
+
+    /// `stored_events`, with the records read for them (those the index's
+    /// candidates point at, found or not).
+    pub(crate) async fn stored_events_read(
+        &self,
+        scope: &Scope,
+        event_ids: &[String],
+    ) -> Result<(Vec<Option<UsageEvent>>, Fetched), EngineError> {
         let index = &self.caches.events;
         let candidates: Vec<Vec<EventLocation>> = event_ids
             .iter()
@@ -162,7 +172,7 @@ impl Metering {
             }
             events.push(found);
         }
-        Ok(events)
+        Ok((events, batches))
     }
 
     /// The usage record at a position the index or an `F` row names (see
@@ -184,10 +194,7 @@ impl Metering {
     /// points at one record a hundred times; a listing page reads its records again
     /// on the next page), reading what is missing one partition at a time
     /// (`Log::read_many`: one pass over the span on Kafka).
-    pub async fn read_batches(
-        &self,
-        positions: &[(u32, u64)],
-    ) -> Result<HashMap<(u32, u64), Option<Arc<StoredBatch>>>, EngineError> {
+    pub async fn read_batches(&self, positions: &[(u32, u64)]) -> Result<Fetched, EngineError> {
         let cache = &self.caches.recent_records;
         let mut batches = HashMap::new();
         let mut missing: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();

@@ -32,10 +32,10 @@ use std::sync::Arc;
 
 use tally_core::codec::{self, DistinctPrint, VoidMark};
 use tally_core::error::EngineError;
-use tally_core::event_index::EventLocation;
+use tally_core::event_index::{EventIndex, EventLocation};
 use tally_core::keys::{self, BucketKey, Key, ALL_CUSTOMERS};
 use tally_core::outcome::Outcome;
-use tally_core::overlay::{ApplyError, Overlay};
+use tally_core::overlay::{ApplyError, Fetched, Overlay};
 use tally_core::Scope;
 use tally_domain::aggregate::{Aggregate, Contribution};
 use tally_domain::exact::exact_add;
@@ -47,8 +47,10 @@ use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
 use tally_domain::{FieldError, Mode};
 use tally_projection::warm::WarmRead;
+use tally_projection::ProjectionStore;
 
 use crate::apply::{add_weighted_changes, contribution_of, fold_contribution, fold_weighted};
+use crate::recent::RecentRecords;
 use crate::Metering;
 
 /// Event ids one void may name: one log record, and a bounded rebuild.
@@ -1019,6 +1021,56 @@ pub fn check_reason(reason: &str) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// A digest of a void record's content: the key its read-back hint is noted under
+/// (recent.rs). Two requests of the same content share it; the first planned takes
+/// the hint, the other fetches what it lacks as without one.
+pub fn void_digest(store_id: &str, mode: Mode, event_ids: &[String], reason: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    (store_id, mode, event_ids, reason).hash(&mut hasher);
+    hasher.finish()
+}
+
+/// The records a void record's plan adds from its hint, if its gateway left one.
+pub fn hinted_records(recent: &RecentRecords, record: &Record) -> Vec<(u32, u64)> {
+    match record {
+        Record::EventsVoided {
+            store_id,
+            mode,
+            event_ids,
+            reason,
+        } => recent.take_hint(void_digest(store_id, *mode, event_ids, reason)),
+        _ => Vec::new(),
+    }
+}
+
+/// The records beyond the voided events' own (`records`, read by the gateway) that
+/// apply of a void of `event_ids` will read back to rebuild buckets: apply itself
+/// (`apply_void`), run on the committed projection and dropped, says which it
+/// lacks. Only a hint: apply decides again from the projection it then reads.
+pub fn rebuild_records(
+    store: &dyn ProjectionStore,
+    index: &EventIndex,
+    records: &Fetched,
+    scope: &Scope,
+    event_ids: &[String],
+) -> Vec<(u32, u64)> {
+    let mut overlay = Overlay::new(store, index, records);
+    let step = VoidStep {
+        store_id: &scope.store_id,
+        mode: scope.mode,
+        event_ids,
+        reason: "",
+        at_ms: 0,
+        partition: 0,
+        offset: 0,
+    };
+    match apply_void(&mut overlay, step) {
+        Err(ApplyError::Engine(EngineError::RecordsNeeded(positions))) => positions,
+        _ => Vec::new(),
+    }
+}
+
 impl Metering {
     /// `POST /v1/events/void`: every id must be a stored event of the scope (the
     /// first that is not is a 404 naming it, and nothing is voided). Decided in
@@ -1030,7 +1082,7 @@ impl Metering {
         reason: &str,
     ) -> Result<VoidResult, EngineError> {
         check_void_request(event_ids, reason)?;
-        self.confirm_and_warm(scope, event_ids).await?;
+        self.confirm_and_warm(scope, event_ids, reason).await?;
         let record = Record::EventsVoided {
             store_id: scope.store_id.clone(),
             mode: scope.mode,
@@ -1064,11 +1116,15 @@ impl Metering {
     /// instead of following each other. Apply reads the same rows again, from the
     /// caches. The slices follow the log's order of where the ids may be stored,
     /// so each reads its own stretch of it (on Kafka a read of several records is
-    /// one pass over their span).
+    /// one pass over their span). Each slice then works out which records apply's
+    /// rebuilds will read back (`rebuild_records`), beside the next slices' reads;
+    /// those are read into the cache and hinted to the record's plan
+    /// (recent.rs), so apply runs once instead of twice.
     async fn confirm_and_warm(
         &self,
         scope: &Scope,
         event_ids: &[String],
+        reason: &str,
     ) -> Result<(), EngineError> {
         let meters = self
             .caches
@@ -1092,7 +1148,7 @@ impl Metering {
         let mut warming = Vec::new();
         for slice in order.chunks(CONFIRM_SLICE_IDS) {
             let ids: Vec<String> = slice.iter().map(|&(_, at)| event_ids[at].clone()).collect();
-            let events = self.stored_events(scope, &ids).await?;
+            let (events, records) = self.stored_events_read(scope, &ids).await?;
             for (&(_, at), event) in slice.iter().zip(&events) {
                 stored[at] = event.is_some();
             }
@@ -1101,16 +1157,33 @@ impl Metering {
             reads.sort_unstable();
             reads.dedup();
             let store = Arc::clone(self.journal.store());
+            let index = Arc::clone(&self.caches.events);
+            let scope = scope.clone();
+            let ids: Vec<String> = events.into_iter().map(|e| e.event_id).collect();
             warming.push(tokio::task::spawn_blocking(move || {
                 tally_projection::warm::warm(store.as_ref(), &reads);
+                rebuild_records(store.as_ref(), &index, &records, &scope, &ids)
             }));
         }
         if let Some(at) = stored.iter().position(|stored| !stored) {
             return Err(event_not_found(&event_ids[at], at).into());
         }
+        let mut rebuilds = BTreeSet::new();
         for task in warming {
             // A read ahead that failed is only a read apply makes itself.
-            let _ = task.await;
+            if let Ok(positions) = task.await {
+                rebuilds.extend(positions);
+            }
+        }
+        if rebuilds.is_empty() {
+            return Ok(());
+        }
+        let rebuilds: Vec<(u32, u64)> = rebuilds.into_iter().collect();
+        // Read (into the cache) and noted for the record's plan; a read that fails
+        // here is one apply makes itself.
+        if self.read_batches(&rebuilds).await.is_ok() {
+            let record = void_digest(&scope.store_id, scope.mode, event_ids, reason);
+            self.caches.recent_records.hint(record, rebuilds);
         }
         Ok(())
     }

@@ -5,6 +5,8 @@
 //! another (ARCHITECTURE.md, "Voids": a void reads scattered buckets of a long
 //! history). Warming never changes what a read answers: it only reads.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::{scan_prefix, ProjectionStore, Visit};
 
 /// Threads one warm spreads its reads over: enough to keep a disk's queue full,
@@ -29,20 +31,24 @@ pub enum WarmRead {
 
 /// Makes `reads` against `store`, spread over up to `WARM_THREADS` threads, and
 /// drops their answers. A failed read is left to the apply, which makes it again
-/// and reports it; keys a write-back layer holds need no read.
+/// and reports it; keys a write-back layer holds need no read. Each thread takes
+/// the next read not yet taken, so all stay busy until the last reads: a fixed
+/// share each left the disk's queue short while the threads with slow shares
+/// (a minute's scan of several rows) finished alone.
 pub fn warm(store: &dyn ProjectionStore, reads: &[WarmRead]) {
     if reads.len() < WARM_PARALLEL_FROM {
         return;
     }
-    let share = reads.len().div_ceil(WARM_THREADS);
+    let next = AtomicUsize::new(0);
+    let threads = WARM_THREADS.min(reads.len());
     std::thread::scope(|scope| {
-        let threads: Vec<_> = reads
-            .chunks(share)
-            .filter_map(|part| {
-                // A thread that cannot start leaves its share to the apply.
+        let threads: Vec<_> = (0..threads)
+            .filter_map(|_| {
+                // A thread that cannot start leaves the reads to the others, or
+                // to the apply.
                 std::thread::Builder::new()
                     .name("tally-warm".into())
-                    .spawn_scoped(scope, move || warm_serially(store, part))
+                    .spawn_scoped(scope, || warm_taking(store, reads, &next))
                     .ok()
             })
             .collect();
@@ -55,8 +61,10 @@ pub fn warm(store: &dyn ProjectionStore, reads: &[WarmRead]) {
     });
 }
 
-fn warm_serially(store: &dyn ProjectionStore, reads: &[WarmRead]) {
-    for read in reads {
+/// Makes the reads `next` hands out, one at a time, until none is left or one
+/// fails (the store is then failing: the apply meets it).
+fn warm_taking(store: &dyn ProjectionStore, reads: &[WarmRead], next: &AtomicUsize) {
+    while let Some(read) = reads.get(next.fetch_add(1, Ordering::Relaxed)) {
         let done = match read {
             WarmRead::Key(key) if store.unwritten(key).is_some() => Ok(()),
             WarmRead::Key(key) => store.get(key).map(drop),
@@ -81,7 +89,6 @@ fn warm_serially(store: &dyn ProjectionStore, reads: &[WarmRead]) {
 #[cfg(test)]
 mod tests {
     use std::ops::Bound;
-    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
     use crate::memory::MemoryStore;
