@@ -239,10 +239,14 @@ impl ProjectorState {
             "loaded the event index"
         );
         note_index_size(store, &index);
+        let sparse = SparseKeys::load(store)?;
+        for (table, rows, saturated) in sparse.known() {
+            tracing::info!(%table, rows, saturated, "loaded a sparse table's row set");
+        }
         Ok(ProjectorState {
             buckets: BucketCache::over(store)?,
             index,
-            sparse: SparseKeys::load(store)?,
+            sparse,
         })
     }
 
