@@ -827,6 +827,7 @@ fn apply_record(
                 at_ms: meta.recorded_at_ms,
                 partition: entry.partition,
                 offset: entry.offset,
+                plan_only: false,
             },
         )?,
         Record::AutoRechargeSettled(settled) => {
@@ -866,6 +867,7 @@ fn apply_record(
                 at_ms: meta.recorded_at_ms,
                 partition: entry.partition,
                 offset: entry.offset,
+                plan_only: false,
             },
             replacement,
             *matched_below,

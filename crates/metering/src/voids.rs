@@ -87,6 +87,10 @@ pub struct VoidStep<'a> {
     pub at_ms: i64,
     pub partition: u32,
     pub offset: u64,
+    /// Stop once the records the rebuilds read back are known: the request side's
+    /// run (`rebuild_records`) wants only those, and a rebuild that reads none (a
+    /// merge of customers' buckets) is apply's work, not to be done twice.
+    pub plan_only: bool,
 }
 
 /// `EventsVoided`: every id must name a stored event of the scope (else nothing is
@@ -192,6 +196,9 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
         }
     }
     fetch(overlay, &wanted)?;
+    if step.plan_only {
+        return Ok(());
+    }
     for (at, customer, minute) in &customer_rebuilds {
         let locations = minutes.of(overlay, store_id, mode, *minute, customer)?;
         rebuild_customer(overlay, &meters[*at], customer, *minute, &locations)?;
@@ -1064,6 +1071,7 @@ pub fn rebuild_records(
         at_ms: 0,
         partition: 0,
         offset: 0,
+        plan_only: true,
     };
     match apply_void(&mut overlay, step) {
         Err(ApplyError::Engine(EngineError::RecordsNeeded(positions))) => positions,
