@@ -684,11 +684,10 @@ fn a_void_is_seen_by_the_next_chunk_of_the_same_state() {
     assert_eq!(chunked.digest().unwrap(), whole.digest().unwrap());
 }
 
-/// A chunk of several voids whose rebuilds read records back asks for every
-/// record it lacks in one answer: one fetch after the plan's, not one attempt per
-/// void (the second void asks too while the first is rolled back).
-#[test]
-fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
+/// Events 1 and 2 in the first minute, 3 and 4 in the next, each its own record
+/// and customer: a `unique` void of one rebuilds its minute from the other record
+/// too, so voiding 1 or 3 reads a record back.
+fn two_records_in_each_of_two_minutes() -> Step {
     let event = |id: u8, minute| GenEvent {
         id,
         customer: id,
@@ -696,10 +695,16 @@ fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
         second: 1,
         value: Some(i64::from(id)),
     };
-    // Each event its own record; two per minute, so a `unique` void rebuilds its
-    // minute from the other record too.
+    Step::Singles(vec![event(1, 0), event(2, 0), event(3, 1), event(4, 1)])
+}
+
+/// A chunk of several voids whose rebuilds read records back asks for every
+/// record it lacks in one answer: one fetch after the plan's, not one attempt per
+/// void (the second void asks too while the first is rolled back).
+#[test]
+fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
     let steps = [
-        Step::Singles(vec![event(1, 0), event(2, 0), event(3, 1), event(4, 1)]),
+        two_records_in_each_of_two_minutes(),
         Step::Void(vec![1]),
         Step::Void(vec![3]),
     ];
@@ -724,17 +729,7 @@ fn a_chunk_of_voids_asks_for_every_record_it_lacks_at_once() {
 /// for, and the void applies at the first attempt, to the same projection.
 #[test]
 fn a_void_hinted_by_its_gateway_applies_at_the_first_attempt() {
-    let event = |id: u8, minute| GenEvent {
-        id,
-        customer: id,
-        minute,
-        second: 1,
-        value: Some(i64::from(id)),
-    };
-    let steps = [
-        Step::Singles(vec![event(1, 0), event(2, 0), event(3, 1), event(4, 1)]),
-        Step::Void(vec![1, 3]),
-    ];
+    let steps = [two_records_in_each_of_two_minutes(), Step::Void(vec![1, 3])];
     let (entries, _, _) = log_with_voids(&steps);
     let (store, mut state, chunk, unhinted) = planned_last_chunk(&entries, 1);
     let ids = vec!["ev1".to_string(), "ev3".to_string()];
