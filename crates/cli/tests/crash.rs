@@ -324,3 +324,188 @@ async fn a_sigkill_after_a_layer_copy_restarts_from_it_exactly() {
     let (matched, replayed, live) = replay(dir.path());
     assert!(matched, "replay {replayed} differs from live {live}");
 }
+
+/// Voids of events `ids`, ten at a time, sent while the load runs: each request's
+/// ids with whether it was answered 200 (`None` once the server died).
+type VoidRequests = Arc<Mutex<Vec<(Vec<String>, Option<u16>)>>>;
+
+/// One client voiding acknowledged events, ten per request and each event once,
+/// until the server dies.
+fn void_while_loading(
+    setup: &Arc<Setup>,
+    load: &Load,
+) -> (VoidRequests, tokio::task::JoinHandle<()>) {
+    let requests: VoidRequests = Arc::default();
+    let (setup, acknowledged, sent) = (setup.clone(), load.acknowledged.clone(), requests.clone());
+    let client = tokio::spawn(async move {
+        let mut next = 0;
+        loop {
+            let ids: Vec<String> = {
+                let acknowledged = acknowledged.lock().unwrap();
+                // Every third acknowledged event, so voided and counted events share
+                // their batches and minutes.
+                let ids: Vec<String> = acknowledged
+                    .iter()
+                    .skip(next)
+                    .step_by(3)
+                    .take(10)
+                    .cloned()
+                    .collect();
+                if ids.len() == 10 {
+                    next += 30;
+                }
+                ids
+            };
+            if ids.len() < 10 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+            let answer = post(
+                &setup.http,
+                &format!("{}/v1/events/void", setup.base),
+                &setup.key,
+                json!({"event_ids": ids, "reason": "crash test"}),
+            )
+            .await;
+            let status = answer.as_ref().ok().map(|(status, _)| *status);
+            if let Ok((status, body)) = &answer {
+                assert!(
+                    *status == 200 || *status == 503,
+                    "void answered {status}: {body}"
+                );
+            }
+            sent.lock().unwrap().push((ids, status));
+            if status.is_none() {
+                break; // the server died
+            }
+        }
+    });
+    (requests, client)
+}
+
+/// Every event the server at `base` holds, voided ones too, by id: whether voided.
+async fn listed_events(setup: &Setup, base: &str) -> std::collections::HashMap<String, bool> {
+    let mut events = std::collections::HashMap::new();
+    let mut after: Option<String> = None;
+    loop {
+        let cursor = after
+            .map(|id| format!("&starting_after={id}"))
+            .unwrap_or_default();
+        let (status, page) = get(
+            &setup.http,
+            &format!("{base}/v1/events?limit=100&include_voided=true{cursor}"),
+            &setup.key,
+        )
+        .await;
+        assert_eq!(status, 200, "{page}");
+        let data = page["data"].as_array().unwrap();
+        for event in data {
+            let id = event["event_id"].as_str().unwrap().to_string();
+            let voided = event["voided"].as_bool().unwrap();
+            assert!(events.insert(id, voided).is_none(), "an event listed twice");
+        }
+        if page["has_more"] != true {
+            return events;
+        }
+        after = data
+            .last()
+            .map(|e| e["event_id"].as_str().unwrap().to_string());
+    }
+}
+
+/// Voids go through the log like everything else: a SIGKILL while events are
+/// ingested and voided, with checkpoints in flight, loses no acknowledged void; a
+/// void whose answer the kill cut off holds for all its ids or for none; and both
+/// meters (count, and unique, which a void must rebuild exactly) count exactly the
+/// stored events not voided, as a replay of the log does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn acknowledged_voids_survive_sigkill_mid_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = serve_with(dir.path(), &["--checkpoint-keys", "3000"]);
+    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique_users_meter()]).await);
+    let load = setup.load(4, 20);
+    let (voids, voiding) = void_while_loading(&setup, &load);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while voids
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| *s == Some(200))
+        .count()
+        < 20
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no voids within 60 s: {:?}",
+            voids
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(_, s)| *s)
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    projection_file_appears(dir.path(), tally_projection::sled_store::STAGE_FILE).await;
+    served.kill();
+    let (acknowledged, _) = load.finish().await;
+    voiding.await.unwrap();
+    let voids = voids.lock().unwrap().clone();
+
+    let served = serve(dir.path());
+    let base = served.test_url.clone();
+    let (ready, _) = get(&setup.http, &format!("{base}/readyz"), &setup.key).await;
+    assert_eq!(ready, 200);
+    let events = listed_events(&setup, &base).await;
+    for id in &acknowledged {
+        assert!(events.contains_key(id), "acknowledged event {id} lost");
+    }
+    let mut sent_void = HashSet::new();
+    for (ids, status) in &voids {
+        let voided = ids.iter().filter(|id| events[id.as_str()]).count();
+        match status {
+            Some(200) => assert_eq!(voided, ids.len(), "an acknowledged void was lost: {ids:?}"),
+            _ => assert!(
+                voided == 0 || voided == ids.len(),
+                "a void held for {voided} of its {} ids",
+                ids.len()
+            ),
+        }
+        sent_void.extend(ids.iter().cloned());
+    }
+    let voided: Vec<&String> = events
+        .iter()
+        .filter(|(_, v)| **v)
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        voided.iter().all(|id| sent_void.contains(*id)),
+        "an event voided unasked"
+    );
+    let counted = events.len() - voided.len();
+    for meter_id in &setup.meter_ids {
+        let (status, usage) = get(
+            &setup.http,
+            &format!("{base}/v1/meters/{meter_id}/usage"),
+            &setup.key,
+        )
+        .await;
+        assert_eq!(status, 200, "{usage}");
+        assert_eq!(
+            usage["value"].as_str().unwrap().parse::<usize>().unwrap(),
+            counted,
+            "meter {meter_id}: {} stored, {} voided",
+            events.len(),
+            voided.len()
+        );
+    }
+    eprintln!(
+        "{} events stored, {} voided, {} void requests",
+        events.len(),
+        voided.len(),
+        voids.len()
+    );
+    assert!(served.terminate().success());
+    let (matched, replayed, live) = replay(dir.path());
+    assert!(matched, "replay {replayed} differs from live {live}");
+}

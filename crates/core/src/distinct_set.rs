@@ -148,6 +148,17 @@ impl DistinctSet {
         Some(index)
     }
 
+    /// Takes out `value`; whether it was there.
+    pub fn remove(&mut self, value: &[u8]) -> bool {
+        match self.search(value) {
+            Ok(index) => {
+                self.remove_at(index);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Takes out the value at `index` (undoing the `insert` that returned it).
     pub fn remove_at(&mut self, index: usize) {
         if index >= self.starts.len() {

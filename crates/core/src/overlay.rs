@@ -206,6 +206,9 @@ enum Undo {
     DistinctAdded(usize, usize),
     /// The distinct set at this index held these values before it was cleared.
     DistinctCleared(usize, DistinctSet),
+    /// This value was taken out of the distinct set at this index (undone by
+    /// putting it back: a set keeps its values in order, so it returns to its place).
+    DistinctRemoved(usize, Vec<u8>),
     /// The distinct set at this index was inserted empty, unread. Undone by a swap
     /// removal: the journal's older entries name lower indexes, and a set moved
     /// into its place was loaded later (a load is not journaled) or is undone.
@@ -612,6 +615,11 @@ impl<'a> Overlay<'a> {
                 Undo::DistinctCleared(index, values) => {
                     if let Some((_, set)) = self.distinct_sets.get_index_mut(index) {
                         *set = values;
+                    }
+                }
+                Undo::DistinctRemoved(index, value) => {
+                    if let Some((_, set)) = self.distinct_sets.get_index_mut(index) {
+                        set.insert(&value);
                     }
                 }
                 Undo::DistinctInserted(index) => {
@@ -1070,6 +1078,23 @@ impl<'a> Overlay<'a> {
             }
             None => Ok(DistinctAdd::Present),
         }
+    }
+
+    /// Takes `value` out of the inline distinct set at `key` (a void of the only
+    /// event that held it); whether the set held it (a value that came past a full
+    /// set has its own key instead).
+    pub fn remove_distinct(&mut self, key: Vec<u8>, value: &[u8]) -> Result<bool, EngineError> {
+        let index = self.distinct_set_index(key)?;
+        let (_, set) = self
+            .distinct_sets
+            .get_index_mut(index)
+            .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
+        if !set.remove(value) {
+            return Ok(false);
+        }
+        self.journal
+            .push(Undo::DistinctRemoved(index, value.to_vec()));
+        Ok(true)
     }
 
     /// Empties the inline distinct set at `key` (a void rebuilding its bucket); an

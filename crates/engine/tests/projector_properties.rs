@@ -799,6 +799,49 @@ fn a_void_that_no_bucket_needs_rebuilt_reads_no_records_back() {
     );
 }
 
+/// A void of one of a customer's several events of a minute, whose `unique` value
+/// no other event of the minute holds (the `z` rows' prints say so), takes the
+/// value out of the customer's bucket too without reading the customer's other
+/// records back: a busy customer's minute is not re-read for one void.
+#[test]
+fn a_void_in_a_customers_busy_minute_reads_none_of_its_other_records() {
+    let event = |id: u8, customer, second, value| GenEvent {
+        id,
+        customer,
+        minute: 0,
+        second,
+        value: Some(value),
+    };
+    // Event 2 is neither an extreme nor the latest point, for its customer or all.
+    let steps = [
+        Step::Singles(vec![
+            event(1, 0, 1, 3),
+            event(2, 0, 2, 5),
+            event(3, 0, 3, 7),
+            event(4, 1, 4, 9),
+        ]),
+        Step::Void(vec![2]),
+    ];
+    let (entries, counted, _) = log_with_voids(&steps);
+    assert_eq!(counted.len(), 3, "events 1, 3 and 4 count");
+    let (store, mut state, chunk, fetched) = planned_last_chunk(&entries, 1);
+    assert_eq!(fetched.len(), 1, "the plan reads the voided event's record");
+    if let Err(error) = apply_chunk(&store, &mut state, &chunk, &fetched) {
+        panic!("the void read more back: {error}");
+    }
+    let store = Arc::new(store);
+    assert_eq!(
+        unique_usage(store.clone(), Some(0)),
+        Some(Decimal::from(2)),
+        "3 and 7 remain for customer 0"
+    );
+    assert_eq!(
+        unique_usage(store, None),
+        Some(Decimal::from(3)),
+        "3, 7 and 9 remain"
+    );
+}
+
 /// A store that applied every entry but the last `last`, those as one chunk, and
 /// the records its plan asks for.
 fn planned_last_chunk(

@@ -26,7 +26,11 @@ impl Gateway {
     ) -> Result<UsageEvent, EngineError> {
         check_reason(reason)?;
         self.journal.wait_for_projector_headroom().await?;
-        let Some((_, _, original)) = self.metering.find_stored_event(scope, event_id).await? else {
+        let Some((_, _, original)) = self
+            .metering
+            .find_stored_event_applied(scope, event_id)
+            .await?
+        else {
             return Err(amended_not_found(event_id).into());
         };
         if self.metering.event_void(scope, event_id)?.is_some() {

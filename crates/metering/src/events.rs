@@ -87,6 +87,14 @@ pub fn scope_rows(scope: &Scope) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
     (Bound::Included(prefix), Bound::Excluded(end))
 }
 
+/// How long a look-up by id that found nothing waits for this node to apply what
+/// the log held, before it answers "not found": ingest answers once a batch is
+/// durable, before it is applied, so an event acknowledged moments before may not
+/// be in the index yet. Backpressure keeps the projector within
+/// `MAX_UNAPPLIED_EVENTS` of the log (well under a second of apply); the bound only
+/// keeps a stalled projector from holding the request.
+pub const NOT_YET_APPLIED_WAIT_MS: u64 = 5_000;
+
 impl Metering {
     /// The stored event `event_id` of the scope: where it is (with its `F` row's key)
     /// and the event, read from the log. A fingerprint hit on another id is skipped.
@@ -307,12 +315,36 @@ impl Metering {
         }
     }
 
+    /// Whether this node has applied everything the log held when asked (waiting at
+    /// most `NOT_YET_APPLIED_WAIT_MS`): a look-up by id that found nothing asks
+    /// again only then, so an acknowledged event is found.
+    pub async fn caught_up_before_not_found(&self) -> bool {
+        self.journal
+            .caught_up_within(std::time::Duration::from_millis(NOT_YET_APPLIED_WAIT_MS))
+            .await
+    }
+
+    /// `find_stored_event`, asked again once this node has applied what the log
+    /// held if it found nothing (`caught_up_before_not_found`).
+    pub async fn find_stored_event_applied(
+        &self,
+        scope: &Scope,
+        event_id: &str,
+    ) -> Result<Option<(StoredEventsKey, EventLocation, UsageEvent)>, EngineError> {
+        match self.find_stored_event(scope, event_id).await? {
+            None if self.caught_up_before_not_found().await => {
+                self.find_stored_event(scope, event_id).await
+            }
+            found => Ok(found),
+        }
+    }
+
     pub async fn get_event(
         &self,
         scope: &Scope,
         event_id: &str,
     ) -> Result<UsageEvent, EngineError> {
-        self.find_stored_event(scope, event_id)
+        self.find_stored_event_applied(scope, event_id)
             .await?
             .map(|(_, _, event)| event)
             .ok_or_else(|| EngineError::not_found("event", event_id))

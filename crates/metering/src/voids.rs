@@ -167,13 +167,29 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
                 continue;
             }
             let unique = meter.aggregation == Aggregation::Unique;
-            if *alone && (!unique || meter.revision == 1) {
+            let subtracted = if *alone && (!unique || meter.revision == 1) {
                 empty_customer_bucket(overlay, meter, &event.customer_id, minute)?;
-            } else if unique || !subtract(overlay, meter, event, minute, &event.customer_id)? {
+                true
+            } else if unique {
+                let customer = event.customer_id.as_str();
+                printed[at]
+                    && subtract_distinct(overlay, &mut minutes, meter, event, customer, minute)?
+            } else {
+                subtract(overlay, meter, event, minute, &event.customer_id)?
+            };
+            if !subtracted {
                 customer_rebuilds.insert((at, event.customer_id.to_string(), minute));
             }
             let subtracted = if unique {
-                printed[at] && subtract_distinct(overlay, &mut minutes, meter, event, minute)?
+                printed[at]
+                    && subtract_distinct(
+                        overlay,
+                        &mut minutes,
+                        meter,
+                        event,
+                        ALL_CUSTOMERS,
+                        minute,
+                    )?
             } else {
                 subtract(overlay, meter, event, minute, ALL_CUSTOMERS)?
             };
@@ -737,15 +753,19 @@ fn subtract(
     }
 }
 
-/// `unique`, the meter-wide bucket of `minute`: takes the event out without a
-/// rebuild when no other event of the minute may hold its value
-/// (`MinuteEvents::holds_alone`): one event fewer, and its value's key deleted.
+/// `unique`, the bucket of `slot` (a customer, or `ALL_CUSTOMERS`) in `minute`:
+/// takes the event out without a rebuild when no other event of the minute may
+/// hold its value (`MinuteEvents::holds_alone`): one event fewer, and its value
+/// gone, from a customer's inline set or else from its own `U` key (where it came
+/// past a full set; the meter-wide bucket keeps only those). A void in a busy
+/// minute, of the customer or of all, then reads none of its other records back.
 /// False when that is not known (the bucket is then rebuilt).
 fn subtract_distinct(
     overlay: &mut Overlay<'_>,
     minutes: &mut MinuteEvents,
     meter: &Meter,
     event: &UsageEvent,
+    slot: &str,
     minute: i64,
 ) -> Result<bool, EngineError> {
     let value = match contribution_of(meter, event) {
@@ -759,22 +779,24 @@ fn subtract_distinct(
     if !minutes.holds_alone(overlay, store_id, mode, event, print)? {
         return Ok(false);
     }
-    let key = BucketKey::of_meter(keys::AGGREGATE, meter, ALL_CUSTOMERS, minute);
-    let bucket = overlay.aggregate_mut(key)?;
+    let bucket =
+        overlay.aggregate_mut(BucketKey::of_meter(keys::AGGREGATE, meter, slot, minute))?;
     match bucket.events.checked_sub(1) {
         // Its last event gone, the bucket is empty (and not stored).
         Some(0) => *bucket = Aggregate::default(),
         Some(events) => bucket.events = events,
         None => return Ok(false),
     }
-    overlay.delete(BucketKey::distinct(
-        store_id,
-        mode,
-        meter_id,
-        ALL_CUSTOMERS,
-        minute,
-        &value,
-    ));
+    let in_set = slot != ALL_CUSTOMERS
+        && overlay.remove_distinct(
+            BucketKey::of_meter(keys::DISTINCT_SET, meter, slot, minute),
+            value.as_bytes(),
+        )?;
+    if !in_set {
+        overlay.delete(BucketKey::distinct(
+            store_id, mode, meter_id, slot, minute, &value,
+        ));
+    }
     Ok(true)
 }
 
@@ -1173,8 +1195,21 @@ impl Metering {
                 rebuild_records(store.as_ref(), &index, &records, &scope, &ids)
             }));
         }
-        if let Some(at) = stored.iter().position(|stored| !stored) {
-            return Err(event_not_found(&event_ids[at], at).into());
+        if stored.contains(&false) {
+            // Ids not found may be events acknowledged moments before and not yet
+            // applied (`caught_up_before_not_found`): asked again once they would
+            // be. The void is appended after their batches, so apply finds them.
+            let missing: Vec<usize> = (0..event_ids.len()).filter(|&at| !stored[at]).collect();
+            if self.caught_up_before_not_found().await {
+                let ids: Vec<String> = missing.iter().map(|&at| event_ids[at].clone()).collect();
+                let (events, _) = self.stored_events_read(scope, &ids).await?;
+                for (&at, event) in missing.iter().zip(&events) {
+                    stored[at] = event.is_some();
+                }
+            }
+            if let Some(at) = stored.iter().position(|stored| !stored) {
+                return Err(event_not_found(&event_ids[at], at).into());
+            }
         }
         let mut rebuilds = BTreeSet::new();
         for task in warming {
