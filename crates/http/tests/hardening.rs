@@ -709,3 +709,57 @@ async fn an_abandoned_ingest_leaves_no_id_reserved() {
     assert_eq!(sent.body["duplicates"], 0, "{}", sent.body);
     server.stop().await;
 }
+
+/// An event whose batch was acknowledged but not yet applied (the projector stalls
+/// between the two) is found by its id and can be voided: a look-up that finds
+/// nothing waits for the node to apply what the log held, and answers then
+/// (docs/api.md: ingest answers once the batch is durable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acknowledged_event_is_found_and_voided_before_it_is_applied() {
+    let (_guard, dir) = temp_dir();
+    let stalled = Arc::new(AtomicBool::new(false));
+    let flag = stalled.clone();
+    let server = Server::start_with_store(
+        &dir,
+        default_config(),
+        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
+        move |sled| {
+            Arc::new(FaultyStore {
+                inner: Arc::new(CheckpointStore::new(sled)),
+                stalled: flag,
+                failing: Arc::default(),
+            })
+        },
+    )
+    .await;
+    let api = Api::new(&server.test_url, &create_store(&server, "s").await.test);
+    let customer_id = customer(&api).await;
+
+    stalled.store(true, Ordering::SeqCst);
+    let ingested = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [{"event_id": "late-1", "name": "call", "customer_id": customer_id}]}),
+        )
+        .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
+    let resume = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stalled.store(false, Ordering::SeqCst);
+    };
+    let (found, voided, ()) = tokio::join!(
+        api.get("/v1/events/late-1"),
+        api.post(
+            "/v1/events/void",
+            json!({"event_ids": ["late-1"], "reason": "sent by mistake"}),
+        ),
+        resume
+    );
+    assert_eq!(found.status, 200, "{}", found.body);
+    assert_eq!(found.body["event_id"], "late-1");
+    assert_eq!(voided.status, 200, "{}", voided.body);
+    assert_eq!(voided.body["voided"], json!(["late-1"]));
+    let unknown = api.get("/v1/events/never-sent").await;
+    assert_error(&unknown, 404, "invalid_request_error");
+    server.stop().await;
+}
