@@ -1637,7 +1637,8 @@ fn minute_event_rows_no_void_can_need_are_pruned() {
 
 /// `unique` keeps a customer's distinct values of a minute in one set, up to
 /// `INLINE_DISTINCT_MAX`, and one key per value past it: the count stays exact on
-/// both sides of the limit, for the customer and meter-wide, in any chunking.
+/// both sides of the limit, for the customer and meter-wide, in any chunking, and
+/// after voids of a value on each side.
 #[test]
 fn distinct_values_past_the_inline_set_stay_exact() {
     use tally_engine::codec::INLINE_DISTINCT_MAX;
@@ -1669,6 +1670,17 @@ fn distinct_values_past_the_inline_set_stay_exact() {
             matched_below: None,
         });
     }
+    // Two values no other event holds, one in the customer's inline set and one
+    // past it (its own key): a void takes each out of the customer's bucket
+    // without a rebuild, from where it is.
+    let voided = [500, INLINE_DISTINCT_MAX + 100];
+    records.push(Record::EventsVoided {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        event_ids: voided.iter().map(|i| format!("ev{i}")).collect(),
+        reason: "test".into(),
+    });
+    let distinct = distinct - voided.len();
     let entries = entries_of(&records);
     let whole = apply_in_chunks(&entries, &[]);
     let chunked = apply_in_chunks(&entries, &[8, 10, 15, 17]);
