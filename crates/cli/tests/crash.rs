@@ -2,7 +2,9 @@
 //! first a torn half-record is left at the end of the log, as a crash mid-write
 //! would; in the second the kill lands while a checkpoint is being written to sled.
 //! After a restart every acknowledged event is present exactly once, and the server
-//! starts cleanly.
+//! starts cleanly. In the last, a client voids and amends acknowledged events while
+//! the load runs: every acknowledged correction holds after the restart, and one the
+//! kill cut off holds whole or not at all.
 
 mod common;
 
@@ -325,56 +327,86 @@ async fn a_sigkill_after_a_layer_copy_restarts_from_it_exactly() {
     assert!(matched, "replay {replayed} differs from live {live}");
 }
 
-/// Voids of events `ids`, ten at a time, sent while the load runs: each request's
-/// ids with whether it was answered 200 (`None` once the server died).
-type VoidRequests = Arc<Mutex<Vec<(Vec<String>, Option<u16>)>>>;
+/// A correction sent while the load runs.
+#[derive(Debug, Clone)]
+enum Correction {
+    /// A void of these ids.
+    Void(Vec<String>),
+    /// An amendment of `original`, whose replacement takes the id `replacement`.
+    Amend {
+        original: String,
+        replacement: String,
+    },
+}
 
-/// One client voiding acknowledged events, ten per request and each event once,
-/// until the server dies.
-fn void_while_loading(
+/// The corrections sent, each with whether it was answered 200 (`None` once the
+/// server died).
+type Corrections = Arc<Mutex<Vec<(Correction, Option<u16>)>>>;
+
+/// One client correcting acknowledged events until the server dies, each event
+/// once: voids of ten, and every fourth request an amendment of one.
+fn correct_while_loading(
     setup: &Arc<Setup>,
     load: &Load,
-) -> (VoidRequests, tokio::task::JoinHandle<()>) {
-    let requests: VoidRequests = Arc::default();
+) -> (Corrections, tokio::task::JoinHandle<()>) {
+    let requests: Corrections = Arc::default();
     let (setup, acknowledged, sent) = (setup.clone(), load.acknowledged.clone(), requests.clone());
     let client = tokio::spawn(async move {
         let mut next = 0;
-        loop {
-            let ids: Vec<String> = {
-                let acknowledged = acknowledged.lock().unwrap();
-                // Every third acknowledged event, so voided and counted events share
-                // their batches and minutes.
-                let ids: Vec<String> = acknowledged
-                    .iter()
-                    .skip(next)
-                    .step_by(3)
-                    .take(10)
-                    .cloned()
-                    .collect();
+        for number in 0.. {
+            let ids: Vec<String> = loop {
+                let ids: Vec<String> = {
+                    let acknowledged = acknowledged.lock().unwrap();
+                    // Every third acknowledged event, so corrected and counted
+                    // events share their batches and minutes.
+                    acknowledged
+                        .iter()
+                        .skip(next)
+                        .step_by(3)
+                        .take(10)
+                        .cloned()
+                        .collect()
+                };
                 if ids.len() == 10 {
                     next += 30;
+                    break ids;
                 }
-                ids
-            };
-            if ids.len() < 10 {
                 tokio::time::sleep(Duration::from_millis(5)).await;
-                continue;
-            }
-            let answer = post(
-                &setup.http,
-                &format!("{}/v1/events/void", setup.base),
-                &setup.key,
-                json!({"event_ids": ids, "reason": "crash test"}),
-            )
-            .await;
+            };
+            let (correction, answer) = if number % 4 == 3 {
+                let (original, replacement) = (ids[0].clone(), format!("amended-{number}"));
+                let answer = post(
+                    &setup.http,
+                    &format!("{}/v1/events/{original}/amend", setup.base),
+                    &setup.key,
+                    json!({"event": {"event_id": replacement, "properties": {"user": replacement}}, "reason": "crash test"}),
+                )
+                .await;
+                (
+                    Correction::Amend {
+                        original,
+                        replacement,
+                    },
+                    answer,
+                )
+            } else {
+                let answer = post(
+                    &setup.http,
+                    &format!("{}/v1/events/void", setup.base),
+                    &setup.key,
+                    json!({"event_ids": ids, "reason": "crash test"}),
+                )
+                .await;
+                (Correction::Void(ids), answer)
+            };
             let status = answer.as_ref().ok().map(|(status, _)| *status);
             if let Ok((status, body)) = &answer {
                 assert!(
                     *status == 200 || *status == 503,
-                    "void answered {status}: {body}"
+                    "{correction:?} answered {status}: {body}"
                 );
             }
-            sent.lock().unwrap().push((ids, status));
+            sent.lock().unwrap().push((correction, status));
             if status.is_none() {
                 break; // the server died
             }
@@ -413,44 +445,42 @@ async fn listed_events(setup: &Setup, base: &str) -> std::collections::HashMap<S
     }
 }
 
-/// Voids go through the log like everything else: a SIGKILL while events are
-/// ingested and voided, with checkpoints in flight, loses no acknowledged void; a
-/// void whose answer the kill cut off holds for all its ids or for none; and both
-/// meters (count, and unique, which a void must rebuild exactly) count exactly the
-/// stored events not voided, as a replay of the log does.
+/// Voids and amendments go through the log like everything else: a SIGKILL while
+/// events are ingested and corrected, with checkpoints in flight, loses no
+/// acknowledged correction; one whose answer the kill cut off holds whole or not
+/// at all (a void for all its ids or none, an amendment's void with its
+/// replacement); and both meters (count, and unique, which a void must rebuild
+/// exactly) count exactly the stored events not voided, as a replay of the log
+/// does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn acknowledged_voids_survive_sigkill_mid_checkpoint() {
+async fn acknowledged_corrections_survive_sigkill_mid_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let served = serve_with(dir.path(), &["--checkpoint-keys", "3000"]);
     let setup = Arc::new(Setup::new(&served, &[count_meter(), unique_users_meter()]).await);
     let load = setup.load(4, 20);
-    let (voids, voiding) = void_while_loading(&setup, &load);
+    let (corrections, correcting) = correct_while_loading(&setup, &load);
+    let answered = |corrections: &Corrections| {
+        corrections
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, status)| *status == Some(200))
+            .count()
+    };
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while voids
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(_, s)| *s == Some(200))
-        .count()
-        < 20
-    {
+    while answered(&corrections) < 20 {
         assert!(
             std::time::Instant::now() < deadline,
-            "no voids within 60 s: {:?}",
-            voids
-                .lock()
-                .unwrap()
-                .iter()
-                .map(|(_, s)| *s)
-                .collect::<Vec<_>>()
+            "no corrections within 60 s: {:?}",
+            corrections.lock().unwrap()
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     projection_file_appears(dir.path(), tally_projection::sled_store::STAGE_FILE).await;
     served.kill();
     let (acknowledged, _) = load.finish().await;
-    voiding.await.unwrap();
-    let voids = voids.lock().unwrap().clone();
+    correcting.await.unwrap();
+    let corrections = corrections.lock().unwrap().clone();
 
     let served = serve(dir.path());
     let base = served.test_url.clone();
@@ -460,26 +490,48 @@ async fn acknowledged_voids_survive_sigkill_mid_checkpoint() {
     for id in &acknowledged {
         assert!(events.contains_key(id), "acknowledged event {id} lost");
     }
-    let mut sent_void = HashSet::new();
-    for (ids, status) in &voids {
-        let voided = ids.iter().filter(|id| events[id.as_str()]).count();
-        match status {
-            Some(200) => assert_eq!(voided, ids.len(), "an acknowledged void was lost: {ids:?}"),
-            _ => assert!(
-                voided == 0 || voided == ids.len(),
-                "a void held for {voided} of its {} ids",
-                ids.len()
-            ),
+    let mut asked_to_void = HashSet::new();
+    for (correction, status) in &corrections {
+        let acknowledged = *status == Some(200);
+        match correction {
+            Correction::Void(ids) => {
+                let voided = ids.iter().filter(|id| events[id.as_str()]).count();
+                if acknowledged {
+                    assert_eq!(voided, ids.len(), "an acknowledged void was lost: {ids:?}");
+                } else {
+                    assert!(
+                        voided == 0 || voided == ids.len(),
+                        "a void held for {voided} of its {} ids",
+                        ids.len()
+                    );
+                }
+                asked_to_void.extend(ids.iter().cloned());
+            }
+            Correction::Amend {
+                original,
+                replacement,
+            } => {
+                let voided = events[original.as_str()];
+                let stored = events.get(replacement.as_str()) == Some(&false);
+                assert_eq!(
+                    voided, stored,
+                    "{original} voided: {voided}, its replacement stored: {stored}"
+                );
+                assert!(
+                    stored || !acknowledged,
+                    "an acknowledged amendment was lost: {original}"
+                );
+                asked_to_void.insert(original.clone());
+            }
         }
-        sent_void.extend(ids.iter().cloned());
     }
     let voided: Vec<&String> = events
         .iter()
-        .filter(|(_, v)| **v)
+        .filter(|(_, voided)| **voided)
         .map(|(id, _)| id)
         .collect();
     assert!(
-        voided.iter().all(|id| sent_void.contains(*id)),
+        voided.iter().all(|id| asked_to_void.contains(*id)),
         "an event voided unasked"
     );
     let counted = events.len() - voided.len();
@@ -500,10 +552,10 @@ async fn acknowledged_voids_survive_sigkill_mid_checkpoint() {
         );
     }
     eprintln!(
-        "{} events stored, {} voided, {} void requests",
+        "{} events stored, {} voided, {} corrections",
         events.len(),
         voided.len(),
-        voids.len()
+        corrections.len()
     );
     assert!(served.terminate().success());
     let (matched, replayed, live) = replay(dir.path());
