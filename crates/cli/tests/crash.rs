@@ -104,6 +104,18 @@ impl Setup {
         }
     }
 
+    /// What the meter `meter_id` counts on the server at `base`, over all time.
+    async fn counted(&self, base: &str, meter_id: &str) -> usize {
+        let (status, usage) = get(
+            &self.http,
+            &format!("{base}/v1/meters/{meter_id}/usage"),
+            &self.key,
+        )
+        .await;
+        assert_eq!(status, 200, "{usage}");
+        usage["value"].as_str().unwrap().parse().unwrap()
+    }
+
     /// Against a restarted server on `base`: every acknowledged id sent again is a
     /// duplicate (stored, and only once), and each meter counted between the
     /// acknowledged and the attempted events; returns what each meter counted.
@@ -123,14 +135,7 @@ impl Setup {
         }
         let mut counts = Vec::new();
         for meter_id in &self.meter_ids {
-            let (status, usage) = get(
-                &self.http,
-                &format!("{base}/v1/meters/{meter_id}/usage"),
-                &self.key,
-            )
-            .await;
-            assert_eq!(status, 200, "{usage}");
-            let counted: usize = usage["value"].as_str().unwrap().parse().unwrap();
+            let counted = self.counted(base, meter_id).await;
             assert!(
                 (acknowledged.len()..=attempted).contains(&counted),
                 "counted {counted} outside acknowledged {} ..= attempted {attempted}",
@@ -536,15 +541,8 @@ async fn acknowledged_corrections_survive_sigkill_mid_checkpoint() {
     );
     let counted = events.len() - voided.len();
     for meter_id in &setup.meter_ids {
-        let (status, usage) = get(
-            &setup.http,
-            &format!("{base}/v1/meters/{meter_id}/usage"),
-            &setup.key,
-        )
-        .await;
-        assert_eq!(status, 200, "{usage}");
         assert_eq!(
-            usage["value"].as_str().unwrap().parse::<usize>().unwrap(),
+            setup.counted(&base, meter_id).await,
             counted,
             "meter {meter_id}: {} stored, {} voided",
             events.len(),

@@ -1060,11 +1060,7 @@ impl<'a> Overlay<'a> {
     /// Adds `value` to the inline distinct set at `key` (a `u` key), unless it is
     /// there or the set is full.
     pub fn add_distinct(&mut self, key: Vec<u8>, value: &[u8]) -> Result<DistinctAdd, EngineError> {
-        let index = self.distinct_set_index(key)?;
-        let (_, set) = self
-            .distinct_sets
-            .get_index_mut(index)
-            .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
+        let (index, set) = self.distinct_set_mut(key)?;
         if set.len() >= codec::INLINE_DISTINCT_MAX {
             return Ok(match set.contains(value) {
                 true => DistinctAdd::Present,
@@ -1084,17 +1080,24 @@ impl<'a> Overlay<'a> {
     /// event that held it); whether the set held it (a value that came past a full
     /// set has its own key instead).
     pub fn remove_distinct(&mut self, key: Vec<u8>, value: &[u8]) -> Result<bool, EngineError> {
-        let index = self.distinct_set_index(key)?;
-        let (_, set) = self
-            .distinct_sets
-            .get_index_mut(index)
-            .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
+        let (index, set) = self.distinct_set_mut(key)?;
         if !set.remove(value) {
             return Ok(false);
         }
         self.journal
             .push(Undo::DistinctRemoved(index, value.to_vec()));
         Ok(true)
+    }
+
+    /// The inline distinct set at `key` for a change, loaded first if needed, with
+    /// its index in `distinct_sets` (what the journal names).
+    fn distinct_set_mut(&mut self, key: Vec<u8>) -> Result<(usize, &mut DistinctSet), EngineError> {
+        let index = self.distinct_set_index(key)?;
+        let (_, set) = self
+            .distinct_sets
+            .get_index_mut(index)
+            .ok_or_else(|| EngineError::Corrupt("distinct set vanished from the overlay".into()))?;
+        Ok((index, set))
     }
 
     /// Empties the inline distinct set at `key` (a void rebuilding its bucket); an

@@ -170,21 +170,12 @@ impl ProjectionStore for FaultyStore {
     }
 }
 
-/// While the projector stalls, a debit answers `outcome_pending`; its retries and a
-/// concurrent debit are durable too, yet once the projector resumes exactly one
-/// debit is applied, the retry gets that transaction, the other debit is refused in
-/// apply, and writes are refused while the lag is over its bound. An
-/// `idempotency-key` create is answered with its one outcome, never twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_projector_never_double_applies() {
-    // Three writes wait out the 400 ms apply wait before the keyed create; the bound leaves
-    // a slow machine room so that the create is appended, not gated.
-    const LAG_BOUND: Duration = Duration::from_millis(4_000);
-    let (_guard, dir) = temp_dir();
+/// A server over a `FaultyStore` that never fails, and the flag that stalls it.
+async fn stallable_server(dir: &std::path::Path) -> (Server, Arc<AtomicBool>) {
     let stalled = Arc::new(AtomicBool::new(false));
     let flag = stalled.clone();
     let server = Server::start_with_store(
-        &dir,
+        dir,
         default_config(),
         Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
         move |sled| {
@@ -196,6 +187,21 @@ async fn a_stalled_projector_never_double_applies() {
         },
     )
     .await;
+    (server, stalled)
+}
+
+/// While the projector stalls, a debit answers `outcome_pending`; its retries and a
+/// concurrent debit are durable too, yet once the projector resumes exactly one
+/// debit is applied, the retry gets that transaction, the other debit is refused in
+/// apply, and writes are refused while the lag is over its bound. An
+/// `idempotency-key` create is answered with its one outcome, never twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_projector_never_double_applies() {
+    // Three writes wait out the 400 ms apply wait before the keyed create; the bound leaves
+    // a slow machine room so that the create is appended, not gated.
+    const LAG_BOUND: Duration = Duration::from_millis(4_000);
+    let (_guard, dir) = temp_dir();
+    let (server, stalled) = stallable_server(&dir).await;
     server
         .engine
         .tune_waits(Duration::from_millis(400), LAG_BOUND);
@@ -717,21 +723,7 @@ async fn an_abandoned_ingest_leaves_no_id_reserved() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acknowledged_event_is_found_and_voided_before_it_is_applied() {
     let (_guard, dir) = temp_dir();
-    let stalled = Arc::new(AtomicBool::new(false));
-    let flag = stalled.clone();
-    let server = Server::start_with_store(
-        &dir,
-        default_config(),
-        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
-        move |sled| {
-            Arc::new(FaultyStore {
-                inner: Arc::new(CheckpointStore::new(sled)),
-                stalled: flag,
-                failing: Arc::default(),
-            })
-        },
-    )
-    .await;
+    let (server, stalled) = stallable_server(&dir).await;
     let api = Api::new(&server.test_url, &create_store(&server, "s").await.test);
     let customer_id = customer(&api).await;
 

@@ -133,18 +133,9 @@ impl Metering {
 
     /// Each of `event_ids` as stored in the scope (`None`: not a stored event): their
     /// records read at once (one pass over the log, through the cache), not one by
-    /// one.
-    pub async fn stored_events(
-        &self,
-        scope: &Scope,
-        event_ids: &[String],
-    ) -> Result<Vec<Option<UsageEvent>>, EngineError> {
-        Ok(self.stored_events_read(scope, event_ids).await?.0)
-    }
-
-    /// `stored_events`, with the records read for them (those the index's
-    /// candidates point at, found or not).
-    pub(crate) async fn stored_events_read(
+    /// one; with the records read for them (those the index's candidates point at,
+    /// found or not).
+    pub(crate) async fn stored_events(
         &self,
         scope: &Scope,
         event_ids: &[String],

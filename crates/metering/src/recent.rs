@@ -18,13 +18,13 @@ use tally_core::overlay::StoredBatch;
 /// full ingest batches; bounds the memory of listings and dedup confirmations.
 pub const RECENT_RECORDS_MAX_BYTES: usize = 32 * 1024 * 1024;
 
-/// Usage records recently read from the log, oldest evicted first, bounded by
-/// [`RECENT_RECORDS_MAX_BYTES`]. Records never change, so an entry never goes stale.
 /// Read-back hints kept at once: each is taken when its record is planned, so
 /// only requests that never reached the log leave one behind; a few hundred void
 /// requests in flight on one node is far beyond what its disk serves.
 pub const READ_HINTS_MAX: usize = 1024;
 
+/// Usage records recently read from the log, oldest evicted first, bounded by
+/// [`RECENT_RECORDS_MAX_BYTES`]. Records never change, so an entry never goes stale.
 #[derive(Debug, Default)]
 pub struct RecentRecords {
     inner: std::sync::Mutex<RecentInner>,

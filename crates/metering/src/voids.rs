@@ -1178,7 +1178,7 @@ impl Metering {
         let mut warming = Vec::new();
         for slice in order.chunks(CONFIRM_SLICE_IDS) {
             let ids: Vec<String> = slice.iter().map(|&(_, at)| event_ids[at].clone()).collect();
-            let (events, records) = self.stored_events_read(scope, &ids).await?;
+            let (events, records) = self.stored_events(scope, &ids).await?;
             for (&(_, at), event) in slice.iter().zip(&events) {
                 stored[at] = event.is_some();
             }
@@ -1202,7 +1202,7 @@ impl Metering {
             let missing: Vec<usize> = (0..event_ids.len()).filter(|&at| !stored[at]).collect();
             if self.caught_up_before_not_found().await {
                 let ids: Vec<String> = missing.iter().map(|&at| event_ids[at].clone()).collect();
-                let (events, _) = self.stored_events_read(scope, &ids).await?;
+                let (events, _) = self.stored_events(scope, &ids).await?;
                 for (&at, event) in missing.iter().zip(&events) {
                     stored[at] = event.is_some();
                 }
