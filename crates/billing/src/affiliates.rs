@@ -327,7 +327,7 @@ impl Billing {
         };
         let now = self.now_in(scope);
         let invite = AffiliateInvite {
-            id: new_id("affinv").into(),
+            id: new_id("inv").into(),
             store_id: scope.store_id.clone(),
             mode: scope.mode,
             email,

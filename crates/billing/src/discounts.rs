@@ -64,7 +64,7 @@ impl Billing {
     ) -> Result<Discount, EngineError> {
         let discount = new_discount(
             input,
-            new_id("disc").into(),
+            new_id("dis").into(),
             scope.store_id.clone(),
             scope.mode,
             self.journal.now_ms(),

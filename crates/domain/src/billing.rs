@@ -920,7 +920,7 @@ mod tests {
                 expiry_date: Some("2030-01-01T00:00:00Z".into()),
                 ..Default::default()
             },
-            "disc_1".into(),
+            "dis_1".into(),
             "st_1".into(),
             Mode::Test,
             0,

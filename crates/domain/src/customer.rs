@@ -74,7 +74,9 @@ pub struct CustomerChanges {
 }
 
 /// A deliberately simple email check: one `@`, a non-empty local part, a domain with
-/// a dot and no spaces. Deliverability is the caller's business.
+/// a dot, no spaces and no control characters (a NUL or a line break in an address
+/// would reach every webhook and export that prints it). Deliverability is the
+/// caller's business.
 pub fn is_valid_email(email: &str) -> bool {
     let Some((local, domain)) = email.split_once('@') else {
         return false;
@@ -84,7 +86,7 @@ pub fn is_valid_email(email: &str) -> bool {
         && domain.contains('.')
         && !domain.starts_with('.')
         && !domain.ends_with('.')
-        && !email.chars().any(char::is_whitespace)
+        && !email.chars().any(|c| c.is_whitespace() || c.is_control())
         && email.chars().count() <= MAX_EMAIL_CHARS
 }
 
@@ -223,7 +225,17 @@ mod tests {
     #[test]
     fn emails() {
         assert!(is_valid_email("a@b.co"));
-        for bad in ["", "a", "a@b", "@b.co", "a@@b.co", "a b@c.co", "a@.co"] {
+        for bad in [
+            "",
+            "a",
+            "a@b",
+            "@b.co",
+            "a@@b.co",
+            "a b@c.co",
+            "a@.co",
+            "a\u{0}@b.co",
+            "a@b.co\u{7f}",
+        ] {
             assert!(!is_valid_email(bad), "{bad}");
         }
     }

@@ -142,7 +142,7 @@ id_type!(
 );
 
 id_type!(
-    /// A discount: `disc_...`.
+    /// A discount: `dis_...`.
     DiscountId
 );
 id_type!(
@@ -186,7 +186,7 @@ id_type!(
     AffiliateId
 );
 id_type!(
-    /// An invitation to become an affiliate: `affinv_...`.
+    /// An invitation to become an affiliate: `inv_...`.
     InviteId
 );
 id_type!(

@@ -547,7 +547,7 @@ impl Engine {
         let screener = Screener::new(self.directory.moderation_policy(scope)?)?;
         let (decision, reasons) = screener.screen(prompt);
         let units = units(prompt);
-        let id = tally_core::ids::new_id("modr");
+        let id = tally_core::ids::new_id("mod");
         let mut metered = false;
         if let Some(external) = external_id {
             let reference = CustomerRef::External(external.to_string());

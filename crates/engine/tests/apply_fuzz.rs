@@ -389,7 +389,7 @@ mod billing {
 
     pub fn discount(id: u8, max: u32, deleted: bool, expires: Option<u8>) -> Discount {
         Discount {
-            id: format!("disc_{id}").into(),
+            id: format!("dis_{id}").into(),
             store_id: STORE.into(),
             mode: Mode::Test,
             name: "d".into(),
@@ -427,7 +427,7 @@ mod billing {
             product_id: format!("prod_{product}").into(),
             customer_id: format!("cus_{}", id % 2).into(),
             units: 1,
-            discount_id: discount.map(|d| format!("disc_{d}").into()),
+            discount_id: discount.map(|d| format!("dis_{d}").into()),
             discount_code: discount.map(|d| format!("CODE{d}")),
             affiliate_code: code.map(|c| format!("code{c}")),
             success_url: None,
@@ -931,7 +931,7 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
             }
             Op::Invite { id, email } => {
                 Record::AffiliateInviteCreated(tally_domain::affiliate::AffiliateInvite {
-                    id: format!("affinv_{id}").into(),
+                    id: format!("inv_{id}").into(),
                     store_id: STORE.into(),
                     mode: Mode::Test,
                     email: format!("a{email}@x.io"),
@@ -962,7 +962,7 @@ fn payloads(ops: &[(Op, Envelope)]) -> Vec<Vec<u8>> {
                     joined.earnings = 1_000;
                 }
                 Record::AffiliateJoined {
-                    invite_id: format!("affinv_{invite}").into(),
+                    invite_id: format!("inv_{invite}").into(),
                     affiliate: joined,
                 }
             }

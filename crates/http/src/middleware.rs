@@ -316,10 +316,9 @@ pub async fn rate_limit(State(state): State<AppState>, request: Request, next: N
         refused
     };
     let headers = response.headers_mut();
-    headers.insert(
-        "x-ratelimit-limit",
-        HeaderValue::from(state.limiter.per_second as u64),
-    );
+    // The limit is the bucket's size, so `remaining` (what the bucket holds now)
+    // never exceeds it; the bucket refills at `per_second` (docs/api.md).
+    headers.insert("x-ratelimit-limit", HeaderValue::from(state.limiter.burst));
     headers.insert(
         "x-ratelimit-remaining",
         HeaderValue::from(decision.remaining),

@@ -55,6 +55,11 @@ async fn affiliates_join_convert_earn_and_give_back() {
         .await);
     assert_eq!(invite["object"], "affiliate-invite");
     assert_eq!(invite["status"], "pending");
+    // The prefixes docs/api.md lists: `inv_` for an invite.
+    assert!(
+        invite["id"].as_str().unwrap().starts_with("inv_"),
+        "{invite}"
+    );
     let twice = assert_error(
         &api.post(
             "/v1/affiliates/invites",
@@ -94,7 +99,7 @@ async fn affiliates_join_convert_earn_and_give_back() {
     let invites = ok(&api.get("/v1/affiliates/invites").await);
     assert_eq!(invites["items"][0]["status"], "accepted");
     assert_error(
-        &api.post("/v1/affiliates/invites/affinv_nope/accept", json!({}))
+        &api.post("/v1/affiliates/invites/inv_nope/accept", json!({}))
             .await,
         404,
         "invalid_request_error",

@@ -79,7 +79,7 @@ async fn discounts_are_created_found_by_id_or_code_updated_and_deleted() {
         .await;
     let disc = id(&created);
     let d = &created.body;
-    assert!(disc.starts_with("disc_"));
+    assert!(disc.starts_with("dis_"));
     assert_eq!(d["object"], "discount");
     assert_eq!(d["status"], "active");
     assert_eq!(d["percentage"], 15);

@@ -289,6 +289,11 @@ async fn rate_limit_answers_429_with_headers() {
     for _ in 0..5 {
         let answer = api.get("/v1/meters").await;
         statuses.push(answer.status);
+        let header =
+            |name: &str| -> u64 { answer.headers[name].to_str().unwrap().parse().unwrap() };
+        // The limit is the bucket's size: what remains never exceeds it.
+        assert_eq!(header("x-ratelimit-limit"), 3);
+        assert!(header("x-ratelimit-remaining") <= header("x-ratelimit-limit"));
         last = Some(answer);
     }
     assert_eq!(&statuses[..3], &[200, 200, 200], "the burst is allowed");

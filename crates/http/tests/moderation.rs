@@ -19,6 +19,11 @@ async fn prompts_are_screened_by_the_store_policy_and_metered() {
         .await;
     assert_eq!(allowed.status, 200, "{}", allowed.body);
     assert_eq!(allowed.body["object"], "moderation_result");
+    assert!(
+        allowed.body["id"].as_str().unwrap().starts_with("mod_"),
+        "{}",
+        allowed.body
+    );
     assert_eq!(allowed.body["decision"], "allow");
     assert_eq!(allowed.body["usage"]["units"], 1);
     for prompt in [json!(""), json!("a".repeat(32_769))] {

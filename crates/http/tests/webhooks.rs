@@ -642,6 +642,25 @@ async fn deliveries_of_a_test_store_follow_its_test_clock() {
     )
     .await;
     receiver.wait_for(3).await;
+    // Scheduled by the test clock, but signed at the wall clock: a receiver checks
+    // the signature's time against its own clock (docs/api.md, "Webhooks").
+    let wall_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    for (headers, _) in receiver.received.lock().unwrap().iter() {
+        let signature = headers["tally-signature"].to_str().unwrap();
+        let signed_at: i64 = signature
+            .strip_prefix("t=")
+            .and_then(|rest| rest.split(',').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            (signed_at - wall_s).abs() < 300,
+            "signed at {signed_at}, the wall clock is at {wall_s}: {signature}"
+        );
+    }
     server.stop().await;
 }
 

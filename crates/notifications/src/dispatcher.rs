@@ -54,7 +54,8 @@ impl DispatchScope for EveryStore {
     }
 }
 
-/// The headers of a delivery made at `now_ms`.
+/// The headers of a delivery made at `now_ms`, the wall clock (never a test clock:
+/// receivers reject signatures whose time is far from their own clock).
 pub fn delivery_headers(
     endpoint: &WebhookEndpoint,
     delivery: &Delivery,
@@ -273,7 +274,12 @@ impl Dispatcher {
                 let body = self.bodies.body(scope, delivery)?;
                 match self.refuse_target(endpoint) {
                     Some(reason) => (0, reason),
-                    None => self.post(endpoint, delivery, &body, now).await,
+                    // Signed at the wall clock even on an advanced test clock:
+                    // a receiver checks the signature's time against its own clock.
+                    None => {
+                        let signed_at = self.notifications.journal.now_ms();
+                        self.post(endpoint, delivery, &body, signed_at).await
+                    }
                 }
             }
         };
