@@ -294,11 +294,14 @@ struct ServeArgs {
     /// Log output format on stderr.
     #[arg(long, env = "TALLY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
-    /// Requests per second allowed per API key (token bucket refill rate).
-    #[arg(long, env = "TALLY_RATE_LIMIT_PER_SECOND", default_value_t = 1000)]
+    /// Requests per second allowed per API key (token bucket refill rate). The
+    /// default is above what one node serves one key (a few thousand debits or
+    /// ingest batches a second on two cores), so a single producer is never refused
+    /// below the node's capacity; lower it to share a node between tenants.
+    #[arg(long, env = "TALLY_RATE_LIMIT_PER_SECOND", default_value_t = 10_000)]
     rate_limit_per_second: u32,
     /// Burst allowed per API key (token bucket size).
-    #[arg(long, env = "TALLY_RATE_LIMIT_BURST", default_value_t = 2000)]
+    #[arg(long, env = "TALLY_RATE_LIMIT_BURST", default_value_t = 20_000)]
     rate_limit_burst: u32,
     /// Admin API token; enables POST /admin/v1/stores on the production listener.
     /// At least 32 characters (a random secret): a guessable token on a public
