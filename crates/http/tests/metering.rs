@@ -1118,3 +1118,41 @@ async fn latest_and_time_weighted_sum_hold_values_until_they_change() {
     assert_eq!(preview.status, 200, "{}", preview.body);
     assert_eq!(preview.body["value"], "7");
 }
+
+/// A test store's usage follows its test clock: events ingested after an advance
+/// take the test time as their default timestamp, and a usage query without a range
+/// covers the 35 days before the test time, so it finds them (docs/api.md, "Test
+/// clock").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_without_a_range_follows_an_advanced_test_clock() {
+    let (_g, server, api) = setup().await;
+    let a = customer(&api, "a").await;
+    let counted = meter(
+        &api,
+        json!({"name": "calls", "event_name": "call", "aggregation": "count"}),
+    )
+    .await;
+    let id = counted["id"].as_str().unwrap();
+    let later = format_iso8601_ms(server.clock.now_ms() + 60 * 24 * 3_600_000);
+    let advanced = api
+        .post("/v1/test-clock/advance", json!({"to": later}))
+        .await;
+    assert_eq!(advanced.status, 200, "{}", advanced.body);
+    let ingested = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [{"name": "call", "customer_id": a}]}),
+        )
+        .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
+    server.engine.wait_caught_up().await.unwrap();
+    let usage = api.get(&format!("/v1/meters/{id}/usage")).await;
+    assert_eq!(usage.status, 200, "{}", usage.body);
+    assert_eq!(usage.body["value"], "1", "{}", usage.body);
+    assert!(
+        usage.body["end"].as_str().unwrap() > later.as_str(),
+        "the default range ends after the test time: {}",
+        usage.body
+    );
+    server.stop().await;
+}

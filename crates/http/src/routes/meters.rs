@@ -445,13 +445,15 @@ fn customer_param(
 
 /// `start` and `end` of a range. `end` defaults to now plus the future skew ingest
 /// accepts (so every ingested event is inside), `start` to 35 days (the ingest
-/// horizon) before now.
+/// horizon) before now. "Now" is the scope's time, as ingest's default timestamp is:
+/// a test store's test clock once advanced (docs/api.md, "Test clock").
 fn range(
     state: &AppState,
+    scope: &Scope,
     start: Option<&str>,
     end: Option<&str>,
 ) -> Result<(i64, i64), FieldError> {
-    let now = state.engine.now_ms();
+    let now = state.engine.journal().now_in(scope);
     let end_ms = match end {
         Some(text) => parse_instant("end", text)?,
         None => now + tally_domain::limits::MAX_EVENT_FUTURE_SKEW_MS,
@@ -482,7 +484,7 @@ pub async fn usage(
     query: QueryParams,
 ) -> ApiResult<Response> {
     let (window, window_text) = window_param(query.get("window"))?;
-    let (start_ms, end_ms) = range(&state, query.get("start"), query.get("end"))?;
+    let (start_ms, end_ms) = range(&state, &scope, query.get("start"), query.get("end"))?;
     let group_by_customer = match query.get("group_by") {
         None => false,
         Some("customer_id") => true,
@@ -529,6 +531,7 @@ async fn run_preview(
     let fields = Fields::new(body);
     let (start_ms, end_ms) = range(
         state,
+        scope,
         fields.string("start")?.as_deref(),
         fields.string("end")?.as_deref(),
     )?;
