@@ -290,7 +290,8 @@ pub async fn serve(
 /// accept queue instead of taking file descriptors and memory (slowloris, fd
 /// exhaustion).
 pub const MAX_CONNECTIONS: usize = 4_096;
-/// How long a client may take to send a request's headers.
+/// How long a client may take to send a request's headers, and a new connection
+/// its first byte.
 pub const HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 /// How long a request may take from its first byte to its response, body included
 /// (a write itself waits at most `APPLY_WAIT_TIMEOUT_MS` for the projector).
@@ -342,6 +343,7 @@ async fn serve_listener(
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let mut shutdown = shutdown;
+    let connections_stop = shutdown.clone();
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use hyper_util::server::conn::auto::Builder;
     use hyper_util::server::graceful::GracefulShutdown;
@@ -388,13 +390,31 @@ async fn serve_listener(
             },
         );
         let service = hyper_util::service::TowerToHyperService::new(service);
-        let connection = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let mut stop = connections_stop.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            if let Err(error) = connection.await {
+            // hyper's header timeout starts with a request's first byte, and the
+            // auto builder waits for that byte (to tell HTTP/1 from HTTP/2) with no
+            // deadline: a connection that sends nothing would hold its slot for
+            // good, and `MAX_CONNECTIONS` of them would lock every client out.
+            // (`peek`, not `readable`: readiness may be reported spuriously.)
+            let mut first = [0u8; 1];
+            let first_byte = tokio::time::timeout(
+                Duration::from_millis(HEADER_READ_TIMEOUT_MS),
+                stream.peek(&mut first),
+            );
+            tokio::select! {
+                waited = first_byte => if !matches!(waited, Ok(Ok(1))) {
+                    return;
+                },
+                _ = stop.wait_for(|stop| *stop) => return,
+            }
+            let connection = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .into_owned();
+            if let Err(error) = watcher.watch(connection).await {
                 tracing::debug!(%error, "connection ended with an error");
             }
         });

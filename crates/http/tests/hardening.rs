@@ -755,3 +755,37 @@ async fn an_acknowledged_event_is_found_and_voided_before_it_is_applied() {
     assert_error(&unknown, 404, "invalid_request_error");
     server.stop().await;
 }
+
+/// A connection that sends nothing, or stops in the middle of its headers, is
+/// closed after `HEADER_READ_TIMEOUT_MS`, so silent clients cannot keep the
+/// listener's connection slots (`MAX_CONNECTIONS`) from everyone else; a client
+/// that speaks is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_are_closed_after_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let address = server.test_url.trim_start_matches("http://").to_string();
+    let mut silent = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let mut halting = tokio::net::TcpStream::connect(&address).await.unwrap();
+    halting.write_all(b"GET /healthz HT").await.unwrap();
+    let healthy = reqwest::get(format!("{}/healthz", server.test_url))
+        .await
+        .unwrap();
+    assert_eq!(healthy.status(), 200);
+    let deadline = Duration::from_millis(tally_http::HEADER_READ_TIMEOUT_MS + 5_000);
+    for (what, stream) in [("silent", &mut silent), ("halting", &mut halting)] {
+        let mut byte = [0u8; 64];
+        let read = tokio::time::timeout(deadline, stream.read(&mut byte))
+            .await
+            .unwrap_or_else(|_| panic!("the {what} connection is still open"));
+        // Closed: an end of stream, a reset, or at most an error answer first.
+        if let Ok(n) = read {
+            if n > 0 {
+                let text = String::from_utf8_lossy(&byte[..n]).to_string();
+                assert!(!text.contains(" 200 "), "{what}: {text}");
+            }
+        }
+    }
+    server.stop().await;
+}
