@@ -801,6 +801,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             dispatch_webhooks: !args.no_webhook_dispatch,
             dispatch_scope,
             cluster,
+            request_timeout_ms: tally_http::REQUEST_TIMEOUT_MS,
         },
     );
     let server = tokio::spawn(tally_http::serve(

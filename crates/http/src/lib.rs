@@ -47,6 +47,9 @@ pub struct HttpConfig {
     /// Set when this node shares the projection with a cluster: requests about
     /// stores it does not serve are forwarded (`cluster`).
     pub cluster: Option<Arc<cluster::ClusterRouting>>,
+    /// A request's whole deadline (`REQUEST_TIMEOUT_MS` in service; tests shorten
+    /// it to see its answer).
+    pub request_timeout_ms: u64,
 }
 
 /// What the handlers and middleware of one listener share, behind one pointer: axum
@@ -303,12 +306,13 @@ pub const BODY_READ_TIMEOUT_MS: u64 = 30_000;
 pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 
 /// The layers every listener's router gets: a panic answers 500 with the error body
-/// (and is logged) instead of dropping the connection, requests have a total and a
-/// body-read deadline and a concurrency cap, and answers are compressed (gzip) for
+/// (and is logged) instead of dropping the connection, requests have a body-read
+/// deadline (the total deadline, `REQUEST_TIMEOUT_MS`, is kept by
+/// `middleware::request_context`, which renders its error) and a concurrency cap, and answers are compressed (gzip) for
 /// clients that accept it.
 fn hardened(router: Router) -> Router {
     use tower_http::catch_panic::CatchPanicLayer;
-    use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
+    use tower_http::timeout::RequestBodyTimeoutLayer;
     router
         .layer(tower_http::compression::CompressionLayer::new())
         .layer(CatchPanicLayer::custom(
@@ -325,10 +329,6 @@ fn hardened(router: Router) -> Router {
         .layer(RequestBodyTimeoutLayer::new(Duration::from_millis(
             BODY_READ_TIMEOUT_MS,
         )))
-        .layer(TimeoutLayer::with_status_code(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            Duration::from_millis(REQUEST_TIMEOUT_MS),
-        ))
         .layer(tower::limit::ConcurrencyLimitLayer::new(
             MAX_CONCURRENT_REQUESTS,
         ))

@@ -87,7 +87,22 @@ pub async fn request_context(
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "unmatched".to_string());
-    let mut response = next.run(request).await;
+    // The request's whole deadline, here rather than in an outer layer, so that
+    // its 503 carries the error body and request id like every other error.
+    let timeout_ms = state.config.request_timeout_ms;
+    let deadline = std::time::Duration::from_millis(timeout_ms);
+    let mut response = match tokio::time::timeout(deadline, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "request_timeout",
+            format!(
+                "the request took longer than {} ms and was stopped; retry it (with the same idempotency-key, a write that ran answers its first response)",
+                timeout_ms
+            ),
+        )
+        .into_response(),
+    };
     if response.status() == StatusCode::PAYLOAD_TOO_LARGE
         && response.extensions().get::<ApiError>().is_none()
     {

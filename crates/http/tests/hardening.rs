@@ -172,11 +172,18 @@ impl ProjectionStore for FaultyStore {
 
 /// A server over a `FaultyStore` that never fails, and the flag that stalls it.
 async fn stallable_server(dir: &std::path::Path) -> (Server, Arc<AtomicBool>) {
+    stallable_server_with(dir, default_config()).await
+}
+
+async fn stallable_server_with(
+    dir: &std::path::Path,
+    config: tally_http::HttpConfig,
+) -> (Server, Arc<AtomicBool>) {
     let stalled = Arc::new(AtomicBool::new(false));
     let flag = stalled.clone();
     let server = Server::start_with_store(
         dir,
-        default_config(),
+        config,
         Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
         move |sled| {
             Arc::new(FaultyStore {
@@ -787,5 +794,51 @@ async fn silent_connections_are_closed_after_the_header_timeout() {
             }
         }
     }
+    server.stop().await;
+}
+
+/// A request that outlives its deadline is stopped with 503 `request_timeout` and
+/// the error body every error has (request id, trace id, `retry-after`); the write
+/// it made is kept, and its idempotency-key answers the outcome once applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_deadline_answers_503_with_the_error_body() {
+    let (_guard, dir) = temp_dir();
+    let config = tally_http::HttpConfig {
+        request_timeout_ms: 300,
+        ..default_config()
+    };
+    let (server, stalled) = stallable_server_with(&dir, config).await;
+    let api = Api::new(&server.test_url, &create_store(&server, "s").await.test);
+    stalled.store(true, Ordering::SeqCst);
+    let late = api
+        .post_idempotent("/v1/customers", "late-1", json!({"email": "late@x.io"}))
+        .await;
+    let error = assert_error(&late, 503, "api_error");
+    assert_eq!(error["code"], "request_timeout", "{}", late.body);
+    assert_eq!(late.body["trace_id"], error["request_id"]);
+    assert!(late.headers.contains_key("retry-after"));
+    stalled.store(false, Ordering::SeqCst);
+    server.engine.wait_caught_up().await.unwrap();
+    let mut retried = api
+        .post_idempotent("/v1/customers", "late-1", json!({"email": "late@x.io"}))
+        .await;
+    for _ in 0..50 {
+        if retried.status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        retried = api
+            .post_idempotent("/v1/customers", "late-1", json!({"email": "late@x.io"}))
+            .await;
+    }
+    assert_eq!(retried.status, 200, "{}", retried.body);
+    let listed = api.get("/v1/customers?limit=100").await;
+    let created = listed.body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["email"] == "late@x.io")
+        .count();
+    assert_eq!(created, 1, "one customer for the key: {}", listed.body);
     server.stop().await;
 }

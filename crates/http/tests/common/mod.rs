@@ -41,6 +41,7 @@ pub fn default_config() -> HttpConfig {
         dispatch_webhooks: true,
         dispatch_scope: std::sync::Arc::new(tally_http::webhooks::EveryStore),
         cluster: None,
+        request_timeout_ms: tally_http::REQUEST_TIMEOUT_MS,
     }
 }
 
