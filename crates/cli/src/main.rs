@@ -802,6 +802,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             dispatch_scope,
             cluster,
             request_timeout_ms: tally_http::REQUEST_TIMEOUT_MS,
+            body_read_timeout_ms: tally_http::BODY_READ_TIMEOUT_MS,
         },
     );
     let server = tokio::spawn(tally_http::serve(

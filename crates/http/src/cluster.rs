@@ -347,13 +347,9 @@ pub async fn forward(State(state): State<AppState>, request: Request, next: Next
         break;
     }
     let (parts, body) = request.into_parts();
-    let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
-        return ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!("the body is larger than {MAX_BODY_BYTES} bytes"),
-        )
-        .into_response();
+    let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(body) => body,
+        Err(error) => return crate::extract::body_read_error(error).into_response(),
     };
     let path_and_query = parts
         .uri

@@ -39,8 +39,42 @@ pub async fn read_body_limited(request: Request) -> Result<(Parts, axum::body::B
     }
     let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
         .await
-        .map_err(|_| payload_too_large())?;
+        .map_err(body_read_error)?;
     Ok((parts, bytes))
+}
+
+/// The codes of a refused body whose rest may still be on the connection: the
+/// answer closes it (`middleware::request_context`).
+pub const BODY_LEFT_UNREAD_CODES: [&str; 3] =
+    ["body_too_large", "body_read_timeout", "body_unreadable"];
+
+/// What a body that could not be read is answered: 413 when it passed the limit,
+/// 408 `body_read_timeout` when it did not arrive in time (`BODY_READ_TIMEOUT_MS`
+/// unless configured otherwise), else 400 `body_unreadable` (the connection broke
+/// off, or its chunked framing is invalid). Only the first is about its size.
+pub fn body_read_error(error: axum::Error) -> ApiError {
+    let inner = error.into_inner();
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(inner.as_ref());
+    while let Some(error) = cause {
+        if error.is::<http_body_util::LengthLimitError>() {
+            return payload_too_large();
+        }
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_read_timeout",
+                format!(
+                    "the request body did not arrive in time (the server waits {} ms unless configured otherwise); send it again",
+                    crate::BODY_READ_TIMEOUT_MS
+                ),
+            );
+        }
+        cause = error.source();
+    }
+    ApiError::bad_request(
+        "body_unreadable",
+        "the request body could not be read: the connection broke off or its framing is invalid",
+    )
 }
 
 /// A JSON object body. An empty body reads as `{}` (actions without a body, and

@@ -50,6 +50,9 @@ pub struct HttpConfig {
     /// A request's whole deadline (`REQUEST_TIMEOUT_MS` in service; tests shorten
     /// it to see its answer).
     pub request_timeout_ms: u64,
+    /// How long reading a request body may take (`BODY_READ_TIMEOUT_MS` in
+    /// service; tests shorten it).
+    pub body_read_timeout_ms: u64,
 }
 
 /// What the handlers and middleware of one listener share, behind one pointer: axum
@@ -278,8 +281,17 @@ pub async fn serve(
         .dispatch_webhooks
         .then(|| tokio::spawn(prod_state.dispatcher.clone().run(shutdown.clone())));
     let (test_listener, test_state) = test;
-    let prod_server = serve_listener(prod_listener, router(prod_state), shutdown.clone());
-    let test_server = serve_listener(test_listener, router(test_state), shutdown.clone());
+    let body_timeout = Duration::from_millis(prod_state.config.body_read_timeout_ms);
+    let prod_server = serve_listener(
+        prod_listener,
+        hardened(router(prod_state), body_timeout),
+        shutdown.clone(),
+    );
+    let test_server = serve_listener(
+        test_listener,
+        hardened(router(test_state), body_timeout),
+        shutdown.clone(),
+    );
     let (a, b) = tokio::join!(prod_server, test_server);
     if let Some(dispatcher) = dispatcher {
         let _ = dispatcher.await;
@@ -310,7 +322,7 @@ pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 /// deadline (the total deadline, `REQUEST_TIMEOUT_MS`, is kept by
 /// `middleware::request_context`, which renders its error) and a concurrency cap, and answers are compressed (gzip) for
 /// clients that accept it.
-fn hardened(router: Router) -> Router {
+fn hardened(router: Router, body_read_timeout: Duration) -> Router {
     use tower_http::catch_panic::CatchPanicLayer;
     use tower_http::timeout::RequestBodyTimeoutLayer;
     router
@@ -326,9 +338,7 @@ fn hardened(router: Router) -> Router {
                 ApiError::internal("internal error; it has been logged").into_response()
             },
         ))
-        .layer(RequestBodyTimeoutLayer::new(Duration::from_millis(
-            BODY_READ_TIMEOUT_MS,
-        )))
+        .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
         .layer(tower::limit::ConcurrencyLimitLayer::new(
             MAX_CONCURRENT_REQUESTS,
         ))
@@ -349,7 +359,6 @@ async fn serve_listener(
     use hyper_util::server::graceful::GracefulShutdown;
     use tower::ServiceExt;
 
-    let router = hardened(router);
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()

@@ -109,7 +109,12 @@ pub async fn request_context(
         // The body-limit layer's own answer: give it the error body.
         response = crate::extract::payload_too_large().into_response();
     }
+    let mut body_left_unread = false;
     if let Some(error) = response.extensions_mut().remove::<ApiError>() {
+        body_left_unread = error
+            .code
+            .as_deref()
+            .is_some_and(|code| crate::extract::BODY_LEFT_UNREAD_CODES.contains(&code));
         let headers = std::mem::take(response.headers_mut());
         let mut rendered = (error.status, axum::Json(error.body(&request_id))).into_response();
         for (name, value) in headers.iter() {
@@ -132,10 +137,11 @@ pub async fn request_context(
         }
         response = rendered;
     }
-    if response.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        // A body refused at the limit is not read to its end, so the rest of it is
-        // still on the connection: no further request can follow on it. Saying so
-        // on every 413 (one rule for both size refusals) keeps a client from
+    if body_left_unread || response.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        // A body refused at the limit (or given up on when it stopped arriving or
+        // broke) is not read to its end, so the rest of it may still be on the
+        // connection: no further request can follow on it. Saying so on every
+        // such refusal (one rule for all of them) keeps a client from
         // putting the connection back in its pool and sending its next request
         // into a socket the server is closing.
         response.headers_mut().insert(

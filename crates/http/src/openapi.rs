@@ -191,8 +191,9 @@ impl Modify for Shared {
                     add_missing(
                         operation,
                         "400",
-                        "invalid_request_error: invalid_json, invalid_content_type, parameter_missing, parameter_invalid, parameter_unknown",
+                        "invalid_request_error: invalid_json, invalid_content_type, parameter_missing, parameter_invalid, parameter_unknown, body_unreadable",
                     );
+                    add_missing(operation, "408", "body_read_timeout");
                     add_missing(operation, "413", "body_too_large, record_too_large");
                     add_missing(
                         operation,
@@ -210,7 +211,7 @@ impl Modify for Shared {
                     add_missing(
                         operation,
                         "503",
-                        "api_error: not_ready, projector_failed, log_unavailable, projection_lagging, outcome_pending, outcome_unknown, partition_unavailable, partition_moved",
+                        "api_error: not_ready, projector_failed, log_unavailable, projection_lagging, outcome_pending, outcome_unknown, partition_unavailable, partition_moved, request_timeout",
                     );
                     add_missing(operation, "500", "api_error: internal_error");
                 }

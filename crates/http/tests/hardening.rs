@@ -842,3 +842,56 @@ async fn a_request_past_its_deadline_answers_503_with_the_error_body() {
     assert_eq!(created, 1, "one customer for the key: {}", listed.body);
     server.stop().await;
 }
+
+/// A body that stops arriving is answered 408 `body_read_timeout` (not 413: its
+/// size was never the matter), a body whose chunked framing is broken 400
+/// `body_unreadable`; both with the error body and `Connection: close`, since the
+/// rest of such a body is still on the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_or_breaks_is_named_for_what_it_is() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_guard, dir) = temp_dir();
+    let config = tally_http::HttpConfig {
+        body_read_timeout_ms: 300,
+        ..default_config()
+    };
+    let server = Server::start(&dir, config).await;
+    let keys = create_store(&server, "s").await;
+    let address = server.test_url.trim_start_matches("http://").to_string();
+    let head = |framing: &str| {
+        format!(
+            "POST /v1/customers HTTP/1.1\r\nhost: x\r\nx-api-key: {}\r\ncontent-type: application/json\r\n{framing}\r\n\r\n",
+            keys.test
+        )
+    };
+    let cases = [
+        (
+            format!("{}{{\"email\":", head("content-length: 100")),
+            "408",
+            "body_read_timeout",
+        ),
+        (
+            format!(
+                "{}zz\r\n{{}}\r\n0\r\n\r\n",
+                head("transfer-encoding: chunked")
+            ),
+            "400",
+            "body_unreadable",
+        ),
+    ];
+    for (request, status, code) in cases {
+        let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+            .await
+            .expect("the server answers and closes")
+            .unwrap();
+        let text = String::from_utf8_lossy(&answer).to_lowercase();
+        assert!(text.starts_with(&format!("http/1.1 {status}")), "{text}");
+        assert!(text.contains(&format!("\"code\":\"{code}\"")), "{text}");
+        assert!(text.contains("\"trace_id\""), "{text}");
+        assert!(text.contains("connection: close"), "{text}");
+    }
+    server.stop().await;
+}

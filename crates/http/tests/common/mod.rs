@@ -42,6 +42,7 @@ pub fn default_config() -> HttpConfig {
         dispatch_scope: std::sync::Arc::new(tally_http::webhooks::EveryStore),
         cluster: None,
         request_timeout_ms: tally_http::REQUEST_TIMEOUT_MS,
+        body_read_timeout_ms: tally_http::BODY_READ_TIMEOUT_MS,
     }
 }
 
