@@ -320,8 +320,8 @@ pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 /// The layers every listener's router gets: a panic answers 500 with the error body
 /// (and is logged) instead of dropping the connection, requests have a body-read
 /// deadline (the total deadline, `REQUEST_TIMEOUT_MS`, is kept by
-/// `middleware::request_context`, which renders its error) and a concurrency cap, and answers are compressed (gzip) for
-/// clients that accept it.
+/// `middleware::request_context`, which renders its error) and a concurrency cap,
+/// and answers are compressed (gzip) for clients that accept it.
 fn hardened(router: Router, body_read_timeout: Duration) -> Router {
     use tower_http::catch_panic::CatchPanicLayer;
     use tower_http::timeout::RequestBodyTimeoutLayer;
