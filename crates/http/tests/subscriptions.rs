@@ -489,6 +489,15 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
         .map(|s| s["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, vec![third.as_str(), sub.as_str(), quick.as_str()]);
+    // A listed subscription is the object a retrieve answers: its customer and last
+    // transaction embedded, not ids alone.
+    for listed in canceled["data"].as_array().unwrap() {
+        let id = listed["id"].as_str().unwrap();
+        let retrieved = api.get(&format!("/v1/subscriptions/{id}")).await.body;
+        assert_eq!(listed, &retrieved);
+        assert!(listed["customer"]["email"].is_string(), "{listed}");
+        assert!(listed["last_transaction"]["amount"].is_number(), "{listed}");
+    }
     assert_error(
         &api.get("/v1/subscriptions?status=gone").await,
         400,

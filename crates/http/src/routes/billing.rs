@@ -443,8 +443,18 @@ pub async fn get_subscription(
 /// A subscription as `GET /v1/subscriptions/{id}` shows it: the customer and the
 /// last transaction embedded, the settlement of its `credits` usage prices.
 pub fn subscription_body(state: &AppState, scope: &Scope, id: &str) -> ApiResult<Value> {
+    let subscription = state.engine.billing().get_subscription(scope, id)?;
+    subscription_json(state, scope, &subscription)
+}
+
+/// A subscription as every answer shows it, in a list too: its customer and last
+/// transaction embedded (the contract's `customer` and `last_transaction`).
+pub fn subscription_json(
+    state: &AppState,
+    scope: &Scope,
+    subscription: &tally_domain::billing::Subscription,
+) -> ApiResult<Value> {
     let billing = state.engine.billing();
-    let subscription = billing.get_subscription(scope, id)?;
     let customer = state
         .engine
         .directory()
@@ -456,7 +466,7 @@ pub fn subscription_body(state: &AppState, scope: &Scope, id: &str) -> ApiResult
     };
     let totals = billing.settlement_totals(scope, &subscription.id)?;
     Ok(wire::with_usage_settlement(
-        wire::subscription(&subscription, customer.as_ref(), last.as_ref()),
+        wire::subscription(subscription, customer.as_ref(), last.as_ref()),
         &totals,
     ))
 }

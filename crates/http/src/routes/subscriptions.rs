@@ -67,8 +67,15 @@ pub async fn list_subscriptions(
             .engine
             .billing()
             .list_subscriptions(&scope, &filter, &page_request(&query)?)?;
-    Ok(Json(wire::list(&page, |s| {
-        wire::subscription(s, None, None)
+    let data = page
+        .data
+        .iter()
+        .map(|s| crate::routes::billing::subscription_json(&state, &scope, s))
+        .collect::<ApiResult<Vec<Value>>>()?;
+    Ok(Json(serde_json::json!({
+        "object": "list",
+        "data": data,
+        "has_more": page.has_more,
     })))
 }
 
