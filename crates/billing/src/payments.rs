@@ -12,7 +12,7 @@ use tally_core::Scope;
 use tally_domain::billing::{
     parse_reason, parse_tax_rate, Dispute, Payment, PaymentStatus, PaymentType, Subscription,
 };
-use tally_domain::product::parse_minor;
+use tally_domain::product::parse_positive_minor;
 use tally_domain::record::Record;
 use tally_domain::{FieldError, Mode};
 
@@ -117,13 +117,7 @@ impl Billing {
         let original = self.named_payment(scope, input)?;
         let reason = parse_reason(input.reason.as_deref())?;
         let amount = match &input.amount {
-            Some(text) => {
-                let amount = parse_minor("amount", text)?;
-                if amount == 0 {
-                    return Err(FieldError::invalid("amount", "`amount` must be at least 1").into());
-                }
-                amount
-            }
+            Some(text) => parse_positive_minor("amount", text)?,
             None => original.refundable(),
         };
         original.check_refund(amount)?;

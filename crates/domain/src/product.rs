@@ -505,6 +505,12 @@ pub fn parse_minor(param: &str, text: &str) -> Result<i64, FieldError> {
     parse_integer(param, text, 0, MAX_PRICE_MINOR)
 }
 
+/// A positive amount in minor units (a refund's: 1 up to the price limit), with the
+/// range its message names.
+pub fn parse_positive_minor(param: &str, text: &str) -> Result<i64, FieldError> {
+    parse_integer(param, text, 1, MAX_PRICE_MINOR)
+}
+
 pub(crate) fn parse_integer(
     param: &str,
     text: &str,

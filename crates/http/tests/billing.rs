@@ -319,6 +319,11 @@ async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription
         .await
         .body;
     assert_eq!(next["data"][0]["id"], chk.as_str());
+    // A listed checkout is the object a retrieve answers.
+    assert_eq!(
+        next["data"][0],
+        api.get(&format!("/v1/checkouts/{chk}")).await.body
+    );
 
     let paid = pay(&api, &chk, CARD).await;
     assert_eq!(paid.status, 200, "{}", paid.body);
@@ -410,6 +415,23 @@ async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription
     );
     assert_eq!(too_much["code"], "refund_exceeds_remaining");
     assert_eq!(too_much["param"], "amount");
+    // Nothing or less: one message, naming the range that is accepted.
+    for amount in [0, -5] {
+        let refused = assert_error(
+            &api.post(
+                "/v1/refunds",
+                json!({"transaction_id": txn, "amount": amount}),
+            )
+            .await,
+            400,
+            "invalid_request_error",
+        );
+        assert_eq!(refused["param"], "amount");
+        assert!(
+            refused["message"].as_str().unwrap().contains("from 1 to"),
+            "{refused}"
+        );
+    }
     let rest = api
         .post("/v1/refunds", json!({"transaction_id": txn}))
         .await;

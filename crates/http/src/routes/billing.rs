@@ -263,7 +263,33 @@ pub async fn list_checkouts(
         .engine
         .billing()
         .list_checkouts(&scope, &page_request(&query)?)?;
-    Ok(Json(wire::list(&page, wire::checkout)))
+    let data = page
+        .data
+        .iter()
+        .map(|checkout| checkout_json(&state, &scope, checkout))
+        .collect::<ApiResult<Vec<Value>>>()?;
+    Ok(Json(serde_json::json!({
+        "object": "list",
+        "data": data,
+        "has_more": page.has_more,
+    })))
+}
+
+/// A checkout as every answer shows it, in a list too: with the usage settlement
+/// of a one-time purchase.
+fn checkout_json(
+    state: &AppState,
+    scope: &Scope,
+    checkout: &tally_domain::billing::Checkout,
+) -> ApiResult<Value> {
+    let totals = state
+        .engine
+        .billing()
+        .settlement_totals(scope, &checkout.id)?;
+    Ok(wire::with_usage_settlement(
+        wire::checkout(checkout),
+        &totals,
+    ))
 }
 
 #[utoipa::path(
@@ -280,13 +306,8 @@ pub async fn get_checkout(
     Extension(scope): Extension<Scope>,
     PathId(id): PathId,
 ) -> ApiResult<Json<Value>> {
-    let billing = state.engine.billing();
-    let checkout = billing.get_checkout(&scope, &id)?;
-    let totals = billing.settlement_totals(&scope, &checkout.id)?;
-    Ok(Json(wire::with_usage_settlement(
-        wire::checkout(&checkout),
-        &totals,
-    )))
+    let checkout = state.engine.billing().get_checkout(&scope, &id)?;
+    checkout_json(&state, &scope, &checkout).map(Json)
 }
 
 #[utoipa::path(
