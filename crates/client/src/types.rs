@@ -636,7 +636,7 @@ documented! {
         pub attempt: u32,
         pub status_code: Option<u16>,
         pub latency_ms: u64,
-        pub error: Option<String>,
+        pub failure_reason: Option<String>,
         pub delivered: bool,
         pub manual: bool,
         pub next_attempt_at: Option<String>,

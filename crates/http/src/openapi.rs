@@ -1457,7 +1457,8 @@ pub struct WebhookAttempt {
     pub attempt: u32,
     pub status_code: Option<u16>,
     pub latency_ms: u64,
-    pub error: Option<String>,
+    /// Why the attempt failed (null when it was delivered).
+    pub failure_reason: Option<String>,
     pub delivered: bool,
     pub manual: bool,
     pub next_attempt_at: Option<String>,

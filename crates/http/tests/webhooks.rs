@@ -286,6 +286,11 @@ async fn signed_delivery_follows_the_retry_schedule_across_a_restart() {
         .collect();
     assert_eq!(statuses, vec![json!(500), json!(500), json!(200)]);
     assert_eq!(attempts[0]["delivered"], true);
+    // A failed attempt says why in `failure_reason`; no attempt has a top-level
+    // `error`, the key of error answers alone.
+    assert!(attempts[0]["failure_reason"].is_null(), "{}", attempts[0]);
+    assert!(attempts[2]["failure_reason"].is_string(), "{}", attempts[2]);
+    assert!(attempts.iter().all(|a| a.get("error").is_none()));
     assert_eq!(silent.count(), 0, "a disabled endpoint receives nothing");
 
     // A manual resend sends the same body again.

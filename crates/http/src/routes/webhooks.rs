@@ -65,7 +65,9 @@ fn attempt_json(a: &WebhookAttempt) -> Value {
         "attempt": a.attempt,
         "status_code": if a.status_code == 0 { Value::Null } else { json!(a.status_code) },
         "latency_ms": a.latency_ms,
-        "error": if a.error.is_empty() { Value::Null } else { json!(a.error) },
+        // Not `error`: a 200 answer with a top-level `error` key reads as an error
+        // envelope to clients that look for one (docs/api.md, "Errors").
+        "failure_reason": if a.error.is_empty() { Value::Null } else { json!(a.error) },
         "delivered": a.delivered,
         "manual": a.manual,
         "next_attempt_at": a.next_attempt_at_ms.map(format_iso8601_ms),
