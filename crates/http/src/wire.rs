@@ -264,6 +264,16 @@ pub fn list<T>(page: &Page<T>, render: impl Fn(&T) -> Value) -> Value {
     })
 }
 
+/// `list` for items whose rendering reads more (and may fail): the first error
+/// answers.
+pub fn try_list<T, E>(page: &Page<T>, render: impl Fn(&T) -> Result<Value, E>) -> Result<Value, E> {
+    Ok(json!({
+        "object": "list",
+        "data": page.data.iter().map(render).collect::<Result<Vec<_>, E>>()?,
+        "has_more": page.has_more,
+    }))
+}
+
 fn windows(series: &UsageSeries) -> Vec<WindowBody> {
     series.windows.iter().map(WindowBody::of).collect()
 }

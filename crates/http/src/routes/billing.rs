@@ -263,16 +263,7 @@ pub async fn list_checkouts(
         .engine
         .billing()
         .list_checkouts(&scope, &page_request(&query)?)?;
-    let data = page
-        .data
-        .iter()
-        .map(|checkout| checkout_json(&state, &scope, checkout))
-        .collect::<ApiResult<Vec<Value>>>()?;
-    Ok(Json(serde_json::json!({
-        "object": "list",
-        "data": data,
-        "has_more": page.has_more,
-    })))
+    wire::try_list(&page, |checkout| checkout_json(&state, &scope, checkout)).map(Json)
 }
 
 /// A checkout as every answer shows it, in a list too: with the usage settlement

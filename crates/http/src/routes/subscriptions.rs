@@ -67,16 +67,10 @@ pub async fn list_subscriptions(
             .engine
             .billing()
             .list_subscriptions(&scope, &filter, &page_request(&query)?)?;
-    let data = page
-        .data
-        .iter()
-        .map(|s| crate::routes::billing::subscription_json(&state, &scope, s))
-        .collect::<ApiResult<Vec<Value>>>()?;
-    Ok(Json(serde_json::json!({
-        "object": "list",
-        "data": data,
-        "has_more": page.has_more,
-    })))
+    wire::try_list(&page, |s| {
+        crate::routes::billing::subscription_json(&state, &scope, s)
+    })
+    .map(Json)
 }
 
 async fn answer(state: &AppState, scope: &Scope, id: &str) -> ApiResult<Json<Value>> {
