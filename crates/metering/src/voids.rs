@@ -167,13 +167,17 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
                 continue;
             }
             let unique = meter.aggregation == Aggregation::Unique;
+            // Whether the event's value has other holders, looked up once for both
+            // of its `unique` buckets.
+            let value = match unique && printed[at] {
+                true => distinct_value_alone(overlay, &mut minutes, meter, event)?,
+                false => DistinctValue::Unknown,
+            };
             let subtracted = if *alone && (!unique || meter.revision == 1) {
                 empty_customer_bucket(overlay, meter, &event.customer_id, minute)?;
                 true
             } else if unique {
-                let customer = event.customer_id.as_str();
-                printed[at]
-                    && subtract_distinct(overlay, &mut minutes, meter, event, customer, minute)?
+                subtract_distinct(overlay, meter, &value, &event.customer_id, minute)?
             } else {
                 subtract(overlay, meter, event, minute, &event.customer_id)?
             };
@@ -181,15 +185,7 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
                 customer_rebuilds.insert((at, event.customer_id.to_string(), minute));
             }
             let subtracted = if unique {
-                printed[at]
-                    && subtract_distinct(
-                        overlay,
-                        &mut minutes,
-                        meter,
-                        event,
-                        ALL_CUSTOMERS,
-                        minute,
-                    )?
+                subtract_distinct(overlay, meter, &value, ALL_CUSTOMERS, minute)?
             } else {
                 subtract(overlay, meter, event, minute, ALL_CUSTOMERS)?
             };
@@ -753,32 +749,56 @@ fn subtract(
     }
 }
 
-/// `unique`, the bucket of `slot` (a customer, or `ALL_CUSTOMERS`) in `minute`:
-/// takes the event out without a rebuild when no other event of the minute may
-/// hold its value (`MinuteEvents::holds_alone`): one event fewer, and its value
-/// gone, from a customer's inline set or else from its own `U` key (where it came
-/// past a full set; the meter-wide bucket keeps only those). A void in a busy
-/// minute, of the customer or of all, then reads none of its other records back.
-/// False when that is not known (the bucket is then rebuilt).
-fn subtract_distinct(
-    overlay: &mut Overlay<'_>,
+/// What a voided event's value is to a `unique` meter's buckets of its minute.
+enum DistinctValue {
+    /// The event had no value to count: folding left the buckets as they were.
+    Skipped,
+    /// No other event of the minute may hold it (`MinuteEvents::holds_alone`).
+    Alone(String),
+    /// Not known (another holder, a row without prints, a record not at hand):
+    /// the buckets are rebuilt.
+    Unknown,
+}
+
+fn distinct_value_alone(
+    overlay: &Overlay<'_>,
     minutes: &mut MinuteEvents,
     meter: &Meter,
     event: &UsageEvent,
+) -> Result<DistinctValue, EngineError> {
+    let value = match contribution_of(meter, event) {
+        Contribution::Distinct(value) => value,
+        Contribution::Skipped => return Ok(DistinctValue::Skipped),
+        Contribution::Event { .. } => return Ok(DistinctValue::Unknown),
+    };
+    let print = DistinctPrint::of(&meter.id, value.as_bytes());
+    Ok(
+        match minutes.holds_alone(overlay, &meter.store_id, meter.mode, event, print)? {
+            true => DistinctValue::Alone(value),
+            false => DistinctValue::Unknown,
+        },
+    )
+}
+
+/// `unique`, the bucket of `slot` (a customer, or `ALL_CUSTOMERS`) in `minute`:
+/// takes the event out without a rebuild when its value has no other holder
+/// (`DistinctValue::Alone`): one event fewer, and its value gone, from a
+/// customer's inline set or else from its own `U` key (where it came past a full
+/// set; the meter-wide bucket keeps only those). A void in a busy minute, of the
+/// customer or of all, then reads none of its other records back. False when that
+/// is not known (the bucket is then rebuilt).
+fn subtract_distinct(
+    overlay: &mut Overlay<'_>,
+    meter: &Meter,
+    value: &DistinctValue,
     slot: &str,
     minute: i64,
 ) -> Result<bool, EngineError> {
-    let value = match contribution_of(meter, event) {
-        Contribution::Distinct(value) => value,
-        // No value to count: folding left the bucket as it was.
-        Contribution::Skipped => return Ok(true),
-        Contribution::Event { .. } => return Ok(false),
+    let value = match value {
+        DistinctValue::Alone(value) => value,
+        DistinctValue::Skipped => return Ok(true),
+        DistinctValue::Unknown => return Ok(false),
     };
-    let (store_id, mode, meter_id) = (meter.store_id.as_str(), meter.mode, meter.id.as_str());
-    let print = DistinctPrint::of(meter_id, value.as_bytes());
-    if !minutes.holds_alone(overlay, store_id, mode, event, print)? {
-        return Ok(false);
-    }
     let bucket =
         overlay.aggregate_mut(BucketKey::of_meter(keys::AGGREGATE, meter, slot, minute))?;
     match bucket.events.checked_sub(1) {
@@ -794,7 +814,12 @@ fn subtract_distinct(
         )?;
     if !in_set {
         overlay.delete(BucketKey::distinct(
-            store_id, mode, meter_id, slot, minute, &value,
+            &meter.store_id,
+            meter.mode,
+            &meter.id,
+            slot,
+            minute,
+            value,
         ));
     }
     Ok(true)
