@@ -325,6 +325,8 @@ impl Billing {
                 open_usage_was_trial: false,
                 paused_at_ms: None,
                 billed_usage: Vec::new(),
+                retired_usage: Vec::new(),
+                usage_priced_from_ms: None,
                 extra_items: Vec::new(),
                 pending_lines: Vec::new(),
                 late_usage_grace_ms: grace_ms,

@@ -29,8 +29,9 @@ use tally_domain::billing::{
 use tally_domain::record::Record;
 use tally_domain::subscription::{
     adjustment_description, after_declined, after_paid, after_period_end, cancel, charge_lines,
-    charge_plan, discount_off, invoiced_prices, pause, period_amount, resume, usage_adjustment,
-    BilledUsage, CancelMode, ChargePlan, DueKind, InvalidTransition, OnExecute, PaymentLine,
+    charge_plan, discount_off, pause, period_amount, resume, retire_usage_prices, usage_adjustment,
+    usage_to_bill, BilledUsage, CancelMode, ChargePlan, DueKind, InvalidTransition, OnExecute,
+    PaymentLine,
 };
 use tally_domain::subscription::{proration_line, ExtraItem, StoreSettings, UpdateBehavior};
 use tally_domain::time::parse_iso8601_ms;
@@ -92,6 +93,19 @@ fn parse_behavior(
         Some(text) => UpdateBehavior::parse_field("update_behavior", text),
         None => Ok(default),
     }
+}
+
+/// `sub` with its main item moved to `product` at `now` (an upgrade): the old
+/// product's usage prices keep the usage until then.
+fn upgraded(
+    sub: &Subscription,
+    product: &tally_domain::product::Product,
+    now: i64,
+) -> Subscription {
+    let mut next = sub.clone();
+    next.product = product.clone();
+    retire_usage_prices(sub, &mut next, now);
+    next
 }
 
 /// A product a subscription may hold: being sold, recurring, in the subscription's
@@ -376,9 +390,7 @@ impl Billing {
         let now = self.now_in(scope);
         self.change_with_proration(scope, id, behavior, now, |sub| {
             check_compatible(sub, &product, "product_id")?;
-            let mut next = sub.clone();
-            next.product = product.clone();
-            Ok(next)
+            Ok(upgraded(sub, &product, now))
         })
         .await
     }
@@ -772,18 +784,15 @@ impl Billing {
         usage_until: Option<i64>,
     ) -> Result<Priced, EngineError> {
         let mut usage = Vec::new();
-        if let Some((start, end)) = plan.usage {
-            let end = usage_until.map_or(end, |until| until.min(end));
-            for price in invoiced_prices(sub, plan) {
-                let value = self.meters.period_usage(
-                    scope,
-                    &price.meter_id,
-                    &sub.customer_id,
-                    start,
-                    end,
-                )?;
-                usage.push((price, value));
-            }
+        for bill in usage_to_bill(sub, plan, usage_until) {
+            let value = self.meters.period_usage(
+                scope,
+                &bill.price.meter_id,
+                &sub.customer_id,
+                bill.start_ms,
+                bill.end_ms,
+            )?;
+            usage.push((bill, value));
         }
         let too_large =
             || EngineError::Corrupt(format!("the charge of subscription {} leaves i64", sub.id));
@@ -795,12 +804,13 @@ impl Billing {
         );
         let mut billed_usage = Vec::new();
         for entry in &sub.billed_usage {
-            let Some(price) = sub
-                .product
-                .usage_prices
-                .iter()
-                .find(|p| p.id == entry.price_id)
-            else {
+            // The price it was billed at; older entries name the product's.
+            let Some(price) = entry.price.as_ref().or_else(|| {
+                sub.product
+                    .usage_prices
+                    .iter()
+                    .find(|p| p.id == entry.price_id)
+            }) else {
                 continue;
             };
             let current = self.meters.period_usage(
@@ -838,21 +848,20 @@ impl Billing {
                 billed_usage.push(kept);
             }
         }
-        if let Some((start, end)) = plan.usage {
-            for (price, value) in &usage {
-                let mut billed = BilledUsage {
-                    price_id: price.id.clone(),
-                    meter_id: price.meter_id.clone(),
-                    period_start_ms: start,
-                    period_end_ms: end,
-                    quantity: value.unwrap_or_default(),
-                    voided_events: 0,
-                    meter_revision: 0,
-                };
-                (billed.voided_events, billed.meter_revision) =
-                    self.corrections(scope, sub, &billed)?;
-                billed_usage.push(billed);
-            }
+        for (bill, value) in &usage {
+            let mut billed = BilledUsage {
+                price_id: bill.price.id.clone(),
+                meter_id: bill.price.meter_id.clone(),
+                period_start_ms: bill.start_ms,
+                period_end_ms: bill.end_ms,
+                quantity: value.unwrap_or_default(),
+                voided_events: 0,
+                meter_revision: 0,
+                price: Some(bill.price.clone()),
+            };
+            (billed.voided_events, billed.meter_revision) =
+                self.corrections(scope, sub, &billed)?;
+            billed_usage.push(billed);
         }
         let base = match plan.base {
             Some(_) => period_amount(sub).ok_or_else(too_large)?,
@@ -946,9 +955,8 @@ impl Billing {
             .get_product(scope, product_id)
             .map_err(|e| e.for_param("product_id"))?;
         check_compatible(&sub, &product, "product_id")?;
-        let mut next = sub.clone();
-        next.product = product;
         let now = self.now_in(scope);
+        let mut next = upgraded(&sub, &product, now);
         let line = proration(&sub, &next, UpdateBehavior::ProrationChargeImmediately, now)?;
         let (now_line, carried) = match line {
             Some(line) if line.amount > 0 => (Some(line), None),

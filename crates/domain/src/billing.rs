@@ -669,6 +669,12 @@ pub struct Subscription {
     pub paused_at_ms: Option<i64>,
     /// `invoice` usage billed per period, while late events can still arrive.
     pub billed_usage: Vec<crate::subscription::BilledUsage>,
+    /// `invoice` prices of products left within the open period, each with the
+    /// part of it they priced: billed with the period's usage.
+    pub retired_usage: Vec<crate::subscription::RetiredUsage>,
+    /// The last change of product within the open period: the product's own usage
+    /// prices count from here (`None`: from the period's start).
+    pub usage_priced_from_ms: Option<i64>,
     /// Items besides the main one (`product` x `units`): add-ons of other products
     /// in the same currency and billing period.
     pub extra_items: Vec<crate::subscription::ExtraItem>,

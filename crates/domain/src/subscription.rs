@@ -81,6 +81,24 @@ pub struct BilledUsage {
     pub voided_events: u64,
     /// The meter's revision then: a later correction says when it was revised.
     pub meter_revision: u32,
+    /// The price as billed: a later adjustment bills at it even after the
+    /// subscription moved to another product. `None` in records written before
+    /// prices were kept: then the product's price of `price_id`.
+    pub price: Option<UsagePrice>,
+}
+
+/// An `invoice` usage price of a product the subscription left within a period (an
+/// upgrade): it still bills its meter's usage from `start_ms` to `end_ms` (the
+/// change), with the next charge that bills the period's usage; the new product's
+/// prices count from `end_ms` on. So usage is billed at the price it was used
+/// under, once (docs/api.md, "Subscriptions").
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetiredUsage {
+    pub price: UsagePrice,
+    /// The product the price belonged to, named in the charge's line.
+    pub product_name: String,
+    pub start_ms: i64,
+    pub end_ms: i64,
 }
 
 /// An item of a subscription besides its main product.
@@ -208,18 +226,91 @@ pub fn charge_plan(sub: &Subscription, kind: DueKind) -> ChargePlan {
     }
 }
 
-/// The `invoice` usage prices a plan bills.
-pub fn invoiced_prices(sub: &Subscription, plan: &ChargePlan) -> Vec<UsagePrice> {
-    if plan.usage.is_none() {
+/// One `invoice` usage price a charge bills, over its part of the plan's usage
+/// period.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageToBill {
+    pub price: UsagePrice,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    /// A price of a product the subscription left within the period: its name.
+    pub retired_from: Option<String>,
+}
+
+/// The `invoice` usage a plan bills: the prices of products left within the period
+/// over the part they priced, then the product's own prices from the last change
+/// on; for a trial's usage only prices whose trial usage is charged. Windows end at
+/// `until` when it is sooner (a preview of usage to date).
+pub fn usage_to_bill(
+    sub: &Subscription,
+    plan: &ChargePlan,
+    until: Option<i64>,
+) -> Vec<UsageToBill> {
+    let Some((start, end)) = plan.usage else {
         return Vec::new();
-    }
-    sub.product
+    };
+    let end = until.map_or(end, |until| until.min(end));
+    let billed = |price: &UsagePrice| {
+        price.settlement_mode == SettlementMode::Invoice
+            && (!plan.trial_usage || price.trial_usage_mode == TrialUsageMode::Charge)
+    };
+    let retired = sub
+        .retired_usage
+        .iter()
+        .filter(|r| billed(&r.price))
+        .map(|r| UsageToBill {
+            price: r.price.clone(),
+            start_ms: r.start_ms.max(start),
+            end_ms: r.end_ms.min(end),
+            retired_from: Some(r.product_name.clone()),
+        })
+        .filter(|u| u.start_ms < u.end_ms);
+    let from = sub
+        .usage_priced_from_ms
+        .map_or(start, |from| from.clamp(start, end.max(start)));
+    let own = sub
+        .product
         .usage_prices
         .iter()
-        .filter(|p| p.settlement_mode == SettlementMode::Invoice)
-        .filter(|p| !plan.trial_usage || p.trial_usage_mode == TrialUsageMode::Charge)
-        .cloned()
-        .collect()
+        .filter(|p| billed(p))
+        .map(|p| UsageToBill {
+            price: p.clone(),
+            start_ms: from,
+            end_ms: end,
+            retired_from: None,
+        });
+    retired.chain(own).collect()
+}
+
+/// The subscription `next` after its main product changed at `at_ms` (an upgrade)
+/// from `sub`'s: the old product's `invoice` prices keep the usage of the open
+/// period until then ([`RetiredUsage`]).
+pub fn retire_usage_prices(sub: &Subscription, next: &mut Subscription, at_ms: i64) {
+    if sub.product.id == next.product.id {
+        return;
+    }
+    let start = sub
+        .usage_priced_from_ms
+        .map_or(sub.current_period_start_ms, |from| {
+            from.max(sub.current_period_start_ms)
+        });
+    if at_ms <= start {
+        return;
+    }
+    next.retired_usage.extend(
+        sub.product
+            .usage_prices
+            .iter()
+            .filter(|p| p.settlement_mode == SettlementMode::Invoice)
+            .map(|price| RetiredUsage {
+                price: price.clone(),
+                product_name: sub.product.name.clone(),
+                start_ms: start,
+                end_ms: at_ms,
+            }),
+    );
+    // Usage from here on is the new product's, whatever the old one priced.
+    next.usage_priced_from_ms = Some(at_ms);
 }
 
 /// Minor units for a period's `usage` of an `invoice` price:
@@ -291,32 +382,38 @@ pub fn adjustment_description(
 }
 
 /// The lines of a charge: the base price x units for the period ahead, then one
-/// line per `invoice` usage price with its period's usage (`usage` pairs each price
-/// with what its meter counted; `None`: a meter whose value overflowed, billed as 0
-/// and named in the line).
+/// line per `invoice` usage price with what its meter counted over its part of the
+/// period behind (`None`: a meter whose value overflowed, billed as 0 and named in
+/// the line).
 pub fn charge_lines(
     sub: &Subscription,
     plan: &ChargePlan,
-    usage: &[(UsagePrice, Option<Decimal>)],
+    usage: &[(UsageToBill, Option<Decimal>)],
 ) -> Option<Vec<PaymentLine>> {
     let mut lines = Vec::new();
     if plan.base.is_some() {
         lines.extend(item_lines(sub)?);
         lines.extend(sub.pending_lines.iter().cloned());
     }
-    for (price, value) in usage {
+    for (bill, value) in usage {
+        let price = &bill.price;
         let (quantity, amount) = match value {
             Some(value) => invoice_usage_amount(*value, price)?,
             None => (Decimal::ZERO, 0),
         };
+        let mut description = format!("usage of meter {}", price.meter_id);
+        if let Some(product) = &bill.retired_from {
+            description.push_str(&format!(
+                " under {product} ({} to {})",
+                crate::time::format_iso8601_ms(bill.start_ms),
+                crate::time::format_iso8601_ms(bill.end_ms)
+            ));
+        }
+        if value.is_none() {
+            description.push_str(" (its value left the exact range; not billed)");
+        }
         lines.push(PaymentLine {
-            description: match value {
-                Some(_) => format!("usage of meter {}", price.meter_id),
-                None => format!(
-                    "usage of meter {} (its value left the exact range; not billed)",
-                    price.meter_id
-                ),
-            },
+            description,
             meter_id: Some(price.meter_id.clone()),
             quantity,
             unit_price: price.unit_price,
@@ -430,6 +527,11 @@ pub fn after_paid(
             next.discount_charges_left = sub.discount_charges_left.map(|n| n.saturating_sub(1));
         }
     }
+    if plan.usage.is_some() {
+        // Billed with this one.
+        next.retired_usage.clear();
+        next.usage_priced_from_ms = None;
+    }
     next.status = SubscriptionStatus::Active;
     next.retries = 0;
     next.next_retry_ms = None;
@@ -489,6 +591,9 @@ pub fn after_period_end(sub: &Subscription, at_ms: i64) -> Subscription {
         }
     }
     next.on_period_end = None;
+    // The period's usage was billed with its end (or there was none to bill).
+    next.retired_usage.clear();
+    next.usage_priced_from_ms = None;
     next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
     next
 }
@@ -582,6 +687,7 @@ mod tests {
             quantity: Decimal::TEN,
             voided_events,
             meter_revision,
+            price: None,
         }
     }
 

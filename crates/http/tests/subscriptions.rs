@@ -805,3 +805,148 @@ async fn corrections_of_billed_usage_are_credited_on_the_next_charge() {
     assert_eq!(txs[3]["amount"], 1000, "{}", txs[3]);
     server.stop().await;
 }
+
+/// The `usage of meter` lines of a transaction or preview: (description, quantity,
+/// amount).
+fn usage_lines(charge: &Value) -> Vec<(String, String, i64)> {
+    charge["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| !l["meter_id"].is_null())
+        .map(|l| {
+            (
+                l["description"].as_str().unwrap().to_string(),
+                l["quantity"].as_str().unwrap().to_string(),
+                l["amount"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let calls = id(&api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+        )
+        .await);
+    let basic = product(
+        &api,
+        json!({"name": "Basic", "usage_prices": [{"meter_id": calls, "unit_price": 2,
+            "settlement_mode": "invoice"}]}),
+    )
+    .await;
+    let pro = product(
+        &api,
+        json!({"name": "Pro", "price": 3000, "usage_prices": [{"meter_id": calls,
+            "unit_price": 1, "settlement_mode": "invoice"}]}),
+    )
+    .await;
+    let (sub, cus) = subscribe(&api, &basic, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    let end = parse_iso8601_ms(
+        api.get(&path).await.body["current_period_end_date"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let ingest = |ids: Vec<String>, at: Option<i64>| {
+        let api = api.clone();
+        let cus = cus.clone();
+        async move {
+            let events: Vec<Value> = ids
+                .iter()
+                .map(|i| {
+                    let mut e = json!({"name": "api_call", "customer_id": cus, "event_id": i});
+                    if let Some(at) = at {
+                        e["timestamp"] = json!(format_iso8601_ms(at));
+                    }
+                    e
+                })
+                .collect();
+            let answer = api
+                .post("/v1/events/ingest", json!({"events": events}))
+                .await;
+            assert_eq!(answer.status, 202, "{}", answer.body);
+        }
+    };
+    // Five calls under Basic (2 each), then the upgrade a minute later, then three
+    // calls under Pro (1 each).
+    let before = test_now(&api).await;
+    ingest((0..5).map(|i| format!("b{i}")).collect(), None).await;
+    advance(&api, before + 60_000).await;
+    let preview = api
+        .get(&format!("{path}/upcoming?product_id={pro}"))
+        .await;
+    assert_eq!(preview.status, 200, "{}", preview.body);
+    let previewed = usage_lines(&preview.body);
+    assert!(previewed[0].0.contains("under Basic"), "{previewed:?}");
+    assert_eq!((previewed[0].1.as_str(), previewed[0].2), ("5", 10));
+    let upgraded = api
+        .post(
+            &format!("{path}/upgrade"),
+            json!({"product_id": pro, "update_behavior": "proration-none"}),
+        )
+        .await;
+    assert_eq!(upgraded.status, 200, "{}", upgraded.body);
+    let upgraded_at = test_now(&api).await;
+    advance(&api, upgraded_at + 120_000).await;
+    ingest((0..3).map(|i| format!("p{i}")).collect(), None).await;
+    server.engine.wait_caught_up().await.unwrap();
+
+    let upcoming = api.get(&format!("{path}/upcoming")).await;
+    assert_eq!(upcoming.status, 200, "{}", upcoming.body);
+    let lines = usage_lines(&upcoming.body);
+    assert_eq!(lines.len(), 2, "{}", upcoming.body);
+    assert!(lines[0].0.contains("under Basic"), "{lines:?}");
+    assert_eq!((lines[0].1.as_str(), lines[0].2), ("5", 10), "{lines:?}");
+    assert_eq!((lines[1].1.as_str(), lines[1].2), ("3", 3), "{lines:?}");
+    assert_eq!(upcoming.body["amount"], 3013, "{}", upcoming.body);
+
+    // Kept across a restart, and billed once at the renewal.
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    advance(&api, end + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 2, "{txs:?}");
+    assert_eq!(txs[1]["amount"], 3013, "{}", txs[1]);
+    assert_eq!(
+        usage_lines(&txs[1]),
+        lines,
+        "the renewal bills what the preview showed"
+    );
+
+    // A call of the Basic minutes that arrives late is billed at Basic's price with
+    // the next charge; the period after the renewal starts at Pro's prices alone.
+    let late = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "late",
+                "timestamp": format_iso8601_ms(before)}]}),
+        )
+        .await;
+    assert_eq!(late.status, 202, "{}", late.body);
+    server.engine.wait_caught_up().await.unwrap();
+    let next_end = parse_iso8601_ms(
+        api.get(&path).await.body["current_period_end_date"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    advance(&api, next_end + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 3, "{txs:?}");
+    let lines = usage_lines(&txs[2]);
+    assert!(
+        lines
+            .iter()
+            .any(|(d, q, a)| d.starts_with("late usage of meter") && q == "1" && *a == 2),
+        "{lines:?}"
+    );
+    assert_eq!(txs[2]["amount"], 3002, "{}", txs[2]);
+    server.stop().await;
+}

@@ -7,11 +7,14 @@ use tally_domain::billing::{
     EmbeddedDiscount, Payment, PaymentStatus, PaymentType, Subscription, SubscriptionStatus,
 };
 use tally_domain::record::{BillingEvent, BillingObject, CheckoutCompletion};
-use tally_domain::subscription::{BilledUsage, ExtraItem, OnExecute, PaymentLine};
+use tally_domain::subscription::{BilledUsage, ExtraItem, OnExecute, PaymentLine, RetiredUsage};
 use tally_domain::usage::canonical_decimal;
 
 use crate::convert::{mode_from_proto, mode_to_proto, DecodeError};
-use crate::product::{decimal, named, product_from_proto, product_to_proto};
+use crate::product::{
+    decimal, named, product_from_proto, product_to_proto, usage_price_from_proto,
+    usage_price_to_proto,
+};
 use crate::v1;
 
 pub fn discount_to_proto(d: &Discount) -> v1::Discount {
@@ -253,8 +256,20 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
                 quantity: canonical_decimal(b.quantity),
                 voided_events: b.voided_events,
                 meter_revision: b.meter_revision,
+                price: b.price.as_ref().map(usage_price_to_proto),
             })
             .collect(),
+        retired_usage: s
+            .retired_usage
+            .iter()
+            .map(|r| v1::RetiredUsage {
+                price: Some(usage_price_to_proto(&r.price)),
+                product_name: r.product_name.clone(),
+                start_ms: r.start_ms,
+                end_ms: r.end_ms,
+            })
+            .collect(),
+        usage_priced_from_ms: s.usage_priced_from_ms,
         extra_items: s
             .extra_items
             .iter()
@@ -334,9 +349,26 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
                     quantity: decimal(&b.quantity, "billed usage")?,
                     voided_events: b.voided_events,
                     meter_revision: b.meter_revision,
+                    price: b.price.map(usage_price_from_proto).transpose()?,
                 })
             })
             .collect::<Result<_, DecodeError>>()?,
+        retired_usage: s
+            .retired_usage
+            .into_iter()
+            .map(|r| {
+                Ok(RetiredUsage {
+                    price: usage_price_from_proto(
+                        r.price
+                            .ok_or(DecodeError::BadField("retired usage price"))?,
+                    )?,
+                    product_name: r.product_name,
+                    start_ms: r.start_ms,
+                    end_ms: r.end_ms,
+                })
+            })
+            .collect::<Result<_, DecodeError>>()?,
+        usage_priced_from_ms: s.usage_priced_from_ms,
         extra_items: s
             .extra_items
             .into_iter()

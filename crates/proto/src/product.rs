@@ -54,21 +54,7 @@ pub fn product_to_proto(p: &Product) -> v1::Product {
                 credits_bucket_name: f.customer_credits.as_ref().map(|c| c.bucket_name.clone()),
             })
             .collect(),
-        usage_prices: p
-            .usage_prices
-            .iter()
-            .map(|u| v1::UsagePrice {
-                id: u.id.clone(),
-                meter_id: u.meter_id.to_string(),
-                unit_price: canonical_decimal(u.unit_price),
-                free_allowance: canonical_decimal(u.free_allowance),
-                cap: u.cap.map(canonical_decimal),
-                settlement_mode: u.settlement_mode.as_str().into(),
-                target_account: u.target_account.as_str().into(),
-                target_account_name: u.target_account_name.clone(),
-                trial_usage_mode: u.trial_usage_mode.as_str().into(),
-            })
-            .collect(),
+        usage_prices: p.usage_prices.iter().map(usage_price_to_proto).collect(),
         trial_period_days: p.trial_period_days,
         trial_price: p.trial_price,
         business_net_pricing: p.business_net_pricing,
@@ -120,27 +106,7 @@ pub fn product_from_proto(p: v1::Product) -> Result<Product, DecodeError> {
     let usage_prices = p
         .usage_prices
         .into_iter()
-        .map(|u| {
-            Ok(UsagePrice {
-                id: u.id,
-                meter_id: u.meter_id.into(),
-                unit_price: decimal(&u.unit_price, "unit_price")?,
-                free_allowance: decimal(&u.free_allowance, "free_allowance")?,
-                cap: u.cap.map(|c| decimal(&c, "cap")).transpose()?,
-                settlement_mode: named(
-                    SettlementMode::parse,
-                    &u.settlement_mode,
-                    "settlement_mode",
-                )?,
-                target_account: named(TargetAccount::parse, &u.target_account, "target_account")?,
-                target_account_name: u.target_account_name,
-                trial_usage_mode: named(
-                    TrialUsageMode::parse,
-                    &u.trial_usage_mode,
-                    "trial_usage_mode",
-                )?,
-            })
-        })
+        .map(usage_price_from_proto)
         .collect::<Result<_, DecodeError>>()?;
     let custom_fields = p
         .custom_fields
@@ -181,5 +147,37 @@ pub fn product_from_proto(p: v1::Product) -> Result<Product, DecodeError> {
         custom_fields,
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
+    })
+}
+
+pub fn usage_price_to_proto(u: &UsagePrice) -> v1::UsagePrice {
+    v1::UsagePrice {
+        id: u.id.clone(),
+        meter_id: u.meter_id.to_string(),
+        unit_price: canonical_decimal(u.unit_price),
+        free_allowance: canonical_decimal(u.free_allowance),
+        cap: u.cap.map(canonical_decimal),
+        settlement_mode: u.settlement_mode.as_str().into(),
+        target_account: u.target_account.as_str().into(),
+        target_account_name: u.target_account_name.clone(),
+        trial_usage_mode: u.trial_usage_mode.as_str().into(),
+    }
+}
+
+pub fn usage_price_from_proto(u: v1::UsagePrice) -> Result<UsagePrice, DecodeError> {
+    Ok(UsagePrice {
+        id: u.id,
+        meter_id: u.meter_id.into(),
+        unit_price: decimal(&u.unit_price, "unit_price")?,
+        free_allowance: decimal(&u.free_allowance, "free_allowance")?,
+        cap: u.cap.map(|c| decimal(&c, "cap")).transpose()?,
+        settlement_mode: named(SettlementMode::parse, &u.settlement_mode, "settlement_mode")?,
+        target_account: named(TargetAccount::parse, &u.target_account, "target_account")?,
+        target_account_name: u.target_account_name,
+        trial_usage_mode: named(
+            TrialUsageMode::parse,
+            &u.trial_usage_mode,
+            "trial_usage_mode",
+        )?,
     })
 }
