@@ -130,7 +130,15 @@ pub fn discount_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
         .into_bytes()
 }
 
+/// A code's row: codes are unique and found whatever their case, as customers type
+/// them (docs/api.md, "Discounts"); the discount keeps the case it was created with.
 pub fn discount_code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
+    exact_discount_code_key(store_id, mode, &code.to_ascii_lowercase())
+}
+
+/// A code's row as builds before case-insensitive codes wrote it (the code as
+/// given): still read, so their discounts are found by their exact code.
+pub fn exact_discount_code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
     Key::scoped(keys::DISCOUNT_CODE, store_id, mode)
         .text(code)
         .into_bytes()

@@ -15,7 +15,10 @@ use tally_domain::billing::{
 use tally_domain::record::Record;
 use tally_domain::FieldError;
 
-use crate::apply::{discount_code_key, discount_code_taken, discount_key, max_below_redeemed};
+use crate::apply::{
+    discount_code_key, discount_code_taken, discount_key, exact_discount_code_key,
+    max_below_redeemed,
+};
 use crate::Billing;
 
 impl Billing {
@@ -47,11 +50,12 @@ impl Billing {
             param: Some(param.to_string()),
         };
         let code = normalize_discount_code(code).map_err(|_| not_found())?;
-        match self
-            .journal
-            .store()
-            .get(&discount_code_key(&scope.store_id, scope.mode, &code))?
-        {
+        let store = self.journal.store();
+        let row = match store.get(&discount_code_key(&scope.store_id, scope.mode, &code))? {
+            Some(id) => Some(id),
+            None => store.get(&exact_discount_code_key(&scope.store_id, scope.mode, &code))?,
+        };
+        match row {
             Some(id) => self.get_discount(scope, &String::from_utf8_lossy(&id)),
             None => Err(not_found()),
         }

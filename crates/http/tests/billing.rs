@@ -173,6 +173,20 @@ async fn discounts_are_created_found_by_id_or_code_updated_and_deleted() {
         "invalid_request_error",
     );
     assert_eq!(taken["code"], "discount_code_taken");
+    // Codes are what customers type: another case is the same code, found and taken.
+    let other_case = assert_error(
+        &api.post(
+            "/v1/discounts",
+            json!({"name": "again", "code": "launch", "type": "percentage", "amount": 5}),
+        )
+        .await,
+        409,
+        "invalid_request_error",
+    );
+    assert_eq!(other_case["code"], "discount_code_taken");
+    let by_code = api.get("/v1/discounts?discount_code=Launch").await;
+    assert_eq!(by_code.status, 200, "{}", by_code.body);
+    assert_eq!(by_code.body["code"], "LAUNCH", "kept as created");
 
     // draft -> active; scheduled until its start; expired at its expiry date.
     let now = server.clock.now_ms();

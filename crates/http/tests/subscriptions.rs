@@ -878,9 +878,7 @@ async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
     let before = test_now(&api).await;
     ingest((0..5).map(|i| format!("b{i}")).collect(), None).await;
     advance(&api, before + 60_000).await;
-    let preview = api
-        .get(&format!("{path}/upcoming?product_id={pro}"))
-        .await;
+    let preview = api.get(&format!("{path}/upcoming?product_id={pro}")).await;
     assert_eq!(preview.status, 200, "{}", preview.body);
     let previewed = usage_lines(&preview.body);
     assert!(previewed[0].0.contains("under Basic"), "{previewed:?}");
