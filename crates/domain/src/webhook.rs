@@ -251,8 +251,9 @@ pub fn validate_url(url: &str, mode: Mode, allow_private: bool) -> Result<(), Fi
     endpoint_target(url, mode, allow_private).map(|_| ())
 }
 
-/// Checks subscribed event types; names the first unknown one.
-pub fn validate_event_types(events: &[String]) -> Result<(), FieldError> {
+/// The subscribed event types as stored: checked (the first unknown one is named),
+/// each once, in the order first given.
+pub fn event_types(events: &[String]) -> Result<Vec<String>, FieldError> {
     if events.is_empty() {
         return Err(FieldError::invalid(
             "events",
@@ -267,7 +268,12 @@ pub fn validate_event_types(events: &[String]) -> Result<(), FieldError> {
             ));
         }
     }
-    Ok(())
+    let mut seen = std::collections::HashSet::new();
+    Ok(events
+        .iter()
+        .filter(|e| seen.insert(e.as_str()))
+        .cloned()
+        .collect())
 }
 
 fn hmac_hex(secret: &str, timestamp_s: i64, body: &[u8]) -> String {
@@ -585,9 +591,19 @@ mod tests {
 
     #[test]
     fn event_types_are_checked() {
-        assert!(validate_event_types(&["credits.granted".into()]).is_ok());
+        assert!(event_types(&["credits.granted".into()]).is_ok());
         assert_eq!(
-            validate_event_types(&["credits.granted".into(), "nope".into()])
+            event_types(&[
+                "credits.granted".into(),
+                "refund.created".into(),
+                "credits.granted".into()
+            ])
+            .unwrap(),
+            ["credits.granted", "refund.created"],
+            "each once, in the order given"
+        );
+        assert_eq!(
+            event_types(&["credits.granted".into(), "nope".into()])
                 .unwrap_err()
                 .param,
             "events[1]"

@@ -8,7 +8,7 @@ use std::ops::Bound;
 use tally_domain::ids::{EndpointId, StoreId};
 use tally_domain::record::{BillingEvent, LedgerEvent, Record, WebhookAttempt};
 use tally_domain::webhook::{
-    validate_event_types, validate_url, DeliveryMode, WebhookEndpoint, CLI_PLACEHOLDER_URL,
+    event_types, validate_url, DeliveryMode, WebhookEndpoint, CLI_PLACEHOLDER_URL,
     MAX_ENDPOINT_NAME_CHARS, ROTATED_SECRET_GRACE_MS,
 };
 use tally_domain::{FieldError, Mode};
@@ -468,11 +468,12 @@ impl Notifications {
                 url
             }
         };
-        let events = input
-            .events
-            .clone()
-            .ok_or_else(|| FieldError::missing("events"))?;
-        validate_event_types(&events)?;
+        let events = event_types(
+            input
+                .events
+                .as_deref()
+                .ok_or_else(|| FieldError::missing("events"))?,
+        )?;
         let enabled = match input.status.as_deref() {
             None | Some("enabled") => true,
             Some("disabled") => false,
@@ -537,8 +538,7 @@ impl Notifications {
                     endpoint.url = url;
                 }
                 if let Some(events) = &input.events {
-                    validate_event_types(events)?;
-                    endpoint.events.clone_from(events);
+                    endpoint.events = event_types(events)?;
                 }
                 match input.status.as_deref() {
                     None => {}
