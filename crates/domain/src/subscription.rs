@@ -87,11 +87,12 @@ pub struct BilledUsage {
     pub price: Option<UsagePrice>,
 }
 
-/// An `invoice` usage price of a product the subscription left within a period (an
-/// upgrade): it still bills its meter's usage from `start_ms` to `end_ms` (the
-/// change), with the next charge that bills the period's usage; the new product's
-/// prices count from `end_ms` on. So usage is billed at the price it was used
-/// under, once (docs/api.md, "Subscriptions").
+/// Usage not billed yet of a window the subscription's current prices do not
+/// cover, with the `invoice` price it is billed at: the part of a period before an
+/// upgrade, at the old product's price (the new product's prices count from
+/// `end_ms` on), or a period that ended during a pause. The next charge that bills
+/// usage bills it, so usage is billed at the price it was used under, once
+/// (docs/api.md, "Subscriptions").
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetiredUsage {
     pub price: UsagePrice,
@@ -258,9 +259,11 @@ pub fn usage_to_bill(
         .retired_usage
         .iter()
         .filter(|r| billed(&r.price))
+        // Unbilled usage of an earlier window (a period that ended during a pause)
+        // is billed by the next charge whatever period it bills.
         .map(|r| UsageToBill {
             price: r.price.clone(),
-            start_ms: r.start_ms.max(start),
+            start_ms: r.start_ms,
             end_ms: r.end_ms.min(end),
             retired_from: Some(r.product_name.clone()),
         })
@@ -289,6 +292,14 @@ pub fn retire_usage_prices(sub: &Subscription, next: &mut Subscription, at_ms: i
     if sub.product.id == next.product.id {
         return;
     }
+    retire_usage_prices_until(sub, next, at_ms);
+    // Usage from here on is the new product's, whatever the old one priced.
+    next.usage_priced_from_ms = Some(at_ms);
+}
+
+/// Keeps the usage of `sub`'s open period not billed yet, until `at_ms`, for the
+/// next charge that bills usage, at the prices of `sub`'s product.
+fn retire_usage_prices_until(sub: &Subscription, next: &mut Subscription, at_ms: i64) {
     let start = sub
         .usage_priced_from_ms
         .map_or(sub.current_period_start_ms, |from| {
@@ -309,8 +320,6 @@ pub fn retire_usage_prices(sub: &Subscription, next: &mut Subscription, at_ms: i
                 end_ms: at_ms,
             }),
     );
-    // Usage from here on is the new product's, whatever the old one priced.
-    next.usage_priced_from_ms = Some(at_ms);
 }
 
 /// Minor units for a period's `usage` of an `invoice` price:
@@ -591,9 +600,10 @@ pub fn after_period_end(sub: &Subscription, at_ms: i64) -> Subscription {
         }
     }
     next.on_period_end = None;
-    // The period's usage was billed with its end (or there was none to bill).
+    // The period's usage was billed with its end (or there was none to bill): a
+    // resume bills usage from there on.
     next.retired_usage.clear();
-    next.usage_priced_from_ms = None;
+    next.usage_priced_from_ms = Some(sub.current_period_end_ms);
     next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
     next
 }
@@ -665,6 +675,10 @@ pub fn resume(sub: &Subscription, at_ms: i64) -> Result<Subscription, InvalidTra
     let mut next = sub.clone();
     next.status = SubscriptionStatus::Active;
     if sub.current_period_end_ms <= at_ms {
+        // The period ended during the pause: its usage not billed yet is billed
+        // with the charge of the new period, at the product's prices.
+        retire_usage_prices_until(sub, &mut next, sub.current_period_end_ms);
+        next.usage_priced_from_ms = None;
         next.billing_anchor_ms = at_ms;
         next.current_period_start_ms = at_ms;
         next.current_period_end_ms = at_ms;

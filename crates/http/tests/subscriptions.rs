@@ -948,3 +948,106 @@ async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
     assert_eq!(txs[2]["amount"], 3002, "{}", txs[2]);
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let calls = id(&api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+        )
+        .await);
+    let prod = product(
+        &api,
+        json!({"usage_prices": [{"meter_id": calls, "unit_price": 2,
+            "settlement_mode": "invoice"}]}),
+    )
+    .await;
+    // Paused mid-period, resumed after the period ended: the period's usage is
+    // billed with the resume's charge.
+    let (sub, cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    let events: Vec<Value> = (0..5)
+        .map(|i| json!({"name": "api_call", "customer_id": cus, "event_id": format!("a{i}")}))
+        .collect();
+    let ingested = api
+        .post("/v1/events/ingest", json!({"events": events}))
+        .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
+    let now = test_now(&api).await;
+    advance(&api, now + 60_000).await;
+    assert_eq!(
+        api.post(&format!("{path}/pause"), json!({})).await.status,
+        200
+    );
+    let end = parse_iso8601_ms(
+        api.get(&path).await.body["current_period_end_date"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    advance(&api, end + 5 * DAY_MS).await;
+    let resumed = api.post(&format!("{path}/resume"), json!({})).await;
+    assert_eq!(resumed.status, 200, "{}", resumed.body);
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 2, "{txs:?}");
+    let usage: Vec<(String, i64)> = txs[1]["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["amount"].as_i64() != Some(0) && !l["meter_id"].is_null())
+        .map(|l| {
+            (
+                l["description"].as_str().unwrap().to_string(),
+                l["amount"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(usage.len(), 1, "{}", txs[1]);
+    assert_eq!(usage[0].1, 10, "five calls at 2: {}", txs[1]);
+    assert!(usage[0].0.contains(&format_iso8601_ms(end)), "{usage:?}");
+    assert_eq!(txs[1]["amount"], 1010, "{}", txs[1]);
+    // Billed once: the next renewal bills only its own period's usage (none).
+    let next_end = parse_iso8601_ms(
+        api.get(&path).await.body["current_period_end_date"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    advance(&api, next_end + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 3, "{txs:?}");
+    assert_eq!(txs[2]["amount"], 1000, "{}", txs[2]);
+
+    // A scheduled pause bills the period's usage at its end; the resume does not
+    // bill it again.
+    let (sub, cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    let events: Vec<Value> = (0..3)
+        .map(|i| json!({"name": "api_call", "customer_id": cus, "event_id": format!("s{i}")}))
+        .collect();
+    api.post("/v1/events/ingest", json!({"events": events}))
+        .await;
+    let scheduled = api
+        .post(
+            &format!("{path}/cancel"),
+            json!({"mode": "scheduled", "onExecute": "pause"}),
+        )
+        .await;
+    assert_eq!(scheduled.status, 200, "{}", scheduled.body);
+    let end =
+        parse_iso8601_ms(scheduled.body["current_period_end_date"].as_str().unwrap()).unwrap();
+    advance(&api, end + DAY_MS).await;
+    assert_eq!(api.get(&path).await.body["status"], "paused");
+    let resumed = api.post(&format!("{path}/resume"), json!({})).await;
+    assert_eq!(resumed.status, 200, "{}", resumed.body);
+    let txs = transactions(&api, &sub).await;
+    let amounts: Vec<i64> = txs.iter().map(|t| t["amount"].as_i64().unwrap()).collect();
+    assert_eq!(
+        amounts,
+        [1000, 6, 1000],
+        "checkout, final usage, resume: {txs:?}"
+    );
+    server.stop().await;
+}
