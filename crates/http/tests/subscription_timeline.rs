@@ -4,9 +4,10 @@
 //! - everything due up to the store's time has run, and the status is one the
 //!   state machine allows with its dates ahead;
 //! - no period is charged twice, and every transaction's lines add up to its amount;
-//! - `invoice` usage is never billed twice nor more than was ingested, and on a
-//!   timeline that only uses and renews, exactly the usage of the closed periods is
-//!   billed, each period charged once;
+//! - `invoice` usage is never billed twice nor more than was ingested; on a
+//!   timeline that only uses, renews, switches products and changes units, exactly
+//!   the usage of the closed periods is billed; on one that only uses and renews,
+//!   each period is charged once;
 //! - replaying the log gives the live projection's digest.
 
 mod common;
@@ -35,13 +36,33 @@ enum Op {
     Units(u8),
 }
 
-fn op(clean: bool) -> BoxedStrategy<Op> {
+/// Which ops a timeline draws from.
+#[derive(Debug, Clone, Copy)]
+enum Ops {
+    /// Use and advance only.
+    Clean,
+    /// Also switches of product and changes of units: no usage may be lost.
+    Changes,
+    /// Everything, cancels, pauses and resumes included.
+    Any,
+}
+
+fn op(ops: Ops) -> BoxedStrategy<Op> {
     let use_or_advance = prop_oneof![
         3 => (1u8..4).prop_map(Op::Use),
         3 => (1u16..900).prop_map(Op::Advance),
     ];
-    if clean {
-        return use_or_advance.boxed();
+    match ops {
+        Ops::Clean => return use_or_advance.boxed(),
+        Ops::Changes => {
+            return prop_oneof![
+                6 => use_or_advance,
+                2 => (0u8..3).prop_map(Op::Switch),
+                1 => (1u8..4).prop_map(Op::Units),
+            ]
+            .boxed()
+        }
+        Ops::Any => {}
     }
     prop_oneof![
         6 => use_or_advance,
@@ -91,6 +112,8 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
         .await);
     let products = [product.clone(), other];
     let mut on = 0;
+    // When each switch took effect, and the product it moved to.
+    let mut switches: Vec<(i64, usize)> = Vec::new();
     // Successful immediate moves to the pricier product: each may charge one
     // proration at once (none while trialing).
     let mut immediate_upgrades = 0usize;
@@ -124,7 +147,8 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
             Op::Use(k) => {
                 let at = now(api.clone()).await;
                 let events: Vec<Value> = (0..*k)
-                    .map(|i| json!({"name": "call", "customer_id": customer, "event_id": format!("e{n}-{i}")}))
+                    .map(|i| json!({"name": "call", "customer_id": customer, "event_id": format!("e{n}-{i}"),
+                        "timestamp": format_iso8601_ms(at)}))
                     .collect();
                 let answer = api
                     .post("/v1/events/ingest", json!({"events": events}))
@@ -174,6 +198,7 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
                 );
                 if answer.status == 200 {
                     on = 1 - on;
+                    switches.push((date(&answer.body["updated_at"]).unwrap(), on));
                     if on == 1 && behavior == "proration-charge-immediately" {
                         immediate_upgrades += 1;
                     }
@@ -240,6 +265,7 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
     let mut periods = std::collections::BTreeSet::new();
     let mut prorations = 0usize;
     let mut billed_usage = 0i64;
+    let mut billed_usage_amount = 0i64;
     for tx in &txs {
         let lines = tx["lines"].as_array().unwrap();
         prop_assert!(tx["amount"].as_i64().unwrap() >= 0, "{}", tx);
@@ -267,6 +293,7 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
         );
         for line in lines.iter().filter(|l| !l["meter_id"].is_null()) {
             billed_usage += line["quantity"].as_str().unwrap().parse::<i64>().unwrap();
+            billed_usage_amount += line["amount"].as_i64().unwrap();
         }
     }
     prop_assert!(
@@ -283,15 +310,47 @@ async fn run(ops: Vec<Op>, declining: bool) -> Result<(), TestCaseError> {
         ingested.len()
     );
 
-    let clean = !declining && ops.iter().all(|o| matches!(o, Op::Use(_) | Op::Advance(_)));
-    if clean {
+    // Switching products and units loses no usage: each closed period's usage is
+    // billed once, before a switch at the old product's price.
+    let kept = !declining
+        && ops.iter().all(|o| {
+            matches!(
+                o,
+                Op::Use(_) | Op::Advance(_) | Op::Switch(_) | Op::Units(_)
+            )
+        });
+    if kept {
         let current = date(&s["current_period_start_date"]).unwrap();
         let floor = |t: i64| t.div_euclid(MINUTE_MS);
-        let closed = ingested
+        let closed: Vec<i64> = ingested
             .iter()
-            .filter(|t| floor(**t) < floor(current))
-            .count() as i64;
-        prop_assert_eq!(billed_usage, closed, "usage of the closed periods, once");
+            .copied()
+            .filter(|t| floor(*t) < floor(current))
+            .collect();
+        prop_assert_eq!(
+            billed_usage,
+            closed.len() as i64,
+            "usage of the closed periods, once"
+        );
+        // Each event at the price of the product it was used under: a switch
+        // takes effect from its own minute on (usage counts by whole minutes).
+        let unit_price = |t: i64| {
+            let on = switches
+                .iter()
+                .rfind(|(at, _)| floor(*at) <= floor(t))
+                .map_or(0, |(_, on)| *on);
+            [1i64, 2][on]
+        };
+        let expected: i64 = closed.iter().map(|t| unit_price(*t)).sum();
+        prop_assert_eq!(
+            billed_usage_amount,
+            expected,
+            "each event at its product's price: {:?}",
+            txs
+        );
+    }
+    let clean = !declining && ops.iter().all(|o| matches!(o, Op::Use(_) | Op::Advance(_)));
+    if clean {
         // One renewal per period end passed since the start.
         let mut ends = 0;
         let mut end = tally_domain::settlement::period_bounds(start, 1, start).1;
@@ -323,17 +382,22 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
     #[test]
     fn subscriptions_stay_legal_and_bill_each_period_once(
-        clean in any::<bool>(),
+        which in 0u8..3,
         declining in proptest::bool::weighted(0.3),
-        ops in proptest::collection::vec(op(false), 1..14),
-        clean_ops in proptest::collection::vec(op(true), 1..14),
+        ops in proptest::collection::vec(op(Ops::Any), 1..14),
+        clean_ops in proptest::collection::vec(op(Ops::Clean), 1..14),
+        change_ops in proptest::collection::vec(op(Ops::Changes), 1..14),
     ) {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        let (ops, declining) = if clean { (clean_ops, false) } else { (ops, declining) };
+        let (ops, declining) = match which {
+            0 => (clean_ops, false),
+            1 => (change_ops, false),
+            _ => (ops, declining),
+        };
         runtime.block_on(run(ops, declining))?;
     }
 }
