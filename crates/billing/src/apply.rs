@@ -367,11 +367,46 @@ pub fn event_key(store_id: &str, mode: Mode, event: &BillingEvent) -> Vec<u8> {
 /// product is still sold, and that its discount is still redeemable at the record's
 /// time (so `redeem_count` never passes `max_redemptions`, whatever the concurrency).
 /// Returns the events to deliver.
+/// Credits a completed checkout grants: a `customer_credits` feature's `amount`
+/// times the units bought, into the customer's account named `bucket_name`. The
+/// projector books them through the ledger in the same apply (docs/api.md,
+/// "Checkouts").
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckoutGrant {
+    pub customer_id: String,
+    pub account_name: String,
+    pub unit_label: String,
+    pub amount: Decimal,
+    /// Once per checkout and feature.
+    pub key: String,
+}
+
+/// The grants of a checkout of `product` (features whose amount times the units
+/// leaves a decimal's range grant nothing: the product's limits keep them far
+/// inside it).
+fn checkout_grants(done: &Checkout, product: &Product) -> Vec<CheckoutGrant> {
+    product
+        .features
+        .iter()
+        .filter_map(|feature| {
+            let credits = feature.customer_credits.as_ref()?;
+            Some(CheckoutGrant {
+                customer_id: done.customer_id.to_string(),
+                account_name: credits.bucket_name.clone(),
+                unit_label: credits.unit_label.clone(),
+                amount: credits.amount.checked_mul(Decimal::from(done.units))?,
+                key: format!("checkout:{}:{}", done.id, feature.id),
+            })
+        })
+        .collect()
+}
+
+/// A completion: its webhook events and the credits it grants.
 pub fn apply_checkout_completed(
     overlay: &mut Overlay<'_>,
     completion: &CheckoutCompletion,
     recorded_at_ms: i64,
-) -> Result<Vec<BillingEvent>, ApplyError> {
+) -> Result<(Vec<BillingEvent>, Vec<CheckoutGrant>), ApplyError> {
     let done = &completion.checkout;
     let (store_id, mode) = (&done.store_id, done.mode);
     let key = checkout_key(store_id, mode, &done.id);
@@ -458,7 +493,7 @@ pub fn apply_checkout_completed(
         }
     }
     put_events(overlay, store_id, mode, &events);
-    Ok(events)
+    Ok((events, checkout_grants(done, &product)))
 }
 
 /// A record creating a resource under an id already taken is refused (ids are

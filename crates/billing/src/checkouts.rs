@@ -25,7 +25,7 @@ use tally_domain::usage::parse_decimal;
 use tally_domain::FieldError;
 
 use crate::apply::{checkout_key, tax_rate_key};
-use crate::{Billing, Grant};
+use crate::Billing;
 
 /// Input of `POST /v1/checkouts`, as the edge parsed it.
 #[derive(Debug, Clone, Default)]
@@ -240,7 +240,6 @@ impl Billing {
         tally_domain::billing::test_card(card)?;
         let open = self.get_checkout(scope, id)?;
         if open.status == CheckoutStatus::Completed {
-            self.grant_credits(scope, &open).await?;
             return Ok(open);
         }
         let product = self.product_for(scope, &open.product_id)?;
@@ -392,37 +391,6 @@ impl Billing {
             // Another completion came first: its payment stands, this one charged nothing.
             Decision::SameAs(_) => self.get_checkout(scope, id)?,
         };
-        self.grant_credits(scope, &done).await?;
         Ok(done)
-    }
-
-    /// The credits a completed checkout's product grants (`customer_credits`
-    /// features, times the units bought), once per checkout and feature.
-    async fn grant_credits(&self, scope: &Scope, checkout: &Checkout) -> Result<(), EngineError> {
-        let product = self.get_product(scope, &checkout.product_id)?;
-        for feature in &product.features {
-            let Some(grant) = &feature.customer_credits else {
-                continue;
-            };
-            let amount = grant
-                .amount
-                .checked_mul(Decimal::from(checkout.units))
-                .ok_or_else(|| {
-                    FieldError::invalid("units", "the credits granted overflow a decimal")
-                })?;
-            self.credits
-                .grant(
-                    scope,
-                    Grant {
-                        customer_id: &checkout.customer_id,
-                        account_name: &grant.bucket_name,
-                        unit_label: &grant.unit_label,
-                        amount,
-                        key: format!("checkout:{}:{}", checkout.id, feature.id),
-                    },
-                )
-                .await?;
-        }
-        Ok(())
     }
 }

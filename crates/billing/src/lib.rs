@@ -86,18 +86,6 @@ pub trait Customers: Send + Sync {
     async fn create_customer(&self, scope: &Scope, email: &str) -> Result<String, EngineError>;
 }
 
-/// A credit grant, as billing asks the ledger for one.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Grant<'a> {
-    pub customer_id: &'a str,
-    /// The account of the customer with this name (created when missing).
-    pub account_name: &'a str,
-    pub unit_label: &'a str,
-    pub amount: Decimal,
-    /// Exactly once per key, however often asked.
-    pub key: String,
-}
-
 /// A priced auto-recharge waiting for its charge (docs/api.md, "Thresholds and
 /// auto-recharge"), as billing asks the ledger for them.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,8 +104,6 @@ pub struct RechargeDue {
 /// What billing asks of the credits ledger.
 #[async_trait::async_trait]
 pub trait Credits: Send + Sync {
-    async fn grant(&self, scope: &Scope, grant: Grant<'_>) -> Result<(), EngineError>;
-
     /// Up to `limit` priced auto-recharges waiting for their charge, of the stores
     /// this node serves.
     fn recharges_due(&self, limit: usize) -> Result<Vec<RechargeDue>, EngineError>;

@@ -588,7 +588,22 @@ impl<'a> Overlay<'a> {
 
     /// Undoes everything since the last `keep`.
     pub fn roll_back(&mut self) {
-        while let Some(undo) = self.journal.pop() {
+        self.roll_back_to(0);
+    }
+
+    /// Where the record's apply stands: `roll_back_to` it undoes what came after,
+    /// so a part of a record can be refused while the rest of it stays (a purchase's
+    /// credits that its account cannot take, the purchase itself kept).
+    pub fn savepoint(&self) -> usize {
+        self.journal.len()
+    }
+
+    /// Undoes everything since `savepoint` answered `mark`.
+    pub fn roll_back_to(&mut self, mark: usize) {
+        while self.journal.len() > mark {
+            let Some(undo) = self.journal.pop() else {
+                break;
+            };
             match undo {
                 Undo::Change(key, Some(previous)) => {
                     self.changes.insert(key, previous);
@@ -1527,6 +1542,29 @@ mod tests {
         overlay.aggregate_mut(bucket("c", 0)).unwrap().add(None);
         overlay.keep();
         assert_eq!(pending(&overlay).0.len(), 3);
+    }
+
+    #[test]
+    fn roll_back_to_a_savepoint_keeps_what_came_before_it() {
+        let store = tally_projection::MemoryStore::new();
+        let index = EventIndex::default();
+        let fetched = Fetched::new();
+        let mut overlay = Overlay::new(&store, &index, &fetched);
+        overlay.put(b"a".to_vec(), b"1".to_vec());
+        overlay.put(b"b".to_vec(), b"1".to_vec());
+        let mark = overlay.savepoint();
+        // The part refused: rewrites one key, adds one, deletes one.
+        overlay.put(b"a".to_vec(), b"2".to_vec());
+        overlay.put(b"c".to_vec(), b"2".to_vec());
+        overlay.delete(b"b".to_vec());
+        overlay.roll_back_to(mark);
+        assert_eq!(overlay.get(b"a").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(overlay.get(b"b").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(overlay.get(b"c").unwrap(), None);
+        // The record as a whole still rolls back to its start.
+        overlay.roll_back();
+        assert_eq!(overlay.get(b"a").unwrap(), None);
+        assert_eq!(overlay.get(b"b").unwrap(), None);
     }
 
     #[test]

@@ -115,61 +115,12 @@ impl tally_billing::Customers for DirectoryPort {
     }
 }
 
-/// Billing's `Credits` port, answered by the ledger: the customer's account of the
-/// grant's name (created when missing), credited once per grant key.
+/// Billing's `Credits` port, answered by the ledger: the priced auto-recharges
+/// waiting for their charge.
 struct LedgerPort(Ledger);
 
 #[async_trait::async_trait]
 impl tally_billing::Credits for LedgerPort {
-    async fn grant(
-        &self,
-        scope: &Scope,
-        grant: tally_billing::Grant<'_>,
-    ) -> Result<(), EngineError> {
-        let ledger = &self.0;
-        let account_id =
-            match ledger.account_id_by_name(scope, grant.customer_id, grant.account_name)? {
-                Some(id) => id,
-                None => {
-                    let input = tally_ledger::ledger::AccountInput {
-                        customer_id: Some(grant.customer_id.to_string()),
-                        name: Some(grant.account_name.to_string()),
-                        unit_label: Some(grant.unit_label.to_string()),
-                        initial_balance: None,
-                        ..Default::default()
-                    };
-                    match ledger.create_account(scope, &input).await {
-                        Ok((account, _)) => account.id.to_string(),
-                        // Another grant created it meanwhile.
-                        Err(EngineError::Conflict {
-                            code: "account_name_taken",
-                            ..
-                        }) => ledger
-                            .account_id_by_name(scope, grant.customer_id, grant.account_name)?
-                            .ok_or_else(|| {
-                                EngineError::Corrupt("an account taken by name is missing".into())
-                            })?,
-                        Err(error) => return Err(error),
-                    }
-                }
-            };
-        let movement = tally_ledger::ledger::MovementInput {
-            amount: Some(tally_domain::usage::canonical_decimal(grant.amount)),
-            idempotency_key: Some(grant.key),
-            description: Some("granted by a checkout".into()),
-            metadata: Default::default(),
-        };
-        ledger
-            .move_credits(
-                scope,
-                &account_id,
-                tally_domain::ledger::TransactionKind::Credit,
-                &movement,
-            )
-            .await?;
-        Ok(())
-    }
-
     fn recharges_due(&self, limit: usize) -> Result<Vec<tally_billing::RechargeDue>, EngineError> {
         Ok(self
             .0

@@ -602,12 +602,54 @@ fn apply_record(
             tally_billing::apply::apply_checkout_created(overlay, checkout)?
         }
         Record::CheckoutCompleted(completion) => {
-            let events = tally_billing::apply::apply_checkout_completed(
+            let (events, grants) = tally_billing::apply::apply_checkout_completed(
                 overlay,
                 completion,
                 meta.recorded_at_ms,
             )?;
             schedule_billing_events(overlay, &events, entry.offset)?;
+            // The credits the purchase grants, booked with it (docs/api.md,
+            // "Checkouts"). One the account cannot take (frozen, closed, past a
+            // limit) is dropped alone: the purchase was paid and stays.
+            let checkout = &completion.checkout;
+            let mut granted = Vec::new();
+            for grant in &grants {
+                let request = tally_ledger::PurchaseGrant {
+                    store_id: &checkout.store_id,
+                    mode: checkout.mode,
+                    customer_id: &grant.customer_id,
+                    account_name: &grant.account_name,
+                    unit_label: &grant.unit_label,
+                    amount: grant.amount,
+                    key: grant.key.clone(),
+                    description: "granted by a checkout".into(),
+                    // Ledger time, as every ledger step (the record's).
+                    created_at_ms: meta.recorded_at_ms,
+                };
+                let mark = overlay.savepoint();
+                match tally_ledger::apply_purchase_grant(overlay, &request) {
+                    Ok(events) => granted.extend(events),
+                    Err(ApplyError::Refused(outcome)) => {
+                        overlay.roll_back_to(mark);
+                        tracing::warn!(
+                            checkout = %checkout.id,
+                            key = %grant.key,
+                            ?outcome,
+                            "a checkout's credits were not granted"
+                        );
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            schedule_ledger_events_booking(
+                overlay,
+                &granted,
+                entry,
+                &[
+                    tally_ledger::EVENT_CREDITS_EXPIRED,
+                    tally_ledger::EVENT_CREDITS_GRANTED,
+                ],
+            )?;
         }
         Record::RefundCreated(refund) => {
             let events = tally_billing::apply::apply_refund(overlay, refund)?;
@@ -918,9 +960,26 @@ fn schedule_ledger_events(
     events: &[tally_domain::record::LedgerEvent],
     entry: &LogEntry,
 ) -> Result<(), EngineError> {
+    schedule_ledger_events_booking(
+        overlay,
+        events,
+        entry,
+        &[tally_ledger::EVENT_CREDITS_EXPIRED],
+    )
+}
+
+/// Schedules a record's ledger events, and names (in the `#` row the ledger audit
+/// replays) the transactions apply booked itself: those of the events of
+/// `booked_types` (expiries; a purchase's grants too).
+fn schedule_ledger_events_booking(
+    overlay: &mut Overlay<'_>,
+    events: &[tally_domain::record::LedgerEvent],
+    entry: &LogEntry,
+    booked_types: &[&str],
+) -> Result<(), EngineError> {
     let booked: Vec<&str> = events
         .iter()
-        .filter(|e| e.event_type == tally_ledger::EVENT_CREDITS_EXPIRED)
+        .filter(|e| booked_types.contains(&e.event_type.as_str()))
         .filter_map(|e| e.transaction_id.as_deref())
         .collect();
     if !booked.is_empty() {

@@ -975,3 +975,135 @@ async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero(
     assert_eq!(account["balance"], "5");
     server.stop().await;
 }
+
+/// Where each partition of the server's log ends.
+async fn log_ends(server: &Server) -> Vec<u64> {
+    let log = server.engine.log();
+    let mut ends = Vec::new();
+    for partition in 0..log.partition_count() {
+        ends.push(log.read_end(partition).await.unwrap());
+    }
+    ends
+}
+
+/// The records appended to the server's log since `ends`.
+async fn records_since(server: &Server, ends: &[u64]) -> usize {
+    let log = server.engine.log();
+    let mut count = 0;
+    for (partition, from) in ends.iter().enumerate() {
+        let until = log.read_end(partition as u32).await.unwrap();
+        tally_log::read_range(
+            log.as_ref(),
+            partition as u32,
+            *from,
+            until,
+            100,
+            |entries| {
+                count += entries.len();
+                Ok::<(), tally_log::LogError>(())
+            },
+        )
+        .await
+        .unwrap();
+    }
+    count
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkouts_credits_are_granted_by_its_completion_record() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let prod = product(
+        &api,
+        json!({"features": [{"type": "customer_credits",
+            "customer_credits": {"amount": "5", "bucket_name": "bucket"}}]}),
+    )
+    .await;
+    let checkout = |cus: String| {
+        let api = api.clone();
+        let prod = prod.clone();
+        async move {
+            id(&api
+                .post(
+                    "/v1/checkouts",
+                    json!({"product_id": prod, "customer_id": cus, "units": 3}),
+                )
+                .await)
+        }
+    };
+    let pay = json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"});
+
+    // One record completes the checkout and grants its credits (the account
+    // created with them): a crash cannot keep one without the other.
+    let cus = customer(&api, "US").await;
+    let chk = checkout(cus.clone()).await;
+    let before = log_ends(&server).await;
+    let done = api
+        .post(&format!("/v1/checkouts/{chk}/complete"), pay.clone())
+        .await;
+    assert_eq!(done.status, 200, "{}", done.body);
+    assert_eq!(records_since(&server, &before).await, 1, "one record");
+    let accounts = api
+        .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
+        .await
+        .body;
+    assert_eq!(accounts["data"][0]["name"], "bucket", "{accounts}");
+    assert_eq!(accounts["data"][0]["balance"], "15", "{accounts}");
+    let again = api
+        .post(&format!("/v1/checkouts/{chk}/complete"), pay.clone())
+        .await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    let account = accounts["data"][0]["id"].as_str().unwrap();
+    let balance = api
+        .get(&format!("/v1/customer-credits/accounts/{account}"))
+        .await
+        .body;
+    assert_eq!(balance["balance"], "15", "granted once: {balance}");
+
+    // A frozen account of that name takes nothing, and the purchase still completes
+    // (it was paid).
+    let frozen_owner = customer(&api, "US").await;
+    let frozen = id(&api
+        .post(
+            "/v1/customer-credits/accounts",
+            json!({"customer_id": frozen_owner, "name": "bucket"}),
+        )
+        .await);
+    let froze = api
+        .post(
+            &format!("/v1/customer-credits/accounts/{frozen}/freeze"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(froze.status, 200, "{}", froze.body);
+    let chk = checkout(frozen_owner).await;
+    let done = api
+        .post(&format!("/v1/checkouts/{chk}/complete"), pay)
+        .await;
+    assert_eq!(done.status, 200, "{}", done.body);
+    assert_eq!(done.body["status"], "completed");
+    let balance = api
+        .get(&format!("/v1/customer-credits/accounts/{frozen}"))
+        .await
+        .body;
+    assert_eq!(balance["balance"], "0", "{balance}");
+
+    // Replaying the log grants the same, to the same accounts and ids.
+    server.engine.wait_caught_up().await.unwrap();
+    let replayed: std::sync::Arc<dyn tally_projection::ProjectionStore> =
+        std::sync::Arc::new(tally_projection::MemoryStore::new());
+    for partition in 0..server.engine.log().partition_count() {
+        tally_engine::projector::replay_partition(
+            server.engine.log().as_ref(),
+            replayed.clone(),
+            partition,
+            |_, _| {},
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        replayed.digest().unwrap(),
+        server.engine.store().digest().unwrap()
+    );
+    server.stop().await;
+}

@@ -171,6 +171,116 @@ pub fn apply_ledger_step(
     Ok(events)
 }
 
+/// Credits a purchase grants (a checkout's `customer_credits` features), as
+/// billing asks for them in the completion's apply: decided with the purchase, so a
+/// crash can never keep one without the other.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PurchaseGrant<'a> {
+    pub store_id: &'a str,
+    pub mode: Mode,
+    pub customer_id: &'a str,
+    pub account_name: &'a str,
+    pub unit_label: &'a str,
+    pub amount: Decimal,
+    /// Once per purchase and feature: the credit's idempotency key, and the seed of
+    /// its ids (and of the account's, when the grant creates it).
+    pub key: String,
+    pub description: String,
+    pub created_at_ms: i64,
+}
+
+/// Credits `grant.amount` to the customer's account of that name, created when
+/// missing (active, ids derived from the grant's key, so a replay makes the same
+/// ones). Nothing when its key was booked already (a log of an earlier build,
+/// where the service credited after the purchase, holds that credit itself), or
+/// when the account is frozen or closed: it takes no transactions. Refused like
+/// any credit past a limit (the caller keeps the purchase and drops the grant).
+pub fn apply_purchase_grant(
+    overlay: &mut Overlay<'_>,
+    grant: &PurchaseGrant<'_>,
+) -> Result<Vec<LedgerEvent>, ApplyError> {
+    let (store, mode, at) = (grant.store_id, grant.mode, grant.created_at_ms);
+    let idempotency = Key::scoped(keys::CREDIT_IDEMPOTENCY, store, mode).tail(grant.key.as_bytes());
+    if overlay.contains(idempotency.as_bytes())? {
+        return Ok(Vec::new());
+    }
+    let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, store, mode)
+        .text(grant.customer_id)
+        .text(grant.account_name)
+        .into_bytes();
+    let (account, created) = match overlay.get(&name_key)? {
+        Some(id) => {
+            let id = String::from_utf8_lossy(&id).into_owned();
+            let Some(account) = stored_account(overlay, store, mode, &id)? else {
+                return Err(EngineError::Corrupt(format!("account {id} named but missing")).into());
+            };
+            (account, false)
+        }
+        None => (
+            Account {
+                id: tally_core::ids::derived_id("ca", &grant.key).into(),
+                store_id: store.into(),
+                mode,
+                customer_id: grant.customer_id.into(),
+                name: grant.account_name.to_string(),
+                unit_label: grant.unit_label.to_string(),
+                status: AccountStatus::Active,
+                created_at_ms: at,
+                updated_at_ms: at,
+                low_balance_threshold: None,
+                auto_recharge: None,
+            },
+            true,
+        ),
+    };
+    if account.status != AccountStatus::Active {
+        return Ok(Vec::new());
+    }
+    let balance = if created {
+        Decimal::ZERO
+    } else {
+        stored_balance(overlay, store, mode, &account.id)?
+    };
+    let transaction_id = tally_core::ids::derived_id("ctx", &grant.key);
+    let mut n = 0;
+    let mut entry_id = || {
+        n += 1;
+        format!("{}_{n}", transaction_id.replacen("ctx_", "ce_", 1))
+    };
+    let entries = post(
+        TransactionKind::Credit,
+        &account.id,
+        account.status,
+        balance,
+        grant.amount,
+        &mut entry_id,
+    )
+    .map_err(refused)?;
+    let tx = Transaction {
+        id: transaction_id.clone().into(),
+        store_id: store.into(),
+        mode,
+        kind: TransactionKind::Credit,
+        account_id: account.id.clone(),
+        amount: grant.amount,
+        entries,
+        idempotency_key: Some(grant.key.clone()),
+        description: Some(grant.description.clone()),
+        metadata: Default::default(),
+        reverses: None,
+        created_at_ms: at,
+        grant_terms: None,
+    };
+    apply_ledger_step(
+        overlay,
+        created.then_some(&account),
+        Some(&tx),
+        &[],
+        None,
+        at,
+    )
+}
+
 /// A debit for usage settled in credits, as billing's settlement asks for it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UsageDebit<'a> {

@@ -153,6 +153,21 @@ pub async fn replay_ledger(
                     ))? {
                         for id in tally_core::keys::settlement_transactions(&booked) {
                             let transaction = booked_transaction(projection, &record, &id)?;
+                            // An account a purchase's grant created is in no
+                            // record of its own: known from the projection.
+                            if !replay.accounts.contains_key(&transaction.account_id) {
+                                let key = tally_core::keys::Key::scoped(
+                                    tally_core::keys::CREDIT_ACCOUNT,
+                                    &transaction.store_id,
+                                    transaction.mode,
+                                )
+                                .text(&transaction.account_id)
+                                .into_bytes();
+                                if let Some(bytes) = projection.get(&key)? {
+                                    let account = tally_core::codec::decode_account(&bytes)?;
+                                    replay.accounts.insert(account.id.clone(), account);
+                                }
+                            }
                             replay.apply(&transaction);
                             visit(&transaction, replay.accounts.get(&transaction.account_id));
                         }
@@ -279,7 +294,8 @@ fn booked_transaction(
     tally_core::codec::decode_transaction(&bytes)
 }
 
-/// The store and mode of a record that can book expiries.
+/// The store and mode of a record that can book transactions itself (expiries, a
+/// purchase's grants).
 fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
     match record {
         Record::CreditLedger {
@@ -298,6 +314,7 @@ fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
             | ReservationStep::Release { store_id, mode, .. } => (store_id.to_string(), *mode),
         }),
         Record::UsageSettled(s) => Some((s.store_id.to_string(), s.mode)),
+        Record::CheckoutCompleted(c) => Some((c.checkout.store_id.to_string(), c.checkout.mode)),
         Record::CreditExpiriesDue { store_id, mode, .. } => Some((store_id.to_string(), *mode)),
         _ => None,
     }

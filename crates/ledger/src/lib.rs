@@ -32,7 +32,9 @@ pub mod posting;
 pub mod reservations;
 pub mod thresholds;
 
-pub use apply::{apply_ledger_step, apply_usage_debit, UsageDebit};
+pub use apply::{
+    apply_ledger_step, apply_purchase_grant, apply_usage_debit, PurchaseGrant, UsageDebit,
+};
 pub use grant_service::GrantInput;
 pub use ledger::*;
 pub use posting::{
