@@ -421,3 +421,88 @@ async fn verify_and_replay_cover_usage_settled_in_credits() {
         digest("live projection digest:")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_counts_what_apply_books_itself_auto_recharges_and_purchase_grants() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = serve(dir.path());
+    let key = served.test_key.clone().unwrap();
+    let base = served.test_url.clone();
+    let http = reqwest::Client::new();
+    let call = |path: &str, body: serde_json::Value| {
+        let (http, key, url) = (http.clone(), key.clone(), format!("{base}{path}"));
+        async move {
+            let (status, body) = post(&http, &url, &key, body).await.unwrap();
+            assert_eq!(status, 200, "{url}: {body}");
+            body
+        }
+    };
+    let customer = call("/v1/customers", json!({"email": "r@x.io"})).await;
+    let account = call(
+        "/v1/customer-credits/accounts",
+        json!({"customer_id": customer["id"], "initial_balance": "10",
+            "auto_recharge": {"threshold": "5", "amount": "20"}}),
+    )
+    .await;
+    let debit = format!(
+        "/v1/customer-credits/accounts/{}/debit",
+        account["id"].as_str().unwrap()
+    );
+    // 10 - 3 - 3 = 4, below 5: a free recharge of 20 is booked right after.
+    for n in 0..2 {
+        call(
+            &debit,
+            json!({"amount": "3", "idempotency_key": format!("d{n}")}),
+        )
+        .await;
+    }
+    let product = call(
+        "/v1/products",
+        json!({"name": "Pack", "price": 500, "currency": "usd",
+            "features": [{"type": "customer_credits",
+                "customer_credits": {"amount": "5", "bucket_name": "pack"}}]}),
+    )
+    .await;
+    let checkout = call(
+        "/v1/checkouts",
+        json!({"product_id": product["id"], "customer_id": customer["id"]}),
+    )
+    .await;
+    call(
+        &format!(
+            "/v1/checkouts/{}/complete",
+            checkout["id"].as_str().unwrap()
+        ),
+        json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"}),
+    )
+    .await;
+    assert!(served.terminate().success());
+
+    let output = tally()
+        .args(["ledger", "verify", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let value = |label: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(label))
+            .unwrap_or_else(|| panic!("{label} in {stdout}"))
+            .trim()
+            .to_string()
+    };
+    assert_eq!(value("accounts:"), "2", "the grant's account too");
+    assert_eq!(
+        value("transactions:"),
+        "5",
+        "seed, two debits, the recharge, the purchase's grant"
+    );
+    assert_eq!(value("total issued:"), "35");
+    assert_eq!(value("total consumed:"), "6");
+}

@@ -647,6 +647,7 @@ fn apply_record(
                 entry,
                 &[
                     tally_ledger::EVENT_CREDITS_EXPIRED,
+                    tally_ledger::thresholds::EVENT_CREDITS_AUTO_RECHARGED,
                     tally_ledger::EVENT_CREDITS_GRANTED,
                 ],
             )?;
@@ -964,7 +965,10 @@ fn schedule_ledger_events(
         overlay,
         events,
         entry,
-        &[tally_ledger::EVENT_CREDITS_EXPIRED],
+        &[
+            tally_ledger::EVENT_CREDITS_EXPIRED,
+            tally_ledger::thresholds::EVENT_CREDITS_AUTO_RECHARGED,
+        ],
     )
 }
 

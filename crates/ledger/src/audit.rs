@@ -145,31 +145,23 @@ pub async fn replay_ledger(
                     let (record, _) = tally_proto::decode_record(&entry.payload).map_err(|e| {
                         EngineError::Corrupt(format!("record at {}: {e}", entry.offset))
                     })?;
-                    // Expiries the record's apply booked before its own step (apply
-                    // builds them; the `#` row names them), replayed first.
+                    // What the record's apply booked itself (the `#` row): expiries,
+                    // dated before its own step, replayed first; auto-recharges and a
+                    // purchase's grants, which follow its step, replayed after it.
+                    let mut after = Vec::new();
                     if let Some(booked) = projection.get(&tally_core::keys::ledger_booked_key(
                         entry.partition,
                         entry.offset,
                     ))? {
                         for id in tally_core::keys::settlement_transactions(&booked) {
                             let transaction = booked_transaction(projection, &record, &id)?;
-                            // An account a purchase's grant created is in no
-                            // record of its own: known from the projection.
-                            if !replay.accounts.contains_key(&transaction.account_id) {
-                                let key = tally_core::keys::Key::scoped(
-                                    tally_core::keys::CREDIT_ACCOUNT,
-                                    &transaction.store_id,
-                                    transaction.mode,
-                                )
-                                .text(&transaction.account_id)
-                                .into_bytes();
-                                if let Some(bytes) = projection.get(&key)? {
-                                    let account = tally_core::codec::decode_account(&bytes)?;
-                                    replay.accounts.insert(account.id.clone(), account);
-                                }
+                            note_account(projection, &mut replay, &transaction)?;
+                            if transaction.kind == tally_domain::ledger::TransactionKind::Expiry {
+                                replay.apply(&transaction);
+                                visit(&transaction, replay.accounts.get(&transaction.account_id));
+                            } else {
+                                after.push(transaction);
                             }
-                            replay.apply(&transaction);
-                            visit(&transaction, replay.accounts.get(&transaction.account_id));
                         }
                     }
                     // Usage settled in credits: apply decided how much each debit
@@ -234,6 +226,10 @@ pub async fn replay_ledger(
                             visit(&transaction, replay.accounts.get(&transaction.account_id));
                         }
                     }
+                    for transaction in &after {
+                        replay.apply(transaction);
+                        visit(transaction, replay.accounts.get(&transaction.account_id));
+                    }
                 }
                 let at = entries.last().map_or(end, |e| e.next_offset);
                 progress(records, partition, at, end);
@@ -243,6 +239,31 @@ pub async fn replay_ledger(
         .await?;
     }
     Ok(replay)
+}
+
+/// Makes the account of a transaction apply booked known to the replay when no
+/// record of its own created it (a purchase's grant creates its account), read
+/// from the projection.
+fn note_account(
+    projection: &dyn ProjectionStore,
+    replay: &mut LedgerReplay,
+    transaction: &Transaction,
+) -> Result<(), EngineError> {
+    if replay.accounts.contains_key(&transaction.account_id) {
+        return Ok(());
+    }
+    let key = tally_core::keys::Key::scoped(
+        tally_core::keys::CREDIT_ACCOUNT,
+        &transaction.store_id,
+        transaction.mode,
+    )
+    .text(&transaction.account_id)
+    .into_bytes();
+    if let Some(bytes) = projection.get(&key)? {
+        let account = tally_core::codec::decode_account(&bytes)?;
+        replay.accounts.insert(account.id.clone(), account);
+    }
+    Ok(())
 }
 
 /// A transaction as apply posted it: the same movement per account as the record's,
@@ -294,8 +315,8 @@ fn booked_transaction(
     tally_core::codec::decode_transaction(&bytes)
 }
 
-/// The store and mode of a record that can book transactions itself (expiries, a
-/// purchase's grants).
+/// The store and mode of a record that can book transactions itself (expiries,
+/// auto-recharges, a purchase's grants).
 fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
     match record {
         Record::CreditLedger {
@@ -315,6 +336,7 @@ fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
         }),
         Record::UsageSettled(s) => Some((s.store_id.to_string(), s.mode)),
         Record::CheckoutCompleted(c) => Some((c.checkout.store_id.to_string(), c.checkout.mode)),
+        Record::AutoRechargeSettled(s) => Some((s.store_id.to_string(), s.mode)),
         Record::CreditExpiriesDue { store_id, mode, .. } => Some((store_id.to_string(), *mode)),
         _ => None,
     }
