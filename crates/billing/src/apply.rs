@@ -367,10 +367,10 @@ pub fn event_key(store_id: &str, mode: Mode, event: &BillingEvent) -> Vec<u8> {
 /// product is still sold, and that its discount is still redeemable at the record's
 /// time (so `redeem_count` never passes `max_redemptions`, whatever the concurrency).
 /// Returns the events to deliver.
-/// Credits a completed checkout grants: a `customer_credits` feature's `amount`
-/// times the units bought, into the customer's account named `bucket_name`. The
-/// projector books them through the ledger in the same apply (docs/api.md,
-/// "Checkouts").
+/// Credits a purchase grants: a `customer_credits` feature's `amount` times the
+/// units bought, into the customer's account named `bucket_name`, at the checkout
+/// and for each later period a subscription pays. The projector books them through
+/// the ledger in the same apply (docs/api.md, "Checkouts").
 #[derive(Debug, Clone, PartialEq)]
 pub struct CheckoutGrant {
     pub customer_id: String,
@@ -381,24 +381,39 @@ pub struct CheckoutGrant {
     pub key: String,
 }
 
-/// The grants of a checkout of `product` (features whose amount times the units
-/// leaves a decimal's range grant nothing: the product's limits keep them far
-/// inside it).
-fn checkout_grants(done: &Checkout, product: &Product) -> Vec<CheckoutGrant> {
+/// The grants of `product`'s `customer_credits` features for `units`, keyed
+/// `<key_base>:<feature id>` (features whose amount times the units leaves a
+/// decimal's range grant nothing: the product's limits keep them far inside it).
+pub(crate) fn product_grants(
+    customer_id: &str,
+    product: &Product,
+    units: u32,
+    key_base: &str,
+) -> Vec<CheckoutGrant> {
     product
         .features
         .iter()
         .filter_map(|feature| {
             let credits = feature.customer_credits.as_ref()?;
             Some(CheckoutGrant {
-                customer_id: done.customer_id.to_string(),
+                customer_id: customer_id.to_string(),
                 account_name: credits.bucket_name.clone(),
                 unit_label: credits.unit_label.clone(),
-                amount: credits.amount.checked_mul(Decimal::from(done.units))?,
-                key: format!("checkout:{}:{}", done.id, feature.id),
+                amount: credits.amount.checked_mul(Decimal::from(units))?,
+                key: format!("{key_base}:{}", feature.id),
             })
         })
         .collect()
+}
+
+/// The grants of a checkout of `product`: its first period (or trial).
+fn checkout_grants(done: &Checkout, product: &Product) -> Vec<CheckoutGrant> {
+    product_grants(
+        &done.customer_id,
+        product,
+        done.units,
+        &format!("checkout:{}", done.id),
+    )
 }
 
 /// A completion: its webhook events and the credits it grants.

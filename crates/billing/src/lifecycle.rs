@@ -87,7 +87,7 @@ pub fn apply_subscription_changed(
     sub: &Subscription,
     payment: Option<&Payment>,
     base_updated_at_ms: Option<i64>,
-) -> Result<Vec<BillingEvent>, ApplyError> {
+) -> Result<(Vec<BillingEvent>, Vec<crate::apply::CheckoutGrant>), ApplyError> {
     let (store_id, mode) = (&sub.store_id, sub.mode);
     let key = subscription_key(store_id, mode, &sub.id);
     let Some(bytes) = overlay.get(&key)? else {
@@ -147,7 +147,41 @@ pub fn apply_subscription_changed(
     overlay.put(key, codec::encode_subscription(sub));
     let events = transition_events(&before, sub, payment.is_some());
     put_events(overlay, store_id, mode, &events);
-    Ok(events)
+    Ok((events, period_grants(&before, sub, payment)))
+}
+
+/// The credits a charge that paid a new period grants (a renewal, a trial's end, a
+/// paid retry, a resume's new period): the product's `customer_credits` features
+/// for the subscription's units, once per period. A proration pays no new period
+/// and a final usage charge ends the subscription: neither grants.
+fn period_grants(
+    before: &Subscription,
+    after: &Subscription,
+    payment: Option<&Payment>,
+) -> Vec<crate::apply::CheckoutGrant> {
+    let Some(payment) = payment else {
+        return Vec::new();
+    };
+    let pays_current_period = payment.period_start_ms == Some(after.current_period_start_ms)
+        && payment.period_end_ms == Some(after.current_period_end_ms);
+    let moved_on = (
+        before.status,
+        before.current_period_start_ms,
+        before.current_period_end_ms,
+    ) != (
+        after.status,
+        after.current_period_start_ms,
+        after.current_period_end_ms,
+    );
+    if after.status != SubscriptionStatus::Active || !pays_current_period || !moved_on {
+        return Vec::new();
+    }
+    crate::apply::product_grants(
+        &after.customer_id,
+        &after.product,
+        after.units,
+        &format!("period:{}:{}", after.id, after.current_period_start_ms),
+    )
 }
 
 /// Whether a subscription's `credits` usage is settled in this status.

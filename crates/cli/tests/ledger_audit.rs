@@ -476,6 +476,41 @@ async fn verify_counts_what_apply_books_itself_auto_recharges_and_purchase_grant
         json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"}),
     )
     .await;
+    // A monthly product's credits: at the checkout and at the renewal (a record of
+    // the subscription's).
+    let monthly = call(
+        "/v1/products",
+        json!({"name": "Monthly", "price": 900, "currency": "usd", "billing_type": "recurring",
+            "billing_period": "every-month",
+            "features": [{"type": "customer_credits",
+                "customer_credits": {"amount": "4", "bucket_name": "monthly"}}]}),
+    )
+    .await;
+    let checkout = call(
+        "/v1/checkouts",
+        json!({"product_id": monthly["id"], "customer_id": customer["id"]}),
+    )
+    .await;
+    call(
+        &format!(
+            "/v1/checkouts/{}/complete",
+            checkout["id"].as_str().unwrap()
+        ),
+        json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"}),
+    )
+    .await;
+    let clock = reqwest::Client::new()
+        .get(format!("{base}/v1/test-clock"))
+        .header("x-api-key", &key)
+        .send()
+        .await
+        .unwrap()
+        .json::<serde_json::Value>()
+        .await
+        .unwrap();
+    let now = tally_domain::time::parse_iso8601_ms(clock["now"].as_str().unwrap()).unwrap();
+    let to = tally_domain::time::format_iso8601_ms(now + 40 * tally_domain::time::DAY_MS);
+    call("/v1/test-clock/advance", json!({"to": to})).await;
     assert!(served.terminate().success());
 
     let output = tally()
@@ -497,12 +532,12 @@ async fn verify_counts_what_apply_books_itself_auto_recharges_and_purchase_grant
             .trim()
             .to_string()
     };
-    assert_eq!(value("accounts:"), "2", "the grant's account too");
+    assert_eq!(value("accounts:"), "3", "the grants' accounts too");
     assert_eq!(
         value("transactions:"),
-        "5",
-        "seed, two debits, the recharge, the purchase's grant"
+        "7",
+        "seed, two debits, the recharge, the pack's grant, the monthly checkout's and renewal's"
     );
-    assert_eq!(value("total issued:"), "35");
+    assert_eq!(value("total issued:"), "43");
     assert_eq!(value("total consumed:"), "6");
 }

@@ -608,48 +608,13 @@ fn apply_record(
                 meta.recorded_at_ms,
             )?;
             schedule_billing_events(overlay, &events, entry.offset)?;
-            // The credits the purchase grants, booked with it (docs/api.md,
-            // "Checkouts"). One the account cannot take (frozen, closed, past a
-            // limit) is dropped alone: the purchase was paid and stays.
             let checkout = &completion.checkout;
-            let mut granted = Vec::new();
-            for grant in &grants {
-                let request = tally_ledger::PurchaseGrant {
-                    store_id: &checkout.store_id,
-                    mode: checkout.mode,
-                    customer_id: &grant.customer_id,
-                    account_name: &grant.account_name,
-                    unit_label: &grant.unit_label,
-                    amount: grant.amount,
-                    key: grant.key.clone(),
-                    description: "granted by a checkout".into(),
-                    // Ledger time, as every ledger step (the record's).
-                    created_at_ms: meta.recorded_at_ms,
-                };
-                let mark = overlay.savepoint();
-                match tally_ledger::apply_purchase_grant(overlay, &request) {
-                    Ok(events) => granted.extend(events),
-                    Err(ApplyError::Refused(outcome)) => {
-                        overlay.roll_back_to(mark);
-                        tracing::warn!(
-                            checkout = %checkout.id,
-                            key = %grant.key,
-                            ?outcome,
-                            "a checkout's credits were not granted"
-                        );
-                    }
-                    Err(error) => return Err(error),
-                }
-            }
-            schedule_ledger_events_booking(
+            book_purchase_grants(
                 overlay,
-                &granted,
+                (&checkout.store_id, checkout.mode),
+                &grants,
+                meta.recorded_at_ms,
                 entry,
-                &[
-                    tally_ledger::EVENT_CREDITS_EXPIRED,
-                    tally_ledger::thresholds::EVENT_CREDITS_AUTO_RECHARGED,
-                    tally_ledger::EVENT_CREDITS_GRANTED,
-                ],
             )?;
         }
         Record::RefundCreated(refund) => {
@@ -721,13 +686,20 @@ fn apply_record(
             subscription,
             payment,
         } => {
-            let events = tally_billing::lifecycle::apply_subscription_changed(
+            let (events, grants) = tally_billing::lifecycle::apply_subscription_changed(
                 overlay,
                 subscription,
                 payment.as_ref(),
                 base,
             )?;
             schedule_billing_events(overlay, &events, entry.offset)?;
+            book_purchase_grants(
+                overlay,
+                (&subscription.store_id, subscription.mode),
+                &grants,
+                meta.recorded_at_ms,
+                entry,
+            )?;
         }
         Record::AffiliateInviteCreated(invite) => {
             tally_billing::affiliates::apply_invite_created(overlay, invite)?
@@ -956,6 +928,54 @@ fn apply_record(
 /// The ledger's events leave as data: the notifications context schedules them, and
 /// the expiries the record booked (apply builds those transactions itself; no record
 /// carries them) are named under its position for the audit (`#`).
+/// The credits a purchase grants (a checkout, a subscription's paid period),
+/// booked with its record (docs/api.md, "Checkouts"). One the account cannot take
+/// (frozen, closed, past a limit) is dropped alone, rolled back to a savepoint: the
+/// purchase was paid and stays.
+fn book_purchase_grants(
+    overlay: &mut Overlay<'_>,
+    (store_id, mode): (&str, tally_domain::Mode),
+    grants: &[tally_billing::apply::CheckoutGrant],
+    recorded_at_ms: i64,
+    entry: &LogEntry,
+) -> Result<(), ApplyError> {
+    let mut granted = Vec::new();
+    for grant in grants {
+        let request = tally_ledger::PurchaseGrant {
+            store_id,
+            mode,
+            customer_id: &grant.customer_id,
+            account_name: &grant.account_name,
+            unit_label: &grant.unit_label,
+            amount: grant.amount,
+            key: grant.key.clone(),
+            description: "granted by a purchase".into(),
+            // Ledger time, as every ledger step (the record's).
+            created_at_ms: recorded_at_ms,
+        };
+        let mark = overlay.savepoint();
+        match tally_ledger::apply_purchase_grant(overlay, &request) {
+            Ok(events) => granted.extend(events),
+            Err(ApplyError::Refused(outcome)) => {
+                overlay.roll_back_to(mark);
+                tracing::warn!(key = %grant.key, ?outcome, "a purchase's credits were not granted");
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    schedule_ledger_events_booking(
+        overlay,
+        &granted,
+        entry,
+        &[
+            tally_ledger::EVENT_CREDITS_EXPIRED,
+            tally_ledger::thresholds::EVENT_CREDITS_AUTO_RECHARGED,
+            tally_ledger::EVENT_CREDITS_GRANTED,
+        ],
+    )?;
+    Ok(())
+}
+
 fn schedule_ledger_events(
     overlay: &mut Overlay<'_>,
     events: &[tally_domain::record::LedgerEvent],

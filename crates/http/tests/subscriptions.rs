@@ -1051,3 +1051,68 @@ async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
     );
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_grants_its_credits_for_each_period_it_pays() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let features = json!([{"type": "customer_credits",
+        "customer_credits": {"amount": "5", "bucket_name": "monthly"}}]);
+    let prod = product(&api, json!({"features": features})).await;
+    let pricier = product(
+        &api,
+        json!({"name": "Max", "price": 2000, "features": features}),
+    )
+    .await;
+    let balance = |cus: String| {
+        let api = api.clone();
+        async move {
+            let list = api
+                .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
+                .await
+                .body;
+            list["data"][0]["balance"]
+                .as_str()
+                .unwrap_or("none")
+                .to_string()
+        }
+    };
+    let (sub, cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    assert_eq!(balance(cus.clone()).await, "5", "the checkout's period");
+    // An upgrade charges a proration: no new period, no credits.
+    let upgraded = api
+        .post(&format!("{path}/upgrade"), json!({"product_id": pricier}))
+        .await;
+    assert_eq!(upgraded.status, 200, "{}", upgraded.body);
+    assert_eq!(
+        transactions(&api, &sub).await.len(),
+        2,
+        "the proration was charged"
+    );
+    assert_eq!(balance(cus.clone()).await, "5");
+    // Each renewal pays a period: its credits, once, however the clock moves.
+    for n in 1..=2 {
+        let end = parse_iso8601_ms(
+            api.get(&path).await.body["current_period_end_date"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        advance(&api, end + GRACE + 60_000).await;
+        advance(&api, end + GRACE + 120_000).await;
+        assert_eq!(balance(cus.clone()).await, (5 + 5 * n).to_string());
+    }
+    // A declined renewal pays nothing and grants nothing.
+    let (sub, cus) = subscribe(&api, &prod, "4000000000000341").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    let end = parse_iso8601_ms(
+        api.get(&path).await.body["current_period_end_date"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    advance(&api, end + GRACE + 60_000).await;
+    assert_eq!(api.get(&path).await.body["status"], "past_due");
+    assert_eq!(balance(cus.clone()).await, "5");
+    server.stop().await;
+}

@@ -316,7 +316,7 @@ fn booked_transaction(
 }
 
 /// The store and mode of a record that can book transactions itself (expiries,
-/// auto-recharges, a purchase's grants).
+/// auto-recharges, a purchase's grants: a checkout's, a subscription period's).
 fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
     match record {
         Record::CreditLedger {
@@ -336,6 +336,9 @@ fn record_scope(record: &Record) -> Option<(String, tally_domain::Mode)> {
         }),
         Record::UsageSettled(s) => Some((s.store_id.to_string(), s.mode)),
         Record::CheckoutCompleted(c) => Some((c.checkout.store_id.to_string(), c.checkout.mode)),
+        Record::SubscriptionChanged { subscription, .. } => {
+            Some((subscription.store_id.to_string(), subscription.mode))
+        }
         Record::AutoRechargeSettled(s) => Some((s.store_id.to_string(), s.mode)),
         Record::CreditExpiriesDue { store_id, mode, .. } => Some((store_id.to_string(), *mode)),
         _ => None,
