@@ -136,17 +136,15 @@ impl Billing {
                 continue;
             }
             let param = format!("usage_prices[{i}].meter_id");
+            // An id the body names that does not exist: 404 naming it, as every
+            // other reference in a body (docs/api.md, "Errors").
             let meter = match self.meters.meter_info(scope, &price.meter_id)? {
                 None => {
-                    return Err(FieldError::new(
-                        "resource_missing",
-                        param,
-                        format!(
-                            "no meter '{}' in this store and environment",
-                            price.meter_id
-                        ),
-                    )
-                    .into())
+                    return Err(EngineError::NotFound {
+                        resource: "meter",
+                        id: price.meter_id.to_string(),
+                        param: Some(param),
+                    })
                 }
                 Some(meter) => meter,
             };

@@ -195,10 +195,6 @@ async fn bad_product_input_is_a_400_naming_the_field_and_writes_nothing() {
         ),
         (json!({"features": "all"}), "features"),
         (
-            json!({"usage_prices": [{"meter_id": "mtr_missing", "unit_price": 1}]}),
-            "usage_prices[0].meter_id",
-        ),
-        (
             json!({"usage_prices": [{"meter_id": meter_id, "unit_price": 1, "settlement_mode": "later"}]}),
             "usage_prices[0].settlement_mode",
         ),
@@ -218,6 +214,18 @@ async fn bad_product_input_is_a_400_naming_the_field_and_writes_nothing() {
         let error = assert_error(&answer, 400, "invalid_request_error");
         assert_eq!(error["param"], param, "{patch}: {}", answer.body);
     }
+    // A meter that does not exist: 404 naming it, like any id a body names.
+    let unknown = api
+        .post(
+            "/v1/products",
+            with(json!({"usage_prices": [{"meter_id": "mtr_missing", "unit_price": 1}]})),
+        )
+        .await;
+    let error = assert_error(&unknown, 404, "invalid_request_error");
+    assert_eq!(
+        (error["code"].as_str(), error["param"].as_str()),
+        (Some("resource_missing"), Some("usage_prices[0].meter_id"))
+    );
     let onetime_invoice = api
         .post(
             "/v1/products",
