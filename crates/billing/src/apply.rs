@@ -362,11 +362,6 @@ pub fn event_key(store_id: &str, mode: Mode, event: &BillingEvent) -> Vec<u8> {
         .into_bytes()
 }
 
-/// A checkout paid: decided here, in log order, that it is still open (a second
-/// completion is a repeat: `SameAs` the checkout, nothing charged twice), that its
-/// product is still sold, and that its discount is still redeemable at the record's
-/// time (so `redeem_count` never passes `max_redemptions`, whatever the concurrency).
-/// Returns the events to deliver.
 /// Credits a purchase grants: a `customer_credits` feature's `amount` times the
 /// units bought, into the customer's account named `bucket_name`, at the checkout
 /// and for each later period a subscription pays. The projector books them through
@@ -416,7 +411,11 @@ fn checkout_grants(done: &Checkout, product: &Product) -> Vec<CheckoutGrant> {
     )
 }
 
-/// A completion: its webhook events and the credits it grants.
+/// A checkout paid: decided here, in log order, that it is still open (a second
+/// completion is a repeat: `SameAs` the checkout, nothing charged twice), that its
+/// product is still sold, and that its discount is still redeemable at the record's
+/// time (so `redeem_count` never passes `max_redemptions`, whatever the concurrency).
+/// Returns the events to deliver and the credits it grants.
 pub fn apply_checkout_completed(
     overlay: &mut Overlay<'_>,
     completion: &CheckoutCompletion,

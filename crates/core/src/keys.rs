@@ -86,7 +86,7 @@
 //! | `^` | store, mode, account_id | the account's grant count (8-byte int): the next grant's `seq` |
 //! | `?` | mode, expires_at, store, account_id, grant_id | (empty) an active grant's expiry, soonest first (the expiry sweep's index) |
 //! | `;` | store, mode, account_id | (empty) the account's available balance is below its low-balance threshold (announced once per crossing) |
-//! | `#` | partition, offset | the ids of the transactions the record at that position booked itself (expiries, a completed checkout's grants), one per line (the ledger audit replays them) |
+//! | `#` | partition, offset | the ids of the transactions the record at that position booked itself (expiries, auto-recharges, a purchase's grants: a checkout's, a subscription period's), one per line (the ledger audit replays them) |
 //! | `@` | store, mode, meter, customer ("" = all), minute | LatestPoint of a `latest` meter's bucket: timestamp, value, event id (codec.rs) |
 //! | `\|` | store, mode, meter, customer ("" = all), minute | WeightedBucket of a `time_weighted_sum` meter: the changes of the held value in that minute (codec.rs, domain `gauge`) |
 //! | `:` | store, mode, meter, customer, timestamp, event_id | the event's value (16-byte decimal): a `time_weighted_sum` meter's events in time order, to find the value before and after an event that arrives out of order; pruned past the stored-event retention (metering `prune_weighted_points`) |

@@ -925,9 +925,6 @@ fn apply_record(
     Ok(())
 }
 
-/// The ledger's events leave as data: the notifications context schedules them, and
-/// the expiries the record booked (apply builds those transactions itself; no record
-/// carries them) are named under its position for the audit (`#`).
 /// The credits a purchase grants (a checkout, a subscription's paid period),
 /// booked with its record (docs/api.md, "Checkouts"). One the account cannot take
 /// (frozen, closed, past a limit) is dropped alone, rolled back to a savepoint: the
@@ -976,6 +973,10 @@ fn book_purchase_grants(
     Ok(())
 }
 
+/// The ledger's events leave as data: the notifications context schedules them, and
+/// the expiries and auto-recharges the record booked (apply builds those
+/// transactions itself; no record carries them) are named under its position for
+/// the audit (`#`).
 fn schedule_ledger_events(
     overlay: &mut Overlay<'_>,
     events: &[tally_domain::record::LedgerEvent],

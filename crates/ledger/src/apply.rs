@@ -171,9 +171,10 @@ pub fn apply_ledger_step(
     Ok(events)
 }
 
-/// Credits a purchase grants (a checkout's `customer_credits` features), as
-/// billing asks for them in the completion's apply: decided with the purchase, so a
-/// crash can never keep one without the other.
+/// Credits a purchase grants (a product's `customer_credits` features, at its
+/// checkout and for each period its subscription pays), as billing asks for them in
+/// the apply of the purchase's record: decided with the purchase, so a crash can
+/// never keep one without the other.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PurchaseGrant<'a> {
     pub store_id: &'a str,
