@@ -147,12 +147,7 @@ impl Billing {
         // Checked before a customer may be created: a bad request writes nothing.
         if let Some(code) = &input.affiliate_code {
             if self.affiliate_by_code(scope, code)?.is_none() {
-                return Err(FieldError::new(
-                    "resource_missing",
-                    "affiliate_code",
-                    format!("no affiliate with referral code '{code}'"),
-                )
-                .into());
+                return Err(EngineError::not_found("affiliate", code).for_param("affiliate_code"));
             }
         }
         let customer_id = match (&input.customer_id, &input.customer_email) {

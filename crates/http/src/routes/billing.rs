@@ -210,7 +210,7 @@ pub async fn delete_discount(
     tag = "checkouts",
     summary = "Create a checkout",
     request_body(content = doc::CheckoutCreate, content_type = "application/json", example = json!({"product_id": "prod_7Hk2", "customer_id": "cus_4fJ2b8XkQ1", "units": 1, "discount_code": "LAUNCH10"})),
-    responses((status = 200, description = "Create a checkout", body = doc::Checkout), (status = 400, description = "product_not_active, discount_not_active, discount_expired, discount_exhausted, discount_not_applicable, discount_currency_mismatch", body = doc::ErrorBody), (status = 404, description = "resource_missing (param `product_id`, `customer_id` or `discount_code`)", body = doc::ErrorBody))
+    responses((status = 200, description = "Create a checkout", body = doc::Checkout), (status = 400, description = "product_not_active, discount_not_active, discount_expired, discount_exhausted, discount_not_applicable, discount_currency_mismatch", body = doc::ErrorBody), (status = 404, description = "resource_missing (param `product_id`, `customer_id`, `discount_code` or `affiliate_code`)", body = doc::ErrorBody))
 )]
 pub async fn create_checkout(
     State(state): State<AppState>,
