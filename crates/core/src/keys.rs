@@ -72,7 +72,7 @@
 //! | `)` | store, mode, email | invite_id (one invitation per email) |
 //! | `*` | store, mode, created_at, invite_id | (empty) invitation listing, newest first |
 //! | `+` | store, mode, affiliate_id | Affiliate (proto) |
-//! | `,` | store, mode, referral_code | affiliate_id |
+//! | `,` | store, mode, referral_code (lower case; rows of earlier builds: as generated) | affiliate_id |
 //! | `-` | store, mode, created_at, affiliate_id | (empty) affiliate listing, newest first |
 //! | `/` | store, mode | ModerationPolicy (proto): the store's moderation policy |
 //! | `[` | sha256(api key) | the key's permissions, one per line (absent: every permission) |
