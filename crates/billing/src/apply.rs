@@ -493,7 +493,10 @@ pub fn apply_checkout_completed(
     }
     if let Some(subscription) = &completion.subscription {
         crate::lifecycle::put_new_subscription(overlay, subscription);
-        let object = || BillingObject::Subscription(subscription.clone());
+        let object = || BillingObject::Subscription {
+            subscription: subscription.clone(),
+            last_transaction: Some(payment.clone()),
+        };
         if subscription.status == SubscriptionStatus::Trialing {
             events.push(event(
                 "subscription.trialing",

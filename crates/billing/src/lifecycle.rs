@@ -145,7 +145,11 @@ pub fn apply_subscription_changed(
     }
     rebind(overlay, &before, sub)?;
     overlay.put(key, codec::encode_subscription(sub));
-    let events = transition_events(&before, sub, payment.is_some());
+    let last_transaction = match payment {
+        Some(payment) => Some(payment.clone()),
+        None => stored_payment(overlay, sub)?,
+    };
+    let events = transition_events(&before, sub, payment.is_some(), last_transaction);
     put_events(overlay, store_id, mode, &events);
     Ok((events, period_grants(&before, sub, payment)))
 }
@@ -229,7 +233,26 @@ fn changed(message: &str) -> ApplyError {
 }
 
 /// The events a move from `before` to `after` emits (docs/api.md, "Subscriptions").
-fn transition_events(before: &Subscription, after: &Subscription, paid: bool) -> Vec<BillingEvent> {
+/// The subscription's last transaction as stored now (at the event), if any.
+fn stored_payment(
+    overlay: &Overlay<'_>,
+    sub: &Subscription,
+) -> Result<Option<Payment>, EngineError> {
+    let Some(id) = &sub.last_transaction_id else {
+        return Ok(None);
+    };
+    overlay
+        .get(&payment_key(&sub.store_id, sub.mode, id))?
+        .map(|bytes| codec::decode_payment(&bytes))
+        .transpose()
+}
+
+fn transition_events(
+    before: &Subscription,
+    after: &Subscription,
+    paid: bool,
+    last_transaction: Option<Payment>,
+) -> Vec<BillingEvent> {
     use SubscriptionStatus::*;
     let mut types = Vec::new();
     if paid {
@@ -270,7 +293,10 @@ fn transition_events(before: &Subscription, after: &Subscription, paid: bool) ->
             ),
             event_type: event_type.to_string(),
             created_at_ms: after.updated_at_ms,
-            object: BillingObject::Subscription(after.clone()),
+            object: BillingObject::Subscription {
+                subscription: after.clone(),
+                last_transaction: last_transaction.clone(),
+            },
         })
         .collect()
 }

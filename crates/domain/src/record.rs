@@ -231,7 +231,12 @@ pub struct CheckoutCompletion {
 #[derive(Debug, Clone, PartialEq)]
 pub enum BillingObject {
     Checkout(Checkout),
-    Subscription(Subscription),
+    /// A subscription, with its last transaction as it was at the event (a webhook
+    /// body shows both, and may not change between attempts).
+    Subscription {
+        subscription: Subscription,
+        last_transaction: Option<Payment>,
+    },
     Payment(Payment),
     Dispute(Dispute),
 }
@@ -241,7 +246,9 @@ impl BillingObject {
     pub fn scope(&self) -> (&StoreId, Mode) {
         match self {
             BillingObject::Checkout(c) => (&c.store_id, c.mode),
-            BillingObject::Subscription(s) => (&s.store_id, s.mode),
+            BillingObject::Subscription {
+                subscription: s, ..
+            } => (&s.store_id, s.mode),
             BillingObject::Payment(p) => (&p.store_id, p.mode),
             BillingObject::Dispute(d) => (&d.store_id, d.mode),
         }

@@ -42,11 +42,15 @@ pub fn event_body(
                 (event.id, event.event_type, event.created_at_ms, object)
             }
             // The resource as it was when the event happened (the customer of a
-            // subscription by id: it may change later, the body may not).
+            // subscription by id: it may change later, the body may not; its last
+            // transaction as the event stored it).
             StoredEvent::Billing(event) => {
                 let object = match &event.object {
                     BillingObject::Checkout(c) => wire::checkout(c),
-                    BillingObject::Subscription(s) => wire::subscription(s, None, None),
+                    BillingObject::Subscription {
+                        subscription,
+                        last_transaction,
+                    } => wire::subscription(subscription, None, last_transaction.as_ref()),
                     BillingObject::Payment(p) => wire::transaction(p),
                     BillingObject::Dispute(d) => wire::dispute(d),
                 };

@@ -522,6 +522,15 @@ async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription
     );
     assert_eq!(bodies[0]["object"]["id"], chk.as_str());
     assert_eq!(bodies[1]["object"]["object"], "subscription");
+    // The subscription's last transaction, as it was at the event: paid, nothing
+    // refunded yet (it was refunded in full since).
+    let last = &bodies[2]["object"]["last_transaction"];
+    assert_eq!(last["id"], txn.as_str(), "{}", bodies[2]);
+    assert_eq!(
+        (last["amount_paid"].clone(), last["refunded_amount"].clone()),
+        (json!(4070), json!(0))
+    );
+    assert_eq!(bodies[2]["object"]["last_transaction_id"], txn.as_str());
     assert_eq!(bodies[3]["object"]["amount"], 1000);
     assert_eq!(bodies[5]["object"]["transaction_id"], txn.as_str());
 

@@ -298,6 +298,25 @@ async fn a_declined_renewal_goes_past_due_retries_three_times_then_unpaid() {
             "subscription.expired"
         ]
     );
+    // A body shows the subscription's last transaction as it was (a change without
+    // a payment: the one paid before, read at the event).
+    let feed = api
+        .get(&format!("/v1/webhooks/{hook}/events/pending?limit=100"))
+        .await
+        .body;
+    let past_due: Value = feed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| serde_json::from_str::<Value>(i["body"].as_str().unwrap()).unwrap())
+        .find(|b| b["eventType"] == "subscription.past_due")
+        .unwrap();
+    let object = &past_due["object"];
+    assert!(object["last_transaction_id"].is_string(), "{past_due}");
+    assert_eq!(
+        object["last_transaction"]["id"], object["last_transaction_id"],
+        "{past_due}"
+    );
     // Nothing more is due on an unpaid subscription.
     advance(&api, end + 40 * DAY_MS).await;
     assert_eq!(transactions(&api, &sub).await.len(), 1);

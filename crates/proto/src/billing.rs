@@ -487,16 +487,25 @@ pub fn completion_from_proto(c: v1::CheckoutCompleted) -> Result<CheckoutComplet
 
 pub fn billing_event_to_proto(e: &BillingEvent) -> v1::BillingEvent {
     use v1::billing_event::Object;
+    let subscription_last_transaction = match &e.object {
+        BillingObject::Subscription {
+            last_transaction, ..
+        } => last_transaction.as_ref().map(payment_to_proto),
+        _ => None,
+    };
     v1::BillingEvent {
         id: e.id.clone(),
         event_type: e.event_type.clone(),
         created_at_ms: e.created_at_ms,
         object: Some(match &e.object {
             BillingObject::Checkout(c) => Object::Checkout(checkout_to_proto(c)),
-            BillingObject::Subscription(s) => Object::Subscription(subscription_to_proto(s)),
+            BillingObject::Subscription { subscription, .. } => {
+                Object::Subscription(subscription_to_proto(subscription))
+            }
             BillingObject::Payment(p) => Object::Payment(payment_to_proto(p)),
             BillingObject::Dispute(d) => Object::Dispute(dispute_to_proto(d)),
         }),
+        subscription_last_transaction,
     }
 }
 
@@ -504,7 +513,13 @@ pub fn billing_event_from_proto(e: v1::BillingEvent) -> Result<BillingEvent, Dec
     use v1::billing_event::Object;
     let object = match e.object.ok_or(DecodeError::BadField("object"))? {
         Object::Checkout(c) => BillingObject::Checkout(checkout_from_proto(c)?),
-        Object::Subscription(s) => BillingObject::Subscription(subscription_from_proto(s)?),
+        Object::Subscription(s) => BillingObject::Subscription {
+            subscription: subscription_from_proto(s)?,
+            last_transaction: e
+                .subscription_last_transaction
+                .map(payment_from_proto)
+                .transpose()?,
+        },
         Object::Payment(p) => BillingObject::Payment(payment_from_proto(p)?),
         Object::Dispute(d) => BillingObject::Dispute(dispute_from_proto(d)?),
     };
