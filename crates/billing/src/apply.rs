@@ -362,6 +362,17 @@ pub fn event_key(store_id: &str, mode: Mode, event: &BillingEvent) -> Vec<u8> {
         .into_bytes()
 }
 
+/// Billing's port into the directory inside apply: a customer as the projection
+/// holds it at this point of the log (a subscription event's snapshot).
+pub type CustomerAt<'a> =
+    &'a dyn Fn(
+        &Overlay<'_>,
+        &str,
+        Mode,
+        &str,
+    )
+        -> Result<Option<tally_domain::customer::Customer>, tally_core::error::EngineError>;
+
 /// Credits a purchase grants: a `customer_credits` feature's `amount` times the
 /// units bought, into the customer's account named `bucket_name`, at the checkout
 /// and for each later period a subscription pays. The projector books them through
@@ -420,6 +431,7 @@ pub fn apply_checkout_completed(
     overlay: &mut Overlay<'_>,
     completion: &CheckoutCompletion,
     recorded_at_ms: i64,
+    customer_at: CustomerAt<'_>,
 ) -> Result<(Vec<BillingEvent>, Vec<CheckoutGrant>), ApplyError> {
     let done = &completion.checkout;
     let (store_id, mode) = (&done.store_id, done.mode);
@@ -493,8 +505,10 @@ pub fn apply_checkout_completed(
     }
     if let Some(subscription) = &completion.subscription {
         crate::lifecycle::put_new_subscription(overlay, subscription);
+        let customer = customer_at(overlay, store_id, mode, &subscription.customer_id)?;
         let object = || BillingObject::Subscription {
             subscription: subscription.clone(),
+            customer: customer.clone(),
             last_transaction: Some(payment.clone()),
         };
         if subscription.status == SubscriptionStatus::Trialing {

@@ -87,6 +87,7 @@ pub fn apply_subscription_changed(
     sub: &Subscription,
     payment: Option<&Payment>,
     base_updated_at_ms: Option<i64>,
+    customer_at: crate::apply::CustomerAt<'_>,
 ) -> Result<(Vec<BillingEvent>, Vec<crate::apply::CheckoutGrant>), ApplyError> {
     let (store_id, mode) = (&sub.store_id, sub.mode);
     let key = subscription_key(store_id, mode, &sub.id);
@@ -149,7 +150,13 @@ pub fn apply_subscription_changed(
         Some(payment) => Some(payment.clone()),
         None => stored_payment(overlay, sub)?,
     };
-    let events = transition_events(&before, sub, payment.is_some(), last_transaction);
+    let customer = customer_at(overlay, store_id, mode, &sub.customer_id)?;
+    let events = transition_events(
+        &before,
+        sub,
+        payment.is_some(),
+        (customer, last_transaction),
+    );
     put_events(overlay, store_id, mode, &events);
     Ok((events, period_grants(&before, sub, payment)))
 }
@@ -251,7 +258,7 @@ fn transition_events(
     before: &Subscription,
     after: &Subscription,
     paid: bool,
-    last_transaction: Option<Payment>,
+    (customer, last_transaction): (Option<tally_domain::customer::Customer>, Option<Payment>),
 ) -> Vec<BillingEvent> {
     use SubscriptionStatus::*;
     let mut types = Vec::new();
@@ -295,6 +302,7 @@ fn transition_events(
             created_at_ms: after.updated_at_ms,
             object: BillingObject::Subscription {
                 subscription: after.clone(),
+                customer: customer.clone(),
                 last_transaction: last_transaction.clone(),
             },
         })

@@ -47,6 +47,23 @@ pub fn apply_store(
     Ok(())
 }
 
+/// A customer as the projection holds it at this point of the log (what other
+/// contexts' apply may read, through a port of theirs).
+pub fn stored_customer(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    id: &str,
+) -> Result<Option<Customer>, tally_core::error::EngineError> {
+    let key = Key::scoped(keys::CUSTOMER, store_id, mode)
+        .text(id)
+        .into_bytes();
+    overlay
+        .get(&key)?
+        .map(|b| codec::decode_customer(&b))
+        .transpose()
+}
+
 /// A customer, created or updated. Re-checks in log order that its external id is
 /// not held by another customer (the service checked before appending, but another
 /// node, or a retry of a write whose outcome was unknown, may have taken it since).

@@ -231,10 +231,11 @@ pub struct CheckoutCompletion {
 #[derive(Debug, Clone, PartialEq)]
 pub enum BillingObject {
     Checkout(Checkout),
-    /// A subscription, with its last transaction as it was at the event (a webhook
-    /// body shows both, and may not change between attempts).
+    /// A subscription, with its customer and last transaction as they were at the
+    /// event (a webhook body shows them, and may not change between attempts).
     Subscription {
         subscription: Subscription,
+        customer: Option<crate::customer::Customer>,
         last_transaction: Option<Payment>,
     },
     Payment(Payment),

@@ -606,6 +606,7 @@ fn apply_record(
                 overlay,
                 completion,
                 meta.recorded_at_ms,
+                &tally_directory::apply::stored_customer,
             )?;
             schedule_billing_events(overlay, &events, entry.offset)?;
             let checkout = &completion.checkout;
@@ -691,6 +692,7 @@ fn apply_record(
                 subscription,
                 payment.as_ref(),
                 base,
+                &tally_directory::apply::stored_customer,
             )?;
             schedule_billing_events(overlay, &events, entry.offset)?;
             book_purchase_grants(

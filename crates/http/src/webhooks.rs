@@ -26,37 +26,40 @@ pub fn event_body(
     scope: &Scope,
     delivery: &Delivery,
 ) -> Result<String, EngineError> {
-    let (id, event_type, created_at_ms, object) =
-        match engine.notifications().delivery_event(delivery)? {
-            StoredEvent::Ledger(event) => {
-                let object = match &event.transaction_id {
-                    Some(id) if event.event_type != EVENT_CREDITS_EXHAUSTED => {
-                        let view = engine.ledger().get_transaction(scope, id)?;
-                        transaction_json(&TransactionView {
-                            transaction: view.transaction,
-                            reversed_by: None,
-                        })
-                    }
-                    _ => account_json(&event.account, event.balance),
-                };
-                (event.id, event.event_type, event.created_at_ms, object)
-            }
-            // The resource as it was when the event happened (the customer of a
-            // subscription by id: it may change later, the body may not; its last
-            // transaction as the event stored it).
-            StoredEvent::Billing(event) => {
-                let object = match &event.object {
-                    BillingObject::Checkout(c) => wire::checkout(c),
-                    BillingObject::Subscription {
-                        subscription,
-                        last_transaction,
-                    } => wire::subscription(subscription, None, last_transaction.as_ref()),
-                    BillingObject::Payment(p) => wire::transaction(p),
-                    BillingObject::Dispute(d) => wire::dispute(d),
-                };
-                (event.id, event.event_type, event.created_at_ms, object)
-            }
-        };
+    let (id, event_type, created_at_ms, object) = match engine
+        .notifications()
+        .delivery_event(delivery)?
+    {
+        StoredEvent::Ledger(event) => {
+            let object = match &event.transaction_id {
+                Some(id) if event.event_type != EVENT_CREDITS_EXHAUSTED => {
+                    let view = engine.ledger().get_transaction(scope, id)?;
+                    transaction_json(&TransactionView {
+                        transaction: view.transaction,
+                        reversed_by: None,
+                    })
+                }
+                _ => account_json(&event.account, event.balance),
+            };
+            (event.id, event.event_type, event.created_at_ms, object)
+        }
+        // The resource as it was when the event happened (a subscription's
+        // customer and last transaction as the event stored them: they may
+        // change later, the body may not).
+        StoredEvent::Billing(event) => {
+            let object = match &event.object {
+                BillingObject::Checkout(c) => wire::checkout(c),
+                BillingObject::Subscription {
+                    subscription,
+                    customer,
+                    last_transaction,
+                } => wire::subscription(subscription, customer.as_ref(), last_transaction.as_ref()),
+                BillingObject::Payment(p) => wire::transaction(p),
+                BillingObject::Dispute(d) => wire::dispute(d),
+            };
+            (event.id, event.event_type, event.created_at_ms, object)
+        }
+    };
     Ok(json!({
         "id": id,
         "eventType": event_type,

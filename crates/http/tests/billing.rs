@@ -531,6 +531,11 @@ async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription
         (json!(4070), json!(0))
     );
     assert_eq!(bodies[2]["object"]["last_transaction_id"], txn.as_str());
+    // Its customer as it was, whole, as a retrieve embeds it.
+    let customer_then = &bodies[2]["object"]["customer"];
+    assert_eq!(customer_then["id"], cus.as_str(), "{}", bodies[2]);
+    assert!(customer_then["email"].is_string(), "{}", bodies[2]);
+    assert_eq!(customer_then["country"], "DE");
     assert_eq!(bodies[3]["object"]["amount"], 1000);
     assert_eq!(bodies[5]["object"]["transaction_id"], txn.as_str());
 

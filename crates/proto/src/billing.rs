@@ -487,11 +487,16 @@ pub fn completion_from_proto(c: v1::CheckoutCompleted) -> Result<CheckoutComplet
 
 pub fn billing_event_to_proto(e: &BillingEvent) -> v1::BillingEvent {
     use v1::billing_event::Object;
-    let subscription_last_transaction = match &e.object {
+    let (subscription_last_transaction, subscription_customer) = match &e.object {
         BillingObject::Subscription {
-            last_transaction, ..
-        } => last_transaction.as_ref().map(payment_to_proto),
-        _ => None,
+            last_transaction,
+            customer,
+            ..
+        } => (
+            last_transaction.as_ref().map(payment_to_proto),
+            customer.as_ref().map(crate::convert::customer_to_proto),
+        ),
+        _ => (None, None),
     };
     v1::BillingEvent {
         id: e.id.clone(),
@@ -506,6 +511,7 @@ pub fn billing_event_to_proto(e: &BillingEvent) -> v1::BillingEvent {
             BillingObject::Dispute(d) => Object::Dispute(dispute_to_proto(d)),
         }),
         subscription_last_transaction,
+        subscription_customer,
     }
 }
 
@@ -518,6 +524,10 @@ pub fn billing_event_from_proto(e: v1::BillingEvent) -> Result<BillingEvent, Dec
             last_transaction: e
                 .subscription_last_transaction
                 .map(payment_from_proto)
+                .transpose()?,
+            customer: e
+                .subscription_customer
+                .map(crate::convert::customer_from_proto)
                 .transpose()?,
         },
         Object::Payment(p) => BillingObject::Payment(payment_from_proto(p)?),
