@@ -52,33 +52,8 @@ fn affiliate_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
         .into_bytes()
 }
 
-/// A referral code's row: a code is found whatever the case it is typed in (and
-/// unique so), like a discount code (docs/api.md, "Affiliates").
 fn code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
-    exact_code_key(store_id, mode, &code.to_ascii_lowercase())
-}
-
-/// A code's row as builds before case-insensitive codes wrote it (the code as
-/// generated): still read, so their affiliates are found by their exact code.
-fn exact_code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
-    Key::scoped(keys::AFFILIATE_CODE, store_id, mode)
-        .text(code)
-        .into_bytes()
-}
-
-/// The affiliate id a code's row names, read through `get` (the overlay in apply,
-/// the store in a service).
-fn affiliate_id_of_code(
-    get: impl Fn(&[u8]) -> Result<Option<Vec<u8>>, EngineError>,
-    store_id: &str,
-    mode: Mode,
-    code: &str,
-) -> Result<Option<String>, EngineError> {
-    let row = match get(&code_key(store_id, mode, code))? {
-        Some(id) => Some(id),
-        None => get(&exact_code_key(store_id, mode, code))?,
-    };
-    Ok(row.map(|id| String::from_utf8_lossy(&id).into_owned()))
+    crate::apply::code_key(keys::AFFILIATE_CODE, store_id, mode, code)
 }
 
 fn refused(code: &'static str, message: impl Into<String>, param: &str) -> ApplyError {
@@ -223,7 +198,8 @@ fn affiliate_by_code(
     mode: Mode,
     code: &str,
 ) -> Result<Option<Affiliate>, EngineError> {
-    let Some(id) = affiliate_id_of_code(|key| overlay.get(key), store_id, mode, code)? else {
+    let get = |key: &[u8]| overlay.get(key);
+    let Some(id) = crate::apply::code_row(get, keys::AFFILIATE_CODE, store_id, mode, code)? else {
         return Ok(None);
     };
     match overlay.get(&affiliate_key(store_id, mode, &id))? {
@@ -443,7 +419,9 @@ impl Billing {
         code: &str,
     ) -> Result<Option<Affiliate>, EngineError> {
         let store = self.journal.store();
-        match affiliate_id_of_code(|key| Ok(store.get(key)?), &scope.store_id, scope.mode, code)? {
+        let get = |key: &[u8]| Ok(store.get(key)?);
+        match crate::apply::code_row(get, keys::AFFILIATE_CODE, &scope.store_id, scope.mode, code)?
+        {
             Some(id) => self.get_affiliate(scope, &id).map(Some),
             None => Ok(None),
         }

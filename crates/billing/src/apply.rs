@@ -7,6 +7,7 @@
 
 use rust_decimal::Decimal;
 use tally_core::codec;
+use tally_core::error::EngineError;
 use tally_core::keys::{self, Key, ListingKey};
 use tally_core::outcome::{check_base, Outcome};
 use tally_core::overlay::{ApplyError, Overlay};
@@ -130,18 +131,36 @@ pub fn discount_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {
         .into_bytes()
 }
 
-/// A code's row: codes are unique and found whatever their case, as customers type
-/// them (docs/api.md, "Discounts"); the discount keeps the case it was created with.
-pub fn discount_code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
-    exact_discount_code_key(store_id, mode, &code.to_ascii_lowercase())
+/// The row of a code customers type (a discount's, a referral code) in `table`:
+/// codes are unique and found whatever their case (docs/api.md, "Discounts",
+/// "Affiliates"), so the row is keyed by the code in lower case; the resource keeps
+/// the case it was created with.
+pub(crate) fn code_key(table: u8, store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
+    Key::scoped(table, store_id, mode)
+        .text(&code.to_ascii_lowercase())
+        .into_bytes()
 }
 
-/// A code's row as builds before case-insensitive codes wrote it (the code as
-/// given): still read, so their discounts are found by their exact code.
-pub fn exact_discount_code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
-    Key::scoped(keys::DISCOUNT_CODE, store_id, mode)
-        .text(code)
-        .into_bytes()
+/// What a code's row in `table` names, read through `get` (the overlay in apply, the
+/// store in a service): its lower-case row, else the row a build before
+/// case-insensitive codes wrote under the code as given.
+pub(crate) fn code_row(
+    get: impl Fn(&[u8]) -> Result<Option<Vec<u8>>, EngineError>,
+    table: u8,
+    store_id: &str,
+    mode: Mode,
+    code: &str,
+) -> Result<Option<String>, EngineError> {
+    let exact = || Key::scoped(table, store_id, mode).text(code).into_bytes();
+    let row = match get(&code_key(table, store_id, mode, code))? {
+        Some(row) => Some(row),
+        None => get(&exact())?,
+    };
+    Ok(row.map(|id| String::from_utf8_lossy(&id).into_owned()))
+}
+
+pub fn discount_code_key(store_id: &str, mode: Mode, code: &str) -> Vec<u8> {
+    code_key(keys::DISCOUNT_CODE, store_id, mode, code)
 }
 
 pub fn checkout_key(store_id: &str, mode: Mode, id: &str) -> Vec<u8> {

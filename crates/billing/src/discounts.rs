@@ -16,8 +16,7 @@ use tally_domain::record::Record;
 use tally_domain::FieldError;
 
 use crate::apply::{
-    discount_code_key, discount_code_taken, discount_key, exact_discount_code_key,
-    max_below_redeemed,
+    code_row, discount_code_key, discount_code_taken, discount_key, max_below_redeemed,
 };
 use crate::Billing;
 
@@ -51,12 +50,9 @@ impl Billing {
         };
         let code = normalize_discount_code(code).map_err(|_| not_found())?;
         let store = self.journal.store();
-        let row = match store.get(&discount_code_key(&scope.store_id, scope.mode, &code))? {
-            Some(id) => Some(id),
-            None => store.get(&exact_discount_code_key(&scope.store_id, scope.mode, &code))?,
-        };
-        match row {
-            Some(id) => self.get_discount(scope, &String::from_utf8_lossy(&id)),
+        let get = |key: &[u8]| Ok(store.get(key)?);
+        match code_row(get, keys::DISCOUNT_CODE, &scope.store_id, scope.mode, &code)? {
+            Some(id) => self.get_discount(scope, &id),
             None => Err(not_found()),
         }
     }

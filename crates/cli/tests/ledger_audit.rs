@@ -86,25 +86,8 @@ async fn verify_passes_on_a_real_ledger_and_export_lists_every_entry() {
         .unwrap();
     assert!(served.terminate().success());
 
-    let output = tally()
-        .args(["ledger", "verify", "--data-dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let value = |label: &str| {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(label))
-            .unwrap_or_else(|| panic!("{label} in {stdout}"))
-            .trim()
-            .to_string()
-    };
+    let report = verify_passing(dir.path());
+    let value = |label: &str| report.value(label);
     assert_eq!(value("accounts:"), "2");
     assert_eq!(
         value("transactions:"),
@@ -382,25 +365,8 @@ async fn verify_and_replay_cover_usage_settled_in_credits() {
     }
     assert!(served.terminate().success());
 
-    let output = tally()
-        .args(["ledger", "verify", "--data-dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let value = |label: &str| {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(label))
-            .unwrap_or_else(|| panic!("{label} in {stdout}"))
-            .trim()
-            .to_string()
-    };
+    let report = verify_passing(dir.path());
+    let value = |label: &str| report.value(label);
     assert_eq!(value("total issued:"), "3");
     assert_eq!(value("total consumed:"), "3");
 
@@ -513,25 +479,8 @@ async fn verify_counts_what_apply_books_itself_auto_recharges_and_purchase_grant
     call("/v1/test-clock/advance", json!({"to": to})).await;
     assert!(served.terminate().success());
 
-    let output = tally()
-        .args(["ledger", "verify", "--data-dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let value = |label: &str| {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(label))
-            .unwrap_or_else(|| panic!("{label} in {stdout}"))
-            .trim()
-            .to_string()
-    };
+    let report = verify_passing(dir.path());
+    let value = |label: &str| report.value(label);
     assert_eq!(value("accounts:"), "3", "the grants' accounts too");
     assert_eq!(
         value("transactions:"),

@@ -170,14 +170,5 @@ async fn acknowledged_transactions_survive_sigkill_exactly_once() {
         );
     }
     assert!(served.terminate().success());
-    let verify = tally()
-        .args(["ledger", "verify", "--data-dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
-    );
+    verify_passing(dir.path());
 }

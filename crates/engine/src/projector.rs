@@ -947,8 +947,8 @@ fn book_purchase_grants(
             account_name: &grant.account_name,
             unit_label: &grant.unit_label,
             amount: grant.amount,
-            key: grant.key.clone(),
-            description: "granted by a purchase".into(),
+            key: &grant.key,
+            description: "granted by a purchase",
             // Ledger time, as every ledger step (the record's).
             created_at_ms: recorded_at_ms,
         };

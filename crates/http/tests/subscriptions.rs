@@ -72,6 +72,22 @@ async fn product(api: &Api, extra: Value) -> String {
     id(&api.post("/v1/products", body).await)
 }
 
+/// The `count` meter of `api_call` events most tests price.
+async fn calls_meter(api: &Api) -> String {
+    id(&api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+        )
+        .await)
+}
+
+/// When the current period of the subscription at `path` ends.
+async fn period_end(api: &Api, path: &str) -> i64 {
+    let s = api.get(path).await.body;
+    parse_iso8601_ms(s["current_period_end_date"].as_str().unwrap()).unwrap()
+}
+
 async fn transactions(api: &Api, sub: &str) -> Vec<Value> {
     let list = api
         .get(&format!("/v1/transactions?subscription_id={sub}&limit=100"))
@@ -110,12 +126,7 @@ async fn hook(api: &Api) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_bill_each_period_once_with_its_invoice_usage() {
     let (_g, dir, server, api, keys) = setup().await;
-    let calls = id(&api
-        .post(
-            "/v1/meters",
-            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
-        )
-        .await);
+    let calls = calls_meter(&api).await;
     let prod = product(
         &api,
         json!({"usage_prices": [{"meter_id": calls, "unit_price": "2.5", "free_allowance": 2,
@@ -429,12 +440,7 @@ async fn cancels_pauses_resumes_and_trials_follow_the_state_machine() {
         json!({"mode": "scheduled", "onExecute": "pause"}),
     )
     .await;
-    let pend = parse_iso8601_ms(
-        api.get(&ppath).await.body["current_period_end_date"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let pend = period_end(&api, &ppath).await;
     advance(&api, pend + 1).await;
     assert_eq!(api.get(&ppath).await.body["status"], "paused");
     let resumed = api.post(&format!("{ppath}/resume"), json!({})).await;
@@ -734,12 +740,7 @@ async fn updates_and_upgrades_are_prorated_by_the_time_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrections_of_billed_usage_are_credited_on_the_next_charge() {
     let (_g, _dir, server, api, _keys) = setup().await;
-    let calls = id(&api
-        .post(
-            "/v1/meters",
-            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
-        )
-        .await);
+    let calls = calls_meter(&api).await;
     let prod = product(
         &api,
         json!({"usage_prices": [{"meter_id": calls, "unit_price": "2.5", "free_allowance": 2,
@@ -846,12 +847,7 @@ fn usage_lines(charge: &Value) -> Vec<(String, String, i64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
     let (_g, dir, server, api, keys) = setup().await;
-    let calls = id(&api
-        .post(
-            "/v1/meters",
-            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
-        )
-        .await);
+    let calls = calls_meter(&api).await;
     let basic = product(
         &api,
         json!({"name": "Basic", "usage_prices": [{"meter_id": calls, "unit_price": 2,
@@ -866,12 +862,7 @@ async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
     .await;
     let (sub, cus) = subscribe(&api, &basic, "4242424242424242").await;
     let path = format!("/v1/subscriptions/{sub}");
-    let end = parse_iso8601_ms(
-        api.get(&path).await.body["current_period_end_date"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let end = period_end(&api, &path).await;
     let ingest = |ids: Vec<String>, at: Option<i64>| {
         let api = api.clone();
         let cus = cus.clone();
@@ -948,12 +939,7 @@ async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
         .await;
     assert_eq!(late.status, 202, "{}", late.body);
     server.engine.wait_caught_up().await.unwrap();
-    let next_end = parse_iso8601_ms(
-        api.get(&path).await.body["current_period_end_date"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let next_end = period_end(&api, &path).await;
     advance(&api, next_end + GRACE + 60_000).await;
     let txs = transactions(&api, &sub).await;
     assert_eq!(txs.len(), 3, "{txs:?}");
@@ -971,12 +957,7 @@ async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
     let (_g, _dir, server, api, _keys) = setup().await;
-    let calls = id(&api
-        .post(
-            "/v1/meters",
-            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
-        )
-        .await);
+    let calls = calls_meter(&api).await;
     let prod = product(
         &api,
         json!({"usage_prices": [{"meter_id": calls, "unit_price": 2,
@@ -1000,12 +981,7 @@ async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
         api.post(&format!("{path}/pause"), json!({})).await.status,
         200
     );
-    let end = parse_iso8601_ms(
-        api.get(&path).await.body["current_period_end_date"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let end = period_end(&api, &path).await;
     advance(&api, end + 5 * DAY_MS).await;
     let resumed = api.post(&format!("{path}/resume"), json!({})).await;
     assert_eq!(resumed.status, 200, "{}", resumed.body);
@@ -1028,12 +1004,7 @@ async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
     assert!(usage[0].0.contains(&format_iso8601_ms(end)), "{usage:?}");
     assert_eq!(txs[1]["amount"], 1010, "{}", txs[1]);
     // Billed once: the next renewal bills only its own period's usage (none).
-    let next_end = parse_iso8601_ms(
-        api.get(&path).await.body["current_period_end_date"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let next_end = period_end(&api, &path).await;
     advance(&api, next_end + GRACE + 60_000).await;
     let txs = transactions(&api, &sub).await;
     assert_eq!(txs.len(), 3, "{txs:?}");
@@ -1046,8 +1017,10 @@ async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
     let events: Vec<Value> = (0..3)
         .map(|i| json!({"name": "api_call", "customer_id": cus, "event_id": format!("s{i}")}))
         .collect();
-    api.post("/v1/events/ingest", json!({"events": events}))
+    let ingested = api
+        .post("/v1/events/ingest", json!({"events": events}))
         .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
     let scheduled = api
         .post(
             &format!("{path}/cancel"),
@@ -1111,12 +1084,7 @@ async fn a_subscription_grants_its_credits_for_each_period_it_pays() {
     assert_eq!(balance(cus.clone()).await, "5");
     // Each renewal pays a period: its credits, once, however the clock moves.
     for n in 1..=2 {
-        let end = parse_iso8601_ms(
-            api.get(&path).await.body["current_period_end_date"]
-                .as_str()
-                .unwrap(),
-        )
-        .unwrap();
+        let end = period_end(&api, &path).await;
         advance(&api, end + GRACE + 60_000).await;
         advance(&api, end + GRACE + 120_000).await;
         assert_eq!(balance(cus.clone()).await, (5 + 5 * n).to_string());
@@ -1124,12 +1092,7 @@ async fn a_subscription_grants_its_credits_for_each_period_it_pays() {
     // A declined renewal pays nothing and grants nothing.
     let (sub, cus) = subscribe(&api, &prod, "4000000000000341").await;
     let path = format!("/v1/subscriptions/{sub}");
-    let end = parse_iso8601_ms(
-        api.get(&path).await.body["current_period_end_date"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let end = period_end(&api, &path).await;
     advance(&api, end + GRACE + 60_000).await;
     assert_eq!(api.get(&path).await.body["status"], "past_due");
     assert_eq!(balance(cus.clone()).await, "5");

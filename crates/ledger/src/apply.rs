@@ -185,8 +185,8 @@ pub struct PurchaseGrant<'a> {
     pub amount: Decimal,
     /// Once per purchase and feature: the credit's idempotency key, and the seed of
     /// its ids (and of the account's, when the grant creates it).
-    pub key: String,
-    pub description: String,
+    pub key: &'a str,
+    pub description: &'a str,
     pub created_at_ms: i64,
 }
 
@@ -219,7 +219,7 @@ pub fn apply_purchase_grant(
         }
         None => (
             Account {
-                id: tally_core::ids::derived_id("ca", &grant.key).into(),
+                id: tally_core::ids::derived_id("ca", grant.key).into(),
                 store_id: store.into(),
                 mode,
                 customer_id: grant.customer_id.into(),
@@ -242,7 +242,7 @@ pub fn apply_purchase_grant(
     } else {
         stored_balance(overlay, store, mode, &account.id)?
     };
-    let transaction_id = tally_core::ids::derived_id("ctx", &grant.key);
+    let transaction_id = tally_core::ids::derived_id("ctx", grant.key);
     let mut n = 0;
     let mut entry_id = || {
         n += 1;
@@ -265,8 +265,8 @@ pub fn apply_purchase_grant(
         account_id: account.id.clone(),
         amount: grant.amount,
         entries,
-        idempotency_key: Some(grant.key.clone()),
-        description: Some(grant.description.clone()),
+        idempotency_key: Some(grant.key.to_string()),
+        description: Some(grant.description.to_string()),
         metadata: Default::default(),
         reverses: None,
         created_at_ms: at,

@@ -183,3 +183,34 @@ pub fn replay_with(dir: &std::path::Path, flags: &[&str]) -> (bool, String, Stri
         digest("live projection digest:"),
     )
 }
+
+/// The report of `tally ledger verify` on a stopped data dir, which must pass.
+pub struct VerifyReport(pub String);
+
+impl VerifyReport {
+    /// The value of its `label` line (e.g. `accounts:`).
+    pub fn value(&self, label: &str) -> String {
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(label))
+            .unwrap_or_else(|| panic!("{label} in {}", self.0))
+            .trim()
+            .to_string()
+    }
+}
+
+/// Runs `tally ledger verify` on `dir` and asserts it passed.
+pub fn verify_passing(dir: &Path) -> VerifyReport {
+    let output = tally()
+        .args(["ledger", "verify", "--data-dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    VerifyReport(stdout)
+}
