@@ -2,9 +2,12 @@
 //! against a running `tally serve` it starts itself, (a) spread over many accounts and
 //! (b) all on one hot account, with latency percentiles; then (c) reserve + commit
 //! pairs spread over the same accounts, and (d) debits spread over accounts holding
-//! 20 active grants each, both against (a) in the same run. Each scenario also
-//! reports the server's CPU time per step. `--growth-rounds N` then repeats (a) N
-//! times on the grown ledger, to show whether a debit's cost stays flat.
+//! 20 active grants each, both against (a) in the same run. The four scenarios take
+//! turns (`--turns`), so each ratio compares steps measured on a ledger of about the
+//! same size and in the same stretch of a shared machine's time, not (c) and (d) on
+//! a ledger (a) has already grown. Each scenario also reports the server's CPU time
+//! per step. `--growth-rounds N` then repeats (a) N times on the grown ledger, to
+//! show whether a debit's cost stays flat.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,9 +30,18 @@ struct Args {
     accounts: usize,
     #[arg(long, default_value_t = 64)]
     connections: usize,
-    /// Seconds per scenario.
+    /// Seconds per scenario in each turn.
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
+    /// Times the four scenarios run, one after another in each turn; each line
+    /// sums a scenario's turns.
+    #[arg(long, default_value_t = 3)]
+    turns: usize,
+    /// Seconds of (a) before the first turn, not counted: a debit on a store this
+    /// new is cheaper than on one that has taken a few thousand (README, "A
+    /// debit's cost as the ledger grows"), which would flatter the first (a).
+    #[arg(long, default_value_t = 5.0)]
+    warmup_seconds: f64,
     /// After the four scenarios, run (a) (or (b), see `--growth-on`) this many more
     /// times and print each round: how a debit's cost moves as the ledger grows
     /// (README, "A debit's cost as the ledger grows").
@@ -169,10 +181,13 @@ async fn scenario(
     }
     latencies.sort();
     let done = done.load(Ordering::Relaxed);
+    let elapsed = started.elapsed().as_secs_f64();
     Ok(Measured {
-        rate: done as f64 / started.elapsed().as_secs_f64(),
+        rate: done as f64 / elapsed,
         latencies,
         cpu_per_step: (cpu_seconds(pid)? - cpu_before) / done.max(1) as f64,
+        steps: done,
+        seconds: elapsed,
     })
 }
 
@@ -185,9 +200,29 @@ struct Measured {
     /// its end, background work included: steadier than a rate on a shared
     /// machine, as in `ingest-load`.
     cpu_per_step: f64,
+    /// Steps done, and the seconds they took.
+    steps: u64,
+    seconds: f64,
 }
 
 impl Measured {
+    /// Several turns of one scenario as one: steps over the time they took, CPU
+    /// per step over all of them.
+    fn sum(turns: Vec<Measured>) -> Measured {
+        let steps: u64 = turns.iter().map(|m| m.steps).sum();
+        let seconds: f64 = turns.iter().map(|m| m.seconds).sum();
+        let cpu: f64 = turns.iter().map(|m| m.cpu_per_step * m.steps as f64).sum();
+        let mut latencies: Vec<Duration> = turns.into_iter().flat_map(|m| m.latencies).collect();
+        latencies.sort();
+        Measured {
+            rate: steps as f64 / seconds.max(f64::EPSILON),
+            latencies,
+            cpu_per_step: cpu / steps.max(1) as f64,
+            steps,
+            seconds,
+        }
+    }
+
     /// The scenario's line: rate (against `baseline`'s, if given), latency
     /// percentiles per `step`, and the server's CPU per step.
     fn summary(&self, step: &str, baseline: Option<(&str, &Measured)>) -> String {
@@ -293,16 +328,36 @@ async fn main() -> anyhow::Result<()> {
     };
     let hot_account = Arc::new(vec![accounts[0].clone()]);
     let spread_accounts = Arc::new(accounts);
-    let spread = scenario(&load, spread_accounts.clone(), "spread", Work::Debit).await?;
-    let hot = scenario(&load, hot_account.clone(), "hot", Work::Debit).await?;
-    let reserved = scenario(
-        &load,
-        spread_accounts.clone(),
-        "reserve",
-        Work::ReserveCommit,
-    )
-    .await?;
-    let granted = scenario(&load, granted, "granted", Work::Debit).await?;
+    if args.warmup_seconds > 0.0 {
+        let warmup = Load {
+            seconds: args.warmup_seconds,
+            ..load
+        };
+        let measured = scenario(&warmup, spread_accounts.clone(), "warmup", Work::Debit).await?;
+        eprintln!("warm-up (not counted): {:.0} debits/s", measured.rate);
+    }
+    let mut turns: [Vec<Measured>; 4] = Default::default();
+    for turn in 0..args.turns.max(1) {
+        // Each turn's idempotency keys are its own (a key sent again would be
+        // answered from the first outcome, not debited).
+        let runs = [
+            (spread_accounts.clone(), "spread", Work::Debit),
+            (hot_account.clone(), "hot", Work::Debit),
+            (spread_accounts.clone(), "reserve", Work::ReserveCommit),
+            (granted.clone(), "granted", Work::Debit),
+        ];
+        for (i, (accounts, tag, work)) in runs.into_iter().enumerate() {
+            let measured = scenario(&load, accounts, &format!("{tag}{turn}"), work).await?;
+            eprintln!(
+                "turn {} {tag}: {:.0} steps/s, server CPU {:.0} µs per step",
+                turn + 1,
+                measured.rate,
+                measured.cpu_per_step * 1e6
+            );
+            turns[i].push(measured);
+        }
+    }
+    let [spread, hot, reserved, granted] = turns.map(Measured::sum);
     let (grown, growth_baseline, growth_name) = match args.growth_on {
         GrowthOn::Spread => (spread_accounts.clone(), &spread, "(a)"),
         GrowthOn::Hot => (hot_account, &hot, "(b)"),
@@ -337,7 +392,7 @@ async fn main() -> anyhow::Result<()> {
     // Debits booked before each round: the four scenarios', then the rounds'.
     let mut booked = [&spread, &hot, &reserved, &granted]
         .iter()
-        .map(|m| m.rate * args.seconds)
+        .map(|m| m.steps as f64)
         .sum::<f64>();
     for (round, measured) in rounds.iter().enumerate() {
         println!(
@@ -346,11 +401,11 @@ async fn main() -> anyhow::Result<()> {
             booked,
             measured.summary("debit", Some((growth_name, growth_baseline)))
         );
-        booked += measured.rate * args.seconds;
+        booked += measured.steps as f64;
     }
     println!(
-        "({} connections, {} s per scenario)",
-        args.connections, args.seconds
+        "({} connections, {} turns of {} s per scenario)",
+        args.connections, args.turns, args.seconds
     );
     Ok(())
 }

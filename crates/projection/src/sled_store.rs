@@ -87,6 +87,20 @@ const STAGE_PREFIX: &[u8] = b"\x00\x00stage\x00";
 pub const SLED_LOCK_WAIT_MS: u64 = 5_000;
 /// Pause between attempts to take the file lock.
 const SLED_LOCK_RETRY_MS: u64 = 20;
+/// The key `settle_segments` writes and removes at open (the prefix of the keys
+/// it writes after it).
+const SETTLE_KEY: &[u8] = b"\x00settle\x00";
+/// sled's data file in its directory.
+const SLED_DATA_FILE: &str = "db";
+/// Below this size (2,048 segments) the deactivation `settle_segments` waits for
+/// takes milliseconds, and opening a small store (tests, tools) writes nothing.
+const SETTLE_MIN_FILE_BYTES: u64 = 1 << 30;
+/// What `settle_segments` writes to reach the next segment: more than one of
+/// sled's segments (512 KiB).
+const SETTLE_BYTES: usize = 640 * 1024;
+/// The size of each value `settle_segments` writes: small enough to stay in
+/// sled's log (sled moves large values to blob files, which would not fill it).
+const SETTLE_VALUE_BYTES: usize = 1024;
 
 pub struct SledStore {
     db: sled::Db,
@@ -99,6 +113,49 @@ pub struct SledStore {
     /// The slice directory (`packing::SLICE_PREFIX`) in memory: every slice
     /// written to this store.
     slices: parking_lot::RwLock<std::collections::BTreeSet<Slice>>,
+}
+
+/// sled (0.34) marks every segment of its file active when it opens, and the first
+/// write it flushes afterwards deactivates them all on sled's I/O thread, counting
+/// the whole segment table for each one: work quadratic in the file's segments of
+/// 512 KiB (~44,000 in a 22 GB store: ~4-5 s of a core), during which no write can
+/// move on to a new segment. When nothing at start-up waited for it, the service
+/// answered ready and then stalled its first checkpoint and the requests behind it
+/// (a void took 2-4 s instead of ~0.1 s after a restart; README, "Voids in a store
+/// of ten million events"). So `open` of a large store starts that work with one
+/// flushed write, then writes more than a segment's worth of keys (and removes
+/// them): moving to the next segment waits until the deactivation is done, before
+/// anything is served. The store's contents are as before.
+fn settle_segments(
+    db: &sled::Db,
+    aux: &sled::Tree,
+    dir: &Path,
+    min_file_bytes: u64,
+) -> Result<(), StoreError> {
+    let file_bytes = std::fs::metadata(dir.join(SLED_DATA_FILE)).map_or(0, |m| m.len());
+    if file_bytes < min_file_bytes {
+        return Ok(());
+    }
+    let started = std::time::Instant::now();
+    aux.insert(SETTLE_KEY, &[])?;
+    aux.remove(SETTLE_KEY)?;
+    db.flush()?;
+    let value = vec![0u8; SETTLE_VALUE_BYTES];
+    let keys = SETTLE_BYTES.div_ceil(SETTLE_VALUE_BYTES) as u32;
+    let key = |i: u32| [SETTLE_KEY, &i.to_be_bytes()[..]].concat();
+    for i in 0..keys {
+        aux.insert(key(i), &value[..])?;
+    }
+    for i in 0..keys {
+        aux.remove(key(i))?;
+    }
+    db.flush()?;
+    tracing::info!(
+        ms = started.elapsed().as_millis() as u64,
+        file_bytes,
+        "settled the store's segments"
+    );
+    Ok(())
 }
 
 impl std::fmt::Debug for SledStore {
@@ -173,6 +230,7 @@ impl SledStore {
         };
         let projections = db.open_tree("projections")?;
         let aux = db.open_tree("aux")?;
+        settle_segments(&db, &aux, dir.as_ref(), SETTLE_MIN_FILE_BYTES)?;
         let packing = match projections.get(packing::PACKING_KEY)? {
             Some(recorded) => Packing::decode(&recorded),
             // A new store records the packing it is created with; a store
@@ -1001,6 +1059,35 @@ mod tests {
         let reference = crate::MemoryStore::new();
         reference.apply(batch.to_vec(), positions).unwrap();
         reference.digest().unwrap()
+    }
+
+    #[test]
+    fn settling_the_segments_leaves_the_store_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let batch = changes(50, "v");
+        let before = {
+            let store = SledStore::open(dir.path()).unwrap();
+            store.apply(batch.clone(), &[(0, 9)]).unwrap();
+            store.aux_put(b"a", Some(b"1")).unwrap();
+            store.digest().unwrap()
+        };
+        let store = SledStore::open(dir.path()).unwrap();
+        let written = store.db.size_on_disk().unwrap();
+        // Forced on this small store: more than a segment written and removed.
+        settle_segments(&store.db, &store.aux, dir.path(), 0).unwrap();
+        assert!(
+            store.db.size_on_disk().unwrap() > written,
+            "the settle writes reached sled's log"
+        );
+        assert_eq!(store.digest().unwrap(), before);
+        assert_eq!(store.position(0).unwrap(), 9);
+        let aux: Vec<_> = store
+            .aux
+            .iter()
+            .keys()
+            .map(|k| k.unwrap().to_vec())
+            .collect();
+        assert_eq!(aux, vec![b"a".to_vec()], "no settle key is left behind");
     }
 
     #[test]
