@@ -516,6 +516,12 @@ pub fn validate_meter_name(name: Option<&str>, param: &str) -> Result<String, Fi
             format!("`{param}` must be 1 to {MAX_METER_NAME_CHARS} characters"),
         ));
     }
+    if name.chars().any(char::is_control) {
+        return Err(FieldError::invalid(
+            param,
+            format!("`{param}` may not contain control characters"),
+        ));
+    }
     Ok(name.to_string())
 }
 
@@ -740,5 +746,27 @@ mod tests {
         );
         input.aggregation = Some("median".into());
         assert_eq!(validate_meter(&input).unwrap_err().param, "aggregation");
+    }
+
+    #[test]
+    fn names_with_control_characters_are_refused_naming_the_field() {
+        let valid = MeterInput {
+            name: Some("API calls".into()),
+            event_name: Some("api.call".into()),
+            aggregation: Some("count".into()),
+            unit_label: Some("calls".into()),
+            ..Default::default()
+        };
+        assert!(validate_meter(&valid).is_ok());
+        for field in ["name", "event_name", "unit_label"] {
+            let mut input = valid.clone();
+            let bad = Some("a\u{0}b".to_string());
+            match field {
+                "name" => input.name = bad,
+                "event_name" => input.event_name = bad,
+                _ => input.unit_label = bad,
+            }
+            assert_eq!(validate_meter(&input).unwrap_err().param, field);
+        }
     }
 }

@@ -223,6 +223,15 @@ pub fn validate_event(raw: RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent,
             format!("`name` must be 1 to {MAX_EVENT_NAME_CHARS} characters"),
         ));
     }
+    // A name is matched against meters' `event_name`s, which cannot hold control
+    // characters: an event named with one (a NUL, a line break) could never be
+    // metered, and would only show up in listings as an unreadable name.
+    if name.chars().any(char::is_control) {
+        return Err(invalid(
+            "name",
+            "`name` may not contain control characters".into(),
+        ));
+    }
     let customer = match (raw.customer_id, raw.external_customer_id) {
         (Some(_), Some(_)) => {
             return Err(invalid(
@@ -431,6 +440,33 @@ mod tests {
             ["m"],
             "properties are replaced whole"
         );
+    }
+
+    #[test]
+    fn a_name_with_a_control_character_is_refused_naming_it() {
+        for name in ["ca\u{0}ll", "call\n", "a\u{7f}b", "\u{85}x"] {
+            let error = validate_event(
+                RawUsageEvent {
+                    name: Some(name.into()),
+                    ..raw()
+                },
+                NOW,
+            )
+            .unwrap_err();
+            assert_eq!(
+                (error.code, error.param.as_str()),
+                ("invalid_usage_event", "name"),
+                "{name:?}"
+            );
+        }
+        // Letters of any script, spaces inside and punctuation stay valid.
+        for name in ["api.call", "appel d'API", "呼び出し", "a-b_c:d"] {
+            let raw = RawUsageEvent {
+                name: Some(name.into()),
+                ..raw()
+            };
+            assert!(validate_event(raw, NOW).is_ok(), "{name:?}");
+        }
     }
 
     #[test]

@@ -284,6 +284,10 @@ async fn ingest_is_all_or_nothing_and_names_the_field() {
             json!({"events": [{"external_customer_id": "u1"}]}),
             "events[0].name",
         ),
+        (
+            json!({"events": [{"name": "ap\u{0}i_call", "external_customer_id": "u1"}]}),
+            "events[0].name",
+        ),
         (json!({"events": [{"name": "x"}]}), "events[0].customer_id"),
         (
             json!({"events": [{"name": "x", "customer_id": "c", "external_customer_id": "u1"}]}),
