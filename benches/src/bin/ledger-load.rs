@@ -405,7 +405,9 @@ async fn main() -> anyhow::Result<()> {
     }
     println!(
         "({} connections, {} turns of {} s per scenario)",
-        args.connections, args.turns, args.seconds
+        args.connections,
+        args.turns.max(1),
+        args.seconds
     );
     Ok(())
 }
