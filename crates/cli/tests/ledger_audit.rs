@@ -404,6 +404,25 @@ async fn verify_counts_what_apply_books_itself_auto_recharges_and_purchase_grant
         }
     };
     let customer = call("/v1/customers", json!({"email": "r@x.io"})).await;
+    // A checkout of `product` for the customer, paid with the test card that succeeds.
+    let buy = |product: &serde_json::Value| {
+        let (call, body) = (
+            &call,
+            json!({"product_id": product["id"], "customer_id": customer["id"]}),
+        );
+        async move {
+            let checkout = call("/v1/checkouts", body).await;
+            let complete = format!(
+                "/v1/checkouts/{}/complete",
+                checkout["id"].as_str().unwrap()
+            );
+            call(
+                &complete,
+                json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"}),
+            )
+            .await;
+        }
+    };
     let account = call(
         "/v1/customer-credits/accounts",
         json!({"customer_id": customer["id"], "initial_balance": "10",
@@ -429,19 +448,7 @@ async fn verify_counts_what_apply_books_itself_auto_recharges_and_purchase_grant
                 "customer_credits": {"amount": "5", "bucket_name": "pack"}}]}),
     )
     .await;
-    let checkout = call(
-        "/v1/checkouts",
-        json!({"product_id": product["id"], "customer_id": customer["id"]}),
-    )
-    .await;
-    call(
-        &format!(
-            "/v1/checkouts/{}/complete",
-            checkout["id"].as_str().unwrap()
-        ),
-        json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"}),
-    )
-    .await;
+    buy(&product).await;
     // A monthly product's credits: at the checkout and at the renewal (a record of
     // the subscription's).
     let monthly = call(
@@ -452,19 +459,7 @@ async fn verify_counts_what_apply_books_itself_auto_recharges_and_purchase_grant
                 "customer_credits": {"amount": "4", "bucket_name": "monthly"}}]}),
     )
     .await;
-    let checkout = call(
-        "/v1/checkouts",
-        json!({"product_id": monthly["id"], "customer_id": customer["id"]}),
-    )
-    .await;
-    call(
-        &format!(
-            "/v1/checkouts/{}/complete",
-            checkout["id"].as_str().unwrap()
-        ),
-        json!({"card_number": "4242424242424242", "cvc": "123", "exp": "12/34"}),
-    )
-    .await;
+    buy(&monthly).await;
     let clock = reqwest::Client::new()
         .get(format!("{base}/v1/test-clock"))
         .header("x-api-key", &key)
