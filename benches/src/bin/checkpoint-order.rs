@@ -6,7 +6,7 @@
 //! contiguous, at the end of each meter's range), and one row per customer and
 //! minute holding all its meters (the bucket keys' order, a twentieth of the keys,
 //! each value 20 buckets long). The measurement that chose the third, which the
-//! service's store now keeps (README, "Ten million events on this build, and what
+//! service's store now keeps (docs/benchmarks.md, "Ten million events on this build, and what
 //! bends the rate late", and "Bucket rows").
 //!
 //! Each simulated minute writes `--checkpoints-per-minute` checkpoints, each a

@@ -1,4 +1,4 @@
-//! Credits ledger benchmark (README "Credits ledger"): debit transactions per second over HTTP
+//! Credits ledger benchmark (README, "Credits ledger"): debit transactions per second over HTTP
 //! against a running `tally serve` it starts itself, (a) spread over many accounts and
 //! (b) all on one hot account, with latency percentiles; then (c) reserve + commit
 //! pairs spread over the same accounts, and (d) debits spread over accounts holding
@@ -38,13 +38,13 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     turns: usize,
     /// Seconds of (a) before the first turn, not counted: a debit on a store this
-    /// new is cheaper than on one that has taken a few thousand (README, "A
+    /// new is cheaper than on one that has taken a few thousand (docs/benchmarks.md, "A
     /// debit's cost as the ledger grows"), which would flatter the first (a).
     #[arg(long, default_value_t = 5.0)]
     warmup_seconds: f64,
     /// After the four scenarios, run (a) (or (b), see `--growth-on`) this many more
     /// times and print each round: how a debit's cost moves as the ledger grows
-    /// (README, "A debit's cost as the ledger grows").
+    /// (docs/benchmarks.md, "A debit's cost as the ledger grows").
     #[arg(long, default_value_t = 0)]
     growth_rounds: usize,
     /// The accounts the growth rounds debit.

@@ -5,7 +5,7 @@
 //! `BTreeSet<Vec<u8>>`, every read decoded each value into an allocation of its own
 //! and every write encoded them all again; with 10,000 customers one minute holds
 //! ~1.5 million values at ingest's rate, ~100 bytes each that way, so the cache of
-//! committed sets could not hold even the current minute and thrashed (README,
+//! committed sets could not hold even the current minute and thrashed (docs/benchmarks.md,
 //! "Distinct sets kept as their encoding"). Here a value costs its bytes plus eight,
 //! a read is one validation pass, and a write is one copy.
 

@@ -204,7 +204,7 @@ pub const FOLD_SKIPPED: u8 = b'_';
 /// one is keyed store, mode, meter, customer, minute, and a row leaves the meter
 /// out, so it holds every meter's bucket of one customer and minute. Under the
 /// ingest benchmark a checkpoint then writes one row per customer where it wrote a
-/// key per meter, and sled's page table keeps that many fewer keys (README,
+/// key per meter, and sled's page table keeps that many fewer keys (docs/benchmarks.md,
 /// "Bucket rows"). The distinct values of `U` stay keys of their own: each is a
 /// key, not a bucket.
 pub const BUCKET_ROW_TABLES: &[u8] = &[AGGREGATE, DISTINCT_SET, LATEST, WEIGHTED];

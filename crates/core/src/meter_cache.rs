@@ -3,7 +3,7 @@
 //! Why: a usage record folds each of its events into the meters ingest matched,
 //! and apply read and decoded every one of those meters again for every record
 //! (and scanned the scope's revised meters): ~7% of the apply thread under the
-//! ingest benchmark (README, "Meters decoded once"), for definitions that change a
+//! ingest benchmark (docs/benchmarks.md, "Meters decoded once"), for definitions that change a
 //! few times a day. A definition is taken from here while no commit has written
 //! its key since it was read; a chunk that writes meter or revision rows reads
 //! through to the store as before (`Overlay::shared_meter`).

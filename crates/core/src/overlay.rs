@@ -30,7 +30,7 @@ use crate::sparse_keys::SparseKeys;
 /// A record that stores usage events (a usage batch, or an amendment with its
 /// replacement at index 0), read back from the log for apply or a query. A usage
 /// batch's events are decoded one by one as they are read: most reads back want
-/// one event of a record's hundred (README, "One event decoded, not its record's
+/// one event of a record's hundred (docs/benchmarks.md, "One event decoded, not its record's
 /// hundred").
 #[derive(Debug)]
 pub struct StoredBatch {
@@ -182,7 +182,7 @@ pub struct Overlay<'a> {
     /// scope it was interned for: every event a meter matches folds into one of
     /// them, and building and interning its ~100-byte key for each was about a
     /// third of the apply thread's key building and interning
-    /// (`meter_wide_aggregate`; README, "Fewer keys per chunk, written once").
+    /// (`meter_wide_aggregate`; docs/benchmarks.md, "Fewer keys per chunk, written once").
     meter_wide: FastMap<MeterId, (StoreId, Mode, SeriesId)>,
 }
 
@@ -300,7 +300,7 @@ pub struct BucketCache {
 /// fold back to sled and the ingest rate fell by half within a minute. Kept under
 /// 7/8 of 2^19 (458,752), where the map's table of 2^19 slots would double to 2^20
 /// (~100 MB, the largest single allocation in a heap profile of the ingest
-/// benchmark with the cap at 600,000; README, "Memory at the peak").
+/// benchmark with the cap at 600,000; docs/benchmarks.md, "Memory at the peak").
 pub const MAX_CACHED_BUCKETS: usize = 450_000;
 /// What eviction leaves of a cap (in percent): room for the next minutes' buckets,
 /// so a full cache is not scanned again on every commit.
@@ -311,7 +311,7 @@ const EVICT_TO_PERCENT: usize = 75;
 /// copy), so this only spares sets that went to sled a read: ingest's realistic
 /// load (10,000 customers, ~30,000 events/s) puts ~35 MiB of values into one
 /// minute's 50,000 sets and touches each every few seconds, and holding 48 MiB
-/// instead of 4 MiB made no difference its runs could see (README, "Distinct sets
+/// instead of 4 MiB made no difference its runs could see (docs/benchmarks.md, "Distinct sets
 /// kept as their encoding").
 pub const MAX_CACHED_DISTINCT_BYTES: usize = 16 << 20;
 /// Values of meter-wide distinct buckets the cache knows to be held
@@ -1061,7 +1061,7 @@ impl<'a> Overlay<'a> {
     /// that holds buckets) was once learned with a backward walk of sled's tree to
     /// its last key; that walk clones sled's node and was a third of the catch-up's
     /// apply thread after a SIGKILL, where a point read costs less and finds the
-    /// bucket it needs (README, "A restart's catch-up reads buckets, not series").
+    /// bucket it needs (docs/benchmarks.md, "A restart's catch-up reads buckets, not series").
     fn absent_from_store(&self, id: BucketId) -> bool {
         let Some(cache) = self.cache.as_deref() else {
             return false;

@@ -5,7 +5,7 @@
 //! chunk's overlay, in the projector's cache, and again when the cache learns the
 //! commit), and every one of those lookups hashed and compared the whole encoded
 //! key, behind a pointer. In a profile of the ingest benchmark that `memcmp` and
-//! hashing were a quarter of the apply thread (README, "Interned bucket keys").
+//! hashing were a quarter of the apply thread (docs/benchmarks.md, "Interned bucket keys").
 //! Now a key's series (scope, meter, customer) is hashed once per lookup, to find
 //! its [`SeriesId`], and the maps compare 16-byte ids.
 //!

@@ -7,7 +7,7 @@
 //! event of the minute it reads back, and a void reads the count of each bucket it
 //! takes an event out of; nearly always the answer is no. In a profile of the
 //! void phase the first two were a quarter of the apply thread, most of it in
-//! sled's tree walk (README, "Sparse rows answered from memory"); in a store too
+//! sled's tree walk (docs/benchmarks.md, "Sparse rows answered from memory"); in a store too
 //! large for the page cache each absent count was a read of the disk. Backfilled rows
 //! (`B`) are not held: adding them measured no faster on voids, and a large
 //! backfill writes one per event and meter, which the start-up scan would read.

@@ -1171,7 +1171,7 @@ impl tally_runtime::Projection for StoreProjection {
     /// After a start every bucket apply folds is a cold read of sled (its pages
     /// read back from the file), and the catch-up keeps one core busy with apply
     /// while the other idles: a thread of its own reads the chunk's buckets beside
-    /// apply, which then finds their pages in sled's cache (README, "Reading ahead
+    /// apply, which then finds their pages in sled's cache (docs/benchmarks.md, "Reading ahead
     /// while catching up").
     fn read_ahead(&self, chunk: &Arc<DecodedChunk>) {
         let reader = self

@@ -6,7 +6,7 @@
 //! query that arrived behind a few dozen batches waited for all of them. On the
 //! intake runtime those batches no longer stand in the workers' queue, and when
 //! the cores are saturated the scheduler gives a request thread the core before
-//! an intake thread (README, "Background work yields the CPU to requests"). What
+//! an intake thread (docs/benchmarks.md, "Background work yields the CPU to requests"). What
 //! a batch waits for (the log's group commit, the projector's headroom) works
 //! across runtimes: those are tokio's channels and timers.
 

@@ -125,7 +125,7 @@ pub(crate) async fn blocking<T: Send + 'static>(
 /// thread's other tasks to another worker (`block_in_place`), so it neither holds
 /// an async worker nor hops to the blocking pool and back: each hop waits for a
 /// core, and on two saturated cores that wait was a visible part of the usage
-/// query's tail (README, "Usage queries stay on their thread"). A runtime of one
+/// query's tail (docs/benchmarks.md, "Usage queries stay on their thread"). A runtime of one
 /// thread (tests) cannot hand its tasks over, so the work goes to the pool there.
 pub(crate) async fn bounded_read<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, tally_engine::EngineError> + Send + 'static,

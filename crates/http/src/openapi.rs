@@ -1319,7 +1319,9 @@ pub struct Affiliate {
     /// `active` or `suspended`.
     pub status: String,
     pub referral_code: String,
-    pub referral_link: Option<String>,
+    /// The store's `referral_base_url` with `ref=<code>` added; `?ref=<code>` alone
+    /// while the store has none.
+    pub referral_link: String,
     pub clicks: u64,
     pub conversions: u64,
     /// Minor units of `currency`.

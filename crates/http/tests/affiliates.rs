@@ -87,8 +87,12 @@ async fn affiliates_join_convert_earn_and_give_back() {
         .post(&format!("/v1/affiliates/invites/{id}/accept"), json!({}))
         .await);
     assert_eq!(aff["status"], "active");
-    assert_eq!(aff["referral_link"], Value::Null, "no base URL set");
     let code = aff["referral_code"].as_str().unwrap().to_string();
+    assert_eq!(
+        aff["referral_link"],
+        format!("?ref={code}"),
+        "no base URL set: the query alone"
+    );
     let again = assert_error(
         &api.post(&format!("/v1/affiliates/invites/{id}/accept"), json!({}))
             .await,
@@ -129,6 +133,23 @@ async fn affiliates_join_convert_earn_and_give_back() {
         aff["referral_link"],
         format!("https://shop.example/join?ref={code}")
     );
+    // A base URL cleared gives the query alone again; one with a query of its own
+    // gets `&ref=`; then back to the first.
+    for (base, link) in [
+        (Value::Null, format!("?ref={code}")),
+        (
+            json!("https://shop.example/join?lang=en"),
+            format!("https://shop.example/join?lang=en&ref={code}"),
+        ),
+        (
+            json!("https://shop.example/join"),
+            format!("https://shop.example/join?ref={code}"),
+        ),
+    ] {
+        let body = json!({ "referral_base_url": base });
+        ok(&api.post("/v1/store/settings", body).await);
+        assert_eq!(ok(&api.get(&aff_path).await)["referral_link"], link);
+    }
     let bad_percent = assert_error(
         &api.post(
             "/v1/store/settings",

@@ -31,7 +31,7 @@
 //! priority (`priority`), and while it held a write lock over the merge (a slice of
 //! keys at a time), a preempted apply held every request thread's read behind it for
 //! the milliseconds until it ran again (measured under ingest: p90 2.9 ms, up to
-//! 44 ms; README, "Reads never wait for the projector").
+//! 44 ms; docs/benchmarks.md, "Reads never wait for the projector").
 //!
 //! Crash safety (the checkpoint protocol): the inner store only ever holds a prefix
 //! of applied batches together with exactly the positions that prefix reaches (each
@@ -176,7 +176,7 @@ fn sorted_range<'a, T>(
 /// arrive sorted already (`Pending`), so they become one run, and runs of similar
 /// length are merged, sequentially, into one. A skip list searched from its top for
 /// every key, through pointers: its inserts were a seventh of the apply thread
-/// (README, "Interned bucket keys, sorted runs").
+/// (docs/benchmarks.md, "Interned bucket keys, sorted runs").
 #[derive(Debug)]
 struct Changes {
     values: DashMap<Arc<[u8]>, SharedValue, foldhash::fast::RandomState>,
@@ -702,7 +702,7 @@ impl<S: ProjectionStore> Shared<S> {
         // A frozen layer holds still, so its changes are put in order once, for
         // the stage file and the inner store's writes alike: each walk merged the
         // runs and looked every key up in the value map, ~a third of the
-        // checkpoint thread per walk (README, "Bucket rows").
+        // checkpoint thread per walk (docs/benchmarks.md, "Bucket rows").
         let changes = layer.changes.snapshot();
         self.inner.apply_from(&changes, &layer.positions())?;
         self.lock_write().writing = None;

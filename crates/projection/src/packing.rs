@@ -6,7 +6,7 @@
 //! (the entry) with the key's value. For usage buckets (`table, store, mode, meter,
 //! customer, minute`) that is one row per customer and minute holding every meter's
 //! bucket: a checkpoint writes one row where it wrote one key per meter, and sled
-//! keeps a twentieth of the keys in its page table (README, "Bucket rows").
+//! keeps a twentieth of the keys in its page table (docs/benchmarks.md, "Bucket rows").
 //!
 //! Readers never see rows: `get` and `scan` answer in keys, in key order, as if the
 //! table were not packed. Within one slice (a table, scope and entry: one meter's
@@ -211,7 +211,7 @@ pub(crate) fn find(row: &[u8], entry: &[u8]) -> Result<Option<Vec<u8>>, StoreErr
 /// rows of one range of row keys. Bounds memory: a row gathers changes from every
 /// slice (meter), so none can be written before the whole checkpoint was visited,
 /// and gathering ~200,000 changes at once held ~66 MB at the server's peak (a heap
-/// profile under the ingest benchmark; README, "Memory at the peak"). A pass costs
+/// profile under the ingest benchmark; docs/benchmarks.md, "Memory at the peak"). A pass costs
 /// one more visit of the changes. Ranges, not shares by hash: the passes write the
 /// rows in key order once over, where hashed shares swept sled's tree once per pass.
 pub const ROW_PASS_CHANGES: usize = 50_000;

@@ -9,7 +9,7 @@
 
 /// The nice value of background threads: such a thread weighs about a tenth of a
 /// request thread when both want a core (the kernel's weights fall ~1.25x per
-/// step). Measured under the ingest benchmark (README, "Background work yields
+/// step). Measured under the ingest benchmark (docs/benchmarks.md, "Background work yields
 /// the CPU to requests"): 10 and 19 cut the usage query's p99 alike, 5 less.
 pub const BACKGROUND_NICE: i32 = 10;
 

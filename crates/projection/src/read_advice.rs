@@ -4,7 +4,7 @@
 //! adjacent reads that the kernel takes for the start of a sequential stream and
 //! follows with a read-ahead window (up to the device's setting, 8 MiB on some
 //! VMs) of pages nobody asked for. On a cold page cache that is most of the bytes
-//! read (README, "Read-ahead off for scattered reads"). Advising random access
+//! read (docs/benchmarks.md, "Read-ahead off for scattered reads"). Advising random access
 //! turns read-ahead off for the file. The binary advises once the service has
 //! caught up with the log: start-up reads whole ranges, which read-ahead serves.
 //!

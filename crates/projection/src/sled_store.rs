@@ -121,7 +121,7 @@ pub struct SledStore {
 /// 512 KiB (~44,000 in a 22 GB store: ~4-5 s of a core), during which no write can
 /// move on to a new segment. When nothing at start-up waited for it, the service
 /// answered ready and then stalled its first checkpoint and the requests behind it
-/// (a void took 2-4 s instead of ~0.1 s after a restart; README, "Voids in a store
+/// (a void took 2-4 s instead of ~0.1 s after a restart; docs/benchmarks.md, "Voids in a store
 /// of ten million events"). So `open` of a large store starts that work with one
 /// flushed write, then writes more than a segment's worth of keys (and removes
 /// them): moving to the next segment waits until the deactivation is done, before

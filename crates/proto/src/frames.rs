@@ -2,7 +2,7 @@
 //! back by its position (record and index): a void confirms each voided event, a
 //! rebuild reads the events of one customer and minute, `GET /v1/events/{id}`
 //! reads one. Decoding the whole record of 100 events for one was most of a
-//! void's CPU (README, "One event decoded, not its record's hundred"); here the
+//! void's CPU (docs/benchmarks.md, "One event decoded, not its record's hundred"); here the
 //! record is split into its events' encodings and each is decoded when asked.
 
 use tally_domain::usage::UsageEvent;

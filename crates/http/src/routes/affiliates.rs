@@ -81,11 +81,24 @@ fn invite(i: &AffiliateInvite) -> Value {
     })
 }
 
+/// The affiliate's referral link: the store's `referral_base_url` with `ref=<code>`
+/// added, or, while the store has set none, the query alone (`?ref=<code>`), to be
+/// put after any page of the store's site (docs/api.md, "Affiliates"). Always a
+/// string, so a client never has to tell "no link" from "no base URL yet".
+/// The base URL was checked to be an http(s) URL when set; `url` puts the parameter
+/// before any fragment and after any query of its own.
+fn referral_link(base_url: Option<&str>, code: &str) -> String {
+    match base_url.and_then(|base| url::Url::parse(base).ok()) {
+        Some(mut link) => {
+            link.query_pairs_mut().append_pair("ref", code);
+            link.into()
+        }
+        None => format!("?ref={code}"),
+    }
+}
+
 fn affiliate(a: &Affiliate, base_url: Option<&str>) -> Value {
-    let link = base_url.map(|base| {
-        let joiner = if base.contains('?') { '&' } else { '?' };
-        format!("{base}{joiner}ref={}", a.referral_code)
-    });
+    let link = referral_link(base_url, &a.referral_code);
     json!({
         "id": a.id,
         "object": "affiliate",
@@ -261,4 +274,26 @@ pub async fn record_click(
         .record_click(&scope, code.as_deref())
         .await?;
     Ok(Json(affiliate_body(&state, &scope, &clicked)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::referral_link;
+
+    #[test]
+    fn a_referral_link_adds_the_code_to_the_base_url_or_stands_alone() {
+        assert_eq!(referral_link(None, "Ab12Cd34"), "?ref=Ab12Cd34");
+        assert_eq!(
+            referral_link(Some("https://shop.example/join"), "Ab12Cd34"),
+            "https://shop.example/join?ref=Ab12Cd34"
+        );
+        assert_eq!(
+            referral_link(Some("https://shop.example/join?lang=en"), "Ab12Cd34"),
+            "https://shop.example/join?lang=en&ref=Ab12Cd34"
+        );
+        assert_eq!(
+            referral_link(Some("https://shop.example/join#plans"), "Ab12Cd34"),
+            "https://shop.example/join?ref=Ab12Cd34#plans"
+        );
+    }
 }
