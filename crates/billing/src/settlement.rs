@@ -34,7 +34,7 @@ use tally_domain::ledger::MAX_AMOUNT;
 use tally_domain::product::Product;
 use tally_domain::record::UsageSettlement;
 use tally_domain::settlement::{
-    billable, credits_for, SettlementTotals, UsageBinding, UsageCharge, UsageUnits,
+    billable, credits_for, take_back, SettlementTotals, UsageBinding, UsageCharge, UsageUnits,
 };
 use tally_domain::Mode;
 
@@ -139,7 +139,16 @@ pub fn end_bindings(
     Ok(())
 }
 
-/// Meter units one new event added to one meter.
+/// Whether the usage record at a position left its units for settlement: it is
+/// settled (its claim) or pending. A void takes units back only from such records:
+/// the others charged nothing.
+pub fn was_left(overlay: &Overlay<'_>, partition: u32, offset: u64) -> Result<bool, EngineError> {
+    Ok(overlay.contains(&done_key(partition, offset))?
+        || overlay.contains(&pending_key(partition, offset))?)
+}
+
+/// Meter units one new event added to one meter (negative: a voided event's, taken
+/// back).
 #[derive(Debug, Clone, Copy)]
 pub struct NewUnits<'a> {
     pub customer_id: &'a str,
@@ -248,7 +257,8 @@ pub fn is_bound_to(
     }
 }
 
-/// A debit settlement asks of the ledger.
+/// A debit settlement asks of the ledger, or, taking a voided event's usage back, a
+/// credit (`amount` is then what to give back).
 #[derive(Debug, Clone, PartialEq)]
 pub struct UsageDebit<'a> {
     pub store_id: &'a str,
@@ -268,12 +278,15 @@ pub struct UsageDebit<'a> {
 /// Settles a usage record's charges once: the billable units of each charge's
 /// period, their credits, and the debit `debit` takes (never more than the account
 /// holds: it answers what it took). The rest is the shortfall, kept with the
-/// binding's totals.
+/// binding's totals. A void's charges are negative: the period's usage shrinks, and
+/// the credits its billable units came to are taken back (`take_back`: shortfall
+/// forgiven first, the rest credited through `refund`, which answers what it gave).
 pub fn apply_usage_settled(
     overlay: &mut Overlay<'_>,
     settlement: &UsageSettlement,
     recorded_at_ms: i64,
     debit: &mut dyn FnMut(&mut Overlay<'_>, &UsageDebit<'_>) -> Result<Decimal, ApplyError>,
+    refund: &mut dyn FnMut(&mut Overlay<'_>, &UsageDebit<'_>) -> Result<Decimal, ApplyError>,
 ) -> Result<(), ApplyError> {
     let (store_id, mode) = (&settlement.store_id, settlement.mode);
     let (partition, offset) = (settlement.source_partition, settlement.source_offset);
@@ -323,33 +336,50 @@ pub fn apply_usage_settled(
         ) else {
             continue;
         };
-        overlay.put(usage_key, codec::encode_decimal(used_after));
-        let billed = credits_for(units, charge.unit_price)
+        // A void takes back at most what the period used.
+        overlay.put(
+            usage_key,
+            codec::encode_decimal(used_after.max(Decimal::ZERO)),
+        );
+        let credits = credits_for(units.abs(), charge.unit_price)
             .unwrap_or(MAX_AMOUNT)
             .min(MAX_AMOUNT);
-        let debited = if billed > Decimal::ZERO {
-            let request = UsageDebit {
-                store_id,
-                mode,
-                customer_id: &charge.customer_id,
-                account_name: &charge.account_name,
-                amount: billed,
-                transaction_id: tally_core::ids::derived_id(
-                    "ctx",
-                    &format!("usage:{partition}:{offset}:{index}"),
-                ),
-                meter_id: &charge.meter_id,
-                source_id: &charge.source_id,
-                created_at_ms: recorded_at_ms,
+        let request = |amount| UsageDebit {
+            store_id,
+            mode,
+            customer_id: &charge.customer_id,
+            account_name: &charge.account_name,
+            amount,
+            transaction_id: tally_core::ids::derived_id(
+                "ctx",
+                &format!("usage:{partition}:{offset}:{index}"),
+            ),
+            meter_id: &charge.meter_id,
+            source_id: &charge.source_id,
+            created_at_ms: recorded_at_ms,
+        };
+        let (billed, debited) = if charge.quantity < Decimal::ZERO {
+            let totals = stored_totals(overlay, store_id, mode, charge)?;
+            let (forgiven, back) = take_back(&totals, credits);
+            let given = match back > Decimal::ZERO {
+                true => refund(overlay, &request(back))?.clamp(Decimal::ZERO, back),
+                false => Decimal::ZERO,
             };
-            let taken = debit(overlay, &request)?.clamp(Decimal::ZERO, billed);
-            if taken > Decimal::ZERO {
-                posted.push_str(&request.transaction_id);
+            if given > Decimal::ZERO {
+                posted.push_str(&request(given).transaction_id);
                 posted.push('\n');
             }
-            taken
+            // What is not given back (an account closed since) stays billed.
+            (-(forgiven + given), -given)
+        } else if credits > Decimal::ZERO {
+            let taken = debit(overlay, &request(credits))?.clamp(Decimal::ZERO, credits);
+            if taken > Decimal::ZERO {
+                posted.push_str(&request(taken).transaction_id);
+                posted.push('\n');
+            }
+            (credits, taken)
         } else {
-            Decimal::ZERO
+            (Decimal::ZERO, Decimal::ZERO)
         };
         add_to_totals(overlay, store_id, mode, charge, billed, debited)?;
     }
@@ -358,6 +388,31 @@ pub fn apply_usage_settled(
     Ok(())
 }
 
+fn totals_key(store_id: &str, mode: Mode, charge: &UsageCharge) -> Vec<u8> {
+    totals_prefix(store_id, mode, &charge.source_id)
+        .text(&charge.price_id)
+        .into_bytes()
+}
+
+/// The totals of the binding `charge` falls under (zero before its first charge).
+fn stored_totals(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+    charge: &UsageCharge,
+) -> Result<SettlementTotals, EngineError> {
+    Ok(match overlay.get(&totals_key(store_id, mode, charge))? {
+        Some(bytes) => codec::decode_settlement_totals(&bytes)?,
+        None => SettlementTotals {
+            meter_id: charge.meter_id.to_string(),
+            account_name: charge.account_name.clone(),
+            ..SettlementTotals::default()
+        },
+    })
+}
+
+/// Adds a charge to its binding's totals: positive for usage, negative for a
+/// void's take-back.
 fn add_to_totals(
     overlay: &mut Overlay<'_>,
     store_id: &str,
@@ -366,24 +421,17 @@ fn add_to_totals(
     billed: Decimal,
     debited: Decimal,
 ) -> Result<(), EngineError> {
-    let key = totals_prefix(store_id, mode, &charge.source_id)
-        .text(&charge.price_id)
-        .into_bytes();
-    let mut totals = match overlay.get(&key)? {
-        Some(bytes) => codec::decode_settlement_totals(&bytes)?,
-        None => SettlementTotals {
-            meter_id: charge.meter_id.to_string(),
-            account_name: charge.account_name.clone(),
-            ..SettlementTotals::default()
-        },
-    };
+    let mut totals = stored_totals(overlay, store_id, mode, charge)?;
     // Saturating: the totals are a report; the ledger holds the exact balances.
     let add = |a: Decimal, b: Decimal| a.checked_add(b).unwrap_or(Decimal::MAX);
-    totals.quantity = add(totals.quantity, charge.quantity);
+    totals.quantity = add(totals.quantity, charge.quantity).max(Decimal::ZERO);
     totals.billed = add(totals.billed, billed);
     totals.debited = add(totals.debited, debited);
     totals.shortfall = add(totals.shortfall, billed - debited);
-    overlay.put(key, codec::encode_settlement_totals(&totals));
+    overlay.put(
+        totals_key(store_id, mode, charge),
+        codec::encode_settlement_totals(&totals),
+    );
     Ok(())
 }
 

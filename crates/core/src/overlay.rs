@@ -534,11 +534,24 @@ impl<'a> Overlay<'a> {
         mode: Mode,
         event_id: &str,
     ) -> Result<Option<UsageEvent>, EngineError> {
+        Ok(self
+            .stored_event_at(store_id, mode, event_id)?
+            .map(|(event, _)| event))
+    }
+
+    /// `stored_event`, with where it lies: the record that stored it (a void asks
+    /// whether that record's usage was settled in credits).
+    pub fn stored_event_at(
+        &self,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+    ) -> Result<Option<(UsageEvent, EventLocation)>, EngineError> {
         let key = inflight_key(store_id, mode, event_id);
         let print = self.index.fingerprint(store_id, mode, event_id);
         Ok(self
-            .find_stored(&key, print, store_id, mode, event_id)?
-            .cloned())
+            .locate_stored(&key, print, store_id, mode, event_id)?
+            .map(|(event, location)| (event.clone(), location)))
     }
 
     /// `stored_event` given the id's in-flight key and fingerprint (apply computes
@@ -551,6 +564,19 @@ impl<'a> Overlay<'a> {
         mode: Mode,
         event_id: &str,
     ) -> Result<Option<&UsageEvent>, EngineError> {
+        Ok(self
+            .locate_stored(key, print, store_id, mode, event_id)?
+            .map(|(event, _)| event))
+    }
+
+    fn locate_stored(
+        &self,
+        key: &str,
+        print: u64,
+        store_id: &str,
+        mode: Mode,
+        event_id: &str,
+    ) -> Result<Option<(&UsageEvent, EventLocation)>, EngineError> {
         let chunk = self.new_events.get(key).copied();
         let mut missing = Vec::new();
         for location in chunk.into_iter().chain(self.index.candidates(print)) {
@@ -562,7 +588,7 @@ impl<'a> Overlay<'a> {
             match self.batch_at(location.partition, location.offset) {
                 Ok(batch) => {
                     if let Some(event) = batch.event_if(store_id, mode, event_id, location.index)? {
-                        return Ok(Some(event));
+                        return Ok(Some((event, location)));
                     }
                 }
                 Err(EngineError::RecordsNeeded(positions)) => missing.extend(positions),

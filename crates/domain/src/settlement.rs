@@ -229,9 +229,9 @@ impl UsageCharge {
     pub fn of(units: &[(&UsageUnits, &[UsageBinding])]) -> Vec<UsageCharge> {
         let mut charges: std::collections::BTreeMap<(String, String, String, i64), UsageCharge> =
             std::collections::BTreeMap::new();
-        // Only positive units charge (the apply that leaves them writes no other; a
-        // forged record's are ignored).
-        for (unit, bindings) in units.iter().filter(|(u, _)| u.quantity > Decimal::ZERO) {
+        // Positive units charge; negative ones are a void's, taken back (a record's
+        // charges net out per binding and period).
+        for (unit, bindings) in units.iter().filter(|(u, _)| !u.quantity.is_zero()) {
             for binding in bindings.iter().filter(|b| b.charges_at(unit.timestamp_ms)) {
                 let period_start_ms = binding.period_start(unit.timestamp_ms);
                 let charge = charges
@@ -260,8 +260,22 @@ impl UsageCharge {
                 }
             }
         }
-        charges.into_values().collect()
+        charges
+            .into_values()
+            .filter(|c| !c.quantity.is_zero())
+            .collect()
     }
+}
+
+/// What taking back `credits` of a binding's billed usage does (a voided event's):
+/// what the account lacked (the shortfall) is forgiven first, then what was debited
+/// comes back, never more than was debited. Answers (forgiven, to give back).
+pub fn take_back(totals: &SettlementTotals, credits: Decimal) -> (Decimal, Decimal) {
+    let credits = credits.max(Decimal::ZERO);
+    let forgiven = credits.min(totals.shortfall.max(Decimal::ZERO));
+    // Both are at most `credits`, which the ledger's limits bound: no overflow.
+    let back = (credits - forgiven).min(totals.debited.max(Decimal::ZERO));
+    (forgiven, back)
 }
 
 /// A binding's settlement so far, as `GET /v1/subscriptions/{id}` shows it.
@@ -277,6 +291,110 @@ pub struct SettlementTotals {
     pub debited: Decimal,
     /// Credits the account lacked (billed - debited).
     pub shortfall: Decimal,
+}
+
+#[cfg(test)]
+mod take_back_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn totals(billed: i64, debited: i64) -> SettlementTotals {
+        SettlementTotals {
+            billed: Decimal::from(billed),
+            debited: Decimal::from(debited),
+            shortfall: Decimal::from(billed - debited),
+            ..SettlementTotals::default()
+        }
+    }
+
+    #[test]
+    fn a_take_back_forgives_the_shortfall_first_and_never_returns_more_than_was_debited() {
+        let d = Decimal::from;
+        // Paid in full: all of it comes back.
+        assert_eq!(take_back(&totals(10, 10), d(3)), (d(0), d(3)));
+        // 4 never taken: forgiven first, the rest comes back.
+        assert_eq!(take_back(&totals(10, 6), d(3)), (d(3), d(0)));
+        assert_eq!(take_back(&totals(10, 6), d(5)), (d(4), d(1)));
+        // More than was billed (a forged record): at most what was debited.
+        assert_eq!(take_back(&totals(10, 6), d(50)), (d(4), d(6)));
+        assert_eq!(take_back(&totals(0, 0), d(2)), (d(0), d(0)));
+        assert_eq!(take_back(&totals(10, 10), d(-2)), (d(0), d(0)));
+    }
+
+    /// One period's settlement as `apply_usage_settled` folds it: each usage adds
+    /// its billable units' credits (the account giving what it has), each void takes
+    /// its own back (`take_back`, the account getting back what was given).
+    #[derive(Default)]
+    struct Period {
+        used: Decimal,
+        totals: SettlementTotals,
+        balance: Decimal,
+    }
+
+    impl Period {
+        fn step(&mut self, quantity: Decimal, allowance: Decimal, cap: Option<Decimal>) {
+            let units = billable(self.used, quantity, allowance, cap).unwrap();
+            self.used += quantity;
+            let credits = credits_for(units.abs(), Decimal::from(3)).unwrap();
+            let (billed, debited) = if quantity < Decimal::ZERO {
+                let (forgiven, back) = take_back(&self.totals, credits);
+                self.balance += back;
+                (-(forgiven + back), -back)
+            } else {
+                let taken = credits.min(self.balance);
+                self.balance -= taken;
+                (credits, taken)
+            };
+            self.totals.quantity += quantity;
+            self.totals.billed += billed;
+            self.totals.debited += debited;
+            self.totals.shortfall += billed - debited;
+        }
+    }
+
+    proptest! {
+        /// Whatever usage arrives and whichever of it is voided, in any order, the
+        /// period ends billed exactly what its remaining usage costs, no credit is
+        /// given back that was not taken, and the account ends where charging only
+        /// the remaining usage would have left it when it never ran short.
+        #[test]
+        fn take_backs_leave_the_period_billed_for_what_remains(
+            usage in proptest::collection::vec((1u32..50, any::<bool>()), 0..30),
+            allowance in 0u32..100,
+            cap in proptest::option::of(0u32..600),
+            balance in 0u32..2000,
+            voided_first in any::<bool>(),
+        ) {
+            let (allowance, cap) = (Decimal::from(allowance), cap.map(Decimal::from));
+            let start = Decimal::from(balance);
+            let mut period = Period { balance: start, ..Period::default() };
+            for (quantity, _) in &usage {
+                period.step(Decimal::from(*quantity), allowance, cap);
+            }
+            let mut voids: Vec<u32> = usage.iter().filter(|(_, v)| *v).map(|(q, _)| *q).collect();
+            if voided_first {
+                voids.reverse();
+            }
+            for quantity in voids {
+                period.step(-Decimal::from(quantity), allowance, cap);
+            }
+            let remaining: u32 = usage.iter().filter(|(_, v)| !*v).map(|(q, _)| *q).sum();
+            let owed = credits_for(
+                billable(Decimal::ZERO, Decimal::from(remaining), allowance, cap).unwrap(),
+                Decimal::from(3),
+            )
+            .unwrap();
+            prop_assert_eq!(period.used, Decimal::from(remaining));
+            prop_assert_eq!(period.totals.billed, owed);
+            prop_assert_eq!(period.totals.shortfall, period.totals.billed - period.totals.debited);
+            prop_assert!(period.totals.debited >= Decimal::ZERO);
+            prop_assert!(period.totals.shortfall >= Decimal::ZERO);
+            prop_assert_eq!(period.balance, start - period.totals.debited);
+            if period.totals.shortfall.is_zero() {
+                prop_assert_eq!(period.balance, start - owed);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -763,33 +763,37 @@ fn apply_record(
                 .push((store_id.to_string(), *to_ms, meta.recorded_at_ms));
         }
         Record::UsageSettled(settlement) => {
-            let mut events = Vec::new();
+            // Both callbacks push into `events`; a cell lets them share it.
+            let events = std::cell::RefCell::new(Vec::new());
             tally_billing::settlement::apply_usage_settled(
                 overlay,
                 settlement,
                 meta.recorded_at_ms,
                 &mut |overlay, debit| {
-                    let request = tally_ledger::UsageDebit {
-                        store_id: debit.store_id,
-                        mode: debit.mode,
-                        customer_id: debit.customer_id,
-                        account_name: debit.account_name,
-                        amount: debit.amount,
-                        transaction_id: debit.transaction_id.clone(),
-                        description: format!("usage of meter {}", debit.meter_id),
-                        metadata: [
-                            ("meter_id".to_string(), debit.meter_id.to_string()),
-                            ("source_id".to_string(), debit.source_id.to_string()),
-                        ]
-                        .into(),
-                        created_at_ms: debit.created_at_ms,
-                    };
+                    let request = ledger_usage_request(debit, "usage of meter");
                     let (taken, emitted) = tally_ledger::apply_usage_debit(overlay, &request)?;
-                    events.extend(emitted);
+                    events.borrow_mut().extend(emitted);
                     Ok(taken)
                 },
+                &mut |overlay, refund| {
+                    let request = ledger_usage_request(refund, "usage voided of meter");
+                    // A credit the ledger refuses (past its limits) gives nothing
+                    // back; the settlement stands.
+                    let mark = overlay.savepoint();
+                    match tally_ledger::apply_usage_refund(overlay, &request) {
+                        Ok((given, emitted)) => {
+                            events.borrow_mut().extend(emitted);
+                            Ok(given)
+                        }
+                        Err(ApplyError::Refused(_)) => {
+                            overlay.roll_back_to(mark);
+                            Ok(rust_decimal::Decimal::ZERO)
+                        }
+                        Err(error) => Err(error),
+                    }
+                },
             )?;
-            schedule_ledger_events(overlay, &events, entry)?;
+            schedule_ledger_events(overlay, &events.into_inner(), entry)?;
         }
         Record::MeterBackfill {
             store_id,
@@ -834,19 +838,25 @@ fn apply_record(
             mode,
             event_ids,
             reason,
-        } => tally_metering::voids::apply_void(
-            overlay,
-            tally_metering::voids::VoidStep {
-                store_id,
-                mode: *mode,
-                event_ids,
-                reason,
-                at_ms: meta.recorded_at_ms,
-                partition: entry.partition,
-                offset: entry.offset,
-                plan_only: false,
-            },
-        )?,
+        } => {
+            let mut uncounted = Vec::new();
+            tally_metering::voids::apply_void(
+                overlay,
+                tally_metering::voids::VoidStep {
+                    store_id,
+                    mode: *mode,
+                    event_ids,
+                    reason,
+                    at_ms: meta.recorded_at_ms,
+                    partition: entry.partition,
+                    offset: entry.offset,
+                    plan_only: false,
+                },
+                Some(&mut uncounted),
+            )?;
+            applied.billing.settlements_pending |=
+                leave_corrections(overlay, (store_id, *mode), &uncounted, &[], entry)?;
+        }
         Record::AutoRechargeSettled(settled) => {
             // The ledger decides (the pending recharge, the grant); billing keeps
             // the payment only with the grant it paid for.
@@ -874,21 +884,47 @@ fn apply_record(
             reason,
             replacement,
             matched_below,
-        } => tally_metering::voids::apply_amend(
-            overlay,
-            tally_metering::voids::VoidStep {
+        } => {
+            let (mut uncounted, mut counted) = (Vec::new(), Vec::new());
+            tally_metering::voids::apply_amend(
+                overlay,
+                tally_metering::voids::VoidStep {
+                    store_id,
+                    mode: *mode,
+                    event_ids: std::slice::from_ref(event_id),
+                    reason,
+                    at_ms: meta.recorded_at_ms,
+                    partition: entry.partition,
+                    offset: entry.offset,
+                    plan_only: false,
+                },
+                replacement,
+                *matched_below,
+                Some((&mut uncounted, &mut counted)),
+            )?;
+            // The replacement is charged as new usage when a purchase binds it now,
+            // decided here in log order as for a usage record applied behind.
+            let bound = tally_billing::settlement::is_bound_by(
+                |key| overlay.get(key),
                 store_id,
-                mode: *mode,
-                event_ids: std::slice::from_ref(event_id),
-                reason,
-                at_ms: meta.recorded_at_ms,
-                partition: entry.partition,
-                offset: entry.offset,
-                plan_only: false,
-            },
-            replacement,
-            *matched_below,
-        )?,
+                *mode,
+                std::slice::from_ref(replacement),
+            )?;
+            let new_units: Vec<_> = match bound {
+                true => counted
+                    .iter()
+                    .map(|c| tally_billing::settlement::NewUnits {
+                        customer_id: &replacement.customer_id,
+                        meter_id: &c.meter_id,
+                        timestamp_ms: replacement.timestamp_ms,
+                        quantity: c.quantity,
+                    })
+                    .collect(),
+                false => Vec::new(),
+            };
+            applied.billing.settlements_pending |=
+                leave_corrections(overlay, (store_id, *mode), &uncounted, &new_units, entry)?;
+        }
         Record::CreditExpiriesDue {
             store_id,
             mode,
@@ -925,6 +961,67 @@ fn apply_record(
         }
     }
     Ok(())
+}
+
+/// What a correction record leaves for usage settlement (docs/api.md, "Usage prices
+/// settled in credits"): the voided events' units, negative, for those whose storing
+/// record's usage was settled or is pending (the others were never charged), and an
+/// amendment's replacement's units; pending under the correction's own position, so
+/// the settler appends them after the settlement of the usage they take back.
+fn leave_corrections(
+    overlay: &mut Overlay<'_>,
+    (store_id, mode): (&str, tally_domain::Mode),
+    uncounted: &[tally_metering::voids::Uncounted],
+    replacement: &[tally_billing::settlement::NewUnits<'_>],
+    entry: &LogEntry,
+) -> Result<bool, EngineError> {
+    let mut units = Vec::with_capacity(uncounted.len() + replacement.len());
+    for u in uncounted {
+        let (partition, offset) = u.stored_by;
+        if tally_billing::settlement::was_left(overlay, partition, offset)? {
+            units.push(tally_billing::settlement::NewUnits {
+                customer_id: &u.customer_id,
+                meter_id: &u.meter_id,
+                timestamp_ms: u.timestamp_ms,
+                quantity: -u.quantity,
+            });
+        }
+    }
+    units.extend(replacement.iter().copied());
+    if units.is_empty() {
+        return Ok(false);
+    }
+    tally_billing::settlement::leave_units(
+        overlay,
+        store_id,
+        mode,
+        units,
+        entry.partition,
+        entry.offset,
+    )
+}
+
+/// A settlement's debit or take-back as the ledger books it: `what` names the
+/// transaction's kind of usage in its description.
+fn ledger_usage_request<'a>(
+    request: &'a tally_billing::settlement::UsageDebit<'a>,
+    what: &str,
+) -> tally_ledger::UsageDebit<'a> {
+    tally_ledger::UsageDebit {
+        store_id: request.store_id,
+        mode: request.mode,
+        customer_id: request.customer_id,
+        account_name: request.account_name,
+        amount: request.amount,
+        transaction_id: request.transaction_id.clone(),
+        description: format!("{what} {}", request.meter_id),
+        metadata: [
+            ("meter_id".to_string(), request.meter_id.to_string()),
+            ("source_id".to_string(), request.source_id.to_string()),
+        ]
+        .into(),
+        created_at_ms: request.created_at_ms,
+    }
 }
 
 /// The credits a purchase grants (a checkout, a subscription's paid period),

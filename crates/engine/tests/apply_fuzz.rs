@@ -1251,7 +1251,8 @@ fn check_settlement(store: &MemoryStore) -> Result<(), TestCaseError> {
         prop_assert_eq!(t.shortfall, t.billed - t.debited, "{:?}", t);
         prop_assert!(t.quantity >= Decimal::ZERO, "{:?}", t);
     }
-    // What the totals say was debited is what the ledger's usage debits took.
+    // What the totals say was debited is what the ledger's usage debits took, less
+    // what voids gave back (credits of the same metadata).
     let mut taken = Decimal::ZERO;
     scan_prefix(
         store,
@@ -1260,7 +1261,10 @@ fn check_settlement(store: &MemoryStore) -> Result<(), TestCaseError> {
         &mut |_, value| {
             let tx = codec::decode_transaction(value).unwrap();
             if tx.metadata.contains_key("source_id") {
-                taken += tx.amount;
+                match tx.kind {
+                    tally_domain::ledger::TransactionKind::Credit => taken -= tx.amount,
+                    _ => taken += tx.amount,
+                }
             }
             Visit::Continue
         },

@@ -1121,3 +1121,203 @@ async fn a_checkouts_credits_are_granted_by_its_completion_record() {
     );
     server.stop().await;
 }
+
+/// The account's balance, read through the API.
+async fn balance(api: &Api, account_id: &str) -> String {
+    let account = api
+        .get(&format!("/v1/customer-credits/accounts/{account_id}"))
+        .await;
+    assert_eq!(account.status, 200, "{}", account.body);
+    account.body["balance"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let meter = |body: Value| {
+        let api = api.clone();
+        async move { id(&api.post("/v1/meters", body).await) }
+    };
+    let calls =
+        meter(json!({"name": "calls", "event_name": "api_call", "aggregation": "count"})).await;
+    let tokens = meter(
+        json!({"name": "tokens", "event_name": "llm", "aggregation": "sum",
+        "aggregation_property": "n"}),
+    )
+    .await;
+    let prod = product(
+        &api,
+        json!({
+            "features": [{"type": "customer_credits",
+                "customer_credits": {"amount": "20", "unit_label": "credits", "bucket_name": "api"}}],
+            "usage_prices": [
+                {"meter_id": calls, "unit_price": "0.5", "settlement_mode": "credits",
+                 "target_account_name": "api", "free_allowance": 1},
+                {"meter_id": tokens, "unit_price": "0.01", "settlement_mode": "credits",
+                 "target_account_name": "api"},
+            ]
+        }),
+    )
+    .await;
+    let cus = customer(&api, "US").await;
+    let ingest = |events: Value| {
+        let api = api.clone();
+        async move {
+            let answer = api
+                .post("/v1/events/ingest", json!({"events": events}))
+                .await;
+            assert_eq!(answer.status, 202, "{}", answer.body);
+        }
+    };
+    // Usage before the purchase is never charged, so its void gives nothing back.
+    ingest(json!([{"name": "api_call", "customer_id": cus, "event_id": "early"}])).await;
+    server.clock.advance_ms(1);
+    let chk = id(&api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": prod, "customer_id": cus}),
+        )
+        .await);
+    let paid = pay(&api, &chk, CARD).await;
+    let sub = paid.body["subscription_id"].as_str().unwrap().to_string();
+    let sub_path = format!("/v1/subscriptions/{sub}");
+    server.clock.advance_ms(1);
+
+    // Three calls: one free, two at 0.5; 300 tokens at 0.01: 3 credits.
+    ingest(json!([
+        {"name": "api_call", "customer_id": cus, "event_id": "c1"},
+        {"name": "api_call", "customer_id": cus, "event_id": "c2"},
+        {"name": "api_call", "customer_id": cus, "event_id": "c3"},
+        {"name": "llm", "customer_id": cus, "event_id": "t1", "properties": {"n": 300}},
+    ]))
+    .await;
+    until(&api, &sub_path, |s| {
+        settled(s, &calls)["debited"] == "1" && settled(s, &tokens)["debited"] == "3"
+    })
+    .await;
+    let accounts = api
+        .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
+        .await
+        .body;
+    let account_id = accounts["data"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(balance(&api, &account_id).await, "16");
+
+    let hook = id(&api
+        .post(
+            "/v1/webhooks",
+            json!({"delivery_mode": "cli", "events": ["credits.granted"]}),
+        )
+        .await);
+    let void = |ids: Value| {
+        let api = api.clone();
+        async move {
+            let answer = api
+                .post(
+                    "/v1/events/void",
+                    json!({"event_ids": ids, "reason": "test traffic"}),
+                )
+                .await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+        }
+    };
+    // One billable call voided: the period used 2 instead of 3, 0.5 comes back as
+    // a credit naming the meter and the purchase.
+    void(json!(["c3"])).await;
+    let s = until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "2").await;
+    assert_eq!(
+        settled(&s, &calls),
+        &json!({"meter_id": calls, "account_name": "api", "quantity": "2",
+                "billed": "0.5", "debited": "0.5", "shortfall": "0"})
+    );
+    assert_eq!(balance(&api, &account_id).await, "16.5");
+    let entries = api
+        .get(&format!(
+            "/v1/customer-credits/accounts/{account_id}/entries?limit=1"
+        ))
+        .await
+        .body;
+    let tx_id = entries["data"][0]["transaction_id"].as_str().unwrap();
+    let tx = api
+        .get(&format!("/v1/customer-credits/transactions/{tx_id}"))
+        .await
+        .body;
+    assert_eq!(tx["type"], "credit", "{tx}");
+    assert_eq!(tx["amount"], "0.5", "{tx}");
+    assert_eq!(tx["description"], format!("usage voided of meter {calls}"));
+    assert_eq!(tx["metadata"]["source_id"], sub.as_str(), "{tx}");
+
+    // The next one takes the last billable unit back; the last one was free, so it
+    // gives nothing; nor does the one from before the purchase.
+    void(json!(["c2"])).await;
+    until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "1").await;
+    assert_eq!(balance(&api, &account_id).await, "17");
+    void(json!(["c1", "early"])).await;
+    let s = until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "0").await;
+    assert_eq!(settled(&s, &calls)["billed"], "0");
+    assert_eq!(settled(&s, &calls)["debited"], "0");
+    assert_eq!(balance(&api, &account_id).await, "17");
+
+    // An amendment takes back the old event's 3 credits and charges the
+    // replacement's 1, in one settlement.
+    let amended = api
+        .post(
+            "/v1/events/t1/amend",
+            json!({"event": {"event_id": "t1b", "properties": {"n": 100}}, "reason": "miscounted"}),
+        )
+        .await;
+    assert_eq!(amended.status, 200, "{}", amended.body);
+    let s = until(&api, &sub_path, |s| {
+        settled(s, &tokens)["quantity"] == "100"
+    })
+    .await;
+    assert_eq!(
+        settled(&s, &tokens),
+        &json!({"meter_id": tokens, "account_name": "api", "quantity": "100",
+                "billed": "1", "debited": "1", "shortfall": "0"})
+    );
+    assert_eq!(balance(&api, &account_id).await, "19");
+    // Each credit given back was announced: c3's, c2's and the amendment's (one
+    // settlement: 3 back and 1 charged net to 2 back).
+    let feed = api
+        .get(&format!("/v1/webhooks/{hook}/events/pending?limit=100"))
+        .await
+        .body;
+    let granted: Vec<String> = feed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            let body: Value = serde_json::from_str(i["body"].as_str().unwrap()).unwrap();
+            assert_eq!(body["eventType"], "credits.granted", "{body}");
+            body["object"]["amount"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(granted, ["0.5", "0.5", "2"], "{feed}");
+
+    // The ledger's audit replays the credits given back like any transaction.
+    let mut audit = tally_engine::audit::replay_ledger(
+        server.engine.log().as_ref(),
+        server.engine.store().as_ref(),
+        |_, _| {},
+        |_, _, _, _| {},
+    )
+    .await
+    .unwrap();
+    server
+        .engine
+        .ledger()
+        .check_projected_balances(&mut audit)
+        .unwrap();
+    assert!(audit.violations.is_empty(), "{:?}", audit.violations);
+
+    // Nothing is given back twice after a restart.
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    server.engine.wait_caught_up().await.unwrap();
+    assert_eq!(balance(&api, &account_id).await, "19");
+    let s = api.get(&sub_path).await.body;
+    assert_eq!(settled(&s, &calls)["quantity"], "0");
+    assert_eq!(settled(&s, &tokens)["debited"], "1");
+    server.stop().await;
+}

@@ -242,7 +242,36 @@ pub fn apply_purchase_grant(
     } else {
         stored_balance(overlay, store, mode, &account.id)?
     };
-    let transaction_id = tally_core::ids::derived_id("ctx", grant.key);
+    let mut tx = derived_credit(
+        &account,
+        balance,
+        grant.amount,
+        tally_core::ids::derived_id("ctx", grant.key),
+        at,
+    )?;
+    tx.idempotency_key = Some(grant.key.to_string());
+    tx.description = Some(grant.description.to_string());
+    apply_ledger_step(
+        overlay,
+        created.then_some(&account),
+        Some(&tx),
+        &[],
+        None,
+        at,
+    )
+}
+
+/// A credit of `amount` to `account` (holding `balance`) decided in apply: its id
+/// given (derived from what caused it, so a replay makes the same), its entries'
+/// ids derived from it. It makes a grant of no expiry and priority 50, as every
+/// credit without grant terms does.
+fn derived_credit(
+    account: &Account,
+    balance: Decimal,
+    amount: Decimal,
+    transaction_id: String,
+    at: i64,
+) -> Result<Transaction, ApplyError> {
     let mut n = 0;
     let mut entry_id = || {
         n += 1;
@@ -253,33 +282,82 @@ pub fn apply_purchase_grant(
         &account.id,
         account.status,
         balance,
-        grant.amount,
+        amount,
         &mut entry_id,
     )
     .map_err(refused)?;
-    let tx = Transaction {
+    Ok(Transaction {
         id: transaction_id.clone().into(),
-        store_id: store.into(),
-        mode,
+        store_id: account.store_id.clone(),
+        mode: account.mode,
         kind: TransactionKind::Credit,
         account_id: account.id.clone(),
-        amount: grant.amount,
+        amount,
         entries,
-        idempotency_key: Some(grant.key.to_string()),
-        description: Some(grant.description.to_string()),
+        idempotency_key: None,
+        description: None,
         metadata: Default::default(),
         reverses: None,
         created_at_ms: at,
         grant_terms: None,
+    })
+}
+
+/// The customer's active account named `name`, if any (usage settlement's debits
+/// and take-backs find the account by name).
+fn active_account_named(
+    overlay: &Overlay<'_>,
+    store: &str,
+    mode: Mode,
+    customer_id: &str,
+    name: &str,
+) -> Result<Option<Account>, ApplyError> {
+    let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, store, mode)
+        .text(customer_id)
+        .text(name)
+        .into_bytes();
+    let Some(account_id) = overlay.get(&name_key)? else {
+        return Ok(None);
     };
-    apply_ledger_step(
+    let account_id = String::from_utf8_lossy(&account_id).into_owned();
+    let Some(account) = stored_account(overlay, store, mode, &account_id)? else {
+        return Err(EngineError::Corrupt(format!("account {account_id} named but missing")).into());
+    };
+    Ok(Some(account).filter(|a| a.status == AccountStatus::Active))
+}
+
+/// Gives back credits a void took out of usage settled in credits (docs/api.md,
+/// "Usage prices settled in credits"): a credit of `refund.amount` to the customer's
+/// account of that name, a grant of no expiry like any credit, carrying the usage
+/// debit's description and metadata. Answers what it gave: nothing when the account
+/// is gone, frozen or closed (it takes no transactions).
+pub fn apply_usage_refund(
+    overlay: &mut Overlay<'_>,
+    refund: &UsageDebit<'_>,
+) -> Result<(Decimal, Vec<LedgerEvent>), ApplyError> {
+    let (store, mode) = (refund.store_id, refund.mode);
+    let Some(account) = active_account_named(
         overlay,
-        created.then_some(&account),
-        Some(&tx),
-        &[],
-        None,
-        at,
-    )
+        store,
+        mode,
+        refund.customer_id,
+        refund.account_name,
+    )?
+    else {
+        return Ok((Decimal::ZERO, Vec::new()));
+    };
+    let balance = stored_balance(overlay, store, mode, &account.id)?;
+    let mut tx = derived_credit(
+        &account,
+        balance,
+        refund.amount,
+        refund.transaction_id.clone(),
+        refund.created_at_ms,
+    )?;
+    tx.description = Some(refund.description.clone());
+    tx.metadata = refund.metadata.clone();
+    let events = apply_ledger_step(overlay, None, Some(&tx), &[], None, refund.created_at_ms)?;
+    Ok((refund.amount, events))
 }
 
 /// A debit for usage settled in credits, as billing's settlement asks for it.
@@ -306,20 +384,12 @@ pub fn apply_usage_debit(
     debit: &UsageDebit<'_>,
 ) -> Result<(Decimal, Vec<LedgerEvent>), ApplyError> {
     let (store, mode) = (debit.store_id, debit.mode);
-    let name_key = Key::scoped(keys::CREDIT_ACCOUNT_NAME, store, mode)
-        .text(debit.customer_id)
-        .text(debit.account_name)
-        .into_bytes();
-    let Some(account_id) = overlay.get(&name_key)? else {
+    let Some(account) =
+        active_account_named(overlay, store, mode, debit.customer_id, debit.account_name)?
+    else {
         return Ok((Decimal::ZERO, Vec::new()));
     };
-    let account_id = String::from_utf8_lossy(&account_id).into_owned();
-    let Some(account) = stored_account(overlay, store, mode, &account_id)? else {
-        return Err(EngineError::Corrupt(format!("account {account_id} named but missing")).into());
-    };
-    if account.status != AccountStatus::Active {
-        return Ok((Decimal::ZERO, Vec::new()));
-    }
+    let account_id = account.id.to_string();
     // Grants expired by the record's time hold nothing to take.
     let expired = crate::grants::book_expiries(overlay, &account, debit.created_at_ms)?;
     note_exhaustion(overlay, &expired);

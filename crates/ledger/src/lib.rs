@@ -33,7 +33,8 @@ pub mod reservations;
 pub mod thresholds;
 
 pub use apply::{
-    apply_ledger_step, apply_purchase_grant, apply_usage_debit, PurchaseGrant, UsageDebit,
+    apply_ledger_step, apply_purchase_grant, apply_usage_debit, apply_usage_refund, PurchaseGrant,
+    UsageDebit,
 };
 pub use grant_service::GrantInput;
 pub use ledger::*;

@@ -326,7 +326,7 @@ pub struct Counted {
 /// The meter units an event adds that settlement can charge: a count meter's one
 /// event, a sum meter's positive value. Other aggregations (and negative values)
 /// do not add up to a quantity, so they are never settled in credits.
-fn settled_quantity(meter: &Meter, event: &UsageEvent) -> Option<Decimal> {
+pub(crate) fn settled_quantity(meter: &Meter, event: &UsageEvent) -> Option<Decimal> {
     match meter.aggregation {
         Aggregation::Count => Some(Decimal::ONE),
         Aggregation::Sum => meter

@@ -21,6 +21,11 @@
 //! - `time_weighted_sum` is linear in the changes of the held value: the event's
 //!   change is taken out and its successor's grows by as much (domain `gauge`).
 //!
+//! What a voided event had added to a meter that usage prices settle in credits
+//! (`count` and `sum`) is handed back to the caller (`Uncounted`), with the record
+//! that stored the event: billing takes it back from the period's usage and gives
+//! back the credits it cost (docs/api.md, "Usage prices settled in credits").
+//!
 //! Which meters an event counted in is a function of what is stored: the meters
 //! matched at ingest that were active and counting at its timestamp (a `_` row
 //! marks one that was not active), and those a backfill folded it into (`B` rows);
@@ -93,21 +98,41 @@ pub struct VoidStep<'a> {
     pub plan_only: bool,
 }
 
+/// What a voided event had added to one meter that settlement can charge (1 for a
+/// `count` meter, the value for a `sum` meter), and where the record that stored
+/// it lies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Uncounted {
+    pub customer_id: String,
+    pub meter_id: String,
+    pub timestamp_ms: i64,
+    pub quantity: rust_decimal::Decimal,
+    /// The storing record's (partition, offset).
+    pub stored_by: (u32, u64),
+}
+
 /// `EventsVoided`: every id must name a stored event of the scope (else nothing is
-/// voided); those not voided before are marked and taken out of their meters.
-pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), ApplyError> {
+/// voided); those not voided before are marked and taken out of their meters. With
+/// `uncounted`, what they had added to meters settlement charges is noted there.
+pub fn apply_void(
+    overlay: &mut Overlay<'_>,
+    step: VoidStep<'_>,
+    mut uncounted: Option<&mut Vec<Uncounted>>,
+) -> Result<(), ApplyError> {
     let VoidStep { store_id, mode, .. } = step;
     let mut fresh = Vec::new();
+    let mut stored_by = Vec::new();
     let mut seen = BTreeSet::new();
     for (at, event_id) in step.event_ids.iter().enumerate() {
         if !seen.insert(event_id.as_str()) {
             continue;
         }
-        let Some(event) = overlay.stored_event(store_id, mode, event_id)? else {
+        let Some((event, location)) = overlay.stored_event_at(store_id, mode, event_id)? else {
             return Err(event_not_found(event_id, at).into());
         };
         if !overlay.contains(&keys::voided_event_key(store_id, mode, event_id))? {
             fresh.push(event);
+            stored_by.push((location.partition, location.offset));
         }
     }
     let mark = codec::encode_void(&VoidMark {
@@ -155,13 +180,25 @@ pub fn apply_void(overlay: &mut Overlay<'_>, step: VoidStep<'_>) -> Result<(), A
     // then the all-customers ones (meter, minute), which merge the customers'.
     let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
     let mut all_rebuilds: BTreeSet<(usize, i64)> = BTreeSet::new();
-    for (event, alone) in fresh.iter().zip(&alone) {
+    for ((event, alone), stored_by) in fresh.iter().zip(&alone).zip(&stored_by) {
         let minute = minute_bucket(event.timestamp_ms);
         for (at, meter) in meters.iter().enumerate() {
             if meter.event_name != event.name || !was_folded(overlay, meter, event)? {
                 continue;
             }
             count_voided(overlay, meter, event, minute)?;
+            if let (Some(out), Some(quantity)) = (
+                uncounted.as_deref_mut(),
+                crate::apply::settled_quantity(meter, event),
+            ) {
+                out.push(Uncounted {
+                    customer_id: event.customer_id.to_string(),
+                    meter_id: meter.id.to_string(),
+                    timestamp_ms: event.timestamp_ms,
+                    quantity,
+                    stored_by: *stored_by,
+                });
+            }
             if meter.aggregation == Aggregation::TimeWeightedSum {
                 unfold_weighted(overlay, meter, event)?;
                 continue;
@@ -386,12 +423,14 @@ pub(crate) fn rebuild_minute_total(
 /// `EventAmended`: the event must be stored and not voided, and the replacement's id
 /// new (else nothing is applied); the event is voided as `apply_void` does, then
 /// the replacement is stored and folded as a usage record's event at index 0 of this
-/// record. Corrections settle nothing in credits (docs/api.md, "Amending an event").
+/// record. `settle` collects, when given, what the voided event had added to meters
+/// settlement charges, and what the replacement adds (`counted`, at index 0).
 pub fn apply_amend(
     overlay: &mut Overlay<'_>,
     step: VoidStep<'_>,
     replacement: &UsageEvent,
     matched_below: Option<u64>,
+    settle: Option<(&mut Vec<Uncounted>, &mut Vec<crate::apply::Counted>)>,
 ) -> Result<(), ApplyError> {
     let VoidStep { store_id, mode, .. } = step;
     let [event_id] = step.event_ids else {
@@ -417,7 +456,11 @@ pub fn apply_amend(
     {
         return Err(event_id_taken(&replacement.event_id).into());
     }
-    apply_void(overlay, step)?;
+    let (uncounted, counted) = match settle {
+        Some((uncounted, counted)) => (Some(uncounted), Some(counted)),
+        None => (None, None),
+    };
+    apply_void(overlay, step, uncounted)?;
     crate::apply::apply_usage_batch(
         overlay,
         store_id,
@@ -425,7 +468,7 @@ pub fn apply_amend(
         std::slice::from_ref(replacement),
         (step.partition, step.offset),
         matched_below,
-        None,
+        counted,
     )
 }
 
@@ -1120,7 +1163,7 @@ pub fn rebuild_records(
         offset: 0,
         plan_only: true,
     };
-    match apply_void(&mut overlay, step) {
+    match apply_void(&mut overlay, step, None) {
         Err(ApplyError::Engine(EngineError::RecordsNeeded(positions))) => positions,
         _ => Vec::new(),
     }
