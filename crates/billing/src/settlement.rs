@@ -344,16 +344,15 @@ pub fn apply_usage_settled(
         let credits = credits_for(units.abs(), charge.unit_price)
             .unwrap_or(MAX_AMOUNT)
             .min(MAX_AMOUNT);
+        let transaction_id =
+            tally_core::ids::derived_id("ctx", &format!("usage:{partition}:{offset}:{index}"));
         let request = |amount| UsageDebit {
             store_id,
             mode,
             customer_id: &charge.customer_id,
             account_name: &charge.account_name,
             amount,
-            transaction_id: tally_core::ids::derived_id(
-                "ctx",
-                &format!("usage:{partition}:{offset}:{index}"),
-            ),
+            transaction_id: transaction_id.clone(),
             meter_id: &charge.meter_id,
             source_id: &charge.source_id,
             created_at_ms: recorded_at_ms,
@@ -366,7 +365,7 @@ pub fn apply_usage_settled(
                 false => Decimal::ZERO,
             };
             if given > Decimal::ZERO {
-                posted.push_str(&request(given).transaction_id);
+                posted.push_str(&transaction_id);
                 posted.push('\n');
             }
             // What is not given back (an account closed since) stays billed.
@@ -374,7 +373,7 @@ pub fn apply_usage_settled(
         } else if credits > Decimal::ZERO {
             let taken = debit(overlay, &request(credits))?.clamp(Decimal::ZERO, credits);
             if taken > Decimal::ZERO {
-                posted.push_str(&request(taken).transaction_id);
+                posted.push_str(&transaction_id);
                 posted.push('\n');
             }
             (credits, taken)

@@ -763,37 +763,7 @@ fn apply_record(
                 .push((store_id.to_string(), *to_ms, meta.recorded_at_ms));
         }
         Record::UsageSettled(settlement) => {
-            // Both callbacks push into `events`; a cell lets them share it.
-            let events = std::cell::RefCell::new(Vec::new());
-            tally_billing::settlement::apply_usage_settled(
-                overlay,
-                settlement,
-                meta.recorded_at_ms,
-                &mut |overlay, debit| {
-                    let request = ledger_usage_request(debit, "usage of meter");
-                    let (taken, emitted) = tally_ledger::apply_usage_debit(overlay, &request)?;
-                    events.borrow_mut().extend(emitted);
-                    Ok(taken)
-                },
-                &mut |overlay, refund| {
-                    let request = ledger_usage_request(refund, "usage voided of meter");
-                    // A credit the ledger refuses (past its limits) gives nothing
-                    // back; the settlement stands.
-                    let mark = overlay.savepoint();
-                    match tally_ledger::apply_usage_refund(overlay, &request) {
-                        Ok((given, emitted)) => {
-                            events.borrow_mut().extend(emitted);
-                            Ok(given)
-                        }
-                        Err(ApplyError::Refused(_)) => {
-                            overlay.roll_back_to(mark);
-                            Ok(rust_decimal::Decimal::ZERO)
-                        }
-                        Err(error) => Err(error),
-                    }
-                },
-            )?;
-            schedule_ledger_events(overlay, &events.into_inner(), entry)?;
+            apply_settlement(overlay, settlement, meta.recorded_at_ms, entry)?
         }
         Record::MeterBackfill {
             store_id,
@@ -885,8 +855,7 @@ fn apply_record(
             replacement,
             matched_below,
         } => {
-            let (mut uncounted, mut counted) = (Vec::new(), Vec::new());
-            tally_metering::voids::apply_amend(
+            applied.billing.settlements_pending |= apply_amendment(
                 overlay,
                 tally_metering::voids::VoidStep {
                     store_id,
@@ -900,30 +869,8 @@ fn apply_record(
                 },
                 replacement,
                 *matched_below,
-                Some((&mut uncounted, &mut counted)),
-            )?;
-            // The replacement is charged as new usage when a purchase binds it now,
-            // decided here in log order as for a usage record applied behind.
-            let bound = tally_billing::settlement::is_bound_by(
-                |key| overlay.get(key),
-                store_id,
-                *mode,
-                std::slice::from_ref(replacement),
-            )?;
-            let new_units: Vec<_> = match bound {
-                true => counted
-                    .iter()
-                    .map(|c| tally_billing::settlement::NewUnits {
-                        customer_id: &replacement.customer_id,
-                        meter_id: &c.meter_id,
-                        timestamp_ms: replacement.timestamp_ms,
-                        quantity: c.quantity,
-                    })
-                    .collect(),
-                false => Vec::new(),
-            };
-            applied.billing.settlements_pending |=
-                leave_corrections(overlay, (store_id, *mode), &uncounted, &new_units, entry)?;
+                entry,
+            )?
         }
         Record::CreditExpiriesDue {
             store_id,
@@ -961,6 +908,95 @@ fn apply_record(
         }
     }
     Ok(())
+}
+
+/// `UsageSettled`: billing decides the settlement, the ledger books its debits and
+/// the credits a void gives back, and their events are scheduled.
+fn apply_settlement(
+    overlay: &mut Overlay<'_>,
+    settlement: &tally_domain::record::UsageSettlement,
+    recorded_at_ms: i64,
+    entry: &LogEntry,
+) -> Result<(), ApplyError> {
+    // Both callbacks push into `events`; a cell lets them share it.
+    let events = std::cell::RefCell::new(Vec::new());
+    tally_billing::settlement::apply_usage_settled(
+        overlay,
+        settlement,
+        recorded_at_ms,
+        &mut |overlay, debit| {
+            let request = ledger_usage_request(debit, "usage of meter");
+            let (taken, emitted) = tally_ledger::apply_usage_debit(overlay, &request)?;
+            events.borrow_mut().extend(emitted);
+            Ok(taken)
+        },
+        &mut |overlay, refund| {
+            let request = ledger_usage_request(refund, "usage voided of meter");
+            // A credit the ledger refuses (past its limits) gives nothing back; the
+            // settlement stands.
+            let mark = overlay.savepoint();
+            match tally_ledger::apply_usage_refund(overlay, &request) {
+                Ok((given, emitted)) => {
+                    events.borrow_mut().extend(emitted);
+                    Ok(given)
+                }
+                Err(ApplyError::Refused(_)) => {
+                    overlay.roll_back_to(mark);
+                    Ok(rust_decimal::Decimal::ZERO)
+                }
+                Err(error) => Err(error),
+            }
+        },
+    )?;
+    schedule_ledger_events(overlay, &events.into_inner(), entry)?;
+    Ok(())
+}
+
+/// `EventAmended`: metering voids the event and stores the replacement; billing
+/// takes the original's settled usage back and charges the replacement when a
+/// purchase binds it now (decided here in log order, as for a usage record applied
+/// behind). True when a settlement was left.
+fn apply_amendment(
+    overlay: &mut Overlay<'_>,
+    step: tally_metering::voids::VoidStep<'_>,
+    replacement: &tally_domain::usage::UsageEvent,
+    matched_below: Option<u64>,
+    entry: &LogEntry,
+) -> Result<bool, ApplyError> {
+    let (store_id, mode) = (step.store_id, step.mode);
+    let (mut uncounted, mut counted) = (Vec::new(), Vec::new());
+    tally_metering::voids::apply_amend(
+        overlay,
+        step,
+        replacement,
+        matched_below,
+        Some((&mut uncounted, &mut counted)),
+    )?;
+    let bound = tally_billing::settlement::is_bound_by(
+        |key| overlay.get(key),
+        store_id,
+        mode,
+        std::slice::from_ref(replacement),
+    )?;
+    let new_units: Vec<_> = match bound {
+        true => counted
+            .iter()
+            .map(|c| tally_billing::settlement::NewUnits {
+                customer_id: &replacement.customer_id,
+                meter_id: &c.meter_id,
+                timestamp_ms: replacement.timestamp_ms,
+                quantity: c.quantity,
+            })
+            .collect(),
+        false => Vec::new(),
+    };
+    Ok(leave_corrections(
+        overlay,
+        (store_id, mode),
+        &uncounted,
+        &new_units,
+        entry,
+    )?)
 }
 
 /// What a correction record leaves for usage settlement (docs/api.md, "Usage prices

@@ -760,34 +760,71 @@ fn settled<'a>(sub: &'a Value, meter: &str) -> &'a Value {
         .unwrap_or(&Value::Null)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero() {
-    let (_g, dir, server, api, keys) = setup().await;
-    let meter = |body: Value| {
-        let api = api.clone();
-        async move { id(&api.post("/v1/meters", body).await) }
-    };
-    let calls =
-        meter(json!({"name": "calls", "event_name": "api_call", "aggregation": "count"})).await;
-    let tokens = meter(
-        json!({"name": "tokens", "event_name": "llm", "aggregation": "sum",
-        "aggregation_property": "n"}),
-    )
-    .await;
+/// Waits until the subscription's settlement of `meter` is `expected` (the settler
+/// runs after the usage is applied).
+async fn settles_to(api: &Api, sub_path: &str, meter: &str, expected: Value) {
+    until(api, sub_path, |s| settled(s, meter) == &expected).await;
+}
+
+/// Buys `prod` for `cus` with the test card, a millisecond after whatever was sent
+/// before, then moves the clock on a millisecond (usage after it is charged):
+/// answers the subscription's id.
+async fn subscribe(server: &Server, api: &Api, prod: &str, cus: &str) -> String {
+    server.clock.advance_ms(1);
+    let chk = id(&api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": prod, "customer_id": cus}),
+        )
+        .await);
+    let paid = pay(api, &chk, CARD).await;
+    server.clock.advance_ms(1);
+    paid.body["subscription_id"].as_str().unwrap().to_string()
+}
+
+/// Meters `calls` (count of `api_call`) and `tokens` (sum of `llm`'s `n`), and a
+/// product granting `credits` into the account `api` and settling both in credits
+/// there: calls at 0.5 after `free_calls` free ones, tokens at 0.01. Answers
+/// (calls, tokens, product).
+async fn priced_in_credits(api: &Api, credits: &str, free_calls: u32) -> (String, String, String) {
+    let calls = id(&api
+        .post(
+            "/v1/meters",
+            json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+        )
+        .await);
+    let tokens = id(&api
+        .post(
+            "/v1/meters",
+            json!({"name": "tokens", "event_name": "llm", "aggregation": "sum",
+                   "aggregation_property": "n"}),
+        )
+        .await);
     let prod = product(
-        &api,
+        api,
         json!({
             "features": [{"type": "customer_credits",
-                "customer_credits": {"amount": "10", "unit_label": "credits", "bucket_name": "api"}}],
+                "customer_credits": {"amount": credits, "unit_label": "credits", "bucket_name": "api"}}],
             "usage_prices": [
                 {"meter_id": calls, "unit_price": "0.5", "settlement_mode": "credits",
-                 "target_account_name": "api", "free_allowance": 2},
+                 "target_account_name": "api", "free_allowance": free_calls},
                 {"meter_id": tokens, "unit_price": "0.01", "settlement_mode": "credits",
                  "target_account_name": "api"},
             ]
         }),
     )
     .await;
+    (calls, tokens, prod)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let (calls, tokens, prod) = priced_in_credits(&api, "10", 2).await;
+    let meter = |body: Value| {
+        let api = api.clone();
+        async move { id(&api.post("/v1/meters", body).await) }
+    };
     // Credits are debited event by event: only count and sum meters settle so.
     let peak = meter(
         json!({"name": "peak", "event_name": "llm", "aggregation": "max",
@@ -819,17 +856,8 @@ async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero(
         json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": "early"}]}),
     )
     .await;
-    server.clock.advance_ms(1);
-    let chk = id(&api
-        .post(
-            "/v1/checkouts",
-            json!({"product_id": prod, "customer_id": cus}),
-        )
-        .await);
-    let paid = pay(&api, &chk, CARD).await;
-    let sub = paid.body["subscription_id"].as_str().unwrap().to_string();
+    let sub = subscribe(&server, &api, &prod, &cus).await;
     let sub_path = format!("/v1/subscriptions/{sub}");
-    server.clock.advance_ms(1);
 
     // Four calls (one sent twice): 2 free, 2 x 0.5 = 1 credit.
     let ingest = |events: Value| {
@@ -866,23 +894,24 @@ async fn usage_priced_in_credits_is_debited_once_per_event_and_never_below_zero(
         json!([{"name": "llm", "customer_id": cus, "event_id": "t2", "properties": {"n": 1000}}]),
     )
     .await;
-    let s = until(&api, &sub_path, |s| {
-        settled(s, &tokens)["quantity"] == "1300"
-    })
+    settles_to(
+        &api,
+        &sub_path,
+        &tokens,
+        json!({"meter_id": tokens, "account_name": "api", "quantity": "1300",
+                "billed": "13", "debited": "9", "shortfall": "4"}),
+    )
     .await;
-    assert_eq!(
-        settled(&s, &tokens),
-        &json!({"meter_id": tokens, "account_name": "api", "quantity": "1300",
-                "billed": "13", "debited": "9", "shortfall": "4"})
-    );
     // Empty already: nothing more is taken, the shortfall grows.
     ingest(json!([{"name": "api_call", "customer_id": cus, "event_id": "c5"}])).await;
-    let s = until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "5").await;
-    assert_eq!(
-        settled(&s, &calls),
-        &json!({"meter_id": calls, "account_name": "api", "quantity": "5",
-                "billed": "1.5", "debited": "1", "shortfall": "0.5"})
-    );
+    settles_to(
+        &api,
+        &sub_path,
+        &calls,
+        json!({"meter_id": calls, "account_name": "api", "quantity": "5",
+                "billed": "1.5", "debited": "1", "shortfall": "0.5"}),
+    )
+    .await;
 
     let accounts = api
         .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
@@ -1134,31 +1163,7 @@ async fn balance(api: &Api, account_id: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
     let (_g, dir, server, api, keys) = setup().await;
-    let meter = |body: Value| {
-        let api = api.clone();
-        async move { id(&api.post("/v1/meters", body).await) }
-    };
-    let calls =
-        meter(json!({"name": "calls", "event_name": "api_call", "aggregation": "count"})).await;
-    let tokens = meter(
-        json!({"name": "tokens", "event_name": "llm", "aggregation": "sum",
-        "aggregation_property": "n"}),
-    )
-    .await;
-    let prod = product(
-        &api,
-        json!({
-            "features": [{"type": "customer_credits",
-                "customer_credits": {"amount": "20", "unit_label": "credits", "bucket_name": "api"}}],
-            "usage_prices": [
-                {"meter_id": calls, "unit_price": "0.5", "settlement_mode": "credits",
-                 "target_account_name": "api", "free_allowance": 1},
-                {"meter_id": tokens, "unit_price": "0.01", "settlement_mode": "credits",
-                 "target_account_name": "api"},
-            ]
-        }),
-    )
-    .await;
+    let (calls, tokens, prod) = priced_in_credits(&api, "20", 1).await;
     let cus = customer(&api, "US").await;
     let ingest = |events: Value| {
         let api = api.clone();
@@ -1171,17 +1176,8 @@ async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
     };
     // Usage before the purchase is never charged, so its void gives nothing back.
     ingest(json!([{"name": "api_call", "customer_id": cus, "event_id": "early"}])).await;
-    server.clock.advance_ms(1);
-    let chk = id(&api
-        .post(
-            "/v1/checkouts",
-            json!({"product_id": prod, "customer_id": cus}),
-        )
-        .await);
-    let paid = pay(&api, &chk, CARD).await;
-    let sub = paid.body["subscription_id"].as_str().unwrap().to_string();
+    let sub = subscribe(&server, &api, &prod, &cus).await;
     let sub_path = format!("/v1/subscriptions/{sub}");
-    server.clock.advance_ms(1);
 
     // Three calls: one free, two at 0.5; 300 tokens at 0.01: 3 credits.
     ingest(json!([
@@ -1223,12 +1219,14 @@ async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
     // One billable call voided: the period used 2 instead of 3, 0.5 comes back as
     // a credit naming the meter and the purchase.
     void(json!(["c3"])).await;
-    let s = until(&api, &sub_path, |s| settled(s, &calls)["quantity"] == "2").await;
-    assert_eq!(
-        settled(&s, &calls),
-        &json!({"meter_id": calls, "account_name": "api", "quantity": "2",
-                "billed": "0.5", "debited": "0.5", "shortfall": "0"})
-    );
+    settles_to(
+        &api,
+        &sub_path,
+        &calls,
+        json!({"meter_id": calls, "account_name": "api", "quantity": "2",
+                "billed": "0.5", "debited": "0.5", "shortfall": "0"}),
+    )
+    .await;
     assert_eq!(balance(&api, &account_id).await, "16.5");
     let entries = api
         .get(&format!(
@@ -1266,15 +1264,14 @@ async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
         )
         .await;
     assert_eq!(amended.status, 200, "{}", amended.body);
-    let s = until(&api, &sub_path, |s| {
-        settled(s, &tokens)["quantity"] == "100"
-    })
+    settles_to(
+        &api,
+        &sub_path,
+        &tokens,
+        json!({"meter_id": tokens, "account_name": "api", "quantity": "100",
+                "billed": "1", "debited": "1", "shortfall": "0"}),
+    )
     .await;
-    assert_eq!(
-        settled(&s, &tokens),
-        &json!({"meter_id": tokens, "account_name": "api", "quantity": "100",
-                "billed": "1", "debited": "1", "shortfall": "0"})
-    );
     assert_eq!(balance(&api, &account_id).await, "19");
     // Each credit given back was announced: c3's, c2's and the amendment's (one
     // settlement: 3 back and 1 charged net to 2 back).
