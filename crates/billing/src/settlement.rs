@@ -34,7 +34,8 @@ use tally_domain::ledger::MAX_AMOUNT;
 use tally_domain::product::Product;
 use tally_domain::record::UsageSettlement;
 use tally_domain::settlement::{
-    billable, credits_for, take_back, SettlementTotals, UsageBinding, UsageCharge, UsageUnits,
+    billable, credits_for, take_back, PeriodSettlement, SettlementTotals, UsageBinding,
+    UsageCharge, UsageUnits,
 };
 use tally_domain::Mode;
 
@@ -321,10 +322,11 @@ pub fn apply_usage_settled(
     let mut posted = String::new();
     for (index, charge) in UsageCharge::of(&units).iter().enumerate() {
         let usage_key = period_usage_key(store_id, mode, charge);
-        let used_before = match overlay.get(&usage_key)? {
-            Some(bytes) => codec::decode_decimal(&bytes)?,
-            None => Decimal::ZERO,
+        let period = match overlay.get(&usage_key)? {
+            Some(bytes) => codec::decode_period_settlement(&bytes)?,
+            None => PeriodSettlement::new(),
         };
+        let used_before = period.used;
         let (Some(units), Some(used_after)) = (
             billable(
                 used_before,
@@ -336,11 +338,6 @@ pub fn apply_usage_settled(
         ) else {
             continue;
         };
-        // A void takes back at most what the period used.
-        overlay.put(
-            usage_key,
-            codec::encode_decimal(used_after.max(Decimal::ZERO)),
-        );
         let credits = credits_for(units.abs(), charge.unit_price)
             .unwrap_or(MAX_AMOUNT)
             .min(MAX_AMOUNT);
@@ -358,7 +355,12 @@ pub fn apply_usage_settled(
             created_at_ms: recorded_at_ms,
         };
         let (billed, debited) = if charge.quantity < Decimal::ZERO {
-            let totals = stored_totals(overlay, store_id, mode, charge)?;
+            // The period's own shortfall is forgiven first; a period an earlier
+            // build settled keeps no amounts, so the binding's stand in.
+            let totals = match period.totals() {
+                Some(totals) => totals,
+                None => stored_totals(overlay, store_id, mode, charge)?,
+            };
             let (forgiven, back) = take_back(&totals, credits);
             let given = match back > Decimal::ZERO {
                 true => refund(overlay, &request(back))?.clamp(Decimal::ZERO, back),
@@ -380,6 +382,16 @@ pub fn apply_usage_settled(
         } else {
             (Decimal::ZERO, Decimal::ZERO)
         };
+        // Bounded by the ledger's limits; saturating like the totals, a report.
+        let add = |a: Decimal, b: Decimal| a.checked_add(b).unwrap_or(Decimal::MAX);
+        let period = PeriodSettlement {
+            // A void takes back at most what the period used.
+            used: used_after.max(Decimal::ZERO),
+            paid: period.paid.map(|(was_billed, was_debited)| {
+                (add(was_billed, billed), add(was_debited, debited))
+            }),
+        };
+        overlay.put(usage_key, codec::encode_period_settlement(&period));
         add_to_totals(overlay, store_id, mode, charge, billed, debited)?;
     }
     // The claim, naming what it posted (the ledger audit replays those).
@@ -506,5 +518,127 @@ mod tests {
             [4, 5]
         );
         assert_eq!(pending_settlements(&store, 10, |_| true).unwrap().len(), 6);
+    }
+
+    /// A binding of one meter in monthly periods from `anchor`, at 1 credit a unit.
+    fn monthly_binding(anchor: i64) -> UsageBinding {
+        UsageBinding {
+            source_id: "sub_1".into(),
+            price_id: "price_1".into(),
+            meter_id: "mtr_1".into(),
+            unit_price: Decimal::ONE,
+            free_allowance: Decimal::ZERO,
+            cap: None,
+            account_name: "api".into(),
+            anchor_ms: anchor,
+            period_months: Some(1),
+            charge_from_ms: anchor,
+            charge_until_ms: None,
+        }
+    }
+
+    fn units_at(offset: u64, timestamp_ms: i64, quantity: i64) -> UsageSettlement {
+        UsageSettlement {
+            store_id: "st_1".into(),
+            mode: Mode::Test,
+            source_partition: 0,
+            source_offset: offset,
+            units: vec![UsageUnits {
+                customer_id: "cus_1".into(),
+                meter_id: "mtr_1".into(),
+                timestamp_ms,
+                quantity: Decimal::from(quantity),
+                events: 1,
+            }],
+        }
+    }
+
+    /// A void forgives what its own period lacked, not another period's shortfall:
+    /// a first month that ran short does not keep a second month's void from
+    /// giving back what the second month paid.
+    #[test]
+    fn a_void_gives_back_what_its_period_paid_whatever_another_period_lacked() {
+        let store = MemoryStore::new();
+        let index = tally_core::event_index::EventIndex::default();
+        let fetched = tally_core::overlay::Fetched::new();
+        let mut overlay = Overlay::new(&store, &index, &fetched);
+        let anchor = 1_700_000_000_000; // 2023-11-14
+        let day = 86_400_000;
+        overlay.put(
+            binding_key("st_1", Mode::Test, "cus_1", "mtr_1"),
+            codec::encode_bindings(&[monthly_binding(anchor)]),
+        );
+        // A ledger stand-in: debits take what the balance holds, refunds add.
+        let balance = std::cell::Cell::new(Decimal::from(6));
+        let given = std::cell::Cell::new(Decimal::ZERO);
+        let settle = |overlay: &mut Overlay<'_>, settlement: &UsageSettlement| {
+            apply_usage_settled(
+                overlay,
+                settlement,
+                anchor + 60 * day,
+                &mut |_, debit| {
+                    let taken = debit.amount.min(balance.get());
+                    balance.set(balance.get() - taken);
+                    Ok(taken)
+                },
+                &mut |_, refund| {
+                    given.set(given.get() + refund.amount);
+                    balance.set(balance.get() + refund.amount);
+                    Ok(refund.amount)
+                },
+            )
+            .unwrap()
+        };
+        // First month: 10 billed, 6 debited, 4 short.
+        settle(&mut overlay, &units_at(1, anchor + day, 10));
+        balance.set(Decimal::from(100));
+        // Second month: 5 billed and paid; then 3 of them voided.
+        settle(&mut overlay, &units_at(2, anchor + 40 * day, 5));
+        settle(&mut overlay, &units_at(3, anchor + 40 * day, -3));
+        assert_eq!(given.get(), Decimal::from(3), "the second month paid them");
+        // A void in the first month forgives its shortfall first.
+        settle(&mut overlay, &units_at(4, anchor + day, -5));
+        assert_eq!(given.get(), Decimal::from(4), "4 forgiven, 1 given back");
+        let totals = {
+            let key = totals_prefix("st_1", Mode::Test, "sub_1")
+                .text("price_1")
+                .into_bytes();
+            codec::decode_settlement_totals(&overlay.get(&key).unwrap().unwrap()).unwrap()
+        };
+        assert_eq!(
+            (
+                totals.quantity,
+                totals.billed,
+                totals.debited,
+                totals.shortfall
+            ),
+            (
+                Decimal::from(7),
+                Decimal::from(7),
+                Decimal::from(7),
+                Decimal::ZERO
+            )
+        );
+    }
+
+    /// A period an earlier build settled keeps only its used units; its row still
+    /// reads, and a take-back there falls back to the binding's totals.
+    #[test]
+    fn a_period_row_reads_with_or_without_its_amounts() {
+        let full = PeriodSettlement {
+            used: Decimal::from(12),
+            paid: Some((Decimal::new(65, 1), Decimal::from(4))),
+        };
+        let bytes = codec::encode_period_settlement(&full);
+        assert_eq!(codec::decode_period_settlement(&bytes).unwrap(), full);
+        let old = codec::encode_decimal(Decimal::from(12));
+        assert_eq!(
+            codec::decode_period_settlement(&old).unwrap(),
+            PeriodSettlement {
+                used: Decimal::from(12),
+                paid: None
+            }
+        );
+        assert!(codec::decode_period_settlement(&bytes[..20]).is_err());
     }
 }

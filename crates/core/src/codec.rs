@@ -118,6 +118,39 @@ proto_codec!(
     v1::SettlementTotals
 );
 
+/// A settlement period's row: its used units (16 bytes, as builds before per-period
+/// amounts wrote it), then billed and debited (16 bytes each) when kept.
+pub fn encode_period_settlement(period: &tally_domain::settlement::PeriodSettlement) -> Vec<u8> {
+    let mut bytes = encode_decimal(period.used);
+    if let Some((billed, debited)) = period.paid {
+        bytes.extend(encode_decimal(billed));
+        bytes.extend(encode_decimal(debited));
+    }
+    bytes
+}
+
+pub fn decode_period_settlement(
+    bytes: &[u8],
+) -> Result<tally_domain::settlement::PeriodSettlement, EngineError> {
+    const DECIMAL_BYTES: usize = 16;
+    let paid = match bytes.len() {
+        DECIMAL_BYTES => None,
+        n if n == 3 * DECIMAL_BYTES => Some((
+            decode_decimal(&bytes[DECIMAL_BYTES..2 * DECIMAL_BYTES])?,
+            decode_decimal(&bytes[2 * DECIMAL_BYTES..])?,
+        )),
+        n => {
+            return Err(EngineError::Corrupt(format!(
+                "a settlement period of {n} bytes"
+            )))
+        }
+    };
+    Ok(tally_domain::settlement::PeriodSettlement {
+        used: decode_decimal(&bytes[..DECIMAL_BYTES])?,
+        paid,
+    })
+}
+
 pub fn encode_store_settings(
     store_id: &str,
     mode: tally_domain::Mode,

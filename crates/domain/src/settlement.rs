@@ -168,7 +168,9 @@ pub fn period_bounds(anchor_ms: i64, months: u32, at_ms: i64) -> (i64, i64) {
 
 /// The billable part of `quantity` more units in a period that had used
 /// `used_before`: the units above `free_allowance` and up to `cap`. Additive: the
-/// billable parts of a split sum to the billable part of the whole.
+/// billable parts of a split sum to the billable part of the whole. A negative
+/// `quantity` (a void's) gives a negative part; a period never uses fewer than no
+/// units. `None` past the exact range (a forged record's numbers).
 pub fn billable(
     used_before: Decimal,
     quantity: Decimal,
@@ -176,11 +178,12 @@ pub fn billable(
     cap: Option<Decimal>,
 ) -> Option<Decimal> {
     let billed = |used: Decimal| {
+        let used = used.max(Decimal::ZERO);
         let capped = cap.map_or(used, |cap| used.min(cap));
-        (capped - free_allowance).max(Decimal::ZERO)
+        Some(capped.checked_sub(free_allowance)?.max(Decimal::ZERO))
     };
     let after = exact_add(used_before, quantity)?;
-    Some(billed(after) - billed(used_before))
+    billed(after)?.checked_sub(billed(used_before)?)
 }
 
 /// Credits for `units` billable units at `unit_price`, rounded up to the ledger's
@@ -264,6 +267,37 @@ impl UsageCharge {
             .into_values()
             .filter(|c| !c.quantity.is_zero())
             .collect()
+    }
+}
+
+/// One period of a binding as settlement keeps it: the meter units it used and, for
+/// periods settled by builds that keep them, the credits its usage was billed and
+/// what was debited of them (a void's take-back forgives that period's shortfall
+/// first, not another period's).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PeriodSettlement {
+    pub used: Decimal,
+    /// (billed, debited); `None` for a period an earlier build settled.
+    pub paid: Option<(Decimal, Decimal)>,
+}
+
+impl PeriodSettlement {
+    /// A period nothing was charged in yet.
+    pub fn new() -> Self {
+        PeriodSettlement {
+            used: Decimal::ZERO,
+            paid: Some((Decimal::ZERO, Decimal::ZERO)),
+        }
+    }
+
+    /// The period's billed, debited and shortfall as totals, when it keeps them.
+    pub fn totals(&self) -> Option<SettlementTotals> {
+        self.paid.map(|(billed, debited)| SettlementTotals {
+            billed,
+            debited,
+            shortfall: billed.checked_sub(debited).unwrap_or(Decimal::ZERO),
+            ..SettlementTotals::default()
+        })
     }
 }
 
