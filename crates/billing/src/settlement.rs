@@ -140,6 +140,16 @@ pub fn end_bindings(
     Ok(())
 }
 
+/// Whether any purchase of the scope ever bound usage to credits (one read): a
+/// scope without such a purchase has no settlement to correct.
+pub fn scope_settles(
+    overlay: &Overlay<'_>,
+    store_id: &str,
+    mode: Mode,
+) -> Result<bool, EngineError> {
+    overlay.contains(&scope_key(store_id, mode))
+}
+
 /// Whether the usage record at a position left its units for settlement: it is
 /// settled (its claim) or pending. A void takes units back only from such records:
 /// the others charged nothing.

@@ -1011,10 +1011,27 @@ fn leave_corrections(
     replacement: &[tally_billing::settlement::NewUnits<'_>],
     entry: &LogEntry,
 ) -> Result<bool, EngineError> {
+    // Most scopes never settle in credits: one read answers for the whole void.
+    if replacement.is_empty()
+        && (uncounted.is_empty()
+            || !tally_billing::settlement::scope_settles(overlay, store_id, mode)?)
+    {
+        return Ok(false);
+    }
     let mut units = Vec::with_capacity(uncounted.len() + replacement.len());
+    // Whether each storing record left a settlement, asked once per record.
+    let mut left: std::collections::HashMap<(u32, u64), bool> = Default::default();
     for u in uncounted {
         let (partition, offset) = u.stored_by;
-        if tally_billing::settlement::was_left(overlay, partition, offset)? {
+        let was_left = match left.get(&u.stored_by) {
+            Some(known) => *known,
+            None => {
+                let known = tally_billing::settlement::was_left(overlay, partition, offset)?;
+                left.insert(u.stored_by, known);
+                known
+            }
+        };
+        if was_left {
             units.push(tally_billing::settlement::NewUnits {
                 customer_id: &u.customer_id,
                 meter_id: &u.meter_id,
