@@ -103,8 +103,8 @@ pub struct VoidStep<'a> {
 /// it lies.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Uncounted {
-    pub customer_id: String,
-    pub meter_id: String,
+    pub customer_id: tally_domain::ids::CustomerId,
+    pub meter_id: tally_domain::ids::MeterId,
     pub timestamp_ms: i64,
     pub quantity: rust_decimal::Decimal,
     /// The storing record's (partition, offset).
@@ -192,8 +192,8 @@ pub fn apply_void(
                 crate::apply::settled_quantity(meter, event),
             ) {
                 out.push(Uncounted {
-                    customer_id: event.customer_id.to_string(),
-                    meter_id: meter.id.to_string(),
+                    customer_id: event.customer_id.clone(),
+                    meter_id: meter.id.clone(),
                     timestamp_ms: event.timestamp_ms,
                     quantity,
                     stored_by: *stored_by,
