@@ -13,6 +13,7 @@ use tally_core::outcome::{check_base, Outcome};
 use tally_core::overlay::{ApplyError, Overlay};
 use tally_domain::billing::{Payment, Subscription, SubscriptionStatus};
 use tally_domain::record::{BillingEvent, BillingObject};
+use tally_domain::subscription::ExtraItem;
 use tally_domain::Mode;
 
 use crate::apply::{payment_key, put_events, put_payment, subscription_key};
@@ -231,6 +232,35 @@ fn rebind(
             (after.billing_anchor_ms, at),
             after.trial_end_ms,
         )?;
+    }
+    // Add-on items: an item's prices settle while it is on a live subscription.
+    let kept = |item: &ExtraItem, on: &Subscription| on.extra_items.iter().any(|i| i.id == item.id);
+    if was {
+        for item in &before.extra_items {
+            if !is || !kept(item, after) {
+                crate::settlement::end_bindings(
+                    overlay,
+                    &before.customer_id,
+                    &before.id,
+                    &item.product,
+                    at,
+                )?;
+            }
+        }
+    }
+    if is {
+        for item in &after.extra_items {
+            if !was || !kept(item, before) {
+                crate::settlement::bind_purchase(
+                    overlay,
+                    &after.customer_id,
+                    &after.id,
+                    &item.product,
+                    (after.billing_anchor_ms, at),
+                    after.trial_end_ms,
+                )?;
+            }
+        }
     }
     Ok(())
 }

@@ -129,10 +129,11 @@ pub fn end_bindings(
             continue;
         };
         let mut all = codec::decode_bindings(&bytes)?;
-        for binding in all
-            .iter_mut()
-            .filter(|b| b.source_id == source_id && b.charge_until_ms.is_none())
-        {
+        // Only this product's prices: an add-on item of the same subscription may
+        // price the same meter.
+        for binding in all.iter_mut().filter(|b| {
+            b.source_id == source_id && b.charge_until_ms.is_none() && b.price_id == price.id
+        }) {
             binding.charge_until_ms = Some(at_ms.max(binding.charge_from_ms));
         }
         overlay.put(key, codec::encode_bindings(&all));

@@ -29,9 +29,9 @@ use tally_domain::billing::{
 use tally_domain::record::Record;
 use tally_domain::subscription::{
     adjustment_description, after_declined, after_paid, after_period_end, cancel, charge_lines,
-    charge_plan, discount_off, pause, period_amount, resume, retire_usage_prices, usage_adjustment,
-    usage_to_bill, BilledUsage, CancelMode, ChargePlan, DueKind, InvalidTransition, OnExecute,
-    PaymentLine,
+    charge_plan, discount_off, pause, period_amount, resume, retire_item_usage_prices,
+    retire_usage_prices, usage_adjustment, usage_to_bill, BilledUsage, CancelMode, ChargePlan,
+    DueKind, InvalidTransition, OnExecute, PaymentLine,
 };
 use tally_domain::subscription::{proration_line, ExtraItem, StoreSettings, UpdateBehavior};
 use tally_domain::time::parse_iso8601_ms;
@@ -334,7 +334,9 @@ impl Billing {
                             .into());
                         };
                         if units == 0 {
-                            next.extra_items.remove(pos);
+                            let removed = next.extra_items.remove(pos);
+                            // Its usage until now is still billed, by the next charge.
+                            retire_item_usage_prices(sub, &removed, &mut next, now);
                         } else {
                             next.extra_items[pos].units = units;
                         }
@@ -360,6 +362,7 @@ impl Billing {
                             id: new_id("si"),
                             product,
                             units,
+                            added_at_ms: now,
                         });
                     }
                 }

@@ -109,6 +109,8 @@ pub struct ExtraItem {
     /// The product as added.
     pub product: crate::product::Product,
     pub units: u32,
+    /// When it was added: its `invoice` usage prices bill usage from then.
+    pub added_at_ms: i64,
 }
 
 /// One line of a transaction: what it charges and why.
@@ -282,7 +284,21 @@ pub fn usage_to_bill(
             end_ms: end,
             retired_from: None,
         });
-    retired.chain(own).collect()
+    // Add-on items' prices bill their usage since the item was added.
+    let items = sub.extra_items.iter().flat_map(|item| {
+        let start = from.max(item.added_at_ms).min(end.max(from));
+        item.product
+            .usage_prices
+            .iter()
+            .filter(|p| billed(p))
+            .map(move |p| UsageToBill {
+                price: p.clone(),
+                start_ms: start,
+                end_ms: end,
+                retired_from: None,
+            })
+    });
+    retired.chain(own).chain(items).collect()
 }
 
 /// The subscription `next` after its main product changed at `at_ms` (an upgrade)
@@ -316,6 +332,38 @@ fn retire_usage_prices_until(sub: &Subscription, next: &mut Subscription, at_ms:
             .map(|price| RetiredUsage {
                 price: price.clone(),
                 product_name: sub.product.name.clone(),
+                start_ms: start,
+                end_ms: at_ms,
+            }),
+    );
+}
+
+/// The subscription `next` after the add-on `item` was removed at `at_ms` from
+/// `sub`'s items: its `invoice` prices keep the usage of the open period from when
+/// it was added until then ([`RetiredUsage`]), billed by the next charge.
+pub fn retire_item_usage_prices(
+    sub: &Subscription,
+    item: &ExtraItem,
+    next: &mut Subscription,
+    at_ms: i64,
+) {
+    let period_from = sub
+        .usage_priced_from_ms
+        .map_or(sub.current_period_start_ms, |from| {
+            from.max(sub.current_period_start_ms)
+        });
+    let start = period_from.max(item.added_at_ms);
+    if at_ms <= start {
+        return;
+    }
+    next.retired_usage.extend(
+        item.product
+            .usage_prices
+            .iter()
+            .filter(|p| p.settlement_mode == SettlementMode::Invoice)
+            .map(|price| RetiredUsage {
+                price: price.clone(),
+                product_name: item.product.name.clone(),
                 start_ms: start,
                 end_ms: at_ms,
             }),

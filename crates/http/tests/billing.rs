@@ -1318,3 +1318,78 @@ async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
     assert_eq!(settled(&s, &tokens)["debited"], "1");
     server.stop().await;
 }
+
+/// An add-on item's `credits` usage prices settle while the item is on the
+/// subscription, and stop when it is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_on_items_credit_prices_settle_while_it_is_on() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let main = product(&api, json!({"name": "Base"})).await;
+    let (calls, _tokens, addon) = priced_in_credits(&api, "20", 1).await;
+    let cus = customer(&api, "US").await;
+    let sub = subscribe(&server, &api, &main, &cus).await;
+    let sub_path = format!("/v1/subscriptions/{sub}");
+    let account = id(&api
+        .post(
+            "/v1/customer-credits/accounts",
+            json!({"customer_id": cus, "name": "api", "initial_balance": "10"}),
+        )
+        .await);
+    let set_items = |items: Value| {
+        let (api, path) = (api.clone(), sub_path.clone());
+        async move {
+            let answer = api
+                .post(
+                    &path,
+                    json!({"items": items, "update_behavior": "proration-none"}),
+                )
+                .await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            answer.body
+        }
+    };
+    let ingest = |id: &str| {
+        let api = api.clone();
+        let body = json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": id}]});
+        async move {
+            let answer = api.post("/v1/events/ingest", body).await;
+            assert_eq!(answer.status, 202, "{}", answer.body);
+        }
+    };
+    ingest("before").await;
+    server.clock.advance_ms(1);
+    let updated = set_items(json!([{"product_id": addon, "price_id": addon, "units": 1}])).await;
+    let item = updated["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["product_id"] == addon.as_str())
+        .unwrap_or_else(|| panic!("no add-on item: {updated}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    server.clock.advance_ms(1);
+    // Three calls while it is on: one free, two at 0.5.
+    for id in ["c1", "c2", "c3"] {
+        ingest(id).await;
+    }
+    settles_to(
+        &api,
+        &sub_path,
+        &calls,
+        json!({"meter_id": calls, "account_name": "api", "quantity": "3",
+                "billed": "1", "debited": "1", "shortfall": "0"}),
+    )
+    .await;
+    assert_eq!(balance(&api, &account).await, "9");
+    // Removed: later calls are not charged.
+    set_items(json!([{"id": item, "units": 0}])).await;
+    server.clock.advance_ms(1);
+    ingest("after").await;
+    server.engine.wait_caught_up().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let s = api.get(&sub_path).await.body;
+    assert_eq!(settled(&s, &calls)["quantity"], "3", "{s}");
+    assert_eq!(balance(&api, &account).await, "9");
+    server.stop().await;
+}

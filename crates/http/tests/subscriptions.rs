@@ -1098,3 +1098,93 @@ async fn a_subscription_grants_its_credits_for_each_period_it_pays() {
     assert_eq!(balance(cus.clone()).await, "5");
     server.stop().await;
 }
+
+/// An add-on item's `invoice` usage prices bill like the main product's, for the
+/// usage from when the item was added until it is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_on_items_usage_prices_bill_its_usage_while_it_is_on() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let calls = calls_meter(&api).await;
+    let main = product(&api, json!({"name": "Pro"})).await;
+    let addon = product(
+        &api,
+        json!({"name": "Calls add-on", "price": 100, "usage_prices": [{"meter_id": calls,
+            "unit_price": 2, "settlement_mode": "invoice"}]}),
+    )
+    .await;
+    let (sub, cus) = subscribe(&api, &main, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    let end = period_end(&api, &path).await;
+    let ingest = |ids: &[&str], at: i64| {
+        let api = api.clone();
+        let events: Vec<Value> = ids
+            .iter()
+            .map(|i| {
+                json!({"name": "api_call", "customer_id": cus, "event_id": i,
+                       "timestamp": format_iso8601_ms(at)})
+            })
+            .collect();
+        async move {
+            let answer = api
+                .post("/v1/events/ingest", json!({"events": events}))
+                .await;
+            assert_eq!(answer.status, 202, "{}", answer.body);
+        }
+    };
+    let set_items = |items: Value| {
+        let (api, path) = (api.clone(), path.clone());
+        async move {
+            let answer = api
+                .post(
+                    &path,
+                    json!({"items": items, "update_behavior": "proration-none"}),
+                )
+                .await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            answer.body
+        }
+    };
+    // A call before the add-on: no price of its bills it.
+    let start = test_now(&api).await;
+    ingest(&["before"], start).await;
+    advance(&api, start + 60_000).await;
+    let updated = set_items(json!([{"product_id": addon, "price_id": addon, "units": 1}])).await;
+    let item = updated["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["product_id"] == addon.as_str())
+        .unwrap_or_else(|| panic!("no add-on item: {updated}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    ingest(&["a1", "a2", "a3"], start + 120_000).await;
+    server.engine.wait_caught_up().await.unwrap();
+    advance(&api, end + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 2, "{txs:?}");
+    assert_eq!(
+        usage_lines(&txs[1]),
+        vec![(format!("usage of meter {calls}"), "3".to_string(), 6)],
+        "{}",
+        txs[1]
+    );
+
+    // Next period: a call, the item removed, another call; the charge after it
+    // bills the first only, naming the add-on it was used under.
+    let next_end = period_end(&api, &path).await;
+    let now = test_now(&api).await;
+    ingest(&["b1"], now).await;
+    advance(&api, now + 60_000).await;
+    set_items(json!([{"id": item, "units": 0}])).await;
+    ingest(&["b2"], now + 120_000).await;
+    server.engine.wait_caught_up().await.unwrap();
+    advance(&api, next_end + GRACE + 60_000).await;
+    let txs = transactions(&api, &sub).await;
+    assert_eq!(txs.len(), 3, "{txs:?}");
+    let lines = usage_lines(&txs[2]);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].0.contains("under Calls add-on"), "{lines:?}");
+    assert_eq!((lines[0].1.as_str(), lines[0].2), ("1", 2), "{lines:?}");
+    server.stop().await;
+}

@@ -277,6 +277,7 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
                 id: i.id.clone(),
                 product: Some(product_to_proto(&i.product)),
                 units: i.units,
+                added_at_ms: i.added_at_ms,
             })
             .collect(),
         pending_lines: s.pending_lines.iter().map(line_to_proto).collect(),
@@ -379,6 +380,7 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
                         i.product.ok_or(DecodeError::BadField("item product"))?,
                     )?,
                     units: i.units,
+                    added_at_ms: i.added_at_ms,
                 })
             })
             .collect::<Result<_, DecodeError>>()?,
