@@ -316,26 +316,7 @@ pub fn retire_usage_prices(sub: &Subscription, next: &mut Subscription, at_ms: i
 /// Keeps the usage of `sub`'s open period not billed yet, until `at_ms`, for the
 /// next charge that bills usage, at the prices of `sub`'s product.
 fn retire_usage_prices_until(sub: &Subscription, next: &mut Subscription, at_ms: i64) {
-    let start = sub
-        .usage_priced_from_ms
-        .map_or(sub.current_period_start_ms, |from| {
-            from.max(sub.current_period_start_ms)
-        });
-    if at_ms <= start {
-        return;
-    }
-    next.retired_usage.extend(
-        sub.product
-            .usage_prices
-            .iter()
-            .filter(|p| p.settlement_mode == SettlementMode::Invoice)
-            .map(|price| RetiredUsage {
-                price: price.clone(),
-                product_name: sub.product.name.clone(),
-                start_ms: start,
-                end_ms: at_ms,
-            }),
-    );
+    retire_prices(sub, &sub.product, i64::MIN, next, at_ms);
 }
 
 /// The subscription `next` after the add-on `item` was removed at `at_ms` from
@@ -347,23 +328,36 @@ pub fn retire_item_usage_prices(
     next: &mut Subscription,
     at_ms: i64,
 ) {
-    let period_from = sub
+    retire_prices(sub, &item.product, item.added_at_ms, next, at_ms);
+}
+
+/// `product`'s `invoice` prices keep the usage of `sub`'s open period from
+/// `since_ms` (at the earliest where the period's usage is priced from) until
+/// `at_ms`, in `next`.
+fn retire_prices(
+    sub: &Subscription,
+    product: &crate::product::Product,
+    since_ms: i64,
+    next: &mut Subscription,
+    at_ms: i64,
+) {
+    let start = sub
         .usage_priced_from_ms
         .map_or(sub.current_period_start_ms, |from| {
             from.max(sub.current_period_start_ms)
-        });
-    let start = period_from.max(item.added_at_ms);
+        })
+        .max(since_ms);
     if at_ms <= start {
         return;
     }
     next.retired_usage.extend(
-        item.product
+        product
             .usage_prices
             .iter()
             .filter(|p| p.settlement_mode == SettlementMode::Invoice)
             .map(|price| RetiredUsage {
                 price: price.clone(),
-                product_name: item.product.name.clone(),
+                product_name: product.name.clone(),
                 start_ms: start,
                 end_ms: at_ms,
             }),

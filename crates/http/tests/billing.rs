@@ -1335,19 +1335,6 @@ async fn an_add_on_items_credit_prices_settle_while_it_is_on() {
             json!({"customer_id": cus, "name": "api", "initial_balance": "10"}),
         )
         .await);
-    let set_items = |items: Value| {
-        let (api, path) = (api.clone(), sub_path.clone());
-        async move {
-            let answer = api
-                .post(
-                    &path,
-                    json!({"items": items, "update_behavior": "proration-none"}),
-                )
-                .await;
-            assert_eq!(answer.status, 200, "{}", answer.body);
-            answer.body
-        }
-    };
     let ingest = |id: &str| {
         let api = api.clone();
         let body = json!({"events": [{"name": "api_call", "customer_id": cus, "event_id": id}]});
@@ -1358,16 +1345,13 @@ async fn an_add_on_items_credit_prices_settle_while_it_is_on() {
     };
     ingest("before").await;
     server.clock.advance_ms(1);
-    let updated = set_items(json!([{"product_id": addon, "price_id": addon, "units": 1}])).await;
-    let item = updated["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["product_id"] == addon.as_str())
-        .unwrap_or_else(|| panic!("no add-on item: {updated}"))["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let updated = set_items(
+        &api,
+        &sub_path,
+        json!([{"product_id": addon, "price_id": addon, "units": 1}]),
+    )
+    .await;
+    let item = item_of(&updated, &addon);
     server.clock.advance_ms(1);
     // Three calls while it is on: one free, two at 0.5.
     for id in ["c1", "c2", "c3"] {
@@ -1383,7 +1367,7 @@ async fn an_add_on_items_credit_prices_settle_while_it_is_on() {
     .await;
     assert_eq!(balance(&api, &account).await, "9");
     // Removed: later calls are not charged.
-    set_items(json!([{"id": item, "units": 0}])).await;
+    set_items(&api, &sub_path, json!([{"id": item, "units": 0}])).await;
     server.clock.advance_ms(1);
     ingest("after").await;
     server.engine.wait_caught_up().await.unwrap();

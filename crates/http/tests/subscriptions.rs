@@ -1131,33 +1131,17 @@ async fn an_add_on_items_usage_prices_bill_its_usage_while_it_is_on() {
             assert_eq!(answer.status, 202, "{}", answer.body);
         }
     };
-    let set_items = |items: Value| {
-        let (api, path) = (api.clone(), path.clone());
-        async move {
-            let answer = api
-                .post(
-                    &path,
-                    json!({"items": items, "update_behavior": "proration-none"}),
-                )
-                .await;
-            assert_eq!(answer.status, 200, "{}", answer.body);
-            answer.body
-        }
-    };
     // A call before the add-on: no price of its bills it.
     let start = test_now(&api).await;
     ingest(&["before"], start).await;
     advance(&api, start + 60_000).await;
-    let updated = set_items(json!([{"product_id": addon, "price_id": addon, "units": 1}])).await;
-    let item = updated["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["product_id"] == addon.as_str())
-        .unwrap_or_else(|| panic!("no add-on item: {updated}"))["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let updated = set_items(
+        &api,
+        &path,
+        json!([{"product_id": addon, "price_id": addon, "units": 1}]),
+    )
+    .await;
+    let item = item_of(&updated, &addon);
     ingest(&["a1", "a2", "a3"], start + 120_000).await;
     server.engine.wait_caught_up().await.unwrap();
     advance(&api, end + GRACE + 60_000).await;
@@ -1176,7 +1160,7 @@ async fn an_add_on_items_usage_prices_bill_its_usage_while_it_is_on() {
     let now = test_now(&api).await;
     ingest(&["b1"], now).await;
     advance(&api, now + 60_000).await;
-    set_items(json!([{"id": item, "units": 0}])).await;
+    set_items(&api, &path, json!([{"id": item, "units": 0}])).await;
     ingest(&["b2"], now + 120_000).await;
     server.engine.wait_caught_up().await.unwrap();
     advance(&api, next_end + GRACE + 60_000).await;

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use tally_domain::clock::{Clock, ManualClock};
 use tally_engine::{keys, Engine};
 use tally_http::HttpConfig;
@@ -392,4 +392,30 @@ pub async fn with_account(initial: &str) -> (tempfile::TempDir, Server, Api, Str
     assert_eq!(account.status, 200, "{}", account.body);
     let id = account.body["id"].as_str().unwrap().to_string();
     (guard, server, api, id)
+}
+
+/// Sets the items of the subscription at `path` (`POST /v1/subscriptions/{id}`,
+/// no proration) and insists on a 200: answers the subscription.
+pub async fn set_items(api: &Api, path: &str, items: Value) -> Value {
+    let answer = api
+        .post(
+            path,
+            json!({"items": items, "update_behavior": "proration-none"}),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body
+}
+
+/// The id of the subscription's item of `product`.
+pub fn item_of(subscription: &Value, product: &str) -> String {
+    subscription["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["product_id"] == product)
+        .unwrap_or_else(|| panic!("no item of {product}: {subscription}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
 }
