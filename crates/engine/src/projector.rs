@@ -809,6 +809,8 @@ fn apply_record(
             event_ids,
             reason,
         } => {
+            // Most scopes never settle in credits: one read, and nothing collected.
+            let settles = tally_billing::settlement::scope_settles(overlay, store_id, *mode)?;
             let mut uncounted = Vec::new();
             tally_metering::voids::apply_void(
                 overlay,
@@ -822,7 +824,7 @@ fn apply_record(
                     offset: entry.offset,
                     plan_only: false,
                 },
-                Some(&mut uncounted),
+                settles.then_some(&mut uncounted),
             )?;
             applied.billing.settlements_pending |=
                 leave_corrections(overlay, (store_id, *mode), &uncounted, &[], entry)?;
@@ -964,6 +966,11 @@ fn apply_amendment(
     entry: &LogEntry,
 ) -> Result<bool, ApplyError> {
     let (store_id, mode) = (step.store_id, step.mode);
+    // A scope no purchase ever bound settles nothing: one read, nothing collected.
+    if !tally_billing::settlement::scope_settles(overlay, store_id, mode)? {
+        tally_metering::voids::apply_amend(overlay, step, replacement, matched_below, None)?;
+        return Ok(false);
+    }
     let (mut uncounted, mut counted) = (Vec::new(), Vec::new());
     tally_metering::voids::apply_amend(
         overlay,
@@ -1011,13 +1018,6 @@ fn leave_corrections(
     replacement: &[tally_billing::settlement::NewUnits<'_>],
     entry: &LogEntry,
 ) -> Result<bool, EngineError> {
-    // Most scopes never settle in credits: one read answers for the whole void.
-    if replacement.is_empty()
-        && (uncounted.is_empty()
-            || !tally_billing::settlement::scope_settles(overlay, store_id, mode)?)
-    {
-        return Ok(false);
-    }
     let mut units = Vec::with_capacity(uncounted.len() + replacement.len());
     // Whether each storing record left a settlement, asked once per record.
     let mut left: std::collections::HashMap<(u32, u64), bool> = Default::default();
