@@ -334,7 +334,7 @@ impl ChangelogWriter {
             let batch: Vec<Change> = batch.into_iter().collect();
             match self.changelog.write(partition, reset, &batch, position) {
                 Ok(()) => {
-                    crate::metrics::Metrics::changelog_written("written");
+                    crate::metrics::Metrics::changelog_written("written", partition);
                     if reset {
                         based.insert(
                             partition,
@@ -349,7 +349,7 @@ impl ChangelogWriter {
                     }
                 }
                 Err(error) => {
-                    crate::metrics::Metrics::changelog_written("failed");
+                    crate::metrics::Metrics::changelog_written("failed", partition);
                     tracing::warn!(partition, %error,
                         "writing the changelog failed; its next checkpoint writes the whole partition");
                     based.remove(&partition);

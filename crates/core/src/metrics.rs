@@ -81,7 +81,7 @@ fn describe() {
     );
     describe_counter!(
         "tally_changelog_writes_total",
-        "Checkpoints of a partition written to a split cluster's changelog, by outcome (written, failed)."
+        "Checkpoints of a partition written to a split cluster's changelog, by outcome (written, failed) and partition."
     );
     describe_counter!(
         "tally_partitions_restored_from_changelog_total",
@@ -218,9 +218,11 @@ impl Metrics {
         counter!("tally_cluster_forwarded_requests_total", "outcome" => outcome).increment(1);
     }
 
-    /// Counts one partition's checkpoint written to the changelog (or failed).
-    pub fn changelog_written(outcome: &'static str) {
-        counter!("tally_changelog_writes_total", "outcome" => outcome).increment(1);
+    /// Counts one partition's checkpoint written to the changelog (or failed). The
+    /// partition label is bounded by the log's partition count.
+    pub fn changelog_written(outcome: &'static str, partition: u32) {
+        counter!("tally_changelog_writes_total", "outcome" => outcome, "partition" => partition.to_string())
+            .increment(1);
     }
 
     /// Counts a partition restored from the changelog.

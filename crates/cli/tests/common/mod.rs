@@ -57,9 +57,11 @@ pub fn serve_on(data_dir: &Path, listen: &str, test_listen: &str, extra: &[&str]
     let stderr = child.stderr.take().unwrap();
     let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let kept = log.clone();
+    // Several nodes of one test print here: each line names its node's listener.
+    let node = listen.to_string();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("[tally] {line}");
+            eprintln!("[tally {node}] {line}");
             kept.lock().unwrap().push(line);
         }
     });
