@@ -162,17 +162,38 @@ pub fn apply_subscription_changed(
     Ok((events, period_grants(&before, sub, payment)))
 }
 
-/// The credits a charge that paid a new period grants (a renewal, a trial's end, a
-/// paid retry, a resume's new period): the product's `customer_credits` features
-/// for the subscription's units, once per period. A proration pays no new period
+/// The credits a change grants. A charge that paid a new period (a renewal, a
+/// trial's end, a paid retry, a resume's new period) grants the product's
+/// `customer_credits` features for the subscription's units, and each add-on
+/// item's for its units, once per period. An item added to a live subscription
+/// grants its product's credits when it is added, as a checkout grants the first
+/// period's (docs/api.md, "Subscriptions"). A proration pays no new period
 /// and a final usage charge ends the subscription: neither grants.
 fn period_grants(
     before: &Subscription,
     after: &Subscription,
     payment: Option<&Payment>,
 ) -> Vec<crate::apply::CheckoutGrant> {
+    let mut grants = Vec::new();
+    if matches!(
+        after.status,
+        SubscriptionStatus::Active | SubscriptionStatus::Trialing
+    ) {
+        for item in after
+            .extra_items
+            .iter()
+            .filter(|item| !before.extra_items.iter().any(|i| i.id == item.id))
+        {
+            grants.extend(crate::apply::product_grants(
+                &after.customer_id,
+                &item.product,
+                item.units,
+                &format!("item:{}:{}", after.id, item.id),
+            ));
+        }
+    }
     let Some(payment) = payment else {
-        return Vec::new();
+        return grants;
     };
     let pays_current_period = payment.period_start_ms == Some(after.current_period_start_ms)
         && payment.period_end_ms == Some(after.current_period_end_ms);
@@ -186,14 +207,24 @@ fn period_grants(
         after.current_period_end_ms,
     );
     if after.status != SubscriptionStatus::Active || !pays_current_period || !moved_on {
-        return Vec::new();
+        return grants;
     }
-    crate::apply::product_grants(
+    let period = format!("period:{}:{}", after.id, after.current_period_start_ms);
+    grants.extend(crate::apply::product_grants(
         &after.customer_id,
         &after.product,
         after.units,
-        &format!("period:{}:{}", after.id, after.current_period_start_ms),
-    )
+        &period,
+    ));
+    for item in &after.extra_items {
+        grants.extend(crate::apply::product_grants(
+            &after.customer_id,
+            &item.product,
+            item.units,
+            &format!("{period}:{}", item.id),
+        ));
+    }
+    grants
 }
 
 /// Whether a subscription's `credits` usage is settled in this status.

@@ -1352,6 +1352,8 @@ async fn an_add_on_items_credit_prices_settle_while_it_is_on() {
     )
     .await;
     let item = item_of(&updated, &addon);
+    // The item's product grants its 20 credits into the account as it is added.
+    assert_eq!(balance(&api, &account).await, "30");
     server.clock.advance_ms(1);
     // Three calls while it is on: one free, two at 0.5.
     for id in ["c1", "c2", "c3"] {
@@ -1365,7 +1367,7 @@ async fn an_add_on_items_credit_prices_settle_while_it_is_on() {
                 "billed": "1", "debited": "1", "shortfall": "0"}),
     )
     .await;
-    assert_eq!(balance(&api, &account).await, "9");
+    assert_eq!(balance(&api, &account).await, "29");
     // Removed: later calls are not charged.
     set_items(&api, &sub_path, json!([{"id": item, "units": 0}])).await;
     server.clock.advance_ms(1);
@@ -1374,6 +1376,6 @@ async fn an_add_on_items_credit_prices_settle_while_it_is_on() {
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let s = api.get(&sub_path).await.body;
     assert_eq!(settled(&s, &calls)["quantity"], "3", "{s}");
-    assert_eq!(balance(&api, &account).await, "9");
+    assert_eq!(balance(&api, &account).await, "29");
     server.stop().await;
 }

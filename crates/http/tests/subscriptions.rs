@@ -1099,6 +1099,68 @@ async fn a_subscription_grants_its_credits_for_each_period_it_pays() {
     server.stop().await;
 }
 
+/// An add-on item's product grants its credits when the item is added, and again
+/// for each period a charge pays while it is on; a change of its units waits for
+/// the next period, and a removed item grants nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_on_item_grants_its_credits_when_added_and_for_each_period() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let main = product(
+        &api,
+        json!({"features": [{"type": "customer_credits",
+            "customer_credits": {"amount": "5", "bucket_name": "monthly"}}]}),
+    )
+    .await;
+    let addon = product(
+        &api,
+        json!({"name": "Credits add-on", "price": 100, "features": [{"type": "customer_credits",
+            "customer_credits": {"amount": "7", "bucket_name": "extra"}}]}),
+    )
+    .await;
+    let balances = |cus: String| {
+        let api = api.clone();
+        async move {
+            let list = api
+                .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
+                .await
+                .body;
+            let of = |name: &str| {
+                list["data"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|a| a["name"] == name)
+                    .map_or("none".to_string(), |a| {
+                        a["balance"].as_str().unwrap().to_string()
+                    })
+            };
+            (of("monthly"), of("extra"))
+        }
+    };
+    let (sub, cus) = subscribe(&api, &main, "4242424242424242").await;
+    let path = format!("/v1/subscriptions/{sub}");
+    assert_eq!(balances(cus.clone()).await, ("5".into(), "none".into()));
+    // Added with 2 units: 2 x 7 at once, into its own bucket.
+    let updated = set_items(&api, &path, json!([{"product_id": addon, "units": 2}])).await;
+    let item = item_of(&updated, &addon);
+    assert_eq!(balances(cus.clone()).await, ("5".into(), "14".into()));
+    // 3 units: nothing until the next period.
+    set_items(&api, &path, json!([{"id": item, "units": 3}])).await;
+    assert_eq!(balances(cus.clone()).await, ("5".into(), "14".into()));
+    // A renewal pays a period: 5 for the product, 3 x 7 for the item, once
+    // however the clock moves.
+    let end = period_end(&api, &path).await;
+    advance(&api, end + GRACE + 60_000).await;
+    advance(&api, end + GRACE + 120_000).await;
+    assert_eq!(balances(cus.clone()).await, ("10".into(), "35".into()));
+    // Removed: the next renewal grants the product's credits only.
+    set_items(&api, &path, json!([{"id": item, "units": 0}])).await;
+    let end = period_end(&api, &path).await;
+    advance(&api, end + GRACE + 60_000).await;
+    assert_eq!(balances(cus.clone()).await, ("15".into(), "35".into()));
+    server.stop().await;
+}
+
 /// An add-on item's `invoice` usage prices bill like the main product's, for the
 /// usage from when the item was added until it is removed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
