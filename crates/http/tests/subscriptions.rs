@@ -1044,6 +1044,24 @@ async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
     server.stop().await;
 }
 
+/// The balance of `customer`'s credits account `name` ("none" without one).
+async fn balance_named(api: &Api, customer: &str, name: &str) -> String {
+    let list = api
+        .get(&format!(
+            "/v1/customer-credits/accounts?customer_id={customer}"
+        ))
+        .await
+        .body;
+    list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|account| account["name"] == name)
+        .map_or("none".to_string(), |account| {
+            account["balance"].as_str().unwrap().to_string()
+        })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_grants_its_credits_for_each_period_it_pays() {
     let (_g, _dir, server, api, _keys) = setup().await;
@@ -1057,16 +1075,7 @@ async fn a_subscription_grants_its_credits_for_each_period_it_pays() {
     .await;
     let balance = |cus: String| {
         let api = api.clone();
-        async move {
-            let list = api
-                .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
-                .await
-                .body;
-            list["data"][0]["balance"]
-                .as_str()
-                .unwrap_or("none")
-                .to_string()
-        }
+        async move { balance_named(&api, &cus, "monthly").await }
     };
     let (sub, cus) = subscribe(&api, &prod, "4242424242424242").await;
     let path = format!("/v1/subscriptions/{sub}");
@@ -1120,21 +1129,10 @@ async fn an_add_on_item_grants_its_credits_when_added_and_for_each_period() {
     let balances = |cus: String| {
         let api = api.clone();
         async move {
-            let list = api
-                .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
-                .await
-                .body;
-            let of = |name: &str| {
-                list["data"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .find(|a| a["name"] == name)
-                    .map_or("none".to_string(), |a| {
-                        a["balance"].as_str().unwrap().to_string()
-                    })
-            };
-            (of("monthly"), of("extra"))
+            (
+                balance_named(&api, &cus, "monthly").await,
+                balance_named(&api, &cus, "extra").await,
+            )
         }
     };
     let (sub, cus) = subscribe(&api, &main, "4242424242424242").await;
