@@ -305,7 +305,16 @@ impl Billing {
             let mut next = sub.clone();
             for (i, item) in input.items.iter().enumerate() {
                 let param = format!("items[{i}].units");
-                let units = item.units.unwrap_or(1);
+                // Without `units` an item keeps its own (a new one gets 1).
+                let units = item.units.unwrap_or_else(|| match item.id.as_deref() {
+                    Some(item_id) if item_id == sub.item_id => next.units,
+                    Some(item_id) => next
+                        .extra_items
+                        .iter()
+                        .find(|x| x.id == item_id)
+                        .map_or(1, |x| x.units),
+                    None => 1,
+                });
                 if i64::from(units) > tally_domain::limits::MAX_CHECKOUT_UNITS {
                     return Err(FieldError::invalid(
                         param,
@@ -326,12 +335,10 @@ impl Billing {
                     }
                     Some(item_id) => {
                         let Some(pos) = next.extra_items.iter().position(|x| x.id == item_id) else {
-                            return Err(FieldError::new(
-                                "resource_missing",
-                                format!("items[{i}].id"),
-                                format!("no item '{item_id}' on this subscription"),
-                            )
-                            .into());
+                            // An unknown id is a missing resource, as an unknown
+                            // product is: 404 naming the parameter.
+                            return Err(EngineError::not_found("subscription item", item_id)
+                                .for_param(&format!("items[{i}].id")));
                         };
                         if units == 0 {
                             let removed = next.extra_items.remove(pos);
@@ -348,6 +355,17 @@ impl Billing {
                             .map(|(_, p)| p.clone())
                             .ok_or_else(|| EngineError::Corrupt("an added item".into()))?;
                         check_compatible(sub, &product, &format!("items[{i}].product_id"))?;
+                        // One item per product, as a price is one item on a Stripe
+                        // subscription: more of it is more units of that item.
+                        if next.product.id == product.id
+                            || next.extra_items.iter().any(|x| x.product.id == product.id)
+                        {
+                            return Err(FieldError::invalid(
+                                format!("items[{i}].product_id"),
+                                "the subscription has an item of this product already; set that item's units instead",
+                            )
+                            .into());
+                        }
                         if units == 0 {
                             return Err(FieldError::invalid(param, "a new item needs units").into());
                         }

@@ -1209,11 +1209,12 @@ pub struct Subscription {
 pub struct SubscriptionItemInput {
     /// An existing item's id.
     pub id: Option<String>,
-    /// Adds an item of another product.
+    /// Adds an item of another product (one the subscription has no item of).
     pub product_id: Option<String>,
     pub price_id: Option<String>,
-    /// 0 removes an added item.
-    pub units: u32,
+    /// 0 removes an added item; without it an item keeps its units, a new one
+    /// gets 1.
+    pub units: Option<u32>,
 }
 
 #[derive(ToSchema)]

@@ -602,6 +602,22 @@ async fn updates_and_upgrades_are_prorated_by_the_time_left() {
         "invalid_request_error",
     );
     assert_eq!(missing["param"], "product_id");
+    // So is an item id the subscription does not have, or a product it names.
+    for (item, param) in [
+        (json!({"id": "si_nope", "units": 2}), "items[0].id"),
+        (
+            json!({"product_id": "prod_nope", "units": 2}),
+            "items[0].product_id",
+        ),
+    ] {
+        let missing = assert_error(
+            &api.post(&path, json!({ "items": [item] })).await,
+            404,
+            "invalid_request_error",
+        );
+        assert_eq!(missing["code"], "resource_missing");
+        assert_eq!(missing["param"], param);
+    }
 
     // A third of the way in, an upgrade is charged now: the difference for the time
     // left. The preview says so first, writing nothing.
@@ -1142,8 +1158,32 @@ async fn an_add_on_item_grants_its_credits_when_added_and_for_each_period() {
     let updated = set_items(&api, &path, json!([{"product_id": addon, "units": 2}])).await;
     let item = item_of(&updated, &addon);
     assert_eq!(balances(cus.clone()).await, ("5".into(), "14".into()));
-    // 3 units: nothing until the next period.
+    // A product the subscription has an item of already is refused as a new item
+    // (its units are set on that item instead), and grants nothing.
+    for product in [&addon, &main] {
+        let refused = assert_error(
+            &api.post(
+                &path,
+                json!({"items": [{"product_id": product, "units": 1}]}),
+            )
+            .await,
+            400,
+            "invalid_request_error",
+        );
+        assert_eq!(refused["param"], "items[0].product_id", "{refused}");
+    }
+    assert_eq!(balances(cus.clone()).await, ("5".into(), "14".into()));
+    // 3 units: nothing until the next period. An item sent without units keeps
+    // its own.
     set_items(&api, &path, json!([{"id": item, "units": 3}])).await;
+    let kept = set_items(&api, &path, json!([{"id": item}])).await;
+    let units = kept["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["id"] == item.as_str())
+        .map(|i| i["units"].clone());
+    assert_eq!(units, Some(json!(3)), "{kept}");
     assert_eq!(balances(cus.clone()).await, ("5".into(), "14".into()));
     // A renewal pays a period: 5 for the product, 3 x 7 for the item, once
     // however the clock moves.
