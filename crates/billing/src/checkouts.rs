@@ -237,6 +237,19 @@ impl Billing {
         if open.status == CheckoutStatus::Completed {
             return Ok(open);
         }
+        // An expired card is declined before any charge, by the store's clock (the
+        // test clock in test mode).
+        if let Some(exp) = card.exp.as_deref() {
+            if tally_domain::billing::card_expired(exp, self.journal.now_in(scope)) {
+                return Err(EngineError::CardDeclined {
+                    code: "expired_card",
+                    message: format!(
+                        "the card expired at the end of {}; nothing was charged",
+                        exp.trim()
+                    ),
+                });
+            }
+        }
         let product = self.product_for(scope, &open.product_id)?;
         check_sold(&product)?;
         let discount = match &open.discount_id {

@@ -910,9 +910,45 @@ pub fn test_card(card: &CardInput) -> Result<TestCard, FieldError> {
     })
 }
 
+/// Whether a card whose `exp` (`MM/YY` or `MM/YYYY`, as `test_card` accepts it) is
+/// past at `now_ms`: a card is good through the last day of its month (UTC), as
+/// card networks count it. A two-digit year is of this century.
+pub fn card_expired(exp: &str, now_ms: i64) -> bool {
+    use chrono::Datelike;
+    let Some((month, year)) = exp.trim().split_once('/') else {
+        return false;
+    };
+    let (Ok(month), Ok(year)) = (month.parse::<i32>(), year.parse::<i32>()) else {
+        return false;
+    };
+    let year = if year < 100 { 2000 + year } else { year };
+    let Some(now) = chrono::DateTime::from_timestamp_millis(now_ms) else {
+        return false;
+    };
+    (year, month) < (now.year(), now.month() as i32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_card_is_good_through_its_expiry_month() {
+        // 2026-11-30T12:00:00Z.
+        let now = 1_796_040_000_000;
+        for (exp, expired) in [
+            ("11/26", false),
+            ("11/2026", false),
+            ("12/26", false),
+            ("01/27", false),
+            ("10/26", true),
+            ("10/2026", true),
+            ("12/25", true),
+            ("01/20", true),
+        ] {
+            assert_eq!(card_expired(exp, now), expired, "{exp}");
+        }
+    }
 
     fn discount(kind: DiscountType, amount: i64) -> Discount {
         new_discount(

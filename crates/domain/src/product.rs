@@ -543,21 +543,22 @@ pub fn parse_recharge_price(
     Ok(crate::ledger::RechargePrice { amount, currency })
 }
 
-/// An ISO 4217 code: three letters, kept upper case.
+/// An ISO 4217 code of a currency money is priced in, kept upper case.
 pub fn parse_currency(text: &str) -> Result<String, FieldError> {
     parse_currency_as("currency", text)
 }
 
-/// `parse_currency` of the field `param`.
+/// `parse_currency` of the field `param`. The code must name a currency of the
+/// standard's list (the `iso_currency` crate's), not one of its special codes
+/// (gold, drawing rights, `XTS` for tests, `XXX` for none), which price nothing.
 pub fn parse_currency_as(param: &str, text: &str) -> Result<String, FieldError> {
     let code = text.trim().to_ascii_uppercase();
-    if code.len() == 3 && code.chars().all(|c| c.is_ascii_uppercase()) {
-        Ok(code)
-    } else {
-        Err(FieldError::invalid(
+    match iso_currency::Currency::from_code(&code) {
+        Some(currency) if !currency.is_special() => Ok(code),
+        _ => Err(FieldError::invalid(
             param,
-            format!("`{param}` must be a three-letter ISO 4217 code, e.g. USD"),
-        ))
+            format!("`{param}` must be an ISO 4217 currency code, e.g. USD"),
+        )),
     }
 }
 
@@ -849,6 +850,22 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn a_currency_is_a_code_of_the_standard_in_upper_case() {
+        for (text, code) in [
+            ("usd", "USD"),
+            (" EUR ", "EUR"),
+            ("jpy", "JPY"),
+            ("Chf", "CHF"),
+        ] {
+            assert_eq!(parse_currency(text).unwrap(), code);
+        }
+        for bad in ["", "us", "dollars", "ZZZ", "XTS", "XXX", "XAU", "U$D"] {
+            let error = parse_currency(bad).unwrap_err();
+            assert_eq!(error.param, "currency", "{bad}");
+        }
+    }
 
     struct Counter(u32);
     impl IdSource for Counter {

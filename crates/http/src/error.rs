@@ -131,8 +131,14 @@ impl From<EngineError> for ApiError {
                 error
             }
             EngineError::CardDeclined { code, message } => {
-                ApiError::new(StatusCode::PAYMENT_REQUIRED, code, message)
-                    .with_param("card_number")
+                // The field that made the decline: the expiry of an expired card,
+                // else the card.
+                let param = if code == "expired_card" {
+                    "exp"
+                } else {
+                    "card_number"
+                };
+                ApiError::new(StatusCode::PAYMENT_REQUIRED, code, message).with_param(param)
             }
             EngineError::LogUnavailable(tally_log::LogError::RecordTooLarge(bytes)) => {
                 ApiError::new(

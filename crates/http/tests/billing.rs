@@ -307,6 +307,19 @@ async fn a_checkout_charges_once_with_discount_and_tax_and_starts_a_subscription
         "invalid_request_error",
     );
     assert_eq!(bad_cvc["param"], "cvc");
+    // A card past its expiry month (by the store's clock) is declined too, naming
+    // the expiry; one good through this month pays (below, with the test card).
+    let expired = assert_error(
+        &api.post(
+            &format!("/v1/checkouts/{chk}/complete"),
+            json!({"card_number": CARD, "cvc": "123", "exp": "01/20"}),
+        )
+        .await,
+        402,
+        "card_error",
+    );
+    assert_eq!(expired["code"], "expired_card", "{expired}");
+    assert_eq!(expired["param"], "exp", "{expired}");
     assert_eq!(
         api.get(&format!("/v1/checkouts/{chk}")).await.body["status"],
         "open"

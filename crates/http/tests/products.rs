@@ -182,6 +182,8 @@ async fn bad_product_input_is_a_400_naming_the_field_and_writes_nothing() {
         (json!({"price": 19.5}), "price"),
         (json!({"price": -1}), "price"),
         (json!({"currency": "dollars"}), "currency"),
+        (json!({"currency": "zzz"}), "currency"),
+        (json!({"currency": "XTS"}), "currency"),
         (json!({"billing_period": "weekly"}), "billing_period"),
         (json!({"billing_period": "once"}), "billing_period"),
         (json!({"tax_category": "food"}), "tax_category"),
