@@ -278,6 +278,7 @@ impl Billing {
                 "no payment provider is configured for live payments; test cards work with a test key only",
             )
         })?;
+        let card_exp = card.exp.as_deref().map(|exp| exp.trim().to_string());
         let card = provider.charge(card, charge.amount_paid, &product.currency)?;
         let now = self.journal.now_in(scope);
         let grace_ms = self.store_settings(scope)?.late_usage_grace_ms;
@@ -322,6 +323,7 @@ impl Billing {
                 metadata: open.metadata.clone(),
                 card_last4: card.card_last4.clone(),
                 card_declines_renewals: card.declines_later,
+                card_exp: card_exp.clone(),
                 // The first paid period starts after the trial.
                 billing_anchor_ms: anchor,
                 on_period_end: None,

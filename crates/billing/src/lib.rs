@@ -115,6 +115,8 @@ pub struct CardOnFile {
     pub last4: String,
     /// It pays its first charge and declines every later one (a test card).
     pub declines_later: bool,
+    /// Its expiry (`MM/YY` or `MM/YYYY`), when known.
+    pub exp: Option<String>,
 }
 
 /// A charge a payment provider accepted.
@@ -139,12 +141,14 @@ pub trait PaymentProvider: Send + Sync {
     ) -> Result<Charged, EngineError>;
 
     /// Charges a card on file (a subscription's renewal or retry, an
-    /// auto-recharge). A decline is `EngineError::CardDeclined`.
+    /// auto-recharge) at `at_ms` by the store's clock. A decline is
+    /// `EngineError::CardDeclined`.
     fn charge_on_file(
         &self,
         card: &CardOnFile,
         amount_minor: i64,
         currency: &str,
+        at_ms: i64,
     ) -> Result<(), EngineError>;
 }
 
@@ -181,7 +185,21 @@ impl PaymentProvider for TestCards {
         card: &CardOnFile,
         _amount_minor: i64,
         _currency: &str,
+        at_ms: i64,
     ) -> Result<(), EngineError> {
+        if let Some(exp) = card
+            .exp
+            .as_deref()
+            .filter(|exp| tally_domain::billing::card_expired(exp, at_ms))
+        {
+            return Err(EngineError::CardDeclined {
+                code: "expired_card",
+                message: format!(
+                    "the card ending {} expired at the end of {exp}; nothing was charged",
+                    card.last4
+                ),
+            });
+        }
         if card.declines_later {
             return Err(EngineError::CardDeclined {
                 code: "card_declined",

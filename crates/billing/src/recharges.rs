@@ -67,7 +67,7 @@ impl Billing {
                 message: "no payment provider is configured for live payments".into(),
             },
             (Some(card), Some(provider)) => {
-                match provider.charge_on_file(&card, due.price.amount, &due.price.currency) {
+                match provider.charge_on_file(&card, due.price.amount, &due.price.currency, now) {
                     Ok(()) => RechargeOutcome::Paid(recharge_payment(due, &card, now)),
                     Err(EngineError::CardDeclined { message, .. }) => {
                         RechargeOutcome::Declined { message }
@@ -128,6 +128,7 @@ impl Billing {
                 return Ok(Some(CardOnFile {
                     last4,
                     declines_later: payment.card_declines_later,
+                    exp: None,
                 }));
             }
         }

@@ -479,9 +479,12 @@ impl Billing {
         let (country, rate) = self.customer_tax(scope, &sub.customer_id)?;
         let charge = price_charge(line.amount, 0, sub.product.tax_mode, rate)?;
         match self.provider(scope.mode) {
-            Some(provider) => {
-                provider.charge_on_file(&card_of(sub), charge.amount_paid, &sub.product.currency)?
-            }
+            Some(provider) => provider.charge_on_file(
+                &card_of(sub),
+                charge.amount_paid,
+                &sub.product.currency,
+                now,
+            )?,
             None => {
                 return Err(FieldError::new(
                     "payment_provider_not_configured",
@@ -672,6 +675,7 @@ impl Billing {
                         &card_of(&sub),
                         charge.amount_paid,
                         &sub.product.currency,
+                        at,
                     ) {
                         Ok(()) => true,
                         Err(EngineError::CardDeclined { .. }) => false,
@@ -1219,6 +1223,7 @@ fn card_of(sub: &Subscription) -> crate::CardOnFile {
     crate::CardOnFile {
         last4: sub.card_last4.clone(),
         declines_later: sub.card_declines_renewals,
+        exp: sub.card_exp.clone(),
     }
 }
 

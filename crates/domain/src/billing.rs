@@ -654,6 +654,9 @@ pub struct Subscription {
     pub card_last4: String,
     /// The test card that pays now and declines every later charge.
     pub card_declines_renewals: bool,
+    /// The card's expiry as it was given (`MM/YY` or `MM/YYYY`): a charge after
+    /// its month is declined. `None` in records of earlier builds: never expires.
+    pub card_exp: Option<String>,
     /// Periods are counted from here: the start of the first paid period.
     pub billing_anchor_ms: i64,
     /// A scheduled cancel: what happens at the end of the period.

@@ -270,6 +270,42 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
     server.stop().await;
 }
 
+/// A card pays through its expiry month; the renewal after it is declined
+/// (`expired_card`) and the subscription goes past due like any declined renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_card_on_file_that_expired_declines_the_renewal() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let prod = product(&api, json!({})).await;
+    // This month, by the store's clock: `YYYY-MM-...` -> `MM/YYYY`.
+    let now = format_iso8601_ms(test_now(&api).await);
+    let exp = format!("{}/{}", &now[5..7], &now[..4]);
+    let cus = id(&api
+        .post("/v1/customers", json!({"email": "e@example.com"}))
+        .await);
+    let chk = id(&api
+        .post(
+            "/v1/checkouts",
+            json!({"product_id": prod, "customer_id": cus}),
+        )
+        .await);
+    let paid = api
+        .post(
+            &format!("/v1/checkouts/{chk}/complete"),
+            json!({"card_number": "4242424242424242", "cvc": "123", "exp": exp}),
+        )
+        .await;
+    assert_eq!(paid.status, 200, "good through its month: {}", paid.body);
+    let sub = paid.body["subscription_id"].as_str().unwrap().to_string();
+    let path = format!("/v1/subscriptions/{sub}");
+    // The renewal falls in a later month: declined, nothing charged.
+    let end = period_end(&api, &path).await;
+    advance(&api, end + GRACE).await;
+    let s = api.get(&path).await.body;
+    assert_eq!(s["status"], "past_due", "{s}");
+    assert_eq!(transactions(&api, &sub).await.len(), 1, "nothing charged");
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_declined_renewal_goes_past_due_retries_three_times_then_unpaid() {
     let (_g, _dir, server, api, _keys) = setup().await;

@@ -234,6 +234,7 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
         metadata: s.metadata.clone(),
         card_last4: s.card_last4.clone(),
         card_declines_renewals: s.card_declines_renewals,
+        card_exp: s.card_exp.clone(),
         created_at_ms: s.created_at_ms,
         updated_at_ms: s.updated_at_ms,
         billing_anchor_ms: s.billing_anchor_ms,
@@ -320,6 +321,7 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
         metadata: s.metadata,
         card_last4: s.card_last4,
         card_declines_renewals: s.card_declines_renewals,
+        card_exp: s.card_exp,
         created_at_ms: s.created_at_ms,
         updated_at_ms: s.updated_at_ms,
         // Written before renewals ran: periods count from the current one.
