@@ -41,6 +41,16 @@ async fn advance(api: &Api, to_ms: i64) -> Answer {
 
 /// A subscription bought with `card`: (subscription id, customer id).
 async fn subscribe(api: &Api, product: &str, card: &str) -> (String, String) {
+    subscribe_with_expiry(api, product, card, "12/34").await
+}
+
+/// `subscribe` with a card of expiry `exp`.
+async fn subscribe_with_expiry(
+    api: &Api,
+    product: &str,
+    card: &str,
+    exp: &str,
+) -> (String, String) {
     let cus = id(&api
         .post("/v1/customers", json!({"email": "s@example.com"}))
         .await);
@@ -53,7 +63,7 @@ async fn subscribe(api: &Api, product: &str, card: &str) -> (String, String) {
     let paid = api
         .post(
             &format!("/v1/checkouts/{chk}/complete"),
-            json!({"card_number": card, "cvc": "123", "exp": "12/34"}),
+            json!({"card_number": card, "cvc": "123", "exp": exp}),
         )
         .await;
     assert_eq!(paid.status, 200, "{}", paid.body);
@@ -279,23 +289,8 @@ async fn a_card_on_file_that_expired_declines_the_renewal() {
     // This month, by the store's clock: `YYYY-MM-...` -> `MM/YYYY`.
     let now = format_iso8601_ms(test_now(&api).await);
     let exp = format!("{}/{}", &now[5..7], &now[..4]);
-    let cus = id(&api
-        .post("/v1/customers", json!({"email": "e@example.com"}))
-        .await);
-    let chk = id(&api
-        .post(
-            "/v1/checkouts",
-            json!({"product_id": prod, "customer_id": cus}),
-        )
-        .await);
-    let paid = api
-        .post(
-            &format!("/v1/checkouts/{chk}/complete"),
-            json!({"card_number": "4242424242424242", "cvc": "123", "exp": exp}),
-        )
-        .await;
-    assert_eq!(paid.status, 200, "good through its month: {}", paid.body);
-    let sub = paid.body["subscription_id"].as_str().unwrap().to_string();
+    // Good through its month: the checkout pays.
+    let (sub, _) = subscribe_with_expiry(&api, &prod, "4242424242424242", &exp).await;
     let path = format!("/v1/subscriptions/{sub}");
     // The renewal falls in a later month: declined, nothing charged.
     let end = period_end(&api, &path).await;
