@@ -367,6 +367,7 @@ impl Billing {
             disputed: false,
             card_last4: Some(card.card_last4.clone()),
             card_declines_later: card.declines_later,
+            card_exp,
             affiliate_id: None,
             affiliate_commission: 0,
             lines: vec![tally_domain::subscription::PaymentLine {

@@ -128,7 +128,7 @@ impl Billing {
                 return Ok(Some(CardOnFile {
                     last4,
                     declines_later: payment.card_declines_later,
-                    exp: None,
+                    exp: payment.card_exp,
                 }));
             }
         }
@@ -165,6 +165,7 @@ fn recharge_payment(due: &RechargeDue, card: &CardOnFile, now: i64) -> Payment {
         disputed: false,
         card_last4: Some(card.last4.clone()),
         card_declines_later: card.declines_later,
+        card_exp: card.exp.clone(),
         lines: vec![PaymentLine {
             description,
             meter_id: None,

@@ -560,6 +560,9 @@ pub struct Payment {
     /// The card charged pays now and declines every later charge (a test card):
     /// what a later charge on file meets (an auto-recharge).
     pub card_declines_later: bool,
+    /// The card's expiry as given (`MM/YY` or `MM/YYYY`): a later charge on file
+    /// after its month is declined. `None` in records of earlier builds.
+    pub card_exp: Option<String>,
     /// What it charges, line by line (the lines' amounts add up to `amount` before
     /// tax for an exclusive price).
     pub lines: Vec<crate::subscription::PaymentLine>,

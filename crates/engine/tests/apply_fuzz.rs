@@ -467,6 +467,7 @@ mod billing {
             disputed: false,
             card_last4: None,
             card_declines_later: false,
+            card_exp: None,
             affiliate_id: None,
             affiliate_commission: 0,
             lines: Vec::new(),

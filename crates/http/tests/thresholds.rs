@@ -208,6 +208,11 @@ fn api_at(server: &Server, api: &Api) -> Api {
 
 /// A customer who paid a one-time product with `card`.
 async fn customer_who_paid(api: &Api, card: &str) -> String {
+    customer_who_paid_with(api, card, "12/34").await
+}
+
+/// `customer_who_paid` with a card of expiry `exp`.
+async fn customer_who_paid_with(api: &Api, card: &str, exp: &str) -> String {
     let product = api
         .post(
             "/v1/products",
@@ -235,7 +240,7 @@ async fn customer_who_paid(api: &Api, card: &str) -> String {
                 "/v1/checkouts/{}/complete",
                 checkout.body["id"].as_str().unwrap()
             ),
-            json!({"card_number": card, "cvc": "123", "exp": "12/34"}),
+            json!({"card_number": card, "cvc": "123", "exp": exp}),
         )
         .await;
     assert_eq!(paid.status, 200, "{}", paid.body);
@@ -284,6 +289,20 @@ async fn customer_transactions(api: &Api, customer: &str) -> Vec<Value> {
     list.body["data"].as_array().unwrap().clone()
 }
 
+/// The customer's transactions that paid an auto-recharge.
+async fn recharge_payments(api: &Api, customer: &str) -> Vec<Value> {
+    customer_transactions(api, customer)
+        .await
+        .into_iter()
+        .filter(|t| {
+            t["description"]
+                .as_str()
+                .unwrap()
+                .starts_with("auto_recharge")
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_priced_recharge_is_charged_on_the_last_card_then_granted() {
     let (guard, server, api, _) = with_customer().await;
@@ -308,16 +327,7 @@ async fn a_priced_recharge_is_charged_on_the_last_card_then_granted() {
         "one recharge per debit"
     );
 
-    let payments: Vec<Value> = customer_transactions(&api, &customer)
-        .await
-        .into_iter()
-        .filter(|t| {
-            t["description"]
-                .as_str()
-                .unwrap()
-                .starts_with("auto_recharge")
-        })
-        .collect();
+    let payments = recharge_payments(&api, &customer).await;
     assert_eq!(payments.len(), 2, "{payments:?}");
     for payment in &payments {
         assert_eq!(payment["amount"], 2500);
@@ -369,6 +379,36 @@ async fn a_priced_recharge_is_charged_on_the_last_card_then_granted() {
     server.stop().await;
 }
 
+/// The last card's expiry is kept with its payment: once its month is over (by
+/// the store's clock), a priced recharge on it is declined like any decline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_card_on_file_declines_a_priced_recharge() {
+    let (_g, server, api, _) = with_customer().await;
+    // This month, by the store's clock: `YYYY-MM-...` -> `MM/YYYY`.
+    let clock = api.get("/v1/test-clock").await.body;
+    let now = clock["now"].as_str().unwrap().to_string();
+    let exp = format!("{}/{}", &now[5..7], &now[..4]);
+    let customer = customer_who_paid_with(&api, "4242424242424242", &exp).await;
+    // Two months on, the card has expired.
+    let later =
+        tally_domain::time::parse_iso8601_ms(&now).unwrap() + 62 * tally_domain::time::DAY_MS;
+    let moved = api
+        .post(
+            "/v1/test-clock/advance",
+            json!({"to": tally_domain::time::format_iso8601_ms(later)}),
+        )
+        .await;
+    assert_eq!(moved.status, 200, "{}", moved.body);
+    let (id, _) = priced_account_below(&api, &customer, "x1").await;
+    let after = account_until(&api, &id, |a| a["auto_recharge"].is_null()).await;
+    assert_eq!(after["balance"], "5", "nothing booked");
+    assert_eq!(
+        recharge_payments(&api, &customer).await,
+        Vec::<Value>::new()
+    );
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_declined_or_missing_card_books_nothing_and_clears_the_recharge() {
     let (_g, server, api, unpaid) = with_customer().await;
@@ -389,13 +429,7 @@ async fn a_declined_or_missing_card_books_nothing_and_clears_the_recharge() {
     }
     // No payment was kept for either.
     for customer in [&declining, &unpaid] {
-        assert!(customer_transactions(&api, customer)
-            .await
-            .iter()
-            .all(|t| !t["description"]
-                .as_str()
-                .unwrap()
-                .starts_with("auto_recharge")));
+        assert_eq!(recharge_payments(&api, customer).await, Vec::<Value>::new());
     }
     let feed = api
         .get(&format!("/v1/webhooks/{hook}/events/pending"))

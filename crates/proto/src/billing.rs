@@ -160,6 +160,7 @@ pub fn payment_to_proto(p: &Payment) -> v1::Payment {
         disputed: p.disputed,
         card_last4: p.card_last4.clone(),
         card_declines_later: p.card_declines_later,
+        card_exp: p.card_exp.clone(),
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
         lines: p.lines.iter().map(line_to_proto).collect(),
@@ -193,6 +194,7 @@ pub fn payment_from_proto(p: v1::Payment) -> Result<Payment, DecodeError> {
         disputed: p.disputed,
         card_last4: p.card_last4,
         card_declines_later: p.card_declines_later,
+        card_exp: p.card_exp,
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
         lines: p
