@@ -237,19 +237,6 @@ impl Billing {
         if open.status == CheckoutStatus::Completed {
             return Ok(open);
         }
-        // An expired card is declined before any charge, by the store's clock (the
-        // test clock in test mode).
-        if let Some(exp) = card.exp.as_deref() {
-            if tally_domain::billing::card_expired(exp, self.journal.now_in(scope)) {
-                return Err(EngineError::CardDeclined {
-                    code: "expired_card",
-                    message: format!(
-                        "the card expired at the end of {}; nothing was charged",
-                        exp.trim()
-                    ),
-                });
-            }
-        }
         let product = self.product_for(scope, &open.product_id)?;
         check_sold(&product)?;
         let discount = match &open.discount_id {
@@ -279,8 +266,10 @@ impl Billing {
             )
         })?;
         let card_exp = card.exp.as_deref().map(|exp| exp.trim().to_string());
-        let card = provider.charge(card, charge.amount_paid, &product.currency)?;
+        // By the store's clock (the test clock in test mode): an expired card is
+        // declined.
         let now = self.journal.now_in(scope);
+        let card = provider.charge(card, charge.amount_paid, &product.currency, now)?;
         let grace_ms = self.store_settings(scope)?.late_usage_grace_ms;
         let subscription = (product.billing_type == BillingType::Recurring).then(|| {
             let trial = product.trial_period_days.filter(|d| *d > 0);

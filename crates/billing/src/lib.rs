@@ -133,11 +133,13 @@ pub struct Charged {
 /// provider that moves real money must authorize here and capture only once the
 /// completion is applied; the test cards move none.
 pub trait PaymentProvider: Send + Sync {
+    /// Charges a card given now, at `at_ms` by the store's clock.
     fn charge(
         &self,
         card: &tally_domain::billing::CardInput,
         amount_minor: i64,
         currency: &str,
+        at_ms: i64,
     ) -> Result<Charged, EngineError>;
 
     /// Charges a card on file (a subscription's renewal or retry, an
@@ -156,23 +158,44 @@ pub trait PaymentProvider: Send + Sync {
 #[derive(Debug, Default)]
 pub struct TestCards;
 
+/// A card past its expiry month at `at_ms` (by the store's clock) is declined,
+/// whatever card it is.
+fn check_expiry(last4: &str, exp: Option<&str>, at_ms: i64) -> Result<(), EngineError> {
+    match exp.filter(|exp| tally_domain::billing::card_expired(exp, at_ms)) {
+        Some(exp) => Err(EngineError::CardDeclined {
+            code: "expired_card",
+            message: format!(
+                "the card ending {last4} expired at the end of {}; nothing was charged",
+                exp.trim()
+            ),
+            param: "exp",
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A test card's decline: `code`, naming the card.
+fn declined(last4: &str, code: &'static str) -> EngineError {
+    EngineError::CardDeclined {
+        code,
+        message: format!("the card ending {last4} was declined ({code}); nothing was charged"),
+        param: "card_number",
+    }
+}
+
 impl PaymentProvider for TestCards {
     fn charge(
         &self,
-        card: &tally_domain::billing::CardInput,
+        input: &tally_domain::billing::CardInput,
         _amount_minor: i64,
         _currency: &str,
+        at_ms: i64,
     ) -> Result<Charged, EngineError> {
         use tally_domain::billing::{test_card, CardBehavior};
-        let card = test_card(card)?;
+        let card = test_card(input)?;
+        check_expiry(&card.last4, input.exp.as_deref(), at_ms)?;
         match card.behavior {
-            CardBehavior::Declines(code) => Err(EngineError::CardDeclined {
-                code,
-                message: format!(
-                    "the card ending {} was declined ({code}); nothing was charged",
-                    card.last4
-                ),
-            }),
+            CardBehavior::Declines(code) => Err(declined(&card.last4, code)),
             behavior => Ok(Charged {
                 card_last4: card.last4,
                 declines_later: behavior == CardBehavior::PaysThenDeclines,
@@ -187,27 +210,9 @@ impl PaymentProvider for TestCards {
         _currency: &str,
         at_ms: i64,
     ) -> Result<(), EngineError> {
-        if let Some(exp) = card
-            .exp
-            .as_deref()
-            .filter(|exp| tally_domain::billing::card_expired(exp, at_ms))
-        {
-            return Err(EngineError::CardDeclined {
-                code: "expired_card",
-                message: format!(
-                    "the card ending {} expired at the end of {exp}; nothing was charged",
-                    card.last4
-                ),
-            });
-        }
+        check_expiry(&card.last4, card.exp.as_deref(), at_ms)?;
         if card.declines_later {
-            return Err(EngineError::CardDeclined {
-                code: "card_declined",
-                message: format!(
-                    "the card ending {} was declined (card_declined); nothing was charged",
-                    card.last4
-                ),
-            });
+            return Err(declined(&card.last4, "card_declined"));
         }
         Ok(())
     }

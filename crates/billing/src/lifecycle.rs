@@ -182,7 +182,7 @@ fn period_grants(
         for item in after
             .extra_items
             .iter()
-            .filter(|item| !before.extra_items.iter().any(|i| i.id == item.id))
+            .filter(|item| !has_item(before, item))
         {
             grants.extend(crate::apply::product_grants(
                 &after.customer_id,
@@ -227,6 +227,11 @@ fn period_grants(
     grants
 }
 
+/// Whether `on` has the add-on item `item` (by its id).
+fn has_item(on: &Subscription, item: &ExtraItem) -> bool {
+    on.extra_items.iter().any(|i| i.id == item.id)
+}
+
 /// Whether a subscription's `credits` usage is settled in this status.
 fn settles_usage(status: SubscriptionStatus) -> bool {
     use SubscriptionStatus::*;
@@ -265,10 +270,9 @@ fn rebind(
         )?;
     }
     // Add-on items: an item's prices settle while it is on a live subscription.
-    let kept = |item: &ExtraItem, on: &Subscription| on.extra_items.iter().any(|i| i.id == item.id);
     if was {
         for item in &before.extra_items {
-            if !is || !kept(item, after) {
+            if !is || !has_item(after, item) {
                 crate::settlement::end_bindings(
                     overlay,
                     &before.customer_id,
@@ -281,7 +285,7 @@ fn rebind(
     }
     if is {
         for item in &after.extra_items {
-            if !was || !kept(item, before) {
+            if !was || !has_item(before, item) {
                 crate::settlement::bind_purchase(
                     overlay,
                     &after.customer_id,

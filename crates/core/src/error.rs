@@ -24,8 +24,13 @@ pub enum EngineError {
         archived_holder_id: Option<String>,
     },
     /// The card was declined (402, type `card_error`): nothing was charged or written.
+    /// `param` names the card field that made the decline.
     #[error("{message}")]
-    CardDeclined { code: &'static str, message: String },
+    CardDeclined {
+        code: &'static str,
+        message: String,
+        param: &'static str,
+    },
     /// The log refused or failed the append: nothing was written (503).
     #[error("the log is unavailable: {0}")]
     LogUnavailable(#[from] tally_log::LogError),

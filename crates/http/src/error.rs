@@ -130,16 +130,11 @@ impl From<EngineError> for ApiError {
                 }
                 error
             }
-            EngineError::CardDeclined { code, message } => {
-                // The field that made the decline: the expiry of an expired card,
-                // else the card.
-                let param = if code == "expired_card" {
-                    "exp"
-                } else {
-                    "card_number"
-                };
-                ApiError::new(StatusCode::PAYMENT_REQUIRED, code, message).with_param(param)
-            }
+            EngineError::CardDeclined {
+                code,
+                message,
+                param,
+            } => ApiError::new(StatusCode::PAYMENT_REQUIRED, code, message).with_param(param),
             EngineError::LogUnavailable(tally_log::LogError::RecordTooLarge(bytes)) => {
                 ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,

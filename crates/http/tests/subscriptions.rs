@@ -286,9 +286,8 @@ async fn renewals_bill_each_period_once_with_its_invoice_usage() {
 async fn a_card_on_file_that_expired_declines_the_renewal() {
     let (_g, _dir, server, api, _keys) = setup().await;
     let prod = product(&api, json!({})).await;
-    // This month, by the store's clock: `YYYY-MM-...` -> `MM/YYYY`.
-    let now = format_iso8601_ms(test_now(&api).await);
-    let exp = format!("{}/{}", &now[5..7], &now[..4]);
+    // A card of this month, by the store's clock.
+    let (_, exp) = test_time_and_expiry(&api).await;
     // Good through its month: the checkout pays.
     let (sub, _) = subscribe_with_expiry(&api, &prod, "4242424242424242", &exp).await;
     let path = format!("/v1/subscriptions/{sub}");

@@ -384,14 +384,11 @@ async fn a_priced_recharge_is_charged_on_the_last_card_then_granted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_card_on_file_declines_a_priced_recharge() {
     let (_g, server, api, _) = with_customer().await;
-    // This month, by the store's clock: `YYYY-MM-...` -> `MM/YYYY`.
-    let clock = api.get("/v1/test-clock").await.body;
-    let now = clock["now"].as_str().unwrap().to_string();
-    let exp = format!("{}/{}", &now[5..7], &now[..4]);
+    // A card of this month, by the store's clock.
+    let (now, exp) = test_time_and_expiry(&api).await;
     let customer = customer_who_paid_with(&api, "4242424242424242", &exp).await;
     // Two months on, the card has expired.
-    let later =
-        tally_domain::time::parse_iso8601_ms(&now).unwrap() + 62 * tally_domain::time::DAY_MS;
+    let later = now + 62 * tally_domain::time::DAY_MS;
     let moved = api
         .post(
             "/v1/test-clock/advance",

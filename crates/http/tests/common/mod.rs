@@ -394,6 +394,17 @@ pub async fn with_account(initial: &str) -> (tempfile::TempDir, Server, Api, Str
     (guard, server, api, id)
 }
 
+/// The store's test time, and the card expiry (`MM/YYYY`) of its month: a card
+/// good through now and no later month.
+pub async fn test_time_and_expiry(api: &Api) -> (i64, String) {
+    let clock = api.get("/v1/test-clock").await;
+    assert_eq!(clock.status, 200, "{}", clock.body);
+    let now = clock.body["now"].as_str().unwrap();
+    // `YYYY-MM-...` -> `MM/YYYY`.
+    let exp = format!("{}/{}", &now[5..7], &now[..4]);
+    (tally_domain::time::parse_iso8601_ms(now).unwrap(), exp)
+}
+
 /// Sets the items of the subscription at `path` (`POST /v1/subscriptions/{id}`,
 /// no proration) and insists on a 200: answers the subscription.
 pub async fn set_items(api: &Api, path: &str, items: Value) -> Value {
