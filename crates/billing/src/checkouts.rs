@@ -328,6 +328,7 @@ impl Billing {
                 extra_items: Vec::new(),
                 pending_lines: Vec::new(),
                 late_usage_grace_ms: grace_ms,
+                late_usage_due_ms: None,
                 created_at_ms: now,
                 updated_at_ms: now,
             }

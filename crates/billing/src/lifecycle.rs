@@ -352,7 +352,13 @@ fn transition_events(
         || before.units != after.units
         || before.extra_items != after.extra_items
         || before.metadata != after.metadata;
-    if types.is_empty() || items_changed {
+    // Late usage of an ended subscription's last period settled with nothing to
+    // charge: nothing the integrator sees changed.
+    let late_usage_settled_quietly = !paid
+        && before.status == after.status
+        && before.late_usage_due_ms.is_some()
+        && after.late_usage_due_ms.is_none();
+    if (types.is_empty() && !late_usage_settled_quietly) || items_changed {
         types.push("subscription.update");
     }
     types

@@ -28,10 +28,10 @@ use tally_domain::billing::{
 };
 use tally_domain::record::Record;
 use tally_domain::subscription::{
-    adjustment_description, after_declined, after_paid, after_period_end, cancel, charge_lines,
-    charge_plan, discount_off, pause, period_amount, resume, retire_item_usage_prices,
-    retire_usage_prices, usage_adjustment, usage_to_bill, BilledUsage, CancelMode, ChargePlan,
-    DueKind, InvalidTransition, OnExecute, PaymentLine,
+    adjustment_description, after_declined, after_late_usage, after_paid, after_period_end, cancel,
+    charge_lines, charge_plan, discount_off, late_usage_due, pause, period_amount, resume,
+    retire_item_usage_prices, retire_usage_prices, usage_adjustment, usage_to_bill, BilledUsage,
+    CancelMode, ChargePlan, DueKind, InvalidTransition, OnExecute, PaymentLine,
 };
 use tally_domain::subscription::{proration_line, ExtraItem, StoreSettings, UpdateBehavior};
 use tally_domain::time::parse_iso8601_ms;
@@ -664,10 +664,24 @@ impl Billing {
             billed_usage,
             carry,
         } = self.price(scope, &sub, &plan, None)?;
-        // A period end with nothing to bill just ends the period.
-        let nothing_to_charge = kind == DueKind::PeriodEnd && charge.amount_paid == 0;
+        // A period end with nothing to bill just ends the period; late usage with
+        // none to bill just settles.
+        let ends = matches!(kind, DueKind::PeriodEnd | DueKind::LateUsage);
+        let nothing_to_charge = ends && charge.amount_paid == 0;
+        // What a charge that bills no new period leaves: the subscription ended (a
+        // period end) or its late usage settled.
+        let settled = |sub: &Subscription| match kind {
+            DueKind::LateUsage => after_late_usage(sub, at),
+            _ => after_period_end(sub, at),
+        };
         let (next, payment) = if nothing_to_charge {
-            (after_period_end(&sub, at), None)
+            let mut next = settled(&sub);
+            // Billed as nothing: late usage of the period is measured from there,
+            // and a credit larger than the corrections' charges waits for the next
+            // charge (a resume's), as it would after a paid one.
+            next.billed_usage = billed_usage;
+            next.pending_lines.extend(carry);
+            (next, None)
         } else {
             let paid = match self.provider(scope.mode) {
                 _ if charge.amount_paid == 0 => true,
@@ -687,7 +701,10 @@ impl Billing {
             };
             if paid {
                 let payment_id = new_id("txn");
-                let period = plan.base.or(plan.usage).unwrap_or((at, at));
+                let period = plan
+                    .base
+                    .or(plan.usage)
+                    .unwrap_or((sub.current_period_start_ms, sub.current_period_end_ms));
                 let payment = Payment {
                     id: payment_id.clone().into(),
                     store_id: sub.store_id.clone(),
@@ -706,6 +723,7 @@ impl Billing {
                     customer_id: sub.customer_id.clone(),
                     description: match kind {
                         DueKind::PeriodEnd => format!("final usage of {}", sub.product.name),
+                        DueKind::LateUsage => format!("late usage of {}", sub.product.name),
                         _ => format!("renewal of {}", sub.product.name),
                     },
                     period_start_ms: Some(period.0),
@@ -722,29 +740,35 @@ impl Billing {
                     created_at_ms: at,
                     updated_at_ms: at,
                 };
-                let mut next = match kind {
-                    DueKind::PeriodEnd => {
-                        let mut ended = after_period_end(&sub, at);
-                        ended.last_transaction_id = Some(payment.id.clone());
-                        ended.last_transaction_at_ms = Some(at);
-                        ended
-                    }
-                    _ => after_paid(&sub, &plan, at, &payment_id),
+                let mut next = if ends {
+                    let mut ended = settled(&sub);
+                    ended.last_transaction_id = Some(payment.id.clone());
+                    ended.last_transaction_at_ms = Some(at);
+                    ended
+                } else {
+                    after_paid(&sub, &plan, at, &payment_id)
                 };
                 next.billed_usage = billed_usage;
                 if let Some(carry) = carry {
                     next.pending_lines.push(carry);
                 }
                 (next, Some(payment))
-            } else if kind == DueKind::PeriodEnd {
-                // The final usage was declined: the subscription ends as scheduled.
-                (after_period_end(&sub, at), None)
+            } else if ends {
+                // The final (or late) usage was declined: the subscription ends as
+                // scheduled, and nothing more is billed.
+                let mut next = settled(&sub);
+                next.late_usage_due_ms = None;
+                (next, None)
             } else {
                 (after_declined(&sub, &plan, at), None)
             }
         };
         let mut next = next;
         next.late_usage_grace_ms = self.store_settings(scope)?.late_usage_grace_ms;
+        let declined = ends && !nothing_to_charge && payment.is_none();
+        if kind == DueKind::PeriodEnd && !declined {
+            next.late_usage_due_ms = late_usage_due(&next, &next.billed_usage);
+        }
         let record = Record::SubscriptionChanged {
             subscription: next,
             payment,
@@ -949,7 +973,9 @@ impl Billing {
         sub: &Subscription,
         proration: Option<PaymentLine>,
     ) -> Result<Option<Upcoming>, EngineError> {
-        let Some((at, kind)) = sub.due() else {
+        // A subscription that ended has no next charge to show: what its last
+        // period's late usage bills is charged once, after the grace.
+        let Some((at, kind)) = sub.due().filter(|(_, kind)| *kind != DueKind::LateUsage) else {
             return Ok(None);
         };
         let plan = charge_plan(sub, kind);

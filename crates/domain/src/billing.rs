@@ -689,6 +689,10 @@ pub struct Subscription {
     /// How long a renewal waits after the period for late usage: the store's
     /// setting when the subscription was created or last changed.
     pub late_usage_grace_ms: i64,
+    /// A subscription its period's end canceled or paused: when the usage of that
+    /// last period which arrived late (within the grace) is billed. `None` once
+    /// billed, and for every other subscription.
+    pub late_usage_due_ms: Option<i64>,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }

@@ -138,6 +138,10 @@ pub enum DueKind {
     Retry,
     /// The period ends and a scheduled cancel (or pause) takes effect.
     PeriodEnd,
+    /// The grace after a period's end that canceled (or paused) the subscription
+    /// passed: usage of that last period that arrived since its final charge is
+    /// billed (docs/api.md, "Late usage and corrections").
+    LateUsage,
 }
 
 /// The transition asked for is not one the subscription's status allows.
@@ -175,9 +179,10 @@ impl Subscription {
                 Some((self.current_period_end_ms, DueKind::PeriodEnd))
             }
             SubscriptionStatus::PastDue => self.next_retry_ms.map(|at| (at, DueKind::Retry)),
-            SubscriptionStatus::Canceled
-            | SubscriptionStatus::Paused
-            | SubscriptionStatus::Unpaid => None,
+            SubscriptionStatus::Canceled | SubscriptionStatus::Paused => {
+                self.late_usage_due_ms.map(|at| (at, DueKind::LateUsage))
+            }
+            SubscriptionStatus::Unpaid => None,
         }
     }
 
@@ -224,6 +229,13 @@ pub fn charge_plan(sub: &Subscription, kind: DueKind) -> ChargePlan {
         DueKind::PeriodEnd => ChargePlan {
             base: None,
             usage: Some(ended),
+            trial_usage: false,
+        },
+        // Only what changed in periods billed before (their late usage and
+        // corrections), which every charge adds.
+        DueKind::LateUsage => ChargePlan {
+            base: None,
+            usage: None,
             trial_usage: false,
         },
     }
@@ -650,6 +662,26 @@ pub fn after_period_end(sub: &Subscription, at_ms: i64) -> Subscription {
     next
 }
 
+/// When the late usage of the period a scheduled cancel (or pause) ended is billed:
+/// once the grace after the period's end passed, as a renewal would wait; `None`
+/// without a grace (nothing can still arrive for the period) or without usage
+/// billed for it.
+pub fn late_usage_due(ended: &Subscription, billed: &[BilledUsage]) -> Option<i64> {
+    let period_end = ended.current_period_end_ms;
+    let billed_the_period = billed.iter().any(|b| b.period_end_ms == period_end);
+    (ended.late_usage_grace_ms > 0 && billed_the_period)
+        .then(|| period_end.saturating_add(ended.late_usage_grace_ms))
+}
+
+/// The late usage of a subscription's last period is settled (billed, nothing to
+/// bill, or declined): nothing more is due on it.
+pub fn after_late_usage(sub: &Subscription, at_ms: i64) -> Subscription {
+    let mut next = sub.clone();
+    next.late_usage_due_ms = None;
+    next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
+    next
+}
+
 /// `POST /v1/subscriptions/{id}/cancel`.
 pub fn cancel(
     sub: &Subscription,
@@ -682,6 +714,8 @@ pub fn cancel(
             next.canceled_at_ms = Some(at_ms);
             next.on_period_end = None;
             next.next_retry_ms = None;
+            // Billing nothing more, late usage included.
+            next.late_usage_due_ms = None;
         }
         CancelMode::Scheduled => next.on_period_end = Some(on_execute),
     }
@@ -726,6 +760,9 @@ pub fn resume(sub: &Subscription, at_ms: i64) -> Result<Subscription, InvalidTra
         next.current_period_end_ms = at_ms;
     }
     next.paused_at_ms = None;
+    // The late usage of the period the pause began with is billed with the next
+    // charge instead, as every charge bills what changed in billed periods.
+    next.late_usage_due_ms = None;
     next.updated_at_ms = next.updated_at_ms.saturating_add(1).max(at_ms);
     Ok(next)
 }

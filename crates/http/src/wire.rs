@@ -550,8 +550,10 @@ pub fn subscription(
         "last_transaction_id": s.last_transaction_id,
         "last_transaction": last.map(transaction),
         "last_transaction_date": iso(s.last_transaction_at_ms),
+        // A period's end and the late usage billed after it charge no new period.
         "next_transaction_date": iso(s.due().and_then(|(at, kind)| {
-            (kind != tally_domain::subscription::DueKind::PeriodEnd).then_some(at)
+            use tally_domain::subscription::DueKind;
+            (!matches!(kind, DueKind::PeriodEnd | DueKind::LateUsage)).then_some(at)
         })),
         "current_period_start_date": iso(Some(s.current_period_start_ms)),
         "current_period_end_date": iso(Some(s.current_period_end_ms)),

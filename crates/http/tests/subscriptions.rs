@@ -82,6 +82,16 @@ async fn product(api: &Api, extra: Value) -> String {
     id(&api.post("/v1/products", body).await)
 }
 
+/// A product pricing the meter `calls` at 2 per unit on the invoice.
+async fn invoiced_calls_product(api: &Api, calls: &str) -> String {
+    product(
+        api,
+        json!({"usage_prices": [{"meter_id": calls, "unit_price": 2,
+            "settlement_mode": "invoice"}]}),
+    )
+    .await
+}
+
 /// The `count` meter of `api_call` events most tests price.
 async fn calls_meter(api: &Api) -> String {
     id(&api
@@ -90,6 +100,24 @@ async fn calls_meter(api: &Api) -> String {
             json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
         )
         .await)
+}
+
+/// `api_call` events of `cus` with these ids, at `at` (now when `None`).
+async fn ingest_calls(api: &Api, cus: &str, ids: Vec<String>, at: Option<i64>) {
+    let events: Vec<Value> = ids
+        .iter()
+        .map(|id| {
+            let mut e = json!({"name": "api_call", "customer_id": cus, "event_id": id});
+            if let Some(at) = at {
+                e["timestamp"] = json!(format_iso8601_ms(at));
+            }
+            e
+        })
+        .collect();
+    let answer = api
+        .post("/v1/events/ingest", json!({"events": events}))
+        .await;
+    assert_eq!(answer.status, 202, "{}", answer.body);
 }
 
 /// When the current period of the subscription at `path` ends.
@@ -909,26 +937,7 @@ async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
     let (sub, cus) = subscribe(&api, &basic, "4242424242424242").await;
     let path = format!("/v1/subscriptions/{sub}");
     let end = period_end(&api, &path).await;
-    let ingest = |ids: Vec<String>, at: Option<i64>| {
-        let api = api.clone();
-        let cus = cus.clone();
-        async move {
-            let events: Vec<Value> = ids
-                .iter()
-                .map(|i| {
-                    let mut e = json!({"name": "api_call", "customer_id": cus, "event_id": i});
-                    if let Some(at) = at {
-                        e["timestamp"] = json!(format_iso8601_ms(at));
-                    }
-                    e
-                })
-                .collect();
-            let answer = api
-                .post("/v1/events/ingest", json!({"events": events}))
-                .await;
-            assert_eq!(answer.status, 202, "{}", answer.body);
-        }
-    };
+    let ingest = |ids: Vec<String>, at: Option<i64>| ingest_calls(&api, &cus, ids, at);
     // Five calls under Basic (2 each), then the upgrade a minute later, then three
     // calls under Pro (1 each).
     let before = test_now(&api).await;
@@ -1004,12 +1013,7 @@ async fn usage_before_an_upgrade_is_billed_at_the_price_it_was_used_under() {
 async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
     let (_g, _dir, server, api, _keys) = setup().await;
     let calls = calls_meter(&api).await;
-    let prod = product(
-        &api,
-        json!({"usage_prices": [{"meter_id": calls, "unit_price": 2,
-            "settlement_mode": "invoice"}]}),
-    )
-    .await;
+    let prod = invoiced_calls_product(&api, &calls).await;
     // Paused mid-period, resumed after the period ended: the period's usage is
     // billed with the resume's charge.
     let (sub, cus) = subscribe(&api, &prod, "4242424242424242").await;
@@ -1087,6 +1091,117 @@ async fn usage_of_a_period_that_ended_during_a_pause_is_billed_at_the_resume() {
         [1000, 6, 1000],
         "checkout, final usage, resume: {txs:?}"
     );
+    server.stop().await;
+}
+
+/// Usage of the last period of a scheduled cancel that arrives after its final
+/// charge, within the grace, is billed once the grace passed, in a charge of its
+/// own; an immediate cancel during the grace bills nothing more; one with nothing
+/// late charges nothing and emits nothing; all of it across a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_usage_of_a_scheduled_cancels_last_period_is_billed_after_the_grace() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let hook = hook(&api).await;
+    let calls = calls_meter(&api).await;
+    let prod = invoiced_calls_product(&api, &calls).await;
+    let start = test_now(&api).await;
+    // Three subscriptions, each cancelled (or paused) at the period's end.
+    let (late, late_cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let (quiet, quiet_cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let (paused, paused_cus) = subscribe(&api, &prod, "4242424242424242").await;
+    for (sub, body) in [
+        (&late, json!({})),
+        (&quiet, json!({})),
+        (&paused, json!({"mode": "scheduled", "onExecute": "pause"})),
+    ] {
+        let answer = api
+            .post(&format!("/v1/subscriptions/{sub}/cancel"), body)
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    for (cus, tag) in [(&late_cus, "l"), (&quiet_cus, "q"), (&paused_cus, "p")] {
+        let ids = (0..3).map(|i| format!("{tag}{i}")).collect();
+        ingest_calls(&api, cus, ids, None).await;
+    }
+    let path = format!("/v1/subscriptions/{late}");
+    let end = period_end(&api, &path).await;
+
+    // The period's end: each charges its final usage (3 calls at 2) and ends.
+    advance(&api, end + 60_000).await;
+    for sub in [&late, &quiet, &paused] {
+        let amounts: Vec<i64> = transactions(&api, sub)
+            .await
+            .iter()
+            .map(|t| t["amount"].as_i64().unwrap())
+            .collect();
+        assert_eq!(amounts, [1000, 6], "checkout and final usage of {sub}");
+    }
+    let s = api.get(&path).await.body;
+    assert_eq!(s["status"], "canceled");
+    assert_eq!(s["next_transaction_date"], Value::Null, "{s}");
+    assert_error(
+        &api.get(&format!("{path}/upcoming")).await,
+        404,
+        "invalid_request_error",
+    );
+    // Within the grace: two late calls of the period, and one after it (never
+    // billed: the subscription had ended); the paused one is cancelled now,
+    // which bills nothing more, so its late call is not billed either.
+    let in_period = Some(start + 120_000);
+    let late_calls = vec!["l-late-1".into(), "l-late-2".into()];
+    ingest_calls(&api, &late_cus, late_calls, in_period).await;
+    ingest_calls(&api, &late_cus, vec!["l-after".into()], None).await;
+    ingest_calls(&api, &paused_cus, vec!["p-late".into()], in_period).await;
+    let canceled = api
+        .post(
+            &format!("/v1/subscriptions/{paused}/cancel"),
+            json!({"mode": "immediate"}),
+        )
+        .await;
+    assert_eq!(canceled.body["status"], "canceled", "{}", canceled.body);
+    let events_before = event_types(&api, &hook).await.len();
+
+    // What is due survives a restart.
+    server.engine.wait_caught_up().await.unwrap();
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    advance(&api, end + GRACE + 60_000).await;
+    let txs = transactions(&api, &late).await;
+    let amounts: Vec<i64> = txs.iter().map(|t| t["amount"].as_i64().unwrap()).collect();
+    assert_eq!(amounts, [1000, 6, 4], "the two late calls at 2: {txs:?}");
+    let charge = &txs[2];
+    assert_eq!(charge["description"], "late usage of Pro", "{charge}");
+    let lines = charge["lines"].as_array().unwrap();
+    assert_eq!(lines.len(), 1, "{charge}");
+    assert!(
+        lines[0]["description"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("late usage of meter {calls}")),
+        "{charge}"
+    );
+    assert_eq!(lines[0]["quantity"], "2");
+    let s = api.get(&path).await.body;
+    assert_eq!(s["status"], "canceled");
+    assert_eq!(s["last_transaction_id"], charge["id"]);
+    for sub in [&quiet, &paused] {
+        assert_eq!(
+            transactions(&api, sub).await.len(),
+            2,
+            "nothing late: {sub}"
+        );
+    }
+    // The late charge says it was paid; the quiet one emitted nothing.
+    let types = event_types(&api, &hook).await;
+    assert_eq!(
+        types[events_before..],
+        ["subscription.paid".to_string()],
+        "{types:?}"
+    );
+    // Billed once: nothing more is due on any of them.
+    advance(&api, end + 40 * DAY_MS).await;
+    assert_eq!(transactions(&api, &late).await.len(), 3);
     server.stop().await;
 }
 

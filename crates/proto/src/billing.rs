@@ -285,6 +285,7 @@ pub fn subscription_to_proto(s: &Subscription) -> v1::Subscription {
             .collect(),
         pending_lines: s.pending_lines.iter().map(line_to_proto).collect(),
         late_usage_grace_ms: Some(s.late_usage_grace_ms),
+        late_usage_due_ms: s.late_usage_due_ms,
     }
 }
 
@@ -396,6 +397,7 @@ pub fn subscription_from_proto(s: v1::Subscription) -> Result<Subscription, Deco
         late_usage_grace_ms: s
             .late_usage_grace_ms
             .unwrap_or(tally_domain::subscription::LATE_USAGE_GRACE_MS),
+        late_usage_due_ms: s.late_usage_due_ms,
     })
 }
 
