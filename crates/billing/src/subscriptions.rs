@@ -755,10 +755,8 @@ impl Billing {
                 (next, Some(payment))
             } else if ends {
                 // The final (or late) usage was declined: the subscription ends as
-                // scheduled, and nothing more is billed.
-                let mut next = settled(&sub);
-                next.late_usage_due_ms = None;
-                (next, None)
+                // scheduled, and nothing more is billed (no late usage is due).
+                (settled(&sub), None)
             } else {
                 (after_declined(&sub, &plan, at), None)
             }
