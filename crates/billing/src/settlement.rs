@@ -159,6 +159,21 @@ pub fn was_left(overlay: &Overlay<'_>, partition: u32, offset: u64) -> Result<bo
         || overlay.contains(&pending_key(partition, offset))?)
 }
 
+/// Marks the usage record at a position as settled with nothing to charge (its
+/// events added no units under the definitions of the time), unless it is marked
+/// already: a correction of its events later (a meter revision) then knows that
+/// its usage is settled, as `was_left` asks.
+pub fn settled_nothing(
+    overlay: &mut Overlay<'_>,
+    partition: u32,
+    offset: u64,
+) -> Result<(), EngineError> {
+    if !was_left(overlay, partition, offset)? {
+        overlay.put(done_key(partition, offset), Vec::new());
+    }
+    Ok(())
+}
+
 /// Meter units one new event added to one meter (negative: a voided event's, taken
 /// back).
 #[derive(Debug, Clone, Copy)]

@@ -204,6 +204,57 @@ pub fn decode_meter(bytes: &[u8]) -> Result<Meter, EngineError> {
     tally_proto::meter_from_proto(v1::Meter::decode(bytes).map_err(corrupt)?).map_err(corrupt)
 }
 
+/// The first byte of a revised meter's definitions row (`keys::REVISED_METER`): an
+/// empty row is a revision of an earlier build, whose definitions are unknown.
+const METER_DEFINITIONS_V1: u8 = 1;
+
+/// A revised meter's definitions, oldest first: each with the offset of the store's
+/// partition from which apply counted usage by it.
+pub fn encode_meter_definitions(definitions: &[(u64, Meter)]) -> Vec<u8> {
+    let mut out = vec![METER_DEFINITIONS_V1];
+    for (from_offset, meter) in definitions {
+        let bytes = encode_meter(meter);
+        out.extend_from_slice(&from_offset.to_be_bytes());
+        // A meter's definition is bounded far below 4 GiB (meter limits).
+        out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+        out.extend_from_slice(&bytes);
+    }
+    out
+}
+
+/// The definitions of [`encode_meter_definitions`]; `None` for an empty row.
+pub fn decode_meter_definitions(bytes: &[u8]) -> Result<Option<Vec<(u64, Meter)>>, EngineError> {
+    let Some((&version, mut rest)) = bytes.split_first() else {
+        return Ok(None);
+    };
+    if version != METER_DEFINITIONS_V1 {
+        return Err(corrupt(format!(
+            "a meter definitions row of unknown version {version}"
+        )));
+    }
+    let mut definitions = Vec::new();
+    while !rest.is_empty() {
+        let short = || corrupt("a meter definitions row is cut short");
+        let from_offset = u64::from_be_bytes(
+            rest.get(..8)
+                .ok_or_else(short)?
+                .try_into()
+                .map_err(corrupt)?,
+        );
+        let len = u32::from_be_bytes(
+            rest.get(8..12)
+                .ok_or_else(short)?
+                .try_into()
+                .map_err(corrupt)?,
+        ) as usize;
+        let end = 12usize.checked_add(len).ok_or_else(short)?;
+        let meter = decode_meter(rest.get(12..end).ok_or_else(short)?)?;
+        definitions.push((from_offset, meter));
+        rest = &rest[end..];
+    }
+    Ok(Some(definitions))
+}
+
 pub fn encode_store(s: &StoreRecord) -> Vec<u8> {
     v1::StoreCreated {
         store_id: s.store_id.to_string(),

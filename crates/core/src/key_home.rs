@@ -160,7 +160,7 @@ pub fn key_home(key: &[u8]) -> Result<KeyHome<'_>, EngineError> {
                 .ok_or_else(|| EngineError::Corrupt("a claim-expiry key does not decode".into()))?;
             key_home(claim)
         }
-        keys::MINUTE_EVENTS | keys::WEBHOOK_DUE => {
+        keys::MINUTE_EVENTS | keys::REVISED_MINUTE | keys::WEBHOOK_DUE => {
             let mut reader = KeyReader::new(key, table, what)?;
             reader.int()?;
             Ok(KeyHome::Store(reader.text()?))

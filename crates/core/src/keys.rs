@@ -93,6 +93,8 @@
 //! | `z` | minute, store, mode, partition, offset | the events of the usage record at that position whose timestamps fall in that minute: (index in the record, customer id, prints of the distinct values it folded) each (`codec::push_minute_event`); a void rebuilds a customer's bucket from these, and finds the customers whose buckets make the all-customers one; pruned past what can still be voided |
 //! | `.` | store, mode, event_id | VoidMark (`codec::encode_void`): the stored event is voided: when, by which record, why |
 //! | `_` | store, mode, meter_id, event_id | (empty) the event matched the meter but was not folded (the meter was not active when its record applied) |
+//! | `` ` `` | store, mode, meter_id | (a revised meter) the definitions usage settlement charged by, oldest first, each with the offset of the store's partition from which apply counted by it (`codec::encode_meter_definitions`; empty: a revision of an earlier build, definitions unknown) |
+//! | `0x02` | minute, store, mode, meter_id | the revision whose definition the meter's charged usage of that minute follows since a revision step rebuilt it (8-byte int); pruned with the `z` rows |
 //! | `0x01` | store, mode, partition, offset, meter_id | (empty) the record at that position created or changed the meter: a usage record matched by a gateway that had not applied that position decides the meter's events in apply (ARCHITECTURE.md, "Meters the gateway did not know") |
 //! | `!` | partition | the first offset of the partition whose records this node skipped as another node's and has not restored (8-byte int; ARCHITECTURE.md "Partitions and ownership") |
 //!
@@ -218,6 +220,27 @@ pub const VOIDED_COUNT: u8 = b'\'';
 pub const RECHARGE_PENDING: u8 = b'"';
 /// Every printable byte is taken: the first table past them.
 pub const METER_CHANGED: u8 = 0x01;
+pub const REVISED_MINUTE: u8 = 0x02;
+
+/// The `REVISED_MINUTE` row of a meter's minute: which revision's definition its
+/// usage settled in credits follows (docs/api.md, "Meter revisions"). Minute first,
+/// like the `z` rows, so the two are pruned together.
+pub fn revised_minute_key(minute: i64, store_id: &str, mode: Mode, meter_id: &str) -> Vec<u8> {
+    Key::table(REVISED_MINUTE)
+        .int(minute)
+        .text(store_id)
+        .mode(mode)
+        .text(meter_id)
+        .into_bytes()
+}
+
+/// The minute of a `REVISED_MINUTE` key.
+pub fn revised_minute_minute(key: &[u8]) -> Result<i64, EngineError> {
+    key.get(1..9)
+        .filter(|_| key.first() == Some(&REVISED_MINUTE))
+        .map(read_int)
+        .ok_or_else(|| EngineError::Corrupt("a revised-minute key does not decode".into()))
+}
 
 /// The prefix of a scope's `METER_CHANGED` rows at and after `offset` of
 /// `partition`: where a usage record's look for meters its gateway did not know

@@ -663,6 +663,7 @@ fn apply_record(
                 *matched_below,
                 settles.then_some(&mut counted),
             )?;
+            let mut left = false;
             if !counted.is_empty() {
                 let units = counted.iter().filter_map(|c| {
                     let event = events.get(c.event as usize)?;
@@ -673,7 +674,7 @@ fn apply_record(
                         quantity: c.quantity,
                     })
                 });
-                applied.billing.settlements_pending |= tally_billing::settlement::leave_units(
+                left = tally_billing::settlement::leave_units(
                     overlay,
                     store_id,
                     *mode,
@@ -681,6 +682,10 @@ fn apply_record(
                     entry.partition,
                     entry.offset,
                 )?;
+                applied.billing.settlements_pending |= left;
+            }
+            if settles && !left {
+                tally_billing::settlement::settled_nothing(overlay, entry.partition, entry.offset)?;
             }
         }
         Record::SubscriptionChanged {
@@ -842,13 +847,29 @@ fn apply_record(
             }
             schedule_ledger_events(overlay, &events, entry)?;
         }
-        Record::MeterRevised { meter, minutes } => tally_metering::revisions::apply_revision(
-            overlay,
-            meter,
-            minutes,
-            meta.recorded_at_ms,
-            &mut applied.metering,
-        )?,
+        Record::MeterRevised { meter, minutes } => {
+            // What the new definition charges differently for usage settled in
+            // credits is corrected like a void's (most scopes settle nothing).
+            let settles =
+                tally_billing::settlement::scope_settles(overlay, &meter.store_id, meter.mode)?;
+            let mut corrected = Vec::new();
+            tally_metering::revisions::apply_revision(
+                overlay,
+                meter,
+                minutes,
+                (entry.partition, entry.offset),
+                meta.recorded_at_ms,
+                &mut applied.metering,
+                settles.then_some(&mut corrected),
+            )?;
+            applied.billing.settlements_pending |= leave_corrections(
+                overlay,
+                (&meter.store_id, meter.mode),
+                &corrected,
+                &[],
+                entry,
+            )?;
+        }
         Record::EventAmended {
             store_id,
             mode,
@@ -997,19 +1018,19 @@ fn apply_amendment(
             .collect(),
         false => Vec::new(),
     };
-    Ok(leave_corrections(
-        overlay,
-        (store_id, mode),
-        &uncounted,
-        &new_units,
-        entry,
-    )?)
+    let left = leave_corrections(overlay, (store_id, mode), &uncounted, &new_units, entry)?;
+    if bound && !left {
+        // The replacement settles like a usage record's events, with nothing to
+        // charge yet (a revision may charge it later).
+        tally_billing::settlement::settled_nothing(overlay, entry.partition, entry.offset)?;
+    }
+    Ok(left)
 }
 
 /// What a correction record leaves for usage settlement (docs/api.md, "Usage prices
-/// settled in credits"): the voided events' units, negative, for those whose storing
-/// record's usage was settled or is pending (the others were never charged), and an
-/// amendment's replacement's units; pending under the correction's own position, so
+/// settled in credits"): the voided events' units (or a revision's differences),
+/// negated, for those whose storing record's usage was settled or is pending (the
+/// others were never charged), and an amendment's replacement's units; pending under the correction's own position, so
 /// the settler appends them after the settlement of the usage they take back.
 fn leave_corrections(
     overlay: &mut Overlay<'_>,

@@ -225,8 +225,17 @@ fn apply_in_chunks_with(
     cuts: &[usize],
     fingerprint: tally_engine::event_index::FingerprintFn,
 ) -> Arc<MemoryStore> {
+    apply_in_chunks_over(Arc::new(MemoryStore::new()), entries, cuts, fingerprint)
+}
+
+/// `apply_in_chunks_with` over `store` (holding no position yet).
+fn apply_in_chunks_over(
+    store: Arc<MemoryStore>,
+    entries: &[LogEntry],
+    cuts: &[usize],
+    fingerprint: tally_engine::event_index::FingerprintFn,
+) -> Arc<MemoryStore> {
     let index = || Arc::new(EventIndex::with_fingerprint(fingerprint));
-    let store = Arc::new(MemoryStore::new());
     let mut cut_points: Vec<usize> = cuts.iter().map(|c| c % (entries.len() + 1)).collect();
     cut_points.push(0);
     cut_points.push(entries.len());
@@ -570,6 +579,28 @@ fn push_batch(
     });
 }
 
+/// One void record of `event_ids`; the reference takes them out when every one is
+/// stored (a void naming an id not stored yet voids nothing).
+fn push_void(
+    records: &mut Vec<Record>,
+    stored: &[GenEvent],
+    voided: &mut HashSet<u8>,
+    event_ids: &[u8],
+) {
+    if event_ids
+        .iter()
+        .all(|id| stored.iter().any(|s| s.id == *id))
+    {
+        voided.extend(event_ids.iter().copied());
+    }
+    records.push(Record::EventsVoided {
+        store_id: STORE.into(),
+        mode: Mode::Test,
+        event_ids: event_ids.iter().map(|id| format!("ev{id}")).collect(),
+        reason: "test".into(),
+    });
+}
+
 /// The log of a stream with voids, and the reference's view of it: the stored
 /// events (first id wins) less those a void took out (a void naming an id not
 /// stored yet voids nothing), and whether the meters were revised.
@@ -605,20 +636,7 @@ fn log_with_voids(steps: &[Step]) -> (Vec<LogEntry>, Vec<GenEvent>, bool) {
                     push_batch(&mut records, &mut stored, std::slice::from_ref(e), &ids);
                 }
             }
-            Step::Void(event_ids) => {
-                if event_ids
-                    .iter()
-                    .all(|id| stored.iter().any(|s| s.id == *id))
-                {
-                    voided.extend(event_ids.iter().copied());
-                }
-                records.push(Record::EventsVoided {
-                    store_id: STORE.into(),
-                    mode: Mode::Test,
-                    event_ids: event_ids.iter().map(|id| format!("ev{id}")).collect(),
-                    reason: "test".into(),
-                });
-            }
+            Step::Void(event_ids) => push_void(&mut records, &stored, &mut voided, event_ids),
             Step::Amend(id, replacement) => {
                 let mut replacement = replacement.clone();
                 let original = stored.iter().find(|s| s.id == *id);
@@ -1616,11 +1634,22 @@ fn minute_event_rows_no_void_can_need_are_pruned() {
     let mut records: Vec<Record> = meters().into_iter().map(Record::MeterUpserted).collect();
     records.push(batch_received(&event(1, 0), T0, &ids));
     records.push(batch_received(&event(2, 1), T0, &ids));
+    // A revision of the `count` meter over both minutes: its revision rows go
+    // with the minutes' `z` rows.
+    let mut revised = meters()[0].clone();
+    revised.filter = positive_only();
+    revised.revision = 2;
+    let first = T0.div_euclid(60_000);
+    records.push(Record::MeterRevised {
+        meter: revised,
+        minutes: vec![first, first + 1],
+    });
     let later = STORED_EVENTS_RETENTION_MS + MAX_EVENT_AGE_MS + 2 * PRUNE_STEP_MS;
     records.push(batch_received(&event(3, later / 60_000), T0 + later, &ids));
     let entries = entries_of(&records);
     let before_last = apply_in_chunks(&entries[..entries.len() - 1], &[]);
     assert_eq!(rows_under(&before_last, b"z"), 2, "one row per minute");
+    assert_eq!(rows_under(&before_last, &[keys::REVISED_MINUTE]), 2);
     let meters_end = meters().len();
     let mut digests = Vec::new();
     for cuts in [vec![], vec![meters_end + 1], vec![meters_end + 2]] {
@@ -1629,6 +1658,11 @@ fn minute_event_rows_no_void_can_need_are_pruned() {
             rows_under(&store, b"z"),
             1,
             "only the last minute's (cuts {cuts:?})"
+        );
+        assert_eq!(
+            rows_under(&store, &[keys::REVISED_MINUTE]),
+            0,
+            "cuts {cuts:?}"
         );
         digests.push(store.digest().unwrap());
     }
@@ -1828,4 +1862,157 @@ fn loading_the_event_index_notes_its_size_for_the_next_start() {
         "a malformed hint is only ignored"
     );
     assert_eq!(hint(&store), Some(3_000));
+}
+
+/// One step of a stream whose usage is settled in credits: a usage record, a void,
+/// or a revision of the `count` and `sum` meters to filter `filter` (0: every
+/// event, 1: `v > 0`, 2: `v < 1`), in two steps split at a minute; an incomplete
+/// one leaves its second step to the end of the log, where a later revision
+/// refuses it (or, if none came, it completes).
+#[derive(Debug, Clone)]
+enum ChargeStep {
+    Batch(Vec<GenEvent>),
+    Void(Vec<u8>),
+    Revise {
+        filter: u8,
+        split: i64,
+        complete: bool,
+    },
+}
+
+fn gen_charge_step() -> impl Strategy<Value = ChargeStep> {
+    prop_oneof![
+        4 => proptest::collection::vec(gen_event(), 1..8).prop_map(ChargeStep::Batch),
+        2 => proptest::collection::vec(0u8..30, 1..4).prop_map(ChargeStep::Void),
+        2 => (0u8..3, 0i64..6, any::<bool>())
+            .prop_map(|(filter, split, complete)| ChargeStep::Revise { filter, split, complete }),
+    ]
+}
+
+fn charge_filter(filter: u8) -> MeterFilter {
+    let clause = |operator, value| tally_domain::meter::FilterClause {
+        property: "v".into(),
+        operator,
+        value: tally_domain::meter::FilterValue::Number(value),
+    };
+    match filter {
+        1 => positive_only(),
+        2 => MeterFilter {
+            conjunction: tally_domain::meter::Conjunction::And,
+            clauses: vec![clause(tally_domain::meter::Operator::Lt, Decimal::ONE)],
+        },
+        _ => MeterFilter::default(),
+    }
+}
+
+/// What settlement is owed for `e` by the `count` or `sum` meter under `filter`.
+fn charge_due(e: &GenEvent, aggregation: Aggregation, filter: u8) -> Decimal {
+    let value = e.value.map(|v| Decimal::new(v, 1));
+    let matched = match filter {
+        1 => value.is_some_and(|v| v > Decimal::ZERO),
+        2 => value.is_some_and(|v| v < Decimal::ONE),
+        _ => true,
+    };
+    match (matched, aggregation) {
+        (true, Aggregation::Count) => Decimal::ONE,
+        (true, Aggregation::Sum) => value.filter(|v| *v > Decimal::ZERO).unwrap_or_default(),
+        _ => Decimal::ZERO,
+    }
+}
+
+/// The log of a settled stream, the events that stay stored, and the filter the
+/// meters end with.
+fn log_with_charges(steps: &[ChargeStep]) -> (Vec<LogEntry>, Vec<GenEvent>, u8) {
+    let charged: Vec<Meter> = meters().into_iter().take(2).collect();
+    let ids: Vec<MeterId> = charged.iter().map(|m| m.id.clone()).collect();
+    let mut records: Vec<Record> = charged.iter().cloned().map(Record::MeterUpserted).collect();
+    let (mut stored, mut voided, mut stale) = (Vec::<GenEvent>::new(), HashSet::new(), Vec::new());
+    let (mut revision, mut last_filter) = (1u32, 0u8);
+    let first = T0.div_euclid(60_000);
+    let minutes: Vec<i64> = (first..first + 5).collect();
+    for step in steps {
+        match step {
+            ChargeStep::Batch(events) => {
+                push_batch(&mut records, &mut stored, events, &ids);
+                if let Some(Record::UsageBatch { settles, .. }) = records.last_mut() {
+                    *settles = true;
+                }
+            }
+            ChargeStep::Void(event_ids) => push_void(&mut records, &stored, &mut voided, event_ids),
+            ChargeStep::Revise {
+                filter,
+                split,
+                complete,
+            } => {
+                revision += 1;
+                last_filter = *filter;
+                let (early, late) = minutes.split_at((*split).min(5) as usize);
+                for meter in &charged {
+                    let mut meter = meter.clone();
+                    meter.filter = charge_filter(*filter);
+                    meter.revision = revision;
+                    let step = |part: &[i64]| Record::MeterRevised {
+                        meter: meter.clone(),
+                        minutes: part.to_vec(),
+                    };
+                    records.push(step(early));
+                    match complete {
+                        true => records.push(step(late)),
+                        false => stale.push(step(late)),
+                    }
+                }
+            }
+        }
+    }
+    records.extend(stale);
+    stored.retain(|e| !voided.contains(&e.id));
+    (entries_of(&records), stored, last_filter)
+}
+
+/// `entries` applied in chunks ending at `cuts` (every other chunk after a
+/// restart) over a store whose scope settles usage in credits.
+fn apply_settled_in_chunks(entries: &[LogEntry], cuts: &[usize]) -> Arc<MemoryStore> {
+    let store = Arc::new(MemoryStore::new());
+    let settles = tally_core::keys::Key::scoped(keys::USAGE_BINDING_SCOPE, STORE, Mode::Test);
+    store
+        .apply(vec![(settles.into_bytes(), Some(Vec::new()))], &[])
+        .unwrap();
+    apply_in_chunks_over(store, entries, cuts, tally_engine::event_index::fingerprint)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
+
+    /// Usage settled in credits follows every correction exactly: whatever the
+    /// interleaving of usage, voids and revisions (steps of a revision a later one
+    /// supersedes included), and however the log is chunked, the units left for
+    /// settlement add up, per meter, to what the meter's final definition charges
+    /// for the events that stay.
+    #[test]
+    fn settled_units_follow_voids_and_revisions(
+        steps in proptest::collection::vec(gen_charge_step(), 1..14),
+        cuts in proptest::collection::vec(0usize..40, 0..6),
+    ) {
+        let (entries, stored, filter) = log_with_charges(&steps);
+        let store = apply_settled_in_chunks(&entries, &cuts);
+        // Chunked as a replay of the whole log is.
+        let whole = apply_settled_in_chunks(&entries, &[]);
+        prop_assert_eq!(store.digest().unwrap(), whole.digest().unwrap());
+        let mut left: BTreeMap<String, Decimal> = BTreeMap::new();
+        for (key, value) in contents(store.as_ref()) {
+            if key.first() == Some(&keys::SETTLEMENT_PENDING) {
+                for units in tally_core::codec::decode_settlement(&value).unwrap().units {
+                    *left.entry(units.meter_id.to_string()).or_default() += units.quantity;
+                }
+            }
+        }
+        for meter in meters().into_iter().take(2) {
+            let due: Decimal = stored
+                .iter()
+                .map(|e| charge_due(e, meter.aggregation, filter))
+                .sum();
+            let got = left.get(meter.id.as_str()).copied().unwrap_or_default();
+            prop_assert_eq!(got.normalize(), due.normalize(), "{:?}", meter.aggregation);
+        }
+    }
 }

@@ -1164,6 +1164,34 @@ async fn a_checkouts_credits_are_granted_by_its_completion_record() {
     server.stop().await;
 }
 
+/// The ledger's audit replays the log's transactions (debits and credits of usage
+/// settled in credits included) to the balances the projection holds.
+async fn assert_ledger_audits_clean(server: &Server) {
+    let mut audit = tally_engine::audit::replay_ledger(
+        server.engine.log().as_ref(),
+        server.engine.store().as_ref(),
+        |_, _| {},
+        |_, _, _, _| {},
+    )
+    .await
+    .unwrap();
+    server
+        .engine
+        .ledger()
+        .check_projected_balances(&mut audit)
+        .unwrap();
+    assert!(audit.violations.is_empty(), "{:?}", audit.violations);
+}
+
+/// The customer's first credit account's id.
+async fn first_account(api: &Api, cus: &str) -> String {
+    let accounts = api
+        .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
+        .await
+        .body;
+    accounts["data"][0]["id"].as_str().unwrap().to_string()
+}
+
 /// The account's balance, read through the API.
 async fn balance(api: &Api, account_id: &str) -> String {
     let account = api
@@ -1204,11 +1232,7 @@ async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
         settled(s, &calls)["debited"] == "1" && settled(s, &tokens)["debited"] == "3"
     })
     .await;
-    let accounts = api
-        .get(&format!("/v1/customer-credits/accounts?customer_id={cus}"))
-        .await
-        .body;
-    let account_id = accounts["data"][0]["id"].as_str().unwrap().to_string();
+    let account_id = first_account(&api, &cus).await;
     assert_eq!(balance(&api, &account_id).await, "16");
 
     let hook = id(&api
@@ -1305,20 +1329,7 @@ async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
     assert_eq!(granted, ["0.5", "0.5", "2"], "{feed}");
 
     // The ledger's audit replays the credits given back like any transaction.
-    let mut audit = tally_engine::audit::replay_ledger(
-        server.engine.log().as_ref(),
-        server.engine.store().as_ref(),
-        |_, _| {},
-        |_, _, _, _| {},
-    )
-    .await
-    .unwrap();
-    server
-        .engine
-        .ledger()
-        .check_projected_balances(&mut audit)
-        .unwrap();
-    assert!(audit.violations.is_empty(), "{:?}", audit.violations);
+    assert_ledger_audits_clean(&server).await;
 
     // Nothing is given back twice after a restart.
     server.stop().await;
@@ -1329,6 +1340,130 @@ async fn voided_usage_settled_in_credits_gives_back_what_it_cost() {
     let s = api.get(&sub_path).await.body;
     assert_eq!(settled(&s, &calls)["quantity"], "0");
     assert_eq!(settled(&s, &tokens)["debited"], "1");
+    server.stop().await;
+}
+
+/// A meter revision corrects usage settled in credits: each charged event is
+/// charged what the new definition makes it, more or less, and a void after it
+/// gives back what the event was last charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meter_revision_corrects_usage_settled_in_credits() {
+    let (_g, dir, server, api, keys) = setup().await;
+    let (calls, tokens, prod) = priced_in_credits(&api, "20", 1).await;
+    let cus = customer(&api, "US").await;
+    let sub = subscribe(&server, &api, &prod, &cus).await;
+    let sub_path = format!("/v1/subscriptions/{sub}");
+    let ingested = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [
+                {"name": "llm", "customer_id": cus, "event_id": "t1", "properties": {"n": 300, "m": 100}},
+                {"name": "llm", "customer_id": cus, "event_id": "t2", "properties": {"n": 100, "m": 400}},
+                {"name": "api_call", "customer_id": cus, "event_id": "c1", "properties": {"region": "eu"}},
+                {"name": "api_call", "customer_id": cus, "event_id": "c2", "properties": {"region": "us"}},
+                {"name": "api_call", "customer_id": cus, "event_id": "c3", "properties": {"region": "us"}},
+            ]}),
+        )
+        .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
+    // 400 tokens at 0.01, and two calls past the free one at 0.5: 5 of 20.
+    until(&api, &sub_path, |s| {
+        settled(s, &calls)["debited"] == "1" && settled(s, &tokens)["debited"] == "4"
+    })
+    .await;
+    let account_id = first_account(&api, &cus).await;
+    assert_eq!(balance(&api, &account_id).await, "15");
+    let revise = |meter: &str, body: Value| {
+        let (api, path) = (api.clone(), format!("/v1/meters/{meter}/revisions"));
+        async move {
+            let answer = api.post(&path, body).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            answer.body
+        }
+    };
+
+    // A dry run charges nothing.
+    revise(
+        &tokens,
+        json!({"aggregation_property": "m", "dry_run": true}),
+    )
+    .await;
+    // By `m` the tokens are 500: t1 is charged 2 credits less, t2 3 more.
+    revise(
+        &tokens,
+        json!({"aggregation_property": "m", "dry_run": false}),
+    )
+    .await;
+    settles_to(
+        &api,
+        &sub_path,
+        &tokens,
+        json!({"meter_id": tokens, "account_name": "api", "quantity": "500",
+                "billed": "5", "debited": "5", "shortfall": "0"}),
+    )
+    .await;
+    assert_eq!(balance(&api, &account_id).await, "14");
+    // Only calls from the EU: c1, which is free; the two billable ones come back.
+    let eu = json!({"conjunction": "and", "clauses": [{"property": "region", "operator": "eq", "value": "eu"}]});
+    revise(&calls, json!({"filter": eu, "dry_run": false})).await;
+    settles_to(
+        &api,
+        &sub_path,
+        &calls,
+        json!({"meter_id": calls, "account_name": "api", "quantity": "1",
+                "billed": "0", "debited": "0", "shortfall": "0"}),
+    )
+    .await;
+    assert_eq!(balance(&api, &account_id).await, "15");
+
+    // A void gives back what the event was last charged: t2's 400 by `m`.
+    let voided = api
+        .post(
+            "/v1/events/void",
+            json!({"event_ids": ["t2"], "reason": "test traffic"}),
+        )
+        .await;
+    assert_eq!(voided.status, 200, "{}", voided.body);
+    settles_to(
+        &api,
+        &sub_path,
+        &tokens,
+        json!({"meter_id": tokens, "account_name": "api", "quantity": "100",
+                "billed": "1", "debited": "1", "shortfall": "0"}),
+    )
+    .await;
+    assert_eq!(balance(&api, &account_id).await, "19");
+    // Revising again by what was charged already changes nothing more; back to
+    // `n`, t1 is charged 2 more.
+    revise(&calls, json!({"filter": eu, "dry_run": false})).await;
+    revise(
+        &tokens,
+        json!({"aggregation_property": "n", "dry_run": false}),
+    )
+    .await;
+    settles_to(
+        &api,
+        &sub_path,
+        &tokens,
+        json!({"meter_id": tokens, "account_name": "api", "quantity": "300",
+                "billed": "3", "debited": "3", "shortfall": "0"}),
+    )
+    .await;
+    assert_eq!(balance(&api, &account_id).await, "17");
+    let s = api.get(&sub_path).await.body;
+    assert_eq!(settled(&s, &calls)["quantity"], "1", "{s}");
+
+    // The ledger's audit replays the corrections like any transaction, and
+    // nothing is corrected twice after a restart.
+    assert_ledger_audits_clean(&server).await;
+    server.stop().await;
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &keys.test);
+    server.engine.wait_caught_up().await.unwrap();
+    assert_eq!(balance(&api, &account_id).await, "17");
+    let s = api.get(&sub_path).await.body;
+    assert_eq!(settled(&s, &tokens)["debited"], "3", "{s}");
+    assert_eq!(settled(&s, &calls)["debited"], "0", "{s}");
     server.stop().await;
 }
 

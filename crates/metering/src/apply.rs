@@ -180,7 +180,7 @@ pub fn apply_usage_batch(
         // Likewise a meter created or changed after what the gateway knew: its
         // definition decides, and an event it folds that ingest did not match gets
         // the marker of an event folded apart from ingest's match (a void reads it,
-        // see `voids::was_folded`).
+        // see `charged::was_folded`).
         for meter in unknown.iter().filter(|m| m.matches(&view)) {
             if meter.accrues(event.timestamp_ms) && !event.matched_meter_ids.contains(&meter.id) {
                 overlay.put(
@@ -221,7 +221,7 @@ pub fn apply_usage_batch(
 
 /// Folds a new event into a meter that matches it, if the meter is active and counts
 /// from its timestamp; a matching meter that is not active gets the event's `_` row
-/// (a void must know it was not folded, see `voids::was_folded`). What the event
+/// (a void must know it was not folded, see `charged::was_folded`). What the event
 /// contributed, when folded.
 fn fold_matched(
     overlay: &mut Overlay<'_>,
@@ -970,21 +970,30 @@ fn prune_minute_rows(overlay: &mut Overlay<'_>, stored_cut_ms: i64) -> Result<()
             .saturating_sub(MAX_EVENT_AGE_MS)
             .saturating_sub(tally_domain::time::MINUTE_MS),
     );
-    loop {
-        let rows = overlay.first_entries(&[keys::MINUTE_EVENTS], MINUTE_ROWS_PRUNE_STEP)?;
-        let fetched = rows.len();
-        let mut deleted = 0;
-        for (key, _) in rows {
-            if keys::minute_events_minute(&key)? >= before {
-                return Ok(());
+    // A minute's revision rows go with its `z` rows: only a rebuild reads them.
+    type MinuteOf = fn(&[u8]) -> Result<i64, EngineError>;
+    let tables: [(u8, MinuteOf); 2] = [
+        (keys::MINUTE_EVENTS, keys::minute_events_minute),
+        (keys::REVISED_MINUTE, keys::revised_minute_minute),
+    ];
+    for (table, minute_of) in tables {
+        loop {
+            let rows = overlay.first_entries(&[table], MINUTE_ROWS_PRUNE_STEP)?;
+            let fetched = rows.len();
+            let mut deleted = 0;
+            for (key, _) in rows {
+                if minute_of(&key)? >= before {
+                    break;
+                }
+                overlay.delete(key);
+                deleted += 1;
             }
-            overlay.delete(key);
-            deleted += 1;
-        }
-        if deleted < MINUTE_ROWS_PRUNE_STEP || fetched == 0 {
-            return Ok(());
+            if deleted < MINUTE_ROWS_PRUNE_STEP || fetched == 0 {
+                break;
+            }
         }
     }
+    Ok(())
 }
 
 /// `z` rows read per step of their pruning (bounds one read's memory).

@@ -24,6 +24,7 @@ use tally_core::{codec, keys, pagination, EngineError, Journal, Scope};
 use tally_domain::meter::Meter;
 
 pub mod apply;
+pub mod charged;
 pub mod events;
 pub mod meters;
 pub mod recent;

@@ -32,9 +32,11 @@ use tally_domain::time::{minute_bucket, Window, MINUTE_MS};
 use tally_projection::Visit;
 
 use crate::apply::{load_meter, MeteringApplied};
+use crate::charged;
 use crate::usage::UsageQuery;
-use crate::voids::{fetch, rebuild_customer, rebuild_minute_total, MinuteEvents};
+use crate::voids::{fetch, rebuild_customer, rebuild_minute_total, MinuteEvents, Uncounted};
 use crate::Metering;
+use tally_core::event_index::EventLocation;
 
 /// `z` rows (usage records to read back) one step's minutes may hold, at least one
 /// minute per step: bounds the records one apply reads and holds.
@@ -78,19 +80,26 @@ fn superseded() -> Outcome {
     )
 }
 
-/// A `MeterRevised` step: switches the meter on its first step, then rebuilds its
-/// buckets of `minutes`.
+/// A `MeterRevised` step at `position`: switches the meter on its first step, then
+/// rebuilds its buckets of `minutes`. With `corrections`, what each event of those
+/// minutes was charged by its earlier definition less what the new one charges
+/// (units taken back; negative: units to charge) is noted there, with the record
+/// that stored it, for usage settlement (docs/api.md, "Meter revisions").
 pub fn apply_revision(
     overlay: &mut Overlay<'_>,
     revised: &Meter,
     minutes: &[i64],
+    (_, offset): (u32, u64),
     at_ms: i64,
     applied: &mut MeteringApplied,
+    mut corrections: Option<&mut Vec<Uncounted>>,
 ) -> Result<(), ApplyError> {
     let (store_id, mode) = (revised.store_id.as_str(), revised.mode);
     let mut meter = load_meter(overlay, store_id, mode, &revised.id)?;
     if meter.revision.checked_add(1) == Some(revised.revision) {
         check_revisable(&meter)?;
+        let before = meter.clone();
+        let kept = charged::kept_definitions(overlay, &before)?;
         meter.filter = revised.filter.clone();
         meter.aggregation_property = revised.aggregation_property.clone();
         meter.revision = revised.revision;
@@ -101,9 +110,14 @@ pub fn apply_revision(
             keys::meter_key(store_id, mode, &meter.id),
             codec::encode_meter(&meter),
         );
+        // The definitions usage was charged by: a store's records share one
+        // partition, so this step's offset orders it with every usage record.
+        let definitions = charged::with_revision(kept, &before, &meter, offset);
         overlay.put(
             keys::revised_meter_key(store_id, mode, &meter.id),
-            Vec::new(),
+            definitions
+                .map(|d| codec::encode_meter_definitions(&d))
+                .unwrap_or_default(),
         );
         applied.meters.push(meter.clone());
     } else if meter.revision != revised.revision
@@ -122,13 +136,72 @@ pub fn apply_revision(
         }
     }
     fetch(overlay, &wanted)?;
+    let charged = charged::is_charged(&meter);
+    let definitions = match (charged, &corrections) {
+        (true, Some(_)) => charged::kept_definitions(overlay, &meter)?,
+        _ => None,
+    };
     for &minute in minutes {
         let customers = events.customers(overlay, store_id, mode, minute)?;
+        let revision = match charged {
+            true => charged::minute_revision(overlay, &meter, minute)?,
+            false => 0,
+        };
         for customer in &customers {
             let locations = events.of(overlay, store_id, mode, minute, customer)?;
+            if let (Some(out), true) = (corrections.as_deref_mut(), charged) {
+                correct_charged(overlay, &meter, &definitions, revision, &locations, out)?;
+            }
             rebuild_customer(overlay, &meter, customer, minute, &locations)?;
         }
         rebuild_minute_total(overlay, &mut events, &meter, minute)?;
+        if charged {
+            charged::note_minute_revision(overlay, &meter, minute);
+        }
+    }
+    Ok(())
+}
+
+/// Notes, for each event at `locations` (one customer's of a minute the meter's
+/// revision `revision` rebuilt last, 0: none), what it was charged less what the
+/// meter charges for it now, where they differ. A voided event was given back
+/// already; one whose charge is no longer known is left as it was (`charged_by`).
+fn correct_charged(
+    overlay: &Overlay<'_>,
+    meter: &Meter,
+    definitions: &Option<Vec<(u64, Meter)>>,
+    revision: u32,
+    locations: &[EventLocation],
+    out: &mut Vec<Uncounted>,
+) -> Result<(), EngineError> {
+    for location in locations {
+        let batch = overlay.batch_at(location.partition, location.offset)?;
+        let Some(event) = batch.event(location.index)? else {
+            return Err(EngineError::Corrupt(format!(
+                "a minute-events row points at event {} of the record at partition {} offset {}, which has fewer",
+                location.index, location.partition, location.offset
+            )));
+        };
+        if event.name != meter.event_name
+            || overlay.contains(&keys::voided_event_key(
+                &meter.store_id,
+                meter.mode,
+                &event.event_id,
+            ))?
+        {
+            continue;
+        }
+        let was = charged::charged_by(meter, definitions, revision, location.offset);
+        let quantity = charged::overcharged(overlay, was, meter, event)?;
+        if !quantity.is_zero() {
+            out.push(Uncounted {
+                customer_id: event.customer_id.clone(),
+                meter_id: meter.id.clone(),
+                timestamp_ms: event.timestamp_ms,
+                quantity,
+                stored_by: (location.partition, location.offset),
+            });
+        }
     }
     Ok(())
 }

@@ -46,7 +46,7 @@ use tally_domain::aggregate::{Aggregate, Contribution};
 use tally_domain::exact::exact_add;
 use tally_domain::gauge::{keep_latest, LatestPoint};
 use tally_domain::limits::{MAX_EVENT_ID_CHARS, MAX_REASON_CHARS};
-use tally_domain::meter::{Aggregation, EventView, Meter};
+use tally_domain::meter::{Aggregation, Meter};
 use tally_domain::record::Record;
 use tally_domain::time::minute_bucket;
 use tally_domain::usage::UsageEvent;
@@ -55,6 +55,8 @@ use tally_projection::warm::WarmRead;
 use tally_projection::ProjectionStore;
 
 use crate::apply::{add_weighted_changes, contribution_of, fold_contribution, fold_weighted};
+use crate::charged;
+pub use crate::charged::was_folded;
 use crate::recent::RecentRecords;
 use crate::Metering;
 
@@ -106,6 +108,8 @@ pub struct Uncounted {
     pub customer_id: tally_domain::ids::CustomerId,
     pub meter_id: tally_domain::ids::MeterId,
     pub timestamp_ms: i64,
+    /// Units taken back; negative for units to charge (a revision's correction of
+    /// an event the new definition charges more for).
     pub quantity: rust_decimal::Decimal,
     /// The storing record's (partition, offset).
     pub stored_by: (u32, u64),
@@ -180,25 +184,43 @@ pub fn apply_void(
     // then the all-customers ones (meter, minute), which merge the customers'.
     let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
     let mut all_rebuilds: BTreeSet<(usize, i64)> = BTreeSet::new();
+    // Each revised meter's definitions, read once: what its events were charged by.
+    let mut definitions: HashMap<usize, Option<Vec<(u64, Meter)>>> = HashMap::new();
     for ((event, alone), stored_by) in fresh.iter().zip(&alone).zip(&stored_by) {
         let minute = minute_bucket(event.timestamp_ms);
         for (at, meter) in meters.iter().enumerate() {
-            if meter.event_name != event.name || !was_folded(overlay, meter, event)? {
+            if meter.event_name != event.name {
+                continue;
+            }
+            // What settlement charged for the event: by the definition it was
+            // charged by, which a revision not yet through its minute has changed.
+            if let (Some(out), true) = (uncounted.as_deref_mut(), charged::is_charged(meter)) {
+                let known = match definitions.entry(at) {
+                    std::collections::hash_map::Entry::Occupied(known) => known.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(slot) => {
+                        slot.insert(charged::kept_definitions(overlay, meter)?)
+                    }
+                };
+                let revision = match meter.revision > 1 {
+                    true => charged::minute_revision(overlay, meter, minute)?,
+                    false => 0,
+                };
+                let was = charged::charged_by(meter, known, revision, stored_by.1);
+                let quantity = charged::charged_units(overlay, was, event)?;
+                if quantity > rust_decimal::Decimal::ZERO {
+                    out.push(Uncounted {
+                        customer_id: event.customer_id.clone(),
+                        meter_id: meter.id.clone(),
+                        timestamp_ms: event.timestamp_ms,
+                        quantity,
+                        stored_by: *stored_by,
+                    });
+                }
+            }
+            if !was_folded(overlay, meter, event)? {
                 continue;
             }
             count_voided(overlay, meter, event, minute)?;
-            if let (Some(out), Some(quantity)) = (
-                uncounted.as_deref_mut(),
-                crate::apply::settled_quantity(meter, event),
-            ) {
-                out.push(Uncounted {
-                    customer_id: event.customer_id.clone(),
-                    meter_id: meter.id.clone(),
-                    timestamp_ms: event.timestamp_ms,
-                    quantity,
-                    stored_by: *stored_by,
-                });
-            }
             if meter.aggregation == Aggregation::TimeWeightedSum {
                 unfold_weighted(overlay, meter, event)?;
                 continue;
@@ -695,40 +717,6 @@ fn scope_meters(
         .values()
         .map(|bytes| codec::decode_meter(bytes))
         .collect()
-}
-
-/// Whether `event` counted in `meter`: matched at ingest, the meter active when its
-/// record applied (no `_` row) and counting from at or before its timestamp, or
-/// folded by a backfill (a `B` row). The counting start only moves back, by a
-/// backfill that folds what it uncovers, so the start now decides as the start then.
-pub fn was_folded(
-    overlay: &Overlay<'_>,
-    meter: &Meter,
-    event: &UsageEvent,
-) -> Result<bool, EngineError> {
-    let backfilled = keys::backfilled_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
-    let skipped = keys::fold_skipped_key(&meter.store_id, meter.mode, &meter.id, &event.event_id);
-    if meter.revision > 1 {
-        // A revised meter counts what its definition matches, whatever ingest
-        // matched (apply decides its events from the definition too).
-        let view = EventView {
-            name: &event.name,
-            timestamp_ms: event.timestamp_ms,
-            properties: &event.properties,
-        };
-        return Ok(meter.counts_revised(
-            &view,
-            overlay.contains(&backfilled)?,
-            overlay.contains(&skipped)?,
-        ));
-    }
-    // Folded at ingest (matched, counting, not skipped) or by a backfill: the
-    // in-memory test first, so the usual event costs one look-up, not two.
-    let matched = event.matched_meter_ids.contains(&meter.id);
-    if matched && event.timestamp_ms >= meter.counts_from_ms && !overlay.contains(&skipped)? {
-        return Ok(true);
-    }
-    overlay.contains(&backfilled)
 }
 
 /// Takes an event out of a bucket of its minute (`slot`: its customer's, or
