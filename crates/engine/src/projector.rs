@@ -1030,8 +1030,9 @@ fn apply_amendment(
 /// What a correction record leaves for usage settlement (docs/api.md, "Usage prices
 /// settled in credits"): the voided events' units (or a revision's differences),
 /// negated, for those whose storing record's usage was settled or is pending (the
-/// others were never charged), and an amendment's replacement's units; pending under the correction's own position, so
-/// the settler appends them after the settlement of the usage they take back.
+/// others were never charged), and an amendment's replacement's units; pending
+/// under the correction's own position, so the settler appends them after the
+/// settlement of the usage they take back.
 fn leave_corrections(
     overlay: &mut Overlay<'_>,
     (store_id, mode): (&str, tally_domain::Mode),

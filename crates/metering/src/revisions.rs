@@ -80,11 +80,12 @@ fn superseded() -> Outcome {
     )
 }
 
-/// A `MeterRevised` step at `position`: switches the meter on its first step, then
-/// rebuilds its buckets of `minutes`. With `corrections`, what each event of those
-/// minutes was charged by its earlier definition less what the new one charges
-/// (units taken back; negative: units to charge) is noted there, with the record
-/// that stored it, for usage settlement (docs/api.md, "Meter revisions").
+/// A `MeterRevised` step at its log position: switches the meter on its first
+/// step, then rebuilds its buckets of `minutes`. With `corrections`, what each
+/// event of those minutes was charged by its earlier definition less what the new
+/// one charges (units taken back; negative: units to charge) is noted there, with
+/// the record that stored it, for usage settlement (docs/api.md, "Meter
+/// revisions").
 pub fn apply_revision(
     overlay: &mut Overlay<'_>,
     revised: &Meter,
@@ -143,9 +144,10 @@ pub fn apply_revision(
     };
     for &minute in minutes {
         let customers = events.customers(overlay, store_id, mode, minute)?;
-        let revision = match charged {
-            true => charged::minute_revision(overlay, &meter, minute)?,
-            false => 0,
+        // Read only where corrections are made; written wherever charges can be.
+        let revision = match (charged, &corrections) {
+            (true, Some(_)) => charged::minute_revision(overlay, &meter, minute)?,
+            _ => 0,
         };
         for customer in &customers {
             let locations = events.of(overlay, store_id, mode, minute, customer)?;
