@@ -208,11 +208,19 @@ pub fn decode_meter(bytes: &[u8]) -> Result<Meter, EngineError> {
 /// empty row is a revision of an earlier build, whose definitions are unknown.
 const METER_DEFINITIONS_V1: u8 = 1;
 
-/// A revised meter's definitions, oldest first: each with the offset of the store's
-/// partition from which apply counted usage by it.
-pub fn encode_meter_definitions(definitions: &[(u64, Meter)]) -> Vec<u8> {
+/// A revised meter's definitions, oldest first, each with the offset from which
+/// apply counted usage by it, in `partition` (the store's, where its revisions and
+/// usage records go).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MeterDefinitions {
+    pub partition: u32,
+    pub definitions: Vec<(u64, Meter)>,
+}
+
+pub fn encode_meter_definitions(kept: &MeterDefinitions) -> Vec<u8> {
     let mut out = vec![METER_DEFINITIONS_V1];
-    for (from_offset, meter) in definitions {
+    out.extend_from_slice(&kept.partition.to_be_bytes());
+    for (from_offset, meter) in &kept.definitions {
         let bytes = encode_meter(meter);
         out.extend_from_slice(&from_offset.to_be_bytes());
         // A meter's definition is bounded far below 4 GiB (meter limits).
@@ -223,8 +231,8 @@ pub fn encode_meter_definitions(definitions: &[(u64, Meter)]) -> Vec<u8> {
 }
 
 /// The definitions of [`encode_meter_definitions`]; `None` for an empty row.
-pub fn decode_meter_definitions(bytes: &[u8]) -> Result<Option<Vec<(u64, Meter)>>, EngineError> {
-    let Some((&version, mut rest)) = bytes.split_first() else {
+pub fn decode_meter_definitions(bytes: &[u8]) -> Result<Option<MeterDefinitions>, EngineError> {
+    let Some((&version, rest)) = bytes.split_first() else {
         return Ok(None);
     };
     if version != METER_DEFINITIONS_V1 {
@@ -232,27 +240,32 @@ pub fn decode_meter_definitions(bytes: &[u8]) -> Result<Option<Vec<(u64, Meter)>
             "a meter definitions row of unknown version {version}"
         )));
     }
+    let short = || corrupt("a meter definitions row is cut short");
+    let be_u32 = |b: &[u8]| -> Result<u32, EngineError> {
+        Ok(u32::from_be_bytes(b.try_into().map_err(|_| short())?))
+    };
+    let partition = be_u32(rest.get(..4).ok_or_else(short)?)?;
+    let mut rest = &rest[4..];
     let mut definitions = Vec::new();
     while !rest.is_empty() {
-        let short = || corrupt("a meter definitions row is cut short");
         let from_offset = u64::from_be_bytes(
             rest.get(..8)
                 .ok_or_else(short)?
                 .try_into()
-                .map_err(corrupt)?,
+                .map_err(|_| short())?,
         );
-        let len = u32::from_be_bytes(
-            rest.get(8..12)
-                .ok_or_else(short)?
-                .try_into()
-                .map_err(corrupt)?,
-        ) as usize;
+        let len = be_u32(rest.get(8..12).ok_or_else(short)?)? as usize;
         let end = 12usize.checked_add(len).ok_or_else(short)?;
-        let meter = decode_meter(rest.get(12..end).ok_or_else(short)?)?;
-        definitions.push((from_offset, meter));
+        definitions.push((
+            from_offset,
+            decode_meter(rest.get(12..end).ok_or_else(short)?)?,
+        ));
         rest = &rest[end..];
     }
-    Ok(Some(definitions))
+    Ok(Some(MeterDefinitions {
+        partition,
+        definitions,
+    }))
 }
 
 pub fn encode_store(s: &StoreRecord) -> Vec<u8> {

@@ -13,7 +13,7 @@
 //! keeps its definitions for that (`codec::encode_meter_definitions`).
 
 use rust_decimal::Decimal;
-use tally_core::codec;
+use tally_core::codec::{self, MeterDefinitions};
 use tally_core::error::EngineError;
 use tally_core::keys;
 use tally_core::overlay::Overlay;
@@ -81,13 +81,13 @@ pub fn is_charged(meter: &Meter) -> bool {
 }
 
 /// A meter's definitions as its `` ` `` row keeps them; `None` when unknown (a
-/// revision of an earlier build).
+/// revision of an earlier build) or never revised.
 pub fn kept_definitions(
     overlay: &Overlay<'_>,
     meter: &Meter,
-) -> Result<Option<Vec<(u64, Meter)>>, EngineError> {
+) -> Result<Option<MeterDefinitions>, EngineError> {
     if meter.revision <= 1 {
-        return Ok(Some(Vec::new()));
+        return Ok(None);
     }
     match overlay.get(&keys::revised_meter_key(
         &meter.store_id,
@@ -99,23 +99,27 @@ pub fn kept_definitions(
     }
 }
 
-/// The definitions after a revision switched `before` to `after` at `offset`: the
-/// kept ones (or, at the first revision, `before` from the start), then `after`,
-/// at most `MAX_KEPT_DEFINITIONS`. `None` stays unknown.
+/// The definitions after a revision switched `before` to `after` at `position`:
+/// the kept ones (or, at the first revision, `before` from the start), then
+/// `after`, at most `MAX_KEPT_DEFINITIONS`. Unknown ones stay unknown (so do kept
+/// ones of another partition: their offsets would not order with this one's).
 pub fn with_revision(
-    kept: Option<Vec<(u64, Meter)>>,
+    kept: Option<MeterDefinitions>,
     before: &Meter,
     after: &Meter,
-    offset: u64,
-) -> Option<Vec<(u64, Meter)>> {
-    let mut definitions = kept?;
-    if before.revision <= 1 {
-        definitions = vec![(0, before.clone())];
-    }
-    definitions.push((offset, after.clone()));
-    let excess = definitions.len().saturating_sub(MAX_KEPT_DEFINITIONS);
-    definitions.drain(..excess);
-    Some(definitions)
+    (partition, offset): (u32, u64),
+) -> Option<MeterDefinitions> {
+    let mut kept = match before.revision <= 1 {
+        true => MeterDefinitions {
+            partition,
+            definitions: vec![(0, before.clone())],
+        },
+        false => kept.filter(|k| k.partition == partition)?,
+    };
+    kept.definitions.push((offset, after.clone()));
+    let excess = kept.definitions.len().saturating_sub(MAX_KEPT_DEFINITIONS);
+    kept.definitions.drain(..excess);
+    Some(kept)
 }
 
 /// The revision a rebuild last brought the meter's minute to (0: none).
@@ -144,20 +148,28 @@ pub fn note_minute_revision(overlay: &mut Overlay<'_>, meter: &Meter, minute: i6
     );
 }
 
-/// The definition an event of `minute` stored by the record at `offset` was
-/// charged by (module docs). Where that is no longer known (a definition past
-/// `MAX_KEPT_DEFINITIONS`, or a revision of an earlier build) the meter's current
-/// one stands in, as it did before definitions were kept: a revision then corrects
-/// nothing, and a void gives back what the current definition makes the event.
+/// The definition an event of `minute` stored by the record at `stored_by` was
+/// charged by (module docs). A record of another partition than the revisions'
+/// was written by an earlier build, which keyed usage by customer, before any
+/// revision that kept definitions: it counts as the oldest. Where the definition
+/// is no longer known (past `MAX_KEPT_DEFINITIONS`, or a revision of an earlier
+/// build) the meter's current one stands in, as it did before definitions were
+/// kept: a revision then corrects nothing, and a void gives back what the current
+/// definition makes the event.
 pub fn charged_by<'m>(
     meter: &'m Meter,
-    definitions: &'m Option<Vec<(u64, Meter)>>,
+    kept: &'m Option<MeterDefinitions>,
     minute_revision: u32,
-    offset: u64,
+    (partition, offset): (u32, u64),
 ) -> &'m Meter {
-    let Some(definitions) = definitions.as_ref().filter(|_| meter.revision > 1) else {
+    let Some(kept) = kept.as_ref().filter(|_| meter.revision > 1) else {
         return meter;
     };
+    let offset = match partition == kept.partition {
+        true => offset,
+        false => 0,
+    };
+    let definitions = &kept.definitions;
     let at_offset = definitions
         .iter()
         .rev()
@@ -213,12 +225,12 @@ mod tests {
 
     #[test]
     fn an_event_was_charged_by_the_later_of_its_records_revision_and_its_minutes() {
-        // Revision 2 took over at offset 100, revision 3 at offset 200.
-        let kept = with_revision(Some(Vec::new()), &meter(1, "a"), &meter(2, "b"), 100);
-        let kept = with_revision(kept, &meter(2, "b"), &meter(3, "c"), 200);
+        // Revision 2 took over at offset 100 of partition 0, revision 3 at 200.
+        let kept = with_revision(None, &meter(1, "a"), &meter(2, "b"), (0, 100));
+        let kept = with_revision(kept, &meter(2, "b"), &meter(3, "c"), (0, 200));
         let now = meter(3, "c");
         let property = |offset, minute| {
-            charged_by(&now, &kept, minute, offset)
+            charged_by(&now, &kept, minute, (0, offset))
                 .aggregation_property
                 .clone()
         };
@@ -229,44 +241,53 @@ mod tests {
         // A minute revision 2 rebuilt (and corrected) before revision 3 took over.
         assert_eq!(property(5, 2).as_deref(), Some("b"));
         assert_eq!(property(5, 3).as_deref(), Some("c"));
+        // A record of another partition (an earlier build's) is the oldest.
+        let other = charged_by(&now, &kept, 0, (1, 250));
+        assert_eq!(other.aggregation_property.as_deref(), Some("a"));
         // Unknown definitions: the current one stands in.
-        assert_eq!(charged_by(&now, &None, 0, 5), &now);
+        assert_eq!(charged_by(&now, &None, 0, (0, 5)), &now);
         // A meter never revised charges by its one definition.
         let plain = meter(1, "a");
-        assert_eq!(charged_by(&plain, &None, 0, 5), &plain);
+        assert_eq!(charged_by(&plain, &None, 0, (0, 5)), &plain);
     }
 
     #[test]
     fn kept_definitions_are_bounded_and_drop_the_oldest() {
-        let mut kept = Some(Vec::new());
+        let mut kept = None;
         for revision in 1..(MAX_KEPT_DEFINITIONS as u32 + 5) {
             kept = with_revision(
                 kept,
                 &meter(revision, "p"),
                 &meter(revision + 1, "p"),
-                u64::from(revision) * 10,
+                (0, u64::from(revision) * 10),
             );
         }
-        let kept = kept.unwrap();
-        assert_eq!(kept.len(), MAX_KEPT_DEFINITIONS);
+        assert_eq!(
+            kept.as_ref().unwrap().definitions.len(),
+            MAX_KEPT_DEFINITIONS
+        );
         let now = meter(MAX_KEPT_DEFINITIONS as u32 + 5, "p");
-        let definitions = Some(kept);
         // The first revisions are dropped: what they charged is no longer known,
         // and the current definition stands in; the kept ones still answer
         // (revision r took over at offset (r - 1) * 10).
-        assert_eq!(charged_by(&now, &definitions, 0, 5), &now);
-        assert_eq!(charged_by(&now, &definitions, 0, 100).revision, 11);
-        // An unknown history stays unknown.
-        assert_eq!(with_revision(None, &meter(3, "p"), &meter(4, "p"), 9), None);
+        assert_eq!(charged_by(&now, &kept, 0, (0, 5)), &now);
+        assert_eq!(charged_by(&now, &kept, 0, (0, 100)).revision, 11);
+        // Unknown definitions stay unknown; so do those of another partition.
+        assert_eq!(
+            with_revision(None, &meter(3, "p"), &meter(4, "p"), (0, 9)),
+            None
+        );
+        assert_eq!(with_revision(kept, &now, &meter(40, "p"), (1, 9)), None);
     }
 
     #[test]
     fn definitions_round_trip_through_their_row() {
-        let kept = with_revision(Some(Vec::new()), &meter(1, "a"), &meter(2, "b"), 100).unwrap();
+        let kept = with_revision(None, &meter(1, "a"), &meter(2, "b"), (3, 100)).unwrap();
         let bytes = codec::encode_meter_definitions(&kept);
         assert_eq!(codec::decode_meter_definitions(&bytes).unwrap(), Some(kept));
         assert_eq!(codec::decode_meter_definitions(&[]).unwrap(), None);
         assert!(codec::decode_meter_definitions(&bytes[..bytes.len() - 1]).is_err());
+        assert!(codec::decode_meter_definitions(&bytes[..3]).is_err());
         assert!(codec::decode_meter_definitions(&[9]).is_err());
     }
 }

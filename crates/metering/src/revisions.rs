@@ -90,7 +90,7 @@ pub fn apply_revision(
     overlay: &mut Overlay<'_>,
     revised: &Meter,
     minutes: &[i64],
-    (_, offset): (u32, u64),
+    position: (u32, u64),
     at_ms: i64,
     applied: &mut MeteringApplied,
     mut corrections: Option<&mut Vec<Uncounted>>,
@@ -113,7 +113,7 @@ pub fn apply_revision(
         );
         // The definitions usage was charged by: a store's records share one
         // partition, so this step's offset orders it with every usage record.
-        let definitions = charged::with_revision(kept, &before, &meter, offset);
+        let definitions = charged::with_revision(kept, &before, &meter, position);
         overlay.put(
             keys::revised_meter_key(store_id, mode, &meter.id),
             definitions
@@ -171,7 +171,7 @@ pub fn apply_revision(
 fn correct_charged(
     overlay: &Overlay<'_>,
     meter: &Meter,
-    definitions: &Option<Vec<(u64, Meter)>>,
+    definitions: &Option<codec::MeterDefinitions>,
     revision: u32,
     locations: &[EventLocation],
     out: &mut Vec<Uncounted>,
@@ -193,7 +193,12 @@ fn correct_charged(
         {
             continue;
         }
-        let was = charged::charged_by(meter, definitions, revision, location.offset);
+        let was = charged::charged_by(
+            meter,
+            definitions,
+            revision,
+            (location.partition, location.offset),
+        );
         let quantity = charged::overcharged(overlay, was, meter, event)?;
         if !quantity.is_zero() {
             out.push(Uncounted {

@@ -185,7 +185,7 @@ pub fn apply_void(
     let mut customer_rebuilds: BTreeSet<(usize, String, i64)> = BTreeSet::new();
     let mut all_rebuilds: BTreeSet<(usize, i64)> = BTreeSet::new();
     // Each revised meter's definitions, read once: what its events were charged by.
-    let mut definitions: HashMap<usize, Option<Vec<(u64, Meter)>>> = HashMap::new();
+    let mut definitions: HashMap<usize, Option<codec::MeterDefinitions>> = HashMap::new();
     for ((event, alone), stored_by) in fresh.iter().zip(&alone).zip(&stored_by) {
         let minute = minute_bucket(event.timestamp_ms);
         for (at, meter) in meters.iter().enumerate() {
@@ -205,7 +205,7 @@ pub fn apply_void(
                     true => charged::minute_revision(overlay, meter, minute)?,
                     false => 0,
                 };
-                let was = charged::charged_by(meter, known, revision, stored_by.1);
+                let was = charged::charged_by(meter, known, revision, *stored_by);
                 let quantity = charged::charged_units(overlay, was, event)?;
                 if quantity > rust_decimal::Decimal::ZERO {
                     out.push(Uncounted {
