@@ -222,7 +222,7 @@ pub fn encode_meter_definitions(kept: &MeterDefinitions) -> Vec<u8> {
     out.extend_from_slice(&kept.partition.to_be_bytes());
     for (from_offset, meter) in &kept.definitions {
         let bytes = encode_meter(meter);
-        out.extend_from_slice(&from_offset.to_be_bytes());
+        out.extend_from_slice(&encode_count(*from_offset));
         // A meter's definition is bounded far below 4 GiB (meter limits).
         out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
         out.extend_from_slice(&bytes);
@@ -248,12 +248,7 @@ pub fn decode_meter_definitions(bytes: &[u8]) -> Result<Option<MeterDefinitions>
     let mut rest = &rest[4..];
     let mut definitions = Vec::new();
     while !rest.is_empty() {
-        let from_offset = u64::from_be_bytes(
-            rest.get(..8)
-                .ok_or_else(short)?
-                .try_into()
-                .map_err(|_| short())?,
-        );
+        let from_offset = decode_count(rest.get(..8).ok_or_else(short)?)?;
         let len = be_u32(rest.get(8..12).ok_or_else(short)?)? as usize;
         let end = 12usize.checked_add(len).ok_or_else(short)?;
         definitions.push((

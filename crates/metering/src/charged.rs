@@ -130,12 +130,7 @@ pub fn minute_revision(
 ) -> Result<u32, EngineError> {
     let key = keys::revised_minute_key(minute, &meter.store_id, meter.mode, &meter.id);
     match overlay.get(&key)? {
-        Some(bytes) => {
-            let bytes: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
-                EngineError::Corrupt("a revised-minute row is not an 8-byte integer".into())
-            })?;
-            Ok(u32::try_from(u64::from_be_bytes(bytes)).unwrap_or(u32::MAX))
-        }
+        Some(bytes) => Ok(u32::try_from(codec::decode_count(&bytes)?).unwrap_or(u32::MAX)),
         None => Ok(0),
     }
 }
@@ -144,7 +139,7 @@ pub fn minute_revision(
 pub fn note_minute_revision(overlay: &mut Overlay<'_>, meter: &Meter, minute: i64) {
     overlay.put(
         keys::revised_minute_key(minute, &meter.store_id, meter.mode, &meter.id),
-        u64::from(meter.revision).to_be_bytes().to_vec(),
+        codec::encode_count(u64::from(meter.revision)),
     );
 }
 
