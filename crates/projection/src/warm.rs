@@ -6,6 +6,7 @@
 //! history). Warming never changes what a read answers: it only reads.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use crate::{scan_prefix, ProjectionStore, Visit};
 
@@ -35,30 +36,43 @@ pub enum WarmRead {
 /// the next read not yet taken, so all stay busy until the last reads: a fixed
 /// share each left the disk's queue short while the threads with slow shares
 /// (a minute's scan of several rows) finished alone.
+///
+/// The threads are a pool that lives as long as the process: a thread started
+/// per warm came with a fresh allocator heap, and the kernel zeroing its new
+/// pages was half of a void's CPU (docs/benchmarks.md, "Warm threads that stay").
 pub fn warm(store: &dyn ProjectionStore, reads: &[WarmRead]) {
     if reads.len() < WARM_PARALLEL_FROM {
         return;
     }
+    // No pool (its threads did not start): the apply reads the rows itself.
+    let Some(pool) = pool() else { return };
     let next = AtomicUsize::new(0);
-    let threads = WARM_THREADS.min(reads.len());
-    std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..threads)
-            .filter_map(|_| {
-                // A thread that cannot start leaves the reads to the others, or
-                // to the apply.
-                std::thread::Builder::new()
-                    .name("tally-warm".into())
-                    .spawn_scoped(scope, || warm_taking(store, reads, &next))
-                    .ok()
-            })
-            .collect();
-        // Joined here, each: a warm that panicked (a bug in a store's read) is
-        // the apply's to meet when it reads the same rows, not a panic of the
-        // scope in the middle of an apply.
-        for thread in threads {
-            let _ = thread.join();
+    pool.scope(|scope| {
+        for _ in 0..WARM_THREADS.min(reads.len()) {
+            scope.spawn(|_| {
+                // A warm that panicked (a bug in a store's read) is the apply's
+                // to meet when it reads the same rows, not a panic of the scope
+                // in the middle of an apply.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    warm_taking(store, reads, &next)
+                }));
+            });
         }
     });
+}
+
+/// The warm threads, started at the first warm.
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(WARM_THREADS)
+            .thread_name(|_| "tally-warm".into())
+            .build()
+            .map_err(|error| tracing::warn!(%error, "no warm threads: reads are not made ahead"))
+            .ok()
+    })
+    .as_ref()
 }
 
 /// Makes the reads `next` hands out, one at a time, until none is left or one
@@ -94,17 +108,29 @@ mod tests {
     use crate::memory::MemoryStore;
     use crate::{Change, StoreError};
 
-    /// A store that counts the reads made of it.
+    /// A store that counts the reads made of it, and the threads that made them
+    /// (or panics at each read: a bug in a store).
     #[derive(Debug, Default)]
     struct Counting {
         inner: MemoryStore,
         gets: AtomicUsize,
         scanned_rows: AtomicUsize,
+        readers: std::sync::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+        panics: bool,
+        /// Each read waits this long, as a disk read does: every thread of a
+        /// warm then takes some of its reads.
+        read_takes: std::time::Duration,
     }
 
     impl ProjectionStore for Counting {
         fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+            assert!(!self.panics, "a store's read that panics");
+            std::thread::sleep(self.read_takes);
             self.gets.fetch_add(1, Ordering::Relaxed);
+            self.readers
+                .lock()
+                .unwrap()
+                .insert(std::thread::current().id());
             self.inner.get(key)
         }
         fn scan(
@@ -178,5 +204,45 @@ mod tests {
             .collect();
         warm(&store, &reads);
         assert_eq!(store.gets.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn warms_share_threads_that_stay() {
+        let store = Counting {
+            read_takes: std::time::Duration::from_millis(1),
+            ..Counting::default()
+        };
+        let reads: Vec<WarmRead> = (0..4 * WARM_PARALLEL_FROM)
+            .map(|i| WarmRead::Key(vec![i as u8]))
+            .collect();
+        for _ in 0..5 {
+            warm(&store, &reads);
+        }
+        assert_eq!(store.gets.load(Ordering::Relaxed), 5 * reads.len());
+        let readers = store.readers.lock().unwrap();
+        // Threads started per warm would be new ones each time (a `ThreadId` is
+        // never reused): up to five times as many.
+        assert!(
+            readers.len() <= WARM_THREADS,
+            "{} threads read for five warms",
+            readers.len()
+        );
+        assert!(!readers.contains(&std::thread::current().id()));
+    }
+
+    #[test]
+    fn a_read_that_panics_is_left_to_the_apply() {
+        let store = Counting {
+            panics: true,
+            ..Counting::default()
+        };
+        let reads: Vec<WarmRead> = (0..2 * WARM_PARALLEL_FROM)
+            .map(|i| WarmRead::Key(vec![i as u8]))
+            .collect();
+        warm(&store, &reads);
+        // The pool outlives the panics: the next warm still reads.
+        let store = Counting::default();
+        warm(&store, &reads);
+        assert_eq!(store.gets.load(Ordering::Relaxed), reads.len());
     }
 }
