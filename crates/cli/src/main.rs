@@ -563,13 +563,13 @@ fn open_projections_with(
             .with_context(|| format!("opening the projection store in {}", dir.display()))?;
     let every = std::time::Duration::from_millis(CHECKPOINT_EVERY_MS);
     let store: Arc<dyn ProjectionStore> = match changelog {
-        Some(writer) => Arc::new(CheckpointStore::with_limits(
-            ChangelogStore::new(sled, writer),
-            checkpoint_keys,
-            every,
-        )),
+        Some(writer) => Arc::new(
+            CheckpointStore::with_limits(ChangelogStore::new(sled, writer), checkpoint_keys, every)
+                .with_read_cache(tally_core::keys::READ_CACHED_TABLES),
+        ),
         None => {
-            let store = CheckpointStore::with_limits(sled, checkpoint_keys, every);
+            let store = CheckpointStore::with_limits(sled, checkpoint_keys, every)
+                .with_read_cache(tally_core::keys::READ_CACHED_TABLES);
             Arc::new(match layer_copies {
                 Some(every) => store.with_layer_copies(every),
                 None => store,

@@ -211,6 +211,21 @@ pub const FOLD_SKIPPED: u8 = b'_';
 /// key, not a bucket.
 pub const BUCKET_ROW_TABLES: &[u8] = &[AGGREGATE, DISTINCT_SET, LATEST, WEIGHTED];
 
+/// The tables whose rows the checkpoint store keeps in memory once read
+/// (`tally_projection::read_cache`): rows read again and again and written seldom.
+/// A debit reads its account three times (request, apply, the balance-low check)
+/// and its holds and low-balance marker twice, which for most accounts do not
+/// exist; the exhaustion marker likewise; and apply reads the format stamp once a
+/// chunk. Idempotency keys, outcomes and reversal markers are read once each, under
+/// a fresh key, so they are left out: they would only fill the cache.
+pub const READ_CACHED_TABLES: &[u8] = &[
+    CREDIT_ACCOUNT,
+    CREDIT_HOLDS,
+    CREDIT_BALANCE_LOW,
+    CREDIT_EXHAUSTED,
+    PROJECTION_FORMAT,
+];
+
 /// The packing a new projection store is created with.
 pub fn bucket_rows() -> tally_projection::Packing {
     tally_projection::Packing::tables(BUCKET_ROW_TABLES)

@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod outcome;
 pub mod overlay;
 pub mod pagination;
+pub mod scan_cache;
 pub mod series;
 pub mod sparse_keys;
 

@@ -23,6 +23,7 @@ use crate::event_index::{self, EventIndex, EventLocation};
 use crate::keys::{self, BucketKey, StoredEventsKey};
 use crate::meter_cache::MeterCache;
 use crate::outcome::Outcome;
+use crate::scan_cache::ScanCache;
 use crate::series::{BucketId, SeriesId, SeriesNames};
 pub use crate::series::{FastDashMap, FastIndexMap, FastMap};
 use crate::sparse_keys::SparseKeys;
@@ -290,6 +291,8 @@ pub struct BucketCache {
     held_value_count: usize,
     /// Meter definitions as committed, decoded once (`Overlay::shared_meter`).
     meters: MeterCache,
+    /// Scans of small tables as committed (`Overlay::committed_scan`).
+    scans: ScanCache,
 }
 
 /// Buckets kept in the cache (bounds memory: ~100 B each, a map slot of a bucket id
@@ -725,6 +728,45 @@ impl<'a> Overlay<'a> {
     /// Whether this chunk wrote a meter or revision row.
     fn writes_definitions(&self) -> bool {
         definition_writes(&self.changes).next().is_some()
+    }
+
+    /// `prefix_entries` of a table whose scans the cache keeps
+    /// (`crate::scan_cache`): the store's entries are taken from the cache when it
+    /// holds them, else scanned and noted; this chunk's writes go on top as ever.
+    pub fn committed_scan(
+        &mut self,
+        prefix: &[u8],
+    ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
+        if !ScanCache::keeps(prefix) {
+            return self.prefix_entries(prefix);
+        }
+        let cached = self.cache.as_deref().and_then(|c| c.scans.scan(prefix));
+        let committed = match cached {
+            Some(entries) => entries,
+            None => {
+                let mut entries = BTreeMap::new();
+                scan_prefix(self.store, prefix, false, &mut |k, v| {
+                    entries.insert(k.to_vec(), v.to_vec());
+                    Visit::Continue
+                })?;
+                let entries = Arc::new(entries);
+                if let Some(cache) = self.cache.as_deref_mut() {
+                    cache.scans.note_scan(prefix, entries.clone());
+                }
+                entries
+            }
+        };
+        let mut entries = (*committed).clone();
+        for (key, value) in self.changes.range(prefix.to_vec()..) {
+            if !key.starts_with(prefix) {
+                break;
+            }
+            match value {
+                Some(v) => entries.insert(key.clone(), v.clone()),
+                None => entries.remove(key),
+            };
+        }
+        Ok(entries)
     }
 
     /// Every entry under `prefix`: the store's, with this chunk's writes on top.
@@ -1211,6 +1253,9 @@ impl<'a> Overlay<'a> {
             cache
                 .meters
                 .forget_written(definition_writes(&self.changes));
+            cache
+                .scans
+                .forget_written(self.changes.keys().map(Vec::as_slice));
         }
         let mut stored = Vec::new();
         for (key, value) in self

@@ -247,7 +247,7 @@ pub fn schedule_deliveries(
         let (store, mode) = (event.store_id, event.mode);
         let prefix = Key::scoped(keys::WEBHOOK_ENDPOINT, store, mode).into_bytes();
         let endpoints = overlay
-            .prefix_entries(&prefix)?
+            .committed_scan(&prefix)?
             .values()
             .map(|v| decode_endpoint(v))
             .collect::<Result<Vec<_>, _>>()?;
@@ -885,5 +885,72 @@ mod tests {
             (true, 2),
             "two subscribed endpoints, one snapshot"
         );
+    }
+
+    /// Runs `step` in a chunk over `store` with `cache`, then commits it.
+    fn chunk(
+        store: &tally_projection::MemoryStore,
+        cache: &mut tally_core::overlay::BucketCache,
+        step: impl FnOnce(&mut Overlay<'_>),
+    ) {
+        let index = EventIndex::default();
+        let fetched = Fetched::new();
+        let mut overlay = Overlay::new(store, &index, &fetched);
+        overlay.cache = Some(cache);
+        step(&mut overlay);
+        let mut committed = overlay.into_changes().unwrap();
+        tally_projection::ProjectionStore::apply_shared(
+            store,
+            std::mem::take(&mut committed.changes),
+            &[(0, 1)],
+        )
+        .unwrap();
+        cache.absorb(&mut committed);
+    }
+
+    fn deliveries(store: &tally_projection::MemoryStore) -> usize {
+        let prefix = Key::scoped(keys::WEBHOOK_DELIVERY, "st_1", Mode::Test).into_bytes();
+        let mut n = 0;
+        tally_projection::scan_prefix(store, &prefix, false, &mut |_, _| {
+            n += 1;
+            tally_projection::Visit::Continue
+        })
+        .unwrap();
+        n
+    }
+
+    /// The endpoints a step is delivered to are the committed ones, whatever a
+    /// scan of an earlier chunk saw: one created, changed or disabled after events
+    /// were scheduled counts from the next chunk on.
+    #[test]
+    fn endpoints_written_after_a_scan_are_seen_by_the_next_chunk() {
+        let store = tally_projection::MemoryStore::new();
+        let mut cache = tally_core::overlay::BucketCache::for_empty_store();
+        let mut event = consumed("st_1");
+        let mut schedule = |store: &tally_projection::MemoryStore,
+                            cache: &mut tally_core::overlay::BucketCache,
+                            id: &str| {
+            event.id = id.into();
+            let head = EventHead::ledger(&event);
+            chunk(store, cache, |o| {
+                schedule_deliveries(o, &[head], 7).unwrap()
+            });
+        };
+        schedule(&store, &mut cache, "whevt_1");
+        assert_eq!(deliveries(&store), 0, "no endpoint yet");
+        let mut hook = endpoint("st_1", &["credits.consumed"]);
+        chunk(&store, &mut cache, |o| {
+            apply_endpoint(o, &hook, None).unwrap()
+        });
+        schedule(&store, &mut cache, "whevt_2");
+        assert_eq!(deliveries(&store), 1, "the endpoint created since the scan");
+        let base = Some(hook.updated_at_ms);
+        hook.enabled = false;
+        hook.updated_at_ms += 1;
+        chunk(&store, &mut cache, |o| {
+            apply_endpoint(o, &hook, base).unwrap()
+        });
+        schedule(&store, &mut cache, "whevt_3");
+        assert_eq!(deliveries(&store), 1, "the endpoint disabled since");
     }
 }

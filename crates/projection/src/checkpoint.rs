@@ -50,6 +50,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use parking_lot::{RwLock, RwLockWriteGuard};
 
+use crate::read_cache::ReadCache;
 use crate::{Change, ChangeSource, ChangeVisit, ProjectionStore, SharedChange, StoreError, Visit};
 
 /// Keys the layer holds before a checkpoint is started. Bounds memory (an entry is
@@ -391,6 +392,8 @@ struct Shared<S> {
     chunks_published: AtomicU64,
     /// The keys a fresh layer is sized for (the checkpoint's key limit).
     layer_keys: usize,
+    /// Rows of chosen tables as the inner store holds them (`with_read_cache`).
+    cache: Option<ReadCache>,
 }
 
 /// A projection store with an in-memory write-back layer over a durable one.
@@ -437,6 +440,7 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 checkpointed_at: Mutex::new(std::time::Instant::now()),
                 chunks_published: AtomicU64::new(0),
                 layer_keys: max_dirty_keys.min(MAX_PRESIZED_LAYER_KEYS),
+                cache: None,
             }),
             writer: Mutex::new(()),
             max_dirty_keys,
@@ -444,6 +448,21 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
             applies: AtomicU64::new(0),
             copies: None,
         }
+    }
+
+    /// Keeps the inner store's rows of `tables` in memory between reads
+    /// (`crate::read_cache`). Called on a new store, before it is shared.
+    pub fn with_read_cache(mut self, tables: &[u8]) -> Self {
+        match Arc::get_mut(&mut self.shared) {
+            Some(shared) => shared.cache = Some(ReadCache::of_tables(tables)),
+            None => tracing::warn!("a shared checkpoint store was not given a read cache"),
+        }
+        self
+    }
+
+    /// Rows its read cache holds (none without one).
+    pub fn cached_rows(&self) -> usize {
+        self.shared.cache.as_ref().map_or(0, ReadCache::len)
     }
 
     /// Also copies the active layer to the inner store every `every` while no
@@ -704,7 +723,13 @@ impl<S: ProjectionStore> Shared<S> {
         // runs and looked every key up in the value map, ~a third of the
         // checkpoint thread per walk (docs/benchmarks.md, "Bucket rows").
         let changes = layer.changes.snapshot();
-        self.inner.apply_from(&changes, &layer.positions())?;
+        let positions = layer.positions();
+        match &self.cache {
+            Some(cache) => {
+                cache.around_write(&changes, || self.inner.apply_from(&changes, &positions))?
+            }
+            None => self.inner.apply_from(&changes, &positions)?,
+        }
         self.lock_write().writing = None;
         *self
             .checkpointed_at
@@ -730,9 +755,12 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        match self.unwritten(key) {
-            Some(value) => Ok(value),
-            None => self.shared.inner.get(key),
+        match (self.unwritten(key), &self.shared.cache) {
+            (Some(value), _) => Ok(value),
+            (None, Some(cache)) if cache.holds_table(key) => {
+                cache.read_through(key, || self.shared.inner.get(key))
+            }
+            (None, _) => self.shared.inner.get(key),
         }
     }
 

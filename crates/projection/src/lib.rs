@@ -21,6 +21,7 @@ pub mod memory;
 pub mod packing;
 pub mod priority;
 pub mod read_advice;
+pub mod read_cache;
 pub mod sled_store;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testsuite;
