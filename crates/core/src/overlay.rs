@@ -744,12 +744,7 @@ impl<'a> Overlay<'a> {
         let committed = match cached {
             Some(entries) => entries,
             None => {
-                let mut entries = BTreeMap::new();
-                scan_prefix(self.store, prefix, false, &mut |k, v| {
-                    entries.insert(k.to_vec(), v.to_vec());
-                    Visit::Continue
-                })?;
-                let entries = Arc::new(entries);
+                let entries = Arc::new(self.stored_entries_where(prefix, |_| true)?);
                 if let Some(cache) = self.cache.as_deref_mut() {
                     cache.scans.note_scan(prefix, entries.clone());
                 }
@@ -757,15 +752,7 @@ impl<'a> Overlay<'a> {
             }
         };
         let mut entries = (*committed).clone();
-        for (key, value) in self.changes.range(prefix.to_vec()..) {
-            if !key.starts_with(prefix) {
-                break;
-            }
-            match value {
-                Some(v) => entries.insert(key.clone(), v.clone()),
-                None => entries.remove(key),
-            };
-        }
+        self.put_changes_on(prefix, &mut entries, |_| true);
         Ok(entries)
     }
 
@@ -781,6 +768,18 @@ impl<'a> Overlay<'a> {
         prefix: &[u8],
         keep: impl Fn(&[u8]) -> bool,
     ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
+        let mut entries = self.stored_entries_where(prefix, &keep)?;
+        self.put_changes_on(prefix, &mut entries, keep);
+        Ok(entries)
+    }
+
+    /// The store's entries under `prefix` whose key passes `keep` (this chunk's
+    /// writes left out).
+    fn stored_entries_where(
+        &self,
+        prefix: &[u8],
+        keep: impl Fn(&[u8]) -> bool,
+    ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, EngineError> {
         let mut entries = BTreeMap::new();
         scan_prefix(self.store, prefix, false, &mut |k, v| {
             if keep(k) {
@@ -788,6 +787,17 @@ impl<'a> Overlay<'a> {
             }
             Visit::Continue
         })?;
+        Ok(entries)
+    }
+
+    /// Puts this chunk's writes under `prefix` on top of `entries` (those whose key
+    /// passes `keep`; a deletion takes the entry out).
+    fn put_changes_on(
+        &self,
+        prefix: &[u8],
+        entries: &mut BTreeMap<Vec<u8>, Vec<u8>>,
+        keep: impl Fn(&[u8]) -> bool,
+    ) {
         for (key, value) in self.changes.range(prefix.to_vec()..) {
             if !key.starts_with(prefix) {
                 break;
@@ -798,7 +808,6 @@ impl<'a> Overlay<'a> {
                 None => entries.remove(key),
             };
         }
-        Ok(entries)
     }
 
     /// The first `limit` entries under `prefix`, in key order, this chunk's writes

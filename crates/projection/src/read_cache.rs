@@ -2,10 +2,10 @@
 //! reads: the read cache of a [`crate::CheckpointStore`].
 //!
 //! Why: a read the write-back layers cannot answer goes to sled, a walk of its
-//! tree (~5 µs). Under debits of one account a request and its apply read the same
-//! few rows again and again: the account (three times), and its holds and
+//! tree. Under debits of one account a request and its apply read the same few
+//! rows again and again: the account (three times), and its holds (twice) and
 //! low-balance marker, which do not exist (a miss walks the tree too). These were
-//! 8 of a debit's 10 sled reads (docs/benchmarks.md, "Rows read again, kept in
+//! 6 of a debit's 10 sled reads (docs/benchmarks.md, "Rows read again, kept in
 //! memory"). The tables are chosen by the composition root: tables of rows that
 //! are read often and written seldom, where a key read once is read again (not
 //! idempotency keys, outcomes or anything keyed by a fresh id, whose misses would
