@@ -468,7 +468,14 @@ fn writer_loop(
                     .push(end);
             }
             let within = end - active_base;
-            allocated = extend_with_zeros(&active, allocated, within + buffer.len() as u64, sizes)?;
+            let needed = within + buffer.len() as u64;
+            allocated = extend_with_zeros(&active, allocated, needed, sizes).unwrap_or_else(|error| {
+                // Zeros ahead only spare fsyncs work: without them the append still
+                // writes (and fails only if its own bytes do not fit). Not retried
+                // before another `preallocate_bytes` of records.
+                tracing::warn!(%error, "could not write zeros ahead of the log's end; appending without them");
+                needed.saturating_add(sizes.preallocate_bytes)
+            });
             active.write_all_at(&buffer, within)?;
             active.sync_data()
         })();
