@@ -1061,20 +1061,27 @@ mod tests {
         assert_eq!(len, end + (FRAME_HEADER_BYTES + 5) as u64);
     }
 
-    #[tokio::test]
-    async fn a_torn_write_over_zeros_is_cut() {
+    /// A log of one record ("kept"), as a crash leaves it: the crashed copy, where
+    /// its record ends, and its segment open for writing what else the crash left.
+    async fn one_record_crashed() -> (tempfile::TempDir, u64, File) {
         let dir = tempfile::tempdir().unwrap();
         let log = EmbeddedLog::open_with(dir.path(), SMALL).unwrap();
         log.append(b"k", b"kept".to_vec()).await.unwrap();
         let end = log.end_offset(0).await.unwrap();
         let crashed = crash_copy(dir.path());
-        // Half of an unacknowledged frame landed over the zeros.
         let file = OpenOptions::new()
             .write(true)
             .open(segment_path(crashed.path(), 0))
             .unwrap();
-        let half = [frame(b"never acknowledged").as_slice()].concat();
-        file.write_all_at(&half[..12], end).unwrap();
+        (crashed, end, file)
+    }
+
+    #[tokio::test]
+    async fn a_torn_write_over_zeros_is_cut() {
+        let (crashed, end, file) = one_record_crashed().await;
+        // Half of an unacknowledged frame landed over the zeros.
+        file.write_all_at(&frame(b"never acknowledged")[..12], end)
+            .unwrap();
         drop(file);
         let reopened = EmbeddedLog::open_with(crashed.path(), SMALL).unwrap();
         assert_eq!(reopened.end_offset(0).await.unwrap(), end);
@@ -1091,15 +1098,7 @@ mod tests {
     #[tokio::test]
     async fn valid_frames_after_a_zeroed_page_are_a_torn_write() {
         for with_zero_page in [true, false] {
-            let dir = tempfile::tempdir().unwrap();
-            let log = EmbeddedLog::open_with(dir.path(), SMALL).unwrap();
-            log.append(b"k", b"kept".to_vec()).await.unwrap();
-            let end = log.end_offset(0).await.unwrap();
-            let crashed = crash_copy(dir.path());
-            let file = OpenOptions::new()
-                .write(true)
-                .open(segment_path(crashed.path(), 0))
-                .unwrap();
+            let (crashed, end, file) = one_record_crashed().await;
             let lost_page_ends = (end / PAGE_BYTES + 2) * PAGE_BYTES;
             // The write's first bytes landed, its next page did not (zeros), and the
             // frames after it did.
