@@ -388,6 +388,10 @@ impl<S: ProjectionStore> ProjectionStore for ChangelogStore<S> {
         self.inner.unwritten(key)
     }
 
+    fn retired_layers(&self) -> Option<u64> {
+        self.inner.retired_layers()
+    }
+
     fn scan(
         &self,
         start: Bound<&[u8]>,

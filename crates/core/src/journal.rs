@@ -503,8 +503,11 @@ impl Journal {
         record: &Record,
         base_updated_at_ms: Option<i64>,
     ) -> Result<(Decision, (u32, u64)), EngineError> {
+        // Read before the append, so the record's outcome, if apply records one,
+        // comes after it (`decided`).
+        let retired = self.store.retired_layers();
         let position = self.append_with(record, base_updated_at_ms).await?;
-        Ok((self.decision(record, position).await?, position))
+        Ok((self.decided(record, position, retired).await?, position))
     }
 
     /// What apply decided about `record`, appended at `(partition, offset)`: waits
@@ -513,7 +516,22 @@ impl Journal {
     pub async fn decision(
         &self,
         record: &Record,
+        position: (u32, u64),
+    ) -> Result<Decision, EngineError> {
+        self.decided(record, position, None).await
+    }
+
+    /// `decision`; `retired` is the store's `retired_layers` read before the record
+    /// was appended. While it has not moved, the outcome apply recorded (if any) is
+    /// still in memory, so a record applied without one (the common case) is known
+    /// to be without one without a read of sled, where the miss walked its tree
+    /// (~4% of the request threads under debits; docs/benchmarks.md, "Fresh keys
+    /// known absent").
+    async fn decided(
+        &self,
+        record: &Record,
         (partition, offset): (u32, u64),
+        retired: Option<u64>,
     ) -> Result<Decision, EngineError> {
         self.wait_applied(partition, offset).await?;
         if !record.applies_on_every_node()
@@ -526,7 +544,13 @@ impl Journal {
                 message: "the write is durable, but its store moved to another node of the cluster before this one decided it; retry with the same idempotency key",
             });
         }
-        let decision = match self.store.get(&outcome::outcome_key(partition, offset))? {
+        let key = outcome::outcome_key(partition, offset);
+        let outcome = match self.store.unwritten(&key) {
+            Some(outcome) => outcome,
+            None if retired.is_some() && self.store.retired_layers() == retired => None,
+            None => self.store.get(&key)?,
+        };
+        let decision = match outcome {
             None => Decision::Applied,
             Some(bytes) => match outcome::Outcome::decode(&bytes)? {
                 outcome::Outcome::SameAs { id } => Decision::SameAs(id),

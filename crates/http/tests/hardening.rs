@@ -135,6 +135,9 @@ impl ProjectionStore for FaultyStore {
     fn unwritten(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
         self.inner.unwritten(key)
     }
+    fn retired_layers(&self) -> Option<u64> {
+        self.inner.retired_layers()
+    }
     fn scan(
         &self,
         start: std::ops::Bound<&[u8]>,

@@ -188,8 +188,10 @@ struct Changes {
 /// Sorted runs of keys, pairwise disjoint (a key joins once, when new to its
 /// layer), oldest first. Each run is at least twice as long as the next one
 /// (`Changes::push_run` merges until it is), so a layer of n keys holds at most
-/// log2(n) + 1 runs, and a key is merged at most that many times.
-type Runs = Vec<Arc<[Arc<[u8]>]>>;
+/// log2(n) + 1 runs, and a key is merged at most that many times. A run is shared
+/// as the vector it was merged into: turning it into a slice copied every merged
+/// run once more.
+type Runs = Vec<Arc<Vec<Arc<[u8]>>>>;
 
 impl Default for Changes {
     fn default() -> Self {
@@ -308,7 +310,7 @@ impl Changes {
             run = merge_runs(last, &run);
             runs.pop();
         }
-        runs.push(run.into());
+        runs.push(Arc::new(run));
         *self.order.write() = runs;
     }
 
@@ -390,6 +392,10 @@ struct Shared<S> {
     checkpointed_at: Mutex<std::time::Instant>,
     /// Chunks published so far: a scan that sees it move collects again.
     chunks_published: AtomicU64,
+    /// Layers written and dropped from the reads (`retired_layers`); counted under
+    /// the layers' write lock, before the drop, so a reader whose snapshot misses
+    /// a layer sees the count that says so.
+    retired_layers: AtomicU64,
     /// The keys a fresh layer is sized for (the checkpoint's key limit).
     layer_keys: usize,
     /// Rows of chosen tables as the inner store holds them (`with_read_cache`).
@@ -439,6 +445,7 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 failed: Mutex::new(None),
                 checkpointed_at: Mutex::new(std::time::Instant::now()),
                 chunks_published: AtomicU64::new(0),
+                retired_layers: AtomicU64::new(0),
                 layer_keys: max_dirty_keys.min(MAX_PRESIZED_LAYER_KEYS),
                 cache: None,
             }),
@@ -730,7 +737,11 @@ impl<S: ProjectionStore> Shared<S> {
             }
             None => self.inner.apply_from(&changes, &positions)?,
         }
-        self.lock_write().writing = None;
+        {
+            let mut layers = self.lock_write();
+            self.retired_layers.fetch_add(1, Ordering::SeqCst);
+            layers.writing = None;
+        }
         *self
             .checkpointed_at
             .lock()
@@ -762,6 +773,10 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
             }
             (None, _) => self.shared.inner.get(key),
         }
+    }
+
+    fn retired_layers(&self) -> Option<u64> {
+        Some(self.shared.retired_layers.load(Ordering::SeqCst))
     }
 
     fn unwritten(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
@@ -1089,6 +1104,82 @@ mod tests {
             "written: only the inner store answers"
         );
         assert_eq!(store.get(b"a").unwrap().as_deref(), Some(&b"1"[..]));
+    }
+
+    #[test]
+    fn retired_layers_counts_the_layers_written_and_dropped() {
+        assert_eq!(
+            MemoryStore::new().retired_layers(),
+            None,
+            "no layer, no count"
+        );
+        let store = CheckpointStore::with_limits(MemoryStore::new(), 100, Duration::from_secs(60));
+        let before = store.retired_layers();
+        assert_eq!(before, Some(0));
+        store.apply(vec![put("fresh", "1")], &[(0, 1)]).unwrap();
+        assert_eq!(store.retired_layers(), before, "applied, still in memory");
+        assert!(store.unwritten(b"fresh").is_some());
+        store.checkpoint().unwrap();
+        assert_eq!(store.retired_layers(), Some(1), "written and dropped");
+        assert_eq!(store.unwritten(b"fresh"), None);
+        assert_eq!(store.get(b"fresh").unwrap().as_deref(), Some(&b"1"[..]));
+        store.checkpoint().unwrap();
+        assert_eq!(
+            store.retired_layers(),
+            Some(1),
+            "nothing to write, none dropped"
+        );
+    }
+
+    /// The journal's promise (`retired_layers`): while the count read before a
+    /// key was applied has not moved, the key is in memory; once a key is out of
+    /// memory, the count has moved. Checkpoints run in the background all along.
+    #[test]
+    fn a_key_applied_after_the_count_is_in_memory_until_the_count_moves() {
+        let store = Arc::new(CheckpointStore::with_limits(
+            MemoryStore::new(),
+            16,
+            Duration::from_secs(60),
+        ));
+        let (sent, received) = std::sync::mpsc::channel::<(u32, Option<u64>)>();
+        let writer = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                for i in 0..20_000u32 {
+                    let before = store.retired_layers();
+                    let key = format!("k{i:06}");
+                    store
+                        .apply(vec![put(&key, "v")], &[(0, u64::from(i) + 1)])
+                        .unwrap();
+                    sent.send((i, before)).unwrap();
+                }
+            })
+        };
+        let (mut known_in_memory, mut read_through) = (0, 0);
+        for (i, before) in received {
+            let key = format!("k{i:06}");
+            match store.unwritten(key.as_bytes()) {
+                Some(value) => {
+                    assert_eq!(value.as_deref(), Some(&b"v"[..]));
+                    known_in_memory += 1;
+                }
+                None => {
+                    assert_ne!(
+                        store.retired_layers(),
+                        before,
+                        "{key} is out of memory but the count did not move"
+                    );
+                    assert_eq!(
+                        store.get(key.as_bytes()).unwrap().as_deref(),
+                        Some(&b"v"[..])
+                    );
+                    read_through += 1;
+                }
+            }
+        }
+        writer.join().unwrap();
+        assert!(store.retired_layers().unwrap() > 0, "checkpoints ran");
+        assert!(known_in_memory > 0, "{known_in_memory} / {read_through}");
     }
 
     #[test]

@@ -101,6 +101,17 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// How many write-back layers have been written to the durable store and
+    /// dropped from memory so far; `None` for stores without a layer. A change
+    /// applied after a reader saw `Some(n)` is still in a layer while this is still
+    /// `Some(n)`, so `unwritten` answering `None` then means that no change of the
+    /// key was applied since: a key known to be fresh (the outcome of a record
+    /// appended after the count was read) is then known absent without a read of
+    /// the durable store, where a miss walks its tree.
+    fn retired_layers(&self) -> Option<u64> {
+        None
+    }
+
     /// Visits keys in `[start, end)` in ascending order, or descending with `reverse`.
     fn scan(
         &self,
@@ -356,6 +367,9 @@ impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
     }
     fn unwritten(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
         (**self).unwritten(key)
+    }
+    fn retired_layers(&self) -> Option<u64> {
+        (**self).retired_layers()
     }
     fn scan(
         &self,
