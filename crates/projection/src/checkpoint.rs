@@ -574,7 +574,14 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
         self.shared.wait_written()?;
         let layer = self.shared.freeze();
         if let Some(layer) = layer {
-            self.shared.write(&layer)?;
+            if let Err(error) = self.shared.write(&layer) {
+                // As a background checkpoint's failure: later writes fail, and the
+                // frozen layer left in `writing` is not waited for (dropping the
+                // store waited for it forever: a server whose last checkpoint
+                // failed on shutdown never exited).
+                self.shared.record_failure(error.to_string());
+                return Err(error);
+            }
         }
         Ok(())
     }
@@ -617,8 +624,8 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                             Ok(Err(error)) => Some(error.to_string()),
                             Err(_) => Some("the inner store panicked".to_string()),
                         };
-                        if failure.is_some() {
-                            *shared.failed.lock().unwrap_or_else(|p| p.into_inner()) = failure;
+                        if let Some(failure) = failure {
+                            shared.record_failure(failure);
                         }
                     }
                     let _done = shared
@@ -675,6 +682,13 @@ impl<S> Shared<S> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .is_none()
+    }
+
+    /// Fails every later write (fail-stop) and wakes whoever waits for a checkpoint.
+    fn record_failure(&self, failure: String) {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(failure);
+        let _done = self.writing_done.lock().unwrap_or_else(|p| p.into_inner());
+        self.written.notify_all();
     }
 
     /// Waits until no checkpoint is being written (or the one written failed).
@@ -1310,13 +1324,16 @@ mod tests {
         );
     }
 
-    /// An inner store whose writes panic.
+    /// An inner store whose writes fail with an error, or panic.
     #[derive(Debug, Default)]
-    struct Panicking(MemoryStore);
+    struct Broken {
+        store: MemoryStore,
+        panics: bool,
+    }
 
-    impl ProjectionStore for Panicking {
+    impl ProjectionStore for Broken {
         fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-            self.0.get(key)
+            self.store.get(key)
         }
         fn scan(
             &self,
@@ -1325,25 +1342,28 @@ mod tests {
             reverse: bool,
             visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
         ) -> Result<(), StoreError> {
-            self.0.scan(start, end, reverse, visit)
+            self.store.scan(start, end, reverse, visit)
         }
         fn apply(&self, _: Vec<Change>, _: &[(u32, u64)]) -> Result<(), StoreError> {
-            panic!("disk on fire")
+            if self.panics {
+                panic!("disk on fire")
+            }
+            Err(StoreError::Backend("No space left on device".into()))
         }
         fn position(&self, partition: u32) -> Result<u64, StoreError> {
-            self.0.position(partition)
+            self.store.position(partition)
         }
         fn flush(&self) -> Result<(), StoreError> {
             Ok(())
         }
         fn aux_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-            self.0.aux_get(key)
+            self.store.aux_get(key)
         }
         fn aux_put(&self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
-            self.0.aux_put(key, value)
+            self.store.aux_put(key, value)
         }
         fn aux_scan(&self, visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit) -> Result<(), StoreError> {
-            self.0.aux_scan(visit)
+            self.store.aux_scan(visit)
         }
     }
 
@@ -1415,7 +1435,14 @@ mod tests {
 
     #[test]
     fn a_failed_background_checkpoint_fails_later_writes_and_never_hangs() {
-        let store = CheckpointStore::with_limits(Panicking::default(), 1, Duration::ZERO);
+        let store = CheckpointStore::with_limits(
+            Broken {
+                panics: true,
+                ..Broken::default()
+            },
+            1,
+            Duration::ZERO,
+        );
         store.apply(vec![put("a", "1")], &[(0, 1)]).unwrap();
         assert!(
             store.shared.wait_written().is_err(),
@@ -1429,5 +1456,44 @@ mod tests {
             "what was applied stays readable"
         );
         drop(store); // returns: nothing waits on the failed write
+    }
+
+    /// A checkpoint written in the caller's thread (a flush on shutdown) that fails
+    /// reports it, fails later writes, and leaves the store droppable: the drop
+    /// waited forever for the layer it left frozen.
+    #[test]
+    fn a_failed_synchronous_checkpoint_fails_later_writes_and_never_hangs() {
+        // In a thread of its own: a store that hangs on drop (also when an assert
+        // unwinds through it) fails the test instead of hanging it.
+        let (finished, outcome) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let checked = std::panic::catch_unwind(|| {
+                let store = CheckpointStore::with_limits(
+                    Broken::default(),
+                    1_000,
+                    Duration::from_secs(3600),
+                );
+                store.apply(vec![put("a", "1")], &[(0, 1)]).unwrap();
+                let error = store.checkpoint().unwrap_err();
+                assert!(error.to_string().contains("No space left"), "{error}");
+                let later = store.apply(vec![put("b", "1")], &[(0, 2)]).is_err();
+                let flushed = store.flush().is_err();
+                let readable = store.get(b"a").unwrap();
+                drop(store);
+                (later, flushed, readable)
+            });
+            let _ = finished.send(checked.map_err(|_| "panicked"));
+        });
+        let (later, flushed, readable) = outcome
+            .recv_timeout(Duration::from_secs(10))
+            .expect("dropping the store hung on the failed checkpoint")
+            .unwrap();
+        assert!(later, "a write after the failure fails");
+        assert!(flushed, "a flush after the failure fails");
+        assert_eq!(
+            readable.as_deref(),
+            Some(&b"1"[..]),
+            "what was applied stays readable"
+        );
     }
 }
