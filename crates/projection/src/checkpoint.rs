@@ -545,8 +545,19 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 if let Err(why) = crate::priority::run_as_background_thread() {
                     tracing::debug!("the layer copy runs at normal priority: {why}");
                 }
-                if let Err(error) = shared.inner.save_layer_copy(&over, &changes, &positions) {
-                    tracing::warn!(%error, "the layer was not copied; a restart re-applies more of the log");
+                // A panic in the inner store must not leave `in_flight` set: dropping
+                // the store waits for it.
+                let saved = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    shared.inner.save_layer_copy(&over, &changes, &positions)
+                }));
+                match saved {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => {
+                        tracing::warn!(%error, "the layer was not copied; a restart re-applies more of the log")
+                    }
+                    Err(_) => tracing::warn!(
+                        "the layer was not copied (the inner store panicked); a restart re-applies more of the log"
+                    ),
                 }
                 in_flight.store(false, Ordering::SeqCst);
             });
@@ -1350,6 +1361,17 @@ mod tests {
             }
             Err(StoreError::Backend("No space left on device".into()))
         }
+        fn keeps_layer_copies(&self) -> bool {
+            true
+        }
+        fn save_layer_copy(
+            &self,
+            _: &[(u32, u64)],
+            _: &dyn ChangeSource,
+            _: &[(u32, u64)],
+        ) -> Result<(), StoreError> {
+            self.apply(Vec::new(), &[])
+        }
         fn position(&self, partition: u32) -> Result<u64, StoreError> {
             self.store.position(partition)
         }
@@ -1456,6 +1478,42 @@ mod tests {
             "what was applied stays readable"
         );
         drop(store); // returns: nothing waits on the failed write
+    }
+
+    /// A layer copy whose inner store panics or fails leaves the store droppable
+    /// (dropping it waits for a copy in flight).
+    #[test]
+    fn a_failed_layer_copy_never_hangs_the_drop() {
+        for panics in [true, false] {
+            let (finished, outcome) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let store = CheckpointStore::with_limits(
+                    Broken {
+                        panics,
+                        ..Broken::default()
+                    },
+                    1_000,
+                    Duration::from_secs(3600),
+                )
+                .with_layer_copies(Duration::ZERO);
+                store.apply(vec![put("a", "1")], &[(0, 1)]).unwrap();
+                assert!(
+                    store
+                        .copies
+                        .as_ref()
+                        .unwrap()
+                        .applies_copied
+                        .load(Ordering::SeqCst)
+                        > 0
+                );
+                drop(store);
+                let _ = finished.send(());
+            });
+            assert!(
+                outcome.recv_timeout(Duration::from_secs(10)).is_ok(),
+                "dropping the store hung on a failed layer copy (panics: {panics})"
+            );
+        }
     }
 
     /// A checkpoint written in the caller's thread (a flush on shutdown) that fails
