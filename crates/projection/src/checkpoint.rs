@@ -583,18 +583,10 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
     pub fn checkpoint(&self) -> Result<(), StoreError> {
         let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         self.shared.wait_written()?;
-        let layer = self.shared.freeze();
-        if let Some(layer) = layer {
-            if let Err(error) = self.shared.write(&layer) {
-                // As a background checkpoint's failure: later writes fail, and the
-                // frozen layer left in `writing` is not waited for (dropping the
-                // store waited for it forever: a server whose last checkpoint
-                // failed on shutdown never exited).
-                self.shared.record_failure(error.to_string());
-                return Err(error);
-            }
+        match self.shared.freeze() {
+            Some(layer) => self.shared.write_here(&layer),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Starts a background checkpoint of the active layer, after the previous one
@@ -612,11 +604,10 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
             }
         }
         self.shared.wait_written()?;
-        if let Some(_layer) = self.shared.freeze() {
+        if let Some(layer) = self.shared.freeze() {
             let shared = self.shared.clone();
-            std::thread::Builder::new()
-                .name("tally-checkpoint".into())
-                .spawn(move || {
+            let spawned = spawn_checkpoint_thread().and_then(|builder| {
+                builder.spawn(move || {
                     // Nothing waits on a checkpoint but the next one; requests
                     // come first (`priority`).
                     if let Err(why) = crate::priority::run_as_background_thread() {
@@ -645,7 +636,14 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                         .unwrap_or_else(|p| p.into_inner());
                     shared.written.notify_all();
                 })
-                .map_err(|e| StoreError::Backend(format!("starting a checkpoint: {e}")))?;
+            });
+            if let Err(why) = spawned {
+                // No thread (the process is out of threads or memory): the layer
+                // is frozen and must be written, or every later checkpoint (and
+                // dropping the store) would wait for it forever.
+                tracing::warn!("starting a checkpoint thread failed ({why}): writing it here");
+                return self.shared.write_here(&layer);
+            }
         }
         Ok(())
     }
@@ -657,6 +655,21 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
                 .lock()
                 .is_some_and(|since| since.elapsed() >= self.every)
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests make starting a checkpoint thread fail, as a process out of threads.
+    static NO_CHECKPOINT_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The builder of a background checkpoint's thread.
+fn spawn_checkpoint_thread() -> std::io::Result<std::thread::Builder> {
+    #[cfg(test)]
+    if NO_CHECKPOINT_THREADS.with(std::cell::Cell::get) {
+        return Err(std::io::Error::from(std::io::ErrorKind::WouldBlock));
+    }
+    Ok(std::thread::Builder::new().name("tally-checkpoint".into()))
 }
 
 /// Dropping waits for a checkpoint in flight, so nothing writes to the inner store
@@ -746,6 +759,18 @@ impl<S: ProjectionStore> Shared<S> {
         let layer = std::mem::replace(&mut layers.active, fresh);
         layers.writing = Some(layer.clone());
         Some(layer)
+    }
+
+    /// Writes a frozen layer in the caller's thread. A failure is recorded as a
+    /// background checkpoint's is: later writes fail, and the layer left in
+    /// `writing` is not waited for (dropping the store waited for it forever: a
+    /// server whose last checkpoint failed on shutdown never exited).
+    fn write_here(&self, layer: &Layer) -> Result<(), StoreError> {
+        let written = self.write(layer);
+        if let Err(error) = &written {
+            self.record_failure(error.to_string());
+        }
+        written
     }
 
     /// Writes a frozen layer as one inner batch, then drops it from the reads.
@@ -1478,6 +1503,39 @@ mod tests {
             "what was applied stays readable"
         );
         drop(store); // returns: nothing waits on the failed write
+    }
+
+    /// A process that cannot start a checkpoint's thread writes the layer in the
+    /// applying thread instead of leaving it frozen for no one to write.
+    #[test]
+    fn a_checkpoint_without_a_thread_is_written_in_place() {
+        // In a thread of its own (the hook is per thread), which reports what it
+        // saw before it drops the store: a frozen layer no one writes would hang
+        // the drop, and the test then fails on what was reported.
+        let (finished, outcome) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            NO_CHECKPOINT_THREADS.with(|no| no.set(true));
+            let store = CheckpointStore::with_limits(MemoryStore::new(), 1, Duration::ZERO);
+            let applied = [
+                store.apply(vec![put("a", "1")], &[(0, 1)]).is_ok(),
+                store.apply(vec![put("b", "2")], &[(0, 2)]).is_ok(),
+            ];
+            let seen = (
+                applied,
+                store.retired_layers(),
+                store.inner().position(0).unwrap(),
+                store.inner().get(b"b").unwrap(),
+            );
+            let _ = finished.send(seen);
+            drop(store);
+        });
+        let (applied, retired, position, stored) = outcome
+            .recv_timeout(Duration::from_secs(10))
+            .expect("an apply hung behind a checkpoint no thread writes");
+        assert_eq!(applied, [true, true], "both applies succeed");
+        assert_eq!(retired, Some(2), "both layers written");
+        assert_eq!(position, 2);
+        assert_eq!(stored.as_deref(), Some(&b"2"[..]));
     }
 
     /// A layer copy whose inner store panics or fails leaves the store droppable
