@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderName, StatusCode};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -28,6 +27,7 @@ use tally_engine::Scope;
 
 use crate::error::ApiError;
 use crate::extract::MAX_BODY_BYTES;
+use crate::middleware::Proceed;
 use crate::AppState;
 
 /// Header carrying the cluster's secret: on the status endpoint, and on a forwarded
@@ -307,7 +307,11 @@ pub async fn status(State(state): State<AppState>, headers: HeaderMap) -> Respon
 
 /// Serves a request about a store this node serves; forwards the others to the node
 /// that does (see the module documentation).
-pub async fn forward(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub async fn forward(
+    State(state): State<AppState>,
+    request: Request,
+    next: impl Proceed,
+) -> Response {
     let Some(cluster) = state.config.cluster.clone() else {
         return next.run(request).await;
     };

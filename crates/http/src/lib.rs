@@ -23,6 +23,7 @@ pub mod ingest_body;
 mod intake;
 pub mod middleware;
 pub mod openapi;
+mod pipeline;
 pub mod routes;
 pub mod webhooks;
 pub mod wire;
@@ -184,34 +185,43 @@ pub fn router(state: AppState) -> Router {
     let (v1, _) = v1_routes().split_for_parts();
     let v1 = v1
         .method_not_allowed_fallback(method_not_allowed)
-        // Layers run bottom-up: authenticate, then forward to the node serving the
-        // store (in a cluster), then rate limit, then idempotency, then the write
-        // gate, then the catch-up before a 404.
-        .layer(from_fn_with_state(
-            state.clone(),
-            middleware::found_after_catching_up,
-        ))
-        .layer(from_fn_with_state(state.clone(), middleware::write_gate))
-        .layer(from_fn_with_state(state.clone(), middleware::idempotency))
-        .layer(from_fn_with_state(state.clone(), middleware::rate_limit))
-        .layer(from_fn_with_state(state.clone(), cluster::forward))
-        .layer(from_fn_with_state(state.clone(), middleware::authenticate));
+        // Authenticate, forward to the node serving the store (in a cluster), rate
+        // limit, idempotency, the write gate, the catch-up before a 404: one layer
+        // (`pipeline` says why).
+        .layer(from_fn_with_state(state.clone(), pipeline::v1_chain));
     let (open, _) = open_routes(state.mode == Mode::Prod)
         .routes(utoipa_axum::routes!(cluster::status))
         .split_for_parts();
-    let request_id = axum::http::HeaderName::from_static(middleware::REQUEST_ID_HEADER);
-    open.method_not_allowed_fallback(method_not_allowed)
+    let routes = open
+        .method_not_allowed_fallback(method_not_allowed)
         .merge(v1)
         .fallback(route_not_found)
-        // Outermost last: a fresh request id (replacing a client's), its trace
-        // span, the error rendering and metrics, then the body limit (whose 413
-        // `request_context` renders as the error body).
-        .layer(tower_http::limit::RequestBodyLimitLayer::new(
-            extract::MAX_BODY_BYTES,
+        // The one layer every route gets: it hands the route's pattern to
+        // `request_context` (outside the router, where it is not yet known).
+        .layer(middleware::RouteLabelLayer)
+        .with_state(state.clone());
+    let request_id = axum::http::HeaderName::from_static(middleware::REQUEST_ID_HEADER);
+    // The layers every request passes, applied once around the whole router rather
+    // than to each route: axum's `Router::layer` wraps every route in each of them,
+    // and a route clones what it wraps on every request, so each layer there cost
+    // every request a copy of all the layers inside it (docs/benchmarks.md,
+    // "Layers around the router, not each route"). Outermost first: a fresh
+    // request id (replacing a client's), its trace span, the error rendering and
+    // metrics, then the body limit (whose 413 `request_context` renders as the
+    // error body).
+    let stack = tower::ServiceBuilder::new()
+        .layer(tower_http::set_header::SetRequestHeaderLayer::overriding(
+            request_id.clone(),
+            |_: &axum::http::Request<axum::body::Body>| {
+                Some(middleware::TallyRequestIds::header_value())
+            },
         ))
-        .layer(from_fn_with_state(
-            state.clone(),
-            middleware::request_context,
+        .layer(tower_http::request_id::SetRequestIdLayer::new(
+            request_id.clone(),
+            middleware::TallyRequestIds,
+        ))
+        .layer(tower_http::request_id::PropagateRequestIdLayer::new(
+            request_id,
         ))
         .layer(
             tower_http::trace::TraceLayer::new_for_http()
@@ -226,20 +236,12 @@ pub fn router(state: AppState) -> Router {
                 // 5xx are logged with their message by `request_context`.
                 .on_failure(()),
         )
-        .layer(tower_http::request_id::PropagateRequestIdLayer::new(
-            request_id.clone(),
+        .layer(from_fn_with_state(state, middleware::request_context))
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(
+            extract::MAX_BODY_BYTES,
         ))
-        .layer(tower_http::request_id::SetRequestIdLayer::new(
-            request_id.clone(),
-            middleware::TallyRequestIds,
-        ))
-        .layer(tower_http::set_header::SetRequestHeaderLayer::overriding(
-            request_id,
-            |_: &axum::http::Request<axum::body::Body>| {
-                Some(middleware::TallyRequestIds::header_value())
-            },
-        ))
-        .with_state(state)
+        .service(routes);
+    Router::new().fallback_service(stack)
 }
 
 /// The state of both listeners (they share limits and the idempotency guard).
@@ -323,10 +325,17 @@ pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 /// `middleware::request_context`, which renders its error) and a concurrency cap,
 /// and answers are compressed (gzip) for clients that accept it.
 fn hardened(router: Router, body_read_timeout: Duration) -> Router {
+    hardened_with(router, body_read_timeout, MAX_CONCURRENT_REQUESTS)
+}
+
+fn hardened_with(router: Router, body_read_timeout: Duration, concurrent: usize) -> Router {
     use tower_http::catch_panic::CatchPanicLayer;
     use tower_http::timeout::RequestBodyTimeoutLayer;
-    router
-        .layer(tower_http::compression::CompressionLayer::new())
+    // Around the router once (see `router`): one concurrency cap per listener, not
+    // one per route.
+    let stack = tower::ServiceBuilder::new()
+        .layer(tower::limit::ConcurrencyLimitLayer::new(concurrent))
+        .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
         .layer(CatchPanicLayer::custom(
             |panic: Box<dyn std::any::Any + Send>| {
                 let what = panic
@@ -338,10 +347,9 @@ fn hardened(router: Router, body_read_timeout: Duration) -> Router {
                 ApiError::internal("internal error; it has been logged").into_response()
             },
         ))
-        .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
-        .layer(tower::limit::ConcurrencyLimitLayer::new(
-            MAX_CONCURRENT_REQUESTS,
-        ))
+        .layer(tower_http::compression::CompressionLayer::new())
+        .service(router);
+    Router::new().fallback_service(stack)
 }
 
 /// Serves one listener until `shutdown`, then lets open requests finish. Written on
@@ -431,4 +439,66 @@ async fn serve_listener(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::Router;
+    use tokio::sync::Notify;
+    use tower::ServiceExt;
+
+    /// The concurrency cap holds for the listener as a whole: a request to another
+    /// route waits while the cap is taken (it was one cap per route when the layer
+    /// wrapped each route).
+    #[tokio::test]
+    async fn the_concurrency_cap_is_one_for_all_routes() {
+        let release = Arc::new(Notify::new());
+        let held = release.clone();
+        // Plain services, not documented routes: this checks the layering only.
+        let routes = Router::new()
+            .route_service(
+                "/slow",
+                tower::service_fn(move |_: axum::extract::Request| {
+                    let held = held.clone();
+                    async move {
+                        held.notified().await;
+                        Ok::<_, std::convert::Infallible>(axum::response::Response::new(
+                            Body::empty(),
+                        ))
+                    }
+                }),
+            )
+            .route_service(
+                "/quick",
+                tower::service_fn(|_: axum::extract::Request| async {
+                    Ok::<_, std::convert::Infallible>(axum::response::Response::new(Body::empty()))
+                }),
+            );
+        let app = super::hardened_with(routes, Duration::from_secs(5), 1);
+        let request = |path: &str| {
+            axum::http::Request::builder()
+                .uri(path)
+                .body(Body::empty())
+                .unwrap()
+        };
+        let slow = tokio::spawn(app.clone().oneshot(request("/slow")));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let quick = tokio::time::timeout(
+            Duration::from_millis(300),
+            app.clone().oneshot(request("/quick")),
+        )
+        .await;
+        assert!(quick.is_err(), "another route ran while the cap was taken");
+        release.notify_one();
+        assert_eq!(slow.await.unwrap().unwrap().status(), 200);
+        let quick = tokio::time::timeout(Duration::from_secs(5), app.oneshot(request("/quick")))
+            .await
+            .expect("the cap is free again")
+            .unwrap();
+        assert_eq!(quick.status(), 200);
+    }
 }

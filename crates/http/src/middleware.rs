@@ -1,7 +1,9 @@
 //! Cross-cutting HTTP behaviour, in the order a request meets it:
-//! 0. tower-http (`crate::router`): request id, trace span, body limit;
+//! 0. tower-http (`crate::router`, around the router): request id, trace span,
+//!    body limit;
 //! 1. [`request_context`]: error-body rendering, metrics;
-//! 2. [`authenticate`]: `x-api-key` to a scope of this listener's environment;
+//! 2. [`authenticate`]: `x-api-key` to a scope of this listener's environment
+//!    (2-6 and `crate::cluster::forward` after it run as one layer, `crate::pipeline`);
 //! 3. [`rate_limit`]: a GCRA limiter per key (governor), 429 with `retry-after` and
 //!    `x-ratelimit-*` headers;
 //! 4. [`idempotency`]: `idempotency-key` replay for POSTs (24 h, survives restarts);
@@ -82,11 +84,6 @@ pub async fn request_context(
     let started = Instant::now();
     let request_id = request_id_of(request.extensions());
     let method = request.method().clone();
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_else(|| "unmatched".to_string());
     // The request's whole deadline, here rather than in an outer layer, so that
     // its 503 carries the error body and request id like every other error.
     let timeout_ms = state.config.request_timeout_ms;
@@ -159,18 +156,78 @@ pub async fn request_context(
             .or_insert(HeaderValue::from(UNAVAILABLE_RETRY_AFTER_SECONDS));
     }
     let status = response.status().as_u16();
+    // The route's pattern, which `RouteLabel` put on the response inside the router.
+    let route = response
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", |path| path.as_str());
     state
         .engine
         .metrics()
-        .record_request(method.as_str(), &route, status, started.elapsed());
+        .record_request(method.as_str(), route, status, started.elapsed());
     response
+}
+
+/// What follows a middleware of the `/v1` chain: the rest of the chain, then the
+/// handler (`crate::pipeline` runs the chain inside one axum layer). It is axum's
+/// `Next` in all but name, so each middleware reads as an axum one.
+pub trait Proceed: Clone + Send + 'static {
+    fn run(self, request: Request) -> futures::future::BoxFuture<'static, Response>;
+}
+
+/// Puts the route's pattern (axum's `MatchedPath`, known only once the router
+/// matched the request) on the response, where [`request_context`], which runs
+/// around the router, reads it for the metrics' route label. The only layer that
+/// wraps each route (`crate::router` says why the others do not).
+#[derive(Clone, Copy)]
+pub struct RouteLabelLayer;
+
+impl<S> tower::Layer<S> for RouteLabelLayer {
+    type Service = RouteLabel<S>;
+
+    fn layer(&self, inner: S) -> RouteLabel<S> {
+        RouteLabel(inner)
+    }
+}
+
+/// The service of [`RouteLabelLayer`].
+#[derive(Clone)]
+pub struct RouteLabel<S>(S);
+
+impl<S> tower::Service<Request> for RouteLabel<S>
+where
+    S: tower::Service<Request, Response = Response, Error = std::convert::Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = futures::future::BoxFuture<'static, Result<Response, std::convert::Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let label = request.extensions().get::<MatchedPath>().cloned();
+        let answer = self.0.call(request);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            if let Some(label) = label {
+                response.extensions_mut().insert(label);
+            }
+            Ok(response)
+        })
+    }
 }
 
 /// Resolves `x-api-key` to the scope and stores it in the request extensions.
 pub async fn authenticate(
     State(state): State<AppState>,
     mut request: Request,
-    next: Next,
+    next: impl Proceed,
 ) -> Response {
     let key = request
         .headers()
@@ -312,7 +369,11 @@ impl RateLimiter {
     }
 }
 
-pub async fn rate_limit(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub async fn rate_limit(
+    State(state): State<AppState>,
+    request: Request,
+    next: impl Proceed,
+) -> Response {
     let key = request
         .extensions()
         .get::<KeyDigest>()
@@ -354,7 +415,11 @@ pub async fn rate_limit(State(state): State<AppState>, request: Request, next: N
 /// Refuses writes (anything but GET and HEAD) with 503 before any lock or check while
 /// the engine takes none: before the projection caught up after a start, after the
 /// projector or the log failed, while the projection lags. Reads are served.
-pub async fn write_gate(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub async fn write_gate(
+    State(state): State<AppState>,
+    request: Request,
+    next: impl Proceed,
+) -> Response {
     // Previews are POSTs that write nothing.
     let read_only = matches!(*request.method(), Method::GET | Method::HEAD)
         || request.uri().path().ends_with("/preview");
@@ -385,7 +450,7 @@ pub const CATCH_UP_BEFORE_NOT_FOUND_MS: u64 = 5_000;
 pub async fn found_after_catching_up(
     State(state): State<AppState>,
     request: Request,
-    next: Next,
+    next: impl Proceed,
 ) -> Response {
     if !state.engine.log().shared_between_nodes() {
         return next.run(request).await;
@@ -521,7 +586,11 @@ fn key_in_use() -> Response {
 /// record the request appends carries the key and apply claims it, in log order, so
 /// one key creates one thing whichever nodes its retries reach. The final response
 /// is recorded in the log too, and every node replays it byte for byte.
-pub async fn idempotency(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub async fn idempotency(
+    State(state): State<AppState>,
+    request: Request,
+    next: impl Proceed,
+) -> Response {
     if request.method() != Method::POST {
         return next.run(request).await;
     }

@@ -427,7 +427,20 @@ async fn dedup_is_exact_across_batches_within_batches_and_concurrent_requests() 
             ]}),
         )
         .await;
-    // (An hour back is before the meter counts: `no_matching_meter` comes too.)
+    // An hour back is before the meter counts: `no_matching_meter` comes too, and
+    // its message names the counting start rather than the properties.
+    let early = dated.body["events"][0]["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["code"] == "no_matching_meter")
+        .unwrap_or_else(|| panic!("no no_matching_meter warning: {}", dated.body))
+        .clone();
+    let message = early["message"].as_str().unwrap();
+    assert!(
+        message.contains("before meter") && message.contains("counts_from"),
+        "{message}"
+    );
     let dated: Vec<String> = warnings(&dated)
         .into_iter()
         .filter(|code| code.starts_with("duplicate"))

@@ -253,6 +253,34 @@ impl Gateway {
             .collect()
     }
 
+    /// Why an event matched no meter: when an active meter would consume it but
+    /// for its counting start (`counts_from`, docs/api.md), the message says so,
+    /// since the event's timestamp, not its properties, is what a producer must fix.
+    fn no_match_message(meters: &[Meter], event: &ValidatedEvent) -> String {
+        let view = EventView {
+            name: &event.name,
+            timestamp_ms: event.timestamp_ms,
+            properties: &event.properties,
+        };
+        let too_early = meters.iter().find(|m| {
+            m.status == MeterStatus::Active
+                && event.timestamp_ms < m.counts_from_ms
+                && m.matches(&view)
+        });
+        match too_early {
+            Some(meter) => format!(
+                "the event's timestamp is before meter '{}' counts events (its counts_from, {}); \
+                 a backfill opts in to earlier events",
+                meter.id,
+                tally_domain::time::format_iso8601_ms(meter.counts_from_ms)
+            ),
+            None => format!(
+                "no active meter consumes events named '{}' with these properties",
+                event.name
+            ),
+        }
+    }
+
     async fn evaluate_batch(
         &self,
         scope: &Scope,
@@ -349,10 +377,7 @@ impl Gateway {
             if matched.is_empty() {
                 report.warnings.push(Warning {
                     code: "no_matching_meter",
-                    message: format!(
-                        "no active meter consumes events named '{}' with these properties",
-                        validated.name
-                    ),
+                    message: Self::no_match_message(&meters, &validated),
                 });
             }
             let mut unbilled = false;
