@@ -43,16 +43,31 @@ pub fn key_digest(key: &str) -> Vec<u8> {
     Sha256::digest(key.as_bytes()).to_vec()
 }
 
+/// A key that authenticated: its scope, and its digest, the key's handle for what
+/// else is per key (its permissions, rate limit and idempotent responses). The
+/// digest is of the key as looked up (trimmed), so everything per key names the
+/// key that authenticated, however the header spaced it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Authenticated {
+    pub scope: Scope,
+    pub digest: Vec<u8>,
+}
+
 impl Directory {
-    pub fn authenticate(&self, key: Option<&str>, listener: Mode) -> Result<Scope, AuthError> {
+    pub fn authenticate(
+        &self,
+        key: Option<&str>,
+        listener: Mode,
+    ) -> Result<Authenticated, AuthError> {
         let key = key
             .map(str::trim)
             .filter(|k| !k.is_empty())
             .ok_or(AuthError::Missing)?;
+        let digest = key_digest(key);
         let scope = self
             .caches
             .api_keys
-            .get(&key_digest(key))
+            .get(&digest)
             .map(|s| s.clone())
             .ok_or(AuthError::Unknown)?;
         if scope.mode != listener {
@@ -60,7 +75,7 @@ impl Directory {
                 key_mode: scope.mode,
             });
         }
-        Ok(scope)
+        Ok(Authenticated { scope, digest })
     }
 
     /// Creates a store with a fresh pair of keys. The keys are returned once; only

@@ -23,7 +23,7 @@ use dashmap::DashMap;
 use sha2::{Digest, Sha256};
 use tally_domain::record::{IdempotentResponse, Record, RequestKey};
 use tally_engine::idempotency::{self, RequestSlot};
-use tally_engine::stores::{key_digest, AuthError};
+use tally_engine::stores::{AuthError, Authenticated};
 use tokio::sync::watch;
 
 use crate::error::ApiError;
@@ -238,7 +238,7 @@ pub async fn authenticate(
         .engine
         .directory()
         .authenticate(key.as_deref(), state.mode);
-    if verdict == Err(AuthError::Unknown) && state.engine.log().shared_between_nodes() {
+    if matches!(verdict, Err(AuthError::Unknown)) && state.engine.log().shared_between_nodes() {
         // A key created through another node is durable before its creator answers,
         // but this node may not have applied it yet: as for a 404
         // (`found_after_catching_up`), catch up with the log once, then decide.
@@ -255,8 +255,7 @@ pub async fn authenticate(
         }
     }
     match verdict {
-        Ok(scope) => {
-            let digest = key_digest(key.as_deref().unwrap_or(""));
+        Ok(Authenticated { scope, digest }) => {
             // A restricted key needs the permission of the resource and method.
             if let Some(held) = state.engine.directory().permissions_of(&digest) {
                 let path = request.uri().path();

@@ -107,6 +107,22 @@ async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused(
         "permission_error",
     );
     assert!(ingest["message"].as_str().unwrap().contains("events:write"));
+    // However a header spaces the key (HTTP/1 parsers trim it, other transports
+    // may not), what is per key (its permissions here) names the key that
+    // authenticated: a padded restricted key is no less restricted.
+    let padded = format!(" {}\t", restricted.key);
+    let authenticated = server
+        .engine
+        .directory()
+        .authenticate(Some(&padded), tally_domain::Mode::Test)
+        .expect("a padded key authenticates");
+    assert_eq!(
+        server
+            .engine
+            .directory()
+            .permissions_of(&authenticated.digest),
+        Some(vec!["events:read".to_string(), "meters:write".to_string()])
+    );
 
     // Survives a restart; then revoked: 401 at once, revoking again is 409.
     server.stop().await;
