@@ -107,9 +107,31 @@ async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused(
         "permission_error",
     );
     assert!(ingest["message"].as_str().unwrap().contains("events:write"));
-    // However a header spaces the key (HTTP/1 parsers trim it, other transports
-    // may not), what is per key (its permissions here) names the key that
-    // authenticated: a padded restricted key is no less restricted.
+    // However a header spaces the key, what is per key (its permissions here) names
+    // the key that authenticated: a padded restricted key is no less restricted.
+    // HTTP/1 parsers trim a header's spaces; HTTP/2, which the listeners also
+    // speak, keeps them (a key with a trailing space had every permission there).
+    let spaced = format!("{} ", restricted.key);
+    assert_eq!(
+        h2_post(
+            &server.test_url,
+            "/v1/customers",
+            &spaced,
+            r#"{"email": "a@b.io"}"#
+        )
+        .await,
+        403
+    );
+    assert_eq!(
+        h2_post(
+            &server.test_url,
+            "/v1/meters",
+            &spaced,
+            r#"{"name": "calls2", "event_name": "call", "aggregation": "count"}"#
+        )
+        .await,
+        200
+    );
     let padded = format!(" {}\t", restricted.key);
     let authenticated = server
         .engine
@@ -175,6 +197,33 @@ async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused(
         401
     );
     server.stop().await;
+}
+
+/// POSTs `body` over HTTP/2 with prior knowledge (no upgrade), as a client of the
+/// listeners may, and answers the status.
+async fn h2_post(base: &str, path: &str, key: &str, body: &str) -> u16 {
+    let authority = base.trim_start_matches("http://");
+    let stream = tokio::net::TcpStream::connect(authority).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let request = hyper::Request::post(format!("{base}{path}"))
+        .header("x-api-key", key)
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    sender
+        .send_request(request)
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
 }
 
 async fn create_idempotent(server: &Server, key: &str, name: &str) -> Answer {
