@@ -600,8 +600,10 @@ pub async fn idempotency(
     else {
         return next.run(request).await;
     };
-    let key = match key {
-        Ok(k) if !k.trim().is_empty() && k.chars().count() <= MAX_IDEMPOTENCY_KEY_CHARS => k,
+    // Trimmed, as HTTP/1 parsers deliver a header: the same key sent over HTTP/2,
+    // which keeps a value's spaces, names the same request.
+    let key = match key.as_deref().map(str::trim) {
+        Ok(k) if !k.is_empty() && k.chars().count() <= MAX_IDEMPOTENCY_KEY_CHARS => k.to_string(),
         _ => {
             return ApiError::bad_request(
                 "idempotency_key_invalid",

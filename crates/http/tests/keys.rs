@@ -132,6 +132,26 @@ async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused(
         .await,
         200
     );
+    // The same goes for an idempotency key: spaced or not, one request.
+    let customer = r#"{"email": "h2@b.io"}"#;
+    let (first, created) = h2_post_with(
+        &server.test_url,
+        "/v1/customers",
+        &test_key,
+        &[("idempotency-key", "once")],
+        customer,
+    )
+    .await;
+    let (again, replayed) = h2_post_with(
+        &server.test_url,
+        "/v1/customers",
+        &test_key,
+        &[("idempotency-key", "once ")],
+        customer,
+    )
+    .await;
+    assert_eq!((first, again), (200, 200), "{created} {replayed}");
+    assert_eq!(created["id"], replayed["id"], "one customer for one key");
     let padded = format!(" {}\t", restricted.key);
     let authenticated = server
         .engine
@@ -202,6 +222,17 @@ async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused(
 /// POSTs `body` over HTTP/2 with prior knowledge (no upgrade), as a client of the
 /// listeners may, and answers the status.
 async fn h2_post(base: &str, path: &str, key: &str, body: &str) -> u16 {
+    h2_post_with(base, path, key, &[], body).await.0
+}
+
+/// `h2_post` with more headers; answers the status and the body.
+async fn h2_post_with(
+    base: &str,
+    path: &str,
+    key: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, Value) {
     let authority = base.trim_start_matches("http://");
     let stream = tokio::net::TcpStream::connect(authority).await.unwrap();
     let (mut sender, connection) = hyper::client::conn::http2::handshake(
@@ -211,19 +242,27 @@ async fn h2_post(base: &str, path: &str, key: &str, body: &str) -> u16 {
     .await
     .unwrap();
     tokio::spawn(connection);
-    let request = hyper::Request::post(format!("{base}{path}"))
+    let mut request = hyper::Request::post(format!("{base}{path}"))
         .header("x-api-key", key)
-        .header("content-type", "application/json")
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
         .body(http_body_util::Full::new(hyper::body::Bytes::from(
             body.to_string(),
         )))
         .unwrap();
-    sender
-        .send_request(request)
+    let answer = sender.send_request(request).await.unwrap();
+    let status = answer.status().as_u16();
+    let bytes = http_body_util::BodyExt::collect(answer.into_body())
         .await
         .unwrap()
-        .status()
-        .as_u16()
+        .to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
 }
 
 async fn create_idempotent(server: &Server, key: &str, name: &str) -> Answer {
