@@ -132,6 +132,16 @@ async fn restricted_keys_are_held_to_their_permissions_and_revoked_keys_refused(
         .await,
         200
     );
+    // And for the admin token.
+    let (status, body) = h2_post_with(
+        &server.prod_url,
+        "/admin/v1/stores",
+        "",
+        &[("authorization", "Bearer admin-secret ")],
+        r#"{"name": "over h2"}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
     // The same goes for an idempotency key: spaced or not, one request.
     let customer = r#"{"email": "h2@b.io"}"#;
     let (first, created) = h2_post_with(

@@ -24,11 +24,12 @@ fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
             "no such route",
         ));
     };
+    // Trimmed, as HTTP/1 parsers deliver a header (HTTP/2 keeps the spaces).
     let presented = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+        .and_then(|v| v.trim().strip_prefix("Bearer "))
+        .map_or("", str::trim);
     if !constant_time_eq(presented.as_bytes(), token.as_bytes()) {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
