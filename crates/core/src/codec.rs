@@ -375,6 +375,54 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_posted_transaction_row_says_where_each_entry_is_listed() {
+        use tally_domain::ledger::{Entry, Transaction, TransactionKind};
+        let entry = |n: usize, account: &str, amount: i64| Entry {
+            id: tally_domain::ledger::entry_id("ctx_t1", n),
+            account_id: account.into(),
+            amount: Decimal::from(amount),
+            grant_id: None,
+        };
+        let tx = Transaction {
+            id: "ctx_t1".into(),
+            store_id: "st_1".into(),
+            mode: tally_domain::Mode::Test,
+            kind: TransactionKind::Credit,
+            account_id: "ca_1".into(),
+            amount: Decimal::from(5),
+            entries: vec![entry(1, "ca_1", 5), entry(2, "system:issuance", -5)],
+            idempotency_key: None,
+            description: None,
+            metadata: Default::default(),
+            reverses: None,
+            created_at_ms: 1,
+            grant_terms: None,
+        };
+        let row = encode_posted_transaction(&tx, vec![41, 0]);
+        assert_eq!(
+            decode_transaction(&row).unwrap(),
+            tx,
+            "the transaction reads as before"
+        );
+        assert_eq!(
+            posted_entry_place(&row, "ce_t1_1").unwrap(),
+            Some(("ca_1".to_string(), 41))
+        );
+        assert_eq!(posted_entry_place(&row, "ce_t1_3").unwrap(), None);
+        // A row without positions (never written so) is corrupt, not "no entry".
+        assert!(posted_entry_place(&encode_transaction(&tx), "ce_t1_1").is_err());
+        let end = EntryListEnd {
+            count: 7,
+            last_posted_at_ms: -3,
+        };
+        assert_eq!(
+            decode_entry_list_end(&encode_entry_list_end(end)).unwrap(),
+            end
+        );
+        assert!(decode_entry_list_end(&[0; 8]).is_err());
+    }
+
+    #[test]
     fn minute_events_and_void_marks_round_trip_and_refuse_garbage() {
         let print = DistinctPrint::of("mtr_1", b"user_7");
         let events = [
@@ -787,6 +835,38 @@ pub fn encode_transaction(t: &tally_domain::ledger::Transaction) -> Vec<u8> {
     tally_proto::transaction_to_proto(t).encode_to_vec()
 }
 
+/// A posted transaction's row: the transaction and, parallel to its entries, where
+/// each sits in its account's entry list (`entry_seqs`, 0 for a system account's).
+pub fn encode_posted_transaction(
+    t: &tally_domain::ledger::Transaction,
+    entry_seqs: Vec<u64>,
+) -> Vec<u8> {
+    let mut proto = tally_proto::transaction_to_proto(t);
+    proto.entry_seqs = entry_seqs;
+    proto.encode_to_vec()
+}
+
+/// Where the entry `entry_id` of a stored transaction row sits: its account and its
+/// place in that account's entry list. `None` when the row holds no such entry.
+pub fn posted_entry_place(
+    bytes: &[u8],
+    entry_id: &str,
+) -> Result<Option<(String, u64)>, EngineError> {
+    let mut proto = v1::CreditTransaction::decode(bytes).map_err(corrupt)?;
+    let Some(index) = proto.entries.iter().position(|e| e.id == entry_id) else {
+        return Ok(None);
+    };
+    let seq = proto.entry_seqs.get(index).copied().ok_or_else(|| {
+        EngineError::Corrupt(format!(
+            "transaction {} holds {} entries and {} entry positions",
+            proto.id,
+            proto.entries.len(),
+            proto.entry_seqs.len()
+        ))
+    })?;
+    Ok(Some((proto.entries.swap_remove(index).account_id, seq)))
+}
+
 pub fn decode_transaction(bytes: &[u8]) -> Result<tally_domain::ledger::Transaction, EngineError> {
     tally_proto::transaction_from_proto(v1::CreditTransaction::decode(bytes).map_err(corrupt)?)
         .map_err(corrupt)
@@ -800,6 +880,9 @@ pub struct StoredEntry {
     pub account_id: String,
     pub amount: Decimal,
     pub created_at_ms: i64,
+    /// When the entry counts for a balance `at` an instant: never earlier than the
+    /// account's previous entry's (docs/api.md, "Customer credits").
+    pub posted_at_ms: i64,
     pub balance_after: Decimal,
     pub grant_id: Option<String>,
 }
@@ -813,6 +896,7 @@ pub fn encode_entry(e: &StoredEntry) -> Vec<u8> {
         created_at_ms: e.created_at_ms,
         balance_after: tally_domain::usage::canonical_decimal(e.balance_after),
         grant_id: e.grant_id.clone(),
+        posted_at_ms: e.posted_at_ms,
     }
     .encode_to_vec()
 }
@@ -830,6 +914,38 @@ pub fn decode_entry(bytes: &[u8]) -> Result<StoredEntry, EngineError> {
         transaction_id: e.transaction_id,
         account_id: e.account_id,
         created_at_ms: e.created_at_ms,
+        posted_at_ms: e.posted_at_ms,
         grant_id: e.grant_id,
+    })
+}
+
+/// An account's entry list so far (table `q`): how many entries it holds and the
+/// `posted_at_ms` of the last, which the next may not fall below.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EntryListEnd {
+    pub count: u64,
+    pub last_posted_at_ms: i64,
+}
+
+pub fn encode_entry_list_end(end: EntryListEnd) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(16);
+    bytes.extend_from_slice(&end.count.to_be_bytes());
+    bytes.extend_from_slice(&end.last_posted_at_ms.to_be_bytes());
+    bytes
+}
+
+pub fn decode_entry_list_end(bytes: &[u8]) -> Result<EntryListEnd, EngineError> {
+    let fixed: [u8; 16] = bytes.try_into().map_err(|_| {
+        EngineError::Corrupt(format!(
+            "an entry list's end holds {} bytes, not 16",
+            bytes.len()
+        ))
+    })?;
+    let (mut count, mut last) = ([0u8; 8], [0u8; 8]);
+    count.copy_from_slice(&fixed[..8]);
+    last.copy_from_slice(&fixed[8..]);
+    Ok(EntryListEnd {
+        count: u64::from_be_bytes(count),
+        last_posted_at_ms: i64::from_be_bytes(last),
     })
 }

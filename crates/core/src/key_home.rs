@@ -55,8 +55,6 @@ const STORE_FIRST: &[u8] = &[
     keys::CREDIT_REVERSED,
     keys::CREDIT_IDEMPOTENCY,
     keys::CREDIT_ENTRY,
-    keys::CREDIT_ENTRY_ID,
-    keys::CREDIT_BALANCE_HISTORY,
     keys::CREDIT_ENTRY_SEQ,
     keys::WEBHOOK_EVENT,
     keys::WEBHOOK_ENDPOINT,

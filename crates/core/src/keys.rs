@@ -23,13 +23,11 @@
 //! | `n` | store, mode, customer_id, account name | account_id |
 //! | `l` | store, mode, created_at, account_id | (empty) newest-first listing |
 //! | `k` | store, mode, customer_id, created_at, account_id | (empty) per customer |
-//! | `T` | store, mode, transaction_id | CreditTransaction (proto) |
+//! | `T` | store, mode, transaction_id | CreditTransaction (proto) with `entry_seqs`: each entry's seq in its account's `L` list (an entry id names its transaction, so a list cursor finds the entry here) |
 //! | `r` | store, mode, reversed transaction_id | reversal transaction_id |
 //! | `i` | store, mode, idempotency key | transaction_id |
-//! | `L` | store, mode, account_id, seq | StoredEntry (proto) |
-//! | `j` | store, mode, entry_id | account_id, seq |
-//! | `h` | store, mode, account_id, created_at, seq | balance after (16 bytes) |
-//! | `q` | store, mode, account_id | next entry seq (u64) |
+//! | `L` | store, mode, account_id, seq | StoredEntry (proto), whose `posted_at_ms` never falls along the list: a balance `at` an instant bisects it |
+//! | `q` | store, mode, account_id | the account's entry count (u64) and last `posted_at_ms` (i64) (`codec::EntryListEnd`) |
 //! | `W` | store, mode, created_at, event_id | LedgerEvent (proto), for webhooks |
 //! | `w` | store, mode, endpoint_id | WebhookEndpoint (proto) |
 //! | `D` | store, mode, endpoint_id, event_id | WebhookDelivery (proto) |
@@ -134,8 +132,9 @@ pub const CREDIT_TRANSACTION: u8 = b'T';
 pub const CREDIT_REVERSED: u8 = b'r';
 pub const CREDIT_IDEMPOTENCY: u8 = b'i';
 pub const CREDIT_ENTRY: u8 = b'L';
-pub const CREDIT_ENTRY_ID: u8 = b'j';
-pub const CREDIT_BALANCE_HISTORY: u8 = b'h';
+// `j` (entry id to place) and `h` (balance history) were retired with projection
+// format 9: `T` and `L` answer what they did. Not to be reused for another table
+// while a projection of format 8 may still exist.
 pub const CREDIT_ENTRY_SEQ: u8 = b'q';
 pub const WEBHOOK_EVENT: u8 = b'W';
 pub const WEBHOOK_ENDPOINT: u8 = b'w';

@@ -276,6 +276,55 @@ impl Rejection {
 /// Parses an amount: a positive decimal string, at most `MAX_AMOUNT_SCALE` fractional
 /// digits, at most `MAX_AMOUNT`, exactly representable (never rounded).
 /// `allow_zero` for `initial_balance`.
+/// The id of a transaction's `n`-th entry (from 1): `ce_` and the transaction id's
+/// tail, then `_n`. An entry id names its transaction, so a list cursor finds the
+/// entry through the transaction (docs/api.md, "Customer credits").
+pub fn entry_id(transaction_id: &str, n: usize) -> String {
+    let tail = transaction_id
+        .strip_prefix("ctx_")
+        .unwrap_or(transaction_id);
+    format!("ce_{tail}_{n}")
+}
+
+/// The transaction an entry id names (the inverse of [`entry_id`]); `None` for a
+/// string that is no entry id.
+pub fn transaction_of_entry(entry_id: &str) -> Option<String> {
+    let (tail, n) = entry_id.strip_prefix("ce_")?.rsplit_once('_')?;
+    if tail.is_empty() || n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(format!("ctx_{tail}"))
+}
+
+/// Whether `entry_id` is an entry id of `transaction_id` (see [`entry_id`]).
+pub fn names_transaction(entry_id: &str, transaction_id: &str) -> bool {
+    let tail = transaction_id
+        .strip_prefix("ctx_")
+        .unwrap_or(transaction_id);
+    entry_id
+        .strip_prefix("ce_")
+        .and_then(|rest| rest.strip_prefix(tail))
+        .and_then(|rest| rest.strip_prefix('_'))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Names a transaction's entries after it, in order: see [`entry_id`].
+pub fn name_entries(transaction_id: &str, entries: &mut [Entry]) {
+    let mut next = entry_ids(transaction_id);
+    for entry in entries {
+        entry.id = next();
+    }
+}
+
+/// Entry ids for a transaction's entries, in order: see [`entry_id`].
+pub fn entry_ids(transaction_id: &str) -> impl FnMut() -> String + '_ {
+    let mut n = 0;
+    move || {
+        n += 1;
+        entry_id(transaction_id, n)
+    }
+}
+
 pub fn parse_amount(param: &str, text: &str, allow_zero: bool) -> Result<Decimal, FieldError> {
     let trimmed = text.trim();
     let invalid = || {
@@ -460,6 +509,27 @@ mod tests {
             n += 1;
             format!("ce_{n}")
         }
+    }
+
+    #[test]
+    fn an_entry_id_names_its_transaction() {
+        let mut next = entry_ids("ctx_AbC123");
+        assert_eq!(next(), "ce_AbC123_1");
+        assert_eq!(next(), "ce_AbC123_2");
+        assert_eq!(
+            transaction_of_entry("ce_AbC123_2").as_deref(),
+            Some("ctx_AbC123")
+        );
+        // A derived transaction id keeps its own underscores.
+        let id = entry_id("ctx_AbC_e3", 10);
+        assert_eq!(transaction_of_entry(&id).as_deref(), Some("ctx_AbC_e3"));
+        for not_an_entry in ["", "ce_", "ce__1", "ce_x_", "ce_x_1a", "ctx_x_1", "ce_x"] {
+            assert_eq!(transaction_of_entry(not_an_entry), None, "{not_an_entry}");
+        }
+        assert!(names_transaction("ce_AbC_e3_10", "ctx_AbC_e3"));
+        assert!(!names_transaction("ce_AbC_e3_10", "ctx_AbC"));
+        assert!(!names_transaction("ce_AbC_1", "ctx_AbC_e3"));
+        assert!(!names_transaction("ce_random", "ctx_random"));
     }
 
     #[test]

@@ -46,9 +46,12 @@ use tally_runtime::ChunkMode;
 /// which voids rebuild buckets from: an older projection lacks its events); version
 /// 8 adds where each meter was created or changed (`0x01`, which usage records
 /// matched by a gateway that had not applied it yet read: an older projection
-/// lacks the rows, and a replay would not reproduce it); a projection of another
-/// version is refused at start-up (it is rebuilt from the log by deleting it).
-pub const PROJECTION_FORMAT_VERSION: u32 = 8;
+/// lacks the rows, and a replay would not reproduce it); version 9 drops a credit
+/// entry's id row (`j`) and balance history (`h`): an entry id names its
+/// transaction, whose row (`T`) says where the entry is listed, and a balance `at`
+/// an instant bisects the entry list (`L`, `q`); a projection of another version is
+/// refused at start-up (it is rebuilt from the log by deleting it).
+pub const PROJECTION_FORMAT_VERSION: u32 = 9;
 
 /// Refuses a projection of another layout: one that holds applied records but no
 /// (or another) format version.

@@ -554,6 +554,199 @@ async fn listings_paginate_exactly_and_hide_system_accounts() {
     server.stop().await;
 }
 
+/// An entry list of every kind of entry (an initial balance, credits, grants, a
+/// debit drawing from two grants, a reversal, a reservation's commit) walked one
+/// entry at a time by `starting_after`, and back by `ending_before`, reads exactly
+/// the list; a cursor naming another account's entry, or no entry, is 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entry_cursors_find_entries_of_every_kind() {
+    let (_g, server, api, customer) = with_customer().await;
+    let id = account(
+        &api,
+        json!({"customer_id": customer, "initial_balance": "7"}),
+    )
+    .await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let other = account(&api, json!({"customer_id": customer, "name": "other"})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    credit(&api, &other, "1", "o1").await;
+    credit(&api, &id, "5", "c1").await;
+    for (n, priority) in [(1, 10), (2, 20)] {
+        let grant = api
+            .post(
+                &format!("/v1/customer-credits/accounts/{id}/grants"),
+                json!({"amount": "3", "idempotency_key": format!("g{n}"), "priority": priority}),
+            )
+            .await;
+        assert_eq!(grant.status, 200, "{}", grant.body);
+    }
+    // Drawn from the two grants of lower priority number first: split entries.
+    let split = debit(&api, &id, "4", "d1").await;
+    assert_eq!(split.status, 200, "{}", split.body);
+    let spent = debit(&api, &id, "2", "d2").await.body;
+    let reversal = api
+        .post(
+            &format!(
+                "/v1/customer-credits/transactions/{}/reverse",
+                spent["id"].as_str().unwrap()
+            ),
+            json!({}),
+        )
+        .await;
+    assert_eq!(reversal.status, 200, "{}", reversal.body);
+    let held = api
+        .post(
+            &format!("/v1/customer-credits/accounts/{id}/reservations"),
+            json!({"amount": "2", "idempotency_key": "r1"}),
+        )
+        .await;
+    assert_eq!(held.status, 200, "{}", held.body);
+    let committed = api
+        .post(
+            &format!(
+                "/v1/customer-credits/reservations/{}/commit",
+                held.body["id"].as_str().unwrap()
+            ),
+            json!({"amount": "1"}),
+        )
+        .await;
+    assert_eq!(committed.status, 200, "{}", committed.body);
+
+    let page = |query: String| {
+        let api = api.clone();
+        let id = id.clone();
+        async move {
+            let answer = api
+                .get(&format!(
+                    "/v1/customer-credits/accounts/{id}/entries?{query}"
+                ))
+                .await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            let ids: Vec<String> = answer.body["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["id"].as_str().unwrap().to_string())
+                .collect();
+            (ids, answer.body["has_more"] == true)
+        }
+    };
+    let (all, more) = page("limit=100".into()).await;
+    assert!(!more);
+    // 7, 5, 3, 3, the debit split in two, 2, its reversal, the commit.
+    assert_eq!(all.len(), 9, "{all:?}");
+    let mut walked = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let query = match &cursor {
+            Some(after) => format!("limit=1&starting_after={after}"),
+            None => "limit=1".into(),
+        };
+        let (ids, more) = page(query).await;
+        walked.extend(ids.iter().cloned());
+        cursor = ids.last().cloned();
+        if !more {
+            break;
+        }
+    }
+    assert_eq!(walked, all, "forward, one at a time");
+    let mut back = Vec::new();
+    let mut cursor = all.last().cloned().unwrap();
+    back.push(cursor.clone());
+    loop {
+        let (ids, more) = page(format!("limit=1&ending_before={cursor}")).await;
+        let Some(id) = ids.first() else { break };
+        back.push(id.clone());
+        cursor = id.clone();
+        if !more {
+            break;
+        }
+    }
+    back.reverse();
+    assert_eq!(back, all, "backward, one at a time");
+
+    let other_entry = api
+        .get(&format!("/v1/customer-credits/accounts/{other}/entries"))
+        .await
+        .body["data"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let last = all.last().unwrap();
+    let named_wrong = format!("{}9", last);
+    for cursor in [other_entry.as_str(), named_wrong.as_str(), "ce_", "nope"] {
+        let answer = api
+            .get(&format!(
+                "/v1/customer-credits/accounts/{id}/entries?starting_after={cursor}"
+            ))
+            .await;
+        assert_eq!(
+            assert_error(&answer, 404, "invalid_request_error")["param"],
+            "starting_after",
+            "{cursor}"
+        );
+    }
+    server.stop().await;
+}
+
+/// A balance `at` an instant is the balance after a prefix of the entry list, even
+/// when a transaction was created earlier than the one listed before it (nodes'
+/// clocks differ): the later entry counts from the earlier one's instant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn balances_at_instants_follow_the_list_when_clocks_disagree() {
+    let (_g, server, api, customer) = with_customer().await;
+    let id = account(&api, json!({"customer_id": customer})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let start = server.clock.now_ms();
+    credit(&api, &id, "10", "c1").await;
+    server.clock.advance_ms(10_000);
+    credit(&api, &id, "5", "c2").await;
+    // This node's clock is behind: the next credit is created before the last.
+    server.clock.set_ms(start + 5_000);
+    credit(&api, &id, "1", "c3").await;
+    server.clock.set_ms(start + 20_000);
+    let at = |ms: i64| {
+        let api = api.clone();
+        let id = id.clone();
+        async move {
+            let answer = api
+                .get(&format!(
+                    "/v1/customer-credits/accounts/{id}?at={}",
+                    format_iso8601_ms(ms).replace('+', "%2B")
+                ))
+                .await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            answer.body["balance"].as_str().unwrap().to_string()
+        }
+    };
+    assert_eq!(at(start - 1).await, "0");
+    assert_eq!(at(start).await, "10");
+    assert_eq!(
+        at(start + 5_000).await,
+        "10",
+        "the third counts from the second's instant"
+    );
+    assert_eq!(at(start + 9_999).await, "10");
+    assert_eq!(at(start + 10_000).await, "16");
+    assert_eq!(at(start + 20_000).await, "16");
+    let entries = api
+        .get(&format!("/v1/customer-credits/accounts/{id}/entries"))
+        .await
+        .body;
+    assert_eq!(
+        entries["data"][0]["created_at"],
+        format_iso8601_ms(start + 5_000),
+        "an entry shows when its transaction was created"
+    );
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_concurrent_debits_against_one_hundred() {
     let (_g, server, api, customer) = with_customer().await;

@@ -272,11 +272,7 @@ fn derived_credit(
     transaction_id: String,
     at: i64,
 ) -> Result<Transaction, ApplyError> {
-    let mut n = 0;
-    let mut entry_id = || {
-        n += 1;
-        format!("{}_{n}", transaction_id.replacen("ctx_", "ce_", 1))
-    };
+    let mut entry_id = tally_domain::ledger::entry_ids(&transaction_id);
     let entries = post(
         TransactionKind::Credit,
         &account.id,
@@ -419,11 +415,7 @@ pub fn apply_usage_debit(
         events.extend(exhausted);
         return Ok((Decimal::ZERO, events));
     }
-    let mut n = 0;
-    let mut entry_id = || {
-        n += 1;
-        format!("{}_{n}", debit.transaction_id.replacen("ctx_", "ce_", 1))
-    };
+    let mut entry_id = tally_domain::ledger::entry_ids(&debit.transaction_id);
     let entries = post(
         TransactionKind::Debit,
         &account.id,

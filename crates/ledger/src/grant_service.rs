@@ -153,8 +153,6 @@ impl crate::Ledger {
                 // new grant, never to this one): there is nothing to forfeit.
                 return Err(grant_not_active().into());
             }
-            let tx_id = tally_core::ids::new_id("ctx");
-            let entry_base = tx_id.replacen("ctx_", "ce_", 1);
             let mut tx = self.new_transaction(
                 scope,
                 TransactionKind::GrantVoid,
@@ -162,20 +160,19 @@ impl crate::Ledger {
                 grant.remaining,
                 vec![
                     Entry {
-                        id: format!("{entry_base}_1"),
+                        id: String::new(),
                         account_id: grant.account_id.clone(),
                         amount: -grant.remaining,
                         grant_id: Some(grant.id.clone()),
                     },
                     Entry {
-                        id: format!("{entry_base}_2"),
+                        id: String::new(),
                         account_id: SystemAccount::Forfeit.account_id().into(),
                         amount: grant.remaining,
                         grant_id: None,
                     },
                 ],
             );
-            tx.id = tx_id.into();
             tx.description = Some(format!("void of grant {id}"));
             match self.commit_movement(scope, tx).await {
                 Ok(_) => return self.get_grant(scope, id),

@@ -135,9 +135,8 @@ fn forfeit(
     if active.remaining <= Decimal::ZERO {
         return Ok(Vec::new());
     }
-    let entry_base = transaction_id.replacen("ctx_", "ce_", 1);
     let tx = Transaction {
-        id: transaction_id.into(),
+        id: transaction_id.clone().into(),
         store_id: account.store_id.clone(),
         mode,
         kind,
@@ -145,13 +144,13 @@ fn forfeit(
         amount: active.remaining,
         entries: vec![
             Entry {
-                id: format!("{entry_base}_1"),
+                id: tally_domain::ledger::entry_id(&transaction_id, 1),
                 account_id: account.id.clone(),
                 amount: -active.remaining,
                 grant_id: Some(active.id.clone()),
             },
             Entry {
-                id: format!("{entry_base}_2"),
+                id: tally_domain::ledger::entry_id(&transaction_id, 2),
                 account_id: SystemAccount::Forfeit.account_id().into(),
                 amount: active.remaining,
                 grant_id: None,
@@ -366,8 +365,9 @@ pub(crate) fn assign(
     }
 }
 
-/// Replaces the account's one entry with one per grant drawn (the first keeps its
-/// id; the others add `_2`, `_3`...).
+/// Replaces the account's one entry with one per grant drawn, then numbers the
+/// transaction's entries again in order (`tally_domain::ledger::entry_id`), so every
+/// entry id still names its transaction.
 fn split_entry(tx: &mut Transaction, account_id: &str, taken: &[(GrantId, Decimal)]) {
     let Some(index) = tx.entries.iter().position(|e| e.account_id == account_id) else {
         return;
@@ -375,13 +375,8 @@ fn split_entry(tx: &mut Transaction, account_id: &str, taken: &[(GrantId, Decima
     let original = tx.entries.remove(index);
     let split: Vec<Entry> = taken
         .iter()
-        .enumerate()
-        .map(|(n, (grant, amount))| Entry {
-            id: if n == 0 {
-                original.id.clone()
-            } else {
-                format!("{}_{}", original.id, n + 1)
-            },
+        .map(|(grant, amount)| Entry {
+            id: String::new(),
             account_id: original.account_id.clone(),
             amount: -*amount,
             grant_id: Some(grant.clone()),
@@ -390,6 +385,7 @@ fn split_entry(tx: &mut Transaction, account_id: &str, taken: &[(GrantId, Decima
     for (offset, entry) in split.into_iter().enumerate() {
         tx.entries.insert(index + offset, entry);
     }
+    tally_domain::ledger::name_entries(&tx.id, &mut tx.entries);
 }
 
 pub(crate) fn grant_not_active() -> Outcome {

@@ -10,8 +10,6 @@
 //! threshold updates are updates of the account (`Journal::update`, re-derived when
 //! the account moved).
 
-use std::ops::Bound;
-
 use rust_decimal::Decimal;
 use tally_domain::ledger::{
     parse_amount, post, post_reversal, Account, AccountStatus, Rejection, Transaction,
@@ -221,36 +219,50 @@ impl Ledger {
         Ok(balance)
     }
 
-    /// The balance as of `at_ms` (inclusive): the balance after the last entry at or
-    /// before that instant.
+    /// The balance as of `at_ms` (inclusive): the balance after the last entry
+    /// posted at or before that instant. Entries are posted in list order and an
+    /// entry's `posted_at_ms` never falls below the one before it, so the list is
+    /// bisected: a few point reads, however long the account's history.
     pub fn balance_at(
         &self,
         scope: &Scope,
         account_id: &str,
         at_ms: i64,
     ) -> Result<Decimal, EngineError> {
-        let base =
-            Key::scoped(keys::CREDIT_BALANCE_HISTORY, &scope.store_id, scope.mode).text(account_id);
-        let start = base.clone().into_bytes();
-        let end = base.int(at_ms.saturating_add(1)).into_bytes();
-        let mut found = None;
-        self.journal.store().scan(
-            Bound::Included(&start),
-            Bound::Excluded(&end),
-            true,
-            &mut |_, v| {
-                found = Some(v.to_vec());
-                tally_projection::Visit::Stop
-            },
-        )?;
-        let booked = match found {
-            Some(bytes) => codec::decode_decimal(&bytes)?,
+        let store = self.journal.store();
+        let read = |key: &[u8]| store.get(key).map_err(EngineError::from);
+        let (store_id, mode) = (&scope.store_id, scope.mode);
+        let end = crate::posting::entry_list_end(read, store_id, mode, account_id)?;
+        let entry_at = |seq: u64| -> Result<codec::StoredEntry, EngineError> {
+            let key = crate::posting::entry_key(store_id, mode, account_id, seq);
+            match store.get(&key)? {
+                Some(bytes) => codec::decode_entry(&bytes),
+                None => Err(EngineError::Corrupt(format!(
+                    "account {account_id} lists {} entries but has none at {seq}",
+                    end.count
+                ))),
+            }
+        };
+        // The first place whose entry was posted after `at_ms` (or the end).
+        let (mut low, mut high) = (0u64, end.count);
+        while low < high {
+            let middle = low + (high - low) / 2;
+            if entry_at(middle)?.posted_at_ms <= at_ms {
+                low = middle + 1;
+            } else {
+                high = middle;
+            }
+        }
+        let booked = match low.checked_sub(1) {
+            Some(last) => entry_at(last)?.balance_after,
             None => Decimal::ZERO,
         };
         self.less_unbooked_expiries(scope, account_id, booked, at_ms)
     }
 
-    /// A transaction of `kind` on `account_id` with the given entries, created now.
+    /// A transaction of `kind` on `account_id` with the given entries, created now;
+    /// the entries are named after it (`tally_domain::ledger::entry_id`), whatever
+    /// ids they came with.
     pub(crate) fn new_transaction(
         &self,
         scope: &Scope,
@@ -259,8 +271,11 @@ impl Ledger {
         amount: Decimal,
         entries: Vec<tally_domain::ledger::Entry>,
     ) -> Transaction {
+        let id = new_id("ctx");
+        let mut entries = entries;
+        tally_domain::ledger::name_entries(&id, &mut entries);
         Transaction {
-            id: new_id("ctx").into(),
+            id: id.into(),
             store_id: scope.store_id.clone(),
             mode: scope.mode,
             kind,
@@ -359,7 +374,7 @@ impl Ledger {
                 account.status,
                 Decimal::ZERO,
                 initial,
-                &mut || new_id("ce"),
+                &mut String::new,
             )
             .map_err(rejected)?;
             let mut tx = self.new_transaction(
@@ -525,7 +540,7 @@ impl Ledger {
                         AccountStatus::Active,
                         balance,
                         balance,
-                        &mut || new_id("ce"),
+                        &mut String::new,
                     )
                     .map_err(rejected)?;
                     let mut tx =
@@ -639,7 +654,7 @@ impl Ledger {
             account.status,
             balance,
             amount,
-            &mut || new_id("ce"),
+            &mut String::new,
         )
         .map_err(rejected)?;
         let mut tx = self.new_transaction(scope, kind, account_id, amount, entries);
@@ -665,7 +680,7 @@ impl Ledger {
             account.status,
             balance,
             original.reversed_by.is_some(),
-            &mut || new_id("ce"),
+            &mut String::new,
         )
         .map_err(rejected)?;
         let mut tx = self.new_transaction(
@@ -691,21 +706,27 @@ impl Ledger {
             .text(account_id)
             .into_bytes();
         let cursor = cursor_from(page, |entry_id| {
-            let pointer_key =
-                Key::scoped(keys::CREDIT_ENTRY_ID, &scope.store_id, scope.mode).text(entry_id);
-            let pointer = self
+            let missing = || EngineError::not_found("customer credits entry", entry_id);
+            // An entry id names its transaction, whose row says where the entry is.
+            let transaction_id =
+                tally_domain::ledger::transaction_of_entry(entry_id).ok_or_else(missing)?;
+            let transaction_key =
+                Key::scoped(keys::CREDIT_TRANSACTION, &scope.store_id, scope.mode)
+                    .text(&transaction_id);
+            let row = self
                 .journal
                 .store()
-                .get(pointer_key.as_bytes())?
-                .ok_or_else(|| EngineError::not_found("customer credits entry", entry_id))?;
-            let (owner, next) = keys::read_text(&pointer, 0)
-                .ok_or_else(|| EngineError::Corrupt("entry pointer".into()))?;
-            if owner != account_id {
-                return Err(EngineError::not_found("customer credits entry", entry_id));
+                .get(transaction_key.as_bytes())?
+                .ok_or_else(missing)?;
+            match codec::posted_entry_place(&row, entry_id)? {
+                Some((owner, seq)) if owner == account_id => Ok(crate::posting::entry_key(
+                    &scope.store_id,
+                    scope.mode,
+                    account_id,
+                    seq,
+                )),
+                _ => Err(missing()),
             }
-            let mut key = prefix.clone();
-            key.extend_from_slice(&pointer[next..]);
-            Ok(key)
         })?;
         paginate(
             self.journal.store().as_ref(),

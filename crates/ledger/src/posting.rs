@@ -168,13 +168,24 @@ pub(crate) fn post_transaction(
             return Err(refused(Rejection::InsufficientBalance));
         }
     }
-    overlay.put(
-        Key::scoped(keys::CREDIT_TRANSACTION, store, mode)
-            .text(&tx.id)
-            .into_bytes(),
-        codec::encode_transaction(tx),
-    );
+    // Every posted entry id names its transaction (what a list cursor relies on).
+    // A record of an earlier build may carry entry ids of another form: posted
+    // under their names here, the same on every replay.
+    let named;
+    let tx = if tx
+        .entries
+        .iter()
+        .all(|e| tally_domain::ledger::names_transaction(&e.id, &tx.id))
+    {
+        tx
+    } else {
+        let mut renamed = tx.clone();
+        tally_domain::ledger::name_entries(&renamed.id, &mut renamed.entries);
+        named = renamed;
+        &named
+    };
     let mut running = balances_before;
+    let mut entry_seqs = Vec::with_capacity(tx.entries.len());
     for entry in &tx.entries {
         let before = running.get(&entry.account_id).copied().unwrap_or_default();
         let balance =
@@ -185,10 +196,20 @@ pub(crate) fn post_transaction(
             codec::encode_decimal(balance),
         );
         if SystemAccount::from_account_id(&entry.account_id).is_some() {
+            entry_seqs.push(0);
             continue;
         }
-        post_entry(overlay, tx, entry, balance)?;
+        entry_seqs.push(post_entry(overlay, tx, entry, balance)?);
     }
+    // Written after its entries, with their places in the entry lists: a list
+    // cursor finds an entry through its transaction's row (the entry id names the
+    // transaction), so no row per entry id is kept.
+    overlay.put(
+        Key::scoped(keys::CREDIT_TRANSACTION, store, mode)
+            .text(&tx.id)
+            .into_bytes(),
+        codec::encode_posted_transaction(tx, entry_seqs),
+    );
     let balance_after = running.get(&tx.account_id).copied().unwrap_or_default();
     if balance_after > Decimal::ZERO && tx.delta_for(&tx.account_id) > Decimal::ZERO {
         // Holding credits again: the next time it runs dry is announced again.
@@ -197,59 +218,71 @@ pub(crate) fn post_transaction(
     Ok(balance_after)
 }
 
-/// The customer-visible side of one entry: sequence, entry, id pointer, history.
+/// The key of an account's entry list end (table `q`).
+pub(crate) fn entry_list_end_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
+    Key::scoped(keys::CREDIT_ENTRY_SEQ, store, mode)
+        .text(account_id)
+        .into_bytes()
+}
+
+/// An account's entry list end as stored (empty before its first entry).
+pub(crate) fn entry_list_end(
+    read: impl FnOnce(&[u8]) -> Result<Option<Vec<u8>>, EngineError>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+) -> Result<codec::EntryListEnd, EngineError> {
+    match read(&entry_list_end_key(store, mode, account_id))? {
+        Some(bytes) => codec::decode_entry_list_end(&bytes),
+        None => Ok(codec::EntryListEnd::default()),
+    }
+}
+
+/// The customer-visible side of one entry: its place at the end of the account's
+/// entry list, with the balance right after it. Returns that place. The entry's
+/// `posted_at_ms` never falls below the previous entry's, so the list is ordered by
+/// it and a balance `at` an instant is found by bisecting the list.
 fn post_entry(
     overlay: &mut Overlay<'_>,
     tx: &Transaction,
     entry: &tally_domain::ledger::Entry,
     balance: Decimal,
-) -> Result<(), ApplyError> {
+) -> Result<u64, ApplyError> {
     let (store, mode) = (&tx.store_id, tx.mode);
-    let seq_key = Key::scoped(keys::CREDIT_ENTRY_SEQ, store, mode)
-        .text(&entry.account_id)
-        .into_bytes();
-    let seq = match overlay.get(&seq_key)? {
-        Some(bytes) => u64::from_be_bytes(
-            bytes
-                .as_slice()
-                .try_into()
-                .map_err(|_| EngineError::Corrupt("entry seq".into()))?,
-        ),
-        None => 0,
+    let end = entry_list_end(|key| overlay.get(key), store, mode, &entry.account_id)?;
+    let seq = end.count;
+    let posted_at_ms = tx.created_at_ms.max(end.last_posted_at_ms);
+    let next = codec::EntryListEnd {
+        count: seq
+            .checked_add(1)
+            .ok_or_else(|| EngineError::Corrupt("an entry list's count overflows".into()))?,
+        last_posted_at_ms: posted_at_ms,
     };
-    overlay.put(seq_key, (seq + 1).to_be_bytes().to_vec());
+    overlay.put(
+        entry_list_end_key(store, mode, &entry.account_id),
+        codec::encode_entry_list_end(next),
+    );
     let stored = StoredEntry {
         id: entry.id.clone(),
         transaction_id: tx.id.to_string(),
         account_id: entry.account_id.to_string(),
         amount: entry.amount,
         created_at_ms: tx.created_at_ms,
+        posted_at_ms,
         balance_after: balance,
         grant_id: entry.grant_id.as_ref().map(|g| g.to_string()),
     };
     overlay.put(
-        Key::scoped(keys::CREDIT_ENTRY, store, mode)
-            .text(&entry.account_id)
-            .uint(seq)
-            .into_bytes(),
+        entry_key(store, mode, &entry.account_id, seq),
         codec::encode_entry(&stored),
     );
-    let mut pointer = entry.account_id.as_bytes().to_vec();
-    pointer.push(0);
-    pointer.extend_from_slice(&seq.to_be_bytes());
-    overlay.put(
-        Key::scoped(keys::CREDIT_ENTRY_ID, store, mode)
-            .text(&entry.id)
-            .into_bytes(),
-        pointer,
-    );
-    overlay.put(
-        Key::scoped(keys::CREDIT_BALANCE_HISTORY, store, mode)
-            .text(&entry.account_id)
-            .int(tx.created_at_ms)
-            .uint(seq)
-            .into_bytes(),
-        codec::encode_decimal(balance),
-    );
-    Ok(())
+    Ok(seq)
+}
+
+/// The key of the entry at place `seq` of an account's entry list (table `L`).
+pub(crate) fn entry_key(store: &str, mode: Mode, account_id: &str, seq: u64) -> Vec<u8> {
+    Key::scoped(keys::CREDIT_ENTRY, store, mode)
+        .text(account_id)
+        .uint(seq)
+        .into_bytes()
 }

@@ -394,7 +394,7 @@ impl Ledger {
             account.status,
             amount,
             amount,
-            &mut || new_id("ce"),
+            &mut String::new,
         )
         .map_err(|r| EngineError::conflict(r.code(), r.message()))?;
         let mut tx =

@@ -234,9 +234,8 @@ fn recharge_after(
         return Ok(Vec::new());
     }
     let id = format!("ctx_r{}", debit_id.trim_start_matches("ctx_"));
-    let entry_base = id.replacen("ctx_", "ce_", 1);
     let mut tx = Transaction {
-        id: id.into(),
+        id: id.clone().into(),
         store_id: account.store_id.clone(),
         mode,
         kind: TransactionKind::Credit,
@@ -244,13 +243,13 @@ fn recharge_after(
         amount,
         entries: vec![
             Entry {
-                id: format!("{entry_base}_1"),
+                id: tally_domain::ledger::entry_id(&id, 1),
                 account_id: account.id.clone(),
                 amount,
                 grant_id: None,
             },
             Entry {
-                id: format!("{entry_base}_2"),
+                id: tally_domain::ledger::entry_id(&id, 2),
                 account_id: SystemAccount::Issuance.account_id().into(),
                 amount: -amount,
                 grant_id: None,

@@ -380,6 +380,7 @@ pub fn transaction_to_proto(t: &Transaction) -> v1::CreditTransaction {
         reverses: t.reverses.as_ref().map(|r| r.to_string()),
         created_at_ms: t.created_at_ms,
         grant_terms: t.grant_terms.map(grant_terms_to_proto),
+        entry_seqs: Vec::new(),
     }
 }
 
