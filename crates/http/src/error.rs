@@ -9,7 +9,22 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 use tally_domain::FieldError;
+
 use tally_engine::EngineError;
+
+/// How much of an unknown id a 404's message repeats: every id Tally issues, and
+/// every id a caller chooses (external ids, event ids), is at most 255 characters,
+/// so a longer one is no id at all and echoing all of it (up to a whole request
+/// line) would only amplify the request.
+pub const MAX_ECHOED_ID_CHARS: usize = 255;
+
+/// `id` as a 404's message repeats it: cut at [`MAX_ECHOED_ID_CHARS`] characters.
+fn echoed_id(id: &str) -> String {
+    match id.char_indices().nth(MAX_ECHOED_ID_CHARS) {
+        Some((cut, _)) => format!("{}…", &id[..cut]),
+        None => id.to_string(),
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -102,7 +117,7 @@ impl From<EngineError> for ApiError {
                 let mut error = ApiError::new(
                     StatusCode::NOT_FOUND,
                     "resource_missing",
-                    format!("No such {resource}: '{id}'"),
+                    format!("No such {resource}: '{}'", echoed_id(&id)),
                 );
                 error.param = param.or(Some("id".to_string()));
                 error
@@ -184,3 +199,22 @@ impl From<EngineError> for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_404_repeats_at_most_the_longest_id_there_can_be() {
+        let fits = "é".repeat(MAX_ECHOED_ID_CHARS);
+        assert_eq!(echoed_id(&fits), fits);
+        let long = format!("{fits}x");
+        assert_eq!(echoed_id(&long), format!("{fits}…"));
+        let error = ApiError::from(EngineError::not_found("customer", &"y".repeat(100_000)));
+        assert!(
+            error.message.chars().count() < MAX_ECHOED_ID_CHARS + 40,
+            "{}",
+            error.message
+        );
+    }
+}
