@@ -420,6 +420,15 @@ mod tests {
             end
         );
         assert!(decode_entry_list_end(&[0; 8]).is_err());
+        let totals = AccountTotals {
+            balance: Decimal::new(-125, 1),
+            entries: end,
+        };
+        assert_eq!(
+            decode_account_totals(&encode_account_totals(totals)).unwrap(),
+            totals
+        );
+        assert!(decode_account_totals(&encode_decimal(Decimal::ONE)).is_err());
     }
 
     #[test]
@@ -919,8 +928,9 @@ pub fn decode_entry(bytes: &[u8]) -> Result<StoredEntry, EngineError> {
     })
 }
 
-/// An account's entry list so far (table `q`): how many entries it holds and the
-/// `posted_at_ms` of the last, which the next may not fall below.
+/// An account's entry list so far (part of its `b` row, [`AccountTotals`]): how
+/// many entries it holds and the `posted_at_ms` of the last, which the next may
+/// not fall below.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EntryListEnd {
     pub count: u64,
@@ -947,5 +957,34 @@ pub fn decode_entry_list_end(bytes: &[u8]) -> Result<EntryListEnd, EngineError> 
     Ok(EntryListEnd {
         count: u64::from_be_bytes(count),
         last_posted_at_ms: i64::from_be_bytes(last),
+    })
+}
+
+/// An account's row (table `b`): its balance as posted and, for a customer
+/// account, its entry list so far (a system account lists nothing). One row, so a
+/// posting updates one key per account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AccountTotals {
+    pub balance: Decimal,
+    pub entries: EntryListEnd,
+}
+
+pub fn encode_account_totals(totals: AccountTotals) -> Vec<u8> {
+    let mut bytes = encode_decimal(totals.balance);
+    bytes.extend_from_slice(&encode_entry_list_end(totals.entries));
+    bytes
+}
+
+pub fn decode_account_totals(bytes: &[u8]) -> Result<AccountTotals, EngineError> {
+    if bytes.len() != 32 {
+        return Err(EngineError::Corrupt(format!(
+            "an account's totals hold {} bytes, not 32",
+            bytes.len()
+        )));
+    }
+    let (balance, entries) = bytes.split_at(16);
+    Ok(AccountTotals {
+        balance: decode_decimal(balance)?,
+        entries: decode_entry_list_end(entries)?,
     })
 }

@@ -55,7 +55,6 @@ const STORE_FIRST: &[u8] = &[
     keys::CREDIT_REVERSED,
     keys::CREDIT_IDEMPOTENCY,
     keys::CREDIT_ENTRY,
-    keys::CREDIT_ENTRY_SEQ,
     keys::WEBHOOK_EVENT,
     keys::WEBHOOK_ENDPOINT,
     keys::WEBHOOK_DELIVERY,
@@ -213,7 +212,7 @@ mod tests {
     #[test]
     fn every_table_has_a_home() {
         let tables = every_table();
-        assert!(tables.len() > 90, "found {} tables", tables.len());
+        assert!(tables.len() >= 90, "found {} tables", tables.len());
         for table in tables {
             // The widest key shape any table reads: two 8-byte integers, then a
             // store id, a mode and more text.

@@ -19,7 +19,7 @@
 //! | `u` | store, mode, meter, customer, minute | the bucket's distinct values, up to `INLINE_DISTINCT_MAX` (codec.rs) |
 //! | `U` | store, mode, meter, customer ("" = all), minute, distinct value | (empty): the all-customers bucket's values, and a customer bucket's past `INLINE_DISTINCT_MAX` |
 //! | `a` | store, mode, account_id | CreditAccount (proto) |
-//! | `b` | store, mode, account_id (or `system:*`) | balance (16-byte decimal) |
+//! | `b` | store, mode, account_id (or `system:*`) | balance (16-byte decimal), then the account's entry count (u64) and last `posted_at_ms` (i64): `codec::AccountTotals` |
 //! | `n` | store, mode, customer_id, account name | account_id |
 //! | `l` | store, mode, created_at, account_id | (empty) newest-first listing |
 //! | `k` | store, mode, customer_id, created_at, account_id | (empty) per customer |
@@ -27,7 +27,6 @@
 //! | `r` | store, mode, reversed transaction_id | reversal transaction_id |
 //! | `i` | store, mode, idempotency key | transaction_id |
 //! | `L` | store, mode, account_id, seq | StoredEntry (proto), whose `posted_at_ms` never falls along the list: a balance `at` an instant bisects it |
-//! | `q` | store, mode, account_id | the account's entry count (u64) and last `posted_at_ms` (i64) (`codec::EntryListEnd`) |
 //! | `W` | store, mode, created_at, event_id | LedgerEvent (proto), for webhooks |
 //! | `w` | store, mode, endpoint_id | WebhookEndpoint (proto) |
 //! | `D` | store, mode, endpoint_id, event_id | WebhookDelivery (proto) |
@@ -132,10 +131,9 @@ pub const CREDIT_TRANSACTION: u8 = b'T';
 pub const CREDIT_REVERSED: u8 = b'r';
 pub const CREDIT_IDEMPOTENCY: u8 = b'i';
 pub const CREDIT_ENTRY: u8 = b'L';
-// `j` (entry id to place) and `h` (balance history) were retired with projection
-// format 9: `T` and `L` answer what they did. Not to be reused for another table
-// while a projection of format 8 may still exist.
-pub const CREDIT_ENTRY_SEQ: u8 = b'q';
+// `j` (entry id to place), `h` (balance history) and `q` (entry count) were
+// retired with projection format 9: `T`, `L` and `b` answer what they did. Not to
+// be reused for another table while a projection of format 8 may still exist.
 pub const WEBHOOK_EVENT: u8 = b'W';
 pub const WEBHOOK_ENDPOINT: u8 = b'w';
 pub const WEBHOOK_DELIVERY: u8 = b'D';

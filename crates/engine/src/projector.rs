@@ -47,9 +47,10 @@ use tally_runtime::ChunkMode;
 /// 8 adds where each meter was created or changed (`0x01`, which usage records
 /// matched by a gateway that had not applied it yet read: an older projection
 /// lacks the rows, and a replay would not reproduce it); version 9 drops a credit
-/// entry's id row (`j`) and balance history (`h`): an entry id names its
-/// transaction, whose row (`T`) says where the entry is listed, and a balance `at`
-/// an instant bisects the entry list (`L`, `q`); a projection of another version is
+/// entry's id row (`j`), balance history (`h`) and the entry count's row (`q`): an
+/// entry id names its transaction, whose row (`T`) says where the entry is listed,
+/// a balance `at` an instant bisects the entry list (`L`), and the count lives in
+/// the account's balance row (`b`); a projection of another version is
 /// refused at start-up (it is rebuilt from the log by deleting it).
 pub const PROJECTION_FORMAT_VERSION: u32 = 9;
 

@@ -1174,7 +1174,7 @@ fn check_invariants(store: &MemoryStore) -> Result<(), TestCaseError> {
     .unwrap();
     let mut balances = Vec::new();
     scan_prefix(store, &[keys::CREDIT_BALANCE], false, &mut |key, value| {
-        let balance = codec::decode_decimal(value).unwrap();
+        let balance = codec::decode_account_totals(value).unwrap().balance;
         let customer = !String::from_utf8_lossy(key).contains("system:");
         balances.push((customer, balance));
         Visit::Continue

@@ -86,7 +86,7 @@ pub fn apply_ledger_step(
                 overlay.put(name_key, account.id.as_bytes().to_vec());
                 overlay.put(
                     balance_key(store, mode, &account.id),
-                    codec::encode_decimal(Decimal::ZERO),
+                    codec::encode_account_totals(codec::AccountTotals::default()),
                 );
             }
             Some(bytes) => {
@@ -154,11 +154,8 @@ pub fn apply_ledger_step(
             events.splice(0..0, expired);
         }
         crate::holds::release_all(overlay, account, recorded_at_ms)?;
-        let key = balance_key(&account.store_id, account.mode, &account.id);
-        let left = match overlay.get(&key)? {
-            Some(bytes) => codec::decode_decimal(&bytes)?,
-            None => Decimal::ZERO,
-        };
+        let left =
+            crate::posting::stored_balance(overlay, &account.store_id, account.mode, &account.id)?;
         if !left.is_zero() {
             return Err(Outcome::rejected(
                 "account_balance_changed",

@@ -178,7 +178,7 @@ impl Ledger {
     pub fn balance(&self, scope: &Scope, account_id: &str) -> Result<Decimal, EngineError> {
         let key = Key::scoped(keys::CREDIT_BALANCE, &scope.store_id, scope.mode).text(account_id);
         let booked = match self.journal.store().get(key.as_bytes())? {
-            Some(bytes) => codec::decode_decimal(&bytes)?,
+            Some(bytes) => codec::decode_account_totals(&bytes)?.balance,
             None => Decimal::ZERO,
         };
         self.less_unbooked_expiries(scope, account_id, booked, self.journal.now_ms())
@@ -189,7 +189,7 @@ impl Ledger {
     pub fn booked_balance(&self, scope: &Scope, account_id: &str) -> Result<Decimal, EngineError> {
         let key = Key::scoped(keys::CREDIT_BALANCE, &scope.store_id, scope.mode).text(account_id);
         match self.journal.store().get(key.as_bytes())? {
-            Some(bytes) => codec::decode_decimal(&bytes),
+            Some(bytes) => Ok(codec::decode_account_totals(&bytes)?.balance),
             None => Ok(Decimal::ZERO),
         }
     }
@@ -232,7 +232,7 @@ impl Ledger {
         let store = self.journal.store();
         let read = |key: &[u8]| store.get(key).map_err(EngineError::from);
         let (store_id, mode) = (&scope.store_id, scope.mode);
-        let end = crate::posting::entry_list_end(read, store_id, mode, account_id)?;
+        let end = crate::posting::account_totals(read, store_id, mode, account_id)?.entries;
         let entry_at = |seq: u64| -> Result<codec::StoredEntry, EngineError> {
             let key = crate::posting::entry_key(store_id, mode, account_id, seq);
             match store.get(&key)? {

@@ -40,9 +40,20 @@ pub(crate) fn stored_balance(
     mode: Mode,
     account_id: &str,
 ) -> Result<Decimal, EngineError> {
-    match overlay.get(&balance_key(store, mode, account_id))? {
-        Some(bytes) => codec::decode_decimal(&bytes),
-        None => Ok(Decimal::ZERO),
+    Ok(account_totals(|key| overlay.get(key), store, mode, account_id)?.balance)
+}
+
+/// An account's row (`b`) as stored: its balance and entry list so far (zero and
+/// empty before its first entry).
+pub(crate) fn account_totals(
+    read: impl FnOnce(&[u8]) -> Result<Option<Vec<u8>>, EngineError>,
+    store: &str,
+    mode: Mode,
+    account_id: &str,
+) -> Result<codec::AccountTotals, EngineError> {
+    match read(&balance_key(store, mode, account_id))? {
+        Some(bytes) => codec::decode_account_totals(&bytes),
+        None => Ok(codec::AccountTotals::default()),
     }
 }
 
@@ -130,21 +141,32 @@ pub(crate) struct Posted {
     pub expired: Vec<LedgerEvent>,
 }
 
+/// The rows (`b`) of the accounts a transaction's entries touch, before it.
+fn totals_before(
+    overlay: &Overlay<'_>,
+    tx: &Transaction,
+) -> Result<
+    std::collections::HashMap<tally_domain::ids::AccountId, codec::AccountTotals>,
+    EngineError,
+> {
+    let mut totals = std::collections::HashMap::new();
+    for entry in &tx.entries {
+        let read = |key: &[u8]| overlay.get(key);
+        let row = account_totals(read, &tx.store_id, tx.mode, &entry.account_id)?;
+        totals.insert(entry.account_id.clone(), row);
+    }
+    Ok(totals)
+}
+
 /// The balances of the accounts a transaction's entries touch, before it.
 pub(crate) fn balances_before(
     overlay: &Overlay<'_>,
     tx: &Transaction,
 ) -> Result<std::collections::HashMap<tally_domain::ids::AccountId, Decimal>, EngineError> {
-    let mut balances = std::collections::HashMap::new();
-    for entry in &tx.entries {
-        let key = balance_key(&tx.store_id, tx.mode, &entry.account_id);
-        let balance = match overlay.get(&key)? {
-            Some(bytes) => codec::decode_decimal(&bytes)?,
-            None => Decimal::ZERO,
-        };
-        balances.insert(entry.account_id.clone(), balance);
-    }
-    Ok(balances)
+    Ok(totals_before(overlay, tx)?
+        .into_iter()
+        .map(|(account, totals)| (account, totals.balance))
+        .collect())
 }
 
 /// Posts a transaction whose entries are final: checks the balances it leaves (and,
@@ -156,8 +178,13 @@ pub(crate) fn post_transaction(
     at_ms: i64,
 ) -> Result<Decimal, ApplyError> {
     let (store, mode) = (&tx.store_id, tx.mode);
-    let balances_before = balances_before(overlay, tx)?;
-    let balance_before = |id: &str| balances_before.get(id).copied().unwrap_or_default();
+    let totals_before = totals_before(overlay, tx)?;
+    let balance_before = |id: &str| {
+        totals_before
+            .get(id)
+            .map(|totals| totals.balance)
+            .unwrap_or_default()
+    };
     // Checked against the final balances; each entry is then posted in order.
     let after = balances_after(tx, &balance_before).map_err(refused)?;
     let takes_spendable = matches!(tx.kind, TransactionKind::Debit | TransactionKind::Reversal);
@@ -184,22 +211,22 @@ pub(crate) fn post_transaction(
         named = renamed;
         &named
     };
-    let mut running = balances_before;
+    let mut running = totals_before;
     let mut entry_seqs = Vec::with_capacity(tx.entries.len());
     for entry in &tx.entries {
-        let before = running.get(&entry.account_id).copied().unwrap_or_default();
-        let balance =
-            exact_add(before, entry.amount).ok_or_else(|| refused(Rejection::AmountOutOfRange))?;
-        running.insert(entry.account_id.clone(), balance);
-        overlay.put(
-            balance_key(store, mode, &entry.account_id),
-            codec::encode_decimal(balance),
-        );
+        let mut totals = running.get(&entry.account_id).copied().unwrap_or_default();
+        totals.balance = exact_add(totals.balance, entry.amount)
+            .ok_or_else(|| refused(Rejection::AmountOutOfRange))?;
         if SystemAccount::from_account_id(&entry.account_id).is_some() {
             entry_seqs.push(0);
-            continue;
+        } else {
+            entry_seqs.push(post_entry(overlay, tx, entry, &mut totals)?);
         }
-        entry_seqs.push(post_entry(overlay, tx, entry, balance)?);
+        overlay.put(
+            balance_key(store, mode, &entry.account_id),
+            codec::encode_account_totals(totals),
+        );
+        running.insert(entry.account_id.clone(), totals);
     }
     // Written after its entries, with their places in the entry lists: a list
     // cursor finds an entry through its transaction's row (the entry id names the
@@ -210,7 +237,10 @@ pub(crate) fn post_transaction(
             .into_bytes(),
         codec::encode_posted_transaction(tx, entry_seqs),
     );
-    let balance_after = running.get(&tx.account_id).copied().unwrap_or_default();
+    let balance_after = running
+        .get(&tx.account_id)
+        .map(|totals| totals.balance)
+        .unwrap_or_default();
     if balance_after > Decimal::ZERO && tx.delta_for(&tx.account_id) > Decimal::ZERO {
         // Holding credits again: the next time it runs dry is announced again.
         overlay.delete(exhausted_key(store, mode, &tx.account_id));
@@ -218,50 +248,26 @@ pub(crate) fn post_transaction(
     Ok(balance_after)
 }
 
-/// The key of an account's entry list end (table `q`).
-pub(crate) fn entry_list_end_key(store: &str, mode: Mode, account_id: &str) -> Vec<u8> {
-    Key::scoped(keys::CREDIT_ENTRY_SEQ, store, mode)
-        .text(account_id)
-        .into_bytes()
-}
-
-/// An account's entry list end as stored (empty before its first entry).
-pub(crate) fn entry_list_end(
-    read: impl FnOnce(&[u8]) -> Result<Option<Vec<u8>>, EngineError>,
-    store: &str,
-    mode: Mode,
-    account_id: &str,
-) -> Result<codec::EntryListEnd, EngineError> {
-    match read(&entry_list_end_key(store, mode, account_id))? {
-        Some(bytes) => codec::decode_entry_list_end(&bytes),
-        None => Ok(codec::EntryListEnd::default()),
-    }
-}
-
 /// The customer-visible side of one entry: its place at the end of the account's
-/// entry list, with the balance right after it. Returns that place. The entry's
-/// `posted_at_ms` never falls below the previous entry's, so the list is ordered by
-/// it and a balance `at` an instant is found by bisecting the list.
+/// entry list (`totals`, whose balance is the one right after the entry, gains
+/// it). Returns that place. The entry's `posted_at_ms` never falls below the
+/// previous entry's, so the list is ordered by it and a balance `at` an instant is
+/// found by bisecting the list.
 fn post_entry(
     overlay: &mut Overlay<'_>,
     tx: &Transaction,
     entry: &tally_domain::ledger::Entry,
-    balance: Decimal,
+    totals: &mut codec::AccountTotals,
 ) -> Result<u64, ApplyError> {
     let (store, mode) = (&tx.store_id, tx.mode);
-    let end = entry_list_end(|key| overlay.get(key), store, mode, &entry.account_id)?;
-    let seq = end.count;
-    let posted_at_ms = tx.created_at_ms.max(end.last_posted_at_ms);
-    let next = codec::EntryListEnd {
+    let seq = totals.entries.count;
+    let posted_at_ms = tx.created_at_ms.max(totals.entries.last_posted_at_ms);
+    totals.entries = codec::EntryListEnd {
         count: seq
             .checked_add(1)
             .ok_or_else(|| EngineError::Corrupt("an entry list's count overflows".into()))?,
         last_posted_at_ms: posted_at_ms,
     };
-    overlay.put(
-        entry_list_end_key(store, mode, &entry.account_id),
-        codec::encode_entry_list_end(next),
-    );
     let stored = StoredEntry {
         id: entry.id.clone(),
         transaction_id: tx.id.to_string(),
@@ -269,7 +275,7 @@ fn post_entry(
         amount: entry.amount,
         created_at_ms: tx.created_at_ms,
         posted_at_ms,
-        balance_after: balance,
+        balance_after: totals.balance,
         grant_id: entry.grant_id.as_ref().map(|g| g.to_string()),
     };
     overlay.put(
