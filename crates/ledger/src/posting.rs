@@ -1,6 +1,8 @@
 //! Posting: the ledger's lowest layer in apply. A transaction whose entries are final
 //! is checked against the balances it leaves (and the account's live holds) and
-//! written with its entries, balance history and webhook events. Everything that
+//! written with its entries, each at the end of its account's entry list (the
+//! account's row, `b`, keeps the balance with the list's length), and its webhook
+//! events are made. Everything that
 //! decides a transaction (grants, holds, thresholds, the rules of each step) sits
 //! above and calls down here.
 
