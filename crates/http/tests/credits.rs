@@ -14,6 +14,23 @@ async fn account(api: &Api, body: Value) -> Value {
     answer.body
 }
 
+/// Opens an account and answers its id.
+async fn account_id(api: &Api, body: Value) -> String {
+    account(api, body).await["id"].as_str().unwrap().to_string()
+}
+
+/// The account's balance at instant `ms` (`?at=`).
+async fn balance_at(api: &Api, account: &str, ms: i64) -> String {
+    let answer = api
+        .get(&format!(
+            "/v1/customer-credits/accounts/{account}?at={}",
+            format_iso8601_ms(ms).replace('+', "%2B")
+        ))
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.body["balance"].as_str().unwrap().to_string()
+}
+
 async fn debit(api: &Api, account: &str, amount: &str, key: &str) -> Answer {
     api.post(
         &format!("/v1/customer-credits/accounts/{account}/debit"),
@@ -129,10 +146,7 @@ async fn accounts_validate_default_and_seed_atomically() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credits_debits_idempotency_and_refusals() {
     let (_g, server, api, customer) = with_customer().await;
-    let id = account(&api, json!({"customer_id": customer})).await["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = account_id(&api, json!({"customer_id": customer})).await;
     let granted = credit(&api, &id, "10.25", "k1").await;
     assert_eq!(granted.status, 200, "{}", granted.body);
     assert_eq!(granted.body["type"], "credit");
@@ -291,14 +305,11 @@ async fn credits_debits_idempotency_and_refusals() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reversals_mirror_once_and_balances_at_instants() {
     let (_g, server, api, customer) = with_customer().await;
-    let id = account(
+    let id = account_id(
         &api,
         json!({"customer_id": customer, "initial_balance": "50"}),
     )
-    .await["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    .await;
     let t_after_seed = server.clock.now_ms();
     server.clock.advance_ms(1000);
     let spent = debit(&api, &id, "20", "d1").await.body;
@@ -384,19 +395,7 @@ async fn reversals_mirror_once_and_balances_at_instants() {
         "insufficient_balance"
     );
 
-    let at = |ms: i64| {
-        let api = api.clone();
-        let id = id.clone();
-        async move {
-            api.get(&format!(
-                "/v1/customer-credits/accounts/{id}?at={}",
-                format_iso8601_ms(ms).replace('+', "%2B")
-            ))
-            .await
-            .body["balance"]
-                .clone()
-        }
-    };
+    let at = |ms: i64| balance_at(&api, &id, ms);
     assert_eq!(
         at(t_after_seed - 1).await,
         "0",
@@ -421,10 +420,7 @@ async fn reversals_mirror_once_and_balances_at_instants() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listings_paginate_exactly_and_hide_system_accounts() {
     let (_g, server, api, customer) = with_customer().await;
-    let id = account(&api, json!({"customer_id": customer})).await["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = account_id(&api, json!({"customer_id": customer})).await;
     for i in 0..5 {
         credit(&api, &id, &format!("{}", i + 1), &format!("e{i}")).await;
         server.clock.advance_ms(1);
@@ -511,14 +507,11 @@ async fn listings_paginate_exactly_and_hide_system_accounts() {
     for i in 0..3 {
         server.clock.advance_ms(1);
         ids.push(
-            account(
+            account_id(
                 &api,
                 json!({"customer_id": customer, "name": format!("a{i}")}),
             )
-            .await["id"]
-                .as_str()
-                .unwrap()
-                .to_string(),
+            .await,
         );
     }
     ids.reverse();
@@ -561,18 +554,12 @@ async fn listings_paginate_exactly_and_hide_system_accounts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn entry_cursors_find_entries_of_every_kind() {
     let (_g, server, api, customer) = with_customer().await;
-    let id = account(
+    let id = account_id(
         &api,
         json!({"customer_id": customer, "initial_balance": "7"}),
     )
-    .await["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let other = account(&api, json!({"customer_id": customer, "name": "other"})).await["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    .await;
+    let other = account_id(&api, json!({"customer_id": customer, "name": "other"})).await;
     credit(&api, &other, "1", "o1").await;
     credit(&api, &id, "5", "c1").await;
     for (n, priority) in [(1, 10), (2, 20)] {
@@ -699,10 +686,7 @@ async fn entry_cursors_find_entries_of_every_kind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn balances_at_instants_follow_the_list_when_clocks_disagree() {
     let (_g, server, api, customer) = with_customer().await;
-    let id = account(&api, json!({"customer_id": customer})).await["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = account_id(&api, json!({"customer_id": customer})).await;
     let start = server.clock.now_ms();
     credit(&api, &id, "10", "c1").await;
     server.clock.advance_ms(10_000);
@@ -711,20 +695,7 @@ async fn balances_at_instants_follow_the_list_when_clocks_disagree() {
     server.clock.set_ms(start + 5_000);
     credit(&api, &id, "1", "c3").await;
     server.clock.set_ms(start + 20_000);
-    let at = |ms: i64| {
-        let api = api.clone();
-        let id = id.clone();
-        async move {
-            let answer = api
-                .get(&format!(
-                    "/v1/customer-credits/accounts/{id}?at={}",
-                    format_iso8601_ms(ms).replace('+', "%2B")
-                ))
-                .await;
-            assert_eq!(answer.status, 200, "{}", answer.body);
-            answer.body["balance"].as_str().unwrap().to_string()
-        }
-    };
+    let at = |ms: i64| balance_at(&api, &id, ms);
     assert_eq!(at(start - 1).await, "0");
     assert_eq!(at(start).await, "10");
     assert_eq!(
@@ -750,14 +721,11 @@ async fn balances_at_instants_follow_the_list_when_clocks_disagree() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_concurrent_debits_against_one_hundred() {
     let (_g, server, api, customer) = with_customer().await;
-    let id = account(
+    let id = account_id(
         &api,
         json!({"customer_id": customer, "initial_balance": "100"}),
     )
-    .await["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    .await;
     let mut tasks = Vec::new();
     for i in 0..200 {
         let (api, id) = (api.clone(), id.clone());
