@@ -26,6 +26,12 @@ pub fn payload_too_large() -> ApiError {
     )
 }
 
+/// What a body past `MAX_BODY_BYTES` reads as once the rest of it was drained
+/// (`body_limit`); answered 413 like the limit's other refusals.
+#[derive(Debug, thiserror::Error)]
+#[error("request bodies are limited to {MAX_BODY_BYTES} bytes")]
+pub struct BodyTooLarge;
+
 /// Reads a body up to the limit.
 pub async fn read_body_limited(request: Request) -> Result<(Parts, axum::body::Bytes), ApiError> {
     let (parts, body) = request.into_parts();
@@ -56,7 +62,7 @@ pub fn body_read_error(error: axum::Error) -> ApiError {
     let inner = error.into_inner();
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(inner.as_ref());
     while let Some(error) = cause {
-        if error.is::<http_body_util::LengthLimitError>() {
+        if error.is::<http_body_util::LengthLimitError>() || error.is::<BodyTooLarge>() {
             return payload_too_large();
         }
         if error.is::<tower_http::timeout::TimeoutError>() {

@@ -16,6 +16,7 @@ use dashmap::DashMap;
 use tally_domain::Mode;
 use tally_engine::Engine;
 
+pub mod body_limit;
 pub mod cluster;
 pub mod error;
 pub mod extract;
@@ -207,8 +208,8 @@ pub fn router(state: AppState) -> Router {
     // every request a copy of all the layers inside it (docs/benchmarks.md,
     // "Layers around the router, not each route"). Outermost first: a fresh
     // request id (replacing a client's), its trace span, the error rendering and
-    // metrics, then the body limit (whose 413 `request_context` renders as the
-    // error body).
+    // metrics, then the body limit (which drains a refused body before its 413,
+    // `body_limit` says why).
     let stack = tower::ServiceBuilder::new()
         .layer(tower_http::set_header::SetRequestHeaderLayer::overriding(
             request_id.clone(),
@@ -237,9 +238,7 @@ pub fn router(state: AppState) -> Router {
                 .on_failure(()),
         )
         .layer(from_fn_with_state(state, middleware::request_context))
-        .layer(tower_http::limit::RequestBodyLimitLayer::new(
-            extract::MAX_BODY_BYTES,
-        ))
+        .layer(axum::middleware::from_fn(body_limit::limit_body))
         .service(routes);
     Router::new().fallback_service(stack)
 }

@@ -100,12 +100,6 @@ pub async fn request_context(
         )
         .into_response(),
     };
-    if response.status() == StatusCode::PAYLOAD_TOO_LARGE
-        && response.extensions().get::<ApiError>().is_none()
-    {
-        // The body-limit layer's own answer: give it the error body.
-        response = crate::extract::payload_too_large().into_response();
-    }
     let mut body_left_unread = false;
     if let Some(error) = response.extensions_mut().remove::<ApiError>() {
         body_left_unread = error
@@ -136,8 +130,10 @@ pub async fn request_context(
     }
     if body_left_unread || response.status() == StatusCode::PAYLOAD_TOO_LARGE {
         // A body refused at the limit (or given up on when it stopped arriving or
-        // broke) is not read to its end, so the rest of it may still be on the
-        // connection: no further request can follow on it. Saying so on every
+        // broke) may not be read to its end (`body_limit` drains a refused body
+        // only so far, and not one the client holds back for `100-continue`), so
+        // the rest of it may still be on the connection: no further request can
+        // follow on it. Saying so on every
         // such refusal (one rule for all of them) keeps a client from
         // putting the connection back in its pool and sending its next request
         // into a socket the server is closing.

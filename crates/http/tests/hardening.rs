@@ -898,3 +898,75 @@ async fn a_body_that_stops_or_breaks_is_named_for_what_it_is() {
     }
     server.stop().await;
 }
+
+/// A client that sends a whole body past the limit before it reads (what most
+/// clients do) reads the 413 and its error body, not a reset: the server reads
+/// the refused body to its end before it answers and closes, whether the body's
+/// length was declared or it came chunked. A client that waits for
+/// `100-continue` is refused at once and never asked for the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_sending_a_body_past_the_limit_reads_the_refusal() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_guard, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let keys = create_store(&server, "s").await;
+    let address = server.test_url.trim_start_matches("http://").to_string();
+    // Larger than loopback socket buffers take, within what the server drains.
+    let size = 7 * tally_http::extract::MAX_BODY_BYTES;
+    let head = |framing: &str| {
+        format!(
+            "POST /v1/customers HTTP/1.1\r\nhost: x\r\nx-api-key: {}\r\ncontent-type: application/json\r\n{framing}\r\n\r\n",
+            keys.test
+        )
+    };
+    let declared = [
+        head(&format!("content-length: {size}")).into_bytes(),
+        vec![b' '; size],
+    ]
+    .concat();
+    let mut chunked = head("transfer-encoding: chunked").into_bytes();
+    let chunk = 64 * 1024;
+    for _ in 0..size / chunk {
+        chunked.extend_from_slice(format!("{chunk:x}\r\n").as_bytes());
+        chunked.extend_from_slice(&vec![b' '; chunk]);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    for (what, request) in [("declared", declared), ("chunked", chunked)] {
+        let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+        stream
+            .write_all(&request)
+            .await
+            .unwrap_or_else(|error| panic!("{what}: the body could not be sent: {error}"));
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+            .await
+            .expect("the server answers and closes")
+            .unwrap_or_else(|error| panic!("{what}: the answer could not be read: {error}"));
+        let text = String::from_utf8_lossy(&answer).to_lowercase();
+        assert!(text.starts_with("http/1.1 413"), "{what}: {text}");
+        assert!(
+            text.contains("\"code\":\"body_too_large\""),
+            "{what}: {text}"
+        );
+        assert!(text.contains("connection: close"), "{what}: {text}");
+    }
+
+    let mut waiting = tokio::net::TcpStream::connect(&address).await.unwrap();
+    waiting
+        .write_all(head(&format!("content-length: {size}\r\nexpect: 100-continue")).as_bytes())
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), waiting.read_to_end(&mut answer))
+        .await
+        .expect("refused without waiting for the body")
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(text.starts_with("http/1.1 413"), "{text}");
+    assert!(!text.contains("100 continue"), "{text}");
+
+    let api = Api::new(&server.test_url, &keys.test);
+    assert_eq!(api.get("/v1/customers").await.body["data"], json!([]));
+    server.stop().await;
+}
