@@ -17,7 +17,6 @@ use std::task::{ready, Context, Poll};
 use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::Request;
 use axum::http::header::{CONTENT_LENGTH, EXPECT};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::extract::{payload_too_large, BodyTooLarge, MAX_BODY_BYTES};
@@ -29,27 +28,71 @@ use crate::extract::{payload_too_large, BodyTooLarge, MAX_BODY_BYTES};
 /// how long the reading may take).
 pub const MAX_DRAINED_BODY_BYTES: u64 = 8 * 1024 * 1024;
 
-/// The body-limit layer: a declared length past the limit is answered 413 (after
-/// the body is drained), any other body reaches the route limited to
-/// `MAX_BODY_BYTES`, drained when it passes it.
-pub async fn limit_body(request: Request, next: Next) -> Response {
-    let declared = request
-        .headers()
-        .get(CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.trim().parse::<u64>().ok());
-    if declared.is_some_and(|length| length > MAX_BODY_BYTES as u64) {
+/// The body-limit layer (a tower layer rather than a `from_fn` middleware: it
+/// wraps the whole router, and `from_fn` boxes what it wraps on every request).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BodyLimitLayer;
+
+impl<S> tower::Layer<S> for BodyLimitLayer {
+    type Service = BodyLimit<S>;
+
+    fn layer(&self, inner: S) -> BodyLimit<S> {
+        BodyLimit { inner }
+    }
+}
+
+/// A declared length past the limit is answered 413 (after the body is drained);
+/// any other body reaches the service limited to `MAX_BODY_BYTES`, drained when
+/// it passes it.
+#[derive(Clone, Debug)]
+pub struct BodyLimit<S> {
+    inner: S,
+}
+
+impl<S> tower::Service<Request> for BodyLimit<S>
+where
+    S: tower::Service<Request, Response = Response>,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = futures::future::Either<
+        S::Future,
+        futures::future::BoxFuture<'static, Result<Response, S::Error>>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let declared = request
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<u64>().ok());
+        if declared.is_none_or(|length| length <= MAX_BODY_BYTES as u64) {
+            // A request without a body (most reads) has nothing to limit.
+            let request = if request.body().is_end_stream() {
+                request
+            } else {
+                request.map(|body| Body::new(DrainingLimit::new(body)))
+            };
+            return futures::future::Either::Left(self.inner.call(request));
+        }
         let expects_continue = request
             .headers()
             .get(EXPECT)
             .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        if !expects_continue && declared.is_some_and(|length| length <= MAX_DRAINED_BODY_BYTES) {
-            drain(request.into_body()).await;
-        }
-        return payload_too_large().into_response();
+        let drains =
+            !expects_continue && declared.is_some_and(|length| length <= MAX_DRAINED_BODY_BYTES);
+        futures::future::Either::Right(Box::pin(async move {
+            if drains {
+                drain(request.into_body()).await;
+            }
+            Ok(payload_too_large().into_response())
+        }))
     }
-    next.run(request.map(|body| Body::new(DrainingLimit::new(body))))
-        .await
 }
 
 /// Reads and discards a body up to `MAX_DRAINED_BODY_BYTES`, stopping early if it

@@ -238,7 +238,7 @@ pub fn router(state: AppState) -> Router {
                 .on_failure(()),
         )
         .layer(from_fn_with_state(state, middleware::request_context))
-        .layer(axum::middleware::from_fn(body_limit::limit_body))
+        .layer(body_limit::BodyLimitLayer)
         .service(routes);
     Router::new().fallback_service(stack)
 }
