@@ -346,7 +346,8 @@ struct ServeArgs {
     )]
     peers: Vec<url::Url>,
     /// The secret the nodes of a split cluster present to one another (at least
-    /// 32 characters, the same on every node).
+    /// 32 characters of printable ASCII, no surrounding whitespace, the same on
+    /// every node).
     #[arg(long, env = "TALLY_CLUSTER_SECRET", hide_env_values = true)]
     cluster_secret: Option<String>,
     /// Do not create the `default` store on a first start (for additional nodes of a

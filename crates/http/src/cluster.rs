@@ -101,6 +101,22 @@ impl ClusterRouting {
                 "the cluster secret must be a random secret of at least {MIN_CLUSTER_SECRET_CHARS} characters"
             ));
         }
+        // The secret travels as a header value, which HTTP trims and which holds
+        // only visible ASCII and inner spaces: a secret with surrounding whitespace
+        // (a line read with its newline) would reach the peer cut, and every
+        // forward would be refused as `cluster_secret_invalid`. Refused here, at
+        // start, where the mistake is.
+        if config.secret.trim() != config.secret
+            || !config
+                .secret
+                .bytes()
+                .all(|byte| byte == b' ' || byte.is_ascii_graphic())
+        {
+            return Err(
+                "the cluster secret must be printable ASCII without leading or trailing whitespace (it is sent as an HTTP header)"
+                    .to_string(),
+            );
+        }
         if config.peers.len() > MAX_PEERS {
             return Err(format!("at most {MAX_PEERS} peers"));
         }
@@ -402,4 +418,37 @@ fn unavailable(message: &'static str) -> Response {
         axum::http::HeaderValue::from(crate::middleware::UNAVAILABLE_RETRY_AFTER_SECONDS),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(secret: &str) -> ClusterConfig {
+        ClusterConfig {
+            secret: secret.to_string(),
+            peers: Vec::new(),
+            partitions: 4,
+            test_port: 0,
+        }
+    }
+
+    /// A secret that could not reach a peer intact (too short, surrounded by
+    /// whitespace, or not sendable as a header) is refused at start.
+    #[test]
+    fn a_secret_that_would_not_reach_peers_intact_is_refused() {
+        let good = "s".repeat(MIN_CLUSTER_SECRET_CHARS);
+        assert!(ClusterRouting::new(config(&good)).is_ok());
+        assert!(ClusterRouting::new(config(&format!("{good} with inner spaces"))).is_ok());
+        for bad in [
+            "s".repeat(MIN_CLUSTER_SECRET_CHARS - 1),
+            format!("{good}\n"),
+            format!(" {good}"),
+            format!("{good}\t"),
+            format!("{good}\u{e9}"),
+            format!("{good}\u{7f}"),
+        ] {
+            assert!(ClusterRouting::new(config(&bad)).is_err(), "{bad:?}");
+        }
+    }
 }
