@@ -852,7 +852,6 @@ async fn a_request_past_its_deadline_answers_503_with_the_error_body() {
 /// rest of such a body is still on the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stops_or_breaks_is_named_for_what_it_is() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (_guard, dir) = temp_dir();
     let config = tally_http::HttpConfig {
         body_read_timeout_ms: 300,
@@ -883,14 +882,7 @@ async fn a_body_that_stops_or_breaks_is_named_for_what_it_is() {
         ),
     ];
     for (request, status, code) in cases {
-        let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut answer = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
-            .await
-            .expect("the server answers and closes")
-            .unwrap();
-        let text = String::from_utf8_lossy(&answer).to_lowercase();
+        let text = exchange_raw(&address, request.as_bytes(), "").await;
         assert!(text.starts_with(&format!("http/1.1 {status}")), "{text}");
         assert!(text.contains(&format!("\"code\":\"{code}\"")), "{text}");
         assert!(text.contains("\"trace_id\""), "{text}");
@@ -906,7 +898,6 @@ async fn a_body_that_stops_or_breaks_is_named_for_what_it_is() {
 /// `100-continue` is refused at once and never asked for the body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sending_a_body_past_the_limit_reads_the_refusal() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (_guard, dir) = temp_dir();
     let server = Server::start(&dir, default_config()).await;
     let keys = create_store(&server, "s").await;
@@ -933,17 +924,7 @@ async fn a_client_sending_a_body_past_the_limit_reads_the_refusal() {
     }
     chunked.extend_from_slice(b"0\r\n\r\n");
     for (what, request) in [("declared", declared), ("chunked", chunked)] {
-        let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
-        stream
-            .write_all(&request)
-            .await
-            .unwrap_or_else(|error| panic!("{what}: the body could not be sent: {error}"));
-        let mut answer = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
-            .await
-            .expect("the server answers and closes")
-            .unwrap_or_else(|error| panic!("{what}: the answer could not be read: {error}"));
-        let text = String::from_utf8_lossy(&answer).to_lowercase();
+        let text = exchange_raw(&address, &request, what).await;
         assert!(text.starts_with("http/1.1 413"), "{what}: {text}");
         assert!(
             text.contains("\"code\":\"body_too_large\""),
@@ -952,21 +933,31 @@ async fn a_client_sending_a_body_past_the_limit_reads_the_refusal() {
         assert!(text.contains("connection: close"), "{what}: {text}");
     }
 
-    let mut waiting = tokio::net::TcpStream::connect(&address).await.unwrap();
-    waiting
-        .write_all(head(&format!("content-length: {size}\r\nexpect: 100-continue")).as_bytes())
-        .await
-        .unwrap();
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), waiting.read_to_end(&mut answer))
-        .await
-        .expect("refused without waiting for the body")
-        .unwrap();
-    let text = String::from_utf8_lossy(&answer).to_lowercase();
+    // Headers only: a server that asked for the body would wait for it here.
+    let waiting = head(&format!("content-length: {size}\r\nexpect: 100-continue"));
+    let text = exchange_raw(&address, waiting.as_bytes(), "expect: 100-continue").await;
     assert!(text.starts_with("http/1.1 413"), "{text}");
     assert!(!text.contains("100 continue"), "{text}");
 
     let api = Api::new(&server.test_url, &keys.test);
     assert_eq!(api.get("/v1/customers").await.body["data"], json!([]));
     server.stop().await;
+}
+
+/// Sends `request` as raw bytes on a new connection and reads until the server
+/// closes it (at most 10 s): the answer, lowercased. `what` names the case in a
+/// failure.
+async fn exchange_raw(address: &str, request: &[u8], what: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream
+        .write_all(request)
+        .await
+        .unwrap_or_else(|error| panic!("{what}: the request could not be sent: {error}"));
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the server did not answer and close"))
+        .unwrap_or_else(|error| panic!("{what}: the answer could not be read: {error}"));
+    String::from_utf8_lossy(&answer).to_lowercase()
 }
