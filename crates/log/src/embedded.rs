@@ -1061,6 +1061,63 @@ mod tests {
         assert_eq!(len, end + (FRAME_HEADER_BYTES + 5) as u64);
     }
 
+    /// The variable that makes `appends_go_on_when_zeros_cannot_be_written_ahead`
+    /// run as the child it starts (the data dir to use).
+    const NO_ROOM_CHILD_DIR: &str = "TALLY_LOG_TEST_NO_ROOM_DIR";
+
+    /// A file-size limit below the zeros written ahead (`PREALLOCATE_BYTES`), set
+    /// for a child process (`ulimit -f`, in KiB, with SIGXFSZ ignored so that a
+    /// write past it fails with EFBIG instead of killing the process): the zeros
+    /// cannot all be written, and appends must go on without them, as when a disk
+    /// is nearly full. What was appended reads back, and again after a reopen.
+    #[tokio::test]
+    async fn appends_go_on_when_zeros_cannot_be_written_ahead() {
+        const LIMIT_KIB: u64 = 4 * 1024;
+        const _: () = assert!(LIMIT_KIB * 1024 < PREALLOCATE_BYTES);
+        if let Ok(dir) = std::env::var(NO_ROOM_CHILD_DIR) {
+            let dir = Path::new(&dir);
+            let log = EmbeddedLog::open_with(dir, SegmentSizes::default()).unwrap();
+            let records: Vec<Vec<u8>> = (0..50)
+                .map(|i| format!("record {i}").into_bytes())
+                .collect();
+            for record in &records {
+                log.append(b"k", record.clone())
+                    .await
+                    .expect("an append succeeds without zeros ahead");
+            }
+            let end = log.end_offset(0).await.unwrap();
+            let len = fs::metadata(segment_path(dir, 0)).unwrap().len();
+            assert!(
+                len <= LIMIT_KIB * 1024,
+                "the limit held the zeros back: {len} bytes"
+            );
+            assert_eq!(payloads(&log).await, records);
+            drop(log);
+            let reopened = EmbeddedLog::open_with(dir, SegmentSizes::default()).unwrap();
+            assert_eq!(reopened.end_offset(0).await.unwrap(), end);
+            assert_eq!(payloads(&reopened).await, records);
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let status = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                r#"trap "" XFSZ; ulimit -f {LIMIT_KIB}; exec "$0" "$@""#
+            ))
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "embedded::tests::appends_go_on_when_zeros_cannot_be_written_ahead",
+                "--nocapture",
+            ])
+            .env(NO_ROOM_CHILD_DIR, dir.path())
+            .status()
+            .unwrap();
+        assert!(status.success(), "the child failed: {status}");
+        // The child ran the case, not nothing: it left its records.
+        assert!(fs::metadata(segment_path(dir.path(), 0)).unwrap().len() > 0);
+    }
+
     /// A log of one record ("kept"), as a crash leaves it: the crashed copy, where
     /// its record ends, and its segment open for writing what else the crash left.
     async fn one_record_crashed() -> (tempfile::TempDir, u64, File) {
