@@ -133,10 +133,9 @@ pub async fn request_context(
         // broke) may not be read to its end (`body_limit` drains a refused body
         // only so far, and not one the client holds back for `100-continue`), so
         // the rest of it may still be on the connection: no further request can
-        // follow on it. Saying so on every
-        // such refusal (one rule for all of them) keeps a client from
-        // putting the connection back in its pool and sending its next request
-        // into a socket the server is closing.
+        // follow on it. Saying so on every such refusal (one rule for all of
+        // them) keeps a client from putting the connection back in its pool and
+        // sending its next request into a socket the server is closing.
         response.headers_mut().insert(
             axum::http::header::CONNECTION,
             HeaderValue::from_static("close"),
