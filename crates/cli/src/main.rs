@@ -30,6 +30,19 @@ use tally_projection::{CheckpointStore, ProjectionStore, SledStore};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Turns transparent huge pages off for this process. mimalloc asks the kernel for
+/// huge pages on its arenas (`madvise(MADV_HUGEPAGE)`), and a 2 MiB page stays
+/// resident while any 4 KiB of it holds a live block: the checkpoints free
+/// short-lived buffers by the hundred MB, among long-lived ones, so with huge pages
+/// the ingest benchmark's server held ~80 MiB more at its peak for the same heap and
+/// no more throughput (docs/benchmarks.md, "Memory without huge pages"). Best
+/// effort, before logging starts: a kernel without the call (older than 3.15) keeps
+/// its own setting, which costs memory, never correctness.
+fn without_transparent_huge_pages() {
+    #[cfg(target_os = "linux")]
+    let _ = rustix::thread::disable_transparent_huge_pages(true);
+}
+
 mod clock;
 mod progress;
 
@@ -1172,6 +1185,7 @@ async fn store_create(name: String, base_url: String, admin_token: String) -> Re
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    without_transparent_huge_pages();
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => serve(args).await,
