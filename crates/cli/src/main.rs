@@ -34,7 +34,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// huge pages on its arenas (`madvise(MADV_HUGEPAGE)`), and a 2 MiB page stays
 /// resident while any 4 KiB of it holds a live block: the checkpoints free
 /// short-lived buffers by the hundred MB, among long-lived ones, so with huge pages
-/// the ingest benchmark's server held ~80 MiB more at its peak for the same heap and
+/// the ingest benchmark's server held 60-100 MiB more at its peak for the same heap and
 /// no more throughput (docs/benchmarks.md, "Memory without huge pages"). Best
 /// effort, before logging starts: a kernel without the call (older than 3.15) keeps
 /// its own setting, which costs memory, never correctness.

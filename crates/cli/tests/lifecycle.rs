@@ -115,7 +115,7 @@ fn sigterm_while_starting_is_a_clean_exit() {
 }
 
 /// The server runs without transparent huge pages (`without_transparent_huge_pages`
-/// in main.rs: with them its peak memory under ingest was ~80 MiB higher), whatever
+/// in main.rs: with them its peak memory under ingest was 60-100 MiB higher), whatever
 /// the machine's default.
 #[cfg(target_os = "linux")]
 #[test]
