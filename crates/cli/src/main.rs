@@ -716,6 +716,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
     init_tracing(args.log_format);
     let stop = shutdown_signal();
     tokio::pin!(stop);
+    // Checked before the data dir is opened: a bad setting is reported at once,
+    // not after a restart's catch-up, and leaves nothing written.
+    let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
+    if let Some(token) = &admin_token {
+        if token.chars().count() < MIN_ADMIN_TOKEN_CHARS || token == "change-me" {
+            bail!("TALLY_ADMIN_TOKEN must be a random secret of at least {MIN_ADMIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)");
+        }
+    }
     std::fs::create_dir_all(&args.storage.data_dir)
         .with_context(|| format!("creating data dir {}", args.storage.data_dir.display()))?;
     let opening = std::time::Instant::now();
@@ -745,12 +753,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
     // The projector stops only after HTTP has drained: in-flight writes wait for
     // their records to be applied, and would otherwise answer 503 while durable.
     let (projector_stop_tx, projector_stop_rx) = tokio::sync::watch::channel(false);
-    let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
-    if let Some(token) = &admin_token {
-        if token.chars().count() < MIN_ADMIN_TOKEN_CHARS || token == "change-me" {
-            bail!("TALLY_ADMIN_TOKEN must be a random secret of at least {MIN_ADMIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)");
-        }
-    }
     let Dispatching {
         scope: dispatch_scope,
         membership,

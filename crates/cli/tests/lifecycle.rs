@@ -181,6 +181,28 @@ fn a_cluster_needs_kafka_and_a_plain_name() {
     assert!(stderr.contains("a cluster name is 1 to"), "{stderr}");
 }
 
+/// A weak `TALLY_ADMIN_TOKEN` is refused before the data dir is opened: the error
+/// comes at once (not after a restart's catch-up), and nothing is written.
+#[test]
+fn a_weak_admin_token_is_refused_before_the_data_dir_is_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("data");
+    let output = tally()
+        .args(["serve", "--data-dir"])
+        .arg(&data_dir)
+        .args(["--listen", "127.0.0.1:0", "--test-listen", "127.0.0.1:0"])
+        .env("TALLY_ADMIN_TOKEN", "short")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("TALLY_ADMIN_TOKEN must be a random secret"),
+        "{stderr}"
+    );
+    assert!(!data_dir.exists(), "the data dir was created: {stderr}");
+}
+
 #[test]
 fn replay_refuses_a_data_dir_in_use() {
     let dir = tempfile::tempdir().unwrap();
