@@ -648,7 +648,7 @@ pub fn attempt_from_proto(a: v1::WebhookAttempt) -> Result<WebhookAttempt, Decod
     })
 }
 
-fn request_key_to_proto(r: &tally_domain::record::RequestKey) -> v1::RequestKey {
+pub(crate) fn request_key_to_proto(r: &tally_domain::record::RequestKey) -> v1::RequestKey {
     v1::RequestKey {
         api_key_sha256: r.api_key_sha256.clone(),
         key: r.key.clone(),
@@ -684,6 +684,25 @@ pub fn encode_record_with(
     use tally_domain::record::Record;
     use v1::log_record::Kind;
     let kind = match record {
+        // The hottest record, written from borrowed fields (usage_encode.rs).
+        Record::UsageBatch {
+            store_id,
+            mode,
+            events,
+            settles,
+            matched_below,
+        } => {
+            return crate::usage_encode::encode_usage_batch(
+                &crate::usage_encode::UsageBatchRef {
+                    store_id: store_id.as_str(),
+                    mode: *mode,
+                    events,
+                    settles: *settles,
+                    matched_below: *matched_below,
+                },
+                meta,
+            )
+        }
         Record::StoreCreated(s) => Kind::StoreCreated(v1::StoreCreated {
             store_id: s.store_id.to_string(),
             name: s.name.clone(),
@@ -821,19 +840,6 @@ pub fn encode_record_with(
         Record::TestClockSet { store_id, to_ms } => Kind::TestClockSet(v1::TestClockSet {
             store_id: store_id.to_string(),
             to_ms: *to_ms,
-        }),
-        Record::UsageBatch {
-            store_id,
-            mode,
-            events,
-            settles,
-            matched_below,
-        } => Kind::UsageBatch(v1::UsageBatch {
-            store_id: store_id.to_string(),
-            mode: mode_to_proto(*mode),
-            events: events.iter().map(usage_event_to_proto).collect(),
-            settles: *settles,
-            matched_below: *matched_below,
         }),
         Record::MeterBackfill {
             store_id,

@@ -1,6 +1,8 @@
 //! The log's wire format: prost types generated from `proto/tally/v1/log.proto`, and
 //! the explicit conversions between them and the domain types. Nothing else in the
-//! workspace builds or reads protobuf by hand.
+//! workspace builds or reads protobuf by hand; here only the usage batch, the
+//! hottest record, is written field by field (`usage_encode`) and read in frames
+//! (`frames`), both held to prost's own bytes by tests.
 
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
 pub mod v1 {
@@ -13,6 +15,7 @@ mod convert;
 mod frames;
 mod product;
 mod settlement;
+mod usage_encode;
 
 pub use affiliate::*;
 pub use billing::*;
