@@ -307,7 +307,9 @@ impl<'de> Visitor<'de> for EventVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        // `properties` (index 0) is read by `PropertiesSeed`, the others as values.
         let mut fields: [Option<Value>; 6] = Default::default();
+        let mut properties = Ok(None);
         let mut first = true;
         while let Some(key) = map.next_key_seed(Key(&EVENT_FIELDS))? {
             if first && key == KeyIs::Number {
@@ -318,13 +320,175 @@ impl<'de> Visitor<'de> for EventVisitor {
             first = false;
             match key {
                 // The last of repeated keys wins, as in a JSON object read whole.
+                KeyIs::Wanted(0) => properties = map.next_value_seed(PropertiesSeed)?,
                 KeyIs::Wanted(index) => fields[index] = Some(map.next_value()?),
                 _ => {
                     map.next_value::<Skipped>()?;
                 }
             }
         }
-        Ok(raw_event(fields))
+        let [_, name, customer_id, external_customer_id, event_id, timestamp] = fields;
+        Ok(event_of(
+            properties,
+            [name, customer_id, external_customer_id, event_id, timestamp],
+        ))
+    }
+}
+
+/// An event's `properties` as `raw_properties` reads them from a `Value`, decoded
+/// without building one: the value tree (a map hashing every name, a `Value` per
+/// entry, then copied into the raw shape) was ~15% of the intake thread under the
+/// ingest benchmark (docs/benchmarks.md, "Usage batches encoded from the events").
+struct PropertiesSeed;
+
+type RawProperties = Result<Option<Vec<(String, RawPropertyValue)>>, FieldError>;
+
+fn not_an_object_property() -> RawProperties {
+    Err(invalid("properties", "`properties` must be an object"))
+}
+
+/// Names up to this many are checked for repeats by a scan; a larger object gets
+/// an index, so a body of many names stays linear to decode.
+const PROPERTY_SCAN_MAX: usize = 16;
+
+impl<'de> DeserializeSeed<'de> for PropertiesSeed {
+    type Value = RawProperties;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PropertiesSeed {
+    type Value = RawProperties;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an object of properties")
+    }
+
+    any_scalar_but_null!(not_an_object_property());
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Ok(None))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        drain_seq(seq)?;
+        Ok(not_an_object_property())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut entries: Vec<(String, RawPropertyValue)> = Vec::new();
+        let mut index: Option<std::collections::HashMap<String, usize>> = None;
+        while let Some(name) = map.next_key::<String>()? {
+            if entries.is_empty() && name == NUMBER_TOKEN {
+                // A number, as serde_json hands one over: not an object.
+                number_of(&mut map)?;
+                return Ok(not_an_object_property());
+            }
+            let value = map.next_value_seed(PropertyValueSeed)?;
+            // A repeated name keeps its first place and takes the last value, as
+            // `serde_json::Map` (insertion-ordered in this workspace) does.
+            let at = match &index {
+                Some(index) => index.get(&name).copied(),
+                None => entries.iter().position(|(known, _)| *known == name),
+            };
+            match at {
+                Some(at) => entries[at].1 = value,
+                None => {
+                    if let Some(index) = &mut index {
+                        index.insert(name.clone(), entries.len());
+                    } else if entries.len() == PROPERTY_SCAN_MAX {
+                        let mut built: std::collections::HashMap<String, usize> = entries
+                            .iter()
+                            .enumerate()
+                            .map(|(at, (known, _))| (known.clone(), at))
+                            .collect();
+                        built.insert(name.clone(), entries.len());
+                        index = Some(built);
+                    }
+                    entries.push((name, value));
+                }
+            }
+        }
+        Ok(Ok(Some(entries)))
+    }
+}
+
+/// The number in a map whose first key is `NUMBER_TOKEN`, read as `Value` reads
+/// it: its text must parse, and the map is left for serde_json to close, which
+/// refuses the body if anything follows, as it does under `Value`.
+fn number_of<'de, A: MapAccess<'de>>(map: &mut A) -> Result<serde_json::Number, A::Error> {
+    let text: String = map.next_value()?;
+    text.parse().map_err(de::Error::custom)
+}
+
+/// One property's value in its raw shape, as `raw_properties` types a `Value`.
+struct PropertyValueSeed;
+
+impl<'de> DeserializeSeed<'de> for PropertyValueSeed {
+    type Value = RawPropertyValue;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PropertyValueSeed {
+    type Value = RawPropertyValue;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a property value")
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(RawPropertyValue::Other("a boolean"))
+    }
+
+    // serde_json hands numbers over as maps (`arbitrary_precision`); these are
+    // here for completeness and read as `Value` would.
+    fn visit_i64<E: de::Error>(self, value: i64) -> Result<Self::Value, E> {
+        Ok(RawPropertyValue::Number(number_text(&value.into())))
+    }
+
+    fn visit_u64<E: de::Error>(self, value: u64) -> Result<Self::Value, E> {
+        Ok(RawPropertyValue::Number(number_text(&value.into())))
+    }
+
+    fn visit_f64<E: de::Error>(self, value: f64) -> Result<Self::Value, E> {
+        Ok(match serde_json::Number::from_f64(value) {
+            Some(number) => RawPropertyValue::Number(number_text(&number)),
+            None => RawPropertyValue::Other("null"),
+        })
+    }
+
+    fn visit_str<E: de::Error>(self, value: &str) -> Result<Self::Value, E> {
+        Ok(RawPropertyValue::String(value.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, value: String) -> Result<Self::Value, E> {
+        Ok(RawPropertyValue::String(value))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(RawPropertyValue::Other("null"))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        drain_seq(seq)?;
+        Ok(RawPropertyValue::Other("an array"))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let Some(first) = map.next_key_seed(Key(&[]))? else {
+            return Ok(RawPropertyValue::Other("an object"));
+        };
+        if first == KeyIs::Number {
+            return Ok(RawPropertyValue::Number(number_text(&number_of(&mut map)?)));
+        }
+        map.next_value::<Skipped>()?;
+        drain_map(map)?;
+        Ok(RawPropertyValue::Other("an object"))
     }
 }
 
@@ -355,11 +519,25 @@ pub fn raw_properties(
     }
 }
 
-/// One event's fields (in `EVENT_FIELDS` order) into its raw shape; type errors name
-/// the field, the first wrong one in that order.
+/// One event's fields (in `EVENT_FIELDS` order) read as values into its raw shape:
+/// the generic path, which the tests hold the decoder to.
+#[cfg(test)]
 fn raw_event(fields: [Option<Value>; 6]) -> Result<RawUsageEvent, FieldError> {
     let [properties, name, customer_id, external_customer_id, event_id, timestamp] = fields;
-    let properties = raw_properties(properties)?.unwrap_or_default();
+    event_of(
+        raw_properties(properties),
+        [name, customer_id, external_customer_id, event_id, timestamp],
+    )
+}
+
+/// An event from its properties, read already, and its other fields in
+/// `EVENT_FIELDS` order; type errors name the first wrong field in that order.
+fn event_of(
+    properties: RawProperties,
+    fields: [Option<Value>; 5],
+) -> Result<RawUsageEvent, FieldError> {
+    let [name, customer_id, external_customer_id, event_id, timestamp] = fields;
+    let properties = properties?.unwrap_or_default();
     let text = |value: Option<Value>, name: &str| match value {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
@@ -474,6 +652,19 @@ mod tests {
         for body in bodies {
             same(body.to_string().as_bytes());
         }
+        // Many names, some repeated, past the scan's limit: first place, last value.
+        let names: Vec<String> = (0..40)
+            .chain([3, 0, 17, 39, 16, 15])
+            .map(|i| format!(r#""k{i}": {i}"#))
+            .chain([r#""k5": "five""#.to_string(), r#""k30": null"#.to_string()])
+            .collect();
+        same(
+            format!(
+                r#"{{"events": [{{"properties": {{{}}}}}]}}"#,
+                names.join(", ")
+            )
+            .as_bytes(),
+        );
         for raw in [
             // Repeated keys: the last wins, in the body, in an event and in properties.
             r#"{"events": 1, "events": [{"name": "a", "name": "b", "properties": {"k": 1, "j": 2, "k": "three"}}]}"#,
@@ -484,6 +675,17 @@ mod tests {
             r#"{"ev\u0065nts": [{"n\u0061me": "\u00e9t\u00e9", "properties": {"\u006b": "\n"}}]}"#,
             r#"{"events": [{"$serde_json::private::Number": "5"}]}"#,
             r#"{"$serde_json::private::Number": "5"}"#,
+            // The number token inside properties, well formed or not.
+            r#"{"events": [{"properties": {"$serde_json::private::Number": "5"}}]}"#,
+            r#"{"events": [{"properties": {"$serde_json::private::Number": "x"}}]}"#,
+            r#"{"events": [{"properties": {"$serde_json::private::Number": 5}}]}"#,
+            r#"{"events": [{"properties": {"$serde_json::private::Number": "5", "a": 1}}]}"#,
+            r#"{"events": [{"properties": {"a": 1, "$serde_json::private::Number": "5"}}]}"#,
+            r#"{"events": [{"properties": {"k": {"$serde_json::private::Number": "7"}}}]}"#,
+            r#"{"events": [{"properties": {"k": {"$serde_json::private::Number": "y"}}}]}"#,
+            r#"{"events": [{"properties": {"k": {"$serde_json::private::Number": "7", "b": 2}}}]}"#,
+            r#"{"events": [{"properties": {"k": {}, "j": {"a": {"b": 1}}, "": "empty name"}}]}"#,
+            r#"{"events": [{"properties": {"k": 1}, "properties": 5}, {"properties": 5, "properties": {"k": 1}}]}"#,
             "{\"events\": [{}]} x",
             "{\"events\": [",
             "   ",
