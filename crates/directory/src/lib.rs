@@ -47,6 +47,22 @@ pub struct DirectoryCaches {
     pub customer_generation: std::sync::RwLock<u64>,
 }
 
+impl DirectoryCaches {
+    /// Empties the customer caches when they hold `MAX_CACHED_CUSTOMERS`: checked
+    /// before an insert, not on every look-up, because a `DashMap`'s length takes
+    /// every shard's lock in turn (two maps' worth per ingested event).
+    fn make_room_for_a_customer(&self) {
+        self.make_room_below(MAX_CACHED_CUSTOMERS);
+    }
+
+    fn make_room_below(&self, cap: usize) {
+        if self.known_customers.len() + self.external_ids.len() >= cap {
+            self.known_customers.clear();
+            self.external_ids.clear();
+        }
+    }
+}
+
 /// What a committed chunk changed in the directory.
 #[derive(Debug, Default)]
 pub struct DirectoryApplied {
@@ -184,10 +200,6 @@ impl Directory {
         customer: &CustomerRef,
     ) -> Result<Option<String>, EngineError> {
         let caches = &self.caches;
-        if caches.known_customers.len() + caches.external_ids.len() > MAX_CACHED_CUSTOMERS {
-            caches.known_customers.clear();
-            caches.external_ids.clear();
-        }
         match customer {
             CustomerRef::Id(id) => {
                 let key = customer_cache_key(&scope.store_id, scope.mode, id);
@@ -196,6 +208,7 @@ impl Directory {
                 }
                 let exists = self.customer_exists(scope, id)?;
                 if exists {
+                    caches.make_room_for_a_customer();
                     caches.known_customers.insert(key, ());
                 }
                 Ok(exists.then(|| id.clone()))
@@ -216,11 +229,33 @@ impl Directory {
                         .read()
                         .unwrap_or_else(|p| p.into_inner());
                     if *generation == before {
+                        caches.make_room_for_a_customer();
                         caches.external_ids.insert(key, id.clone());
                     }
                 }
                 Ok(found)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_customer_caches_empty_before_an_insert_would_pass_their_cap() {
+        let caches = DirectoryCaches::default();
+        caches.known_customers.insert("a".into(), ());
+        caches.external_ids.insert("x".into(), "a".into());
+        caches.make_room_below(3);
+        assert_eq!(
+            (caches.known_customers.len(), caches.external_ids.len()),
+            (1, 1),
+            "below the cap nothing is dropped"
+        );
+        caches.known_customers.insert("b".into(), ());
+        caches.make_room_below(3);
+        assert!(caches.known_customers.is_empty() && caches.external_ids.is_empty());
     }
 }
