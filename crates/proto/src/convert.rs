@@ -1099,30 +1099,34 @@ pub fn decode_record(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
     use prost::Message;
     use tally_domain::record::{Record, RecordMeta, RequestKey};
 
+    /// Any short string (empty ones among them), now and then one longer than 127
+    /// bytes, whose length takes two bytes on the wire.
+    fn text(max: usize) -> impl Strategy<Value = String> {
+        prop_oneof![
+            8 => proptest::string::string_regex(&format!(".{{0,{max}}}")).expect("a regex"),
+            1 => "[a-z]{128,160}",
+        ]
+    }
+
     /// A usage event as the gateway builds one: property numbers normalized
     /// (`validate_event`), any strings.
-    fn usage_event() -> impl Strategy<Value = UsageEvent> {
+    pub(crate) fn usage_event() -> impl Strategy<Value = UsageEvent> {
         let property = prop_oneof![
-            ".{0,8}".prop_map(PropertyValue::String),
+            text(8).prop_map(PropertyValue::String),
             (any::<i64>(), 0u32..12)
                 .prop_map(|(m, scale)| PropertyValue::Number(Decimal::new(m, scale).normalize())),
         ];
         (
-            (
-                ".{0,12}",
-                ".{0,12}",
-                ".{0,12}",
-                proptest::option::of(".{0,12}"),
-            ),
+            (text(12), text(12), text(12), proptest::option::of(text(12))),
             (any::<i64>(), any::<i64>(), any::<bool>()),
-            proptest::collection::btree_map(".{0,6}", property, 0..4),
-            proptest::collection::vec(".{0,8}", 0..3),
+            proptest::collection::btree_map(text(6), property, 0..4),
+            proptest::collection::vec(text(8), 0..3),
         )
             .prop_map(
                 |(

@@ -149,8 +149,6 @@ mod tests {
     use super::*;
     use crate::{decode_record, encode_record_with};
     use proptest::prelude::*;
-    use rust_decimal::Decimal;
-    use std::collections::BTreeMap;
     use tally_domain::record::{Record, RequestKey};
 
     /// The generic path: the prost message built from the domain and encoded.
@@ -183,43 +181,7 @@ mod tests {
 
     /// Short strings, empty ones often: an empty string is where proto3 skips.
     fn text() -> impl Strategy<Value = String> {
-        prop_oneof![Just(String::new()), "[a-zé_0-9]{1,12}", "[a-z]{100,200}"]
-    }
-
-    fn property() -> impl Strategy<Value = PropertyValue> {
-        prop_oneof![
-            text().prop_map(PropertyValue::String),
-            (any::<i64>(), 0u32..12).prop_map(|(m, s)| PropertyValue::Number(Decimal::new(m, s))),
-        ]
-    }
-
-    fn event() -> impl Strategy<Value = UsageEvent> {
-        (
-            (text(), text(), text(), proptest::option::of(text())),
-            (any::<i64>(), any::<i64>(), any::<bool>()),
-            proptest::collection::btree_map(text(), property(), 0..5),
-            proptest::collection::vec(text(), 0..4),
-        )
-            .prop_map(
-                |(
-                    (event_id, name, customer, external),
-                    (ts, received, assigned),
-                    properties,
-                    meters,
-                )| {
-                    UsageEvent {
-                        event_id,
-                        name,
-                        customer_id: customer.into(),
-                        external_customer_id: external,
-                        timestamp_ms: ts,
-                        properties: properties.into_iter().collect::<BTreeMap<_, _>>(),
-                        received_at_ms: received,
-                        matched_meter_ids: meters.into_iter().map(Into::into).collect(),
-                        event_id_assigned: assigned,
-                    }
-                },
-            )
+        prop_oneof![Just(String::new()), "[a-zé_0-9]{1,12}"]
     }
 
     fn meta() -> impl Strategy<Value = RecordMeta> {
@@ -244,7 +206,7 @@ mod tests {
         fn a_batch_encodes_to_prosts_bytes_and_decodes_back(
             store in text(),
             test_mode in any::<bool>(),
-            events in proptest::collection::vec(event(), 0..6),
+            events in proptest::collection::vec(crate::convert::tests::usage_event(), 0..6),
             settles in any::<bool>(),
             matched_below in proptest::option::of(any::<u64>()),
             meta in meta(),
