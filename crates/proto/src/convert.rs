@@ -1150,6 +1150,52 @@ pub(crate) mod tests {
             )
     }
 
+    /// A usage batch record of such events, with any envelope.
+    pub(crate) fn usage_batch() -> impl Strategy<Value = (Record, RecordMeta)> {
+        (
+            (
+                text(12),
+                any::<bool>(),
+                proptest::collection::vec(usage_event(), 0..6),
+                any::<bool>(),
+                proptest::option::of(any::<u64>()),
+            ),
+            (
+                any::<i64>(),
+                proptest::option::of(any::<i64>()),
+                proptest::option::of((
+                    proptest::collection::vec(any::<u8>(), 0..33),
+                    text(8),
+                    proptest::collection::vec(any::<u8>(), 0..33),
+                )),
+            ),
+        )
+            .prop_map(
+                |(
+                    (store_id, test_mode, events, settles, matched_below),
+                    (recorded_at_ms, base_updated_at_ms, request),
+                )| {
+                    let record = Record::UsageBatch {
+                        store_id: store_id.into(),
+                        mode: if test_mode { Mode::Test } else { Mode::Prod },
+                        events,
+                        settles,
+                        matched_below,
+                    };
+                    let meta = RecordMeta {
+                        recorded_at_ms,
+                        base_updated_at_ms,
+                        request: request.map(|(api_key_sha256, key, fingerprint)| RequestKey {
+                            api_key_sha256,
+                            key,
+                            fingerprint,
+                        }),
+                    };
+                    (record, meta)
+                },
+            )
+    }
+
     proptest! {
         /// The gateway hands its usage records to its own projector as built
         /// (`Journal::append_handing_off`) while every other reader decodes them
@@ -1157,31 +1203,8 @@ pub(crate) mod tests {
         /// (compared through `Debug`, which shows it; `==` on decimals ignores it).
         #[test]
         fn a_usage_record_decodes_to_the_record_that_was_encoded(
-            store_id in ".{0,12}",
-            test_mode in any::<bool>(),
-            events in proptest::collection::vec(usage_event(), 0..4),
-            settles in any::<bool>(),
-            matched_below in proptest::option::of(any::<u64>()),
-            recorded_at_ms in any::<i64>(),
-            base_updated_at_ms in proptest::option::of(any::<i64>()),
-            request in proptest::option::of((proptest::collection::vec(any::<u8>(), 0..33), ".{0,8}", proptest::collection::vec(any::<u8>(), 0..33))),
+            (record, meta) in usage_batch(),
         ) {
-            let record = Record::UsageBatch {
-                store_id: store_id.into(),
-                mode: if test_mode { Mode::Test } else { Mode::Prod },
-                events,
-                settles,
-                matched_below,
-            };
-            let meta = RecordMeta {
-                recorded_at_ms,
-                base_updated_at_ms,
-                request: request.map(|(api_key_sha256, key, fingerprint)| RequestKey {
-                    api_key_sha256,
-                    key,
-                    fingerprint,
-                }),
-            };
             let decoded = decode_record(&encode_record_with(&record, &meta)).unwrap();
             prop_assert_eq!(format!("{:?}", decoded), format!("{:?}", (record, meta)));
         }
