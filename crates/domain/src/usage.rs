@@ -9,9 +9,9 @@ use rust_decimal::Decimal;
 use crate::error::FieldError;
 use crate::ids::{CustomerId, MeterId};
 use crate::limits::{
-    MAX_EVENT_AGE_MS, MAX_EVENT_FUTURE_SKEW_MS, MAX_EVENT_ID_CHARS, MAX_EVENT_NAME_CHARS,
-    MAX_PROPERTIES_PER_EVENT, MAX_PROPERTY_KEY_CHARS, MAX_PROPERTY_NUMBER_ABS,
-    MAX_PROPERTY_STRING_CHARS,
+    more_chars_than, MAX_EVENT_AGE_MS, MAX_EVENT_FUTURE_SKEW_MS, MAX_EVENT_ID_CHARS,
+    MAX_EVENT_NAME_CHARS, MAX_PROPERTIES_PER_EVENT, MAX_PROPERTY_KEY_CHARS,
+    MAX_PROPERTY_NUMBER_ABS, MAX_PROPERTY_STRING_CHARS,
 };
 use crate::time::parse_iso8601_ms;
 
@@ -216,8 +216,7 @@ pub fn validate_event(raw: RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent,
         None => return Err(invalid("name", "`name` is required".into())),
         Some(name) => name,
     };
-    let name_chars = name.chars().count();
-    if name.trim().is_empty() || name_chars > MAX_EVENT_NAME_CHARS {
+    if name.trim().is_empty() || more_chars_than(&name, MAX_EVENT_NAME_CHARS) {
         return Err(invalid(
             "name",
             format!("`name` must be 1 to {MAX_EVENT_NAME_CHARS} characters"),
@@ -226,7 +225,7 @@ pub fn validate_event(raw: RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent,
     // A name is matched against meters' `event_name`s, which cannot hold control
     // characters: an event named with one (a NUL, a line break) could never be
     // metered, and would only show up in listings as an unreadable name.
-    if name.chars().any(char::is_control) {
+    if has_control_characters(&name) {
         return Err(invalid(
             "name",
             "`name` may not contain control characters".into(),
@@ -265,7 +264,7 @@ pub fn validate_event(raw: RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent,
         None => None,
         Some(id) => {
             let trimmed = id.trim();
-            if trimmed.is_empty() || trimmed.chars().count() > MAX_EVENT_ID_CHARS {
+            if trimmed.is_empty() || more_chars_than(trimmed, MAX_EVENT_ID_CHARS) {
                 return Err(invalid(
                     "event_id",
                     format!(
@@ -316,7 +315,7 @@ pub fn validate_event(raw: RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent,
         // Named only when refused: formatting it for every property of every
         // accepted event was a visible share of ingest's validation time.
         let param = || format!("properties.{key}");
-        if key.is_empty() || key.chars().count() > MAX_PROPERTY_KEY_CHARS {
+        if key.is_empty() || more_chars_than(&key, MAX_PROPERTY_KEY_CHARS) {
             return Err(invalid(
                 &param(),
                 format!("property keys must be 1 to {MAX_PROPERTY_KEY_CHARS} characters"),
@@ -324,7 +323,7 @@ pub fn validate_event(raw: RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent,
         }
         let value = match value {
             RawPropertyValue::String(s) => {
-                if s.chars().count() > MAX_PROPERTY_STRING_CHARS {
+                if more_chars_than(&s, MAX_PROPERTY_STRING_CHARS) {
                     return Err(invalid(
                         &param(),
                         format!("string values are at most {MAX_PROPERTY_STRING_CHARS} characters"),
@@ -358,6 +357,18 @@ pub fn validate_event(raw: RawUsageEvent, now_ms: i64) -> Result<ValidatedEvent,
         timestamp_given,
         properties,
     })
+}
+
+/// Whether `text` holds a control character (`char::is_control`). An ASCII text is
+/// checked byte by byte, where the two agree; decoding every event's name into
+/// characters showed in ingest's validation profile (docs/benchmarks.md,
+/// "Character limits checked by length first").
+fn has_control_characters(text: &str) -> bool {
+    if text.is_ascii() {
+        text.bytes().any(|b| b.is_ascii_control())
+    } else {
+        text.chars().any(char::is_control)
+    }
 }
 
 /// `text` without surrounding whitespace, reusing its allocation when there is none
@@ -415,6 +426,56 @@ mod tests {
             matched_meter_ids: Vec::new(),
             event_id_assigned: false,
         }
+    }
+
+    proptest::proptest! {
+        /// The byte-wise check answers as decoding does, for any text (ASCII and
+        /// C0/C1 controls included).
+        #[test]
+        fn control_characters_found_as_by_chars(text in "[\\x00-\\x7f\\u{80}-\\u{a0}é]{0,12}|\\PC{0,12}") {
+            proptest::prop_assert_eq!(
+                has_control_characters(&text),
+                text.chars().any(char::is_control)
+            );
+        }
+    }
+
+    /// The limits count characters: a text of two-byte characters is accepted up
+    /// to the limit (twice as many bytes) and refused one character past it.
+    #[test]
+    fn text_limits_count_characters_not_bytes() {
+        let wide = |n: usize| "é".repeat(n);
+        let field = |event: RawUsageEvent| validate_event(event, NOW).map_err(|e| e.param);
+        let named = |n| RawUsageEvent {
+            name: Some(wide(n)),
+            ..raw()
+        };
+        assert!(field(named(MAX_EVENT_NAME_CHARS)).is_ok());
+        assert_eq!(field(named(MAX_EVENT_NAME_CHARS + 1)).unwrap_err(), "name");
+        let with_id = |n| RawUsageEvent {
+            event_id: Some(wide(n)),
+            ..raw()
+        };
+        assert!(field(with_id(MAX_EVENT_ID_CHARS)).is_ok());
+        assert_eq!(
+            field(with_id(MAX_EVENT_ID_CHARS + 1)).unwrap_err(),
+            "event_id"
+        );
+        let with_property = |key: usize, value: usize| RawUsageEvent {
+            properties: vec![(wide(key), RawPropertyValue::String(wide(value)))],
+            ..raw()
+        };
+        assert!(field(with_property(
+            MAX_PROPERTY_KEY_CHARS,
+            MAX_PROPERTY_STRING_CHARS
+        ))
+        .is_ok());
+        assert!(field(with_property(MAX_PROPERTY_KEY_CHARS + 1, 1))
+            .unwrap_err()
+            .starts_with("properties."));
+        assert!(field(with_property(1, MAX_PROPERTY_STRING_CHARS + 1))
+            .unwrap_err()
+            .starts_with("properties."));
     }
 
     #[test]
