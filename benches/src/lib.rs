@@ -234,27 +234,40 @@ pub fn meter_definitions_with(numeric: &[&str]) -> Vec<serde_json::Value> {
     meters
 }
 
-/// A body of 100 realistic events for `POST /v1/events/ingest`, with event ids unique
-/// per connection and batch, for customers `customer-0..customers`.
+/// Events in a benchmark batch unless a benchmark is told otherwise: the most a
+/// batch may hold (`MAX_EVENTS_PER_BATCH`), as a producer that batches sends.
+pub const DEFAULT_BATCH_EVENTS: usize = tally_domain::limits::MAX_EVENTS_PER_BATCH;
+
+/// A body of `DEFAULT_BATCH_EVENTS` realistic events for `POST /v1/events/ingest`,
+/// with event ids unique per connection and batch, for customers
+/// `customer-0..customers`.
 pub fn batch_body(rng: &mut impl Rng, connection: usize, batch: u64, customers: usize) -> String {
-    batch_body_at(rng, connection, batch, customers, None)
+    batch_body_at(
+        rng,
+        connection,
+        batch,
+        customers,
+        None,
+        DEFAULT_BATCH_EVENTS,
+    )
 }
 
-/// `batch_body` whose events all carry `timestamp` (ISO 8601), as a batch sent at
-/// one moment of a store's history does.
+/// A body of `events` events like `batch_body`'s, all carrying `timestamp` (ISO
+/// 8601) if one is given, as a batch sent at one moment of a store's history does.
 pub fn batch_body_at(
     rng: &mut impl Rng,
     connection: usize,
     batch: u64,
     customers: usize,
     timestamp: Option<&str>,
+    events: usize,
 ) -> String {
-    let mut body = String::with_capacity(20_000);
+    let mut body = String::with_capacity(200 * events + 16);
     body.push_str("{\"events\":[");
     let at = timestamp
         .map(|t| format!("\"timestamp\":\"{t}\","))
         .unwrap_or_default();
-    for i in 0..100 {
+    for i in 0..events {
         if i > 0 {
             body.push(',');
         }
@@ -303,5 +316,21 @@ mod tests {
         let message = error.to_string();
         assert!(message.contains("/nowhere"), "{message}");
         assert!(message.contains("before printing its address"), "{message}");
+    }
+
+    #[test]
+    fn a_batch_body_holds_the_events_asked_for_with_unique_ids() {
+        for events in [1, 10, DEFAULT_BATCH_EVENTS] {
+            let body = batch_body_at(&mut rand::rng(), 3, 7, 10, None, events);
+            let parsed: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let ids: std::collections::BTreeSet<&str> = parsed["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["event_id"].as_str().unwrap())
+                .collect();
+            assert_eq!(ids.len(), events);
+            assert!(ids.iter().all(|id| id.starts_with("c3-7-")));
+        }
     }
 }

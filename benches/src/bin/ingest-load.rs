@@ -2,7 +2,7 @@
 //!
 //! Starts a real `tally serve` (embedded log, fresh data dir; or the Kafka log on a
 //! fresh topic with `--kafka-brokers`), creates 10k customers and 20 meters with
-//! filters, then drives `POST /v1/events/ingest` with batches of 100 realistic
+//! filters, then drives `POST /v1/events/ingest` with batches of 100 (`--batch-size`) realistic
 //! events over many connections, while another task times usage queries. Reports
 //! in one run:
 //!   (a) sustained ingest events/s, (b) the raw append rate of the same log (the
@@ -29,8 +29,9 @@ use clap::Parser;
 use rand::Rng;
 use tally_benches::{
     batch_body_at, cpu_seconds, meter_definitions_with, percentile, start_server_with,
-    usage_record_bytes,
+    usage_record_bytes, DEFAULT_BATCH_EVENTS,
 };
+use tally_domain::limits::MAX_EVENTS_PER_BATCH;
 use tally_log::testsuite::unique_topic;
 use tally_log::Log;
 
@@ -50,6 +51,11 @@ struct Args {
     max_seconds: f64,
     #[arg(long, default_value_t = 10_000)]
     customers: usize,
+    /// Events in each batch sent (1 to `MAX_EVENTS_PER_BATCH`, 100): a producer
+    /// that sends each event on its own (1) or small batches pays the per-request
+    /// cost per few events.
+    #[arg(long, default_value_t = DEFAULT_BATCH_EVENTS, value_parser = batch_events)]
+    batch_size: usize,
     /// Where the server keeps its data (default: a fresh temp dir).
     #[arg(long)]
     data_dir: Option<String>,
@@ -321,7 +327,7 @@ async fn main() -> anyhow::Result<()> {
             stop.clone(),
             shed.clone(),
         );
-        let (customers, target) = (args.customers, args.events);
+        let (customers, target, size) = (args.customers, args.events, args.batch_size);
         let sender = async move {
             let mut batch = 0u64;
             let mut acked_batches = 0u64;
@@ -333,7 +339,7 @@ async fn main() -> anyhow::Result<()> {
                         let ms = load_start_ms - rng.random_range(0..spread_ms);
                         tally_domain::time::format_iso8601_ms(ms)
                     });
-                    batch_body_at(&mut rng, connection, batch, customers, at.as_deref())
+                    batch_body_at(&mut rng, connection, batch, customers, at.as_deref(), size)
                 };
                 // Shared, so a resend copies nothing.
                 let body = bytes::Bytes::from(body);
@@ -352,7 +358,7 @@ async fn main() -> anyhow::Result<()> {
                     match response {
                         Ok(r) if r.status().as_u16() == 202 => {
                             let _ = r.bytes().await;
-                            acked.fetch_add(100, Ordering::Relaxed);
+                            acked.fetch_add(size as u64, Ordering::Relaxed);
                             acked_batches = batch;
                             last_ok = Instant::now();
                             break;
@@ -509,6 +515,7 @@ async fn main() -> anyhow::Result<()> {
         let saved = SavedLoad {
             key: key.clone(),
             stored_batches: stored_batches.clone(),
+            batch_size: args.batch_size,
         };
         std::fs::write(saved_load_path(dir), serde_json::to_vec(&saved)?)?;
     }
@@ -517,6 +524,7 @@ async fn main() -> anyhow::Result<()> {
         &base,
         &key,
         &stored_batches,
+        args.batch_size,
         args.voids,
         args.void_connections,
     )
@@ -547,8 +555,8 @@ async fn main() -> anyhow::Result<()> {
         "(b) raw embedded-log appends:    "
     };
     println!(
-        "events acknowledged:              {total} in {load_seconds:.1} s over {} connections",
-        args.connections
+        "events acknowledged:              {total} in {load_seconds:.1} s over {} connections, {} events a batch",
+        args.connections, args.batch_size
     );
     println!("(a) sustained ingest:             {ingest_rate:.0} events/s");
     println!(
@@ -615,6 +623,23 @@ async fn wait_ready(
 struct SavedLoad {
     key: String,
     stored_batches: Vec<u64>,
+    /// Events per stored batch (files written before the option hold none: 100).
+    #[serde(default = "default_batch_events")]
+    batch_size: usize,
+}
+
+fn default_batch_events() -> usize {
+    DEFAULT_BATCH_EVENTS
+}
+
+/// Parses `--batch-size`: a batch the server accepts.
+fn batch_events(text: &str) -> Result<usize, String> {
+    let events: usize = text.parse().map_err(|e| format!("{e}"))?;
+    if (1..=MAX_EVENTS_PER_BATCH).contains(&events) {
+        Ok(events)
+    } else {
+        Err(format!("a batch holds 1 to {MAX_EVENTS_PER_BATCH} events"))
+    }
 }
 
 /// The file beside `data_dir` that holds its `SavedLoad`.
@@ -631,6 +656,7 @@ async fn void_requests(
     base: &str,
     key: &str,
     stored_batches: &[u64],
+    batch_size: usize,
     count: usize,
     concurrency: usize,
 ) -> anyhow::Result<(Vec<Duration>, Duration)> {
@@ -662,7 +688,7 @@ async fn void_requests(
                     .map(|_| {
                         let (connection, batches) = stored[rng.random_range(0..stored.len())];
                         let batch = rng.random_range(0..batches);
-                        format!("c{connection}-{batch}-{}", rng.random_range(0..100))
+                        format!("c{connection}-{batch}-{}", rng.random_range(0..batch_size))
                     })
                     .collect()
             };
@@ -724,6 +750,7 @@ async fn voids_only(args: &Args) -> anyhow::Result<()> {
         &base,
         &saved.key,
         &saved.stored_batches,
+        saved.batch_size,
         args.voids,
         args.void_connections,
     )
@@ -752,7 +779,16 @@ fn print_voids((latencies, all): &(Vec<Duration>, Duration)) {
 
 #[cfg(test)]
 mod tests {
-    use super::first_and_last_tenth;
+    use super::{batch_events, first_and_last_tenth, MAX_EVENTS_PER_BATCH};
+
+    #[test]
+    fn batch_sizes_are_those_the_server_accepts() {
+        assert_eq!(batch_events("1"), Ok(1));
+        assert_eq!(batch_events("100"), Ok(MAX_EVENTS_PER_BATCH));
+        for refused in ["0", "101", "-1", "ten"] {
+            assert!(batch_events(refused).is_err(), "{refused}");
+        }
+    }
 
     #[test]
     fn the_tenths_rates_follow_the_progress() {
