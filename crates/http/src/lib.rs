@@ -317,37 +317,50 @@ pub const BODY_READ_TIMEOUT_MS: u64 = 30_000;
 /// Requests handled at once per listener; more wait their turn (bounds memory and
 /// the blocking pool under floods).
 pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
+/// The smallest answer compressed for a client that accepts gzip. Below about one
+/// TCP segment (~1,460 bytes of payload on Ethernet) compression saves no packet,
+/// yet each compressed answer costs a compressor's fixed setup: zeroing its tables
+/// and building a Huffman table. That was ~28 µs of server CPU per request, more
+/// than the rest of a small read, with tower-http's default floor of 32 bytes
+/// (docs/benchmarks.md, "Small answers sent uncompressed").
+pub const MIN_COMPRESSED_BODY_BYTES: u16 = 1_400;
 
 /// The layers every listener's router gets: a panic answers 500 with the error body
 /// (and is logged) instead of dropping the connection, requests have a body-read
 /// deadline (the total deadline, `REQUEST_TIMEOUT_MS`, is kept by
 /// `middleware::request_context`, which renders its error) and a concurrency cap,
-/// and answers are compressed (gzip) for clients that accept it.
+/// and answers of at least `MIN_COMPRESSED_BODY_BYTES` are compressed (gzip) for
+/// clients that accept it.
 fn hardened(router: Router, body_read_timeout: Duration) -> Router {
     hardened_with(router, body_read_timeout, MAX_CONCURRENT_REQUESTS)
 }
 
 fn hardened_with(router: Router, body_read_timeout: Duration, concurrent: usize) -> Router {
     use tower_http::catch_panic::CatchPanicLayer;
+    use tower_http::compression::predicate::{DefaultPredicate, Predicate, SizeAbove};
+    use tower_http::compression::CompressionLayer;
     use tower_http::timeout::RequestBodyTimeoutLayer;
     // Around the router once (see `router`): one concurrency cap per listener, not
     // one per route.
-    let stack = tower::ServiceBuilder::new()
-        .layer(tower::limit::ConcurrencyLimitLayer::new(concurrent))
-        .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
-        .layer(CatchPanicLayer::custom(
-            |panic: Box<dyn std::any::Any + Send>| {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                tracing::error!(panic = %what, "BUG: a request handler panicked");
-                ApiError::internal("internal error; it has been logged").into_response()
-            },
-        ))
-        .layer(tower_http::compression::CompressionLayer::new())
-        .service(router);
+    let stack =
+        tower::ServiceBuilder::new()
+            .layer(tower::limit::ConcurrencyLimitLayer::new(concurrent))
+            .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
+            .layer(CatchPanicLayer::custom(
+                |panic: Box<dyn std::any::Any + Send>| {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::error!(panic = %what, "BUG: a request handler panicked");
+                    ApiError::internal("internal error; it has been logged").into_response()
+                },
+            ))
+            .layer(CompressionLayer::new().compress_when(
+                DefaultPredicate::new().and(SizeAbove::new(MIN_COMPRESSED_BODY_BYTES)),
+            ))
+            .service(router);
     Router::new().fallback_service(stack)
 }
 

@@ -208,6 +208,26 @@ async fn every_error_has_the_error_body() {
         .await
         .unwrap();
     assert_eq!(raw.headers()["content-encoding"], "gzip");
+    // Small answers are not: compressing them would cost more than it saves
+    // (`MIN_COMPRESSED_BODY_BYTES`).
+    let small = http
+        .get(format!("{}/v1/customers/cus_unknown", server.test_url))
+        .header("x-api-key", &keys.test)
+        .header("accept-encoding", "gzip")
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        small.headers().get("content-encoding").is_none(),
+        "a small answer was compressed: {:?}",
+        small.headers()
+    );
+    let body = small.bytes().await.unwrap();
+    assert!(body.len() < usize::from(tally_http::MIN_COMPRESSED_BODY_BYTES));
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()["error"]["code"],
+        "resource_missing"
+    );
     server.stop().await;
 }
 
