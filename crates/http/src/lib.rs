@@ -320,7 +320,7 @@ pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 /// The smallest answer compressed for a client that accepts gzip. Below about one
 /// TCP segment (~1,460 bytes of payload on Ethernet) compression saves no packet,
 /// yet each compressed answer costs a compressor's fixed setup: zeroing its tables
-/// and building a Huffman table. That was ~28 µs of server CPU per request, more
+/// and building a Huffman table. That was ~17-35 µs of server CPU per request, more
 /// than the rest of a small read, with tower-http's default floor of 32 bytes
 /// (docs/benchmarks.md, "Small answers sent uncompressed").
 pub const MIN_COMPRESSED_BODY_BYTES: u16 = 1_400;
