@@ -104,6 +104,11 @@ struct Args {
     /// rate of the same records to a fresh topic of the same broker.
     #[arg(long)]
     kafka_brokers: Option<String>,
+    /// Send this `Accept-Encoding` with every batch (e.g. `gzip`, what Python's
+    /// `requests`, Go's `net/http` and browsers send): what compressing the ingest
+    /// answers costs the server. The answers are read, not decompressed.
+    #[arg(long)]
+    accept_encoding: Option<String>,
 }
 
 /// Partitions of the topics `--kafka-brokers` creates: the server's and the raw
@@ -328,6 +333,7 @@ async fn main() -> anyhow::Result<()> {
             shed.clone(),
         );
         let (customers, target, size) = (args.customers, args.events, args.batch_size);
+        let accept_encoding = args.accept_encoding.clone();
         let sender = async move {
             let mut batch = 0u64;
             let mut acked_batches = 0u64;
@@ -348,13 +354,14 @@ async fn main() -> anyhow::Result<()> {
                 // sent again after its Retry-After, as a client would; its event
                 // ids make the resend safe (a stored event is a duplicate).
                 loop {
-                    let response = http
+                    let mut request = http
                         .post(format!("{base}/v1/events/ingest"))
                         .header("x-api-key", &key)
-                        .header("content-type", "application/json")
-                        .body(body.clone())
-                        .send()
-                        .await;
+                        .header("content-type", "application/json");
+                    if let Some(encoding) = &accept_encoding {
+                        request = request.header("accept-encoding", encoding);
+                    }
+                    let response = request.body(body.clone()).send().await;
                     match response {
                         Ok(r) if r.status().as_u16() == 202 => {
                             let _ = r.bytes().await;

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
-use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use serde_json::{Map, Value};
@@ -111,6 +111,18 @@ pub async fn read_json_body(request: Request) -> Result<Option<axum::body::Bytes
         return Err(ApiError::bad_request(
             "invalid_content_type",
             "request bodies must be JSON with `Content-Type: application/json`",
+        ));
+    }
+    // Bodies are read as sent (docs/api.md, "Servers, environments, keys"): a
+    // compressed one would otherwise be refused as not valid JSON, hiding the cause.
+    let encoded = parts
+        .headers
+        .get(CONTENT_ENCODING)
+        .is_some_and(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        return Err(ApiError::bad_request(
+            "invalid_content_encoding",
+            "request bodies must be sent uncompressed: no `Content-Encoding` but `identity` is accepted",
         ));
     }
     Ok(Some(bytes))

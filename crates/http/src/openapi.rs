@@ -191,7 +191,7 @@ impl Modify for Shared {
                     add_missing(
                         operation,
                         "400",
-                        "invalid_request_error: invalid_json, invalid_content_type, parameter_missing, parameter_invalid, parameter_unknown, body_unreadable",
+                        "invalid_request_error: invalid_json, invalid_content_type, invalid_content_encoding, parameter_missing, parameter_invalid, parameter_unknown, body_unreadable",
                     );
                     add_missing(operation, "408", "body_read_timeout");
                     add_missing(operation, "413", "body_too_large, record_too_large");

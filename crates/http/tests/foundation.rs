@@ -128,6 +128,33 @@ async fn every_error_has_the_error_body() {
         "invalid_content_type"
     );
 
+    // A compressed body is named as such, not refused as "not valid JSON".
+    let compressed = Api::finish_raw(
+        http.post(format!("{}/v1/customers", server.test_url))
+            .header("x-api-key", &keys.test)
+            .header("content-type", "application/json")
+            .header("content-encoding", "gzip")
+            .body(vec![0x1f, 0x8b, 0x08, 0, 0, 0, 0, 0, 4, 0xff]),
+    )
+    .await;
+    assert_eq!(
+        assert_error(&compressed, 400, "invalid_request_error")["code"],
+        "invalid_content_encoding"
+    );
+    // `identity` is no compression: the body is read (and its bad field named).
+    let identity = Api::finish_raw(
+        http.post(format!("{}/v1/customers", server.test_url))
+            .header("x-api-key", &keys.test)
+            .header("content-type", "application/json")
+            .header("content-encoding", "Identity ")
+            .body("{\"email\": 42}"),
+    )
+    .await;
+    assert_eq!(
+        assert_error(&identity, 400, "invalid_request_error")["param"],
+        "email"
+    );
+
     let not_object = api.post("/v1/customers", json!([1, 2])).await;
     assert_error(&not_object, 400, "invalid_request_error");
 
@@ -208,6 +235,15 @@ async fn every_error_has_the_error_body() {
         .await
         .unwrap();
     assert_eq!(raw.headers()["content-encoding"], "gzip");
+    // At gzip's fastest level (`COMPRESSION_LEVEL`): the gzip header's XFL byte
+    // (RFC 1952, 2.3.1) is 4 for "fastest", 0 for the default level.
+    let gz = raw.bytes().await.unwrap();
+    assert_eq!(gz[..3], [0x1f, 0x8b, 0x08], "not a deflate gzip stream");
+    assert_eq!(
+        gz[8], 4,
+        "XFL {}: not compressed at the fastest level",
+        gz[8]
+    );
     // Small answers are not: compressing them would cost more than it saves
     // (`MIN_COMPRESSED_BODY_BYTES`).
     let small = http
