@@ -104,56 +104,34 @@ async fn every_error_has_the_error_body() {
     .await;
     assert_error(&wrong_method, 405, "invalid_request_error");
 
-    let malformed = Api::finish_raw(
-        http.post(format!("{}/v1/customers", server.test_url))
-            .header("x-api-key", &keys.test)
-            .header("content-type", "application/json")
-            .body("{not json"),
-    )
-    .await;
-    assert_eq!(
-        assert_error(&malformed, 400, "invalid_request_error")["code"],
-        "invalid_json"
-    );
+    // A customer created from a raw body with these headers (beside the key).
+    let raw_create = |headers: &[(&str, &str)], body: Vec<u8>| {
+        let mut request = http
+            .post(format!("{}/v1/customers", server.test_url))
+            .header("x-api-key", &keys.test);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        Api::finish_raw(request.body(body))
+    };
+    let json_type = ("content-type", "application/json");
+    let code_of = |answer: &Answer| assert_error(answer, 400, "invalid_request_error");
 
-    let wrong_type = Api::finish_raw(
-        http.post(format!("{}/v1/customers", server.test_url))
-            .header("x-api-key", &keys.test)
-            .header("content-type", "text/plain")
-            .body("{\"email\": \"a@b.co\"}"),
-    )
-    .await;
-    assert_eq!(
-        assert_error(&wrong_type, 400, "invalid_request_error")["code"],
-        "invalid_content_type"
-    );
+    let malformed = raw_create(&[json_type], b"{not json".to_vec()).await;
+    assert_eq!(code_of(&malformed)["code"], "invalid_json");
+
+    let customer = b"{\"email\": \"a@b.co\"}".to_vec();
+    let wrong_type = raw_create(&[("content-type", "text/plain")], customer).await;
+    assert_eq!(code_of(&wrong_type)["code"], "invalid_content_type");
 
     // A compressed body is named as such, not refused as "not valid JSON".
-    let compressed = Api::finish_raw(
-        http.post(format!("{}/v1/customers", server.test_url))
-            .header("x-api-key", &keys.test)
-            .header("content-type", "application/json")
-            .header("content-encoding", "gzip")
-            .body(vec![0x1f, 0x8b, 0x08, 0, 0, 0, 0, 0, 4, 0xff]),
-    )
-    .await;
-    assert_eq!(
-        assert_error(&compressed, 400, "invalid_request_error")["code"],
-        "invalid_content_encoding"
-    );
+    let gzip_header = vec![0x1f, 0x8b, 0x08, 0, 0, 0, 0, 0, 4, 0xff];
+    let compressed = raw_create(&[json_type, ("content-encoding", "gzip")], gzip_header).await;
+    assert_eq!(code_of(&compressed)["code"], "invalid_content_encoding");
     // `identity` is no compression: the body is read (and its bad field named).
-    let identity = Api::finish_raw(
-        http.post(format!("{}/v1/customers", server.test_url))
-            .header("x-api-key", &keys.test)
-            .header("content-type", "application/json")
-            .header("content-encoding", "Identity ")
-            .body("{\"email\": 42}"),
-    )
-    .await;
-    assert_eq!(
-        assert_error(&identity, 400, "invalid_request_error")["param"],
-        "email"
-    );
+    let bad_email = b"{\"email\": 42}".to_vec();
+    let identity = raw_create(&[json_type, ("content-encoding", "Identity ")], bad_email).await;
+    assert_eq!(code_of(&identity)["param"], "email");
 
     let not_object = api.post("/v1/customers", json!([1, 2])).await;
     assert_error(&not_object, 400, "invalid_request_error");
