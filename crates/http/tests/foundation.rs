@@ -104,7 +104,7 @@ async fn every_error_has_the_error_body() {
     .await;
     assert_error(&wrong_method, 405, "invalid_request_error");
 
-    // A customer created from a raw body with these headers (beside the key).
+    // A create-customer request of this raw body with these headers (and the key).
     let raw_create = |headers: &[(&str, &str)], body: Vec<u8>| {
         let mut request = http
             .post(format!("{}/v1/customers", server.test_url))
