@@ -16,6 +16,7 @@ use dashmap::DashMap;
 use tally_domain::Mode;
 use tally_engine::Engine;
 
+mod answer_encoding;
 pub mod body_limit;
 pub mod cluster;
 pub mod error;
@@ -333,6 +334,22 @@ pub const MIN_COMPRESSED_BODY_BYTES: u16 = 1_400;
 /// "Answers compressed at gzip's fastest level").
 pub const COMPRESSION_LEVEL: tower_http::CompressionLevel = tower_http::CompressionLevel::Fastest;
 
+/// How answers are compressed, in one place: the layer around every listener's
+/// router, and the ingest answer, which is compressed on the intake runtime
+/// before it leaves (`answer_encoding`): gzip at `COMPRESSION_LEVEL`, for answers
+/// of at least `MIN_COMPRESSED_BODY_BYTES`, to clients that accept it.
+pub(crate) fn compression() -> tower_http::compression::CompressionLayer<
+    tower_http::compression::predicate::And<
+        tower_http::compression::predicate::DefaultPredicate,
+        tower_http::compression::predicate::SizeAbove,
+    >,
+> {
+    use tower_http::compression::predicate::{DefaultPredicate, Predicate, SizeAbove};
+    tower_http::compression::CompressionLayer::new()
+        .quality(COMPRESSION_LEVEL)
+        .compress_when(DefaultPredicate::new().and(SizeAbove::new(MIN_COMPRESSED_BODY_BYTES)))
+}
+
 /// The layers every listener's router gets: a panic answers 500 with the error body
 /// (and is logged) instead of dropping the connection, requests have a body-read
 /// deadline (the total deadline, `REQUEST_TIMEOUT_MS`, is kept by
@@ -345,8 +362,6 @@ fn hardened(router: Router, body_read_timeout: Duration) -> Router {
 
 fn hardened_with(router: Router, body_read_timeout: Duration, concurrent: usize) -> Router {
     use tower_http::catch_panic::CatchPanicLayer;
-    use tower_http::compression::predicate::{DefaultPredicate, Predicate, SizeAbove};
-    use tower_http::compression::CompressionLayer;
     use tower_http::timeout::RequestBodyTimeoutLayer;
     // Around the router once (see `router`): one concurrency cap per listener, not
     // one per route.
@@ -364,13 +379,7 @@ fn hardened_with(router: Router, body_read_timeout: Duration, concurrent: usize)
                 ApiError::internal("internal error; it has been logged").into_response()
             },
         ))
-        .layer(
-            CompressionLayer::new()
-                .quality(COMPRESSION_LEVEL)
-                .compress_when(
-                    DefaultPredicate::new().and(SizeAbove::new(MIN_COMPRESSED_BODY_BYTES)),
-                ),
-        )
+        .layer(compression())
         .service(router);
     Router::new().fallback_service(stack)
 }

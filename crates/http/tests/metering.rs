@@ -347,6 +347,78 @@ async fn ingest_is_all_or_nothing_and_names_the_field() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_answers_are_compressed_for_clients_that_accept_gzip() {
+    let (_guard, server, api) = setup().await;
+    customer(&api, "u1").await;
+    meter(
+        &api,
+        json!({"name": "calls", "event_name": "api_call", "aggregation": "count"}),
+    )
+    .await;
+    let batch = |first: usize| {
+        let events: Vec<Value> = (first..first + 40)
+            .map(|i| json!({"name": "api_call", "external_customer_id": "u1", "event_id": format!("gz-{i}")}))
+            .collect();
+        json!({ "events": events })
+    };
+    let send = |body: Value, accept: Option<&'static str>| {
+        let mut request = api
+            .http
+            .post(format!("{}/v1/events/ingest", api.base))
+            .header("x-api-key", &api.key)
+            .json(&body);
+        if let Some(accept) = accept {
+            request = request.header("accept-encoding", accept);
+        }
+        request.send()
+    };
+    // Accepted: the answer comes gzip-compressed (it is compressed where it is
+    // written, on the intake runtime), once, and says it varies with the header.
+    let gzipped = send(batch(0), Some("gzip")).await.unwrap();
+    assert_eq!(gzipped.status(), 202);
+    let headers = gzipped.headers().clone();
+    assert_eq!(headers["content-encoding"], "gzip");
+    assert_eq!(headers["content-type"], "application/json");
+    assert_eq!(headers.get_all("vary").iter().count(), 1, "{headers:?}");
+    assert_eq!(headers["vary"], "accept-encoding");
+    let raw = gzipped.bytes().await.unwrap();
+    assert_eq!(raw[..3], [0x1f, 0x8b, 0x08], "not a gzip stream");
+    assert_eq!(raw[8], 4, "not compressed at gzip's fastest level");
+    let mut json = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&raw[..]), &mut json).unwrap();
+    let first: Value = serde_json::from_slice(&json).unwrap();
+    assert_eq!(first["object"], "ingest_result");
+    assert_eq!(first["accepted"], 40);
+    assert_eq!(first["events"][39]["event_id"], "gz-39");
+    // The same batch again, uncompressed: the same answer but for the duplicates.
+    let plain = send(batch(0), None).await.unwrap();
+    assert!(plain.headers().get("content-encoding").is_none());
+    let mut again: Value = plain.json().await.unwrap();
+    assert_eq!(again["duplicates"], 40);
+    again["accepted"] = json!(40);
+    again["duplicates"] = json!(0);
+    for event in again["events"].as_array_mut().unwrap() {
+        assert_eq!(event["duplicate"], true);
+        assert_eq!(event["warnings"][0]["code"], "duplicate_event_id");
+        event["duplicate"] = json!(false);
+        event["warnings"] = json!([]);
+    }
+    assert!(again == first, "the answers differ: {again} / {first}");
+    // Refused (q=0) or outranked by identity: not compressed.
+    for accept in ["gzip;q=0", "gzip;q=0.5, identity"] {
+        let answer = send(batch(100), Some(accept)).await.unwrap();
+        assert_eq!(answer.status(), 202);
+        assert!(
+            answer.headers().get("content-encoding").is_none(),
+            "{accept}"
+        );
+        let body: Value = answer.json().await.unwrap();
+        assert_eq!(body["object"], "ingest_result", "{accept}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dedup_is_exact_across_batches_within_batches_and_concurrent_requests() {
     let (_g, server, api) = setup().await;
     let cus = customer(&api, "u1").await;

@@ -1,8 +1,8 @@
 //! `/v1/events`: ingest, preview, list, get, void, amend.
 
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::header::{HeaderName, CONTENT_TYPE};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::{Extension, Json};
 use serde_json::{json, Value};
 use tally_engine::events::EventFilter;
@@ -12,7 +12,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{page_request, parse_instant, Fields, JsonObject, PathId, QueryParams};
 use crate::ingest_body::UsageEvents;
 use crate::openapi as doc;
-use crate::{wire, AppState};
+use crate::{answer_encoding, wire, AppState};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -40,23 +40,23 @@ pub fn router() -> OpenApiRouter<AppState> {
 pub async fn ingest(
     State(state): State<AppState>,
     Extension(scope): Extension<Scope>,
+    headers: HeaderMap,
     UsageEvents(raws): UsageEvents,
-) -> ApiResult<(StatusCode, [(HeaderName, &'static str); 1], Vec<u8>)> {
+) -> ApiResult<(StatusCode, HeaderMap, Bytes)> {
     // The answer (a report per event) is serialized on the intake runtime too, as
     // `Json` would write it: on a request worker it was ~15% of the workers' time
     // under the ingest benchmark, at request priority, in front of the queries
-    // those workers serve.
-    let body = crate::intake::run(async move {
+    // those workers serve. For the same reason it is compressed there
+    // (`crate::answer_encoding`).
+    let accept = answer_encoding::accepted(&headers);
+    let (headers, body) = crate::intake::run(async move {
         let outcome = state.engine.gateway().ingest_events(&scope, raws).await?;
-        serde_json::to_vec(&wire::ingest_answer(outcome))
-            .map_err(|e| ApiError::internal(format!("serializing the ingest answer: {e}")))
+        let json = serde_json::to_vec(&wire::ingest_answer(outcome))
+            .map_err(|e| ApiError::internal(format!("serializing the ingest answer: {e}")))?;
+        answer_encoding::encode(accept, "application/json", json).await
     })
     .await?;
-    Ok((
-        StatusCode::ACCEPTED,
-        [(CONTENT_TYPE, "application/json")],
-        body,
-    ))
+    Ok((StatusCode::ACCEPTED, headers, body))
 }
 
 #[utoipa::path(

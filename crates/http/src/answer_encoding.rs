@@ -1,0 +1,116 @@
+//! Compressing an answer where it was written, off the request workers.
+//!
+//! The layer around every router (`crate::compression`) compresses an answer as
+//! hyper sends it, on the request workers, at request priority. For the ingest
+//! answer (a report per event, ~35 KB of JSON for a batch of 100) that was ~30-50
+//! µs of a request worker's time per batch for a client that accepts gzip, and the
+//! usage queries behind those workers waited for it (docs/benchmarks.md, "Ingest
+//! answers compressed on the intake runtime"). So the ingest answer is compressed
+//! on the intake runtime, with that same layer: the client's `Accept-Encoding` is
+//! negotiated and the body compressed by tower-http exactly as for every other
+//! answer, and the layer around the router leaves an answer that already has a
+//! `Content-Encoding` alone.
+
+use std::convert::Infallible;
+
+use axum::body::Bytes;
+use axum::http::header::{ACCEPT_ENCODING, CONTENT_TYPE};
+use axum::http::{HeaderMap, HeaderValue, Request, Response};
+use http_body_util::{BodyExt, Full};
+use tower::{Layer, ServiceExt};
+
+use crate::error::ApiError;
+
+/// The `Accept-Encoding` headers of a request, all of them (a client may send
+/// several), to negotiate an answer's encoding away from the request.
+pub(crate) fn accepted(headers: &HeaderMap) -> Vec<HeaderValue> {
+    headers.get_all(ACCEPT_ENCODING).iter().cloned().collect()
+}
+
+/// `body` (of `content_type`) as it is sent to a client that sent `accept`: the
+/// headers to add to the answer (`Content-Type`, and `Content-Encoding` and
+/// `Vary` where it is compressed) and the bytes of the body.
+pub(crate) async fn encode(
+    accept: Vec<HeaderValue>,
+    content_type: &'static str,
+    body: Vec<u8>,
+) -> Result<(HeaderMap, Bytes), ApiError> {
+    let mut request = Request::new(());
+    for value in accept {
+        request.headers_mut().append(ACCEPT_ENCODING, value);
+    }
+    let mut body = Some(Bytes::from(body));
+    let answer = crate::compression().layer(tower::service_fn(move |_: Request<()>| {
+        let mut response = Response::new(Full::new(body.take().unwrap_or_default()));
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+        std::future::ready(Ok::<_, Infallible>(response))
+    }));
+    let response = match answer.oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    };
+    let (parts, body) = response.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map_err(|e| ApiError::internal(format!("compressing an answer: {e}")))?
+        .to_bytes();
+    Ok((parts.headers, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::header::{CONTENT_ENCODING, VARY};
+
+    fn accept(values: &[&'static str]) -> Vec<HeaderValue> {
+        values.iter().map(|v| HeaderValue::from_static(v)).collect()
+    }
+
+    fn large() -> Vec<u8> {
+        let len = usize::from(crate::MIN_COMPRESSED_BODY_BYTES) * 4;
+        format!("[{}0]", "0,".repeat(len / 2)).into_bytes()
+    }
+
+    #[tokio::test]
+    async fn negotiates_as_the_router_layer_does() {
+        // Accepted: compressed, named, and marked as varying with the header.
+        for sent in [
+            &["gzip"][..],
+            &["br, gzip;q=0.5"],
+            &["identity;q=0.1", "GZIP"],
+        ] {
+            let (headers, bytes) = encode(accept(sent), "application/json", large())
+                .await
+                .unwrap();
+            assert_eq!(headers[CONTENT_ENCODING], "gzip", "{sent:?}");
+            assert_eq!(headers[CONTENT_TYPE], "application/json");
+            assert_eq!(headers[VARY], "accept-encoding");
+            let mut unpacked = Vec::new();
+            std::io::Read::read_to_end(
+                &mut flate2::read::GzDecoder::new(&bytes[..]),
+                &mut unpacked,
+            )
+            .unwrap();
+            assert_eq!(unpacked, large(), "{sent:?}");
+            assert!(bytes.len() < large().len());
+        }
+        // Not accepted, or too small to be worth it: the body as written.
+        for (sent, body) in [
+            (&[][..], large()),
+            (&["gzip;q=0"], large()),
+            (&["identity"], large()),
+            (&["gzip;q=0.5, identity"], large()),
+            (&["gzip"], b"{\"small\":true}".to_vec()),
+        ] {
+            let (headers, bytes) = encode(accept(sent), "application/json", body.clone())
+                .await
+                .unwrap();
+            assert!(headers.get(CONTENT_ENCODING).is_none(), "{sent:?}");
+            assert_eq!(headers[CONTENT_TYPE], "application/json");
+            assert_eq!(bytes[..], body[..], "{sent:?}");
+        }
+    }
+}
