@@ -893,6 +893,18 @@ async fn cursor_pagination_edges() {
             .len(),
         5
     );
+    // A parameter given more than once takes its last value, as a repeated key of
+    // a JSON body does, whichever order the values come in.
+    for (query, len) in [("limit=5&limit=1", 1), ("limit=1&limit=3", 3)] {
+        let page = api.get(&format!("/v1/customers?{query}")).await;
+        assert_eq!(page.status, 200, "{query}");
+        assert_eq!(page.body["data"].as_array().unwrap().len(), len, "{query}");
+    }
+    let invalid_last = api.get("/v1/customers?limit=2&limit=0").await;
+    assert_eq!(
+        assert_error(&invalid_last, 400, "invalid_request_error")["param"],
+        "limit"
+    );
     server.stop().await;
 }
 
