@@ -2,14 +2,15 @@
 //!
 //! The layer around every router (`crate::compression`) compresses an answer as
 //! hyper sends it, on the request workers, at request priority. For the ingest
-//! answer (a report per event, ~35 KB of JSON for a batch of 100) that was ~30-50
-//! µs of a request worker's time per batch for a client that accepts gzip, and the
-//! usage queries behind those workers waited for it (docs/benchmarks.md, "Ingest
-//! answers compressed on the intake runtime"). So the ingest answer is compressed
-//! on the intake runtime, with that same layer: the client's `Accept-Encoding` is
-//! negotiated and the body compressed by tower-http exactly as for every other
-//! answer, and the layer around the router leaves an answer that already has a
-//! `Content-Encoding` alone.
+//! answer (a report per event, ~35 KB of JSON for a batch of 100) that was ~50 µs
+//! of a request worker's time per batch for a client that accepts gzip, beside the
+//! queries those workers serve; ingest's other work already runs at background
+//! priority (docs/benchmarks.md, "Ingest answers compressed on the intake runtime",
+//! where the rate and the usage p99 stayed level within the VM's noise). So the
+//! ingest answer is compressed on the intake runtime, with that same layer: the
+//! client's `Accept-Encoding` is negotiated and the body compressed by tower-http
+//! exactly as for every other answer, and the layer around the router leaves an
+//! answer that already has a `Content-Encoding` alone.
 
 use std::convert::Infallible;
 
