@@ -15,31 +15,24 @@
 use std::convert::Infallible;
 
 use axum::body::Bytes;
-use axum::http::header::{ACCEPT_ENCODING, CONTENT_TYPE};
+use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Full};
 use tower::{Layer, ServiceExt};
 
 use crate::error::ApiError;
 
-/// The `Accept-Encoding` headers of a request, all of them (a client may send
-/// several), to negotiate an answer's encoding away from the request.
-pub(crate) fn accepted(headers: &HeaderMap) -> Vec<HeaderValue> {
-    headers.get_all(ACCEPT_ENCODING).iter().cloned().collect()
-}
-
-/// `body` (of `content_type`) as it is sent to a client that sent `accept`: the
-/// headers to add to the answer (`Content-Type`, and `Content-Encoding` and
+/// `body` (of `content_type`) as it is sent to the client whose request carried
+/// `request_headers` (the layer reads their `Accept-Encoding`, every one of them):
+/// the headers to add to the answer (`Content-Type`, and `Content-Encoding` and
 /// `Vary` where it is compressed) and the bytes of the body.
 pub(crate) async fn encode(
-    accept: Vec<HeaderValue>,
+    request_headers: HeaderMap,
     content_type: &'static str,
     body: Vec<u8>,
 ) -> Result<(HeaderMap, Bytes), ApiError> {
     let mut request = Request::new(());
-    for value in accept {
-        request.headers_mut().append(ACCEPT_ENCODING, value);
-    }
+    *request.headers_mut() = request_headers;
     let mut body = Some(Bytes::from(body));
     let answer = crate::compression().layer(tower::service_fn(move |_: Request<()>| {
         let mut response = Response::new(Full::new(body.take().unwrap_or_default()));
@@ -66,8 +59,15 @@ mod tests {
     use super::*;
     use axum::http::header::{CONTENT_ENCODING, VARY};
 
-    fn accept(values: &[&'static str]) -> Vec<HeaderValue> {
-        values.iter().map(|v| HeaderValue::from_static(v)).collect()
+    fn accept(values: &[&'static str]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append(
+                axum::http::header::ACCEPT_ENCODING,
+                HeaderValue::from_static(value),
+            );
+        }
+        headers
     }
 
     fn large() -> Vec<u8> {

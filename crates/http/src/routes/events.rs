@@ -48,15 +48,14 @@ pub async fn ingest(
     // under the ingest benchmark, at request priority, in front of the queries
     // those workers serve. For the same reason it is compressed there
     // (`crate::answer_encoding`).
-    let accept = answer_encoding::accepted(&headers);
-    let (headers, body) = crate::intake::run(async move {
+    let (answer_headers, body) = crate::intake::run(async move {
         let outcome = state.engine.gateway().ingest_events(&scope, raws).await?;
         let json = serde_json::to_vec(&wire::ingest_answer(outcome))
             .map_err(|e| ApiError::internal(format!("serializing the ingest answer: {e}")))?;
-        answer_encoding::encode(accept, "application/json", json).await
+        answer_encoding::encode(headers, "application/json", json).await
     })
     .await?;
-    Ok((StatusCode::ACCEPTED, headers, body))
+    Ok((StatusCode::ACCEPTED, answer_headers, body))
 }
 
 #[utoipa::path(
