@@ -115,17 +115,26 @@ pub async fn read_json_body(request: Request) -> Result<Option<axum::body::Bytes
     }
     // Bodies are read as sent (docs/api.md, "Servers, environments, keys"): a
     // compressed one would otherwise be refused as not valid JSON, hiding the cause.
-    let encoded = parts
-        .headers
-        .get(CONTENT_ENCODING)
-        .is_some_and(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"));
-    if encoded {
+    if is_encoded(&parts.headers) {
         return Err(ApiError::bad_request(
             "invalid_content_encoding",
             "request bodies must be sent uncompressed: no `Content-Encoding` but `identity` is accepted",
         ));
     }
     Ok(Some(bytes))
+}
+
+/// Whether a request's body is sent with a content coding other than `identity`.
+/// Every `Content-Encoding` header counts, and each is a list of codings applied
+/// in order (RFC 9110, 8.4), so `identity, gzip` or a second header saying `gzip`
+/// is compressed; empty list elements are no coding.
+fn is_encoded(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get_all(CONTENT_ENCODING)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
 }
 
 /// The answer to a body that is JSON but not an object.

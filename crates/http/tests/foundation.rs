@@ -126,11 +126,43 @@ async fn every_error_has_the_error_body() {
 
     // A compressed body is named as such, not refused as "not valid JSON".
     let gzip_header = vec![0x1f, 0x8b, 0x08, 0, 0, 0, 0, 0, 4, 0xff];
-    let compressed = raw_create(&[json_type, ("content-encoding", "gzip")], gzip_header).await;
+    let compressed = raw_create(
+        &[json_type, ("content-encoding", "gzip")],
+        gzip_header.clone(),
+    )
+    .await;
     assert_eq!(code_of(&compressed)["code"], "invalid_content_encoding");
+    // Every header and every coding of a list counts, not the first alone.
+    for headers in [
+        &[
+            json_type,
+            ("content-encoding", "identity"),
+            ("content-encoding", "gzip"),
+        ][..],
+        &[json_type, ("content-encoding", "identity, gzip")][..],
+        &[json_type, ("content-encoding", ",br")][..],
+    ] {
+        let answer = raw_create(headers, gzip_header.clone()).await;
+        assert_eq!(
+            code_of(&answer)["code"],
+            "invalid_content_encoding",
+            "{headers:?}"
+        );
+    }
     // `identity` is no compression: the body is read (and its bad field named).
     let bad_email = b"{\"email\": 42}".to_vec();
-    let identity = raw_create(&[json_type, ("content-encoding", "Identity ")], bad_email).await;
+    let identity = raw_create(
+        &[json_type, ("content-encoding", "Identity ")],
+        bad_email.clone(),
+    )
+    .await;
+    assert_eq!(code_of(&identity)["param"], "email");
+    let identities = [
+        json_type,
+        ("content-encoding", "identity,"),
+        ("content-encoding", "identity"),
+    ];
+    let identity = raw_create(&identities, bad_email).await;
     assert_eq!(code_of(&identity)["param"], "email");
 
     let not_object = api.post("/v1/customers", json!([1, 2])).await;
