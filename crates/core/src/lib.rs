@@ -27,6 +27,7 @@ pub mod key_home;
 pub mod keys;
 pub mod meter_cache;
 pub mod metrics;
+pub mod minute_maps;
 pub mod outcome;
 pub mod overlay;
 pub mod pagination;

@@ -22,6 +22,7 @@ use crate::error::EngineError;
 use crate::event_index::{self, EventIndex, EventLocation};
 use crate::keys::{self, BucketKey, StoredEventsKey};
 use crate::meter_cache::MeterCache;
+use crate::minute_maps::MinuteMaps;
 use crate::outcome::Outcome;
 use crate::scan_cache::ScanCache;
 use crate::series::{BucketId, SeriesId, SeriesNames};
@@ -268,12 +269,12 @@ impl From<Outcome> for ApplyError {
 pub struct BucketCache {
     /// The series of every id below and of the overlays working over this cache.
     names: SeriesNames,
-    pub buckets: FastMap<BucketId, Aggregate>,
+    pub buckets: MinuteMaps<Aggregate>,
     /// Distinct sets (`u`) as last committed, for the same reason as `buckets`:
     /// a set touched again by a later chunk is not read back (in a profile those
     /// reads, and the page reclamation sled does inside them, were a tenth of the
     /// server's CPU).
-    pub distinct: FastMap<BucketId, DistinctSet>,
+    pub distinct: MinuteMaps<DistinctSet>,
     /// What `distinct` weighs (`distinct_weight`), all sets together.
     distinct_bytes: usize,
     pub newest: FastMap<SeriesId, i64>,
@@ -286,7 +287,7 @@ pub struct BucketCache {
     /// through the overlay, the write-back layer and the next checkpoint: ~16% of
     /// the keys a chunk wrote. A value found here is not written again. Only
     /// "held" is ever answered from here: a value not found is written as before.
-    held_values: FastMap<BucketId, HashSet<Box<[u8]>, foldhash::fast::RandomState>>,
+    held_values: MinuteMaps<HashSet<Box<[u8]>, foldhash::fast::RandomState>>,
     /// Values in `held_values`, all buckets together.
     held_value_count: usize,
     /// Meter definitions as committed, decoded once (`Overlay::shared_meter`).
@@ -300,10 +301,11 @@ pub struct BucketCache {
 /// minutes are dropped first (`evict_oldest_minutes`): usage arrives mostly for the
 /// current minute, and with 10,000 customers and 20 meters one minute alone holds
 /// ~200,000 buckets, so emptying the whole cache (as it once did) sent every later
-/// fold back to sled and the ingest rate fell by half within a minute. Kept under
-/// 7/8 of 2^19 (458,752), where the map's table of 2^19 slots would double to 2^20
-/// (~100 MB, the largest single allocation in a heap profile of the ingest
-/// benchmark with the cap at 600,000; docs/benchmarks.md, "Memory at the peak").
+/// fold back to sled and the ingest rate fell by half within a minute. Room for
+/// two such minutes; each minute is its own map (`MinuteMaps`), so dropping one
+/// frees its table instead of leaving tombstones that made one table of every
+/// minute double to 2^20 slots (~100 MB; docs/benchmarks.md, "The bucket cache's
+/// table, one per minute").
 pub const MAX_CACHED_BUCKETS: usize = 450_000;
 /// What eviction leaves of a cap (in percent): room for the next minutes' buckets,
 /// so a full cache is not scanned again on every commit.
@@ -377,7 +379,8 @@ impl BucketCache {
             return;
         }
         if self.buckets.len() + committed.buckets.len() > MAX_CACHED_BUCKETS {
-            evict_oldest_minutes(&mut self.buckets, MAX_CACHED_BUCKETS, |_| 1);
+            self.buckets
+                .evict_oldest_minutes(eviction_target(MAX_CACHED_BUCKETS), |_| 1);
         }
         if self.complete {
             for bucket in committed.buckets.keys() {
@@ -385,15 +388,15 @@ impl BucketCache {
                 *newest = (*newest).max(bucket.minute);
             }
         }
-        self.buckets.extend(committed.buckets.drain(..));
+        for (id, aggregate) in committed.buckets.drain(..) {
+            self.buckets.insert(id, aggregate);
+        }
         self.absorb_held_values(&mut committed.distinct_values);
         let incoming: usize = committed.distinct_sets.values().map(distinct_weight).sum();
         if self.distinct_bytes + incoming > MAX_CACHED_DISTINCT_BYTES {
-            self.distinct_bytes = evict_oldest_minutes(
-                &mut self.distinct,
-                MAX_CACHED_DISTINCT_BYTES,
-                distinct_weight,
-            );
+            self.distinct_bytes = self
+                .distinct
+                .evict_oldest_minutes(eviction_target(MAX_CACHED_DISTINCT_BYTES), distinct_weight);
         }
         for (key, mut set) in committed.distinct_sets.drain(..) {
             set.shrink_to_fit();
@@ -410,13 +413,12 @@ impl BucketCache {
     fn absorb_held_values(&mut self, changed: &mut Vec<(BucketId, Box<[u8]>, bool)>) {
         let added = changed.iter().filter(|(_, _, held)| *held).count();
         if self.held_value_count + added > MAX_KNOWN_DISTINCT_VALUES {
-            self.held_value_count =
-                evict_oldest_minutes(&mut self.held_values, MAX_KNOWN_DISTINCT_VALUES, |v| {
-                    v.len()
-                });
+            self.held_value_count = self
+                .held_values
+                .evict_oldest_minutes(eviction_target(MAX_KNOWN_DISTINCT_VALUES), |v| v.len());
         }
         for (bucket, value, held) in changed.drain(..) {
-            let values = self.held_values.entry(bucket).or_default();
+            let values = self.held_values.get_or_default(bucket);
             let known = if held {
                 values.insert(value)
             } else {
@@ -436,31 +438,10 @@ fn distinct_weight(set: &DistinctSet) -> usize {
     set.weight() + std::mem::size_of::<(BucketId, DistinctSet)>()
 }
 
-/// Drops the entries of the oldest minutes from a cache keyed by bucket or
-/// distinct-set keys until what stays weighs at most `EVICT_TO_PERCENT` of `cap`
-/// (a minute is kept whole or dropped whole); returns the weight kept. Dropping is
-/// always safe: a cache only saves reads of what the store holds.
-fn evict_oldest_minutes<V>(
-    cache: &mut FastMap<BucketId, V>,
-    cap: usize,
-    weight: impl Fn(&V) -> usize,
-) -> usize {
-    let target = cap / 100 * EVICT_TO_PERCENT;
-    let mut per_minute: BTreeMap<i64, usize> = BTreeMap::new();
-    for (key, value) in cache.iter() {
-        *per_minute.entry(key.minute).or_default() += weight(value);
-    }
-    let mut kept = 0usize;
-    let mut oldest_kept = i64::MAX;
-    for (minute, minute_weight) in per_minute.iter().rev() {
-        if kept + minute_weight > target {
-            break;
-        }
-        kept += minute_weight;
-        oldest_kept = *minute;
-    }
-    cache.retain(|key, _| key.minute >= oldest_kept);
-    kept
+/// What eviction leaves of a cache's cap (`EVICT_TO_PERCENT` of it): the caches
+/// drop their oldest minutes whole (`MinuteMaps::evict_oldest_minutes`).
+fn eviction_target(cap: usize) -> usize {
+    cap / 100 * EVICT_TO_PERCENT
 }
 
 impl<'a> Overlay<'a> {
@@ -1682,7 +1663,7 @@ mod tests {
 
     #[test]
     fn eviction_drops_the_oldest_minutes_whole_and_keeps_the_newest() {
-        let mut cache = FastMap::default();
+        let mut cache = MinuteMaps::default();
         let mut names = SeriesNames::default();
         // 40 buckets per minute, minutes 0..10: 400 in all, cap 200 -> keep 150.
         for minute in 0..10 {
@@ -1691,12 +1672,18 @@ mod tests {
                 cache.insert(id.unwrap(), minute);
             }
         }
-        let kept = evict_oldest_minutes(&mut cache, 200, |_| 1);
+        let kept = cache.evict_oldest_minutes(eviction_target(200), |_| 1);
         assert_eq!(kept, 120, "three whole minutes fit in 150");
         assert_eq!(cache.len(), 120);
-        assert!(cache.values().all(|minute| *minute >= 7));
+        for c in 0..40 {
+            for minute in 0..10 {
+                let id = names.known_bucket(&bucket(&format!("c{c}"), minute * 60_000));
+                assert_eq!(cache.get(&id.unwrap()).is_some(), minute >= 7);
+            }
+        }
         // Weighted: minute 9 alone weighs more than the target, so nothing stays.
-        let kept = evict_oldest_minutes(&mut cache, 200, |minute| (*minute as usize) * 10);
+        let target = eviction_target(200);
+        let kept = cache.evict_oldest_minutes(target, |minute| (*minute as usize) * 10);
         assert_eq!((kept, cache.len()), (0, 0));
     }
 

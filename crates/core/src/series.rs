@@ -35,6 +35,14 @@ pub type FastIndexMap<K, V> = indexmap::IndexMap<K, V, foldhash::fast::RandomSta
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SeriesId(u32);
 
+#[cfg(test)]
+impl SeriesId {
+    /// The id a names table gives its `n`-th series: for tests that need ids alone.
+    pub(crate) fn numbered(n: u32) -> SeriesId {
+        SeriesId(n)
+    }
+}
+
 /// A bucket (`A`, `@`, `|`), distinct-set (`u`) or meter-wide distinct-value
 /// bucket (`U`, the keys' common part before the value) key in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
