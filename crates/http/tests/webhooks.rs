@@ -573,6 +573,73 @@ async fn a_black_holed_endpoint_does_not_delay_other_stores() {
     server.stop().await;
 }
 
+/// An endpoint that answers at once receives more than its concurrent slots' worth
+/// each poll interval, and never more than `MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT`
+/// requests at once. With the slots as the only allowance a poll took 4 of one
+/// endpoint, so 400 deliveries needed at least 100 polls of 100 ms (10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_endpoint_is_not_held_to_its_slots_per_poll() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const EVENTS: usize = 400;
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &create_store(&server, "fast").await.test);
+    let now = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let events = Arc::new(Mutex::new(std::collections::HashSet::new()));
+    let app = {
+        let (now, most, events) = (now.clone(), most.clone(), events.clone());
+        axum::Router::new().route(
+            "/hook",
+            axum::routing::post(move |headers: HeaderMap| {
+                let (now, most, events) = (now.clone(), most.clone(), events.clone());
+                async move {
+                    let at_once = now.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(at_once, Ordering::SeqCst);
+                    // Long enough for deliveries to overlap when they may.
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    let id = headers["tally-event-id"].to_str().unwrap().to_string();
+                    events.lock().unwrap().insert(id);
+                    now.fetch_sub(1, Ordering::SeqCst);
+                    StatusCode::OK
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let created = api
+        .post(
+            "/v1/webhooks",
+            json!({"url": url, "events": ["credits.granted"]}),
+        )
+        .await;
+    assert_eq!(created.status, 200, "{}", created.body);
+    let account = new_account(&api, "fast").await;
+    for i in 0..EVENTS {
+        let credit = api
+            .post(
+                &format!("/v1/customer-credits/accounts/{account}/credit"),
+                json!({"amount": "1", "idempotency_key": format!("f{i}")}),
+            )
+            .await;
+        assert_eq!(credit.status, 200, "{}", credit.body);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(8);
+    while events.lock().unwrap().len() < EVENTS && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let delivered = events.lock().unwrap().len();
+    assert_eq!(delivered, EVENTS, "every event delivered, once each");
+    let most = most.load(Ordering::SeqCst);
+    assert!(
+        (2..=tally_http::webhooks::MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT).contains(&most),
+        "{most} deliveries at once"
+    );
+    server.stop().await;
+}
+
 /// A test store's deliveries follow its test clock: the events of a renewal the
 /// clock ran are delivered at once, and a failed attempt is retried when the clock
 /// passes its retry time, not the wall clock.

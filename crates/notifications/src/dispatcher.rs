@@ -4,11 +4,14 @@
 //! through the [`EventBodies`] port: the HTTP edge renders them with the API's wire
 //! types, so the cli feed and every attempt carry the same bytes.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use tally_core::{EngineError, Scope};
+use tally_domain::ids::EndpointId;
 use tally_domain::record::WebhookAttempt;
 use tally_domain::webhook::{
     endpoint_target, may_reach, next_attempt_at, signature_header, DeliveryMode, WebhookEndpoint,
@@ -27,6 +30,19 @@ pub const DISPATCH_POLL_MS: u64 = 100;
 pub const DISPATCH_BATCH: usize = 256;
 /// Concurrent deliveries to one endpoint: a slow endpoint holds at most these.
 pub const MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT: usize = 4;
+/// Deliveries of one endpoint taken from the due index and not yet finished (in
+/// flight, or waiting for one of its `MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT` slots,
+/// oldest first). A poll takes up to this many of one endpoint, so an endpoint that
+/// answers quickly receives up to this many per poll interval (2,560 a second), not
+/// only its concurrent slots' worth: with the slots as the only allowance, one
+/// endpoint received ~40 deliveries a second however fast it answered, and a store
+/// making more events than that fell behind without end (docs/benchmarks.md,
+/// "Webhook deliveries per endpoint"). An endpoint at this many is passed over by
+/// the next poll, so a black-holed one holds this many waiting tasks (a few hundred
+/// bytes each) and never a slot of another endpoint. As large as a poll's batch: a
+/// poll that finds one endpoint's backlog fills its batch and stops its scan there.
+pub const MAX_TAKEN_DELIVERIES_PER_ENDPOINT: usize = DISPATCH_BATCH;
+const _: () = assert!(MAX_TAKEN_DELIVERIES_PER_ENDPOINT >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT);
 /// Concurrent deliveries in all.
 pub const MAX_CONCURRENT_DELIVERIES: usize = 64;
 
@@ -115,8 +131,11 @@ pub struct Dispatcher {
     prod_client: reqwest::Client,
     test_client: reqwest::Client,
     in_flight: DashMap<String, ()>,
-    /// Deliveries in flight per endpoint (entries removed at zero).
-    load: DashMap<String, usize>,
+    /// Deliveries taken and not finished per endpoint (entries removed at zero).
+    taken: DashMap<String, usize>,
+    /// Each endpoint's concurrent slots (`MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT`);
+    /// an entry goes when nothing holds it.
+    slots: DashMap<String, Arc<Semaphore>>,
     overall: Arc<Semaphore>,
 }
 
@@ -153,7 +172,8 @@ impl Dispatcher {
             prod_client: client(Mode::Prod),
             test_client: client(Mode::Test),
             in_flight: DashMap::new(),
-            load: DashMap::new(),
+            taken: DashMap::new(),
+            slots: DashMap::new(),
             overall: Arc::new(Semaphore::new(MAX_CONCURRENT_DELIVERIES)),
         })
     }
@@ -165,83 +185,151 @@ impl Dispatcher {
                 _ = shutdown.changed() => break,
                 _ = tokio::time::sleep(Duration::from_millis(DISPATCH_POLL_MS)) => {}
             }
-            let skip = |store: &str, endpoint: &str, event: &str| {
-                !self.scope.dispatches(store)
-                    || self.in_flight.contains_key(&format!("{endpoint}/{event}"))
-                    || self.endpoint_load(endpoint) >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
-            };
-            let due = match self.notifications.due_deliveries(
-                // The latest any store's clock shows; each delivery is checked
-                // against its own store's.
-                self.notifications.journal.latest_test_time(),
-                DISPATCH_BATCH,
-                &skip,
-            ) {
-                Ok(due) => due,
-                Err(error) => {
-                    tracing::error!(%error, "reading due webhook deliveries failed");
-                    continue;
-                }
-            };
-            for (scope, delivery) in due {
-                let key = format!("{}/{}", delivery.endpoint_id, delivery.event_id);
-                // Fair across endpoints: one endpoint never has more deliveries in
-                // flight than its cap, so a black-holed endpoint holds at most that
-                // many slots while the scan moves on to the others.
-                {
-                    let mut load = self.load.entry(delivery.endpoint_id.clone()).or_insert(0);
-                    if *load >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT
-                        || self.in_flight.insert(key.clone(), ()).is_some()
-                    {
-                        continue;
-                    }
-                    *load += 1;
-                }
-                let dispatcher = self.clone();
-                tokio::spawn(async move {
-                    let _slot = dispatcher.overall.acquire().await;
-                    if let Err(error) = dispatcher.deliver(&scope, &delivery, false).await {
-                        tracing::warn!(%error, event = %delivery.event_id, "webhook attempt could not be recorded");
-                    }
-                    dispatcher.in_flight.remove(&key);
-                    dispatcher.release_load(&delivery.endpoint_id);
-                });
-            }
+            self.poll();
         }
     }
 
-    /// Deliveries in flight to `endpoint_id`.
-    fn endpoint_load(&self, endpoint_id: &str) -> usize {
-        self.load.get(endpoint_id).map_or(0, |load| *load)
+    /// One look at the due index: takes what is due, up to `DISPATCH_BATCH` and up
+    /// to each endpoint's room under `MAX_TAKEN_DELIVERIES_PER_ENDPOINT`, and starts
+    /// a task for each, which waits for one of its endpoint's slots and then for
+    /// one of the `MAX_CONCURRENT_DELIVERIES` overall. Answers how many it took.
+    pub fn poll(self: &Arc<Self>) -> usize {
+        // What this scan already picked per endpoint: the room it leaves is counted
+        // as the scan goes, so the scan passes over an endpoint it filled and goes
+        // on to the deliveries of others (a busy endpoint never hides them).
+        let picked: RefCell<HashMap<String, usize>> = RefCell::default();
+        let skip = |store: &str, endpoint: &str, event: &str| {
+            let mut picked = picked.borrow_mut();
+            let before = picked.get(endpoint).copied().unwrap_or(0);
+            // Room first: it needs no allocation, and a backlog's entries are
+            // mostly of endpoints without room.
+            if !self.scope.dispatches(store)
+                || self.taken_by(endpoint) + before >= MAX_TAKEN_DELIVERIES_PER_ENDPOINT
+                || self.in_flight.contains_key(&format!("{endpoint}/{event}"))
+            {
+                return true;
+            }
+            picked.insert(endpoint.to_string(), before + 1);
+            false
+        };
+        let due = match self.notifications.due_deliveries(
+            // The latest any store's clock shows; each delivery is checked
+            // against its own store's.
+            self.notifications.journal.latest_test_time(),
+            DISPATCH_BATCH,
+            &skip,
+        ) {
+            Ok(due) => due,
+            Err(error) => {
+                tracing::error!(%error, "reading due webhook deliveries failed");
+                return 0;
+            }
+        };
+        let mut started = 0;
+        for (scope, delivery) in due {
+            let key = format!("{}/{}", delivery.endpoint_id, delivery.event_id);
+            let slots = {
+                let mut taken = self.taken.entry(delivery.endpoint_id.clone()).or_insert(0);
+                if *taken >= MAX_TAKEN_DELIVERIES_PER_ENDPOINT
+                    || self.in_flight.insert(key.clone(), ()).is_some()
+                {
+                    continue;
+                }
+                *taken += 1;
+                self.slots_of(&delivery.endpoint_id)
+            };
+            started += 1;
+            let dispatcher = self.clone();
+            tokio::spawn(async move {
+                // The endpoint's slot first, then the overall one: a task waiting on
+                // a slow endpoint holds nothing another endpoint needs. Neither
+                // semaphore is ever closed.
+                let slot = slots.acquire_owned().await;
+                let overall = dispatcher.overall.clone().acquire_owned().await;
+                if let Err(error) = dispatcher.deliver_if_due(&scope, &delivery).await {
+                    tracing::warn!(%error, event = %delivery.event_id, "webhook attempt could not be recorded");
+                }
+                drop((overall, slot));
+                dispatcher.in_flight.remove(&key);
+                dispatcher.release_taken(&delivery.endpoint_id);
+            });
+        }
+        started
     }
 
-    fn release_load(&self, endpoint_id: &str) {
-        self.load.remove_if_mut(endpoint_id, |_, load| {
-            *load = load.saturating_sub(1);
-            *load == 0
-        });
+    /// A scheduled attempt of a delivery taken by a poll, read again first: while
+    /// it waited for a slot a manual resend may have delivered it, or made an
+    /// attempt whose number the next one follows.
+    async fn deliver_if_due(&self, scope: &Scope, taken: &Delivery) -> Result<(), EngineError> {
+        let endpoint_id = EndpointId::from(taken.endpoint_id.as_str());
+        let delivery = self
+            .notifications
+            .get_delivery(scope, &endpoint_id, &taken.event_id)?;
+        if delivery.delivered || delivery.next_attempt_at_ms.is_none() {
+            return Ok(());
+        }
+        self.deliver(scope, &delivery, false).await.map(drop)
     }
 
-    /// A manual resend: the same cap per endpoint and overall as scheduled delivery,
-    /// so resends cannot be used to flood an endpoint or scan for open ports.
+    /// Deliveries taken and not finished of `endpoint_id`.
+    fn taken_by(&self, endpoint_id: &str) -> usize {
+        self.taken.get(endpoint_id).map_or(0, |taken| *taken)
+    }
+
+    /// The endpoint's concurrent slots (created when missing).
+    fn slots_of(&self, endpoint_id: &str) -> Arc<Semaphore> {
+        self.slots
+            .entry(endpoint_id.to_string())
+            .or_insert_with(|| Arc::new(Semaphore::new(MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT)))
+            .clone()
+    }
+
+    /// One delivery of `endpoint_id` finished: at zero its count goes, and its
+    /// slots when nothing holds them.
+    fn release_taken(&self, endpoint_id: &str) {
+        let idle = self
+            .taken
+            .remove_if_mut(endpoint_id, |_, taken| {
+                *taken = taken.saturating_sub(1);
+                *taken == 0
+            })
+            .is_some();
+        if idle {
+            self.drop_idle_slots(endpoint_id);
+        }
+    }
+
+    /// Drops an endpoint's slots when no task or resend holds them: every holder
+    /// took its `Arc` under the map's shard lock, which `remove_if` holds too, and a
+    /// task keeps it until its delivery ends, so a count of one is the map's alone.
+    fn drop_idle_slots(&self, endpoint_id: &str) {
+        self.slots
+            .remove_if(endpoint_id, |_, slots| Arc::strong_count(slots) == 1);
+    }
+
+    /// A manual resend: the same slots per endpoint and overall as scheduled
+    /// delivery, so resends cannot be used to flood an endpoint or scan for open
+    /// ports; one finding every slot of its endpoint busy is refused at once.
     pub async fn resend(
         &self,
         scope: &Scope,
         delivery: &Delivery,
     ) -> Result<WebhookAttempt, EngineError> {
-        {
-            let mut load = self.load.entry(delivery.endpoint_id.clone()).or_insert(0);
-            if *load >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT {
-                return Err(EngineError::Unavailable {
-                    code: "endpoint_busy",
-                    message: "this endpoint already has the most deliveries in flight; retry the resend shortly",
-                });
+        let slots = self.slots_of(&delivery.endpoint_id);
+        let result = match slots.clone().try_acquire_owned() {
+            Ok(slot) => {
+                let _overall = self.overall.acquire().await;
+                let result = self.deliver(scope, delivery, true).await;
+                drop(slot);
+                result
             }
-            *load += 1;
-        }
-        let _slot = self.overall.acquire().await;
-        let result = self.deliver(scope, delivery, true).await;
-        self.release_load(&delivery.endpoint_id);
+            Err(_) => Err(EngineError::Unavailable {
+                code: "endpoint_busy",
+                message: "this endpoint already has the most deliveries in flight; retry the resend shortly",
+            }),
+        };
+        drop(slots);
+        self.drop_idle_slots(&delivery.endpoint_id);
         result
     }
 
