@@ -1,9 +1,10 @@
 //! Webhook delivery benchmark (docs/benchmarks.md, "Webhook deliveries per endpoint"):
 //! starts `tally serve`, a local receiver answering 200 (after `--latency-ms`), and
-//! one endpoint subscribed to `credits.granted`; makes `--events` credits over
-//! `--connections` connections, each one event; and times until the receiver has
-//! every event. Prints (a) credits/s (the rate events are made), (b) deliveries/s
-//! from the first credit to the last delivery, (c) b/a (at 1 or near it delivery
+//! `--endpoints` endpoints (one by default), each on a path of its own and
+//! subscribed to `credits.granted`; makes `--events` credits over `--connections`
+//! connections, each one event; and times until every endpoint has every event.
+//! Prints (a) credits/s (the rate events are made), (b) deliveries/s from the first
+//! credit to the last delivery, (c) b / (a x endpoints) (at 1 or near it delivery
 //! keeps up with the events), (d) a delivery's lag after its credit was answered,
 //! p50/p99, and (e) the most requests the receiver held at once.
 
@@ -26,6 +27,9 @@ const CREDITS_PER_ACCOUNT: usize = 500;
 struct Args {
     #[arg(long, default_value = "target/release/tally")]
     tally_bin: String,
+    /// Endpoints subscribed, each receiving every event.
+    #[arg(long, default_value_t = 1)]
+    endpoints: usize,
     /// Credits made, one `credits.granted` event each.
     #[arg(long, default_value_t = 5_000)]
     events: usize,
@@ -42,7 +46,8 @@ struct Args {
 /// What the receiver saw: when each transaction's event first arrived.
 #[derive(Default)]
 struct Seen {
-    arrived: Mutex<HashMap<String, Instant>>,
+    /// By (endpoint number, transaction id).
+    arrived: Mutex<HashMap<(usize, String), Instant>>,
     now: AtomicUsize,
     most: AtomicUsize,
 }
@@ -52,27 +57,30 @@ async fn receiver(seen: Arc<Seen>, latency: Duration) -> anyhow::Result<String> 
     use axum::body::Bytes;
     use axum::http::StatusCode;
     let app = axum::Router::new().route(
-        "/hook",
-        axum::routing::post(move |body: Bytes| {
-            let seen = seen.clone();
-            async move {
-                let at_once = seen.now.fetch_add(1, Ordering::SeqCst) + 1;
-                seen.most.fetch_max(at_once, Ordering::SeqCst);
-                if !latency.is_zero() {
-                    tokio::time::sleep(latency).await;
+        "/hook/{n}",
+        axum::routing::post(
+            move |axum::extract::Path(n): axum::extract::Path<usize>, body: Bytes| {
+                let seen = seen.clone();
+                async move {
+                    let at_once = seen.now.fetch_add(1, Ordering::SeqCst) + 1;
+                    seen.most.fetch_max(at_once, Ordering::SeqCst);
+                    if !latency.is_zero() {
+                        tokio::time::sleep(latency).await;
+                    }
+                    let envelope: serde_json::Value =
+                        serde_json::from_slice(&body).unwrap_or_default();
+                    if let Some(tx) = envelope["object"]["id"].as_str() {
+                        seen.arrived
+                            .lock()
+                            .expect("receiver lock")
+                            .entry((n, tx.to_string()))
+                            .or_insert_with(Instant::now);
+                    }
+                    seen.now.fetch_sub(1, Ordering::SeqCst);
+                    StatusCode::OK
                 }
-                let envelope: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-                if let Some(tx) = envelope["object"]["id"].as_str() {
-                    seen.arrived
-                        .lock()
-                        .expect("receiver lock")
-                        .entry(tx.to_string())
-                        .or_insert_with(Instant::now);
-                }
-                seen.now.fetch_sub(1, Ordering::SeqCst);
-                StatusCode::OK
-            }
-        }),
+            },
+        ),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/hook", listener.local_addr()?);
@@ -95,16 +103,19 @@ async fn main() -> anyhow::Result<()> {
             .json(&body)
             .send()
     };
-    let endpoint = post(
-        "/v1/webhooks",
-        json!({"url": url, "events": ["credits.granted"]}),
-    )
-    .await?;
-    anyhow::ensure!(
-        endpoint.status() == 200,
-        "creating the endpoint: {}",
-        endpoint.text().await?
-    );
+    for n in 0..args.endpoints {
+        let endpoint = post(
+            "/v1/webhooks",
+            json!({"url": format!("{url}/{n}"), "events": ["credits.granted"]}),
+        )
+        .await?;
+        anyhow::ensure!(
+            endpoint.status() == 200,
+            "creating an endpoint: {}",
+            endpoint.text().await?
+        );
+    }
+    let expected = args.events * args.endpoints;
     let customer: serde_json::Value = post("/v1/customers", json!({"email": "bench@x.io"}))
         .await?
         .json()
@@ -164,7 +175,7 @@ async fn main() -> anyhow::Result<()> {
     let deadline = started + Duration::from_secs(args.max_seconds);
     loop {
         let arrived = seen.arrived.lock().expect("receiver lock").len();
-        if arrived >= args.events || Instant::now() > deadline {
+        if arrived >= expected || Instant::now() > deadline {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -173,10 +184,12 @@ async fn main() -> anyhow::Result<()> {
     let last = arrived.values().max().copied().unwrap_or(started);
     let mut lags: Vec<Duration> = answered
         .iter()
-        .filter_map(|(tx, at)| {
-            arrived
-                .get(tx)
-                .map(|got| got.saturating_duration_since(*at))
+        .flat_map(|(tx, at)| {
+            (0..args.endpoints).filter_map(|n| {
+                arrived
+                    .get(&(n, tx.clone()))
+                    .map(|got| got.saturating_duration_since(*at))
+            })
         })
         .collect();
     lags.sort();
@@ -190,16 +203,16 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "(b) deliveries:              {delivered_per_s:.0}/s ({} of {} delivered{})",
         arrived.len(),
-        args.events,
-        if arrived.len() < args.events {
+        expected,
+        if arrived.len() < expected {
             ", gave up waiting"
         } else {
             ""
         }
     );
     println!(
-        "(c) ratio b/a:               {:.2}",
-        delivered_per_s / credits_per_s
+        "(c) b / (a x endpoints):     {:.2}",
+        delivered_per_s / (credits_per_s * args.endpoints as f64)
     );
     println!(
         "(d) lag after the credit:    p50 {:.2?}, p99 {:.2?}",

@@ -26,7 +26,8 @@ use crate::Notifications;
 pub const DELIVERY_TIMEOUT_MS: u64 = 10_000;
 /// How often the dispatcher looks for due deliveries.
 pub const DISPATCH_POLL_MS: u64 = 100;
-/// Due deliveries taken per poll.
+/// Due deliveries taken per poll (bounds one scan's work and memory); a poll that
+/// takes this many is followed by another at once (`run`).
 pub const DISPATCH_BATCH: usize = 256;
 /// Concurrent deliveries to one endpoint: a slow endpoint holds at most these.
 pub const MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT: usize = 4;
@@ -185,7 +186,12 @@ impl Dispatcher {
                 _ = shutdown.changed() => break,
                 _ = tokio::time::sleep(Duration::from_millis(DISPATCH_POLL_MS)) => {}
             }
-            self.poll();
+            // A poll that filled its batch may have left due deliveries of other
+            // endpoints behind it: look again at once, until a poll finds less
+            // than a batch (every endpoint with a backlog then has its most taken).
+            while self.poll() >= DISPATCH_BATCH {
+                tokio::task::yield_now().await;
+            }
         }
     }
 
