@@ -91,6 +91,21 @@ async fn credit_event(api: &Api, amount: &str, key: &str) -> (String, String) {
     (account, tx.body["id"].as_str().unwrap().to_string())
 }
 
+/// `n` credits of 1 on a new account (one `credits.granted` event each), keyed
+/// `{key}{i}`.
+async fn credits_of_one(api: &Api, key: &str, n: usize) {
+    let account = new_account(api, key).await;
+    for i in 0..n {
+        let credit = api
+            .post(
+                &format!("/v1/customer-credits/accounts/{account}/credit"),
+                json!({"amount": "1", "idempotency_key": format!("{key}{i}")}),
+            )
+            .await;
+        assert_eq!(credit.status, 200, "{}", credit.body);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_secrets_and_validation() {
     let (_g, dir) = temp_dir();
@@ -540,17 +555,8 @@ async fn a_black_holed_endpoint_does_not_delay_other_stores() {
         )
         .await;
     assert_eq!(created.status, 200, "{}", created.body);
-    let account = new_account(&a, "a").await;
     // More deliveries than one poll takes (DISPATCH_BATCH), all older than B's.
-    for i in 0..(tally_http::webhooks::DISPATCH_BATCH + 40) {
-        let credit = a
-            .post(
-                &format!("/v1/customer-credits/accounts/{account}/credit"),
-                json!({"amount": "1", "idempotency_key": format!("a{i}")}),
-            )
-            .await;
-        assert_eq!(credit.status, 200, "{}", credit.body);
-    }
+    credits_of_one(&a, "a", tally_http::webhooks::DISPATCH_BATCH + 40).await;
     // B's delivery is due strictly after every one of A's.
     server.clock.advance_ms(1);
     let (receiver, url) = Receiver::start(&[]).await;
@@ -616,16 +622,7 @@ async fn a_fast_endpoint_is_not_held_to_its_slots_per_poll() {
         )
         .await;
     assert_eq!(created.status, 200, "{}", created.body);
-    let account = new_account(&api, "fast").await;
-    for i in 0..EVENTS {
-        let credit = api
-            .post(
-                &format!("/v1/customer-credits/accounts/{account}/credit"),
-                json!({"amount": "1", "idempotency_key": format!("f{i}")}),
-            )
-            .await;
-        assert_eq!(credit.status, 200, "{}", credit.body);
-    }
+    credits_of_one(&api, "fast", EVENTS).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(8);
     while events.lock().unwrap().len() < EVENTS && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
