@@ -265,8 +265,12 @@ impl Dispatcher {
 
     /// A scheduled attempt of a delivery taken by a poll, read again first: while
     /// it waited for a slot a manual resend may have delivered it, or made an
-    /// attempt whose number the next one follows.
+    /// attempt whose number the next one follows; and on a cluster the store may
+    /// have moved to another node, which delivers it from then on.
     async fn deliver_if_due(&self, scope: &Scope, taken: &Delivery) -> Result<(), EngineError> {
+        if !self.scope.dispatches(&scope.store_id) {
+            return Ok(());
+        }
         let endpoint_id = EndpointId::from(taken.endpoint_id.as_str());
         let delivery = self
             .notifications
