@@ -22,7 +22,7 @@ const CREDITS_PER_ACCOUNT: usize = 500;
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "Webhook deliveries per second to one endpoint, against the rate events are made"
+    about = "Webhook deliveries per second to one endpoint or several, against the rate events are made"
 )]
 struct Args {
     #[arg(long, default_value = "target/release/tally")]
