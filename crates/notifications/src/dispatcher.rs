@@ -232,17 +232,17 @@ impl Dispatcher {
             }
         };
         let mut started = 0;
-        for (scope, delivery) in due {
-            let key = format!("{}/{}", delivery.endpoint_id, delivery.event_id);
+        for (scope, endpoint_id, event_id) in due {
+            let key = format!("{endpoint_id}/{event_id}");
             let slots = {
-                let mut taken = self.taken.entry(delivery.endpoint_id.clone()).or_insert(0);
+                let mut taken = self.taken.entry(endpoint_id.to_string()).or_insert(0);
                 if *taken >= MAX_TAKEN_DELIVERIES_PER_ENDPOINT
                     || self.in_flight.insert(key.clone(), ()).is_some()
                 {
                     continue;
                 }
                 *taken += 1;
-                self.slots_of(&delivery.endpoint_id)
+                self.slots_of(&endpoint_id)
             };
             started += 1;
             let dispatcher = self.clone();
@@ -252,29 +252,36 @@ impl Dispatcher {
                 // semaphore is ever closed.
                 let slot = slots.acquire_owned().await;
                 let overall = dispatcher.overall.clone().acquire_owned().await;
-                if let Err(error) = dispatcher.deliver_if_due(&scope, &delivery).await {
-                    tracing::warn!(%error, event = %delivery.event_id, "webhook attempt could not be recorded");
+                if let Err(error) = dispatcher
+                    .deliver_if_due(&scope, &endpoint_id, &event_id)
+                    .await
+                {
+                    tracing::warn!(%error, event = %event_id, "webhook attempt could not be recorded");
                 }
                 drop((overall, slot));
                 dispatcher.in_flight.remove(&key);
-                dispatcher.release_taken(&delivery.endpoint_id);
+                dispatcher.release_taken(&endpoint_id);
             });
         }
         started
     }
 
-    /// A scheduled attempt of a delivery taken by a poll, read again first: while
-    /// it waited for a slot a manual resend may have delivered it, or made an
-    /// attempt whose number the next one follows; and on a cluster the store may
-    /// have moved to another node, which delivers it from then on.
-    async fn deliver_if_due(&self, scope: &Scope, taken: &Delivery) -> Result<(), EngineError> {
+    /// A scheduled attempt of a delivery taken by a poll, read once its slot came:
+    /// while it waited a manual resend may have delivered it, or made an attempt
+    /// whose number the next one follows; and on a cluster the store may have
+    /// moved to another node, which delivers it from then on.
+    async fn deliver_if_due(
+        &self,
+        scope: &Scope,
+        endpoint_id: &EndpointId,
+        event_id: &str,
+    ) -> Result<(), EngineError> {
         if !self.scope.dispatches(&scope.store_id) {
             return Ok(());
         }
-        let endpoint_id = EndpointId::from(taken.endpoint_id.as_str());
         let delivery = self
             .notifications
-            .get_delivery(scope, &endpoint_id, &taken.event_id)?;
+            .get_delivery(scope, endpoint_id, event_id)?;
         if delivery.delivered || delivery.next_attempt_at_ms.is_none() {
             return Ok(());
         }
@@ -326,12 +333,10 @@ impl Dispatcher {
         delivery: &Delivery,
     ) -> Result<WebhookAttempt, EngineError> {
         let slots = self.slots_of(&delivery.endpoint_id);
-        let result = match slots.clone().try_acquire_owned() {
-            Ok(slot) => {
+        let result = match slots.try_acquire() {
+            Ok(_slot) => {
                 let _overall = self.overall.acquire().await;
-                let result = self.deliver(scope, delivery, true).await;
-                drop(slot);
-                result
+                self.deliver(scope, delivery, true).await
             }
             Err(_) => Err(EngineError::Unavailable {
                 code: "endpoint_busy",

@@ -721,17 +721,19 @@ impl Notifications {
     }
 
     /// HTTP deliveries due by their store's clock (the scan ends at `now_ms`, the
-    /// latest any store's clock shows), oldest due first: at most `limit` that `skip`
-    /// (store, endpoint, event) does not pass over (the dispatcher skips deliveries in
-    /// flight, endpoints at their concurrency cap, so one slow endpoint's backlog never
-    /// hides the others', and stores another node of a cluster delivers for), looking
-    /// at no more than `MAX_DUE_SCAN` index entries.
+    /// latest any store's clock shows), oldest due first, as (scope, endpoint, event):
+    /// at most `limit` that `skip` (store, endpoint, event) does not pass over (the
+    /// dispatcher skips deliveries in flight, endpoints with their most taken, so one
+    /// slow endpoint's backlog never hides the others', and stores another node of a
+    /// cluster delivers for), looking at no more than `MAX_DUE_SCAN` index entries.
+    /// The caller reads each delivery (`get_delivery`) when it is about to attempt
+    /// it: it may wait for a slot meanwhile.
     pub fn due_deliveries(
         &self,
         now_ms: i64,
         limit: usize,
         skip: &dyn Fn(&str, &str, &str) -> bool,
-    ) -> Result<Vec<(Scope, Delivery)>, EngineError> {
+    ) -> Result<Vec<(Scope, EndpointId, String)>, EngineError> {
         let start = Key::table(keys::WEBHOOK_DUE).into_bytes();
         let end = DueKey::after(now_ms);
         let mut found = Vec::new();
@@ -772,17 +774,20 @@ impl Notifications {
         if let Some(error) = corrupt {
             return Err(error);
         }
-        let mut due = Vec::new();
-        for key in found {
-            let scope = Scope {
-                store_id: key.store_id.into(),
-                mode: key.mode,
-            };
-            let endpoint_id = EndpointId::from(key.endpoint_id.as_str());
-            let delivery = self.get_delivery(&scope, &endpoint_id, &key.event_id)?;
-            due.push((scope, delivery));
-        }
-        Ok(due)
+        Ok(found
+            .into_iter()
+            .map(|key| {
+                let scope = Scope {
+                    store_id: key.store_id.into(),
+                    mode: key.mode,
+                };
+                (
+                    scope,
+                    EndpointId::from(key.endpoint_id.as_str()),
+                    key.event_id,
+                )
+            })
+            .collect())
     }
 }
 
