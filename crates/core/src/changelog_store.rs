@@ -335,6 +335,14 @@ impl ChangelogWriter {
             match self.changelog.write(partition, reset, &batch, position) {
                 Ok(()) => {
                     crate::metrics::Metrics::changelog_written("written", partition);
+                    crate::metrics::Metrics::changelog_position(partition, position);
+                    tracing::debug!(
+                        partition,
+                        position,
+                        reset,
+                        rows = batch.len(),
+                        "wrote a checkpoint to the changelog"
+                    );
                     if reset {
                         based.insert(
                             partition,

@@ -83,6 +83,10 @@ fn describe() {
         "tally_changelog_writes_total",
         "Checkpoints of a partition written to a split cluster's changelog, by outcome (written, failed) and partition."
     );
+    describe_gauge!(
+        "tally_changelog_position",
+        "Per partition, the log position of the last checkpoint this node wrote to the changelog: where a node that gains the partition would restore it from."
+    );
     describe_counter!(
         "tally_partitions_restored_from_changelog_total",
         "Partitions this node gained and restored from the changelog rather than the log."
@@ -223,6 +227,13 @@ impl Metrics {
     pub fn changelog_written(outcome: &'static str, partition: u32) {
         counter!("tally_changelog_writes_total", "outcome" => outcome, "partition" => partition.to_string())
             .increment(1);
+    }
+
+    /// Notes the position of the checkpoint of `partition` last written to the
+    /// changelog.
+    pub fn changelog_position(partition: u32, position: u64) {
+        gauge!("tally_changelog_position", "partition" => partition.to_string())
+            .set(position as f64);
     }
 
     /// Counts a partition restored from the changelog.

@@ -288,7 +288,7 @@ const NOT_OWNER: &str = "not_partition_owner";
     summary = "Which partitions this node serves (for the other nodes of a split cluster; needs the cluster secret)",
     params(("x-tally-cluster-secret" = String, Header, description = "the cluster's shared secret")),
     responses(
-        (status = 200, description = "`{\"serving\": [partition, ...], \"test_port\": port}`"),
+        (status = 200, description = "`{\"serving\": [partition, ...], \"skipped_from\": {partition: offset, ...}, \"test_port\": port}`: `skipped_from` names, per partition this node skipped and has not restored, the first offset it skipped"),
         (status = 401, description = "`cluster_secret_invalid`"),
         (status = 404, description = "`not_in_cluster`: this node is not in a split cluster")
     )
@@ -314,8 +314,14 @@ pub async fn status(State(state): State<AppState>, headers: HeaderMap) -> Respon
     let serving: Vec<u32> = (0..cluster.config.partitions)
         .filter(|p| ownership.serves(*p))
         .collect();
+    // Where this node began skipping each partition it does not hold in full: a
+    // restore from the changelog here needs a checkpoint past it.
+    let skipped_from: serde_json::Map<String, serde_json::Value> = (0..cluster.config.partitions)
+        .filter_map(|p| Some((p.to_string(), json!(ownership.skipped_from(p)?))))
+        .collect();
     Json(json!({
         "serving": serving,
+        "skipped_from": skipped_from,
         "test_port": cluster.config.test_port,
     }))
     .into_response()
