@@ -1132,15 +1132,20 @@ async fn metric_sum(http: &reqwest::Client, prod: &str, series: &str) -> f64 {
         .sum()
 }
 
-/// The partitions each node of a split cluster serves (`/internal/v1/cluster`).
-async fn serving(http: &reqwest::Client, prod: &str, secret: &str) -> Option<Vec<u64>> {
+/// A node's cluster status (`/internal/v1/cluster`), if it answers one.
+async fn cluster_status(http: &reqwest::Client, prod: &str, secret: &str) -> Option<Value> {
     let answer = http
         .get(format!("{prod}/internal/v1/cluster"))
         .header("x-tally-cluster-secret", secret)
         .send()
         .await
         .ok()?;
-    let status: Value = answer.json().await.ok()?;
+    answer.json().await.ok()
+}
+
+/// The partitions each node of a split cluster serves (`/internal/v1/cluster`).
+async fn serving(http: &reqwest::Client, prod: &str, secret: &str) -> Option<Vec<u64>> {
+    let status = cluster_status(http, prod, secret).await?;
     Some(
         status["serving"]
             .as_array()?
@@ -1157,13 +1162,7 @@ async fn skipped_from(
     prod: &str,
     secret: &str,
 ) -> Option<std::collections::BTreeMap<u64, f64>> {
-    let answer = http
-        .get(format!("{prod}/internal/v1/cluster"))
-        .header("x-tally-cluster-secret", secret)
-        .send()
-        .await
-        .ok()?;
-    let status: Value = answer.json().await.ok()?;
+    let status = cluster_status(http, prod, secret).await?;
     Some(
         status["skipped_from"]
             .as_object()?
