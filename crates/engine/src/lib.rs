@@ -290,6 +290,10 @@ impl tally_runtime::Projection for Engine {
         self.projection.prefetch_snapshot(partition)
     }
 
+    fn snapshot_position(&self, partition: u32) -> Option<u64> {
+        self.projection.snapshot_position(partition)
+    }
+
     fn restore_snapshot(
         &self,
         partition: u32,

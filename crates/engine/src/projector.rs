@@ -1425,6 +1425,11 @@ impl tally_runtime::Projection for StoreProjection {
             return;
         };
         let started = std::time::Instant::now();
+        // A snapshot read for an earlier gain of the partition is not this one's.
+        self.prefetched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&partition);
         match changelog.read(partition) {
             Ok(Some(snapshot)) => {
                 self.prefetched
@@ -1437,6 +1442,14 @@ impl tally_runtime::Projection for StoreProjection {
                 tracing::warn!(partition, %error, "reading the changelog failed; restoring from the log");
             }
         }
+    }
+
+    fn snapshot_position(&self, partition: u32) -> Option<u64> {
+        self.prefetched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&partition)
+            .map(|(snapshot, _)| snapshot.position)
     }
 
     fn restore_snapshot(

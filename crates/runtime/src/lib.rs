@@ -223,6 +223,11 @@ pub trait Projection: Send + Sync + 'static {
     /// has a source of them (a split cluster's changelog). Runs on a blocking
     /// thread, so the read holds up no chunk of another partition.
     fn prefetch_snapshot(&self, _partition: u32) {}
+    /// The log position of the snapshot `prefetch_snapshot` read for `partition`
+    /// and `restore_snapshot` has not taken yet, if any.
+    fn snapshot_position(&self, _partition: u32) -> Option<u64> {
+        None
+    }
     /// Before a restore from the log: restores `partition` from the snapshot
     /// `prefetch_snapshot` read, if its position is in `(from, until]`, committing
     /// it with a skip mark at that position; returns the position and what changed
@@ -475,6 +480,10 @@ impl Runtime {
         let mut last_commit = Instant::now();
         let mut committed = 0u64;
         let mut reader = None;
+        // A partition gained: whether its snapshot was read, and the snapshot's
+        // position while the log is read (records every node needs only) up to it.
+        let mut snapshot_read = false;
+        let mut reading_up_to: Option<u64> = None;
         match projection.skipped_from(partition) {
             Ok(from) => self.ownership.note_skipped_from(partition, from),
             Err(why) => return self.fail(partition, &why),
@@ -484,15 +493,50 @@ impl Runtime {
                 break;
             }
             let projects = self.ownership.projects(partition);
-            if projects && self.ownership.skipped_from(partition).is_some() {
-                // Gained: catch up with what was skipped before applying anything new.
-                if let Err(why) = self.restore(partition, &projection).await {
-                    self.fail(partition, &why);
-                    return;
-                }
-                continue;
+            if !projects {
+                snapshot_read = false;
+                reading_up_to = None;
             }
-            let mode = if projects {
+            if projects && self.ownership.skipped_from(partition).is_some() {
+                if !snapshot_read {
+                    let task = projection.clone();
+                    if let Err(error) =
+                        tokio::task::spawn_blocking(move || task.prefetch_snapshot(partition)).await
+                    {
+                        self.fail(
+                            partition,
+                            &format!("reading a snapshot of partition {partition}: {error}"),
+                        );
+                        return;
+                    }
+                    snapshot_read = true;
+                    // A snapshot ahead of what this node has read of the log (a node
+                    // that just started): read up to it first, so the restore can
+                    // start from it instead of the skip mark.
+                    reading_up_to = projection
+                        .snapshot_position(partition)
+                        .filter(|at| *at > self.applied(partition));
+                    if let Some(at) = reading_up_to {
+                        tracing::info!(
+                            partition,
+                            read = self.applied(partition),
+                            snapshot = at,
+                            "reading the log up to the changelog's snapshot before restoring"
+                        );
+                    }
+                }
+                if reading_up_to.is_none_or(|at| self.applied(partition) >= at) {
+                    // Gained: catch up with what was skipped before applying anything new.
+                    if let Err(why) = self.restore(partition, &projection).await {
+                        self.fail(partition, &why);
+                        return;
+                    }
+                    snapshot_read = false;
+                    reading_up_to = None;
+                    continue;
+                }
+            }
+            let mode = if projects && self.ownership.skipped_from(partition).is_none() {
                 ChunkMode::Full
             } else {
                 ChunkMode::Shared
@@ -530,6 +574,9 @@ impl Runtime {
                 }
             };
             if entries.is_empty() {
+                // Nothing more to read (the log's end, or a slow fetch) short of the
+                // snapshot: restore from the mark rather than wait on.
+                reading_up_to = None;
                 // Idle: write back what a write-back store holds once it is due, so a
                 // quiet projection does not keep a restart's replay long.
                 let store = self.store.clone();
@@ -573,10 +620,6 @@ impl Runtime {
             return Ok(());
         };
         let until = self.applied(partition);
-        let task = projection.clone();
-        tokio::task::spawn_blocking(move || task.prefetch_snapshot(partition))
-            .await
-            .map_err(|error| format!("reading a snapshot of partition {partition}: {error}"))?;
         let task = projection.clone();
         let snapshot = self
             .apply_thread
