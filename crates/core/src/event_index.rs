@@ -400,17 +400,21 @@ impl Shard {
         self.sort_loaded();
         self.drop_removed();
         let mut fresh: Vec<Entry> = Vec::with_capacity(self.recent_len);
-        let recent = std::mem::take(&mut self.recent);
-        let more = std::mem::take(&mut self.recent_more);
-        let all = recent.into_iter().chain(
-            more.into_iter()
+        // Drained, not taken: the tables keep their capacity between merges.
+        let mut wide = Vec::new();
+        let all = self.recent.drain().chain(
+            self.recent_more
+                .drain()
                 .flat_map(|(key, more)| more.into_iter().map(move |packed| (key, packed))),
         );
         for (key, packed) in all {
             match narrow(packed) {
                 Some(narrow) => fresh.push(Entry::new(key, narrow)),
-                None => self.add_wide(key, packed),
+                None => wide.push((key, packed)),
             }
+        }
+        for (key, packed) in wide {
+            self.add_wide(key, packed);
         }
         self.recent_len = 0;
         fresh.sort_unstable_by_key(Entry::key);
