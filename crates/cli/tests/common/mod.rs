@@ -36,7 +36,20 @@ pub fn serve_with(data_dir: &Path, extra: &[&str]) -> Served {
 
 /// `serve_with` on the given listener addresses.
 pub fn serve_on(data_dir: &Path, listen: &str, test_listen: &str, extra: &[&str]) -> Served {
-    let mut child = tally()
+    started(serve_command(data_dir, listen, test_listen, extra), listen)
+}
+
+/// `serve` with its command adjusted first (e.g. its environment).
+pub fn serve_adjusted(data_dir: &Path, adjust: impl FnOnce(&mut Command)) -> Served {
+    let listen = "127.0.0.1:0";
+    let mut command = serve_command(data_dir, listen, listen, &[]);
+    adjust(&mut command);
+    started(command, listen)
+}
+
+fn serve_command(data_dir: &Path, listen: &str, test_listen: &str, extra: &[&str]) -> Command {
+    let mut command = tally();
+    command
         .args(["serve", "--data-dir"])
         .arg(data_dir)
         .args([
@@ -51,9 +64,13 @@ pub fn serve_on(data_dir: &Path, listen: &str, test_listen: &str, extra: &[&str]
         ])
         .args(extra)
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn tally serve");
+        .stderr(Stdio::piped());
+    command
+}
+
+/// Spawns `command` and waits for its banner; `listen` names the node in its log lines.
+fn started(mut command: Command, listen: &str) -> Served {
+    let mut child = command.spawn().expect("spawn tally serve");
     let stderr = child.stderr.take().unwrap();
     let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let kept = log.clone();
