@@ -56,11 +56,12 @@ macro_rules! purge_delay_ms {
 }
 
 /// The purge delay `tally` runs with, in ms, unless its environment names one.
-/// mimalloc's default (1,000 ms) kept ~100 MiB more resident at the peak of a
-/// ten-million-event ingest (781 against 662-679 MiB), because the checkpoints free
-/// a layer's values by the hundred MB every few seconds and the next layer fills
-/// them again within the second; 100 ms cost 3-10% more CPU per ingested event and
-/// left debits level (docs/benchmarks.md, "mimalloc's purge delay"). 0 cost ~14%.
+/// mimalloc's default (1,000 ms) kept 70-100 MiB more resident at the peak of a
+/// ten-million-event ingest (735 against 662 / 663 MiB in turns; 781 against
+/// 662-679 earlier), because the checkpoints free a layer's values by the hundred MB
+/// every few seconds and the next layer fills them again within the second; 100 ms
+/// cost 2-10% more CPU per ingested event and left debits level (docs/benchmarks.md,
+/// "mimalloc's purge delay"). 0 cost ~14%.
 const PURGE_DELAY_MS: &str = purge_delay_ms!();
 
 /// Runs this same program again, in this same process (`exec`: same PID, same
