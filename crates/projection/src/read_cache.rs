@@ -36,9 +36,6 @@ use crate::StoreError;
 /// 10,000 accounts with their markers several times over.
 pub const READ_CACHE_MAX_ROWS: usize = 50_000;
 
-/// What `ReadCache::around_write`'s list of written keys calls per key.
-pub type KeyVisit<'a> = dyn FnMut(&[u8]) + 'a;
-
 /// See the module docs.
 #[derive(Debug)]
 pub struct ReadCache {
@@ -111,7 +108,7 @@ impl ReadCache {
     pub fn around_write<T>(
         &self,
         write: impl FnOnce() -> Result<T, StoreError>,
-        keys: impl FnOnce(&mut KeyVisit<'_>),
+        keys: impl FnOnce(&mut dyn FnMut(&[u8])),
     ) -> Result<T, StoreError> {
         self.generation.fetch_add(1, Ordering::SeqCst);
         let written = write();
@@ -139,7 +136,7 @@ mod tests {
     use crate::SharedChange;
 
     /// What a checkpoint's layer lists to `around_write`: its keys.
-    fn keys_of(changes: &[SharedChange]) -> impl FnOnce(&mut KeyVisit<'_>) + '_ {
+    fn keys_of(changes: &[SharedChange]) -> impl FnOnce(&mut dyn FnMut(&[u8])) + '_ {
         move |forget| changes.iter().for_each(|(key, _)| forget(key))
     }
 
