@@ -33,15 +33,6 @@
 //! the milliseconds until it ran again (measured under ingest: p90 2.9 ms, up to
 //! 44 ms; docs/benchmarks.md, "Reads never wait for the projector").
 //!
-//! **Released as written.** A frozen layer stays in memory while it is written,
-//! and the next layer fills meanwhile, so for most of a cycle two layers were live
-//! (docs/benchmarks.md, "Where the peak's memory is"). The inner store says what
-//! it has written so far (`ChangeSource::written`; sled writes the plain keys,
-//! then the packed rows a range at a time, each write visible to its reads at
-//! once), and the frozen layer lets those changes go: a read that no longer finds
-//! a key there finds the same value in the inner store. The read cache forgets
-//! such keys first, and `retired_layers` counts each release before it.
-//!
 //! Crash safety (the checkpoint protocol): the inner store only ever holds a prefix
 //! of applied batches together with exactly the positions that prefix reaches (each
 //! checkpoint is one atomic inner batch). After a crash the projector resumes from
@@ -401,10 +392,9 @@ struct Shared<S> {
     checkpointed_at: Mutex<std::time::Instant>,
     /// Chunks published so far: a scan that sees it move collects again.
     chunks_published: AtomicU64,
-    /// Layers written and dropped from the reads, and parts of a layer let go as
-    /// written (`retired_layers`); counted before the drop (a whole layer's under
-    /// the layers' write lock), so a reader that misses a change in memory sees the
-    /// count that says so.
+    /// Layers written and dropped from the reads (`retired_layers`); counted under
+    /// the layers' write lock, before the drop, so a reader whose snapshot misses
+    /// a layer sees the count that says so.
     retired_layers: AtomicU64,
     /// The keys a fresh layer is sized for (the checkpoint's key limit).
     layer_keys: usize,
@@ -785,14 +775,17 @@ impl<S: ProjectionStore> Shared<S> {
 
     /// Writes a frozen layer as one inner batch, then drops it from the reads.
     fn write(&self, layer: &Layer) -> Result<(), StoreError> {
-        let frozen = Frozen::of(layer, self);
+        // A frozen layer holds still, so its changes are put in order once, for
+        // the stage file and the inner store's writes alike: each walk merged the
+        // runs and looked every key up in the value map, ~a third of the
+        // checkpoint thread per walk (docs/benchmarks.md, "Bucket rows").
+        let changes = layer.changes.snapshot();
         let positions = layer.positions();
         match &self.cache {
-            Some(cache) => cache.around_write(
-                || self.inner.apply_from(&frozen, &positions),
-                |forget| frozen.keys(forget),
-            )?,
-            None => self.inner.apply_from(&frozen, &positions)?,
+            Some(cache) => {
+                cache.around_write(&changes, || self.inner.apply_from(&changes, &positions))?
+            }
+            None => self.inner.apply_from(&changes, &positions)?,
         }
         {
             let mut layers = self.lock_write();
@@ -804,75 +797,6 @@ impl<S: ProjectionStore> Shared<S> {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
         Ok(())
-    }
-}
-
-/// A frozen layer as a checkpoint writes it: its changes in key order, let go as
-/// the inner store writes them (module doc, "Released as written").
-struct Frozen<'a, S> {
-    layer: &'a Layer,
-    shared: &'a Shared<S>,
-    /// The changes not yet let go. A frozen layer holds still, so they are put in
-    /// order once, for the stage file and the inner store's writes alike: each walk
-    /// merged the runs and looked every key up in the value map, ~a third of the
-    /// checkpoint thread per walk (docs/benchmarks.md, "Bucket rows").
-    changes: parking_lot::Mutex<Vec<SharedChange>>,
-    count: usize,
-}
-
-impl<'a, S> Frozen<'a, S> {
-    fn of(layer: &'a Layer, shared: &'a Shared<S>) -> Self {
-        let changes = layer.changes.snapshot();
-        Frozen {
-            layer,
-            shared,
-            count: changes.len(),
-            changes: parking_lot::Mutex::new(changes),
-        }
-    }
-
-    /// The keys not let go, for the read cache once the write has ended.
-    fn keys(&self, visit: &mut dyn FnMut(&[u8])) {
-        self.changes.lock().iter().for_each(|(key, _)| visit(key));
-    }
-}
-
-impl<S> ChangeSource for Frozen<'_, S> {
-    fn change_count(&self) -> usize {
-        self.count
-    }
-
-    fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError> {
-        self.changes
-            .lock()
-            .iter()
-            .try_for_each(|(key, value)| visit(key, value.as_deref()))
-    }
-
-    /// In this order: the count of retired layers moves (a reader that saw the old
-    /// count must not take a key's absence from memory for its absence), the read
-    /// cache forgets the keys (a read that misses the layer must not find an older
-    /// row there), and only then do the keys leave the layer's reads.
-    fn written(&self, is_written: &dyn Fn(&[u8]) -> bool) {
-        let mut changes = self.changes.lock();
-        let (gone, kept): (Vec<SharedChange>, Vec<SharedChange>) = std::mem::take(&mut *changes)
-            .into_iter()
-            .partition(|(key, _)| is_written(key));
-        *changes = kept;
-        if gone.is_empty() {
-            return;
-        }
-        self.shared.retired_layers.fetch_add(1, Ordering::SeqCst);
-        if let Some(cache) = &self.shared.cache {
-            gone.iter().for_each(|(key, _)| cache.forget(key));
-        }
-        for (key, _) in &gone {
-            self.layer.changes.values.remove(&**key);
-        }
-        // One run of the keys left (in order, as the list is): the old runs held
-        // every key of the layer alive.
-        let left: Vec<Arc<[u8]>> = changes.iter().map(|(key, _)| key.clone()).collect();
-        *self.layer.changes.order.write() = vec![Arc::new(left)];
     }
 }
 
@@ -1306,113 +1230,6 @@ mod tests {
         writer.join().unwrap();
         assert!(store.retired_layers().unwrap() > 0, "checkpoints ran");
         assert!(known_in_memory > 0, "{known_in_memory} / {read_through}");
-    }
-
-    /// A layer sled writes in several passes is let go in parts while it is
-    /// written. Each round writes one half of the keys, so the next layer does
-    /// not hold the half being written, and the writer pauses between rounds, so
-    /// readers fill the read cache from sled. Readers racing the writes see every
-    /// key at its half's newest round or later, never an older value (from sled's
-    /// tree or the read cache) or none, and a key of the round just applied that
-    /// is out of memory comes with a moved `retired_layers`.
-    #[test]
-    fn a_layer_let_go_while_written_never_shows_an_older_value() {
-        const PACKED: usize = 6 * 18_000;
-        const PLAIN: usize = 4_000;
-        let key = |i: usize| match i.checked_sub(PACKED) {
-            Some(p) => format!("C{p:05}").into_bytes(),
-            None => {
-                let mut key = format!("Astore\0pm{:02}\0c{:05}\0", i % 6, i / 6).into_bytes();
-                key.extend_from_slice(&7u64.to_be_bytes());
-                key
-            }
-        };
-        let round_of = |value: Option<Vec<u8>>, key: &[u8]| -> u64 {
-            let bytes = value.unwrap_or_else(|| panic!("{key:?} is missing"));
-            u64::from_be_bytes(bytes.try_into().expect("8 bytes"))
-        };
-        // Round r writes the keys i with i / 7 % 2 == r % 2 (both tables, every
-        // meter), valued r.
-        let half = |i: usize| (i / 7 % 2) as u64;
-        let round = move |r: u64| -> Vec<Change> {
-            let value = Some(r.to_be_bytes().to_vec());
-            let mut changes: Vec<Change> = (0..PACKED + PLAIN)
-                .filter(|i| half(*i) == r % 2)
-                .map(|i| (key(i), value.clone()))
-                .collect();
-            changes.sort();
-            changes
-        };
-        let dir = tempfile::tempdir().unwrap();
-        let inner =
-            crate::SledStore::open_with(dir.path(), crate::packing::Packing::tables(b"A")).unwrap();
-        // One round per layer: each checkpoint is 56,000 keys, in two passes.
-        let store = Arc::new(
-            CheckpointStore::with_limits(inner, 20_000, Duration::from_secs(60))
-                .with_read_cache(b"C"),
-        );
-        assert_eq!(crate::packing::RowChanges::passes_for(round(2).len()), 2);
-        for r in [0, 1] {
-            store.apply(round(r), &[(0, r + 1)]).unwrap();
-            store.checkpoint().unwrap();
-        }
-        let (sent, received) = std::sync::mpsc::channel::<(u64, Option<u64>)>();
-        let writer = {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                for r in 2..=9u64 {
-                    let before = store.retired_layers();
-                    store.apply(round(r), &[(0, r + 1)]).unwrap();
-                    sent.send((r, before)).unwrap();
-                    // Waits for the checkpoint the apply started, then lets the
-                    // readers fill the read cache from sled.
-                    store.checkpoint().unwrap();
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            })
-        };
-        let (mut in_memory, mut read_through) = (0, 0);
-        let mut seen = std::collections::HashMap::new();
-        let (mut newest, mut before) = ([0, 1], None);
-        for step in 0usize.. {
-            match received.try_recv() {
-                Ok((r, count)) => (newest[(r % 2) as usize], before) = (r, count),
-                Err(std::sync::mpsc::TryRecvError::Empty) => {}
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
-            }
-            let i = step.wrapping_mul(7_919) % (PACKED + PLAIN);
-            let key = key(i);
-            let expected = newest[half(i) as usize];
-            let got = match store.unwritten(&key) {
-                Some(value) => {
-                    in_memory += 1;
-                    round_of(value, &key)
-                }
-                None => {
-                    let latest = newest[0].max(newest[1]);
-                    if latest >= 2 && half(i) == latest % 2 {
-                        assert_ne!(store.retired_layers(), before, "{key:?}");
-                    }
-                    read_through += 1;
-                    round_of(store.get(&key).unwrap(), &key)
-                }
-            };
-            assert!(
-                got >= expected,
-                "{key:?} read round {got} after round {expected} was applied"
-            );
-            let last = seen.insert(key.clone(), got).unwrap_or(0);
-            assert!(got >= last, "{key:?} went back from round {last} to {got}");
-        }
-        writer.join().unwrap();
-        for i in [0, 7, PACKED - 1, PACKED, PACKED + PLAIN - 1] {
-            let expected = if half(i) == 1 { 9 } else { 8 };
-            assert_eq!(round_of(store.get(&key(i)).unwrap(), b"k"), expected);
-        }
-        assert!(
-            in_memory > 0 && read_through > 0,
-            "{in_memory} / {read_through}"
-        );
     }
 
     #[test]

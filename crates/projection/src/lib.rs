@@ -67,16 +67,7 @@ pub trait ChangeSource {
     fn change_count(&self) -> usize;
 
     /// Visits every change in key order; an error stops the visit and is returned.
-    /// After `written`, the changes it let go may be left out.
     fn visit_changes(&self, visit: &mut ChangeVisit<'_>) -> Result<(), StoreError>;
-
-    /// Told by a store that writes a batch key by key, each write visible to its
-    /// reads at once: every change whose key `is_written` accepts is now in the
-    /// store, so the source may let it go, and a later visit need not visit it.
-    /// A frozen layer drops those changes from memory while the rest of it is
-    /// still being written (`checkpoint`, "Released as written"). Nothing by
-    /// default.
-    fn written(&self, _is_written: &dyn Fn(&[u8]) -> bool) {}
 }
 
 /// Owned (`Change`) and shared (`SharedChange`) batches alike.
@@ -110,9 +101,8 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// How many times changes of a write-back layer have been dropped from memory
-    /// as written to the durable store (a whole layer, or part of one while it is
-    /// written); `None` for stores without a layer. A change
+    /// How many write-back layers have been written to the durable store and
+    /// dropped from memory so far; `None` for stores without a layer. A change
     /// applied after a reader saw `Some(n)` is still in a layer while this is still
     /// `Some(n)`, so `unwritten` answering `None` then means that no change of the
     /// key was applied since: a key known to be fresh (the outcome of a record

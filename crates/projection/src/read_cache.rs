@@ -28,7 +28,7 @@ use std::sync::Arc;
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 
-use crate::StoreError;
+use crate::{SharedChange, StoreError};
 
 /// Rows the cache holds before it starts over (bounds memory: an account row with
 /// its key and the map's slot is ~350 bytes, so ~17 MB at the cap). Starting over
@@ -101,44 +101,33 @@ impl ReadCache {
         Ok(value)
     }
 
-    /// Steps (1)-(4) of the module doc around `write`, a checkpoint's write to the
-    /// inner store; `keys` lists, once it has returned, the keys written that its
-    /// layer still holds (those it let go while writing went through `forget`). A
-    /// failed write empties the cache.
+    /// Steps (1)-(4) of the module doc around `write`, a checkpoint's write of
+    /// `changes` to the inner store. A failed write empties the cache.
     pub fn around_write<T>(
         &self,
+        changes: &[SharedChange],
         write: impl FnOnce() -> Result<T, StoreError>,
-        keys: impl FnOnce(&mut dyn FnMut(&[u8])),
     ) -> Result<T, StoreError> {
         self.generation.fetch_add(1, Ordering::SeqCst);
         let written = write();
         match &written {
-            Ok(_) => keys(&mut |key| self.forget(key)),
+            Ok(_) => {
+                for (key, _) in changes {
+                    if self.holds_table(key) {
+                        self.rows.remove(&**key);
+                    }
+                }
+            }
             Err(_) => self.rows.clear(),
         }
         self.generation.fetch_add(1, Ordering::SeqCst);
         written
-    }
-
-    /// Removes `key`'s row, written by the checkpoint in flight, before its layer
-    /// lets it go: a read that then misses the layer finds no older row here, and
-    /// none is added until the write ends (the generation is odd).
-    pub fn forget(&self, key: &[u8]) {
-        if self.holds_table(key) {
-            self.rows.remove(key);
-        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::SharedChange;
-
-    /// What a checkpoint's layer lists to `around_write`: its keys.
-    fn keys_of(changes: &[SharedChange]) -> impl FnOnce(&mut dyn FnMut(&[u8])) + '_ {
-        move |forget| changes.iter().for_each(|(key, _)| forget(key))
-    }
 
     #[test]
     fn keeps_only_its_tables_and_absent_rows_too() {
@@ -166,13 +155,13 @@ mod tests {
             .unwrap();
         let changes: Vec<SharedChange> =
             vec![(Arc::from(&b"a1"[..]), Some(Arc::from(&b"new"[..])))];
-        cache.around_write(|| Ok(()), keys_of(&changes)).unwrap();
+        cache.around_write(&changes, || Ok(())).unwrap();
         assert!(cache.is_empty(), "the written key was not removed");
         // A read of the store before a checkpoint's write, answered after the
         // whole checkpoint ended, must not be kept.
         let got = cache
             .read_through(b"a1", || {
-                cache.around_write(|| Ok(()), keys_of(&changes)).unwrap();
+                cache.around_write(&changes, || Ok(())).unwrap();
                 Ok(Some(b"old".to_vec()))
             })
             .unwrap();
@@ -180,7 +169,7 @@ mod tests {
         assert!(cache.is_empty(), "a read that raced a write was kept");
         // A read that starts while a checkpoint writes is not kept either.
         cache
-            .around_write(|| cache.read_through(b"a1", || Ok(None)), keys_of(&changes))
+            .around_write(&changes, || cache.read_through(b"a1", || Ok(None)))
             .unwrap();
         assert!(cache.is_empty(), "a read during a write was kept");
         let got = cache
@@ -195,7 +184,7 @@ mod tests {
         let cache = ReadCache::of_tables(b"a");
         cache.read_through(b"a1", || Ok(None)).unwrap();
         let failed: Result<(), StoreError> =
-            cache.around_write(|| Err(StoreError::Backend("disk".into())), |_| {});
+            cache.around_write(&[], || Err(StoreError::Backend("disk".into())));
         assert!(failed.is_err());
         assert!(cache.is_empty());
     }

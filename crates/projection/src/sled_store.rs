@@ -380,7 +380,7 @@ impl SledStore {
             };
             Ok(())
         };
-        self.write_changes(changes, &mut write, Writes::Visible)?;
+        self.write_changes(changes, &mut write)?;
         let mut last = sled::Batch::default();
         for piece in 0..legacy_pieces {
             last.remove(stage_key(piece));
@@ -684,15 +684,6 @@ fn position_key(partition: u32) -> Vec<u8> {
 }
 
 /// Clamps a scan's lower bound so the position entries are never visited.
-/// Whether `write_changes`'s writes are visible to reads as they are made (each a
-/// sled insert: a checkpoint's step 2) or only once the caller applies them (a
-/// sled batch), which decides whether the source may let written changes go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Writes {
-    Visible,
-    Batched,
-}
-
 fn after_positions(start: Bound<&[u8]>) -> Bound<Vec<u8>> {
     let floor = crate::prefix_end(POSITION_PREFIX).expect("prefix has an end");
     match start {
@@ -794,28 +785,9 @@ impl SledStore {
         &self,
         changes: &dyn ChangeSource,
         write: &mut crate::ChangeVisit<'_>,
-        writes: Writes,
     ) -> Result<(), StoreError> {
         let passes = RowChanges::passes_for(changes.change_count());
-        self.write_changes_in(changes, write, passes, writes)
-    }
-
-    /// Tells `changes` what is written so far (`ChangeSource::written`), when
-    /// `write`'s writes are visible as made: the plain keys, and the packed keys
-    /// whose rows lie below `until` (`None`: every row).
-    fn written_below(&self, changes: &dyn ChangeSource, until: Option<&[u8]>, writes: Writes) {
-        if writes == Writes::Batched {
-            return;
-        }
-        let row = std::cell::RefCell::new(Vec::new());
-        changes.written(&|key| {
-            if !self.packing.packs(key) {
-                return true;
-            }
-            let Some(until) = until else { return true };
-            let mut row = row.borrow_mut();
-            packing::row_key_into(key, &mut row).is_ok() && row.as_slice() < until
-        });
+        self.write_changes_in(changes, write, passes)
     }
 
     /// `write_changes` in `passes` passes. The first writes the plain keys, lists
@@ -829,7 +801,6 @@ impl SledStore {
         changes: &dyn ChangeSource,
         write: &mut crate::ChangeVisit<'_>,
         passes: usize,
-        writes: Writes,
     ) -> Result<(), StoreError> {
         let passes = passes.max(1);
         let mut rows = RowChanges::default();
@@ -874,12 +845,8 @@ impl SledStore {
         }
         self.slices.write().extend(new_slices);
         if passes <= 1 {
-            self.write_rows(&rows, write)?;
-            self.written_below(changes, None, writes);
-            return Ok(());
+            return self.write_rows(&rows, write);
         }
-        // The plain keys are written; the rows follow, a range at a time.
-        self.written_below(changes, Some(&[][..]), writes);
         samples.sort_unstable();
         let per_pass = samples.len().div_ceil(passes).max(1);
         let mut cuts: Vec<Vec<u8>> = samples.into_iter().step_by(per_pass).skip(1).collect();
@@ -895,7 +862,6 @@ impl SledStore {
                 false => Ok(()),
             })?;
             self.write_rows(&rows, write)?;
-            self.written_below(changes, range[1].as_deref(), writes);
         }
         Ok(())
     }
@@ -973,14 +939,13 @@ impl ProjectionStore for SledStore {
             return self.materialize(changes, positions, 0);
         }
         let mut batch = sled::Batch::default();
-        let mut put = |key: &[u8], value: Option<&[u8]>| {
+        self.write_changes(changes, &mut |key, value| {
             match value {
                 Some(v) => batch.insert(key, v),
                 None => batch.remove(key),
             }
             Ok(())
-        };
-        self.write_changes(changes, &mut put, Writes::Batched)?;
+        })?;
         for (partition, next_offset) in positions {
             batch.insert(position_key(*partition), &next_offset.to_be_bytes());
         }
@@ -1441,9 +1406,7 @@ mod tests {
                 };
                 Ok(())
             };
-            store
-                .write_changes_in(&second, &mut write, passes, Writes::Visible)
-                .unwrap();
+            store.write_changes_in(&second, &mut write, passes).unwrap();
             store
                 .projections
                 .iter()
@@ -1455,117 +1418,6 @@ mod tests {
         for passes in [2, 3, 7] {
             assert_eq!(contents(passes), one, "{passes} passes");
         }
-    }
-
-    /// A batch that checks, whenever the store says part of it is written, that
-    /// the store already reads those changes back, and then lets them go as a
-    /// checkpoint's frozen layer does.
-    struct Releasing<'s> {
-        store: &'s SledStore,
-        left: std::sync::Mutex<Vec<Change>>,
-        count: usize,
-        /// The size of each non-empty release, in order.
-        releases: std::sync::Mutex<Vec<usize>>,
-    }
-
-    impl<'s> Releasing<'s> {
-        fn new(store: &'s SledStore, changes: Vec<Change>) -> Self {
-            Releasing {
-                store,
-                count: changes.len(),
-                left: std::sync::Mutex::new(changes),
-                releases: std::sync::Mutex::new(Vec::new()),
-            }
-        }
-    }
-
-    impl ChangeSource for Releasing<'_> {
-        fn change_count(&self) -> usize {
-            self.count
-        }
-
-        fn visit_changes(&self, visit: &mut crate::ChangeVisit<'_>) -> Result<(), StoreError> {
-            let left = self.left.lock().unwrap();
-            left.iter().try_for_each(|(k, v)| visit(k, v.as_deref()))
-        }
-
-        fn written(&self, is_written: &dyn Fn(&[u8]) -> bool) {
-            let mut left = self.left.lock().unwrap();
-            let (gone, kept): (Vec<Change>, Vec<Change>) = std::mem::take(&mut *left)
-                .into_iter()
-                .partition(|(key, _)| is_written(key));
-            for (key, value) in &gone {
-                assert_eq!(
-                    &self.store.get(key).unwrap(),
-                    value,
-                    "{key:?} let go before the store reads it"
-                );
-            }
-            *left = kept;
-            if !gone.is_empty() {
-                self.releases.lock().unwrap().push(gone.len());
-            }
-        }
-    }
-
-    /// A checkpoint's changes are let go only once sled reads them back, and in
-    /// parts when the rows are merged in several passes (so a frozen layer
-    /// shrinks while it is written); a sled batch, which nothing reads until it
-    /// is applied whole, lets nothing go.
-    #[test]
-    fn written_changes_are_let_go_only_once_the_store_reads_them() {
-        let key = |meter: usize, customer: usize| {
-            let mut key = b"Astore\0p".to_vec();
-            key.extend_from_slice(format!("m{meter:02}\0c{customer:04}\0").as_bytes());
-            key.extend_from_slice(&7u64.to_be_bytes());
-            key
-        };
-        let batch = |tag: u8, customers: usize| {
-            let mut changes: Vec<Change> = (0..6)
-                .flat_map(|m| {
-                    (0..customers).map(move |c| {
-                        let value = (c % 5 != 0).then(|| vec![tag, m as u8, c as u8]);
-                        (key(m, c), value)
-                    })
-                })
-                .chain((0..400).map(|i| (format!("Zplain{i:04}").into_bytes(), Some(vec![tag]))))
-                .collect();
-            changes.sort_by(|a, b| a.0.cmp(&b.0));
-            changes
-        };
-        let dir = tempfile::tempdir().unwrap();
-        let store = SledStore::open_with(dir.path(), Packing::tables(b"A")).unwrap();
-        store.apply(batch(1, 300), &[(0, 1)]).unwrap();
-        for passes in [1, 3] {
-            let source = Releasing::new(&store, batch(2 + passes as u8, 500));
-            let mut write = |key: &[u8], value: Option<&[u8]>| {
-                match value {
-                    Some(v) => store.projections.insert(key, v)?,
-                    None => store.projections.remove(key)?,
-                };
-                Ok(())
-            };
-            store
-                .write_changes_in(&source, &mut write, passes, Writes::Visible)
-                .unwrap();
-            assert!(source.left.lock().unwrap().is_empty(), "{passes} passes");
-            let releases = source.releases.lock().unwrap().clone();
-            assert_eq!(releases.iter().sum::<usize>(), source.count);
-            // One pass: all at its end. Three: the plain keys, then each range.
-            let expected = if passes == 1 { 1 } else { 4 };
-            assert_eq!(releases.len(), expected, "{releases:?}");
-        }
-        // The checkpoint's own path (a staged batch, written key by key).
-        let source = Releasing::new(&store, batch(9, 500));
-        assert!(source.count > SLED_ATOMIC_BATCH_MAX_KEYS);
-        store.apply_from(&source, &[(0, 2)]).unwrap();
-        assert!(source.left.lock().unwrap().is_empty());
-        // A small batch is one sled batch: nothing is let go.
-        let source = Releasing::new(&store, batch(10, 50));
-        assert!(source.count <= SLED_ATOMIC_BATCH_MAX_KEYS);
-        store.apply_from(&source, &[(0, 3)]).unwrap();
-        assert_eq!(source.left.lock().unwrap().len(), source.count);
-        assert_eq!(store.get(&key(3, 7)).unwrap(), Some(vec![10, 3, 7]));
     }
 
     /// A packed store without a slice directory (written before there was one)
