@@ -598,8 +598,21 @@ impl Billing {
             (CancelMode::Scheduled, Some(text)) => OnExecute::parse_field("onExecute", text)?,
             _ => OnExecute::Cancel,
         };
-        self.transition(scope, id, |sub, now| cancel(sub, mode, on_execute, now))
-            .await
+        let canceled = self
+            .transition(scope, id, |sub, now| cancel(sub, mode, on_execute, now))
+            .await?;
+        // A scheduled cancel of a period that has already ended (the late-usage
+        // grace before its renewal, when the renewal is not due yet) ends it now, in
+        // this request, as the period's end would have: it was not left waiting for
+        // the scheduler with its period over (docs/api.md, "Subscriptions").
+        match canceled.due() {
+            Some((at, DueKind::PeriodEnd)) if at <= self.now_in(scope) => {
+                self.charge(scope, &canceled, at, DueKind::PeriodEnd)
+                    .await?;
+                self.get_subscription(scope, id)
+            }
+            _ => Ok(canceled),
+        }
     }
 
     pub async fn pause_subscription(

@@ -1205,6 +1205,59 @@ async fn late_usage_of_a_scheduled_cancels_last_period_is_billed_after_the_grace
     server.stop().await;
 }
 
+/// A scheduled cancel made after the period ended, in the late-usage grace before
+/// the renewal, ends the subscription in the same request with the period's
+/// usage billed (and with `onExecute` `pause`, pauses it): it is never left
+/// `scheduled_cancel` with its period over, waiting for the scheduler.
+#[tokio::test]
+async fn a_scheduled_cancel_after_the_periods_end_ends_it_in_the_request() {
+    let (_g, _dir, server, api, _keys) = setup().await;
+    let calls = calls_meter(&api).await;
+    let prod = invoiced_calls_product(&api, &calls).await;
+    let (cancel, cancel_cus) = subscribe(&api, &prod, "4242424242424242").await;
+    let (pause, _) = subscribe(&api, &prod, "4242424242424242").await;
+    let ids = (0..3).map(|i| format!("c{i}")).collect();
+    ingest_calls(&api, &cancel_cus, ids, None).await;
+    let path = format!("/v1/subscriptions/{cancel}");
+    let end = period_end(&api, &path).await;
+    // Exactly at the end, then inside the grace: the renewal is not due yet.
+    for at in [end, end + GRACE / 2] {
+        let moved = advance(&api, at).await;
+        assert_eq!(moved.status, 200, "{}", moved.body);
+        let s = api.get(&path).await.body;
+        assert_eq!(s["status"], "active", "{s}");
+        assert_eq!(transactions(&api, &cancel).await.len(), 1, "no renewal yet");
+    }
+    server.engine.wait_caught_up().await.unwrap();
+    for (sub, body, status) in [
+        (&cancel, json!({"mode": "scheduled"}), "canceled"),
+        (
+            &pause,
+            json!({"mode": "scheduled", "onExecute": "pause"}),
+            "paused",
+        ),
+    ] {
+        let answer = api
+            .post(&format!("/v1/subscriptions/{sub}/cancel"), body)
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.body["status"], status, "{}", answer.body);
+        let stored = api.get(&format!("/v1/subscriptions/{sub}")).await.body;
+        assert_eq!(stored["status"], status, "{stored}");
+    }
+    // The period's usage (3 calls at 2) was billed by that request, once; the
+    // renewal never comes.
+    let amounts = |txs: Vec<Value>| -> Vec<i64> {
+        txs.iter().map(|t| t["amount"].as_i64().unwrap()).collect()
+    };
+    assert_eq!(amounts(transactions(&api, &cancel).await), [1000, 6]);
+    assert_eq!(amounts(transactions(&api, &pause).await), [1000]);
+    advance(&api, end + 40 * DAY_MS).await;
+    assert_eq!(amounts(transactions(&api, &cancel).await), [1000, 6]);
+    assert_eq!(amounts(transactions(&api, &pause).await), [1000]);
+    server.stop().await;
+}
+
 /// The balance of `customer`'s credits account `name` ("none" without one).
 async fn balance_named(api: &Api, customer: &str, name: &str) -> String {
     let list = api
