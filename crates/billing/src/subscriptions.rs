@@ -601,10 +601,11 @@ impl Billing {
         let canceled = self
             .transition(scope, id, |sub, now| cancel(sub, mode, on_execute, now))
             .await?;
-        // A scheduled cancel of a period that has already ended (the late-usage
-        // grace before its renewal, when the renewal is not due yet) ends it now, in
-        // this request, as the period's end would have: it was not left waiting for
-        // the scheduler with its period over (docs/api.md, "Subscriptions").
+        // A scheduled cancel of a period that has already ended (in the late-usage
+        // grace, before the renewal is due) ends the period now, in this request, as
+        // its end would have, rather than leave it `scheduled_cancel` with its
+        // period over until the scheduler's next pass (docs/api.md, "Subscriptions").
+        // Resuming does the same for a period that ended while paused.
         match canceled.due() {
             Some((at, DueKind::PeriodEnd)) if at <= self.now_in(scope) => {
                 self.charge(scope, &canceled, at, DueKind::PeriodEnd)
