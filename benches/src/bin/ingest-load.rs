@@ -9,7 +9,8 @@
 //!   embedded one, or produce to the same broker) for records of the same shape,
 //!   (c) a/b, (d) time from the last 202 until projections caught up, (e) p50/p99
 //!   of a usage query under load, (f) the server's peak RSS, (g) the time a server
-//!   SIGKILLed at the end takes to be ready again on its data dir, (h) the server's
+//!   SIGKILLed at the end takes to be ready again on its data dir (with
+//!   `--kill-under-load`, killed the moment the load ends instead), (h) the server's
 //!   CPU time (user + system) per event, from the first batch until the projection
 //!   caught up: steadier than a rate on a shared machine, and it counts every part
 //!   (HTTP edge, apply, checkpoints).
@@ -109,6 +110,12 @@ struct Args {
     /// answers costs the server. The answers are read, not decompressed.
     #[arg(long)]
     accept_encoding: Option<String>,
+    /// SIGKILL the server the moment the load ends, while the senders' last batches
+    /// are in flight and its projector and checkpoints are busy, and time its
+    /// restart on that data dir (as (g), which kills it idle after the catch-up);
+    /// then stop, skipping the other measures but (a) and (f).
+    #[arg(long)]
+    kill_under_load: bool,
 }
 
 /// Partitions of the topics `--kafka-brokers` creates: the server's and the raw
@@ -388,6 +395,8 @@ async fn main() -> anyhow::Result<()> {
                             r.status(),
                             r.text().await.unwrap_or_default()
                         ),
+                        // `--kill-under-load` killed the server as the run ended.
+                        Err(_) if stop.load(Ordering::Relaxed) => break,
                         Err(e) => panic!("ingest failed: {e}"),
                     }
                 }
@@ -428,7 +437,7 @@ async fn main() -> anyhow::Result<()> {
                         )
                     };
                     let t = Instant::now();
-                    tally
+                    let answered = tally
                         .meter_usage(
                             &m,
                             &tally_client::UsageQuery {
@@ -437,9 +446,13 @@ async fn main() -> anyhow::Result<()> {
                                 ..Default::default()
                             },
                         )
-                        .await
-                        .expect("a usage query under load");
-                    latencies.push(t.elapsed());
+                        .await;
+                    match answered {
+                        Ok(_) => latencies.push(t.elapsed()),
+                        // `--kill-under-load` killed the server as the run ended.
+                        Err(_) if stop.load(Ordering::Relaxed) => break,
+                        Err(e) => panic!("a usage query under load: {e}"),
+                    }
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 latencies
@@ -465,6 +478,39 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     stop.store(true, Ordering::Relaxed);
+    if args.kill_under_load {
+        query_stop.store(true, Ordering::Relaxed);
+        peak_rss = peak_rss.max(rss_kib(pid, "VmHWM:"));
+        let _ = child.kill();
+        let _ = child.wait();
+        let rate = acked.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+        for s in senders {
+            s.await?;
+        }
+        if let Some(runtime) = sender_runtime {
+            // Its tasks are done; a runtime may not be dropped inside another one.
+            runtime.shutdown_background();
+        }
+        querier
+            .join()
+            .map_err(|_| anyhow::anyhow!("the querier panicked"))?;
+        let restarted = Instant::now();
+        let (child, base, _) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
+        let mut child = tally_benches::ServerChild(child);
+        let restart = wait_ready(&http, &base, restarted).await?;
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let _ = child.wait();
+        eprintln!();
+        println!("(a) ingest until the kill:        {rate:.0} events/s");
+        println!(
+            "(f) server peak RSS:              {:.0} MiB",
+            peak_rss as f64 / 1024.0
+        );
+        println!("(g) ready after SIGKILL under load + restart: {restart:.2?}");
+        return Ok(());
+    }
     let mut last_ack = started;
     // Batches each connection had acknowledged: their events are stored.
     let mut stored_batches = Vec::new();

@@ -1,8 +1,9 @@
 //! The crash tests: `tally serve` is killed with SIGKILL while clients ingest. In the
 //! first a torn half-record is left at the end of the log, as a crash mid-write
-//! would; in the second the kill lands while a checkpoint is being written to sled.
-//! After a restart every acknowledged event is present exactly once, and the server
-//! starts cleanly. In the last, a client voids and amends acknowledged events while
+//! would; in the second the kill lands while a checkpoint is being written to sled;
+//! two more kill after a copy of the unwritten layer, one of them a copy made while a
+//! checkpoint's stage was being written. After a restart every acknowledged event is
+//! present exactly once, and the server starts cleanly. In the last, a client voids and amends acknowledged events while
 //! the load runs: every acknowledged correction holds after the restart, and one the
 //! kill cut off holds whole or not at all.
 
@@ -326,6 +327,85 @@ async fn a_sigkill_after_a_layer_copy_restarts_from_it_exactly() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(took_in_copy(), "the restart took the layer copy in");
+    restarted_exactly_once(&setup, &served, &acknowledged, attempted).await;
+    assert!(served.terminate().success());
+    let (matched, replayed, live) = replay(dir.path());
+    assert!(matched, "replay {replayed} differs from live {live}");
+}
+
+/// Copies go on while a checkpoint writes, once its stage file is durable: staged
+/// checkpoints of `CHECKPOINT_KEYS` keys and a copy every 20 ms. The test kills the
+/// server once two copies were written after the stage file it still sees: one copy
+/// at a time is in flight, so the second began after the stage was written, and was
+/// made over what sled holds once that stage is written. If that stage is still there
+/// after the kill, the restart takes it in, then the copy (it says so); either way
+/// what it holds is exact and matches a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sigkill_after_a_copy_made_while_a_stage_is_written_restarts_exactly() {
+    const CHECKPOINT_KEYS: &str = "20000";
+    let dir = tempfile::tempdir().unwrap();
+    let served = serve_with(
+        dir.path(),
+        &[
+            "--checkpoint-keys",
+            CHECKPOINT_KEYS,
+            "--layer-copy-ms",
+            "20",
+        ],
+    );
+    let setup = Arc::new(Setup::new(&served, &[count_meter(), unique_users_meter()]).await);
+    let load = setup.load(8, 50);
+    let projections = dir.path().join("projections");
+    let stage = projections.join(tally_projection::sled_store::STAGE_FILE);
+    let copy = projections.join(tally_projection::sled_store::LAYER_COPY_FILE);
+    let modified = |path: &std::path::Path| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    // The stage file's time, and the times of the copies written after it.
+    let mut seen: Option<(std::time::SystemTime, HashSet<std::time::SystemTime>)> = None;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let staged_at = loop {
+        match (modified(&stage), modified(&copy)) {
+            (Some(staged), Some(copied)) if copied > staged => {
+                let copies = match &mut seen {
+                    Some((at, copies)) if *at == staged => copies,
+                    _ => &mut seen.insert((staged, HashSet::new())).1,
+                };
+                copies.insert(copied);
+                if copies.len() >= 2 {
+                    break staged;
+                }
+            }
+            _ => {}
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no two layer copies after one stage file within 120 s of load"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    served.kill();
+    let interrupted = modified(&stage) == Some(staged_at)
+        && modified(&copy).is_some_and(|copied| copied > staged_at);
+    eprintln!("killed with that stage interrupted: {interrupted}");
+    let (acknowledged, attempted) = load.finish().await;
+    assert!(!acknowledged.is_empty(), "load ran before the kill");
+
+    let served = serve(dir.path());
+    if interrupted {
+        let took_in = || {
+            served.stderr.lock().unwrap().iter().any(|line| {
+                line.contains("took in the copy of the layer") && line.contains("over_stage=true")
+            })
+        };
+        // The log line is read on its own thread: it may trail the banner a little.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !took_in() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            took_in(),
+            "the restart took in the copy made over the stage"
+        );
+    }
     restarted_exactly_once(&setup, &served, &acknowledged, attempted).await;
     assert!(served.terminate().success());
     let (matched, replayed, live) = replay(dir.path());

@@ -43,7 +43,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -77,8 +77,8 @@ pub const CHECKPOINT_BACKLOG_FACTOR: usize = 2;
 pub const MAX_PRESIZED_LAYER_KEYS: usize = 1_000_000;
 
 /// How often the active layer is copied to disk between checkpoints (`sled_store`,
-/// "Layer copies"), when no checkpoint is in flight. A SIGKILL then loses at most this
-/// much of the log (plus a checkpoint's write) instead of up to two checkpoint
+/// "Layer copies"), except while a checkpoint's write is not yet durable. A SIGKILL
+/// then loses at most this much of the log (plus a stage's write) instead of up to two checkpoint
 /// intervals: a restart under ingest re-applied ~470,000 events (~8 s) before it
 /// answered. A copy costs a walk of the layer under the writer's turn (at most
 /// `LAYER_COPY_MAX_KEYS` keys) and a sequential write of it in the background.
@@ -341,6 +341,10 @@ struct Layer {
     /// When the oldest unwritten change or position was applied (`None`: the layer
     /// is empty).
     since: parking_lot::Mutex<Option<Instant>>,
+    /// Set by its checkpoint once the inner store holds it durably while the write
+    /// goes on (a staged batch's stage file): the layer above may then be copied
+    /// over the positions this one reaches.
+    durable: AtomicBool,
 }
 
 impl Layer {
@@ -422,7 +426,7 @@ struct LayerCopies {
     every: Duration,
     last: Mutex<Instant>,
     applies_copied: AtomicU64,
-    in_flight: Arc<std::sync::atomic::AtomicBool>,
+    in_flight: Arc<AtomicBool>,
 }
 
 impl<S: ProjectionStore + 'static> CheckpointStore<S> {
@@ -472,9 +476,9 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
         self.shared.cache.as_ref().map_or(0, ReadCache::len)
     }
 
-    /// Also copies the active layer to the inner store every `every` while no
-    /// checkpoint is in flight, if the inner store keeps copies (`sled_store`,
-    /// "Layer copies").
+    /// Also copies the active layer to the inner store every `every` (not while a
+    /// checkpoint's write is not yet durable), if the inner store keeps copies
+    /// (`sled_store`, "Layer copies").
     pub fn with_layer_copies(mut self, every: Duration) -> Self {
         if self.shared.inner.keeps_layer_copies() {
             self.copies = Some(LayerCopies {
@@ -488,11 +492,13 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
     }
 
     /// Copies the active layer if a copy is due: `every` since the last one, an
-    /// apply since, none in flight, no checkpoint in flight, and at most
-    /// `LAYER_COPY_MAX_KEYS` keys. Why not while a
-    /// checkpoint writes: the copy must be of the layer over what the inner store
-    /// holds once that checkpoint's stage is durable, and a copy of the layer before
-    /// it stays usable until then. The caller holds the writer's turn, so the layer
+    /// apply since, none in flight, no checkpoint in flight unless the inner store
+    /// already holds its layer durably, and at most `LAYER_COPY_MAX_KEYS` keys. A
+    /// copy while a checkpoint writes is made over the positions the inner store
+    /// holds once that write ends (its stored positions with the written layer's
+    /// over them): before that checkpoint is durable, a crash leaves the inner store
+    /// where it was, and only the copy of the layer before it describes a layer over
+    /// that, so none is taken then. The caller holds the writer's turn, so the layer
     /// and its positions hold still while they are copied. A copy that fails is
     /// logged, not fatal: the log re-applies what it would have saved.
     fn copy_layer_if_due(&self, active: &Arc<Layer>) {
@@ -513,14 +519,25 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
             return;
         }
         let layers = self.shared.snapshot();
-        if layers.writing.is_some()
+        if layers
+            .writing
+            .as_ref()
+            .is_some_and(|writing| !writing.durable.load(Ordering::SeqCst))
             || !Arc::ptr_eq(&layers.active, active)
             || active.changes.len() > LAYER_COPY_MAX_KEYS
         {
             return;
         }
         let over = match self.shared.inner.stored_positions() {
-            Ok(over) => over,
+            // Read before or after the write's positions land: the same either way.
+            Ok(stored) => match &layers.writing {
+                Some(writing) => {
+                    let mut over: BTreeMap<u32, u64> = stored.into_iter().collect();
+                    over.extend(writing.positions());
+                    over.into_iter().collect()
+                }
+                None => stored,
+            },
             Err(error) => {
                 tracing::warn!(%error, "the layer was not copied: reading the stored positions failed");
                 return;
@@ -781,11 +798,14 @@ impl<S: ProjectionStore> Shared<S> {
         // checkpoint thread per walk (docs/benchmarks.md, "Bucket rows").
         let changes = layer.changes.snapshot();
         let positions = layer.positions();
+        let durable = || layer.durable.store(true, Ordering::SeqCst);
+        let apply = || {
+            self.inner
+                .apply_from_noting_durable(&changes, &positions, &durable)
+        };
         match &self.cache {
-            Some(cache) => {
-                cache.around_write(&changes, || self.inner.apply_from(&changes, &positions))?
-            }
-            None => self.inner.apply_from(&changes, &positions)?,
+            Some(cache) => cache.around_write(&changes, apply)?,
+            None => apply()?,
         }
         {
             let mut layers = self.lock_write();
@@ -1473,11 +1493,206 @@ mod tests {
         let frozen = store.shared.freeze().expect("a layer to freeze");
         store.apply(vec![put("b", "1")], &[(0, 2)]).unwrap();
         copies_settled(&store);
-        assert!(!copy.exists(), "not while a checkpoint is in flight");
+        assert!(
+            !copy.exists(),
+            "not while a checkpoint is in flight and not yet durable"
+        );
         store.shared.write(&frozen).unwrap();
         store.tick().unwrap();
         copies_settled(&store);
         assert!(copy.exists(), "copied once the checkpoint ended");
+    }
+
+    /// One step of a server's life for `copies_and_crashes_restore_the_log`.
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// A chunk of the log (key, value or a delete), applied at the next position;
+        /// every apply copies the layer when a copy may be taken.
+        Apply(Vec<(u8, Option<u8>)>),
+        /// A checkpoint freezes the active layer; with `durable`, its stage is then
+        /// in place (a checkpoint that is not yet durable takes no copy over it).
+        Freeze { durable: bool },
+        /// The first this many changes of a durable frozen layer reach sled, its
+        /// positions not yet.
+        PartWritten(usize),
+        /// The frozen layer's checkpoint ends.
+        Written,
+        /// SIGKILL and a restart: the layers are lost; the restart takes in what
+        /// `open_deferring_stage` hands over and re-applies the log past its positions.
+        Crash,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => proptest::collection::vec((0u8..12, proptest::option::of(0u8..4)), 1..6)
+                .prop_map(Step::Apply),
+            1 => any::<bool>().prop_map(|durable| Step::Freeze { durable }),
+            1 => (0usize..8).prop_map(Step::PartWritten),
+            1 => Just(Step::Written),
+            1 => Just(Step::Crash),
+        ]
+    }
+
+    /// A restart as the service makes it: sled with what it hands over applied to
+    /// a fresh write-back layer, copies every apply, the log re-applied past the
+    /// positions it reaches.
+    fn restart(dir: &std::path::Path, log: &[Vec<Change>]) -> CheckpointStore<crate::SledStore> {
+        let (sled, handed) = crate::SledStore::open_deferring_stage(dir).unwrap();
+        let store = CheckpointStore::with_limits(sled, 1_000_000, Duration::from_secs(3600))
+            .with_layer_copies(Duration::ZERO);
+        if let Some((changes, positions)) = handed {
+            store.apply(changes, &positions).unwrap();
+            copies_settled(&store);
+        }
+        let from = store.position(0).unwrap() as usize;
+        for (at, chunk) in log.iter().enumerate().skip(from) {
+            store.apply(chunk.clone(), &[(0, at as u64 + 1)]).unwrap();
+            copies_settled(&store);
+        }
+        store
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// For any log, any checkpoints (durable or not when the kill comes, partly
+        /// written), any copies they allow and any crash points, a restart holds
+        /// exactly the fold of the whole log, at its end.
+        #[test]
+        fn copies_and_crashes_restore_the_log(
+            steps in proptest::collection::vec(step(), 1..40),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let mut log: Vec<Vec<Change>> = Vec::new();
+            let mut store = restart(dir.path(), &log);
+            let mut frozen: Option<Arc<Layer>> = None;
+            for step in steps.into_iter().chain([Step::Crash]) {
+                match step {
+                    Step::Apply(chunk) => {
+                        let chunk: Vec<Change> = chunk
+                            .into_iter()
+                            .map(|(key, value)| (vec![b'k', key], value.map(|v| vec![v])))
+                            .collect();
+                        log.push(chunk.clone());
+                        store.apply(chunk, &[(0, log.len() as u64)]).unwrap();
+                        copies_settled(&store);
+                    }
+                    Step::Freeze { durable } => {
+                        if frozen.is_none() {
+                            frozen = store.shared.freeze();
+                            if let Some(layer) = frozen.as_ref().filter(|_| durable) {
+                                store
+                                    .shared
+                                    .inner
+                                    .stage(&layer.changes.snapshot(), &layer.positions())
+                                    .unwrap();
+                                layer.durable.store(true, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                    Step::PartWritten(n) => {
+                        if let Some(layer) = frozen.as_ref().filter(|l| l.durable.load(Ordering::SeqCst)) {
+                            let part: Vec<Change> = layer
+                                .changes
+                                .snapshot()
+                                .into_iter()
+                                .take(n)
+                                .map(|(key, value)| (key.to_vec(), value.map(|v| v.to_vec())))
+                                .collect();
+                            store.shared.inner.apply(part, &[]).unwrap();
+                        }
+                    }
+                    Step::Written => {
+                        if let Some(layer) = frozen.take() {
+                            store.shared.write(&layer).unwrap();
+                        }
+                    }
+                    Step::Crash => {
+                        if frozen.take().is_some() {
+                            // Its write never ends: dropping must not wait for it.
+                            store.shared.record_failure("killed".into());
+                        }
+                        drop(store);
+                        store = restart(dir.path(), &log);
+                        let reference = MemoryStore::new();
+                        for chunk in &log {
+                            reference.apply(chunk.clone(), &[]).unwrap();
+                        }
+                        prop_assert_eq!(keys(&store, false), keys(&reference, false));
+                        prop_assert_eq!(store.position(0).unwrap(), log.len() as u64);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A store whose next checkpoint is frozen and durable as a stage but none of
+    /// it in sled yet, as a checkpoint thread leaves it between its stage and its
+    /// sled inserts; `first` fills the frozen layer (past the single-batch size,
+    /// so it is staged), `later` goes to the active layer above it and is copied.
+    fn copied_over_a_durable_stage(
+        dir: &std::path::Path,
+        first: &[Change],
+        later: &[Change],
+    ) -> (CheckpointStore<crate::SledStore>, Arc<Layer>) {
+        let sled = crate::SledStore::open(dir).unwrap();
+        let store = CheckpointStore::with_limits(sled, 1_000_000, Duration::from_secs(3600))
+            .with_layer_copies(Duration::ZERO);
+        store.apply(first.to_vec(), &[(0, 10), (1, 3)]).unwrap();
+        copies_settled(&store);
+        let frozen = store.shared.freeze().expect("a layer to freeze");
+        store
+            .shared
+            .inner
+            .stage(&frozen.changes.snapshot(), &frozen.positions())
+            .unwrap();
+        frozen.durable.store(true, Ordering::SeqCst);
+        store.apply(later.to_vec(), &[(0, 14)]).unwrap();
+        copies_settled(&store);
+        (store, frozen)
+    }
+
+    #[test]
+    fn a_copy_made_while_a_durable_stage_is_written_restores_above_it() {
+        let first: Vec<Change> = (0..2 * crate::sled_store::SLED_ATOMIC_BATCH_MAX_KEYS)
+            .map(|i| put(&format!("k{i:06}"), "1"))
+            .collect();
+        let later = vec![
+            put("k000001", "2"),
+            (b"k000002".to_vec(), None),
+            put("z", "2"),
+        ];
+        let reference = crate::MemoryStore::new();
+        reference.apply(first.clone(), &[(1, 3)]).unwrap();
+        reference.apply(later.clone(), &[(0, 14)]).unwrap();
+        // Killed before the stage reached sled, and killed after it did.
+        for stage_written in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let (store, frozen) = copied_over_a_durable_stage(dir.path(), &first, &later);
+                if stage_written {
+                    store.shared.write(&frozen).unwrap();
+                } else {
+                    // The write never ends: dropping the store must not wait for it.
+                    store.shared.record_failure("killed mid-checkpoint".into());
+                }
+                // Dropped with the active layer unwritten, as a SIGKILL leaves it.
+            }
+            let (sled, handed) = crate::SledStore::open_deferring_stage(dir.path()).unwrap();
+            let (changes, positions) = handed.expect("the copy is handed over");
+            // With the stage in sled, only the copy is handed over.
+            let expected = if stage_written {
+                vec![(0, 14)]
+            } else {
+                vec![(0, 14), (1, 3)]
+            };
+            assert_eq!(positions, expected, "stage written: {stage_written}");
+            let reopened = CheckpointStore::new(sled);
+            reopened.apply(changes, &positions).unwrap();
+            assert_eq!(keys(&reopened, false), keys(&reference, false));
+            assert_eq!(reopened.get(b"k000001").unwrap(), Some(b"2".to_vec()));
+            assert_eq!(reopened.position(0).unwrap(), 14);
+            assert_eq!(reopened.position(1).unwrap(), 3);
+        }
     }
 
     #[test]

@@ -155,6 +155,20 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
         self.apply(owned, positions)
     }
 
+    /// `apply_from` that calls `durable` once the whole batch and its positions
+    /// would survive a crash while the write goes on (a staged batch: once its stage
+    /// file is in place), so a layer copy may then be made over the positions it
+    /// reaches (`sled_store`, "Layer copies"). The default never calls it: no copy
+    /// is made while such a store writes.
+    fn apply_from_noting_durable(
+        &self,
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+        _durable: &dyn Fn(),
+    ) -> Result<(), StoreError> {
+        self.apply_from(changes, positions)
+    }
+
     /// The next log offset to apply for `partition` (0 when nothing was applied).
     fn position(&self, partition: u32) -> Result<u64, StoreError>;
 
@@ -396,6 +410,14 @@ impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
         positions: &[(u32, u64)],
     ) -> Result<(), StoreError> {
         (**self).apply_from(changes, positions)
+    }
+    fn apply_from_noting_durable(
+        &self,
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+        durable: &dyn Fn(),
+    ) -> Result<(), StoreError> {
+        (**self).apply_from_noting_durable(changes, positions, durable)
     }
     fn position(&self, partition: u32) -> Result<u64, StoreError> {
         (**self).position(partition)

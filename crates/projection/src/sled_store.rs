@@ -37,9 +37,13 @@
 //! renamed). `open_deferring_stage` hands a copy over with the stage when it was made
 //! over exactly the positions sled holds and reaches at least the stage's positions:
 //! then it is that layer at a later point (the layer over sled took the stage in at
-//! its start, or was the one the stage froze later, which the positions rule out). Any
-//! other copy is stale and removed. A copy is never needed for correctness: without it
-//! the log re-applies the same changes.
+//! its start, or was the one the stage froze later, which the positions rule out).
+//! While a staged batch is written, once its stage file is durable, the layer above
+//! is copied over the positions sled holds when that batch is written (sled's
+//! positions with the stage's over them): a restart that finds that stage
+//! interrupted hands the copy over after it, and one that finds sled past the stage
+//! finds the copy over what sled holds. Any other copy is stale and removed. A copy
+//! is never needed for correctness: without it the log re-applies the same changes.
 
 use std::io::Write;
 use std::ops::Bound;
@@ -300,9 +304,10 @@ impl SledStore {
     }
 
     /// The stage to hand over, with the layer copy applied after it when the copy is
-    /// of the layer over what sled holds and reaches at least the stage's positions
-    /// (module doc, "Layer copies"); a stale or damaged copy is removed (the log
-    /// re-applies what it held).
+    /// of the layer over what sled holds and reaches at least the stage's positions,
+    /// or of the layer over what sled holds once that stage is written (made while
+    /// the stage was written, after it was durable) (module doc, "Layer copies"); a
+    /// stale or damaged copy is removed (the log re-applies what it held).
     fn with_layer_copy(
         &self,
         stage: Option<InterruptedStage>,
@@ -315,27 +320,45 @@ impl SledStore {
             Err(e) => return Err(io_error("reading the layer copy", e)),
         };
         let stored = position_map(&self.stored_positions()?);
+        // What sled holds once the handed-over stage is written: a copy made while
+        // that stage was written, after it was durable, was made over this.
+        let staged = stage.as_ref().map(|(_, staged)| {
+            let mut staged = position_map(staged);
+            for (partition, offset) in &stored {
+                staged.entry(*partition).or_insert(*offset);
+            }
+            staged
+        });
         let usable = match decode_layer_copy_file(&bytes) {
             Err(error) => {
                 tracing::warn!(%error, "the layer copy is damaged; the log re-applies it");
                 None
             }
-            Ok((over, _)) if position_map(&over) != stored => None,
-            Ok((_, (changes, positions))) => {
-                let reached = position_map(&positions);
-                let at = |p: &u32| reached.get(p).or(stored.get(p)).copied().unwrap_or(0);
-                let beyond_stage = stage
-                    .as_ref()
-                    .is_none_or(|(_, staged)| staged.iter().all(|(p, o)| at(p) >= *o));
-                beyond_stage.then_some((changes, positions))
+            Ok((over, (changes, positions))) => {
+                let over = position_map(&over);
+                let base = if over == stored {
+                    Some(&stored)
+                } else {
+                    staged.as_ref().filter(|staged| over == **staged)
+                };
+                base.and_then(|base| {
+                    let reached = position_map(&positions);
+                    let at = |p: &u32| reached.get(p).or(base.get(p)).copied().unwrap_or(0);
+                    let beyond_stage = stage
+                        .as_ref()
+                        .is_none_or(|(_, staged)| staged.iter().all(|(p, o)| at(p) >= *o));
+                    let over_stage = !std::ptr::eq(base, &stored);
+                    beyond_stage.then_some((changes, positions, over_stage))
+                })
             }
         };
-        let Some((copied, copied_positions)) = usable else {
+        let Some((copied, copied_positions, over_stage)) = usable else {
             remove_if_present(&path)?;
             return Ok(stage);
         };
         tracing::info!(
             changes = copied.len(),
+            over_stage,
             "took in the copy of the layer a stop left unwritten; the log is re-applied from where it ends"
         );
         let (mut changes, positions) = stage.unwrap_or_default();
@@ -443,7 +466,7 @@ fn fsync_dir(dir: &Path) -> Result<(), StoreError> {
 
 impl SledStore {
     /// Step 1 of a staged batch: the stage file, durable and in place.
-    fn stage(
+    pub(crate) fn stage(
         &self,
         changes: &dyn ChangeSource,
         positions: &[(u32, u64)],
@@ -934,8 +957,21 @@ impl ProjectionStore for SledStore {
         changes: &dyn ChangeSource,
         positions: &[(u32, u64)],
     ) -> Result<(), StoreError> {
+        self.apply_from_noting_durable(changes, positions, &|| {})
+    }
+
+    /// A staged batch is durable once its stage file is in place (a restart finds
+    /// the stage and hands it over, or finds sled past it); a single sled batch is
+    /// durable only at sled's next flush, so it reports nothing.
+    fn apply_from_noting_durable(
+        &self,
+        changes: &dyn ChangeSource,
+        positions: &[(u32, u64)],
+        durable: &dyn Fn(),
+    ) -> Result<(), StoreError> {
         if changes.change_count() > SLED_ATOMIC_BATCH_MAX_KEYS {
             self.stage(changes, positions)?;
+            durable();
             return self.materialize(changes, positions, 0);
         }
         let mut batch = sled::Batch::default();
@@ -1317,6 +1353,32 @@ mod tests {
         assert_eq!(changes, staged, "the older copy is not used");
         assert_eq!(positions, vec![(0, 30)]);
         assert!(!dir.path().join(LAYER_COPY_FILE).exists());
+    }
+
+    #[test]
+    fn a_layer_copy_over_a_stage_being_written_goes_after_that_stage_only() {
+        let staged = changes(3 * SLED_ATOMIC_BATCH_MAX_KEYS, "staged");
+        // Made over sled with the stage written (sled at 10, the stage at 20).
+        let dir = tempfile::tempdir().unwrap();
+        let copied = store_with_copy(dir.path(), 20, 25, Some((&staged, 20)));
+        let (sled, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
+        let (changes, positions) = handed.expect("stage and copy");
+        let mut expected = staged.clone();
+        expected.extend(copied);
+        assert_eq!(changes, expected, "the copy's changes come last and win");
+        assert_eq!(positions, vec![(0, 25), (1, 4)]);
+        assert_eq!(sled.position(0).unwrap(), 10, "sled is left as it was");
+        // Made over another stage's positions: neither what sled holds nor what it
+        // holds once this stage is written.
+        for stage_at in [19, 30] {
+            let dir = tempfile::tempdir().unwrap();
+            store_with_copy(dir.path(), 20, 25, Some((&staged, stage_at)));
+            let (_, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
+            let (changes, positions) = handed.expect("the stage");
+            assert_eq!(changes, staged, "stage at {stage_at}: the copy is not used");
+            assert_eq!(positions, vec![(0, stage_at)]);
+            assert!(!dir.path().join(LAYER_COPY_FILE).exists());
+        }
     }
 
     #[test]
