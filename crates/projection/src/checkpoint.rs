@@ -76,9 +76,9 @@ pub const CHECKPOINT_BACKLOG_FACTOR: usize = 2;
 /// reserving hundreds of MiB that a quiet server never fills.
 pub const MAX_PRESIZED_LAYER_KEYS: usize = 1_000_000;
 
-/// How often the active layer is copied to disk between checkpoints (`sled_store`,
-/// "Layer copies"), except while a checkpoint's write is not yet durable. A SIGKILL
-/// then loses at most this much of the log (plus a stage's write) instead of up to two checkpoint
+/// How often the active layer is copied to disk (`sled_store`, "Layer copies"),
+/// except while a checkpoint's write is not yet durable. A SIGKILL then loses at
+/// most this much of the log (plus a stage's write) instead of up to two checkpoint
 /// intervals: a restart under ingest re-applied ~470,000 events (~8 s) before it
 /// answered. A copy costs a walk of the layer under the writer's turn (at most
 /// `LAYER_COPY_MAX_KEYS` keys) and a sequential write of it in the background.

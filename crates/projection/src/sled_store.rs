@@ -336,10 +336,10 @@ impl SledStore {
             }
             Ok((over, (changes, positions))) => {
                 let over = position_map(&over);
-                let base = if over == stored {
-                    Some(&stored)
+                let (base, over_stage) = if over == stored {
+                    (Some(&stored), false)
                 } else {
-                    staged.as_ref().filter(|staged| over == **staged)
+                    (staged.as_ref().filter(|staged| over == **staged), true)
                 };
                 base.and_then(|base| {
                     let reached = position_map(&positions);
@@ -347,7 +347,6 @@ impl SledStore {
                     let beyond_stage = stage
                         .as_ref()
                         .is_none_or(|(_, staged)| staged.iter().all(|(p, o)| at(p) >= *o));
-                    let over_stage = !std::ptr::eq(base, &stored);
                     beyond_stage.then_some((changes, positions, over_stage))
                 })
             }
