@@ -494,14 +494,7 @@ async fn main() -> anyhow::Result<()> {
         querier
             .join()
             .map_err(|_| anyhow::anyhow!("the querier panicked"))?;
-        let restarted = Instant::now();
-        let (child, base, _) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
-        let mut child = tally_benches::ServerChild(child);
-        let restart = wait_ready(&http, &base, restarted).await?;
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let _ = child.wait();
+        let restart = time_restart(&http, &args.tally_bin, &data_dir, &log_flags).await?;
         eprintln!();
         println!("(a) ingest until the kill:        {rate:.0} events/s");
         println!(
@@ -591,14 +584,7 @@ async fn main() -> anyhow::Result<()> {
     // the restarted server is ready (it re-applies the log past sled's positions).
     let _ = child.kill();
     let _ = child.wait();
-    let restarted = Instant::now();
-    let (child, base, _) = start_server_with(&args.tally_bin, &data_dir, &log_flags)?;
-    let mut child = tally_benches::ServerChild(child);
-    let restart = wait_ready(&http, &base, restarted).await?;
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let _ = child.wait();
+    let restart = time_restart(&http, &args.tally_bin, &data_dir, &log_flags).await?;
 
     let ingest_rate = total as f64 / load_seconds;
     let raw_rate = raw_log_rate(5.0, args.kafka_brokers.as_deref()).await?;
@@ -647,6 +633,25 @@ async fn main() -> anyhow::Result<()> {
     }
     print_voids(&voids);
     Ok(())
+}
+
+/// Starts the server on the data dir a killed one left, times it until ready
+/// (`wait_ready`), and stops it.
+async fn time_restart(
+    http: &reqwest::Client,
+    tally_bin: &str,
+    data_dir: &str,
+    log_flags: &[&str],
+) -> anyhow::Result<Duration> {
+    let restarted = Instant::now();
+    let (child, base, _) = start_server_with(tally_bin, data_dir, log_flags)?;
+    let mut child = tally_benches::ServerChild(child);
+    let restart = wait_ready(http, &base, restarted).await?;
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    Ok(restart)
 }
 
 /// How long after `started` the server at `base` answers `/readyz` 200 (it

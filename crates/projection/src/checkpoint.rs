@@ -1503,6 +1503,17 @@ mod tests {
         assert!(copy.exists(), "copied once the checkpoint ended");
     }
 
+    /// What a checkpoint of the frozen `layer` does first: its stage file, durable,
+    /// and the layer marked so (none of it in sled yet).
+    fn stage_durably(store: &CheckpointStore<crate::SledStore>, layer: &Layer) {
+        store
+            .shared
+            .inner
+            .stage(&layer.changes.snapshot(), &layer.positions())
+            .unwrap();
+        layer.durable.store(true, Ordering::SeqCst);
+    }
+
     /// One step of a server's life for `copies_and_crashes_restore_the_log`.
     #[derive(Debug, Clone)]
     enum Step {
@@ -1580,12 +1591,7 @@ mod tests {
                         if frozen.is_none() {
                             frozen = store.shared.freeze();
                             if let Some(layer) = frozen.as_ref().filter(|_| durable) {
-                                store
-                                    .shared
-                                    .inner
-                                    .stage(&layer.changes.snapshot(), &layer.positions())
-                                    .unwrap();
-                                layer.durable.store(true, Ordering::SeqCst);
+                                stage_durably(&store, layer);
                             }
                         }
                     }
@@ -1640,12 +1646,7 @@ mod tests {
         store.apply(first.to_vec(), &[(0, 10), (1, 3)]).unwrap();
         copies_settled(&store);
         let frozen = store.shared.freeze().expect("a layer to freeze");
-        store
-            .shared
-            .inner
-            .stage(&frozen.changes.snapshot(), &frozen.positions())
-            .unwrap();
-        frozen.durable.store(true, Ordering::SeqCst);
+        stage_durably(&store, &frozen);
         store.apply(later.to_vec(), &[(0, 14)]).unwrap();
         copies_settled(&store);
         (store, frozen)
