@@ -1332,18 +1332,25 @@ mod tests {
         }
     }
 
+    /// A store at 10 with a stage at 20 and a copy made over `over` reaching 25:
+    /// both are handed over, the copy's changes last (they win); the reopened store.
+    fn stage_then_copy_handed_over(dir: &Path, staged: &[Change], over: u64) -> SledStore {
+        let copied = store_with_copy(dir, over, 25, Some((staged, 20)));
+        let (sled, handed) = SledStore::open_deferring_stage(dir).unwrap();
+        let (changes, positions) = handed.expect("stage and copy");
+        let mut expected = staged.to_vec();
+        expected.extend(copied);
+        assert_eq!(changes, expected, "the copy's changes come last and win");
+        assert_eq!(positions, vec![(0, 25), (1, 4)]);
+        sled
+    }
+
     #[test]
     fn a_layer_copy_goes_after_an_older_stage_and_never_before_a_newer_one() {
         let staged = changes(3 * SLED_ATOMIC_BATCH_MAX_KEYS, "staged");
         // The copy reaches past the stage: the layer took the stage in, then more.
         let dir = tempfile::tempdir().unwrap();
-        let copied = store_with_copy(dir.path(), 10, 25, Some((&staged, 20)));
-        let (_, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
-        let (changes, positions) = handed.expect("stage and copy");
-        let mut expected = staged.clone();
-        expected.extend(copied);
-        assert_eq!(changes, expected, "the copy's changes come last and win");
-        assert_eq!(positions, vec![(0, 25), (1, 4)]);
+        stage_then_copy_handed_over(dir.path(), &staged, 10);
         // The stage reaches past the copy: it froze the copied layer later.
         let dir = tempfile::tempdir().unwrap();
         store_with_copy(dir.path(), 10, 25, Some((&staged, 30)));
@@ -1359,13 +1366,7 @@ mod tests {
         let staged = changes(3 * SLED_ATOMIC_BATCH_MAX_KEYS, "staged");
         // Made over sled with the stage written (sled at 10, the stage at 20).
         let dir = tempfile::tempdir().unwrap();
-        let copied = store_with_copy(dir.path(), 20, 25, Some((&staged, 20)));
-        let (sled, handed) = SledStore::open_deferring_stage(dir.path()).unwrap();
-        let (changes, positions) = handed.expect("stage and copy");
-        let mut expected = staged.clone();
-        expected.extend(copied);
-        assert_eq!(changes, expected, "the copy's changes come last and win");
-        assert_eq!(positions, vec![(0, 25), (1, 4)]);
+        let sled = stage_then_copy_handed_over(dir.path(), &staged, 20);
         assert_eq!(sled.position(0).unwrap(), 10, "sled is left as it was");
         // Made over another stage's positions: neither what sled holds nor what it
         // holds once this stage is written.
