@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::failing_log::*;
 use common::*;
 use serde_json::{json, Value};
 use tally_projection::{Change, CheckpointStore, ProjectionStore, StoreError, Visit};
@@ -454,98 +455,6 @@ async fn a_failed_checkpoint_stops_writes_and_loses_nothing_acknowledged() {
         acknowledged.len()
     );
     server.stop().await;
-}
-
-/// A log whose appends fail: with nothing written (`NOT_WRITTEN`: a log poisoned by a
-/// failed fsync) or with an unknown outcome (`UNKNOWN`: an I/O error mid-append).
-struct FailingLog {
-    inner: Arc<dyn tally_log::Log>,
-    failing: Arc<std::sync::atomic::AtomicU8>,
-}
-
-/// A server over `dir` whose log fails as the returned flag says (`HEALTHY` at first).
-async fn start_with_failing_log(
-    dir: &std::path::Path,
-) -> (Server, Arc<std::sync::atomic::AtomicU8>) {
-    let failing = Arc::new(std::sync::atomic::AtomicU8::new(HEALTHY));
-    let flag = failing.clone();
-    let server = Server::start_with_faults(
-        dir,
-        default_config(),
-        Arc::new(tally_domain::clock::ManualClock::new(wall_clock_ms())),
-        move |inner| {
-            Arc::new(FailingLog {
-                inner,
-                failing: flag,
-            })
-        },
-        |sled| Arc::new(CheckpointStore::new(sled)),
-    )
-    .await;
-    (server, failing)
-}
-
-const HEALTHY: u8 = 0;
-const NOT_WRITTEN: u8 = 1;
-const UNKNOWN: u8 = 2;
-/// Appends never finish (a hung disk or broker).
-const STALLED: u8 = 3;
-/// Only the records of idempotent responses fail, with nothing written.
-const RESPONSES_NOT_WRITTEN: u8 = 4;
-
-fn is_response_record(payload: &[u8]) -> bool {
-    matches!(
-        tally_proto::decode_record(payload),
-        Ok((tally_domain::record::Record::IdempotentResponse(_), _))
-    )
-}
-
-#[async_trait::async_trait]
-impl tally_log::Log for FailingLog {
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
-    }
-    fn partition_count(&self) -> u32 {
-        self.inner.partition_count()
-    }
-    async fn append(&self, key: &[u8], payload: Vec<u8>) -> Result<u64, tally_log::LogError> {
-        match self.failing.load(Ordering::SeqCst) {
-            NOT_WRITTEN => Err(tally_log::LogError::Poisoned),
-            UNKNOWN => Err(tally_log::LogError::Io(std::io::Error::other(
-                "injected append failure",
-            ))),
-            STALLED => std::future::pending().await,
-            RESPONSES_NOT_WRITTEN if is_response_record(&payload) => {
-                Err(tally_log::LogError::Poisoned)
-            }
-            _ => self.inner.append(key, payload).await,
-        }
-    }
-    async fn reader(
-        &self,
-        partition: u32,
-        from_offset: u64,
-    ) -> Result<Box<dyn tally_log::LogReader>, tally_log::LogError> {
-        self.inner.reader(partition, from_offset).await
-    }
-    async fn end_offset(&self, partition: u32) -> Result<u64, tally_log::LogError> {
-        self.inner.end_offset(partition).await
-    }
-    async fn commit(
-        &self,
-        group: &str,
-        partition: u32,
-        next_offset: u64,
-    ) -> Result<(), tally_log::LogError> {
-        self.inner.commit(group, partition, next_offset).await
-    }
-    async fn committed(
-        &self,
-        group: &str,
-        partition: u32,
-    ) -> Result<Option<u64>, tally_log::LogError> {
-        self.inner.committed(group, partition).await
-    }
 }
 
 /// Appends fail: ingest, debits and creates answer 503 (`log_unavailable`, or

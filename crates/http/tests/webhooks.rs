@@ -637,6 +637,79 @@ async fn a_fast_endpoint_is_not_held_to_its_slots_per_poll() {
     server.stop().await;
 }
 
+/// The receiver's answer frees a delivery's slot, not the attempt's record (a log
+/// append and its fsync): with the log holding every attempt record unwritten, an
+/// endpoint still receives all its deliveries, more than its
+/// `MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT` slots' worth, each once. With the slots
+/// held until the record was written, it received only its slots' worth. Once the
+/// records are written, each delivery has its one attempt and none is sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_record_of_attempts_does_not_hold_an_endpoints_slots() {
+    use common::failing_log::{start_with_failing_log, ATTEMPTS_HELD, HEALTHY};
+    use std::sync::atomic::Ordering;
+    const EVENTS: usize = 3 * tally_http::webhooks::MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT;
+    let (_g, dir) = temp_dir();
+    let (server, log) = start_with_failing_log(&dir).await;
+    let api = Api::new(&server.test_url, &create_store(&server, "held").await.test);
+    let (receiver, url) = Receiver::start(&[]).await;
+    let created = api
+        .post(
+            "/v1/webhooks",
+            json!({"url": url, "events": ["credits.granted"]}),
+        )
+        .await;
+    assert_eq!(created.status, 200, "{}", created.body);
+    let endpoint = created.body["id"].as_str().unwrap().to_string();
+    let event_ids = || -> Vec<String> {
+        receiver
+            .received
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(headers, _)| headers["tally-event-id"].to_str().unwrap().to_string())
+            .collect()
+    };
+
+    log.store(ATTEMPTS_HELD, Ordering::SeqCst);
+    credits_of_one(&api, "held", EVENTS).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while event_ids().len() < EVENTS && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut received = event_ids();
+    received.sort();
+    received.dedup();
+    assert_eq!(
+        received.len(),
+        EVENTS,
+        "every event delivered while the attempts wait to be recorded"
+    );
+
+    log.store(HEALTHY, Ordering::SeqCst);
+    let recorded = || async {
+        api.get(&format!("/v1/webhooks/{endpoint}/deliveries?limit=100"))
+            .await
+            .body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|attempt| attempt["status_code"] == 200)
+            .count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while recorded().await < EVENTS && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(recorded().await, EVENTS, "one delivered attempt per event");
+    // A few dispatcher polls later, nothing was sent twice.
+    tokio::time::sleep(Duration::from_millis(
+        5 * tally_http::webhooks::DISPATCH_POLL_MS,
+    ))
+    .await;
+    assert_eq!(event_ids().len(), EVENTS, "no event delivered twice");
+    server.stop().await;
+}
+
 /// A test store's deliveries follow its test clock: the events of a renewal the
 /// clock ran are delivered at once, and a failed attempt is retried when the clock
 /// passes its retry time, not the wall clock.

@@ -46,6 +46,21 @@ pub const MAX_TAKEN_DELIVERIES_PER_ENDPOINT: usize = DISPATCH_BATCH;
 const _: () = assert!(MAX_TAKEN_DELIVERIES_PER_ENDPOINT >= MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT);
 /// Concurrent deliveries in all.
 pub const MAX_CONCURRENT_DELIVERIES: usize = 64;
+/// An endpoint whose deliveries taken fall to this many wakes the dispatcher for a
+/// poll at once, not at the next `DISPATCH_POLL_MS`: with polls only on the timer,
+/// an endpoint that answers at once received at most
+/// `MAX_TAKEN_DELIVERIES_PER_ENDPOINT` per interval (2,560 a second) and fell
+/// behind a faster stream of events (docs/benchmarks.md, "Due deliveries found a
+/// window at a time"). Half: one poll then refills half the endpoint's room.
+pub const REFILL_TAKEN_AT: usize = MAX_TAKEN_DELIVERIES_PER_ENDPOINT / 2;
+/// How often a poll looks at the due index from its oldest entry. The polls
+/// between start where the last one met its first entry: a delivered entry stays in
+/// the write-back layer as a deletion until its checkpoint, and under a burst every
+/// poll from the oldest walked tens of thousands of them (docs/benchmarks.md, "Due
+/// deliveries found a window at a time"). New deliveries fall due at their store's
+/// time, so only a store's clock behind the others' (or the wall clock stepped
+/// back) schedules one before that start, and it waits at most this long.
+pub const FULL_DUE_SCAN_EVERY_MS: u64 = 1_000;
 
 /// What the dispatcher asks of the edge that renders the API: it owns this port.
 pub trait EventBodies: Send + Sync {
@@ -138,6 +153,44 @@ pub struct Dispatcher {
     /// an entry goes when nothing holds it.
     slots: DashMap<String, Arc<Semaphore>>,
     overall: Arc<Semaphore>,
+    /// Where polls start (`FULL_DUE_SCAN_EVERY_MS`): the due time of the first
+    /// entry the last poll met, and when a poll last started from the oldest.
+    scan_from: std::sync::Mutex<ScanFrom>,
+    /// Notified when an endpoint's deliveries taken fall to `REFILL_TAKEN_AT`.
+    room: tokio::sync::Notify,
+}
+
+/// Where the next poll's look at the due index starts.
+#[derive(Debug, Default)]
+struct ScanFrom {
+    due_ms: Option<i64>,
+    last_full: Option<Instant>,
+}
+
+impl ScanFrom {
+    /// Where a poll at `now` starts: at the due time the last poll met first, or
+    /// at the oldest entry (`None`) when a full look is due or none was met yet.
+    fn start(&self, now: Instant) -> Option<i64> {
+        let full_due = self.last_full.is_none_or(|at| {
+            now.saturating_duration_since(at) >= Duration::from_millis(FULL_DUE_SCAN_EVERY_MS)
+        });
+        if full_due {
+            None
+        } else {
+            self.due_ms
+        }
+    }
+
+    /// A poll at `now` that started at `started` met its first entry due at
+    /// `first_due`; one that met none leaves the start where it was.
+    fn polled(&mut self, started: Option<i64>, first_due: Option<i64>, now: Instant) {
+        if started.is_none() {
+            self.last_full = Some(now);
+        }
+        if first_due.is_some() {
+            self.due_ms = first_due;
+        }
+    }
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -176,6 +229,8 @@ impl Dispatcher {
             taken: DashMap::new(),
             slots: DashMap::new(),
             overall: Arc::new(Semaphore::new(MAX_CONCURRENT_DELIVERIES)),
+            scan_from: std::sync::Mutex::default(),
+            room: tokio::sync::Notify::new(),
         })
     }
 
@@ -185,6 +240,7 @@ impl Dispatcher {
             tokio::select! {
                 _ = shutdown.changed() => break,
                 _ = tokio::time::sleep(Duration::from_millis(DISPATCH_POLL_MS)) => {}
+                _ = self.room.notified() => {}
             }
             // A poll that filled its batch may have left due deliveries of other
             // endpoints behind it: look again at once, until a poll finds less
@@ -218,14 +274,26 @@ impl Dispatcher {
             picked.insert(endpoint.to_string(), before + 1);
             false
         };
+        let from_ms = self
+            .scan_from
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .start(Instant::now());
         let due = match self.notifications.due_deliveries(
             // The latest any store's clock shows; each delivery is checked
             // against its own store's.
             self.notifications.journal.latest_test_time(),
+            from_ms,
             DISPATCH_BATCH,
             &skip,
         ) {
-            Ok(due) => due,
+            Ok(look) => {
+                self.scan_from
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .polled(from_ms, look.first_due_ms, Instant::now());
+                look.due
+            }
             Err(error) => {
                 tracing::error!(%error, "reading due webhook deliveries failed");
                 return 0;
@@ -253,12 +321,13 @@ impl Dispatcher {
                 let slot = slots.acquire_owned().await;
                 let overall = dispatcher.overall.clone().acquire_owned().await;
                 if let Err(error) = dispatcher
-                    .deliver_if_due(&scope, &endpoint_id, &event_id)
+                    .deliver_if_due(&scope, &endpoint_id, &event_id, (overall, slot))
                     .await
                 {
                     tracing::warn!(%error, event = %event_id, "webhook attempt could not be recorded");
                 }
-                drop((overall, slot));
+                // Held until the attempt is recorded: the event is not taken again
+                // while its slots have gone to the next delivery.
                 dispatcher.in_flight.remove(&key);
                 dispatcher.release_taken(&endpoint_id);
             });
@@ -270,11 +339,12 @@ impl Dispatcher {
     /// while it waited a manual resend may have delivered it, or made an attempt
     /// whose number the next one follows; and on a cluster the store may have
     /// moved to another node, which delivers it from then on.
-    async fn deliver_if_due(
+    async fn deliver_if_due<Slots: Send>(
         &self,
         scope: &Scope,
         endpoint_id: &EndpointId,
         event_id: &str,
+        slots: Slots,
     ) -> Result<(), EngineError> {
         if !self.scope.dispatches(&scope.store_id) {
             return Ok(());
@@ -285,7 +355,7 @@ impl Dispatcher {
         if delivery.delivered || delivery.next_attempt_at_ms.is_none() {
             return Ok(());
         }
-        self.deliver(scope, &delivery, false).await.map(drop)
+        self.deliver(scope, &delivery, false, slots).await.map(drop)
     }
 
     /// Deliveries taken and not finished of `endpoint_id`.
@@ -302,15 +372,20 @@ impl Dispatcher {
     }
 
     /// One delivery of `endpoint_id` finished: at zero its count goes, and its
-    /// slots when nothing holds them.
+    /// slots when nothing holds them; at `REFILL_TAKEN_AT` the dispatcher polls.
     fn release_taken(&self, endpoint_id: &str) {
+        let mut refill = false;
         let idle = self
             .taken
             .remove_if_mut(endpoint_id, |_, taken| {
                 *taken = taken.saturating_sub(1);
+                refill = *taken == REFILL_TAKEN_AT;
                 *taken == 0
             })
             .is_some();
+        if refill {
+            self.room.notify_one();
+        }
         if idle {
             self.drop_idle_slots(endpoint_id);
         }
@@ -334,9 +409,9 @@ impl Dispatcher {
     ) -> Result<WebhookAttempt, EngineError> {
         let slots = self.slots_of(&delivery.endpoint_id);
         let result = match slots.try_acquire() {
-            Ok(_slot) => {
-                let _overall = self.overall.acquire().await;
-                self.deliver(scope, delivery, true).await
+            Ok(slot) => {
+                let overall = self.overall.acquire().await;
+                self.deliver(scope, delivery, true, (overall, slot)).await
             }
             Err(_) => Err(EngineError::Unavailable {
                 code: "endpoint_busy",
@@ -348,12 +423,18 @@ impl Dispatcher {
         result
     }
 
-    /// Makes one attempt and records it; returns the recorded attempt.
-    pub async fn deliver(
+    /// Makes one attempt and records it; returns the recorded attempt. `slots` (the
+    /// endpoint's and the overall permits) are let go once the receiver has
+    /// answered, before the attempt is recorded: they bound requests at receivers,
+    /// and recording is a log append and its fsync (~1-2 ms), which while it held
+    /// them kept a fast endpoint to ~2,200 deliveries a second (docs/benchmarks.md,
+    /// "Due deliveries found a window at a time").
+    pub async fn deliver<Slots: Send>(
         &self,
         scope: &Scope,
         delivery: &Delivery,
         manual: bool,
+        slots: Slots,
     ) -> Result<WebhookAttempt, EngineError> {
         let now = self.notifications.journal.now_in(scope);
         let number = delivery.attempts + 1;
@@ -386,6 +467,7 @@ impl Dispatcher {
                 }
             }
         };
+        drop(slots);
         let delivered = status_code == 200;
         let next_attempt_at_ms = match (&endpoint, delivered, manual) {
             (None, _, _) | (_, true, _) => None,
@@ -470,6 +552,33 @@ mod tests {
             .resolve(reqwest::dns::Name::from_str(name).unwrap())
             .await
             .is_ok()
+    }
+
+    /// Polls start where the last one met its first due entry, and from the oldest
+    /// once `FULL_DUE_SCAN_EVERY_MS` passed since the last full look; a poll that
+    /// met nothing moves no start.
+    #[test]
+    fn polls_start_where_the_last_met_its_first_entry_between_full_looks() {
+        let t0 = Instant::now();
+        let every = Duration::from_millis(FULL_DUE_SCAN_EVERY_MS);
+        let mut from = ScanFrom::default();
+        assert_eq!(from.start(t0), None, "the first poll looks at everything");
+        from.polled(None, None, t0);
+        assert_eq!(from.start(t0), None, "nothing met yet");
+        from.polled(None, Some(500), t0);
+        assert_eq!(from.start(t0 + every / 2), Some(500));
+        from.polled(Some(500), Some(700), t0 + every / 2);
+        assert_eq!(from.start(t0 + every / 2), Some(700));
+        from.polled(Some(700), None, t0 + every / 2);
+        assert_eq!(from.start(t0 + every / 2), Some(700), "met nothing: kept");
+        assert_eq!(from.start(t0 + every), None, "a full look is due");
+        from.polled(None, Some(300), t0 + every);
+        assert_eq!(
+            from.start(t0 + every + every / 2),
+            Some(300),
+            "a full look moves the start back to what it met"
+        );
+        assert_eq!(from.start(t0 + 2 * every), None);
     }
 
     /// What the connector may dial is decided after resolution: a name that resolves

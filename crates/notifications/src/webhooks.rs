@@ -122,6 +122,27 @@ fn delivery_key(store: &StoreId, mode: Mode, endpoint: &EndpointId, event: &str)
         .into_bytes()
 }
 
+/// What one look at the due index found.
+#[derive(Debug)]
+pub struct DueLook {
+    /// Deliveries to attempt: (scope, endpoint, event), oldest due first.
+    pub due: Vec<(Scope, EndpointId, String)>,
+    /// The due time of the first entry the look met, passed over or not (`None`:
+    /// it met none).
+    pub first_due_ms: Option<i64>,
+}
+
+/// Where a look at the due index starts: the first entry due at `from_ms` or later
+/// (`None`: the oldest). Entries of that same millisecond are in, whatever their
+/// store, endpoint or event: one made after the last poll met the first of them
+/// sorts anywhere among them.
+fn due_scan_start(from_ms: Option<i64>) -> Vec<u8> {
+    match from_ms {
+        Some(from_ms) => DueKey::after(from_ms.saturating_sub(1)),
+        None => Key::table(keys::WEBHOOK_DUE).into_bytes(),
+    }
+}
+
 fn due_key(at_ms: i64, store: &StoreId, mode: Mode, endpoint: &EndpointId, event: &str) -> Vec<u8> {
     DueKey {
         due_at_ms: at_ms,
@@ -727,19 +748,24 @@ impl Notifications {
     /// slow endpoint's backlog never hides the others', and stores another node of a
     /// cluster delivers for), looking at no more than `MAX_DUE_SCAN` index entries.
     /// The caller reads each delivery (`get_delivery`) when it is about to attempt
-    /// it: it may wait for a slot meanwhile.
+    /// it: it may wait for a slot meanwhile. The scan starts at entries due at
+    /// `from_ms` (`None`: at the oldest).
     pub fn due_deliveries(
         &self,
         now_ms: i64,
+        from_ms: Option<i64>,
         limit: usize,
         skip: &dyn Fn(&str, &str, &str) -> bool,
-    ) -> Result<Vec<(Scope, EndpointId, String)>, EngineError> {
-        let start = Key::table(keys::WEBHOOK_DUE).into_bytes();
+    ) -> Result<DueLook, EngineError> {
+        let start = due_scan_start(from_ms);
         let end = DueKey::after(now_ms);
         let mut found = Vec::new();
+        let mut first_due = None;
         let mut scanned = 0usize;
         let mut corrupt = None;
-        self.journal.store().scan(
+        // In steps: a poll stops after `limit` found, and each delivery is read
+        // again before it is sent, so it needs no one moment across the index.
+        self.journal.store().scan_in_steps(
             Bound::Included(&start),
             Bound::Excluded(&end),
             false,
@@ -747,6 +773,7 @@ impl Notifications {
                 scanned += 1;
                 match DueKey::decode(k) {
                     Ok(key) => {
+                        first_due.get_or_insert(key.due_at_ms);
                         // Due by its store's clock (a test store's test clock may
                         // be ahead of `now_ms`, the latest of them all).
                         let scope = Scope {
@@ -774,7 +801,7 @@ impl Notifications {
         if let Some(error) = corrupt {
             return Err(error);
         }
-        Ok(found
+        let found = found
             .into_iter()
             .map(|key| {
                 let scope = Scope {
@@ -787,7 +814,11 @@ impl Notifications {
                     key.event_id,
                 )
             })
-            .collect())
+            .collect();
+        Ok(DueLook {
+            due: found,
+            first_due_ms: first_due,
+        })
     }
 }
 
@@ -863,6 +894,33 @@ mod tests {
         let deliveries = Key::scoped(keys::WEBHOOK_DELIVERY, &event.account.store_id, Mode::Test);
         let made = overlay.prefix_entries(deliveries.as_bytes()).unwrap().len();
         (stored.is_some(), made)
+    }
+
+    #[test]
+    fn a_look_from_a_due_time_takes_every_entry_of_that_millisecond_and_after() {
+        let key = |at_ms: i64, store: &str, event: &str| {
+            due_key(
+                at_ms,
+                &StoreId::from(store),
+                Mode::Test,
+                &EndpointId::from("wh_1"),
+                event,
+            )
+        };
+        let start = due_scan_start(Some(1_000));
+        assert!(
+            key(1_000, "st_0", "a") >= start,
+            "the least key of that millisecond"
+        );
+        assert!(key(1_000, "st_z", "z") >= start);
+        assert!(key(1_001, "st_0", "a") >= start);
+        assert!(
+            key(999, "st_z", "z") < start,
+            "earlier: left to the full look"
+        );
+        let oldest = due_scan_start(None);
+        assert!(key(i64::MIN, "st_0", "a") >= oldest);
+        assert!(oldest.as_slice() < key(999, "st_0", "a").as_slice());
     }
 
     #[test]

@@ -26,7 +26,8 @@
 //! lock), so a read never waits for the merge, and the list is retired once every
 //! key is in. A key of a merging chunk is found in the list first, so a `get` sees
 //! every chunk whole; a
-//! `scan` that overlapped the start of a merge collects again (`SCAN_ATTEMPTS`).
+//! `scan` that overlapped the start of a merge collects again (`SCAN_ATTEMPTS`);
+//! `scan_in_steps` does so for each window it takes (`SCAN_WINDOW`).
 //! The lock over the layers guards only pointer swaps. Why: apply runs at background
 //! priority (`priority`), and while it held a write lock over the merge (a slice of
 //! keys at a time), a preempted apply held every request thread's read behind it for
@@ -98,6 +99,16 @@ pub const LAYER_SHARDS: usize = 128;
 /// overlapped the start of a merge collects again (module doc), and chunks start
 /// ~10 times a second under ingest, far apart next to a collection.
 pub const SCAN_ATTEMPTS: usize = 4;
+
+/// Entries `scan_in_steps` takes at a time from each sorted run of a layer
+/// (`ScanWindow`). `scan` copies every layer entry of its range before visiting
+/// the first, so that it sees the layers at one moment: the webhook dispatcher's
+/// look for 256 due deliveries copied the whole due index the layers held (tens of
+/// thousands of entries under a burst), ~a third of the server's CPU while
+/// deliveries were behind (docs/benchmarks.md, "Due deliveries found a window at a
+/// time"). Large enough that a scan that goes on takes few steps, each a search
+/// per run and one range read of the inner store.
+pub const SCAN_WINDOW: usize = 256;
 
 /// A chunk's changes while they are merged into the active layer (module doc),
 /// newest per key, sorted by key. Sorted, because a scan overlays the part of it
@@ -314,21 +325,81 @@ impl Changes {
         *self.order.write() = runs;
     }
 
-    /// Copies the entries between two bounds into `into` (a newer layer's entries
-    /// are copied after, and replace them).
-    fn collect_range(
-        &self,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        into: &mut BTreeMap<Vec<u8>, Option<Vec<u8>>>,
-    ) {
+    /// Adds to `window` the entries between two bounds that a scan in that
+    /// direction meets first, up to the window's limit of each run (a newer layer's
+    /// entries are added after, and replace them).
+    fn collect_window(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, window: &mut ScanWindow) {
         for run in self.runs() {
-            for key in sorted_range(&run, |key| key, start, end) {
+            let keys = window.take(sorted_range(&run, |key| key, start, end), |key| key);
+            for key in keys {
                 if let Some(value) = self.values.get(key) {
-                    into.insert(key.to_vec(), value.as_deref().map(<[u8]>::to_vec));
+                    window.entries.insert(key.clone(), value.clone());
                 }
             }
         }
+    }
+}
+
+/// What one step of a scan takes from the layers: at most `limit` entries of each
+/// sorted run (and of a chunk being merged), from where the step starts, and the
+/// key where the step ends, the earliest in scan order of the last keys taken from
+/// runs that had more. Every layer entry up to that key is in `entries`; the ones
+/// past it are dropped and met again by the next step.
+struct ScanWindow {
+    reverse: bool,
+    limit: usize,
+    entries: BTreeMap<Arc<[u8]>, SharedValue>,
+    cut: Option<Arc<[u8]>>,
+}
+
+impl ScanWindow {
+    fn new(reverse: bool, limit: usize) -> ScanWindow {
+        ScanWindow {
+            reverse,
+            limit: limit.max(1),
+            entries: BTreeMap::new(),
+            cut: None,
+        }
+    }
+
+    /// The part of a sorted `range` this step takes; when some of it is left for a
+    /// later step, the step ends at the last key taken, or earlier.
+    fn take<'a, T>(&mut self, range: &'a [T], key_of: impl Fn(&T) -> &Arc<[u8]>) -> &'a [T] {
+        if range.len() <= self.limit {
+            return range;
+        }
+        let (taken, last) = if self.reverse {
+            let taken = &range[range.len() - self.limit..];
+            (taken, &taken[0])
+        } else {
+            let taken = &range[..self.limit];
+            (taken, &taken[self.limit - 1])
+        };
+        let last = key_of(last);
+        let earlier = match &self.cut {
+            None => true,
+            Some(cut) if self.reverse => last > cut,
+            Some(cut) => last < cut,
+        };
+        if earlier {
+            self.cut = Some(last.clone());
+        }
+        taken
+    }
+
+    /// The entries up to the step's end, ordered so that `pop` yields them in scan
+    /// order, and that end (`None`: the step reaches the scan's end).
+    fn finish(mut self) -> (Vec<SharedChange>, Option<Arc<[u8]>>) {
+        if let Some(cut) = &self.cut {
+            let reverse = self.reverse;
+            self.entries
+                .retain(|key, _| if reverse { key >= cut } else { key <= cut });
+        }
+        let mut entries: Vec<SharedChange> = self.entries.into_iter().collect();
+        if !self.reverse {
+            entries.reverse();
+        }
+        (entries, self.cut)
     }
 }
 
@@ -582,6 +653,101 @@ impl<S: ProjectionStore + 'static> CheckpointStore<S> {
             tracing::warn!(%error, "the layer was not copied: starting its thread failed");
             copies.in_flight.store(false, Ordering::SeqCst);
         }
+    }
+
+    /// One step of a scan over `lo..hi`: the layers' first `window` entries of
+    /// each run (as a scan in that direction meets them) merged over the inner
+    /// store's keys up to where that window ends. Answers where the next step
+    /// starts after (`None`: the visitor stopped, or the step reached `hi`, or
+    /// `lo` in reverse).
+    fn scan_step(
+        &self,
+        lo: Bound<&[u8]>,
+        hi: Bound<&[u8]>,
+        reverse: bool,
+        window: usize,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<Option<Arc<[u8]>>, StoreError> {
+        let collect = |layers: &Snapshot| {
+            let mut window = ScanWindow::new(reverse, window);
+            if let Some(writing) = &layers.writing {
+                writing.changes.collect_window(lo, hi, &mut window);
+            }
+            layers.active.changes.collect_window(lo, hi, &mut window);
+            if let Some(pending) = &layers.pending {
+                for (key, value) in window.take(pending.range(lo, hi), |(key, _)| key) {
+                    window.entries.insert(key.clone(), value.clone());
+                }
+            }
+            window.finish()
+        };
+        // A chunk published while the layers were collected may be half merged
+        // into them: collect again (module doc); past `SCAN_ATTEMPTS`, with writers
+        // held off.
+        let mut collected = None;
+        for _ in 0..SCAN_ATTEMPTS {
+            let published = self.shared.chunks_published.load(Ordering::SeqCst);
+            let window = collect(&self.shared.snapshot());
+            if self.shared.chunks_published.load(Ordering::SeqCst) == published {
+                collected = Some(window);
+                break;
+            }
+        }
+        let (mut pending, cut) = match collected {
+            Some(window) => window,
+            None => {
+                let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+                collect(&self.shared.snapshot())
+            }
+        };
+        // The inner store's keys up to where the layers' window ends.
+        let (lo, hi) = match &cut {
+            Some(cut) if reverse => (Bound::Included(&cut[..]), hi),
+            Some(cut) => (lo, Bound::Included(&cut[..])),
+            None => (lo, hi),
+        };
+        // `pending` is ordered so that `pop` yields the next key in scan order.
+        let before = |a: &[u8], b: &[u8]| if reverse { a > b } else { a < b };
+        let mut stopped = false;
+        let emit = |visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit, k: &[u8], v: &SharedValue| match v
+        {
+            Some(v) => visit(k, v) == Visit::Stop,
+            None => false,
+        };
+        self.shared.inner.scan(lo, hi, reverse, &mut |key, value| {
+            while let Some((next, _)) = pending.last() {
+                if !before(next, key) {
+                    break;
+                }
+                let (next, change) = pending.pop().expect("checked");
+                if emit(visit, &next, &change) {
+                    stopped = true;
+                    return Visit::Stop;
+                }
+            }
+            if pending.last().is_some_and(|(next, _)| **next == *key) {
+                let (next, change) = pending.pop().expect("checked");
+                if emit(visit, &next, &change) {
+                    stopped = true;
+                    return Visit::Stop;
+                }
+                return Visit::Continue;
+            }
+            if visit(key, value) == Visit::Stop {
+                stopped = true;
+                return Visit::Stop;
+            }
+            Visit::Continue
+        })?;
+        if !stopped {
+            while let Some((next, change)) = pending.pop() {
+                if emit(visit, &next, &change) {
+                    stopped = true;
+                    break;
+                }
+            }
+        }
+        Ok(cut.filter(|_| !stopped))
     }
 
     /// The durable store underneath.
@@ -869,86 +1035,31 @@ impl<S: ProjectionStore + 'static> ProjectionStore for CheckpointStore<S> {
         reverse: bool,
         visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
     ) -> Result<(), StoreError> {
-        let collect = |layers: &Snapshot| {
-            let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
-            if let Some(writing) = &layers.writing {
-                writing.changes.collect_range(start, end, &mut merged);
-            }
-            layers.active.changes.collect_range(start, end, &mut merged);
-            for (k, v) in layers.pending.iter().flat_map(|p| p.range(start, end)) {
-                merged.insert(k.to_vec(), v.as_deref().map(<[u8]>::to_vec));
-            }
-            merged
-        };
-        // A chunk published while the layers were collected may be half merged
-        // into them: collect again (module doc); past `SCAN_ATTEMPTS`, with writers
-        // held off.
-        let mut collected = None;
-        for _ in 0..SCAN_ATTEMPTS {
-            let published = self.shared.chunks_published.load(Ordering::SeqCst);
-            let merged = collect(&self.shared.snapshot());
-            if self.shared.chunks_published.load(Ordering::SeqCst) == published {
-                collected = Some(merged);
-                break;
-            }
-        }
-        let merged = match collected {
-            Some(merged) => merged,
-            None => {
-                let _writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-                collect(&self.shared.snapshot())
-            }
-        };
-        let mut pending: Vec<(Vec<u8>, Option<Vec<u8>>)> = merged.into_iter().collect();
-        if !reverse {
-            pending.reverse();
-        }
-        // `pending` is now ordered so that `pop` yields the next key in scan order.
-        let before = |a: &[u8], b: &[u8]| if reverse { a > b } else { a < b };
-        let mut stopped = false;
-        let emit =
-            |visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit, k: &[u8], v: &Option<Vec<u8>>| match v {
-                Some(v) => visit(k, v) == Visit::Stop,
-                None => false,
+        // One step over the whole range: the layers as they were at one moment.
+        self.scan_step(start, end, reverse, usize::MAX, visit)
+            .map(drop)
+    }
+
+    fn scan_in_steps(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        reverse: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<(), StoreError> {
+        let mut from = if reverse { end } else { start }.map(<[u8]>::to_vec);
+        loop {
+            let bound = from.as_ref().map(Vec::as_slice);
+            let (lo, hi) = if reverse {
+                (start, bound)
+            } else {
+                (bound, end)
             };
-        self.shared
-            .inner
-            .scan(start, end, reverse, &mut |key, value| {
-                while let Some((next, _)) = pending.last() {
-                    if !before(next, key) {
-                        break;
-                    }
-                    let (next, change) = pending.pop().expect("checked");
-                    if emit(visit, &next, &change) {
-                        stopped = true;
-                        return Visit::Stop;
-                    }
-                }
-                if pending
-                    .last()
-                    .is_some_and(|(next, _)| next.as_slice() == key)
-                {
-                    let (next, change) = pending.pop().expect("checked");
-                    if emit(visit, &next, &change) {
-                        stopped = true;
-                        return Visit::Stop;
-                    }
-                    return Visit::Continue;
-                }
-                if visit(key, value) == Visit::Stop {
-                    stopped = true;
-                    return Visit::Stop;
-                }
-                Visit::Continue
-            })?;
-        if !stopped {
-            while let Some((next, change)) = pending.pop() {
-                if emit(visit, &next, &change) {
-                    break;
-                }
+            match self.scan_step(lo, hi, reverse, SCAN_WINDOW, visit)? {
+                Some(cut) => from = Bound::Excluded(cut.to_vec()),
+                None => return Ok(()),
             }
         }
-        Ok(())
     }
 
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {

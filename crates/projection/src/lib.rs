@@ -121,6 +121,22 @@ pub trait ProjectionStore: Send + Sync + std::fmt::Debug {
         visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
     ) -> Result<(), StoreError>;
 
+    /// `scan`, for a visitor that usually stops early and reads each key on its
+    /// own: a write-back layer is read a window at a time (`checkpoint::SCAN_WINDOW`
+    /// entries of each sorted run), so the scan copies about what it visits, not
+    /// every unwritten entry of its range. Each window sees every chunk whole, but
+    /// a chunk merged while the scan goes on may show only in its later windows.
+    /// The default is `scan`.
+    fn scan_in_steps(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        reverse: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<(), StoreError> {
+        self.scan(start, end, reverse, visit)
+    }
+
     /// Writes `changes` and the new positions `(partition, next_offset)` atomically.
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError>;
 
@@ -393,6 +409,15 @@ impl<S: ProjectionStore + ?Sized> ProjectionStore for std::sync::Arc<S> {
         visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
     ) -> Result<(), StoreError> {
         (**self).scan(start, end, reverse, visit)
+    }
+    fn scan_in_steps(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        reverse: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> Visit,
+    ) -> Result<(), StoreError> {
+        (**self).scan_in_steps(start, end, reverse, visit)
     }
     fn apply(&self, changes: Vec<Change>, positions: &[(u32, u64)]) -> Result<(), StoreError> {
         (**self).apply(changes, positions)

@@ -91,3 +91,104 @@ proptest! {
         prop_assert_eq!(store.inner().position(0).unwrap(), steps.len() as u64);
     }
 }
+
+/// A key of a wider space, so a layer holds more than `SCAN_WINDOW` entries in a
+/// range and a scan crosses several of its steps.
+fn wide_key(n: u16) -> Vec<u8> {
+    let mut key = b"Astore\x00t\x00meter\x00".to_vec();
+    key.extend_from_slice(format!("customer-{n:05}").as_bytes());
+    key
+}
+
+/// Batches over the wide key space: (key number, value or delete), then whether to
+/// checkpoint.
+type WideStep = (Vec<(u16, Option<u8>)>, bool);
+
+fn wide_steps() -> impl Strategy<Value = Vec<WideStep>> {
+    prop::collection::vec(
+        (
+            prop::collection::vec(
+                (0u16..3_000, prop::option::weighted(0.7, any::<u8>())),
+                0..1_200,
+            ),
+            prop::bool::weighted(0.2),
+        ),
+        1..8,
+    )
+}
+
+/// The scan of `lo..hi` (included, excluded) in one direction, stopped by the
+/// visitor after `stop_after` entries; in steps (`scan_in_steps`) or not.
+fn scan_stopping(
+    store: &dyn ProjectionStore,
+    (lo, hi): (&[u8], &[u8]),
+    reverse: bool,
+    stop_after: usize,
+    in_steps: bool,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut seen = Vec::new();
+    let mut visit = |k: &[u8], v: &[u8]| {
+        seen.push((k.to_vec(), v.to_vec()));
+        if seen.len() >= stop_after {
+            Visit::Stop
+        } else {
+            Visit::Continue
+        }
+    };
+    let (lo, hi) = (Bound::Included(lo), Bound::Excluded(hi));
+    if in_steps {
+        store.scan_in_steps(lo, hi, reverse, &mut visit).unwrap();
+    } else {
+        store.scan(lo, hi, reverse, &mut visit).unwrap();
+    }
+    seen
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Scans in steps take the layers a window at a time (`SCAN_WINDOW` entries of
+    /// each run): whatever the layers hold over the inner store (deletes of stored
+    /// keys included), any range in either direction, stopped anywhere or not at
+    /// all, reads as the reference does, each key once and in order; and as a
+    /// plain scan does.
+    #[test]
+    fn scans_in_windows_read_like_a_plain_map(
+        steps in wide_steps(),
+        lo in 0u16..3_000,
+        hi in 0u16..3_000,
+        reverse: bool,
+        stop_after in prop_oneof![1usize..1_200, Just(usize::MAX)],
+    ) {
+        let store = CheckpointStore::with_limits(MemoryStore::new(), usize::MAX, Duration::from_secs(3600));
+        let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        for (offset, (writes, checkpoint)) in steps.iter().enumerate() {
+            let mut changes = Vec::new();
+            for (n, value) in writes {
+                match value {
+                    Some(v) => reference.insert(wide_key(*n), vec![*v]),
+                    None => reference.remove(&wide_key(*n)),
+                };
+                changes.push((wide_key(*n), value.map(|v| vec![v])));
+            }
+            store.apply(changes, &[(0, offset as u64 + 1)]).unwrap();
+            if *checkpoint {
+                store.checkpoint().unwrap();
+            }
+        }
+        let (lo, hi) = (wide_key(lo.min(hi)), wide_key(lo.max(hi) + 1));
+        let mut expected: Vec<_> = reference
+            .range::<[u8], _>((Bound::Included(&lo[..]), Bound::Excluded(&hi[..])))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if reverse {
+            expected.reverse();
+        }
+        expected.truncate(stop_after);
+        for in_steps in [true, false] {
+            prop_assert_eq!(
+                scan_stopping(&store, (&lo, &hi), reverse, stop_after, in_steps),
+                expected.clone()
+            );
+        }
+    }
+}
