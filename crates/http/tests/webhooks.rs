@@ -91,6 +91,18 @@ async fn credit_event(api: &Api, amount: &str, key: &str) -> (String, String) {
     (account, tx.body["id"].as_str().unwrap().to_string())
 }
 
+/// An HTTP endpoint at `url` subscribed to `credits.granted`: its id.
+async fn credits_endpoint(api: &Api, url: &str) -> String {
+    let created = api
+        .post(
+            "/v1/webhooks",
+            json!({"url": url, "events": ["credits.granted"]}),
+        )
+        .await;
+    assert_eq!(created.status, 200, "{}", created.body);
+    created.body["id"].as_str().unwrap().to_string()
+}
+
 /// `n` credits of 1 on a new account (one `credits.granted` event each), keyed
 /// `{key}{i}`.
 async fn credits_of_one(api: &Api, key: &str, n: usize) {
@@ -615,13 +627,7 @@ async fn a_fast_endpoint_is_not_held_to_its_slots_per_poll() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/hook", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let created = api
-        .post(
-            "/v1/webhooks",
-            json!({"url": url, "events": ["credits.granted"]}),
-        )
-        .await;
-    assert_eq!(created.status, 200, "{}", created.body);
+    credits_endpoint(&api, &url).await;
     credits_of_one(&api, "fast", EVENTS).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(8);
     while events.lock().unwrap().len() < EVENTS && std::time::Instant::now() < deadline {
@@ -652,14 +658,7 @@ async fn a_slow_record_of_attempts_does_not_hold_an_endpoints_slots() {
     let (server, log) = start_with_failing_log(&dir).await;
     let api = Api::new(&server.test_url, &create_store(&server, "held").await.test);
     let (receiver, url) = Receiver::start(&[]).await;
-    let created = api
-        .post(
-            "/v1/webhooks",
-            json!({"url": url, "events": ["credits.granted"]}),
-        )
-        .await;
-    assert_eq!(created.status, 200, "{}", created.body);
-    let endpoint = created.body["id"].as_str().unwrap().to_string();
+    let endpoint = credits_endpoint(&api, &url).await;
     let event_ids = || -> Vec<String> {
         receiver
             .received

@@ -37,6 +37,30 @@ fn scan(
     seen
 }
 
+/// Applies step `offset` (its writes, keyed by `key`, as one batch reaching
+/// position `offset + 1`, then a checkpoint if it says so) to the store and to the
+/// reference.
+fn apply_step<N: Copy>(
+    store: &CheckpointStore<MemoryStore>,
+    reference: &mut BTreeMap<Vec<u8>, Vec<u8>>,
+    offset: usize,
+    (writes, checkpoint): &(Vec<(N, Option<u8>)>, bool),
+    key: fn(N) -> Vec<u8>,
+) {
+    let mut changes = Vec::new();
+    for (n, value) in writes {
+        match value {
+            Some(v) => reference.insert(key(*n), vec![*v]),
+            None => reference.remove(&key(*n)),
+        };
+        changes.push((key(*n), value.map(|v| vec![v])));
+    }
+    store.apply(changes, &[(0, offset as u64 + 1)]).unwrap();
+    if *checkpoint {
+        store.checkpoint().unwrap();
+    }
+}
+
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     prop::collection::vec(
         (
@@ -53,19 +77,8 @@ proptest! {
         // Never checkpoints on its own: only the steps decide.
         let store = CheckpointStore::with_limits(MemoryStore::new(), usize::MAX, Duration::from_secs(3600));
         let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-        for (offset, (writes, checkpoint)) in steps.iter().enumerate() {
-            let mut changes = Vec::new();
-            for (n, value) in writes {
-                match value {
-                    Some(v) => reference.insert(key(*n), vec![*v]),
-                    None => reference.remove(&key(*n)),
-                };
-                changes.push((key(*n), value.map(|v| vec![v])));
-            }
-            store.apply(changes, &[(0, offset as u64 + 1)]).unwrap();
-            if *checkpoint {
-                store.checkpoint().unwrap();
-            }
+        for (offset, step) in steps.iter().enumerate() {
+            apply_step(&store, &mut reference, offset, step, key);
             for n in 0..48 {
                 prop_assert_eq!(store.get(&key(n)).unwrap(), reference.get(&key(n)).cloned());
             }
@@ -161,19 +174,8 @@ proptest! {
     ) {
         let store = CheckpointStore::with_limits(MemoryStore::new(), usize::MAX, Duration::from_secs(3600));
         let mut reference: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-        for (offset, (writes, checkpoint)) in steps.iter().enumerate() {
-            let mut changes = Vec::new();
-            for (n, value) in writes {
-                match value {
-                    Some(v) => reference.insert(wide_key(*n), vec![*v]),
-                    None => reference.remove(&wide_key(*n)),
-                };
-                changes.push((wide_key(*n), value.map(|v| vec![v])));
-            }
-            store.apply(changes, &[(0, offset as u64 + 1)]).unwrap();
-            if *checkpoint {
-                store.checkpoint().unwrap();
-            }
+        for (offset, step) in steps.iter().enumerate() {
+            apply_step(&store, &mut reference, offset, step, wide_key);
         }
         let (lo, hi) = (wide_key(lo.min(hi)), wide_key(lo.max(hi) + 1));
         let mut expected: Vec<_> = reference
