@@ -560,25 +560,13 @@ async fn a_black_holed_endpoint_does_not_delay_other_stores() {
             held.push(socket);
         }
     });
-    let created = a
-        .post(
-            "/v1/webhooks",
-            json!({"url": hole_url, "delivery_mode": "http", "events": ["credits.granted"]}),
-        )
-        .await;
-    assert_eq!(created.status, 200, "{}", created.body);
+    credits_endpoint(&a, &hole_url).await;
     // More deliveries than one poll takes (DISPATCH_BATCH), all older than B's.
     credits_of_one(&a, "a", tally_http::webhooks::DISPATCH_BATCH + 40).await;
     // B's delivery is due strictly after every one of A's.
     server.clock.advance_ms(1);
     let (receiver, url) = Receiver::start(&[]).await;
-    let created = b
-        .post(
-            "/v1/webhooks",
-            json!({"url": url, "delivery_mode": "http", "events": ["credits.granted"]}),
-        )
-        .await;
-    assert_eq!(created.status, 200, "{}", created.body);
+    credits_endpoint(&b, &url).await;
     let started = std::time::Instant::now();
     credit_event(&b, "5", "b").await;
     // Well inside one delivery timeout of the black hole (10 s).
