@@ -146,6 +146,23 @@ impl Visitor<'_> for Key<'_> {
     }
 }
 
+/// A visitor that is its own seed: it reads whatever JSON value comes
+/// (`deserialize_any`), so it can name a wrong type in its own words.
+macro_rules! seed_of_any {
+    ($visitor:ty, $value:ty) => {
+        impl<'de> DeserializeSeed<'de> for $visitor {
+            type Value = $value;
+
+            fn deserialize<D: Deserializer<'de>>(
+                self,
+                deserializer: D,
+            ) -> Result<Self::Value, D::Error> {
+                deserializer.deserialize_any(self)
+            }
+        }
+    };
+}
+
 /// Every scalar JSON type but null, for a visitor that wants a container.
 macro_rules! any_scalar_but_null {
     ($value:expr) => {
@@ -210,13 +227,7 @@ impl<'de> Visitor<'de> for BodyVisitor {
 
 struct EventsVisitor;
 
-impl<'de> DeserializeSeed<'de> for EventsVisitor {
-    type Value = Events;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Events, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
+seed_of_any!(EventsVisitor, Events);
 
 impl<'de> Visitor<'de> for EventsVisitor {
     type Value = Events;
@@ -280,13 +291,7 @@ fn not_an_event() -> Result<RawUsageEvent, FieldError> {
 
 struct EventVisitor;
 
-impl<'de> DeserializeSeed<'de> for EventVisitor {
-    type Value = Result<RawUsageEvent, FieldError>;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
+seed_of_any!(EventVisitor, Result<RawUsageEvent, FieldError>);
 
 impl<'de> Visitor<'de> for EventVisitor {
     type Value = Result<RawUsageEvent, FieldError>;
@@ -351,13 +356,7 @@ fn not_an_object_property() -> RawProperties {
 /// an index, so a body of many names stays linear to decode.
 const PROPERTY_SCAN_MAX: usize = 16;
 
-impl<'de> DeserializeSeed<'de> for PropertiesSeed {
-    type Value = RawProperties;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
+seed_of_any!(PropertiesSeed, RawProperties);
 
 impl<'de> Visitor<'de> for PropertiesSeed {
     type Value = RawProperties;
@@ -426,13 +425,7 @@ fn number_of<'de, A: MapAccess<'de>>(map: &mut A) -> Result<serde_json::Number, 
 /// One property's value in its raw shape, as `raw_properties` types a `Value`.
 struct PropertyValueSeed;
 
-impl<'de> DeserializeSeed<'de> for PropertyValueSeed {
-    type Value = RawPropertyValue;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
+seed_of_any!(PropertyValueSeed, RawPropertyValue);
 
 impl<'de> Visitor<'de> for PropertyValueSeed {
     type Value = RawPropertyValue;

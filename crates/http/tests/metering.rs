@@ -1257,3 +1257,48 @@ async fn usage_without_a_range_follows_an_advanced_test_clock() {
     );
     server.stop().await;
 }
+
+/// The ingest warning for an unusable aggregation property says which way it is
+/// unusable, and a `unique` meter takes any value: it counts strings too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusable_aggregation_property_is_named_for_what_it_lacks() {
+    let (_g, server, api) = setup().await;
+    let a = customer(&api, "a").await;
+    let sum = meter(&api, json!({"name": "sum", "event_name": "e", "aggregation": "sum", "aggregation_property": "n"})).await;
+    let unique = meter(&api, json!({"name": "unique", "event_name": "e", "aggregation": "unique", "aggregation_property": "n"})).await;
+    let (sum, unique) = (sum["id"].as_str().unwrap(), unique["id"].as_str().unwrap());
+    let ingested = api
+        .post(
+            "/v1/events/ingest",
+            json!({"events": [
+                {"name": "e", "customer_id": a, "properties": {"n": "many"}},
+                {"name": "e", "customer_id": a, "properties": {}},
+            ]}),
+        )
+        .await;
+    assert_eq!(ingested.status, 202, "{}", ingested.body);
+    let warned = |event: usize| -> Vec<String> {
+        ingested.body["events"][event]["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["code"] == "aggregation_property_missing")
+            .map(|w| w["message"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let not_a_number = warned(0);
+    assert_eq!(not_a_number.len(), 1, "{not_a_number:?}");
+    assert!(not_a_number[0].contains(sum), "{not_a_number:?}");
+    assert!(not_a_number[0].contains("not a number"), "{not_a_number:?}");
+    let lacking = warned(1);
+    assert_eq!(lacking.len(), 2, "{lacking:?}");
+    for meter in [sum, unique] {
+        assert!(
+            lacking
+                .iter()
+                .any(|m| m.contains(meter) && m.contains("lacks it")),
+            "{lacking:?}"
+        );
+    }
+    server.stop().await;
+}

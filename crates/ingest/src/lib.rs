@@ -426,15 +426,22 @@ impl Gateway {
                 let Some(property) = &meter.aggregation_property else {
                     continue;
                 };
-                let usable = match validated.properties.get(property) {
-                    None => false,
-                    Some(v) => meter.aggregation == Aggregation::Unique || v.as_number().is_some(),
+                // A unique meter counts any value; the numeric ones need a number.
+                let why = match validated.properties.get(property) {
+                    None => Some("this event lacks it"),
+                    Some(v)
+                        if meter.aggregation != Aggregation::Unique
+                            && v.as_number().is_none() =>
+                    {
+                        Some("this event's value of it is not a number")
+                    }
+                    Some(_) => None,
                 };
-                if !usable {
+                if let Some(why) = why {
                     report.warnings.push(Warning {
                         code: "aggregation_property_missing",
                         message: format!(
-                            "meter {} aggregates property '{property}', which this event lacks or holds no number in; the meter skips it",
+                            "meter {} aggregates property '{property}' and {why}; the meter skips this event",
                             meter.id
                         ),
                     });
