@@ -170,6 +170,7 @@ async fn raw_log_rate(seconds: f64, kafka_brokers: Option<&str>) -> anyhow::Resu
                 partitions: KAFKA_PARTITIONS,
                 replication_factor: 1,
                 min_insync_replicas: 1,
+                fetch_wait_ms: tally_log::kafka::DEFAULT_FETCH_WAIT_MS,
             };
             tally_log::kafka::create_topic(&config).await?;
             Arc::new(tally_log::kafka::KafkaLog::connect(config)?)

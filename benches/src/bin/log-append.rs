@@ -114,6 +114,7 @@ async fn main() -> anyhow::Result<()> {
             partitions: 4,
             replication_factor: 1,
             min_insync_replicas: 1,
+            fetch_wait_ms: tally_log::kafka::DEFAULT_FETCH_WAIT_MS,
         };
         tally_log::kafka::create_topic(&config).await?;
         let kafka: Arc<dyn Log> = Arc::new(tally_log::kafka::KafkaLog::connect(config)?);

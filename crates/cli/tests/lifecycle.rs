@@ -171,6 +171,7 @@ fn help_explains_every_flag() {
         "--test-listen",
         "--log",
         "--kafka-brokers",
+        "--kafka-fetch-wait-ms",
         "--log-format",
         "--rate-limit-per-second",
         "TALLY_DATA_DIR",
@@ -210,6 +211,49 @@ fn a_cluster_needs_kafka_and_a_plain_name() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(stderr.contains("a cluster name is 1 to"), "{stderr}");
+}
+
+/// A fetch wait outside 1..=`MAX_FETCH_WAIT_MS` is refused, naming the flag and the
+/// range, before anything starts: 0 would make idle readers spin against the broker,
+/// and a longer wait than the limit would outlast `read_end`'s wait for an answer.
+#[test]
+fn a_fetch_wait_out_of_range_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let max = tally_log::kafka::MAX_FETCH_WAIT_MS;
+    for bad in ["0".to_string(), (max + 1).to_string(), "soon".to_string()] {
+        let mut child = tally()
+            .args(["serve", "--log", "kafka", "--kafka-fetch-wait-ms", &bad])
+            .args(["--kafka-brokers", "127.0.0.1:1", "--data-dir"])
+            .arg(dir.path().join("d"))
+            .args(["--listen", "127.0.0.1:0", "--test-listen", "127.0.0.1:0"])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A value let through would start a server that waits for the (absent)
+        // broker: fail at a deadline rather than hang.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("--kafka-fetch-wait-ms {bad} was accepted");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{bad}: {stderr}");
+        assert!(stderr.contains("--kafka-fetch-wait-ms"), "{bad}: {stderr}");
+        assert!(
+            !dir.path().join("d").exists(),
+            "{bad}: the data dir was created"
+        );
+    }
+    let output = tally()
+        .args(["serve", "--kafka-fetch-wait-ms", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(&format!("1..={max}")), "{stderr}");
 }
 
 /// A weak `TALLY_ADMIN_TOKEN` is refused before the data dir is opened: the error

@@ -430,8 +430,7 @@ impl Gateway {
                 let why = match validated.properties.get(property) {
                     None => Some("this event lacks it"),
                     Some(v)
-                        if meter.aggregation != Aggregation::Unique
-                            && v.as_number().is_none() =>
+                        if meter.aggregation != Aggregation::Unique && v.as_number().is_none() =>
                     {
                         Some("this event's value of it is not a number")
                     }

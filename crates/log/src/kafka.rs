@@ -27,8 +27,20 @@ pub const PRODUCE_TIMEOUT_MS: u64 = 30_000;
 pub const FIRST_FETCH_WAIT_MS: u64 = 2_000;
 /// How long `read_end` waits for a further fetch once the reader is streaming:
 /// librdkafka fetches ahead, so records past the end would already be on their way;
-/// a Kafka broker answers an empty fetch after `fetch.wait.max.ms` (50 ms, below).
+/// a Kafka broker answers an empty fetch after `fetch.wait.max.ms`
+/// (`KafkaConfig::fetch_wait_ms`, at most `MAX_FETCH_WAIT_MS`).
 pub const END_READ_TAIL_WAIT_MS: u64 = 500;
+/// How long a reader's fetch waits at the broker for records before an empty
+/// answer, unless configured. Apache Kafka answers a waiting fetch as soon as a
+/// record arrives, so there this only sets how often an idle reader asks (one fetch
+/// per partition per wait). A broker that answers only when the wait ends (tansu)
+/// makes every command decided in apply wait about this long: measured on tansu,
+/// 50 ms gives commands of ~53 ms and 5 ms ~8 ms, at ~3x the idle CPU of the
+/// broker and tally (docs/benchmarks.md, "Kafka: command latency").
+pub const DEFAULT_FETCH_WAIT_MS: u64 = 50;
+/// Longest configurable fetch wait: half of `END_READ_TAIL_WAIT_MS`, so `read_end`
+/// always sees the broker's empty answer before it stops waiting for one.
+pub const MAX_FETCH_WAIT_MS: u64 = END_READ_TAIL_WAIT_MS / 2;
 /// Records per fetch while `read_end` and `read_many` scan forward.
 const SCAN_BATCH: usize = 1_000;
 
@@ -67,6 +79,9 @@ pub struct KafkaConfig {
     /// only once this many replicas have it (2 in production; 1 for a one-broker
     /// development cluster).
     pub min_insync_replicas: i32,
+    /// `fetch.wait.max.ms` of the log's readers (`DEFAULT_FETCH_WAIT_MS`), clamped to
+    /// 1..=`MAX_FETCH_WAIT_MS`.
+    pub fetch_wait_ms: u64,
 }
 
 /// The topic settings the log needs, set when tally creates the topic and checked
@@ -309,7 +324,13 @@ impl KafkaLog {
             // Never jump: a start offset the broker no longer has means records of
             // the log were deleted, and the projector must stop, not skip them.
             .set("auto.offset.reset", "error")
-            .set("fetch.wait.max.ms", "50")
+            .set(
+                "fetch.wait.max.ms",
+                self.config
+                    .fetch_wait_ms
+                    .clamp(1, MAX_FETCH_WAIT_MS)
+                    .to_string(),
+            )
             .create()
             .map_err(kafka_error)?;
         let mut assignment = TopicPartitionList::new();
@@ -755,6 +776,7 @@ mod tests {
             partitions: 1,
             replication_factor: 3,
             min_insync_replicas: 2,
+            fetch_wait_ms: DEFAULT_FETCH_WAIT_MS,
         };
         let ours: Vec<(String, Option<String>)> = topic_settings(&config)
             .into_iter()

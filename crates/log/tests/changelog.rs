@@ -33,6 +33,7 @@ async fn checkpoints_read_back_whole_and_writers_never_mix() {
         partitions: 2,
         replication_factor: 1,
         min_insync_replicas: 1,
+        fetch_wait_ms: tally_log::kafka::DEFAULT_FETCH_WAIT_MS,
     };
     assert!(create_changelog_topic(&config).await.unwrap());
     assert!(!create_changelog_topic(&config).await.unwrap());

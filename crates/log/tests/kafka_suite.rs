@@ -34,6 +34,7 @@ async fn kafka_log_passes_the_shared_suite() {
         partitions: 3,
         replication_factor: 1,
         min_insync_replicas: 1,
+        fetch_wait_ms: tally_log::kafka::DEFAULT_FETCH_WAIT_MS,
     };
     assert!(create_topic(&config).await.unwrap(), "topic is new");
     assert!(
@@ -59,6 +60,7 @@ async fn topics_that_can_delete_records_are_refused() {
         partitions: 1,
         replication_factor: 1,
         min_insync_replicas: 1,
+        fetch_wait_ms: tally_log::kafka::DEFAULT_FETCH_WAIT_MS,
     };
     let kept = config(tally_log::testsuite::unique_topic("tally-kept"));
     assert!(create_topic(&kept).await.unwrap());
