@@ -1255,14 +1255,37 @@ async fn store_create(name: String, base_url: String, admin_token: String) -> Re
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     with_allocator_purge_delay();
     without_transparent_huge_pages();
-    tokio::runtime::Builder::new_multi_thread()
+    let ran = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("start the async runtime")?
-        .block_on(run())
+        .context("start the async runtime")
+        .and_then(|runtime| runtime.block_on(run()));
+    match ran {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("{}", error_report(&err));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// What `tally` prints when a command fails: the error and its causes, one line
+/// each, for the operator to act on. Not anyhow's own report, which appends a stack
+/// backtrace whenever `RUST_BACKTRACE` is set (as it is on many machines): forty
+/// lines of frames that bury the one line saying what to do (a weak admin token, a
+/// data dir in use, an address taken). A panic still prints its backtrace.
+fn error_report(err: &anyhow::Error) -> String {
+    std::iter::once(format!("Error: {err}"))
+        .chain(
+            err.chain()
+                .skip(1)
+                .map(|cause| format!("  caused by: {cause}")),
+        )
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 async fn run() -> Result<()> {
