@@ -9,7 +9,8 @@ use rust_decimal::Decimal;
 use crate::error::FieldError;
 use crate::ids::{MeterId, StoreId};
 use crate::limits::{
-    MAX_FILTER_CLAUSES, MAX_FILTER_IN_VALUES, MAX_METER_NAME_CHARS, MAX_PROPERTY_KEY_CHARS,
+    more_chars_than, MAX_FILTER_CLAUSES, MAX_FILTER_IN_VALUES, MAX_METER_NAME_CHARS,
+    MAX_PROPERTY_KEY_CHARS, MAX_PROPERTY_STRING_CHARS,
 };
 use crate::mode::Mode;
 use crate::time::format_iso8601_ms;
@@ -374,17 +375,30 @@ pub fn validate_filter(raw: &RawMeterFilter) -> Result<MeterFilter, FieldError> 
         };
         if !shape_ok {
             let wanted = match operator {
-                Operator::In => "a non-empty array of at most 100 strings, numbers or booleans",
-                Operator::Exists => "a boolean",
-                Operator::Like | Operator::NotLike => "a non-empty string",
+                Operator::In => format!(
+                    "a non-empty array of at most {MAX_FILTER_IN_VALUES} strings, numbers or booleans"
+                ),
+                Operator::Exists => "a boolean".into(),
+                Operator::Like | Operator::NotLike => "a non-empty string".into(),
                 Operator::Gt | Operator::Gte | Operator::Lt | Operator::Lte => {
-                    "a number or a string"
+                    "a number or a string".into()
                 }
-                _ => "a string, number or boolean",
+                _ => "a string, number or boolean".into(),
             };
             return Err(FieldError::invalid(
                 at("value"),
                 format!("operator `{}` takes {wanted}", operator.as_str()),
+            ));
+        }
+        // An event's string property is at most `MAX_PROPERTY_STRING_CHARS`: a longer
+        // value could never equal or be found in one, and every event would still
+        // pay for comparing it.
+        if !strings_within_limit(&value) {
+            return Err(FieldError::invalid(
+                at("value"),
+                format!(
+                    "a string value is at most {MAX_PROPERTY_STRING_CHARS} characters, as an event's string property is"
+                ),
             ));
         }
         clauses.push(FilterClause {
@@ -397,6 +411,16 @@ pub fn validate_filter(raw: &RawMeterFilter) -> Result<MeterFilter, FieldError> 
         conjunction,
         clauses,
     })
+}
+
+/// Whether every string in a filter value (an `in` list's included) is at most
+/// `MAX_PROPERTY_STRING_CHARS` characters.
+fn strings_within_limit(value: &FilterValue) -> bool {
+    match value {
+        FilterValue::String(text) => !more_chars_than(text, MAX_PROPERTY_STRING_CHARS),
+        FilterValue::List(values) => values.iter().all(strings_within_limit),
+        FilterValue::Number(_) | FilterValue::Bool(_) => true,
+    }
 }
 
 /// A meter as stored.
@@ -720,6 +744,43 @@ mod tests {
         assert_eq!(
             validate_filter(&raw).unwrap_err().param,
             "filter.conjunction"
+        );
+    }
+
+    /// A string value longer than an event's string property can be is refused
+    /// (the limit counts characters, not bytes), alone or inside an `in` list; one
+    /// of exactly the limit is taken.
+    #[test]
+    fn filter_string_values_are_bounded_by_the_property_limit() {
+        let one = |operator: &str, value: FilterValue| RawMeterFilter {
+            conjunction: None,
+            clauses: vec![RawFilterClause {
+                property: Some("a".into()),
+                operator: Some(operator.into()),
+                value: Some(value),
+            }],
+        };
+        let text = |chars: usize, c: char| FilterValue::String(c.to_string().repeat(chars));
+        let at_limit = MAX_PROPERTY_STRING_CHARS;
+        for operator in ["eq", "ne", "like", "not_like", "gt"] {
+            assert!(validate_filter(&one(operator, text(at_limit, 'é'))).is_ok());
+            let err = validate_filter(&one(operator, text(at_limit + 1, 'x'))).unwrap_err();
+            assert_eq!(err.param, "filter.clauses[0].value", "{operator}");
+            assert!(
+                err.message.contains(&at_limit.to_string()),
+                "{}",
+                err.message
+            );
+        }
+        let list = |last: FilterValue| {
+            FilterValue::List(vec![FilterValue::Number(1.into()), text(3, 'a'), last])
+        };
+        assert!(validate_filter(&one("in", list(text(at_limit, 'x')))).is_ok());
+        assert_eq!(
+            validate_filter(&one("in", list(text(at_limit + 1, 'x'))))
+                .unwrap_err()
+                .param,
+            "filter.clauses[0].value"
         );
     }
 

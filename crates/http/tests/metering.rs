@@ -244,6 +244,35 @@ async fn meter_states_follow_the_spec_table() {
         assert_error(&bad_operator, 400, "invalid_request_error")["param"],
         "filter.clauses[0].operator"
     );
+    // A string no event property can hold (longer than an event's string value may
+    // be) is refused, in an `in` list too; the meter is not created.
+    let too_long = "x".repeat(tally_domain::limits::MAX_PROPERTY_STRING_CHARS + 1);
+    for value in [json!(too_long), json!(["a", too_long])] {
+        let operator = if value.is_array() { "in" } else { "like" };
+        let refused = api
+            .post(
+                "/v1/meters",
+                json!({"name": "m-long", "event_name": "e", "aggregation": "count",
+                       "filter": {"conjunction": "and", "clauses": [
+                           {"property": "p", "operator": "eq", "value": 1},
+                           {"property": "p", "operator": operator, "value": value}]}}),
+            )
+            .await;
+        assert_eq!(
+            assert_error(&refused, 400, "invalid_request_error")["param"],
+            "filter.clauses[1].value"
+        );
+    }
+    let listed = api.get("/v1/meters?status=all").await;
+    assert!(
+        listed.body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["name"] != "m-long"),
+        "{:?}",
+        listed.body
+    );
     let missing_property = api
         .post(
             "/v1/meters",
