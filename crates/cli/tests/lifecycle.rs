@@ -300,12 +300,12 @@ fn a_failure_prints_its_causes_without_a_backtrace() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.contains(" INFO ")).collect();
+    assert!(lines.len() >= 2, "the OS's reason is missing: {stderr}");
     assert!(lines[0].starts_with("Error: "), "{stderr}");
     assert!(
         lines[1..].iter().all(|l| l.starts_with("  caused by: ")),
         "{stderr}"
     );
-    assert!(lines.len() >= 2, "the OS's reason is missing: {stderr}");
     assert!(!stderr.to_lowercase().contains("backtrace"), "{stderr}");
 }
 
