@@ -888,3 +888,94 @@ async fn recorded_attempts(api: &Api, path: &str, n: usize) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// An endpoint receives its deliveries in the order they fell due, as far as its
+/// `MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT` slots allow: while the receiver holds
+/// every request open, the first requests are the oldest events, and each answer
+/// lets in the next oldest. With a task per delivery waiting for a slot, the order
+/// was the runtime's (the newest of a poll's batch often went first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_receives_its_deliveries_oldest_first() {
+    use tally_http::webhooks::MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT as SLOTS;
+    const EVENTS: usize = 3 * SLOTS;
+    let (_g, dir) = temp_dir();
+    let server = Server::start(&dir, default_config()).await;
+    let api = Api::new(&server.test_url, &create_store(&server, "order").await.test);
+    // Records each request's transaction id as it arrives, then waits for a permit
+    // the test hands out one at a time.
+    let arrived = Arc::new(Mutex::new(Vec::<String>::new()));
+    let answers = Arc::new(tokio::sync::Semaphore::new(0));
+    let app = {
+        let (arrived, answers) = (arrived.clone(), answers.clone());
+        axum::Router::new().route(
+            "/hook",
+            axum::routing::post(move |body: Bytes| {
+                let (arrived, answers) = (arrived.clone(), answers.clone());
+                async move {
+                    let envelope: Value = serde_json::from_slice(&body).unwrap();
+                    let id = envelope["object"]["id"].as_str().unwrap().to_string();
+                    arrived.lock().unwrap().push(id);
+                    answers.acquire().await.unwrap().forget();
+                    StatusCode::OK
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    credits_endpoint(&api, &url).await;
+    let account = new_account(&api, "order").await;
+    let mut credited = Vec::new();
+    for i in 0..EVENTS {
+        // Each event falls due a millisecond after the one before.
+        server.clock.advance_ms(1);
+        let credit = api
+            .post(
+                &format!("/v1/customer-credits/accounts/{account}/credit"),
+                json!({"amount": "1", "idempotency_key": format!("order{i}")}),
+            )
+            .await;
+        assert_eq!(credit.status, 200, "{}", credit.body);
+        credited.push(credit.body["id"].as_str().unwrap().to_string());
+    }
+    let wait_for = |n: usize| {
+        let arrived = arrived.clone();
+        async move {
+            for _ in 0..200 {
+                if arrived.lock().unwrap().len() >= n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            panic!(
+                "{} requests arrived, expected {n}",
+                arrived.lock().unwrap().len()
+            );
+        }
+    };
+    wait_for(SLOTS).await;
+    // Some polls later, still only the slots' worth, and those the oldest.
+    tokio::time::sleep(Duration::from_millis(
+        3 * tally_http::webhooks::DISPATCH_POLL_MS,
+    ))
+    .await;
+    let mut first: Vec<String> = arrived.lock().unwrap().clone();
+    assert_eq!(first.len(), SLOTS, "{first:?}");
+    first.sort();
+    let mut oldest = credited[..SLOTS].to_vec();
+    oldest.sort();
+    assert_eq!(first, oldest, "the first requests are the oldest events");
+    // From here each answer lets exactly one more in: the next oldest.
+    for (n, next) in credited.iter().enumerate().skip(SLOTS) {
+        answers.add_permits(1);
+        wait_for(n + 1).await;
+        assert_eq!(
+            &arrived.lock().unwrap()[n],
+            next,
+            "request {n} is the next oldest event"
+        );
+    }
+    answers.add_permits(SLOTS);
+    server.stop().await;
+}

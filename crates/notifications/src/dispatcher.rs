@@ -5,7 +5,7 @@
 //! types, so the cli feed and every attempt carry the same bytes.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -152,6 +152,14 @@ pub struct Dispatcher {
     /// Each endpoint's concurrent slots (`MAX_CONCURRENT_DELIVERIES_PER_ENDPOINT`);
     /// an entry goes when nothing holds it.
     slots: DashMap<String, Arc<Semaphore>>,
+    /// Each endpoint's deliveries taken and waiting for a slot, oldest due first.
+    /// An entry exists while its endpoint's one lane task (`run_lane`) runs: the
+    /// lane hands out the slots in this order, so an endpoint receives its events
+    /// in the order they fell due as far as its concurrent slots allow. With a task
+    /// per delivery waiting on the semaphore, the order was the runtime's: a
+    /// checkout's `subscription.canceled` reached a receiver before the
+    /// `checkout.completed` of a second earlier.
+    lanes: DashMap<String, VecDeque<(Scope, String)>>,
     overall: Arc<Semaphore>,
     /// Where polls start (`FULL_DUE_SCAN_EVERY_MS`): the due time of the first
     /// entry the last poll met, and when a poll last started from the oldest.
@@ -228,6 +236,7 @@ impl Dispatcher {
             in_flight: DashMap::new(),
             taken: DashMap::new(),
             slots: DashMap::new(),
+            lanes: DashMap::new(),
             overall: Arc::new(Semaphore::new(MAX_CONCURRENT_DELIVERIES)),
             scan_from: std::sync::Mutex::default(),
             room: tokio::sync::Notify::new(),
@@ -302,24 +311,62 @@ impl Dispatcher {
         let mut started = 0;
         for (scope, endpoint_id, event_id) in due {
             let key = format!("{endpoint_id}/{event_id}");
-            let slots = {
+            {
                 let mut taken = self.taken.entry(endpoint_id.to_string()).or_insert(0);
                 if *taken >= MAX_TAKEN_DELIVERIES_PER_ENDPOINT
-                    || self.in_flight.insert(key.clone(), ()).is_some()
+                    || self.in_flight.insert(key, ()).is_some()
                 {
                     continue;
                 }
                 *taken += 1;
-                self.slots_of(&endpoint_id)
-            };
+            }
             started += 1;
+            // Queued behind the endpoint's earlier deliveries; the first one queued
+            // starts the lane (an entry exists exactly while its lane runs).
+            let mut lane_is_new = false;
+            self.lanes
+                .entry(endpoint_id.to_string())
+                .or_insert_with(|| {
+                    lane_is_new = true;
+                    VecDeque::new()
+                })
+                .push_back((scope, event_id));
+            if lane_is_new {
+                tokio::spawn(self.clone().run_lane(endpoint_id));
+            }
+        }
+        started
+    }
+
+    /// Hands `endpoint_id`'s queued deliveries their slots one at a time, in the
+    /// order queued: the endpoint's slot first, then the overall one (a lane
+    /// waiting on a slow endpoint holds nothing another endpoint needs), and then
+    /// a task that makes the attempt. Ends when the queue is empty; the queue's
+    /// entry goes in the same step, under the map's lock, so a delivery queued
+    /// meanwhile finds either this lane still running or no lane and starts one.
+    /// Neither semaphore is ever closed.
+    async fn run_lane(self: Arc<Self>, endpoint_id: EndpointId) {
+        let slots = self.slots_of(&endpoint_id);
+        loop {
+            let next = self
+                .lanes
+                .get_mut(endpoint_id.as_str())
+                .and_then(|mut queue| queue.pop_front());
+            let Some((scope, event_id)) = next else {
+                if self
+                    .lanes
+                    .remove_if(endpoint_id.as_str(), |_, queue| queue.is_empty())
+                    .is_some()
+                {
+                    break;
+                }
+                continue;
+            };
+            let slot = slots.clone().acquire_owned().await;
+            let overall = self.overall.clone().acquire_owned().await;
             let dispatcher = self.clone();
+            let endpoint_id = endpoint_id.clone();
             tokio::spawn(async move {
-                // The endpoint's slot first, then the overall one: a task waiting on
-                // a slow endpoint holds nothing another endpoint needs. Neither
-                // semaphore is ever closed.
-                let slot = slots.acquire_owned().await;
-                let overall = dispatcher.overall.clone().acquire_owned().await;
                 if let Err(error) = dispatcher
                     .deliver_if_due(&scope, &endpoint_id, &event_id, (overall, slot))
                     .await
@@ -328,11 +375,14 @@ impl Dispatcher {
                 }
                 // Held until the attempt is recorded: the event is not taken again
                 // while its slots have gone to the next delivery.
-                dispatcher.in_flight.remove(&key);
+                dispatcher
+                    .in_flight
+                    .remove(&format!("{endpoint_id}/{event_id}"));
                 dispatcher.release_taken(&endpoint_id);
             });
         }
-        started
+        drop(slots);
+        self.drop_idle_slots(&endpoint_id);
     }
 
     /// A scheduled attempt of a delivery taken by a poll, read once its slot came:
