@@ -286,6 +286,10 @@ impl Billing {
             input.update_behavior.as_deref(),
             UpdateBehavior::ProrationCharge,
         )?;
+        // The limits a checkout's metadata (which a subscription starts with) has.
+        if let Some(metadata) = &input.metadata {
+            tally_domain::customer::validate_metadata(metadata)?;
+        }
         let now = self.now_in(scope);
         let mut added = Vec::new();
         for (i, item) in input.items.iter().enumerate() {

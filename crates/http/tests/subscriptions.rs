@@ -676,6 +676,39 @@ async fn updates_and_upgrades_are_prorated_by_the_time_left() {
         assert_eq!(missing["code"], "resource_missing");
         assert_eq!(missing["param"], param);
     }
+    // Metadata has a checkout's limits: too many keys, a key or a value too long.
+    {
+        use tally_domain::limits::{
+            MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS,
+        };
+        let many: serde_json::Map<String, Value> = (0..=MAX_METADATA_KEYS)
+            .map(|i| (format!("k{i}"), json!("v")))
+            .collect();
+        let long_key = "k".repeat(MAX_METADATA_KEY_CHARS + 1);
+        for (metadata, param) in [
+            (Value::Object(many), "metadata".to_string()),
+            (
+                json!({ long_key.clone(): "v" }),
+                format!("metadata.{long_key}"),
+            ),
+            (
+                json!({"a": "v".repeat(MAX_METADATA_VALUE_CHARS + 1)}),
+                "metadata.a".to_string(),
+            ),
+        ] {
+            let refused = assert_error(
+                &api.post(&path, json!({ "metadata": metadata })).await,
+                400,
+                "invalid_request_error",
+            );
+            assert_eq!(refused["param"], param.as_str());
+        }
+        assert_eq!(
+            api.get(&path).await.body["metadata"],
+            json!({}),
+            "nothing kept"
+        );
+    }
 
     // A third of the way in, an upgrade is charged now: the difference for the time
     // left. The preview says so first, writing nothing.
