@@ -353,11 +353,14 @@ impl Dispatcher {
                 .get_mut(endpoint_id.as_str())
                 .and_then(|mut queue| queue.pop_front());
             let Some((scope, event_id)) = next else {
-                if self
+                // Removed only while empty; a delivery queued since the pop keeps it
+                // (and this lane) going. An absent entry has nothing for this lane
+                // either, so it ends then too rather than spin.
+                let emptied = self
                     .lanes
                     .remove_if(endpoint_id.as_str(), |_, queue| queue.is_empty())
-                    .is_some()
-                {
+                    .is_some();
+                if emptied || !self.lanes.contains_key(endpoint_id.as_str()) {
                     break;
                 }
                 continue;
