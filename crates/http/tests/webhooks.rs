@@ -106,8 +106,21 @@ async fn credits_endpoint(api: &Api, url: &str) -> String {
 /// `n` credits of 1 on a new account (one `credits.granted` event each), keyed
 /// `{key}{i}`.
 async fn credits_of_one(api: &Api, key: &str, n: usize) {
+    credits_of_one_each_after(api, key, n, || {}).await;
+}
+
+/// `credits_of_one`, calling `before` ahead of each credit: the credits' transaction
+/// ids, in the order made.
+async fn credits_of_one_each_after(
+    api: &Api,
+    key: &str,
+    n: usize,
+    before: impl Fn(),
+) -> Vec<String> {
     let account = new_account(api, key).await;
+    let mut made = Vec::with_capacity(n);
     for i in 0..n {
+        before();
         let credit = api
             .post(
                 &format!("/v1/customer-credits/accounts/{account}/credit"),
@@ -115,7 +128,9 @@ async fn credits_of_one(api: &Api, key: &str, n: usize) {
             )
             .await;
         assert_eq!(credit.status, 200, "{}", credit.body);
+        made.push(credit.body["id"].as_str().unwrap().to_string());
     }
+    made
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -925,20 +940,9 @@ async fn an_endpoint_receives_its_deliveries_oldest_first() {
     let url = format!("http://{}/hook", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     credits_endpoint(&api, &url).await;
-    let account = new_account(&api, "order").await;
-    let mut credited = Vec::new();
-    for i in 0..EVENTS {
-        // Each event falls due a millisecond after the one before.
-        server.clock.advance_ms(1);
-        let credit = api
-            .post(
-                &format!("/v1/customer-credits/accounts/{account}/credit"),
-                json!({"amount": "1", "idempotency_key": format!("order{i}")}),
-            )
-            .await;
-        assert_eq!(credit.status, 200, "{}", credit.body);
-        credited.push(credit.body["id"].as_str().unwrap().to_string());
-    }
+    // Each event falls due a millisecond after the one before.
+    let credited =
+        credits_of_one_each_after(&api, "order", EVENTS, || server.clock.advance_ms(1)).await;
     let wait_for = |n: usize| {
         let arrived = arrived.clone();
         async move {
