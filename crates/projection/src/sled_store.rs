@@ -282,6 +282,12 @@ impl SledStore {
             for (partition, next_offset) in positions {
                 passed &= self.position(*partition)? >= *next_offset;
             }
+            // Whether sled had written the stage before the stop decides what a
+            // layer copy made meanwhile was made over (`with_layer_copy`).
+            tracing::info!(
+                passed,
+                "found the stage of a checkpoint a stop interrupted (passed: sled had written it already)"
+            );
             if passed {
                 remove_if_present(&path)?;
                 fsync_dir(&self.dir)?;
